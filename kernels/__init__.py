@@ -1,0 +1,1 @@
+"""Fused Triton kernels over vocab-parallel logits (imported as megagrpo.kernels)."""

@@ -1,0 +1,1 @@
+"""megagrpo: iterative GRPO on megatron-core TP/PP models."""

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Creates .venv with the stack that fits this machine (CUDA -> requirements.txt, else
+# requirements-cpu.txt) and installs megagrpo in editable mode. Idempotent: a stamp file keyed
+# on the requirement files makes a second call a no-op.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  flavour=cuda; req=requirements.txt
+else
+  flavour=cpu; req=requirements-cpu.txt
+fi
+key=$(cat "$req" pyproject.toml scripts/setup_venv.sh | sha1sum | cut -c1-12)
+stamp=.venv/.megagrpo-$flavour-$key
+if [ -f "$stamp" ]; then exit 0; fi
+echo "[setup] creating .venv for the $flavour stack from $req"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+if [ "$flavour" = cpu ]; then
+  # torch first: the CPU wheel lies on local disk; anything else would pull a CUDA build.
+  .venv/bin/python -m pip install -q torch==2.13.0
+  .venv/bin/python -m pip install -q -r "$req"
+  .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+else
+  .venv/bin/python -m pip install -q -r "$req"
+fi
+.venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+rm -f .venv/.megagrpo-*
+touch "$stamp"
+echo "[setup] done"
