@@ -1,0 +1,107 @@
+"""GRPO algorithm settings: advantages, the clipped objective, KL, loss aggregation, DAPO tricks
+and rollout importance-sampling correction. Consumed by `megagrpo.algo` and the fused loss."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STD_MODES = ("group", "batch", "none")
+LOSS_AGGS = ("grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+ROLLOUT_IS_MODES = ("none", "truncate", "token_mask", "seq_mask")
+
+
+@dataclass(kw_only=True)
+class AlgoConfig:
+    """Iterative GRPO (DeepSeekMath Algorithm 1) plus the common DAPO / Dr. GRPO variants."""
+
+    group_size: int = 8
+    """G: completions sampled per prompt (the group of the group-relative baseline)."""
+    std_mode: str = "group"
+    """Advantage scale: 'group' std (GRPO), 'batch' std, or 'none' (Dr. GRPO: mean-centred only)."""
+    std_eps: float = 1e-6
+    """Added to the std before dividing, so all-equal groups give zero advantage, not NaN."""
+    loss_agg: str = "grpo"
+    """Token-loss aggregation: grpo, bnpo, dr_grpo, dapo, gspo or cispo (see megagrpo.algo)."""
+    dr_grpo_max_len: int = 0
+    """Dr. GRPO constant normaliser (tokens per sequence); 0 = use the rollout's max new tokens."""
+    mu: int = 1
+    """Optimisation passes over each batch of rollouts (mu > 1 needs old log-probs)."""
+    eps_low: float = 0.2
+    """Lower clip: the ratio is clipped at 1 - eps_low."""
+    eps_high: float = 0.2
+    """Upper clip: the ratio is clipped at 1 + eps_high (DAPO clip-higher uses e.g. 0.28)."""
+    dual_clip_c: float = 0.0
+    """Dual-clip bound c (> 1) on the loss of negative-advantage tokens; 0 disables it."""
+    cispo_eps_high: float = 5.0
+    """CISPO: upper truncation of the stop-gradient IS weight (1 + cispo_eps_high)."""
+    beta: float = 0.04
+    """KL coefficient towards the reference model; 0 disables the reference entirely."""
+    kl_estimator: str = "k3"
+    """Per-token KL estimator: k1 (log-ratio), k2 (squared/2) or k3 (Schulman's unbiased, >= 0)."""
+    kl_in_reward: bool = False
+    """Subtract beta * summed per-token KL from the reward instead of adding a KL loss term."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and top up by sampling more prompts."""
+    max_resample_rounds: int = 4
+    """Dynamic sampling: most extra generation rounds per step before training on what is kept."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong punishment: length of the penalty ramp before max length; 0 = off."""
+    overlong_penalty: float = 1.0
+    """Reward penalty at max length (linear from 0 at max_len - overlong_buffer)."""
+    mask_truncated: bool = False
+    """Exclude completions that hit max length without EOS from the loss (DAPO overlong filter)."""
+    rollout_is: str = "none"
+    """vLLM-vs-trainer mismatch correction: none, truncate (TIS), token_mask or seq_mask."""
+    rollout_is_cap: float = 2.0
+    """truncate: per-token weight min(exp(logp_old - logp_vllm), cap)."""
+    rollout_is_low: float = 0.5
+    """token_mask/seq_mask: ratios below this are masked (seq_mask: per-sequence geometric mean)."""
+    rollout_is_high: float = 2.0
+    """token_mask/seq_mask: ratios above this are masked."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field and what would be valid."""
+        _choice("std_mode", self.std_mode, STD_MODES)
+        _choice("loss_agg", self.loss_agg, LOSS_AGGS)
+        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _choice("rollout_is", self.rollout_is, ROLLOUT_IS_MODES)
+        if self.group_size < 2:
+            raise ValueError(f"algo.group_size={self.group_size}: need >= 2 for a group baseline")
+        if self.mu < 1:
+            raise ValueError(f"algo.mu={self.mu}: need >= 1 optimisation pass")
+        if not 0.0 <= self.eps_low < 1.0:
+            raise ValueError(f"algo.eps_low={self.eps_low}: need 0 <= eps_low < 1")
+        if self.eps_high < 0.0:
+            raise ValueError(f"algo.eps_high={self.eps_high}: need >= 0")
+        if self.dual_clip_c != 0.0 and self.dual_clip_c <= 1.0:
+            raise ValueError(f"algo.dual_clip_c={self.dual_clip_c}: need 0 (off) or > 1")
+        if self.cispo_eps_high < 0.0:
+            raise ValueError(f"algo.cispo_eps_high={self.cispo_eps_high}: need >= 0")
+        if self.beta < 0.0:
+            raise ValueError(f"algo.beta={self.beta}: need >= 0")
+        if self.std_eps < 0.0:
+            raise ValueError(f"algo.std_eps={self.std_eps}: need >= 0")
+        if self.dr_grpo_max_len < 0:
+            raise ValueError(f"algo.dr_grpo_max_len={self.dr_grpo_max_len}: need >= 0")
+        if self.max_resample_rounds < 0:
+            raise ValueError(f"algo.max_resample_rounds={self.max_resample_rounds}: need >= 0")
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            raise ValueError(
+                f"algo.overlong_buffer={self.overlong_buffer}, algo.overlong_penalty="
+                f"{self.overlong_penalty}: both need >= 0"
+            )
+        self._validate_rollout_is()
+
+    def _validate_rollout_is(self) -> None:
+        if self.rollout_is_cap < 1.0:
+            raise ValueError(f"algo.rollout_is_cap={self.rollout_is_cap}: need >= 1")
+        if not 0.0 <= self.rollout_is_low < 1.0 < self.rollout_is_high:
+            raise ValueError(
+                f"algo.rollout_is_low={self.rollout_is_low}, algo.rollout_is_high="
+                f"{self.rollout_is_high}: need 0 <= low < 1 < high"
+            )
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"algo.{name}={value!r}: use one of {allowed}")
