@@ -1,0 +1,142 @@
+"""Prompt data, tokenizer, the built-in arithmetic task, and reward functions."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DATA_FORMATS = ("auto", "jsonl", "parquet", "datasets")
+TASKS = ("arithmetic", "file")
+REWARD_ISOLATION = ("thread", "none")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where prompts come from, how they are templated and tokenised, and how they are batched."""
+
+    task: str = "arithmetic"
+    """'arithmetic' (built-in synthetic task, no downloads) or 'file' (read `path`)."""
+    path: str = ""
+    """task=file: a .jsonl / .parquet file, or a `datasets.save_to_disk` folder."""
+    eval_path: str = ""
+    """task=file: optional held-out prompts in the same format (empty = no eval set)."""
+    format: str = "auto"
+    """File format: auto (by suffix / folder), jsonl, parquet or datasets."""
+    split: str = "train"
+    """Split to read when `path` holds a datasets DatasetDict."""
+    prompt_field: str = "prompt"
+    """Record field holding the question (dotted paths reach nested fields: 'q.text')."""
+    answer_field: str = "answer"
+    """Record field holding the reference answer (converted to str)."""
+    template: str = "{prompt}"
+    """'chat' (the tokenizer's chat template) or a format string with a {prompt} slot."""
+    system_prompt: str = ""
+    """template=chat: optional system message."""
+    tokenizer: str = ""
+    """A sentencepiece .model file or an HF tokenizer folder; empty = the task's built-in one."""
+    batch_size: int = 16
+    """Prompts per step over all DP ranks (each prompt yields group_size completions)."""
+    seed: int = 0
+    """Seed of the per-epoch shuffle."""
+    shuffle: bool = True
+    """Reshuffle the prompts every data epoch."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field and what would be valid."""
+        if self.task not in TASKS:
+            raise ValueError(f"data.task={self.task!r}: use one of {TASKS}")
+        if self.format not in DATA_FORMATS:
+            raise ValueError(f"data.format={self.format!r}: use one of {DATA_FORMATS}")
+        if self.task == "file" and not self.path:
+            raise ValueError("data.path is empty: task=file needs a .jsonl/.parquet/dataset path")
+        if self.template != "chat" and "{prompt}" not in self.template:
+            raise ValueError(
+                f"data.template={self.template!r}: use 'chat' or a format string with {{prompt}}"
+            )
+        if self.batch_size < 1:
+            raise ValueError(f"data.batch_size={self.batch_size}: need >= 1")
+
+
+@dataclass(kw_only=True)
+class ArithmeticConfig:
+    """The built-in synthetic task: 'a+b=' prompts, the completion is the number and EOS."""
+
+    digits: int = 2
+    """Operands are uniform in [0, 10**digits)."""
+    operators: str = "+"
+    """Operators to draw from, any of '+', '-', '*'."""
+    allow_negative: bool = False
+    """Subtraction may go below zero (else operands are ordered so a >= b)."""
+    eval_fraction: float = 0.05
+    """Share of all problems reserved for the held-out split (chosen by a stable hash)."""
+    num_eval: int = 200
+    """Held-out problems used for evaluation."""
+    num_train: int = 20000
+    """Training prompts drawn (with replacement) from the non-held-out problems."""
+    seed: int = 0
+    """Seed of the train/eval samples."""
+    tokenizer_dir: str = "~/.cache/megagrpo/arithmetic"
+    """Where the task's sentencepiece model is trained on first use and cached."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field and what would be valid."""
+        if not 1 <= self.digits <= 6:
+            raise ValueError(f"arithmetic.digits={self.digits}: use 1..6")
+        if not self.operators or set(self.operators) - set("+-*"):
+            raise ValueError(f"arithmetic.operators={self.operators!r}: use characters of '+-*'")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"arithmetic.eval_fraction={self.eval_fraction}: need 0 < f < 1")
+        if self.num_eval < 1 or self.num_train < 1:
+            raise ValueError(
+                f"arithmetic.num_eval={self.num_eval}, arithmetic.num_train={self.num_train}: "
+                "need >= 1"
+            )
+        space = len(set(self.operators)) * 10 ** (2 * self.digits)
+        if self.num_eval > 0.5 * self.eval_fraction * space:
+            raise ValueError(
+                f"arithmetic.num_eval={self.num_eval} is too many for {space} problems with "
+                f"eval_fraction={self.eval_fraction}: lower it or raise digits/eval_fraction"
+            )
+
+
+@dataclass(kw_only=True)
+class RewardTermConfig:
+    """One reward function and its weight in the sum."""
+
+    name: str
+    """Built-in (math, exact_match, format, arithmetic) or an import string 'module:function'."""
+    weight: float = 1.0
+    """Multiplier of this term in the summed reward."""
+    kwargs: dict = field(default_factory=dict)
+    """Extra keyword arguments for the function (e.g. format: {pattern: '...'})."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field and what would be valid."""
+        if not self.name:
+            raise ValueError("reward.terms[].name is empty: a built-in name or 'module:function'")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """Rule-based rewards: a weighted sum of terms, each call under a deadline."""
+
+    terms: list[RewardTermConfig] = field(
+        default_factory=lambda: [RewardTermConfig(name="arithmetic")]
+    )
+    """Reward terms (dicts from YAML are converted): [{name, weight, kwargs}, ...]."""
+    timeout_s: float = 2.0
+    """Deadline per call (one completion, one term); a timeout scores 0 and is counted."""
+    isolation: str = "thread"
+    """'thread' (each call in a worker thread with a deadline) or 'none' (direct, no timeout)."""
+
+    def __post_init__(self) -> None:
+        self.terms = [RewardTermConfig(**t) if isinstance(t, dict) else t for t in self.terms]
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field and what would be valid."""
+        if not self.terms:
+            raise ValueError("reward.terms is empty: give at least one {name, weight, kwargs}")
+        for term in self.terms:
+            term.validate()
+        if self.timeout_s <= 0:
+            raise ValueError(f"reward.timeout_s={self.timeout_s}: need > 0")
+        if self.isolation not in REWARD_ISOLATION:
+            raise ValueError(f"reward.isolation={self.isolation!r}: use one of {REWARD_ISOLATION}")

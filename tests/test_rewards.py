@@ -1,0 +1,113 @@
+"""Reward functions: built-ins, user import strings, weighted sums, errors and timeouts."""
+import textwrap
+import time
+
+import pytest
+import torch
+
+from megagrpo import rewards
+from megagrpo.config.data import RewardConfig, RewardTermConfig
+
+USER_MODULE = """
+import time
+
+def slow(completion, answer):
+    time.sleep(1.0)
+    return 1.0
+
+def boom(completion, answer):
+    raise RuntimeError("user bug")
+
+def nan(completion, answer):
+    return float("nan")
+
+def length(completion, answer, scale=1.0):
+    return scale * len(completion)
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent(USER_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "my_rewards"
+
+
+def test_exact_match_normalisation():
+    assert rewards.exact_match_reward(" 1,000. ", "1000") == 1.0
+    assert rewards.exact_match_reward("$Paris$", "paris") == 1.0
+    assert rewards.exact_match_reward("12", "13") == 0.0
+    text = "first #### 3\nthen #### 42"
+    assert rewards.exact_match_reward(text, "42", pattern=r"#### (\S+)") == 1.0
+    assert rewards.exact_match_reward("no marker", "42", pattern=r"#### (\S+)") == 0.0
+
+
+def test_format_reward():
+    pat = r"<think>.*</think>\s*<answer>.*</answer>"
+    assert rewards.format_reward("<think>a\nb</think> <answer>3</answer>", "", pattern=pat) == 1.0
+    assert rewards.format_reward("<answer>3</answer>", "", pattern=pat) == 0.0
+    assert rewards.format_reward("x <answer>3</answer>", "", pattern="<answer>", full=False) == 1.0
+
+
+def test_math_verify_reward_in_worker_threads():
+    cfg = RewardConfig(terms=[RewardTermConfig(name="math")], timeout_s=20.0)
+    total, _, metrics = rewards.RewardFn(cfg).score(
+        ["The answer is $\\frac{1}{2}$.", "so \\boxed{0.5}", "it is $3$"], ["0.5", "$\\frac12$", "4"]
+    )
+    assert total.tolist() == [1.0, 1.0, 0.0]
+    assert metrics["reward_errors"] == 0 and metrics["reward_timeouts"] == 0
+
+
+def test_math_verify_reward_in_main_thread():
+    assert rewards.math_reward("x = \\boxed{2+2}", "4") == 1.0
+
+
+def test_weighted_sum_and_user_function(user_module):
+    cfg = RewardConfig(terms=[
+        {"name": "exact_match", "weight": 2.0},
+        {"name": f"{user_module}:length", "weight": 0.5, "kwargs": {"scale": 0.1}},
+        {"name": "exact_match", "weight": 1.0, "kwargs": {"pattern": r"(\d+)$"}},
+    ])
+    total, per_term, metrics = rewards.RewardFn(cfg).score(["7", "ab 8"], ["7", "8"])
+    em = [1.0, 0.0]
+    length = [0.1 * 1, 0.1 * 4]
+    em2 = [1.0, 1.0]
+    for i in range(2):
+        assert total[i].item() == pytest.approx(2 * em[i] + 0.5 * length[i] + em2[i])
+    assert set(per_term) == {"exact_match", f"{user_module}:length", "exact_match#1"}
+    assert per_term["exact_match"].tolist() == em
+    assert metrics["reward/exact_match#1"] == 1.0
+
+
+def test_errors_and_timeouts_score_zero_and_are_counted(user_module):
+    cfg = RewardConfig(
+        terms=[{"name": f"{user_module}:slow"}, {"name": f"{user_module}:boom"},
+               {"name": f"{user_module}:nan"}, {"name": "exact_match", "weight": 10.0}],
+        timeout_s=0.2,
+    )
+    t0 = time.perf_counter()
+    total, per_term, metrics = rewards.RewardFn(cfg).score(["5", "6"], ["5", "5"])
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 1.0  # two 0.2 s deadlines, not two 1 s sleeps
+    assert total.tolist() == [10.0, 0.0]
+    assert per_term[f"{user_module}:slow"].tolist() == [0.0, 0.0]
+    assert metrics["reward_timeouts"] == 2
+    assert metrics["reward_errors"] == 4  # 2 raised + 2 NaN
+    assert metrics["reward_stuck_threads"] >= 1
+
+
+def test_resolve_errors_and_config_validation():
+    with pytest.raises(ValueError, match="module:function"):
+        rewards.resolve_reward("no_such_builtin")
+    with pytest.raises(ValueError, match="reward.timeout_s"):
+        RewardConfig(timeout_s=0).validate()
+    with pytest.raises(ValueError, match="reward.terms"):
+        RewardConfig(terms=[]).validate()
+    with pytest.raises(ValueError, match="reward.isolation"):
+        RewardConfig(isolation="fork").validate()
+
+
+def test_no_isolation_calls_directly():
+    cfg = RewardConfig(terms=[{"name": "exact_match"}], isolation="none")
+    total, _, _ = rewards.RewardFn(cfg).score(["a"], ["A"])
+    assert torch.equal(total, torch.tensor([1.0]))
