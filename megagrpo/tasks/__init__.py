@@ -1,0 +1,51 @@
+"""Tasks: where train/eval prompts and the tokenizer come from (built-in or files)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megagrpo.config.data import ArithmeticConfig, DataConfig
+from megagrpo.data import (
+    Example,
+    Tokenizer,
+    build_examples,
+    load_tokenizer,
+    read_records,
+)
+from megagrpo.tasks import arithmetic
+
+
+@dataclass(kw_only=True)
+class Task:
+    """Everything the trainer needs from the data side."""
+
+    train: list[Example]
+    """Templated training prompts and answers."""
+    eval: list[Example]
+    """Held-out prompts (may be empty)."""
+    tokenizer: Tokenizer
+    """The tokenizer shared by trainer, rollout and rewards."""
+
+
+def build_task(data: DataConfig, arith: ArithmeticConfig | None = None) -> Task:
+    """The configured task: the built-in arithmetic one, or prompts read from files."""
+    data.validate()
+    if data.task == "arithmetic":
+        arith = arith or ArithmeticConfig()
+        arith.validate()
+        tokenizer = load_tokenizer(data.tokenizer) if data.tokenizer else (
+            arithmetic.build_tokenizer(arith.tokenizer_dir))
+        return Task(train=arithmetic.train_examples(arith), eval=arithmetic.eval_examples(arith),
+                    tokenizer=tokenizer)
+    if not data.tokenizer:
+        raise ValueError("data.tokenizer is empty: task=file needs a .model file or HF tokenizer")
+    tokenizer = load_tokenizer(data.tokenizer)
+    return Task(train=_file_examples(data, data.path, tokenizer),
+                eval=_file_examples(data, data.eval_path, tokenizer) if data.eval_path else [],
+                tokenizer=tokenizer)
+
+
+def _file_examples(data: DataConfig, path: str, tokenizer: Tokenizer) -> list[Example]:
+    records = read_records(path, data.format, data.split)
+    return build_examples(records, prompt_field=data.prompt_field, answer_field=data.answer_field,
+                          template=data.template, tokenizer=tokenizer,
+                          system_prompt=data.system_prompt)
