@@ -1,0 +1,115 @@
+"""Model architecture and parallel layout."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+ARCHITECTURES = ("llama", "qwen2")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """A Llama/Qwen2-style decoder: RMSNorm, SwiGLU, RoPE, GQA."""
+
+    architecture: str = "llama"
+    """'llama' or 'qwen2' (qwen2 = llama + QKV bias)."""
+    vocab_size: int = 128
+    """Tokenizer vocabulary size (unpadded; padding for TP is derived)."""
+    hidden_size: int = 128
+    """Model width H."""
+    ffn_hidden_size: int = 256
+    """SwiGLU inner width (HF intermediate_size)."""
+    num_layers: int = 2
+    """Number of transformer layers."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int = 2
+    """Key/value heads (GQA groups; HF num_key_value_heads)."""
+    head_dim: int = 32
+    """Per-head width (vLLM's CPU attention supports 32, 64, 80, 96, 112, 128, ...)."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    qkv_bias: bool = False
+    """Bias on the QKV projection (Qwen2)."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+    max_position_embeddings: int = 2048
+    """Longest sequence the model is built for."""
+    init_std: float = 0.02
+    """Std of the normal init for freshly initialised weights."""
+    dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16 or float16."""
+
+    def validate(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"model.architecture={self.architecture!r} is not supported; use one of {ARCHITECTURES}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype={self.dtype!r}: use one of {DTYPES}")
+        for f in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
+                  "num_attention_heads", "num_query_groups", "head_dim"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"model.{f}={getattr(self, f)} must be positive")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"model.num_query_groups={self.num_query_groups} must divide "
+                f"model.num_attention_heads={self.num_attention_heads}"
+            )
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the policy (and the reference, which shares the layout) is sharded."""
+
+    tp: int = 1
+    """Tensor-parallel size: divides heads, KV groups and FFN width."""
+    pp: int = 1
+    """Pipeline-parallel size: divides the number of layers."""
+    make_vocab_size_divisible_by: int = 128
+    """The padded vocab is a multiple of this times tp (padding is stripped on export)."""
+    transformer_impl: str = "auto"
+    """'auto' (Transformer Engine when it imports, else local), 'local' or 'transformer_engine'."""
+    backend: str = "auto"
+    """torch.distributed backend: 'auto' (nccl with CUDA, gloo without), 'nccl' or 'gloo'."""
+
+    def validate(self, model: ModelConfig, world_size: int | None = None) -> None:
+        """Checks the layout against the model (and the world size when given)."""
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"parallel.tp={self.tp} and parallel.pp={self.pp} must be >= 1")
+        tp = self.tp
+        for f, n in (("num_attention_heads", model.num_attention_heads),
+                     ("num_query_groups", model.num_query_groups),
+                     ("ffn_hidden_size", model.ffn_hidden_size)):
+            if n % tp:
+                ok = [d for d in range(1, n + 1) if n % d == 0]
+                raise ValueError(f"parallel.tp={tp} does not divide model.{f}={n}; valid tp: {ok}")
+        if model.num_layers % self.pp:
+            ok = [d for d in range(1, model.num_layers + 1) if model.num_layers % d == 0]
+            raise ValueError(
+                f"parallel.pp={self.pp} does not divide model.num_layers={model.num_layers}; "
+                f"valid pp: {ok}"
+            )
+        if self.transformer_impl not in ("auto", "local", "transformer_engine"):
+            raise ValueError(
+                f"parallel.transformer_impl={self.transformer_impl!r}: use auto, local or "
+                "transformer_engine"
+            )
+        if self.backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"parallel.backend={self.backend!r}: use auto, nccl or gloo")
+        if world_size is not None and world_size % (self.tp * self.pp):
+            raise ValueError(
+                f"world size {world_size} is not divisible by parallel.tp x parallel.pp = "
+                f"{self.tp} x {self.pp}; launch a multiple of {self.tp * self.pp} processes"
+            )
+
+    def padded_vocab_size(self, vocab_size: int) -> int:
+        """Vocab padded so that every TP rank holds an equal slice."""
+        m = self.make_vocab_size_divisible_by * self.tp
+        return -(-vocab_size // m) * m
+
+
+def field_names(cls: type) -> list[str]:
+    return [f.name for f in fields(cls)]

@@ -1,0 +1,95 @@
+"""Runs megatron-core on machines without CUDA. Applied by `megagrpo.distributed` only when
+`torch.cuda.is_available()` is False; nothing else in megagrpo knows about it.
+
+megatron-core hard-codes CUDA in places that are device-agnostic in spirit (see
+../shared/FINDINGS.md). This module neutralises exactly these, and no more:
+
+1. Factory calls with ``device="cuda"`` / ``torch.cuda.current_device()`` (an int) /
+   ``torch.device("cuda", i)``, and ``Tensor.cuda()`` / ``Tensor.to("cuda")``: a
+   `TorchFunctionMode` maps them to CPU (tensor_parallel layers, mappings, rotary embedding,
+   p2p communication, schedules, clip_grads, ``get_default_causal_mask``).
+2. ``torch.cuda.current_device`` returns 0; ``torch.cuda.synchronize`` and
+   ``torch.cuda.empty_cache`` are no-ops.
+3. The model-parallel RNG tracker (``tensor_parallel/random.py``) reads and writes the CUDA RNG:
+   ``torch.cuda.{get_rng_state, set_rng_state, manual_seed}`` and megatron's
+   ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` are redirected to the CPU generator.
+4. ``Tensor.type()`` of a CPU float tensor reports the CUDA type string
+   (``clip_grads.py`` asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``, the
+   float16/distributed optimizers check similar strings).
+
+The mode is entered once per process and stays on; it costs a Python call per torch op, which
+on CPU is small next to the ops themselves.
+"""
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_STATE: dict[str, object] = {}
+
+
+def _is_cuda(device: object) -> bool:
+    if isinstance(device, int):
+        return True  # only torch.cuda.current_device() hands out bare ints here
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Maps CUDA device arguments to CPU and reports CUDA type strings for CPU tensors."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+def _get_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _manual_seed(seed: int) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
+def apply() -> bool:
+    """Installs the shim once per process. Returns True if it was (or already is) active."""
+    if torch.cuda.is_available():
+        return False
+    if "mode" in _STATE:
+        return True
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.get_rng_state = _get_rng_state
+    torch.cuda.set_rng_state = _set_rng_state
+    torch.cuda.manual_seed = _manual_seed
+    torch.cuda.random.get_rng_state = _get_rng_state
+    torch.cuda.random.set_rng_state = _set_rng_state
+
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = _get_rng_state
+    mp_random._set_cuda_rng_state = _set_rng_state
+
+    mode = _CudaToCpu()
+    mode.__enter__()
+    _STATE["mode"] = mode
+    return True
+
+
+def active() -> bool:
+    return "mode" in _STATE

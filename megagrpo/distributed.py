@@ -1,0 +1,131 @@
+"""Process start-up: torchrun environment -> torch.distributed -> megatron parallel_state.
+
+The only module that decides devices. On a machine without CUDA it installs the megatron-core
+compatibility shim (`megagrpo.cpu_compat`) before megatron builds anything.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megagrpo.config.model import ModelConfig, ParallelConfig
+
+log = logging.getLogger("megagrpo")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the world and in the TP/PP/DP grid."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    tp_rank: int
+    tp: int
+    pp_rank: int
+    pp: int
+    dp_rank: int
+    dp: int
+    device: torch.device
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def torchrun_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the torchrun environment; a bare process is rank 0
+    of 1 (MASTER_ADDR/PORT default to a local rendezvous)."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + (os.getpid() % 1000)))
+    return rank, world, local
+
+
+def init_distributed(
+    parallel: ParallelConfig, model: ModelConfig | None = None, *, seed: int = 1234
+) -> DistInfo:
+    """Starts torch.distributed and megatron's parallel_state with the configured TP and PP
+    (DP = world / (TP*PP)). Validates the layout before anything is started."""
+    rank, world, local = torchrun_env()
+    if model is not None:
+        parallel.validate(model, world)
+    elif world % (parallel.tp * parallel.pp):
+        raise ValueError(
+            f"world size {world} is not divisible by parallel.tp x parallel.pp = "
+            f"{parallel.tp} x {parallel.pp}; launch a multiple of {parallel.tp * parallel.pp} processes"
+        )
+    cuda = torch.cuda.is_available()
+    backend = parallel.backend if parallel.backend != "auto" else ("nccl" if cuda else "gloo")
+    if backend == "nccl" and not cuda:
+        raise ValueError("parallel.backend='nccl' needs CUDA; use 'gloo' or 'auto' on this machine")
+    if cuda:
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        from megagrpo import cpu_compat
+
+        cpu_compat.apply()
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=timedelta(minutes=30))
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    info = DistInfo(
+        rank=rank, world_size=world, local_rank=local,
+        tp_rank=ps.get_tensor_model_parallel_rank(), tp=parallel.tp,
+        pp_rank=ps.get_pipeline_model_parallel_rank(), pp=parallel.pp,
+        dp_rank=ps.get_data_parallel_rank(), dp=ps.get_data_parallel_world_size(),
+        device=device,
+    )
+    if rank == 0:
+        log.info("distributed: backend=%s world=%d tp=%d pp=%d dp=%d device=%s%s", backend, world,
+                 info.tp, info.pp, info.dp, device.type,
+                 " (megatron-core CPU shim active)" if not cuda else "")
+    return info
+
+
+def tp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group()
+
+
+def pp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_group()
+
+
+def dp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group()
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,374 @@
+"""Hugging Face interop: HF config <-> ModelConfig, HF tensor names <-> megatron shards.
+
+Layouts (weights are [out, in]; see ../shared/FINDINGS.md):
+- ``linear_qkv`` is fused per KV group g: [q heads of g, k_g, v_g]; TP splits whole groups.
+- ``linear_fc1`` is cat(gate, up); TP rank r holds cat(gate_r, up_r).
+- ``linear_proj`` / ``linear_fc2`` split the input dim; embeddings / output layer split the
+  (padded) vocab; norms are replicated.
+
+Loading reads, on each rank, only the slices of the tensors its TP/PP shard needs
+(safetensors' lazy slices). Export goes through `megagrpo.reshard`, the same generator that
+feeds vLLM.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from megagrpo.config.model import ModelConfig, ParallelConfig
+
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+# ---------------------------------------------------------------- configs
+def model_config_from_hf(hf_dir: str | os.PathLike, *, dtype: str = "float32") -> ModelConfig:
+    """Reads `config.json` of a Llama/Qwen2 checkpoint; refuses features megagrpo lacks."""
+    path = Path(hf_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: an HF checkpoint directory needs config.json")
+    cfg = json.loads(path.read_text())
+    archs = cfg.get("architectures") or []
+    arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"{path}: architectures={archs} is not supported; supported: "
+            f"{sorted(HF_ARCHITECTURES)}"
+        )
+    for key in ("mlp_bias", "attention_bias"):
+        if cfg.get(key):
+            raise ValueError(f"{path}: {key}=true is not supported (Llama/Qwen2 without it only)")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise ValueError(f"{path}: rope_type={rope.get('rope_type')!r} is not supported; "
+                         "only default RoPE")
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if arch == "qwen2" and cfg.get("use_sliding_window"):
+        raise ValueError(f"{path}: use_sliding_window=true is not supported")
+    heads = cfg["num_attention_heads"]
+    mc = ModelConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        ffn_hidden_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rope_theta=float(theta),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        qkv_bias=arch == "qwen2",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        dtype=dtype,
+    )
+    mc.validate()
+    return mc
+
+
+def hf_config_dict(model: ModelConfig) -> dict:
+    """config.json contents that transformers (and vLLM) load for this model."""
+    d = {
+        "architectures": [MODEL_TYPES[model.architecture]],
+        "model_type": model.architecture,
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.ffn_hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_query_groups,
+        "head_dim": model.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": model.rms_norm_eps,
+        "rope_theta": model.rope_theta,
+        "rope_parameters": {"rope_theta": model.rope_theta, "rope_type": "default"},
+        "tie_word_embeddings": model.tie_word_embeddings,
+        "max_position_embeddings": model.max_position_embeddings,
+        "torch_dtype": model.dtype,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
+    if model.architecture == "llama":
+        d.update(attention_bias=False, mlp_bias=False)
+    else:
+        d.update(use_sliding_window=False, sliding_window=None)
+    return d
+
+
+# ---------------------------------------------------------------- parameter map
+@dataclass(frozen=True)
+class ParamSpec:
+    """One megatron parameter of one pipeline stage and the HF tensors it is made of."""
+
+    local: str
+    """Name inside the stage's GPTModel (layer indices are stage-local)."""
+    kind: str
+    """vocab | qkv | gate_up | row | replicated."""
+    hf: tuple[str, ...]
+    """HF tensor names (global layer indices); qkv: (q, k, v), gate_up: (gate, up)."""
+    full_shape: tuple[int, ...]
+    """Unsharded megatron shape (vocab padded)."""
+
+    @property
+    def split_dim(self) -> int | None:
+        return {"vocab": 0, "qkv": 0, "gate_up": 0, "row": 1}.get(self.kind)
+
+    def local_shape(self, tp: int) -> tuple[int, ...]:
+        s = list(self.full_shape)
+        if self.split_dim is not None:
+            s[self.split_dim] //= tp
+        return tuple(s)
+
+
+def param_specs(model: ModelConfig, parallel: ParallelConfig, pp_rank: int,
+                impl: str = "local") -> list[ParamSpec]:
+    """The parameters stage `pp_rank` holds, in a fixed order every rank agrees on.
+    `impl` is the layer spec ('local' or 'transformer_engine': norms fused into linears)."""
+    H, F, hd = model.hidden_size, model.ffn_hidden_size, model.head_dim
+    nh, ng = model.num_attention_heads, model.num_query_groups
+    Vp = parallel.padded_vocab_size(model.vocab_size)
+    te = impl == "transformer_engine"
+    first, last = pp_rank == 0, pp_rank == parallel.pp - 1
+    per_stage = model.num_layers // parallel.pp
+    out: list[ParamSpec] = []
+    if first:
+        out.append(ParamSpec("embedding.word_embeddings.weight", "vocab",
+                             ("model.embed_tokens.weight",), (Vp, H)))
+    qkv_rows = ng * (nh // ng + 2) * hd
+    for i in range(per_stage):
+        g = pp_rank * per_stage + i
+        L, hf = f"decoder.layers.{i}.", f"model.layers.{g}."
+        attn = hf + "self_attn."
+        out.append(ParamSpec(L + ("self_attention.linear_qkv.layer_norm_weight" if te
+                                  else "input_layernorm.weight"),
+                             "replicated", (hf + "input_layernorm.weight",), (H,)))
+        out.append(ParamSpec(L + "self_attention.linear_qkv.weight", "qkv",
+                             (attn + "q_proj.weight", attn + "k_proj.weight",
+                              attn + "v_proj.weight"), (qkv_rows, H)))
+        if model.qkv_bias:
+            out.append(ParamSpec(L + "self_attention.linear_qkv.bias", "qkv",
+                                 (attn + "q_proj.bias", attn + "k_proj.bias",
+                                  attn + "v_proj.bias"), (qkv_rows,)))
+        out.append(ParamSpec(L + "self_attention.linear_proj.weight", "row",
+                             (attn + "o_proj.weight",), (H, nh * hd)))
+        out.append(ParamSpec(L + ("mlp.linear_fc1.layer_norm_weight" if te
+                                  else "pre_mlp_layernorm.weight"),
+                             "replicated", (hf + "post_attention_layernorm.weight",), (H,)))
+        out.append(ParamSpec(L + "mlp.linear_fc1.weight", "gate_up",
+                             (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), (2 * F, H)))
+        out.append(ParamSpec(L + "mlp.linear_fc2.weight", "row",
+                             (hf + "mlp.down_proj.weight",), (H, F)))
+    if last:
+        out.append(ParamSpec("decoder.final_layernorm.weight", "replicated",
+                             ("model.norm.weight",), (H,)))
+        if not model.tie_word_embeddings:
+            out.append(ParamSpec("output_layer.weight", "vocab", ("lm_head.weight",), (Vp, H)))
+        elif parallel.pp > 1:
+            # the last stage's copy of the tied embedding; exported once, from stage 0
+            out.append(ParamSpec("output_layer.weight", "vocab",
+                                 ("model.embed_tokens.weight",), (Vp, H)))
+    return out
+
+
+def hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Expected shape of every tensor in an HF checkpoint of this model."""
+    H, F, hd = model.hidden_size, model.ffn_hidden_size, model.head_dim
+    nh, ng, V = model.num_attention_heads, model.num_query_groups, model.vocab_size
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not model.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    for g in range(model.num_layers):
+        p = f"model.layers.{g}."
+        shapes.update({
+            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (nh * hd, H), p + "self_attn.k_proj.weight": (ng * hd, H),
+            p + "self_attn.v_proj.weight": (ng * hd, H), p + "self_attn.o_proj.weight": (H, nh * hd),
+            p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
+            p + "mlp.down_proj.weight": (H, F),
+        })
+        if model.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (nh * hd,),
+                           p + "self_attn.k_proj.bias": (ng * hd,),
+                           p + "self_attn.v_proj.bias": (ng * hd,)})
+    return shapes
+
+
+# ---------------------------------------------------------------- layout conversions
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """HF q [nh*hd, ...], k/v [ng*hd, ...] -> megatron [ng*(nh/ng+2)*hd, ...] (per group)."""
+    rest = q.shape[1:]
+    parts = [t.reshape(groups, -1, *rest) for t in (q, k, v)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def split_qkv(fused: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, ...]:
+    """Inverse of `fuse_qkv` for the full (unsharded) tensor."""
+    ng, hd = model.num_query_groups, model.head_dim
+    qper = model.num_attention_heads // ng * hd
+    rest = fused.shape[1:]
+    g = fused.reshape(ng, qper + 2 * hd, *rest)
+    q, k, v = g.split([qper, hd, hd], dim=1)
+    return tuple(t.reshape(-1, *rest).contiguous() for t in (q, k, v))
+
+
+def full_to_hf(spec: ParamSpec, full: torch.Tensor, model: ModelConfig
+               ) -> list[tuple[str, torch.Tensor]]:
+    """A gathered megatron tensor -> its HF tensors (unfused, vocab padding stripped)."""
+    if spec.kind == "qkv":
+        return list(zip(spec.hf, split_qkv(full, model)))
+    if spec.kind == "gate_up":
+        gate, up = full.chunk(2, dim=0)
+        return [(spec.hf[0], gate.contiguous()), (spec.hf[1], up.contiguous())]
+    if spec.kind == "vocab":
+        return [(spec.hf[0], full[: model.vocab_size].contiguous())]
+    return [(spec.hf[0], full)]
+
+
+class HFCheckpoint:
+    """Lazy reader of a local HF safetensors checkpoint (single file or sharded with index)."""
+
+    def __init__(self, hf_dir: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.dir = Path(hf_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.exists():
+            self.files = json.loads(index.read_text())["weight_map"]
+        elif (self.dir / "model.safetensors").exists():
+            with safe_open(self.dir / "model.safetensors", "pt") as f:
+                self.files = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise FileNotFoundError(
+                f"{self.dir}: no model.safetensors or model.safetensors.index.json")
+        self._open = safe_open
+        self._handles: dict[str, object] = {}
+
+    def _handle(self, name: str, needed_by: str):
+        if name not in self.files:
+            raise KeyError(f"checkpoint {self.dir} lacks tensor {name!r} (needed for {needed_by})")
+        fname = self.files[name]
+        if fname not in self._handles:
+            self._handles[fname] = self._open(self.dir / fname, "pt")
+        return self._handles[fname]
+
+    def shape(self, name: str, needed_by: str) -> tuple[int, ...]:
+        return tuple(self._handle(name, needed_by).get_slice(name).get_shape())
+
+    def rows(self, name: str, start: int, stop: int, needed_by: str) -> torch.Tensor:
+        """Rows [start, stop) of dim 0, read without loading the rest."""
+        return self._handle(name, needed_by).get_slice(name)[start:stop]
+
+    def cols(self, name: str, start: int, stop: int, needed_by: str) -> torch.Tensor:
+        return self._handle(name, needed_by).get_slice(name)[:, start:stop]
+
+
+def read_shard(ckpt: HFCheckpoint, spec: ParamSpec, model: ModelConfig, tp_rank: int, tp: int,
+               expected: dict[str, tuple[int, ...]]) -> torch.Tensor:
+    """The TP shard `tp_rank` of `spec`, built from only the HF rows/columns it needs."""
+    for name in spec.hf:
+        got = ckpt.shape(name, spec.local)
+        if got != expected[name]:
+            raise ValueError(f"checkpoint {ckpt.dir}: tensor {name!r} has shape {list(got)}, "
+                             f"expected {list(expected[name])} for this config")
+    if spec.kind == "replicated":
+        return ckpt.rows(spec.hf[0], 0, spec.full_shape[0], spec.local)
+    if spec.kind == "row":
+        n = spec.full_shape[1] // tp
+        return ckpt.cols(spec.hf[0], tp_rank * n, (tp_rank + 1) * n, spec.local)
+    if spec.kind == "gate_up":
+        n = spec.full_shape[0] // 2 // tp
+        return torch.cat([ckpt.rows(h, tp_rank * n, (tp_rank + 1) * n, spec.local)
+                          for h in spec.hf])
+    if spec.kind == "qkv":
+        ng, hd = model.num_query_groups // tp, model.head_dim
+        qn = model.num_attention_heads // model.num_query_groups * hd * ng
+        q = ckpt.rows(spec.hf[0], tp_rank * qn, (tp_rank + 1) * qn, spec.local)
+        k = ckpt.rows(spec.hf[1], tp_rank * ng * hd, (tp_rank + 1) * ng * hd, spec.local)
+        v = ckpt.rows(spec.hf[2], tp_rank * ng * hd, (tp_rank + 1) * ng * hd, spec.local)
+        return fuse_qkv(q, k, v, ng)
+    # vocab: rows of this rank's padded slice that exist in HF, zero padding after
+    n = spec.full_shape[0] // tp
+    lo, hi = tp_rank * n, min((tp_rank + 1) * n, model.vocab_size)
+    shard = torch.zeros(n, *spec.full_shape[1:], dtype=_dtype_of(ckpt, spec))
+    if hi > lo:
+        shard[: hi - lo] = ckpt.rows(spec.hf[0], lo, hi, spec.local)
+    return shard
+
+
+def _dtype_of(ckpt: HFCheckpoint, spec: ParamSpec) -> torch.dtype:
+    return ckpt.rows(spec.hf[0], 0, 1, spec.local).dtype
+
+
+def load_hf_weights(gpt: torch.nn.Module, hf_dir: str | os.PathLike, model: ModelConfig,
+                    parallel: ParallelConfig, *, tp_rank: int, pp_rank: int) -> int:
+    """Copies this rank's shards of an HF checkpoint into `gpt` (a GPTModel stage) in place.
+    Every tensor is checked (present, right shape) before any parameter is written.
+    Returns the number of bytes read."""
+    from megagrpo.model import unwrap
+
+    gpt = unwrap(gpt)
+    params = dict(gpt.named_parameters())
+    impl = "transformer_engine" if any("layer_norm_weight" in n for n in params) else "local"
+    specs = param_specs(model, parallel, pp_rank, impl)
+    expected = hf_shapes(model)
+    missing = sorted(set(params) - {s.local for s in specs})
+    if missing:
+        raise RuntimeError(f"megatron parameters without an HF source: {missing}")
+    ckpt = HFCheckpoint(hf_dir)
+    shards = {s.local: read_shard(ckpt, s, model, tp_rank, parallel.tp, expected) for s in specs}
+    nbytes = 0
+    with torch.no_grad():
+        for s in specs:
+            p, t = params[s.local], shards[s.local]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"{s.local}: shard shape {list(t.shape)} != parameter "
+                                 f"{list(p.shape)}")
+            p.copy_(t)
+            nbytes += t.numel() * t.element_size()
+    return nbytes
+
+
+def local_layer_index(name: str) -> int | None:
+    m = re.match(r"decoder\.layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def save_hf_dir(out_dir: str | os.PathLike, model: ModelConfig,
+                buckets: Iterable[list[tuple[str, torch.Tensor]]], *, write: bool = True) -> None:
+    """Writes an HF checkpoint from a stream of buckets (one safetensors shard per bucket plus
+    the index). `write=False` only drains the stream (ranks other than the writer must still
+    take part in its collectives)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    files: list[tuple[str, list[str]]] = []
+    tmp_names = []
+    for i, bucket in enumerate(buckets):
+        if not write:
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        name = f"model-{i + 1:05d}.safetensors.tmp"
+        save_file({n: t.contiguous() for n, t in bucket}, str(out / name),
+                  metadata={"format": "pt"})
+        tmp_names.append(name)
+        files.append((name, [n for n, _ in bucket]))
+    if not write:
+        return
+    total = len(files)
+    weight_map, size = {}, 0
+    for i, (tmp, names) in enumerate(files):
+        final = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        os.replace(out / tmp, out / final)
+        weight_map.update({n: final for n in names})
+        size += (out / final).stat().st_size
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))},
+        indent=1))
+    cfg = hf_config_dict(model)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))

@@ -1,0 +1,132 @@
+"""Builds the policy (and reference) as a megatron-core `GPTModel` for Llama/Qwen2 configs.
+
+Transformer Engine's layer spec is used when TE imports (GPU machines), megatron-core's local
+spec otherwise; `layer_spec_name()` says which one runs. All fusions are off on CPU.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from megagrpo.config.model import ModelConfig, ParallelConfig
+
+log = logging.getLogger("megagrpo")
+
+DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@functools.lru_cache(maxsize=1)
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # TE raises various errors without CUDA (see FINDINGS.md)
+        return False
+    return torch.cuda.is_available()
+
+
+def layer_spec_name(parallel: ParallelConfig) -> str:
+    """'transformer_engine' or 'local': the layer implementation this machine runs."""
+    if parallel.transformer_impl == "transformer_engine":
+        if not transformer_engine_available():
+            raise RuntimeError(
+                "parallel.transformer_impl='transformer_engine' but transformer_engine does not "
+                "import here; use 'auto' or 'local'"
+            )
+        return "transformer_engine"
+    if parallel.transformer_impl == "local":
+        return "local"
+    return "transformer_engine" if transformer_engine_available() else "local"
+
+
+def _layer_spec(parallel: ParallelConfig):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if layer_spec_name(parallel) == "transformer_engine":
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig):
+    """The megatron TransformerConfig for a Llama/Qwen2-style decoder."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = DTYPE[model.dtype]
+    cuda = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_std,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=True,
+        sequence_parallel=False,
+        bias_activation_fusion=cuda,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=cuda,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 1234):
+    """Returns this rank's `GPTModel` stage (its TP shard of its PP stage's layers).
+
+    Needs `megagrpo.distributed.init_distributed` first. Weights are randomly initialised from
+    `seed` (identically to any other layout's shards of the same model); load real weights with
+    `megagrpo.hf.load_hf_weights`.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+
+    model.validate()
+    parallel.validate(model)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    gpt = GPTModel(
+        config=transformer_config(model, parallel),
+        transformer_layer_spec=_layer_spec(parallel),
+        vocab_size=parallel.padded_vocab_size(model.vocab_size),
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=model.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(model.rope_theta),
+        parallel_output=True,
+    )
+    if torch.cuda.is_available():
+        gpt.cuda(torch.cuda.current_device())
+    return gpt
+
+
+def stage_layer_offset(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> int:
+    """Global index of the first layer held by pipeline stage `pp_rank` (even split)."""
+    return pp_rank * (model.num_layers // parallel.pp)
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module

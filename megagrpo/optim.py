@@ -1,0 +1,135 @@
+"""megatron-core DDP + optimizer + the forward/backward schedule, wrapped for the trainer.
+
+The step follows megatron-core's minimal loop: zero_grad -> forward_backward_func (1F1B under
+PP) -> finalize grads (DP all-reduce, tied-embedding all-reduce across stages) -> optimizer step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from megagrpo.config.model import ModelConfig, ParallelConfig
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the cosine schedule."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global grad-norm clip (0 disables)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    lr_schedule: str = "constant"
+    """'constant' or 'cosine' (after warm-up, to min_lr at total steps)."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state over DP ranks (megatron's distributed optimizer)."""
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr={self.lr} must be > 0")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"optim.lr_schedule={self.lr_schedule!r}: use constant or cosine")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+
+
+def lr_at(cfg: OptimConfig, step: int, total_steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    import math
+
+    span = max(1, total_steps - cfg.warmup_steps)
+    frac = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def wrap_ddp(gpt: torch.nn.Module, cfg: OptimConfig) -> torch.nn.Module:
+    """megatron DDP around one model stage (grad buffers, DP reduce)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.distributed_optimizer,
+    )
+    return DistributedDataParallel(config=gpt.config, ddp_config=ddp_cfg, module=gpt)
+
+
+def build_optimizer(ddp_model: torch.nn.Module, cfg: OptimConfig):
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    cfg.validate()
+    dtype = ddp_model.module.config.params_dtype
+    ocfg = OptimizerConfig(
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        params_dtype=dtype, use_distributed_optimizer=cfg.distributed_optimizer,
+    )
+    ddp_model.module.config.finalize_model_grads_func = finalize_model_grads
+    return get_megatron_optimizer(ocfg, [ddp_model])
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+
+
+def forward_backward(
+    ddp_model: torch.nn.Module,
+    forward_step: Callable,
+    microbatches: Iterable,
+    num_microbatches: int,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool = False,
+) -> list:
+    """Runs megatron's schedule (no pipelining, or 1F1B under PP) over the micro-batches.
+    `forward_step(batch, model) -> (output, loss_fn)` as in megatron-core; returns the loss
+    functions' reports on the last stage (empty list elsewhere)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    it = iter(microbatches)
+    fb = get_forward_backward_func()
+
+    def step(data_iterator, model):
+        return forward_step(next(data_iterator), model)
+
+    return fb(
+        forward_step_func=step, data_iterator=it, model=[ddp_model],
+        num_microbatches=num_microbatches, seq_length=seq_length,
+        micro_batch_size=micro_batch_size, forward_only=forward_only,
+    )
+
+
+def optimizer_step(ddp_model: torch.nn.Module, optimizer) -> tuple[bool, float]:
+    """Applies the accumulated grads. Returns (update_successful, grad_norm)."""
+    ok, grad_norm, _ = optimizer.step()
+    return bool(ok), float(grad_norm) if grad_norm is not None else 0.0
+
+
+def zero_grad(ddp_model: torch.nn.Module, optimizer) -> None:
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+__all__ = ["OptimConfig", "lr_at", "wrap_ddp", "build_optimizer", "set_lr", "forward_backward",
+           "optimizer_step", "zero_grad", "ModelConfig", "ParallelConfig"]

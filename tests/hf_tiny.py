@@ -1,0 +1,43 @@
+"""Tiny random HF Llama / Qwen2 checkpoints built from a config (no downloads)."""
+from __future__ import annotations
+
+import torch
+
+
+def tiny_llama(path, *, vocab=100, layers=2, tie=False, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-6,
+                      tie_word_embeddings=tie, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg).float().eval()
+    _randomise_norms(model)
+    model.save_pretrained(path)
+    return model
+
+
+def tiny_qwen2(path, *, vocab=100, layers=2, tie=True, seed=1):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=tie,
+                      max_position_embeddings=256, use_sliding_window=False)
+    model = Qwen2ForCausalLM(cfg).float().eval()
+    _randomise_norms(model)
+    with torch.no_grad():  # biases start at 0 in HF init: make them matter
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+def _randomise_norms(model):
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
