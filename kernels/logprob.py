@@ -158,8 +158,8 @@ def _triton_backward(
 # --------------------------------------------------------------------------------------------
 # Pure-torch path: the same math on chunks of rows (CPU fallback and test oracle)
 # --------------------------------------------------------------------------------------------
-def _chunk_rows(n_cols: int, chunk_elems: int = CHUNK_ELEMS) -> int:
-    return max(1, min(4096, chunk_elems // max(n_cols, 1)))
+def _chunk_rows(n_cols: int) -> int:
+    return max(1, min(4096, CHUNK_ELEMS // max(n_cols, 1)))
 
 
 def _scaled_fp32(x: torch.Tensor, inv_temp: float) -> torch.Tensor:

@@ -1,0 +1,110 @@
+"""grpo_token_loss against a token-by-token float64 formula on the unsharded logits.
+
+Every loss option runs on both paths ("triton" under the interpreter, "torch"); the TP=2/4
+cases come from the shared gloo spawn in conftest.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernels_oracle import (
+    GRPO_OPTIONS, assert_close, grpo_case, oracle_grpo, oracle_logprob, row_scale, run_case,
+)
+
+from megagrpo.kernels import grpo_token_loss, kl_penalty
+
+IMPLS = ["triton", "torch"]
+
+
+def check_grpo(case, out, what):
+    loss, grad, flags = oracle_grpo(case)
+    scale = row_scale(case)
+    assert_close(out["loss"], loss, scale, f"{what} loss")
+    assert (out["loss"][~case["mask"]] == 0).all(), f"{what}: masked tokens have a loss"
+    assert out["grad"].dtype == case["logits"].dtype
+    assert_close(out["grad"], grad, scale, f"{what} grad")
+    for key, want in flags.items():
+        assert torch.equal(out[key], want), f"{what}: {key}"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("option", list(GRPO_OPTIONS))
+def test_tp1_matches_float64(option, impl):
+    dtype = torch.bfloat16 if option in ("ppo_dual_clip", "cispo") else torch.float32
+    case = grpo_case(30, 700, 1, dtype, seed=sum(map(ord, option)), options=GRPO_OPTIONS[option])
+    check_grpo(case, run_case(case, impl), f"{option}/{impl}")
+
+
+def test_options_are_exercised():
+    """The random cases really hit the branches they are meant to test."""
+    ppo = oracle_grpo(grpo_case(30, 700, 1, torch.float32, 1, GRPO_OPTIONS["ppo_clip"]))[2]
+    assert ppo["clipped_low"].any() and ppo["clipped_high"].any()
+    case = grpo_case(30, 700, 1, torch.float32, 2, GRPO_OPTIONS["ppo_dual_clip"])
+    out = run_case(case, "torch")
+    assert out["clipped_dual"].any(), "no token reached the dual-clip cap"
+    seq = run_case(grpo_case(30, 700, 1, torch.float32, 3, GRPO_OPTIONS["gspo_sequence"]), "torch")
+    assert seq["clipped_low"].any() or seq["clipped_high"].any()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_metrics(impl):
+    case = grpo_case(24, 500, 1, torch.float32, 9, GRPO_OPTIONS["kl_k3_clamped"])
+    out = run_case(case, impl)
+    logp, ent, _ = oracle_logprob(case["logits"], case["target"], case["temperature"], ~case["mask"])
+    scale = row_scale(case)
+    assert_close(out["logp"], logp, scale, "logp")
+    assert_close(out["entropy"], ent, scale, "entropy")
+    m = case["mask"]
+    ratio = torch.exp(logp[m] - case["old_logp"][m].double())
+    assert_close(out["ratio"][m], ratio, scale[m], "ratio")
+    kl = kl_penalty(logp.float(), torch.where(m, case["kwargs"]["ref_logp"], 0.0), "k3", (1.0, 0.5))
+    assert_close(out["kl"][m], kl[m].double(), scale[m], "kl")
+    assert out["kl"].abs().max() <= 0.5  # output clamp
+
+
+def test_kl_estimators():
+    logp = torch.tensor([-1.0, -2.0, -30.0], dtype=torch.float64)
+    ref = torch.tensor([-1.5, -2.0, -1.0], dtype=torch.float64)
+    d = logp - ref
+    assert torch.allclose(kl_penalty(logp, ref, "k1", (50.0, 50.0)), d)
+    assert torch.allclose(kl_penalty(logp, ref, "k2", (50.0, 1e30)), d * d / 2)
+    assert torch.allclose(kl_penalty(logp, ref, "k3", (50.0, 1e30)), torch.exp(-d) + d - 1)
+    assert kl_penalty(logp, ref, "k3", (20.0, 10.0))[2] == 10.0  # clamped in, then out
+    with pytest.raises(ValueError):
+        kl_penalty(logp, ref, "k4")
+
+
+def test_masked_garbage_and_extreme_logits_stay_finite():
+    case = grpo_case(16, 300, 1, torch.bfloat16, 4, GRPO_OPTIONS["kl_k2"])
+    case["logits"] = (torch.sign(torch.randn(16, 300)) * 1e4).to(torch.bfloat16)
+    case["advantages"][~case["mask"]] = float("nan")
+    out = run_case(case, "triton")
+    assert torch.isfinite(out["loss"]).all() and torch.isfinite(out["grad"].float()).all()
+    assert (out["grad"][~case["mask"]] == 0).all()
+
+
+def test_argument_checks():
+    x = torch.zeros(2, 5)
+    t = torch.zeros(2, dtype=torch.long)
+    v = torch.zeros(2)
+    m = torch.ones(2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="ref_logp"):
+        grpo_token_loss(x, t, v, v, m, beta=0.1, impl="torch")
+    with pytest.raises(ValueError, match="seq_ids"):
+        grpo_token_loss(x, t, v, v, m, ratio_level="sequence", impl="torch")
+    with pytest.raises(ValueError, match="dual_clip_c"):
+        grpo_token_loss(x, t, v, v, m, dual_clip_c=0.5, impl="torch")
+
+
+def test_tensor_parallel_over_gloo(tp_run):
+    """GRPO cases of the shared TP=2/TP=4 spawn: loss, metrics and sharded grads."""
+    tp, cases, ranks = tp_run
+    for name, case in cases.items():
+        if case["kind"] != "grpo":
+            continue
+        for impl in IMPLS:
+            outs = [r[(name, impl)] for r in ranks]
+            what = f"tp{tp}/{name}/{impl}"
+            assert all(o["collectives"] == 1 for o in outs), f"{what}: not one collective per call"
+            assert all(torch.equal(o["loss"], outs[0]["loss"]) for o in outs), f"{what}: ranks differ"
+            check_grpo(case, dict(outs[0], grad=torch.cat([o["grad"] for o in outs], dim=1)), what)
