@@ -251,7 +251,7 @@ class HFCheckpoint:
 
     def _handle(self, name: str, needed_by: str):
         if name not in self.files:
-            raise KeyError(f"checkpoint {self.dir} lacks tensor {name!r} (needed for {needed_by})")
+            raise ValueError(f"checkpoint {self.dir} lacks tensor {name!r} (needed for {needed_by})")
         fname = self.files[name]
         if fname not in self._handles:
             self._handles[fname] = self._open(self.dir / fname, "pt")
@@ -266,6 +266,21 @@ class HFCheckpoint:
 
     def cols(self, name: str, start: int, stop: int, needed_by: str) -> torch.Tensor:
         return self._handle(name, needed_by).get_slice(name)[:, start:stop]
+
+
+def check_hf_checkpoint(hf_dir: str | os.PathLike, model: ModelConfig) -> None:
+    """Every tensor the model needs is present with the right shape (reads headers only)."""
+    ckpt = HFCheckpoint(hf_dir)
+    expected = hf_shapes(model)
+    missing = sorted(n for n in expected if n not in ckpt.files)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint {ckpt.dir} lacks tensors {missing[:5]}{more}")
+    for name, shape in expected.items():
+        got = ckpt.shape(name, name)
+        if got != shape:
+            raise ValueError(f"checkpoint {ckpt.dir}: tensor {name!r} has shape {list(got)}, "
+                             f"expected {list(shape)} for this config")
 
 
 def read_shard(ckpt: HFCheckpoint, spec: ParamSpec, model: ModelConfig, tp_rank: int, tp: int,

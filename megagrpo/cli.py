@@ -1,0 +1,111 @@
+"""Command line: `python -m megagrpo {convert,demo,...}`.
+
+Commands that need several ranks relaunch themselves under torchrun when started as a single
+process (`convert --tp 2 --pp 2` spawns 4 local ranks), so the same line works in both cases.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+
+
+def _relaunch(nproc: int) -> int:
+    """Re-runs this command under torchrun with `nproc` local ranks."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "megagrpo", *sys.argv[1:]]
+    env = dict(os.environ, MEGAGRPO_RELAUNCHED="1")
+    return subprocess.call(cmd, env=env)
+
+
+def _needs_relaunch(nproc: int) -> bool:
+    return nproc > 1 and "WORLD_SIZE" not in os.environ
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from megagrpo.config.model import ParallelConfig
+
+    if bool(args.from_hf) == bool(args.from_megatron):
+        raise SystemExit("convert: give exactly one of --from-hf DIR or --from-megatron DIR")
+    if args.from_hf and not args.to_megatron:
+        raise SystemExit("convert: --from-hf needs --to-megatron DIR")
+    if args.from_megatron and not args.to_hf:
+        raise SystemExit("convert: --from-megatron needs --to-hf DIR")
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp)
+    # validate before any process is started
+    model = _model_config(args)
+    parallel.validate(model, int(os.environ.get("WORLD_SIZE", args.tp * args.pp)))
+    if args.from_hf:
+        from megagrpo.hf import check_hf_checkpoint
+
+        check_hf_checkpoint(args.from_hf, model)
+    if _needs_relaunch(args.tp * args.pp):
+        return _relaunch(args.tp * args.pp)
+    return _convert_ranks(args, model, parallel)
+
+
+def _model_config(args: argparse.Namespace):
+    from megagrpo.checkpoint import read_model_config
+    from megagrpo.hf import model_config_from_hf
+
+    if args.from_hf:
+        return model_config_from_hf(args.from_hf, dtype=args.dtype)
+    return read_model_config(args.from_megatron)[0]
+
+
+def _convert_ranks(args: argparse.Namespace, model, parallel) -> int:
+    from megagrpo.checkpoint import load_model, save_model
+    from megagrpo.distributed import init_distributed, shutdown
+    from megagrpo.hf import load_hf_weights
+    from megagrpo.model import build_model
+    from megagrpo.reshard import export_hf
+
+    info = init_distributed(parallel, model)
+    gpt = build_model(model, parallel)
+    if args.from_hf:
+        load_hf_weights(gpt, args.from_hf, model, parallel, tp_rank=info.tp_rank,
+                        pp_rank=info.pp_rank)
+        save_model(gpt, args.to_megatron, model, extra={"source": str(args.from_hf)})
+        out = args.to_megatron
+    else:
+        load_model(gpt, args.from_megatron)
+        export_hf(gpt, args.to_hf, model, parallel)
+        out = args.to_hf
+    if info.rank == 0:
+        print(f"converted -> {out} (tp={parallel.tp} pp={parallel.pp})")
+    shutdown()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="megagrpo", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("convert", help="HF <-> megatron dist-checkpoint at a given TP/PP")
+    c.add_argument("--from-hf")
+    c.add_argument("--to-megatron")
+    c.add_argument("--from-megatron")
+    c.add_argument("--to-hf")
+    c.add_argument("--tp", type=int, default=1)
+    c.add_argument("--pp", type=int, default=1)
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    c.set_defaults(func=cmd_convert)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")
+    logging.getLogger("megagrpo").setLevel(logging.INFO)
+    args = build_parser().parse_args(argv)
+    try:
+        rc = args.func(args)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"megagrpo {args.command}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    raise SystemExit(rc or 0)
