@@ -4,11 +4,14 @@ Depends only on torch and (optionally) triton. Public API:
 
 - ``vocab_parallel_logprob``: per-token log-prob (+ entropy) from ``[T, V_local]`` logits.
 - ``grpo_token_loss``: per-token GRPO/GSPO/CISPO loss with clip, dual clip, KL, IS weights.
+- ``grpo_loss_from_logp``: the same per-token algebra from log-probs computed elsewhere.
 - ``kl_penalty``: the k1/k2/k3 estimators on ``[T]`` log-probs.
 - ``active_path``: which path ("triton" | "torch") ``impl="auto"`` takes for a tensor.
 """
 from .dispatch import active_path
-from .grpo_loss import grpo_token_loss, kl_penalty
+from .grpo_loss import grpo_loss_from_logp, grpo_token_loss, kl_penalty
 from .logprob import vocab_parallel_logprob
 
-__all__ = ["active_path", "grpo_token_loss", "kl_penalty", "vocab_parallel_logprob"]
+__all__ = [
+    "active_path", "grpo_loss_from_logp", "grpo_token_loss", "kl_penalty", "vocab_parallel_logprob",
+]

@@ -66,13 +66,26 @@ def sequence_mean(values: torch.Tensor, seq_ids: torch.Tensor, mask: torch.Tenso
     return (sums / counts)[ids]
 
 
-def _policy_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, ratio_level: str,
-                  seq_ids: torch.Tensor | None) -> torch.Tensor:
+def _check_options(policy_loss, beta, ref_logp, dual_clip_c, ratio_level, seq_ids,
+                   kl_estimator) -> None:
+    """Reject bad option combinations before any vocab pass runs."""
+    if policy_loss not in POLICY_LOSSES:
+        raise ValueError(f"policy_loss must be one of {POLICY_LOSSES}, got {policy_loss!r}")
+    if beta != 0.0 and ref_logp is None:
+        raise ValueError("beta != 0 needs ref_logp")
+    if dual_clip_c is not None and dual_clip_c <= 1.0:
+        raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+    if ratio_level == "sequence" and seq_ids is None:
+        raise ValueError("ratio_level='sequence' needs seq_ids [T]")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+
+
+def _policy_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, ratio_level: str,
+                  seq_ids: torch.Tensor | None) -> torch.Tensor:
     if ratio_level == "sequence":
-        if seq_ids is None:
-            raise ValueError("ratio_level='sequence' needs seq_ids [T]")
         log_ratio = sequence_mean(log_ratio, seq_ids, mask)
     return torch.exp(log_ratio)
 
@@ -126,17 +139,48 @@ def grpo_token_loss(
         (zeros without ``ref_logp``), ``ratio``, ``entropy`` and bool ``clipped_low``,
         ``clipped_high``, ``clipped_dual``.
     """
-    if policy_loss not in POLICY_LOSSES:
-        raise ValueError(f"policy_loss must be one of {POLICY_LOSSES}, got {policy_loss!r}")
-    if beta != 0.0 and ref_logp is None:
-        raise ValueError("beta != 0 needs ref_logp")
-    if dual_clip_c is not None and dual_clip_c <= 1.0:
-        raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
-    mask = mask.bool()
+    _check_options(policy_loss, beta, ref_logp, dual_clip_c, ratio_level, seq_ids, kl_estimator)
     logp, entropy = vocab_parallel_logprob(
-        logits, target, temperature=temperature, group=group, ignore_mask=~mask,
+        logits, target, temperature=temperature, group=group, ignore_mask=~mask.bool(),
         with_entropy=True, inplace_backward=inplace_backward, impl=impl,
     )
+    return grpo_loss_from_logp(
+        logp, old_logp, advantages, mask, entropy=entropy, ref_logp=ref_logp, eps_low=eps_low,
+        eps_high=eps_high, dual_clip_c=dual_clip_c, beta=beta, kl_estimator=kl_estimator,
+        kl_clamp=kl_clamp, ratio_level=ratio_level, seq_ids=seq_ids, is_weight=is_weight,
+        is_cap=is_cap, policy_loss=policy_loss,
+    )
+
+
+def grpo_loss_from_logp(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    entropy: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip_c: float | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    kl_clamp: tuple[float, float] = (20.0, 10.0),
+    ratio_level: str = "token",
+    seq_ids: torch.Tensor | None = None,
+    is_weight: torch.Tensor | None = None,
+    is_cap: float | None = None,
+    policy_loss: str = "ppo",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The ``[T]`` algebra of ``grpo_token_loss`` given differentiable ``logp`` ``[T]``.
+
+    Same arguments and return value as ``grpo_token_loss`` (``entropy`` only feeds the metrics;
+    zeros when None). Useful when the log-probs come from elsewhere (e.g. the naive baseline).
+    """
+    _check_options(policy_loss, beta, ref_logp, dual_clip_c, ratio_level, seq_ids, kl_estimator)
+    mask = mask.bool()
+    logp = logp.float()
+    entropy = torch.zeros_like(logp) if entropy is None else entropy
     # Zero every input at masked positions first: garbage there (inf, NaN) must not reach the
     # gradient through 0 * inf.
     zero = logp.new_zeros(())
