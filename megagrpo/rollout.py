@@ -157,6 +157,11 @@ class _WeightFeed:
                     return name.replace(f".{part}.", f".{fused}."), members & self.shapes.keys()
         return None
 
+    def _count(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        self.tensors += 1
+        self.bytes += tensor.numel() * tensor.element_size()
+        return name, tensor
+
     def _pull(self, it: Iterator[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:
         t0 = time.perf_counter()
         try:
@@ -168,28 +173,40 @@ class _WeightFeed:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         pending: dict[str, dict[str, torch.Tensor]] = {}
-        it = iter(self.source)
+        it = _pairs(self.source)
         try:
             while (item := self._pull(it)) is not None:
                 name, tensor = item
                 self.check(name, tensor)
                 if name in self.optional:
                     continue  # tied to the embedding: vLLM does not load it
-                self.tensors += 1
-                self.bytes += tensor.numel() * tensor.element_size()
                 group = self._group(name)
                 if group is None:
-                    yield name, tensor
+                    yield self._count(name, tensor)
                     continue
                 key, members = group
                 pending.setdefault(key, {})[name] = tensor
                 if pending[key].keys() == members:
-                    yield from pending.pop(key).items()
+                    for pair in pending.pop(key).items():
+                        yield self._count(*pair)
+            if pending:
+                parts = sorted(n for group in pending.values() for n in group)
+                raise ValueError(f"update_weights: fused layers got only some of their parts "
+                                 f"(not loaded): {parts[:4]}")
         except Exception as exc:  # noqa: BLE001 - re-raised by update_weights after vLLM finishes
             self.error = exc
 
     def missing(self) -> list[str]:
         return sorted(self.shapes.keys() - self.optional - self.seen)
+
+
+def _pairs(source: Iterable) -> Iterator[tuple[str, torch.Tensor]]:
+    """Accept (name, tensor) pairs or buckets of them (lists, as iter_hf_weights yields)."""
+    for item in source:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            yield item
+        else:
+            yield from item
 
 
 def _packed_modules_mapping(worker) -> dict[str, list[str]]:
@@ -363,8 +380,11 @@ class VLLMEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        partial: bool = False) -> WeightSyncStats:
         """Load (hf_name, full tensor) pairs into the engine in place, then reset the prefix
-        cache. `named_tensors` may be a lazy generator (e.g. bucketed gathers from the sharded
-        policy); it is consumed once and never held whole.
+        cache. `named_tensors` may be a lazy generator of pairs or of buckets (lists of pairs,
+        as `megagrpo.reshard.iter_hf_weights` yields); it is consumed once and never held whole.
+        vLLM keeps a reference to a tensor until its layer is complete, so a producer must not
+        overwrite a yielded buffer in place. With vLLM TP>1 every rank passes the same full
+        tensors (vLLM shards them).
 
         Every name and shape is checked before vLLM sees the tensor. A list or dict is checked
         in full up front, so a bad one raises ValueError with the engine's weights unchanged.
@@ -382,10 +402,12 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={
             "weights_iterator": iter(feed), "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
-        if feed.error is not None:
+        if isinstance(feed.error, ValueError):
             raise ValueError(f"update_weights stopped after {feed.tensors} tensors (those layers "
                              f"now hold the new weights, the rest the old): {feed.error}"
                              ) from feed.error
+        if feed.error is not None:  # the source itself failed (e.g. a collective in a gather)
+            raise feed.error
         if not partial and feed.missing():
             raise ValueError(f"update_weights: {len(feed.missing())} parameters missing "
                              f"(kept old weights), e.g. {feed.missing()[:3]}; pass partial=True "
@@ -397,7 +419,7 @@ class VLLMEngine:
 
     def _precheck(self, items: Sequence[tuple[str, torch.Tensor]], partial: bool) -> None:
         probe = _WeightFeed((), self._shapes, self._optional, self._packed)
-        for name, tensor in items:
+        for name, tensor in _pairs(items):
             probe.check(name, tensor)
         if not partial and probe.missing():
             raise ValueError(f"update_weights: {len(probe.missing())} parameters missing, e.g. "

@@ -157,6 +157,27 @@ def test_bad_item_mid_stream_keeps_engine_usable(engine, tiny):
     assert_greedy_matches(engine, new)
 
 
+def test_buckets_and_partial_update(engine, tiny):
+    """Buckets (as iter_hf_weights yields) are accepted; partial=True updates a subset and the
+    layers not sent keep their weights; a fused layer sent in part is refused."""
+    _, model, _ = tiny
+    items = list(model.state_dict().items())
+    engine.update_weights(iter([items[:7], items[7:]]))
+    assert_greedy_matches(engine, model)
+    new = perturbed(model)
+    layer1 = [(n, t) for n, t in new.state_dict().items() if ".layers.1." in n]
+    engine.update_weights(iter(layer1), partial=True)
+    mixed = perturbed(model, scale=0.0)
+    mixed.load_state_dict(dict(layer1), strict=False)
+    assert_greedy_matches(engine, mixed)
+    q_only = [(n, t) for n, t in layer1 if "q_proj" in n]
+    with pytest.raises(ValueError, match="k_proj"):
+        engine.update_weights(q_only, partial=True)
+    with pytest.raises(ValueError, match="only some of their parts"):
+        engine.update_weights(iter(q_only), partial=True)
+    assert_greedy_matches(engine, mixed)
+
+
 def test_group_sampling_logprobs_and_rng_isolation(engine, tiny):
     _, model, _ = tiny
     engine.update_weights(lazy(model))

@@ -1,0 +1,143 @@
+"""Weight sync policy -> colocated vLLM: in-memory streaming vs a disk round trip vs memcpy.
+
+    .venv/bin/python benchmarks/weight_sync.py [--sizes tiny,10m,50m,100m] [--repeats 3]
+        [--out benchmarks/results/weight_sync_cpu.jsonl]
+
+Prints one JSON line per model size. Each size runs in its own process (one vLLM engine per
+process: vLLM's shutdown tears down the process group), single rank, megatron TP=1:
+  sync       megagrpo.reshard.iter_hf_weights (gather + HF convert) streamed into
+             VLLMEngine.update_weights (validate + vLLM reload_weights + prefix-cache reset)
+  disk       baseline: export_hf writes safetensors, then the files are read back (safe_open)
+             into the same engine. vLLM's own reload_weights(weights_path=...) needs an engine
+             started from a real checkpoint (load_format != "dummy"), so it is not used here.
+  memcpy     one flat copy of the same number of bytes (the floor for any in-memory sync)
+Times are medians over --repeats after one warm-up sync.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SIZES = {  # Llama shapes; head_dim 32 or 64 (vLLM CPU attention)
+    "tiny": dict(hidden_size=128, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                 head_dim=32, ffn_hidden_size=256, vocab_size=128),
+    "10m": dict(hidden_size=256, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                head_dim=64, ffn_hidden_size=1024, vocab_size=8192),
+    "50m": dict(hidden_size=512, num_layers=8, num_attention_heads=8, num_query_groups=4,
+                head_dim=64, ffn_hidden_size=2048, vocab_size=16384),
+    "100m": dict(hidden_size=768, num_layers=12, num_attention_heads=12, num_query_groups=4,
+                 head_dim=64, ffn_hidden_size=2048, vocab_size=16384),
+}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _read_safetensors(path: Path):
+    """Stream (name, tensor) from every shard of an HF checkpoint directory."""
+    from safetensors import safe_open
+
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def run_one(size: str, repeats: int) -> dict:
+    import torch
+
+    from megagrpo.config.model import ModelConfig, ParallelConfig
+    from megagrpo.config.rollout import RolloutConfig
+    from megagrpo.distributed import init_distributed
+    from megagrpo.hf import hf_config_dict
+    from megagrpo.model import build_model
+    from megagrpo.reshard import ReshardStats, export_hf, iter_hf_weights
+    from megagrpo.rollout import VLLMEngine
+
+    mcfg = ModelConfig(architecture="llama", max_position_embeddings=256, **SIZES[size])
+    par = ParallelConfig()
+    init_distributed(par, mcfg)  # before vLLM: the engine reuses this process group
+    gpt = build_model(mcfg, par, seed=0)
+    n_params = sum(p.numel() for p in gpt.parameters())
+    tmp = Path(tempfile.mkdtemp(prefix="weight_sync_"))
+    (tmp / "config.json").write_text(json.dumps(hf_config_dict(mcfg)))
+    t0 = time.perf_counter()
+    engine = VLLMEngine(RolloutConfig(max_model_len=256, max_num_seqs=8), tmp, dtype="float32")
+    start_s = time.perf_counter() - t0
+
+    def sync():
+        stats = ReshardStats()
+        buckets = iter_hf_weights(gpt, mcfg, par, bucket_bytes=64 << 20, stats=stats)
+        out = engine.update_weights(itertools.chain.from_iterable(buckets))
+        return out, stats
+
+    sync()  # warm-up
+    rows = []
+    for i in range(repeats):
+        out, stats = sync()
+        ckpt = tmp / f"ckpt{i}"
+        write_s = _timed(lambda: export_hf(gpt, str(ckpt), mcfg, par, bucket_bytes=64 << 20))
+        read_load_s = _timed(lambda: engine.update_weights(_read_safetensors(ckpt)))
+        rows.append(dict(sync_s=out.seconds, gather_convert_s=stats.gather_s + stats.convert_s,
+                         engine_load_s=out.load_seconds,
+                         disk_write_s=write_s, disk_read_load_s=read_load_s,
+                         disk_total_s=write_s + read_load_s))
+        for f in ckpt.iterdir():
+            f.unlink()
+        ckpt.rmdir()
+    nbytes = out.bytes
+    src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
+    dst = torch.empty_like(src)
+    copy_s = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats + 1))
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    return dict(
+        size=size, params=n_params, tensors=out.tensors, bytes=nbytes,
+        engine_start_s=round(start_s, 2),
+        **{k: round(v, 4) for k, v in med.items()},
+        sync_gbps=round(nbytes / med["sync_s"] / 1e9, 3),
+        disk_gbps=round(nbytes / med["disk_total_s"] / 1e9, 3),
+        memcpy_gbps=round(nbytes / copy_s / 1e9, 3),
+        speedup_vs_disk=round(med["disk_total_s"] / med["sync_s"], 2),
+        threads=torch.get_num_threads(), repeats=repeats,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default=",".join(SIZES))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/weight_sync_cpu.jsonl")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(run_one(args.one, args.repeats)), flush=True)
+        os._exit(0)  # skip vLLM's shutdown hooks
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    lines = []
+    for size in args.sizes.split(","):
+        proc = subprocess.run([sys.executable, __file__, "--one", size, "--repeats",
+                               str(args.repeats)], env=env, capture_output=True, text=True)
+        found = [ln[7:] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode or not found:
+            sys.exit(f"size {size} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+        print(found[-1], flush=True)
+        lines.append(found[-1])
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
