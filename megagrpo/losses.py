@@ -1,0 +1,110 @@
+"""The loss functions handed to megatron's schedule, one per kind of pass.
+
+Each runs on the last pipeline stage with this micro-batch's logits [b, S, V_local] and returns
+(loss, report) as megatron-core expects. Megatron divides a 2-tuple loss by the number of
+micro-batches and DDP averages grads over DP ranks; our losses are already each chunk's share
+of the global step loss (global normalisers), so they are multiplied back by both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megagrpo.algo import LossCounts, aggregate_loss
+from megagrpo.batch import Batch
+from megagrpo.config.algo import AlgoConfig
+from megagrpo.kernels import grpo_token_loss, vocab_parallel_logprob
+
+PAD_LOGIT = -1e9
+"""Logit given to vocab padding columns: exp() underflows to exactly 0, and 0 * PAD_LOGIT
+stays finite in the entropy sum (unlike -inf)."""
+
+
+@dataclass(kw_only=True)
+class LossContext:
+    """What every micro-batch's loss needs besides its own data."""
+
+    tp_group: object
+    """Tensor-parallel group of the vocab-parallel logits."""
+    valid_local_vocab: int
+    """Columns of this rank's vocab slice that are real tokens (the rest is padding)."""
+    temperature: float
+    """Sampling temperature (logits are scaled as vLLM scaled them)."""
+    impl: str
+    """Kernel path."""
+    scale: float = 1.0
+    """num_microbatches * dp: undoes megatron's averaging (see module doc)."""
+    counts: LossCounts | None = None
+    """Global normalisers of the optimizer step."""
+    algo: AlgoConfig | None = None
+    """GRPO variant (training passes)."""
+    inplace_backward: bool = False
+    """Kernel may write the logits gradient into the logits buffer."""
+
+
+def flat_logits(logits: Tensor, ctx: LossContext) -> Tensor:
+    """[b, S, V_local] -> [b*S, V_local] view, with vocab padding columns masked in place."""
+    flat = logits.view(-1, logits.shape[-1])
+    if ctx.valid_local_vocab < flat.shape[1]:
+        flat[:, ctx.valid_local_vocab:] = PAD_LOGIT
+    return flat
+
+
+def logprob_loss(ctx: LossContext, mb: Batch, logits: Tensor):
+    """Scoring pass (no grad): per-token log-probs of the targets, [b, S]."""
+    with torch.no_grad():
+        flat = flat_logits(logits, ctx)
+        logp = vocab_parallel_logprob(flat, mb.target.reshape(-1), temperature=ctx.temperature,
+                                      group=ctx.tp_group, ignore_mask=~mb.mask.reshape(-1),
+                                      impl=ctx.impl)
+    return logits.new_zeros(()), {"logp": logp.view_as(mb.target)}
+
+
+def grpo_loss(ctx: LossContext, mb: Batch, logits: Tensor):
+    """Training pass: fused per-token GRPO loss -> this chunk's share of the step loss."""
+    a = ctx.algo
+    b, S = mb.target.shape
+    mask = mb.mask.reshape(-1)
+    seq_ids = torch.arange(b).repeat_interleave(S)
+    old = mb.old_logp.reshape(-1) if mb.old_logp is not None else None
+    ref = mb.ref_logp.reshape(-1) if mb.ref_logp is not None else None
+    cispo = a.loss_agg == "cispo"
+    tok_loss, m = grpo_token_loss(
+        flat_logits(logits, ctx), mb.target.reshape(-1), old, mb.advantages.reshape(-1), mask,
+        ref_logp=ref, group=ctx.tp_group, temperature=ctx.temperature,
+        eps_low=a.eps_low, eps_high=a.cispo_eps_high if cispo else a.eps_high,
+        dual_clip_c=a.dual_clip_c or None, beta=0.0 if a.kl_in_reward else a.beta,
+        kl_estimator=a.kl_estimator,
+        ratio_level="sequence" if a.loss_agg == "gspo" else "token", seq_ids=seq_ids,
+        is_weight=mb.is_weight.reshape(-1) if mb.is_weight is not None else None,
+        policy_loss="cispo" if cispo else "ppo", impl=ctx.impl,
+        inplace_backward=ctx.inplace_backward,
+    )
+    loss = aggregate_loss(tok_loss, mask.float(), seq_ids, mode=a.loss_agg, counts=ctx.counts,
+                          num_local_seqs=b)
+    f = mask.float()
+    report = {
+        "loss": loss.detach(),  # this chunk's share: chunks and DP ranks sum to the step loss
+        "tokens": f.sum(),
+        "kl_sum": (m["kl"] * f).sum(),
+        "entropy_sum": (m["entropy"] * f).sum(),
+        "clip_low_sum": (m["clipped_low"].float() * f).sum(),
+        "clip_high_sum": (m["clipped_high"].float() * f).sum(),
+        "clip_dual_sum": (m["clipped_dual"].float() * f).sum(),
+        "ratio_sum": (m["ratio"] * f).sum(),
+        "logp": m["logp"].view(b, S),
+    }
+    return loss * ctx.scale, report
+
+
+def sft_loss(ctx: LossContext, mb: Batch, logits: Tensor):
+    """Cold start: token-mean negative log-likelihood of the completion tokens."""
+    mask = mb.mask.reshape(-1)
+    logp = vocab_parallel_logprob(flat_logits(logits, ctx), mb.target.reshape(-1),
+                                  group=ctx.tp_group, ignore_mask=~mask, impl=ctx.impl,
+                                  inplace_backward=ctx.inplace_backward)
+    loss = -(logp * mask.float()).sum() / max(ctx.counts.num_tokens, 1.0)
+    return loss * ctx.scale, {"nll_sum": -(logp.detach() * mask.float()).sum(),
+                              "tokens": mask.float().sum()}

@@ -1,0 +1,101 @@
+"""The KL reference: a second GPTModel with the policy's TP/PP layout, and its schedule.
+
+Because both models share the layout, every rank holds the reference shard that pairs with its
+policy shard, so re-initialising the reference is a local in-place copy (or lerp) per parameter:
+no gather, no reload, no new allocation. alpha=1 is DeepSeekMath's reset (Alg. 1, line 3);
+alpha<1 is TRL-style mixing ref <- alpha*policy + (1-alpha)*ref.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.train import ReferenceConfig
+from megagrpo.model import build_model, unwrap
+
+log = logging.getLogger("megagrpo")
+
+
+@dataclass
+class ReferenceState:
+    """What the schedule remembers (saved in checkpoints so a resumed run keeps it)."""
+
+    syncs: int = 0
+    last_sync_step: int = 0
+    last_epoch: int = 0
+
+
+def _pairs(ref: torch.nn.Module, policy: torch.nn.Module):
+    rp, pp = list(unwrap(ref).named_parameters()), list(unwrap(policy).named_parameters())
+    if [n for n, _ in rp] != [n for n, _ in pp]:
+        raise RuntimeError("reference and policy parameter lists differ: layouts must match")
+    for (name, r), (_, p) in zip(rp, pp):
+        if r.shape != p.shape:
+            raise RuntimeError(f"{name}: reference {tuple(r.shape)} != policy {tuple(p.shape)}")
+        yield r, p
+
+
+@torch.no_grad()
+def sync_reference(ref: torch.nn.Module, policy: torch.nn.Module, alpha: float = 1.0) -> None:
+    """ref <- alpha * policy + (1 - alpha) * ref, in place, shard by shard on this rank."""
+    for r, p in _pairs(ref, policy):
+        src = p.detach()
+        if src.device != r.device:  # an offloaded reference
+            src = src.to(r.device, non_blocking=True)
+        if alpha == 1.0:
+            r.copy_(src)
+        else:
+            r.lerp_(src.to(r.dtype), alpha)
+
+
+class Reference:
+    """Owns the reference model, its offload and its re-initialisation schedule."""
+
+    def __init__(self, policy: torch.nn.Module, model: ModelConfig, parallel: ParallelConfig,
+                 cfg: ReferenceConfig, *, seed: int):
+        self.cfg = cfg
+        self.state = ReferenceState()
+        self.model = build_model(model, parallel, seed=seed)
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.model.eval()
+        sync_reference(self.model, policy, 1.0)
+        self._offloaded = False
+        if cfg.offload and not torch.cuda.is_available():
+            log.info("reference.offload: no-op on CPU (the reference already lives in host memory)")
+        self.offload()
+
+    def due(self, step: int, epoch: int, kl: float | None) -> str | None:
+        """The reason to re-initialise after optimizer step `step` (1-based), or None."""
+        c = self.cfg
+        if c.sync_every_steps and step - self.state.last_sync_step >= c.sync_every_steps:
+            return "steps"
+        if c.sync_every_epoch and epoch > self.state.last_epoch:
+            return "epoch"
+        if c.sync_kl_threshold and kl is not None and kl > c.sync_kl_threshold:
+            return "kl"
+        return None
+
+    def sync(self, policy: torch.nn.Module, step: int, epoch: int) -> None:
+        self.onload()
+        sync_reference(self.model, policy, self.cfg.alpha)
+        self.offload()
+        self.state = ReferenceState(syncs=self.state.syncs + 1, last_sync_step=step,
+                                    last_epoch=epoch)
+
+    def onload(self) -> None:
+        """Moves an offloaded reference back to the accelerator (before scoring)."""
+        if self._offloaded:
+            dev = torch.device("cuda", torch.cuda.current_device())
+            for p in self.model.parameters():
+                p.data = p.data.to(dev, non_blocking=True)
+            self._offloaded = False
+
+    def offload(self) -> None:
+        if self.cfg.offload and torch.cuda.is_available() and not self._offloaded:
+            for p in self.model.parameters():
+                p.data = p.data.to("cpu", non_blocking=True).pin_memory()
+            self._offloaded = True
