@@ -18,8 +18,8 @@ from typing import Any, Protocol, runtime_checkable
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """What megagrpo needs from a tokenizer. encode/decode never add or strip BOS/EOS by
-    themselves except that decode drops special tokens."""
+    """What megagrpo needs from a tokenizer. encode adds no BOS/EOS; decode drops special
+    tokens and ids outside the vocabulary (models pad their vocab for TP and may sample those)."""
 
     eos_id: int
     pad_id: int
@@ -49,7 +49,9 @@ class SentencePieceTokenizer:
         return self.sp.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.sp.decode([int(i) for i in ids])
+        """Text of `ids`; ids outside the vocabulary (a TP-padded model can sample them) are
+        dropped rather than raising."""
+        return self.sp.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
 
 
 class HFTokenizer:
@@ -71,7 +73,9 @@ class HFTokenizer:
         return self.tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+        """Text of `ids` without special tokens; out-of-vocabulary ids (TP padding) dropped."""
+        kept = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
+        return self.tok.decode(kept, skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         """The conversation rendered as text, ending with the assistant generation prompt."""

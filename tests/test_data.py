@@ -76,6 +76,7 @@ def test_sentencepiece_tokenizer_protocol(tmp_path):
     assert (tok.eos_id, tok.pad_id, tok.bos_id, tok.vocab_size) == (2, 2, 1, 30)
     ids = data.encode_prompt(tok, "the cat")
     assert ids[0] == 1 and tok.decode(ids) == "the cat"
+    assert tok.decode([*ids, 2, 30, 127]) == "the cat"  # EOS and TP-padding ids vanish
 
 
 def test_hf_tokenizer_chat_template(tmp_path):
@@ -97,6 +98,7 @@ def test_hf_tokenizer_chat_template(tmp_path):
     assert text == "<s>system: hi</s><s>user: sum</s><s>assistant:"
     ids = data.encode_prompt(tok, text)
     assert ids[:2] == [1, 6] and ids.count(1) == 3  # BOS from the template, not doubled
+    assert tok.decode([4, 2, 99]) == "hi"
     with pytest.raises(ValueError, match="chat"):
         data.format_prompt("sum", "chat", None)
 
