@@ -118,7 +118,9 @@ def register_loss_agg(name: str) -> Callable[[AggFn], AggFn]:
 
 @register_loss_agg("grpo")
 @register_loss_agg("gspo")
-def _agg_sequence_mean(loss: Tensor, mask: Tensor, seq_ids: Tensor, c: LossCounts, s: int) -> Tensor:
+def _agg_sequence_mean(
+    loss: Tensor, mask: Tensor, seq_ids: Tensor, c: LossCounts, s: int
+) -> Tensor:
     """Mean over each sequence's valid tokens, then mean over sequences (GRPO paper, Eq. 3).
 
     GSPO (arXiv 2507.18071) uses it too: its per-token loss already carries the sequence-level
@@ -136,7 +138,9 @@ def _agg_token_mean(loss: Tensor, mask: Tensor, seq_ids: Tensor, c: LossCounts, 
 
 
 @register_loss_agg("bnpo")
-def _agg_chunk_token_mean(loss: Tensor, mask: Tensor, seq_ids: Tensor, c: LossCounts, s: int) -> Tensor:
+def _agg_chunk_token_mean(
+    loss: Tensor, mask: Tensor, seq_ids: Tensor, c: LossCounts, s: int
+) -> Tensor:
     """Token mean within this chunk (micro-batch), averaged over chunks (TRL's bnpo).
 
     Equals 'dapo' when the step is one chunk; otherwise it depends on how tokens fall into

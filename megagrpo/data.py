@@ -216,13 +216,11 @@ def build_examples(
     system_prompt: str = "",
 ) -> list[Example]:
     """Templated `Example`s from raw records (answers converted to str)."""
-    return [
-        Example(
-            prompt=format_prompt(str(get_field(r, prompt_field)), template, tokenizer, system_prompt),
-            answer=str(get_field(r, answer_field)),
-        )
-        for r in records
-    ]
+    out = []
+    for r in records:
+        prompt = format_prompt(str(get_field(r, prompt_field)), template, tokenizer, system_prompt)
+        out.append(Example(prompt=prompt, answer=str(get_field(r, answer_field))))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

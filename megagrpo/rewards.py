@@ -172,9 +172,9 @@ class RewardFn:
         per_term: dict[str, Tensor] = {}
         metrics = {"reward_errors": 0.0, "reward_timeouts": 0.0}
         total = torch.zeros(len(completions), dtype=torch.float32)
-        for term, fn, label in zip(self.cfg.terms, self.fns, self.labels):
+        for term, fn, label in zip(self.cfg.terms, self.fns, self.labels, strict=True):
             values = torch.zeros(len(completions), dtype=torch.float32)
-            for i, (completion, answer) in enumerate(zip(completions, answers)):
+            for i, (completion, answer) in enumerate(zip(completions, answers, strict=True)):
                 value, status = call_with_deadline(fn, completion, answer, term.kwargs, timeout)
                 values[i] = value
                 if status != "ok":

@@ -101,7 +101,8 @@ def test_bnpo_normalises_per_chunk():
 def test_registry_matches_config_choices():
     assert set(algo.LOSS_AGGREGATIONS) == set(LOSS_AGGS)
     with pytest.raises(ValueError, match="loss_agg"):
-        algo.aggregate_loss(*_packed([2]), mode="nope", counts=algo.LossCounts(num_tokens=1, num_seqs=1))
+        counts = algo.LossCounts(num_tokens=1, num_seqs=1)
+        algo.aggregate_loss(*_packed([2]), mode="nope", counts=counts)
 
 
 @pytest.mark.parametrize("est", ["k1", "k2", "k3"])

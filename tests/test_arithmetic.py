@@ -26,7 +26,8 @@ def test_answers_are_correct_and_splits_disjoint():
 def test_deterministic_and_seeded():
     cfg = ArithmeticConfig(num_train=50, num_eval=20)
     assert arithmetic.train_examples(cfg) == arithmetic.train_examples(cfg)
-    assert arithmetic.eval_examples(cfg) != arithmetic.eval_examples(ArithmeticConfig(num_eval=20, seed=1))
+    other = ArithmeticConfig(num_eval=20, seed=1)
+    assert arithmetic.eval_examples(cfg) != arithmetic.eval_examples(other)
     assert arithmetic.sft_examples(10, 0) == arithmetic.sft_examples(10, 0)
     assert arithmetic.sft_examples(10, 0) != arithmetic.sft_examples(10, 1)
 
@@ -73,7 +74,8 @@ def test_build_task_and_config_validation(tmp_path):
     task = build_task(DataConfig(), ArithmeticConfig(num_train=64, num_eval=16,
                                                       tokenizer_dir=str(tmp_path)))
     assert len(task.train) == 64 and len(task.eval) == 16
-    assert task.tokenizer.decode(task.tokenizer.encode(task.train[0].prompt)) == task.train[0].prompt
+    prompt = task.train[0].prompt
+    assert task.tokenizer.decode(task.tokenizer.encode(prompt)) == prompt
     for kw, field in [({"digits": 0}, "digits"), ({"operators": "/"}, "operators"),
                       ({"eval_fraction": 0.0}, "eval_fraction"),
                       ({"digits": 1, "num_eval": 200}, "num_eval")]:

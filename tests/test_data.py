@@ -20,7 +20,8 @@ def test_jsonl_nested_fields_and_template(tmp_path):
     records = data.read_records(path)
     got = data.build_examples(records, prompt_field="q.text", answer_field="sol",
                               template="Q: {prompt}\nA:")
-    assert got == [Example(prompt="Q: 1+1?\nA:", answer="2"), Example(prompt="Q: 2+3?\nA:", answer="5")]
+    assert got == [Example(prompt="Q: 1+1?\nA:", answer="2"),
+                   Example(prompt="Q: 2+3?\nA:", answer="5")]
     with pytest.raises(KeyError, match=r"available: \['q', 'sol'\]"):
         data.build_examples(records, prompt_field="question")
 
@@ -49,7 +50,8 @@ def test_parquet_or_clear_error(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
     pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", "2"]}), path)
-    assert data.read_records(path) == [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    want = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    assert data.read_records(path) == want
 
 
 def test_datasets_folder_or_clear_error(tmp_path):
@@ -60,7 +62,8 @@ def test_datasets_folder_or_clear_error(tmp_path):
             data.read_records(folder)
         return
     import datasets
-    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": ["a"], "answer": ["1"]})})
+    train = datasets.Dataset.from_dict({"prompt": ["a"], "answer": ["1"]})
+    dd = datasets.DatasetDict({"train": train})
     dd.save_to_disk(str(folder))
     assert data.read_records(folder, split="train") == [{"prompt": "a", "answer": "1"}]
 
@@ -122,7 +125,8 @@ def test_loader_epochs_cover_dataset_once_and_reshuffle():
 
 def test_loader_dp_shards_partition_the_global_batch():
     full = PromptLoader(_examples(24), batch_size=6, seed=1)
-    ranks = [PromptLoader(_examples(24), batch_size=6, dp_rank=r, dp_size=3, seed=1) for r in range(3)]
+    ranks = [PromptLoader(_examples(24), batch_size=6, dp_rank=r, dp_size=3, seed=1)
+             for r in range(3)]
     for _ in range(5):  # crosses an epoch boundary
         want = next(full)
         got = [e for r in ranks for e in next(r)]
@@ -137,7 +141,8 @@ def test_loader_resume_continues_exactly_even_at_another_dp_size():
     for _ in range(7):
         next(first)
     state = json.loads(json.dumps(first.state_dict()))  # survives serialisation
-    resumed = [PromptLoader(_examples(20), batch_size=4, dp_rank=r, dp_size=2, seed=7) for r in range(2)]
+    resumed = [PromptLoader(_examples(20), batch_size=4, dp_rank=r, dp_size=2, seed=7)
+               for r in range(2)]
     for loader in resumed:
         loader.load_state_dict(state)
     for step in range(7, 12):

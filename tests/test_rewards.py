@@ -52,7 +52,8 @@ def test_format_reward():
 def test_math_verify_reward_in_worker_threads():
     cfg = RewardConfig(terms=[RewardTermConfig(name="math")], timeout_s=20.0)
     total, _, metrics = rewards.RewardFn(cfg).score(
-        ["The answer is $\\frac{1}{2}$.", "so \\boxed{0.5}", "it is $3$"], ["0.5", "$\\frac12$", "4"]
+        ["The answer is $\\frac{1}{2}$.", "so \\boxed{0.5}", "it is $3$"],
+        ["0.5", "$\\frac12$", "4"],
     )
     assert total.tolist() == [1.0, 1.0, 0.0]
     assert metrics["reward_errors"] == 0 and metrics["reward_timeouts"] == 0
