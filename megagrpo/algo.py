@@ -101,6 +101,14 @@ class LossCounts:
     num_chunks: int = 1
     """Micro-batches x DP ranks of the step (bnpo only: it normalises per chunk)."""
 
+    @classmethod
+    def from_totals(
+        cls, totals: Tensor, *, max_len: float = 1.0, num_chunks: int = 1
+    ) -> LossCounts:
+        """From the [2] tensor of `local_counts`, summed over micro-batches and all-reduced."""
+        num_tokens, num_seqs = (float(v) for v in totals.tolist())
+        return cls(num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len, num_chunks=num_chunks)
+
 
 AggFn = Callable[[Tensor, Tensor, Tensor, LossCounts, int], Tensor]
 LOSS_AGGREGATIONS: dict[str, AggFn] = {}
@@ -174,9 +182,10 @@ def aggregate_loss(
 
 
 def local_counts(mask: Tensor, num_local_seqs: int) -> Tensor:
-    """[valid tokens, sequences] of one chunk as a float64 [2] tensor, ready to sum over chunks
-    and all-reduce over DP before building `LossCounts`."""
-    return torch.tensor([float(mask.sum().item()), float(num_local_seqs)], dtype=torch.float64)
+    """[valid tokens, sequences] of one chunk: a float64 [2] tensor on mask's device (no host
+    sync), to sum over micro-batches and all-reduce over DP, then `LossCounts.from_totals`."""
+    seqs = torch.tensor(float(num_local_seqs), dtype=torch.float64, device=mask.device)
+    return torch.stack([mask.to(torch.float64).sum(), seqs])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,6 +345,17 @@ def clip_fractions(
     out = {"clip_frac_low": low, "clip_frac_high": high, "clip_frac_dual": dual}
     out["clip_frac"] = low | high
     return {k: float(masked_mean(v.to(ratio.dtype), mask).item()) for k, v in out.items()}
+
+
+def completion_metrics(lengths: Tensor, truncated: Tensor) -> dict[str, float]:
+    """Completion lengths (tokens) and truncation rate. lengths, truncated: [N]."""
+    lf = lengths.to(torch.float64)
+    return {
+        "length_mean": float(lf.mean().item()),
+        "length_max": float(lf.max().item()),
+        "length_min": float(lf.min().item()),
+        "truncated_frac": float(truncated.to(torch.float64).mean().item()),
+    }
 
 
 def reward_metrics(rewards: Tensor, group_size: int, solved: float = 1.0) -> dict[str, float]:

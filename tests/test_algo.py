@@ -77,13 +77,15 @@ def test_aggregation_chunked_sums_to_whole_batch(mode):
 
     bounds = [0, 2, 3, 6, 8]  # uneven chunks of sequences
     starts = [sum(lengths[:b]) for b in bounds]
+    chunks = [(starts[c], starts[c + 1], bounds[c], bounds[c + 1] - bounds[c]) for c in range(4)]
+    totals = sum(algo.local_counts(mask[lo:hi], n) for lo, hi, _, n in chunks)  # "all-reduce"
+    counts = algo.LossCounts.from_totals(totals, max_len=8)
+    assert (counts.num_tokens, counts.num_seqs) == (float(mask.sum()), len(lengths))
     total = 0.0
-    for c in range(4):
-        lo, hi = starts[c], starts[c + 1]
-        local_ids = seq_ids[lo:hi] - bounds[c]
+    for lo, hi, first, n in chunks:
         total = total + algo.aggregate_loss(
-            loss[lo:hi], mask[lo:hi], local_ids, mode=mode, counts=counts,
-            num_local_seqs=bounds[c + 1] - bounds[c],
+            loss[lo:hi], mask[lo:hi], seq_ids[lo:hi] - first, mode=mode, counts=counts,
+            num_local_seqs=n,
         )
     (g_chunks,) = torch.autograd.grad(total, loss)
     assert total.item() == pytest.approx(whole.item(), abs=1e-14)
@@ -223,6 +225,12 @@ def test_clip_fractions():
                    "clip_frac_dual": 1 / 5, "clip_frac": 2 / 5}
 
 
+def test_completion_metrics():
+    got = algo.completion_metrics(torch.tensor([3, 5, 10]), torch.tensor([False, False, True]))
+    assert got == {"length_mean": 6.0, "length_max": 10.0, "length_min": 3.0,
+                   "truncated_frac": pytest.approx(1 / 3)}
+
+
 def test_reward_metrics():
     rewards = torch.tensor([1, 1, 0, 0, 1, 1, 0, 0, 0], dtype=F64)
     got = algo.reward_metrics(rewards, 3)
@@ -242,3 +250,20 @@ def test_algo_config_validation():
         field = next(iter(kw))
         with pytest.raises(ValueError, match=f"algo.{field}"):
             AlgoConfig(**kw).validate()
+
+
+@pytest.mark.parametrize("module", ["megagrpo/config/algo.py", "megagrpo/config/data.py"])
+def test_every_config_field_has_a_docstring(module):
+    """The README generator reads the string literal after each dataclass field via ast."""
+    import ast
+    from pathlib import Path
+    tree = ast.parse((Path(__file__).parents[1] / module).read_text())
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+    assert classes
+    for cls in classes:
+        body = cls.body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                ok = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                assert ok and isinstance(nxt.value.value, str), f"{cls.name}.{node.target.id}"
