@@ -37,9 +37,10 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-# Rows per chunk of the torch path are sized so that one fp32 chunk holds ~CHUNK_ELEMS elements
-# (two such buffers are live at a time): 4 MiB each by default.
+# The torch path works on chunks of rows; one fp32 chunk buffer holds at most CHUNK_ELEMS
+# elements (4 MiB) and at most 1/CHUNK_SHARE of the rows (two such buffers are live at a time).
 CHUNK_ELEMS = 1 << 20
+CHUNK_SHARE = 64
 MAX_BLOCK_V = 4096
 NUM_STATS = 4  # m, s, zt, w
 
@@ -158,14 +159,18 @@ def _triton_backward(
 # --------------------------------------------------------------------------------------------
 # Pure-torch path: the same math on chunks of rows (CPU fallback and test oracle)
 # --------------------------------------------------------------------------------------------
-def _chunk_rows(n_cols: int) -> int:
-    return max(1, min(4096, CHUNK_ELEMS // max(n_cols, 1)))
+def _chunk_rows(n_rows: int, n_cols: int) -> int:
+    """Rows per chunk: at most CHUNK_ELEMS elements and at most 1/64 of the rows, so the two
+    live fp32 chunk buffers stay under ~6% of bf16 logits (~3% of fp32) whatever the shape."""
+    by_budget = CHUNK_ELEMS // max(n_cols, 1)
+    by_share = -(-n_rows // CHUNK_SHARE)
+    return max(1, min(4096, by_budget, by_share))
 
 
 def _scaled_fp32(x: torch.Tensor, inv_temp: float) -> torch.Tensor:
     """``x / temperature`` as a fresh fp32 buffer (never an alias of the caller's logits)."""
-    z = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    return z.copy_(x).mul_(inv_temp)
+    z = torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
+    return z if inv_temp == 1.0 else z.mul_(inv_temp)
 
 
 def _local_target(target: torch.Tensor, vocab_start: int, n_cols: int):
@@ -181,7 +186,7 @@ def _torch_stats(
     """Per-row local stats ``[T, 4]`` fp32 (m, s, zt, w), computed chunk by chunk."""
     n_rows, n_cols = logits.shape
     stats = torch.zeros((n_rows, NUM_STATS), dtype=torch.float32, device=logits.device)
-    step = chunk_rows or _chunk_rows(n_cols)
+    step = chunk_rows or _chunk_rows(n_rows, n_cols)
     for r0 in range(0, n_rows, step):
         x = logits[r0:r0 + step]
         z = _scaled_fp32(x, inv_temp)
@@ -206,23 +211,23 @@ def _torch_backward(
 ) -> None:
     """Chunked twin of ``_triton_backward``: at most two fp32 chunk buffers are live."""
     n_rows, n_cols = logits.shape
-    step = chunk_rows or _chunk_rows(n_cols)
+    step = chunk_rows or _chunk_rows(n_rows, n_cols)
     for r0 in range(0, n_rows, step):
         r1 = min(r0 + step, n_rows)
         z = _scaled_fp32(logits[r0:r1], inv_temp)
         p = torch.sub(z, lse[r0:r1, None]).exp_()
-        g = g_logp[r0:r1, None]
+        g = g_logp[r0:r1, None] * inv_temp
         if g_ent is not None:
-            # z <- h * p * (z - mu); p > 0 guard keeps -inf logits from giving 0 * inf.
-            z.sub_(mu[r0:r1, None]).mul_(p).mul_(g_ent[r0:r1, None])
+            # z <- (h / temperature) * p * (z - mu); the p > 0 guard keeps -inf logits from
+            # giving 0 * inf.
+            z.sub_(mu[r0:r1, None]).mul_(p).mul_(g_ent[r0:r1, None] * inv_temp)
             z.masked_fill_(p == 0, 0.0)
-            p.mul_(g).add_(z)
+            p.mul_(-g).sub_(z)
         else:
-            p.mul_(g)
-        p.neg_()
+            p.mul_(-g)
         idx, is_local = _local_target(target[r0:r1], vocab_start, n_cols)
-        p.scatter_add_(1, idx[:, None], torch.where(is_local, g_logp[r0:r1], 0.0)[:, None])
-        grad[r0:r1].copy_(p.mul_(inv_temp))
+        p.scatter_add_(1, idx[:, None], torch.where(is_local[:, None], g, 0.0))
+        grad[r0:r1].copy_(p)
         del z, p
 
 
@@ -294,7 +299,7 @@ class VocabParallelLogProb(torch.autograd.Function):
         keep = ~ignore_mask
         g_logp = torch.where(keep, g_logp, 0.0) if g_logp is not None else torch.zeros_like(lse)
         g_ent = torch.where(keep, g_ent, 0.0) if (g_ent is not None and with_entropy) else None
-        grad = logits if inplace else torch.empty_like(logits)
+        grad = logits.detach() if inplace else torch.empty_like(logits)
         bwd = _triton_backward if path == "triton" else _torch_backward
         bwd(logits, grad, target, lse, mu, g_logp.float().contiguous(),
             None if g_ent is None else g_ent.float().contiguous(), vocab_start, inv_temp)

@@ -1,0 +1,86 @@
+"""Small shared harness for megagrpo benchmarks: wall time, peak extra memory, copy bandwidth.
+
+Memory is "peak extra": the highest amount of memory allocated by the measured call beyond
+what was allocated when it started (so inputs created before the call do not count, and
+everything the call allocates and keeps - outputs, gradients - does).
+
+- CUDA: ``torch.cuda.max_memory_allocated() - memory_allocated()`` around the call (caching
+  allocator statistics; allocator-exact).
+- CPU: ``torch.profiler`` with ``profile_memory=True`` records every allocation and free that
+  goes through torch's CPU allocator as a ``[memory]`` event (+bytes / -bytes). Sorting them by
+  time and taking the running sum's maximum gives the peak. This counts tensor bytes only, is
+  independent of glibc's allocator caching (unlike RSS), and misses memory that libraries
+  allocate behind torch's back (oneDNN scratch pads, Python objects).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, *, setup: Callable[[], object]
+            | None = None, warmup: int = 1, iters: int = 3) -> float:
+    """Median seconds of ``fn()``; ``setup()`` runs untimed before each call."""
+    times = []
+    for i in range(warmup + iters):
+        if setup is not None:
+            setup()
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _cpu_peak_bytes(fn: Callable[[], object]) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]"]
+    current = peak = 0
+    for _, nbytes in sorted(events):
+        current += nbytes
+        peak = max(peak, current)
+    return peak
+
+
+def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes allocated during ``fn()`` beyond those allocated before it (see module doc)."""
+    if device.type == "cuda":
+        sync(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        sync(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    return _cpu_peak_bytes(fn)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 5) -> float:
+    """Measured device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    seconds = time_fn(lambda: dst.copy_(src), device, warmup=2, iters=iters)
+    return 2 * nbytes / seconds
+
+
+def emit(record: dict, path: str | None = None) -> None:
+    """Print ``record`` as one JSON line; append it to ``path`` when given."""
+    line = json.dumps(record, sort_keys=False)
+    print(line, flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")

@@ -1,0 +1,196 @@
+"""Benchmark the GRPO loss over vocab-parallel logits: time and memory of forward + backward.
+
+Usage (from the repo root; the same command runs on CUDA unchanged):
+
+    .venv/bin/python benchmarks/kernels.py                     # auto device, default sizes
+    .venv/bin/python benchmarks/kernels.py --out benchmarks/results/kernels_cpu.jsonl
+    python benchmarks/kernels.py --device cuda --T 16384 --V 151936 --tp 1,2,4
+
+One JSON line per (path, TP) case. Every path computes the same thing: per-token log-probs
+with grad, entropy (no grad) and a clipped GRPO loss with a k3 KL term, summed, then the
+gradient w.r.t. the logits (``torch.autograd.grad``, so no ``.grad`` accumulation copy).
+
+Paths:
+- ``naive``: ``log_softmax`` of an fp32 copy + gather under autograd (the textbook way).
+- ``megatron``: megatron-core ``tensor_parallel.vocab_parallel_cross_entropy`` (TP=1 only here,
+  in a single-rank process group; no entropy: it has none).
+- ``torch_chunked`` / ``torch_chunked_newgrad``: megagrpo's chunked pure-torch path with the
+  gradient written into the logits buffer (``inplace_backward=True``) or into a new buffer.
+- ``triton`` / ``triton_newgrad``: the Triton kernels (CUDA only: the interpreter is far too slow
+  at these sizes).
+
+TP>1 cases time one rank's share (logits ``[T, V/tp]``, targets drawn from the full vocab, so
+most are not local) in one process; the cross-rank all_gather of a ``[tp, T, 4]`` fp32 tensor is
+not included. ``naive`` and ``megatron`` run at TP=1 only.
+
+Memory (see ``_harness``): peak bytes allocated during the call beyond what existed before it
+(the logits and small inputs); ``peak_extra_pct`` is that over the logits' bytes. On GPU,
+``achieved_GBps`` counts the minimum traffic of the fused paths (read the logits forward, read
+and write them backward: 3x their bytes) against a measured device copy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import copy_bandwidth, emit, peak_extra_bytes, time_fn  # noqa: E402
+
+from megagrpo.kernels import grpo_loss_from_logp, grpo_token_loss  # noqa: E402
+from megagrpo.kernels.dispatch import triton_can_run  # noqa: E402
+
+LOSS_OPTS = dict(eps_low=0.2, eps_high=0.28, beta=0.04, kl_estimator="k3")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def make_inputs(t: int, v_local: int, tp: int, dtype: torch.dtype, device: torch.device) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    logits = (torch.randn(t, v_local, generator=g) * 2).to(device=device, dtype=dtype)
+    target = torch.randint(0, v_local * tp, (t,), generator=g).to(device)
+    mask = (torch.rand(t, generator=g) > 0.1).to(device)
+    old = (-5 + torch.randn(t, generator=g)).to(device)
+    return dict(logits=logits, target=target, mask=mask, old_logp=old,
+                advantages=torch.randn(t, generator=g).to(device),
+                ref_logp=(old + 0.1 * torch.randn(t, generator=g).to(device)))
+
+
+def naive_loss(x: torch.Tensor, inp: dict) -> torch.Tensor:
+    logsm = torch.log_softmax(x.float(), dim=-1)
+    logp = logsm.gather(1, inp["target"].clamp(0, x.shape[1] - 1)[:, None]).squeeze(1)
+    with torch.no_grad():
+        entropy = -(logsm.exp() * logsm).sum(dim=-1)
+    return grpo_loss_from_logp(logp, inp["old_logp"], inp["advantages"], inp["mask"],
+                               entropy=entropy, ref_logp=inp["ref_logp"], **LOSS_OPTS)[0]
+
+
+def megatron_loss(x: torch.Tensor, inp: dict) -> torch.Tensor:
+    from megatron.core import tensor_parallel
+
+    logp = -tensor_parallel.vocab_parallel_cross_entropy(x, inp["target"])
+    return grpo_loss_from_logp(logp, inp["old_logp"], inp["advantages"], inp["mask"],
+                               ref_logp=inp["ref_logp"], **LOSS_OPTS)[0]
+
+
+def fused_loss(impl: str, inplace: bool) -> Callable[[torch.Tensor, dict], torch.Tensor]:
+    def loss(x: torch.Tensor, inp: dict) -> torch.Tensor:
+        return grpo_token_loss(x, inp["target"], inp["old_logp"], inp["advantages"], inp["mask"],
+                               ref_logp=inp["ref_logp"], impl=impl, inplace_backward=inplace,
+                               **LOSS_OPTS)[0]
+    return loss
+
+
+PATHS: dict[str, Callable] = {
+    "naive": naive_loss,
+    "megatron": megatron_loss,
+    "torch_chunked": fused_loss("torch", True),
+    "torch_chunked_newgrad": fused_loss("torch", False),
+    "triton": fused_loss("triton", True),
+    "triton_newgrad": fused_loss("triton", False),
+}
+
+
+def init_megatron_tp1(device: torch.device) -> str | None:
+    """A single-rank process group + megatron parallel_state, or the reason it is unavailable."""
+    try:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+    except ImportError as e:
+        return f"megatron-core not importable: {e}"
+    if not dist.is_initialized():
+        import tempfile
+
+        rdzv = os.path.join(tempfile.mkdtemp(), "rdzv")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{rdzv}", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    return None
+
+
+def skip_reason(path: str, tp: int, device: torch.device) -> str | None:
+    if path in ("naive", "megatron") and tp != 1:
+        return "needs the full vocab on one rank (TP=1 only)"
+    if path.startswith("triton") and device.type != "cuda":
+        return "Triton runs on CUDA only in this benchmark"
+    if path.startswith("triton") and not triton_can_run(torch.empty(0, device=device)):
+        return "triton not importable"
+    if path == "megatron":
+        return init_megatron_tp1(device)
+    return None
+
+
+def run_case(path: str, base: torch.Tensor, inp: dict, device: torch.device, iters: int) -> dict:
+    """Time and measure one path on a fresh copy of ``base`` per call (copy not counted)."""
+    loss_fn = PATHS[path]
+    state = {}
+
+    def setup():
+        state.clear()
+        state["x"] = base.clone().requires_grad_()
+
+    def step():
+        x = state.pop("x")
+        (grad,) = torch.autograd.grad(loss_fn(x, inp).sum(), [x])
+        return grad
+
+    seconds = time_fn(step, device, setup=setup, warmup=1, iters=iters)
+    setup()
+    peak = peak_extra_bytes(step, device)
+    setup()
+    with torch.no_grad():
+        loss = loss_fn(state.pop("x"), inp).float()
+    return dict(fwd_bwd_s=round(seconds, 5), peak_extra_bytes=peak, loss=loss)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--T", type=int, default=None, help="tokens (default 16384 GPU, 2048 CPU)")
+    ap.add_argument("--V", type=int, default=None, help="full vocab (151936 GPU, 32768 CPU)")
+    ap.add_argument("--tp", default="1,2,4", help="comma-separated TP sizes (V_local = V/tp)")
+    ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--iters", type=int, default=None, help="timed iterations (5 GPU, 2 CPU)")
+    ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    t = args.T or (16384 if gpu else 2048)
+    v = args.V or (151936 if gpu else 32768)
+    iters = args.iters or (5 if gpu else 2)
+    dtype = DTYPES[args.dtype]
+    copy_bps = copy_bandwidth(device) if gpu else None
+    for tp in (int(s) for s in args.tp.split(",")):
+        inp = make_inputs(t, v // tp, tp, dtype, device)
+        base = inp.pop("logits")
+        logits_bytes = base.numel() * base.element_size()
+        ref_loss = None
+        for path in args.paths.split(","):
+            record = dict(path=path, T=t, V_local=v // tp, dtype=args.dtype, TP=tp,
+                          device=device.type)
+            reason = skip_reason(path, tp, device)
+            if reason:
+                emit(dict(record, skipped=reason), args.out)
+                continue
+            res = run_case(path, base, inp, device, iters)
+            loss = res.pop("loss")
+            if ref_loss is None:
+                ref_loss = loss
+            record.update(res, logits_bytes=logits_bytes,
+                          peak_extra_pct=round(100 * res["peak_extra_bytes"] / logits_bytes, 2),
+                          loss_max_abs_diff=float((loss - ref_loss).abs().max()))
+            if gpu and path.startswith("triton"):
+                moved = 3 * logits_bytes
+                record.update(achieved_GBps=round(moved / res["fwd_bwd_s"] / 1e9, 1),
+                              copy_GBps=round(copy_bps / 1e9, 1),
+                              frac_of_copy=round(moved / res["fwd_bwd_s"] / copy_bps, 3))
+            emit(record, args.out)
+
+
+if __name__ == "__main__":
+    main()
