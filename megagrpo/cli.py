@@ -84,6 +84,34 @@ def _convert_ranks(args: argparse.Namespace, model, parallel) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from megagrpo.config.train import load_config
+    from megagrpo.distributed import shutdown
+
+    cfg = load_config(args.config, args.overrides)
+    nproc = args.nproc or cfg.parallel.tp * cfg.parallel.pp
+    world = int(os.environ.get("WORLD_SIZE", nproc))
+    cfg.validate(world)  # before any process starts
+    if _needs_relaunch(nproc):
+        return _relaunch(nproc)
+    from megagrpo.run import train
+
+    train(cfg)
+    shutdown()
+    return 0
+
+
+DEMO_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "examples", "demo.yaml")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The embedded default: cold start + iterative GRPO on the built-in arithmetic task."""
+    args.config = args.config or DEMO_RECIPE
+    args.nproc = args.nproc or 2
+    return cmd_train(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megagrpo", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -96,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--pp", type=int, default=1)
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     c.set_defaults(func=cmd_convert)
+    for name, fn, hlp in (("train", cmd_train, "iterative GRPO from a YAML recipe"),
+                          ("demo", cmd_demo, "the embedded default run (examples/demo.yaml)")):
+        t = sub.add_parser(name, help=hlp)
+        t.add_argument("--config", default=None, help="YAML recipe")
+        t.add_argument("--nproc", type=int, default=0,
+                       help="local ranks when started without torchrun (default tp*pp)")
+        t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+        t.set_defaults(func=fn)
     return ap
 
 

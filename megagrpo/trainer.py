@@ -1,0 +1,447 @@
+"""Iterative GRPO (DeepSeekMath, arXiv 2402.03300, Algorithm 1) on megatron-core TP/PP models.
+
+One step reads top to bottom:
+  rollout -> reward -> advantage -> score (old / reference log-probs) -> update (mu passes x
+  minibatches) -> weight sync to vLLM -> reference schedule -> log -> checkpoint.
+
+Rollouts are data-parallel over *all* ranks: each rank's in-process vLLM engine samples a slice
+of its DP replica's prompts and the replica's TP x PP ranks all-gather the results, so every
+core samples and every rank of a replica trains on the same batch. Departures from the paper:
+process supervision is not implemented (outcome rewards only); the reference can be mixed
+(alpha < 1) as well as reset; async mode trains one step off-policy.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megagrpo import algo
+from megagrpo.batch import Batch, pack, sft_batch
+from megagrpo.config.train import TrainConfig
+from megagrpo.data import encode_prompt
+from megagrpo.losses import LossContext, grpo_loss, logprob_loss, sft_loss
+from megagrpo.metrics import MetricsLogger, PhaseTimer
+from megagrpo.optim import (build_optimizer, forward_backward, lr_at, optimizer_step, set_lr,
+                            wrap_ddp, zero_grad)
+
+log = logging.getLogger("megagrpo")
+
+
+@dataclass
+class Rollout:
+    """A replica's sampled batch (identical on its TP x PP ranks)."""
+
+    prompts: list[list[int]]
+    """[B] prompt token ids."""
+    answers: list[str]
+    """[B] reference answers."""
+    completions: list = field(default_factory=list)
+    """[B*G] `Completion`s, prompt-major."""
+    rewards: torch.Tensor | None = None
+    """[B*G] summed rewards."""
+    version: int = 0
+    """Optimizer steps the sampling policy had taken."""
+    epoch: int = 0
+    """Data epoch of the prompts."""
+    metrics: dict = field(default_factory=dict)
+
+
+def _forward(mb: Batch, model, *, loss_fn):
+    """megatron forward_step: logits on the last stage, hidden states elsewhere."""
+    pos = torch.arange(mb.ids.shape[1]).expand_as(mb.ids)
+    return model(mb.ids, pos, None), partial(loss_fn, mb)
+
+
+class Trainer:
+    """Holds the run's state; `setup` builds it, `step` runs one GRPO iteration."""
+
+    def __init__(self, cfg: TrainConfig, parts: dict):
+        self.cfg = cfg
+        self.__dict__.update(parts)
+        self.step_idx = 0
+        self.version = 0
+        self._pending: Rollout | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ rollout
+    def _prompt_batch(self) -> tuple[list[list[int]], list[str], int]:
+        examples = next(self.loader)
+        ids = [encode_prompt(self.tokenizer, e.prompt) for e in examples]
+        return ids, [e.answer for e in examples], self.loader.epoch
+
+    def _sample(self, prompts: list[list[int]], answers: list[str], *, greedy: bool = False,
+                max_tokens: int | None = None) -> tuple[list, torch.Tensor, dict]:
+        """Each rank of the model-parallel group samples (and scores) a slice of the replica's
+        prompts; the group all-gathers. Returns completions [B*G] and rewards [B*G]."""
+        from megagrpo.rollout import SamplingSettings
+
+        mp, r = self.mp_size, self.mp_rank
+        r_cfg = self.cfg.rollout
+        g = 1 if greedy else self.cfg.algo.group_size
+        sampling = SamplingSettings(
+            temperature=0.0 if greedy else r_cfg.temperature, top_p=r_cfg.top_p,
+            top_k=r_cfg.top_k, max_tokens=max_tokens or r_cfg.max_tokens,
+            stop=tuple(r_cfg.stop), n=g, stop_token_ids=self.stop_ids)
+        mine = list(range(r, len(prompts), mp))
+        comps = self.engine.generate([prompts[i] for i in mine], sampling) if mine else []
+        texts = [c.text or self.tokenizer.decode(c.token_ids) for c in comps]
+        ans = [answers[mine[c.prompt_index]] for c in comps]
+        rewards, _, rmetrics = self.reward_fn.score(texts, ans) if comps else (
+            torch.zeros(0), None, {})
+        for c in comps:
+            c.prompt_index = mine[c.prompt_index]
+        parts = [None] * mp
+        payload = (comps, rewards.tolist(), rmetrics)
+        if mp > 1:
+            dist.all_gather_object(parts, payload, group=self.mp_group)
+        else:
+            parts = [payload]
+        merged = sorted(((c, rw) for cs, rws, _ in parts for c, rw in zip(cs, rws)),
+                        key=lambda x: (x[0].prompt_index, x[0].sample_index))
+        metrics = _sum_dicts([m for _, _, m in parts])
+        return [c for c, _ in merged], torch.tensor([rw for _, rw in merged]), metrics
+
+    def rollout(self) -> Rollout:
+        """Samples G completions for a batch of prompts; with dynamic sampling, tops the batch
+        up with fresh prompts until it holds data.batch_size/dp groups with reward spread."""
+        G = self.cfg.algo.group_size
+        prompts, answers, epoch = self._prompt_batch()
+        comps, rewards, rm = self._sample(prompts, answers)
+        ro = Rollout(prompts=prompts, answers=answers, completions=comps, rewards=rewards,
+                     version=self.version, epoch=epoch, metrics=rm)
+        if not self.cfg.algo.dynamic_sampling:
+            return ro
+        return self._dynamic_sampling(ro, len(prompts), G)
+
+    def _dynamic_sampling(self, ro: Rollout, want: int, G: int) -> Rollout:
+        keep, _ = algo.filter_groups(ro.rewards, G)
+        kept = _select_groups(ro, keep, G)
+        rounds = 0
+        # all ranks agree on the number of rounds so the data loaders stay in lockstep
+        while _any_rank(len(kept.prompts) < want) and rounds < self.cfg.algo.max_resample_rounds:
+            prompts, answers, epoch = self._prompt_batch()
+            comps, rewards, _ = self._sample(prompts, answers)
+            more = Rollout(prompts=prompts, answers=answers, completions=comps, rewards=rewards)
+            keep, _ = algo.filter_groups(rewards, G)
+            kept = _concat(kept, _select_groups(more, keep, G))
+            kept.epoch = epoch
+            rounds += 1
+        kept.metrics = dict(ro.metrics, resample_rounds=rounds,
+                            filtered_groups=want - min(len(kept.prompts), want))
+        if not kept.prompts:  # nothing with signal: train on the batch (zero advantages)
+            kept = ro
+        return _truncate(kept, want, G)
+
+    # ------------------------------------------------------------------ advantage
+    def build_batch(self, ro: Rollout) -> tuple[Batch, dict]:
+        a, G = self.cfg.algo, self.cfg.algo.group_size
+        prompts = [ro.prompts[c.prompt_index] for c in ro.completions]
+        lengths = torch.tensor([len(c.token_ids) for c in ro.completions])
+        truncated = torch.tensor([c.finish_reason == "length" for c in ro.completions])
+        rewards = ro.rewards.float()
+        if a.overlong_buffer:
+            rewards = rewards + algo.overlong_penalty(lengths, self.cfg.rollout.max_tokens,
+                                                      a.overlong_buffer, a.overlong_penalty)
+        adv = algo.group_advantages(rewards, G, a.std_mode, a.std_eps)
+        if a.std_mode == "batch":  # a global batch std: gather over DP
+            adv = _batch_std_advantages(rewards, G, a.std_eps, self.dp_group)
+        keep = ~truncated if a.mask_truncated else None
+        mb = self.cfg.run.micro_batch_size * self.cfg.run.num_minibatches
+        batch = pack(prompts, [c.token_ids for c in ro.completions],
+                     [c.logprobs for c in ro.completions], adv, pad_id=self.pad_id,
+                     multiple=mb, completion_mask=keep)
+        metrics = dict(algo.reward_metrics(ro.rewards.float(), G), **ro.metrics)
+        metrics.update(completion_len=float(lengths.float().mean()),
+                       truncated_frac=float(truncated.float().mean()),
+                       advantage_abs=float(adv.abs().mean()))
+        return batch, metrics
+
+    # ------------------------------------------------------------------ score
+    def _logprobs(self, model, batch: Batch) -> torch.Tensor | None:
+        """Forward-only pass through the fused log-prob kernel; [N, S] on the last stage."""
+        ctx = self._ctx()
+        m = self.cfg.run.micro_batch_size
+        mbs = batch.micro_batches(m)
+        out = forward_backward(model, partial(_forward, loss_fn=partial(logprob_loss, ctx)), mbs,
+                               len(mbs), seq_length=batch.ids.shape[1], micro_batch_size=m,
+                               forward_only=True)
+        return torch.cat([o["logp"] for o in out]) if out else None
+
+    def score(self, batch: Batch, async_batch: bool) -> dict:
+        a = self.cfg.algo
+        need_old = (a.mu > 1 or self.cfg.run.num_minibatches > 1 or async_batch
+                    or a.rollout_is != "none")
+        metrics = {}
+        if need_old:
+            batch.old_logp = self._logprobs(self.policy, batch)
+        if self.reference is not None:
+            self.reference.onload()
+            batch.ref_logp = self._logprobs(self.reference.model, batch)
+            self.reference.offload()
+        if batch.old_logp is not None:
+            w, mask, im = algo.rollout_is_correction(
+                batch.old_logp.reshape(-1), batch.rollout_logp.reshape(-1),
+                batch.mask.reshape(-1).float(), torch.zeros(0), mode=a.rollout_is,
+                cap=a.rollout_is_cap, low=a.rollout_is_low, high=a.rollout_is_high,
+                num_local_seqs=1) if a.rollout_is != "seq_mask" else self._seq_is(batch)
+            metrics.update(im)
+            if a.rollout_is != "none":
+                batch.mask = mask.view_as(batch.mask).bool()
+                batch.is_weight = w.view_as(batch.mask) if a.rollout_is == "truncate" else None
+        if a.kl_in_reward and batch.ref_logp is not None and batch.old_logp is not None:
+            kl = algo.kl_estimate(batch.old_logp, batch.ref_logp, a.kl_estimator) * batch.mask
+            batch.advantages = batch.advantages - a.beta * kl.sum(1, keepdim=True) * batch.mask
+        return metrics
+
+    def _seq_is(self, batch: Batch):
+        a = self.cfg.algo
+        n, S = batch.mask.shape
+        seq_ids = torch.arange(n).repeat_interleave(S)
+        return algo.rollout_is_correction(
+            batch.old_logp.reshape(-1), batch.rollout_logp.reshape(-1),
+            batch.mask.reshape(-1).float(), seq_ids, mode="seq_mask", low=a.rollout_is_low,
+            high=a.rollout_is_high, num_local_seqs=n)
+
+    # ------------------------------------------------------------------ update
+    def _ctx(self, **kw) -> LossContext:
+        return LossContext(tp_group=self.tp_group, valid_local_vocab=self.valid_local_vocab,
+                           temperature=self.cfg.rollout.temperature, impl=self.cfg.run.kernel_impl,
+                           **kw)
+
+    def _counts(self, mb: Batch, num_chunks: int) -> algo.LossCounts:
+        seqs = (mb.mask.any(dim=1) & mb.seq_valid).sum()
+        local = torch.tensor([float(mb.mask.sum()), float(seqs)], dtype=torch.float64)
+        dist.all_reduce(local, group=self.dp_group)
+        return algo.LossCounts(num_tokens=float(local[0]), num_seqs=float(local[1]),
+                               max_len=float(self.cfg.algo.dr_grpo_max_len
+                                             or self.cfg.rollout.max_tokens),
+                               num_chunks=num_chunks * self.dp)
+
+    def update(self, batch: Batch) -> dict:
+        """mu passes over the batch, each split into minibatches (one optimizer step each)."""
+        run, a = self.cfg.run, self.cfg.algo
+        n_mini = run.num_minibatches
+        rows = batch.num_seqs // n_mini
+        reports, gnorms = [], []
+        for _ in range(a.mu):
+            for k in range(n_mini):
+                mini = batch.rows(k * rows, (k + 1) * rows)
+                mbs = mini.micro_batches(run.micro_batch_size)
+                ctx = self._ctx(scale=len(mbs) * self.dp, counts=self._counts(mini, len(mbs)),
+                                algo=a, inplace_backward=run.inplace_backward)
+                set_lr(self.optimizer, lr_at(self.cfg.optim, self.opt_steps, self.total_opt_steps))
+                zero_grad(self.policy, self.optimizer)
+                out = forward_backward(self.policy, partial(_forward,
+                                                            loss_fn=partial(grpo_loss, ctx)),
+                                       mbs, len(mbs), seq_length=batch.ids.shape[1],
+                                       micro_batch_size=run.micro_batch_size)
+                ok, gnorm = optimizer_step(self.policy, self.optimizer)
+                self.opt_steps += 1
+                reports += out
+                gnorms.append(gnorm)
+        return self._update_metrics(reports, gnorms, batch)
+
+    def _update_metrics(self, reports: list[dict], gnorms: list[float], batch: Batch) -> dict:
+        keys = ["loss", "tokens", "kl_sum", "entropy_sum", "clip_low_sum", "clip_high_sum",
+                "clip_dual_sum", "ratio_sum"]
+        v = torch.zeros(len(keys) + 2, dtype=torch.float64)
+        if reports and self.tp_rank == 0:
+            for i, k in enumerate(keys):
+                v[i] = sum(float(r[k]) for r in reports)
+            first = self.cfg.algo.mu * self.cfg.run.num_minibatches  # passes
+            v[-2] = 1.0
+            logp = torch.cat([r["logp"] for r in reports[: len(reports) // first]])
+            gap = ((logp - batch.rollout_logp).abs() * batch.mask)
+            v[-1] = float(gap.sum())  # on-policy logp of pass 1 vs vLLM's
+        dist.all_reduce(v)
+        tok = max(float(v[1]), 1.0)
+        passes = self.cfg.algo.mu * self.cfg.run.num_minibatches
+        m = {"loss": float(v[0]) / passes / max(float(v[-2]), 1.0) * self.dp,
+             "kl": float(v[2]) / tok, "entropy": float(v[3]) / tok,
+             "clip_frac_low": float(v[4]) / tok, "clip_frac_high": float(v[5]) / tok,
+             "clip_frac_dual": float(v[6]) / tok, "ratio_mean": float(v[7]) / tok,
+             "logp_gap_vllm_mean": float(v[-1]) / (tok / passes),
+             "grad_norm": sum(gnorms) / max(len(gnorms), 1)}
+        return m
+
+    # ------------------------------------------------------------------ sync
+    def sync_weights(self) -> dict:
+        """Reshards the policy (TP gather, PP broadcast, unfuse) straight into vLLM."""
+        from megagrpo.reshard import ReshardStats, iter_hf_weights
+
+        stats = ReshardStats()
+        pairs = (p for bucket in iter_hf_weights(self.policy, self.model_cfg, self.cfg.parallel,
+                                                 stats=stats) for p in bucket)
+        s = self.engine.update_weights(pairs)
+        return {"sync_bytes": stats.bytes, "sync_gather_s": stats.gather_s,
+                "sync_load_s": s.seconds - stats.gather_s - stats.convert_s}
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> dict:
+        t = PhaseTimer()
+        with t("rollout"):
+            ro = self._next_rollout()
+        with t("advantage"):
+            batch, metrics = self.build_batch(ro)
+        async_batch = ro.version != self.version
+        with t("score"):
+            metrics.update(self.score(batch, async_batch))
+        with t("update"):
+            metrics.update(self.update(batch))
+        self.version += 1
+        with t("rollout_wait"):
+            self._join_async()
+        with t("weight_sync"):
+            metrics.update(self.sync_weights())
+        self.step_idx += 1
+        with t("reference_sync"):
+            metrics["reference_sync"] = self._reference_schedule(ro.epoch, metrics.get("kl"))
+        metrics.update(t.times, step=self.step_idx, policy_version_of_batch=ro.version,
+                       epoch=ro.epoch, lr=lr_at(self.cfg.optim, self.opt_steps - 1,
+                                                self.total_opt_steps))
+        gen_tokens = metrics["completion_len"] * batch.seq_valid.sum().item() * self.dp
+        metrics["tokens_per_s"] = gen_tokens / max(sum(t.times.values()), 1e-9)
+        return metrics
+
+    def _next_rollout(self) -> Rollout:
+        if not self.cfg.run.async_rollout:
+            return self.rollout()
+        ro = self._pending if self._pending is not None else self.rollout()
+        self._pending = None
+        # sample step t+1's batch with the engine's current weights while step t trains
+        self._thread = threading.Thread(target=self._async_sample, daemon=True)
+        self._thread.start()
+        return ro
+
+    def _async_sample(self) -> None:
+        self._pending = self.rollout()
+
+    def _join_async(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _reference_schedule(self, epoch: int, kl: float | None) -> str:
+        if self.reference is None:
+            return ""
+        reason = self.reference.due(self.step_idx, epoch, kl)
+        if reason:
+            self.reference.sync(self.policy, self.step_idx, epoch)
+            if self.rank == 0:
+                log.info("step %d: reference re-initialised (%s, alpha=%.2f)", self.step_idx,
+                         reason, self.cfg.reference.alpha)
+        return reason or ""
+
+    # ------------------------------------------------------------------ eval / cold start
+    def evaluate(self, examples) -> float:
+        """Greedy accuracy on held-out examples, split over all ranks."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        mine = examples[rank::world]
+        correct = 0.0
+        if mine:
+            from megagrpo.rollout import SamplingSettings
+
+            ids = [encode_prompt(self.tokenizer, e.prompt) for e in mine]
+            s = SamplingSettings(temperature=0.0, max_tokens=self.cfg.run.eval_max_tokens, n=1,
+                                 stop_token_ids=self.stop_ids)
+            comps = self.engine.generate(ids, s)
+            texts = [c.text or self.tokenizer.decode(c.token_ids) for c in comps]
+            rewards, _, _ = self.reward_fn.score(texts, [e.answer for e in mine])
+            correct = float((rewards >= 1.0).sum())
+        v = torch.tensor([correct, float(len(mine))], dtype=torch.float64)
+        dist.all_reduce(v)
+        return float(v[0] / max(v[1], 1.0))
+
+    def cold_start(self, pairs_fn, steps: int) -> list[float]:
+        """Supervised fine-tuning on (prompt, completion) pairs: NLL of completion tokens."""
+        run = self.cfg.run
+        per_dp = run.sft_batch_size // self.dp
+        losses = []
+        for s in range(steps):
+            pairs = pairs_fn(per_dp, seed=run.seed * 100_003 + s * self.dp + self.dp_rank)
+            prompts = [encode_prompt(self.tokenizer, p) for p, _ in pairs]
+            comps = [self.tokenizer.encode(c) + [self.eos_id] for _, c in pairs]
+            batch = sft_batch(prompts, comps, pad_id=self.pad_id, multiple=run.micro_batch_size)
+            mbs = batch.micro_batches(run.micro_batch_size)
+            ctx = self._ctx(scale=len(mbs) * self.dp, counts=self._counts(batch, len(mbs)),
+                            inplace_backward=run.inplace_backward)
+            ctx.temperature = 1.0
+            set_lr(self.optimizer, run.sft_lr)
+            zero_grad(self.policy, self.optimizer)
+            out = forward_backward(self.policy, partial(_forward, loss_fn=partial(sft_loss, ctx)),
+                                   mbs, len(mbs), seq_length=batch.ids.shape[1],
+                                   micro_batch_size=run.micro_batch_size)
+            optimizer_step(self.policy, self.optimizer)
+            v = torch.tensor([sum(float(o["nll_sum"]) for o in out) if self.tp_rank == 0 else 0,
+                              sum(float(o["tokens"]) for o in out) if self.tp_rank == 0 else 0],
+                             dtype=torch.float64)
+            dist.all_reduce(v)
+            losses.append(float(v[0] / max(v[1], 1)))
+        return losses
+
+
+# ---------------------------------------------------------------------- helpers
+def _sum_dicts(dicts: list[dict]) -> dict:
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            if isinstance(v, (int, float)):
+                out[k] = out.get(k, 0) + v
+    return out
+
+
+def _any_rank(flag: bool) -> bool:
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _select_groups(ro: Rollout, keep: torch.Tensor, G: int) -> Rollout:
+    idx = [i for i in range(len(ro.prompts)) if bool(keep[i])]
+    remap = {old: new for new, old in enumerate(idx)}
+    comps = [c for c in ro.completions if c.prompt_index in remap]
+    for c in comps:
+        c.prompt_index = remap[c.prompt_index]
+    rewards = ro.rewards.view(-1, G)[keep].reshape(-1) if idx else ro.rewards[:0]
+    return Rollout(prompts=[ro.prompts[i] for i in idx], answers=[ro.answers[i] for i in idx],
+                   completions=comps, rewards=rewards, version=ro.version, epoch=ro.epoch,
+                   metrics=ro.metrics)
+
+
+def _concat(a: Rollout, b: Rollout) -> Rollout:
+    off = len(a.prompts)
+    for c in b.completions:
+        c.prompt_index += off
+    return Rollout(prompts=a.prompts + b.prompts, answers=a.answers + b.answers,
+                   completions=a.completions + b.completions,
+                   rewards=torch.cat([a.rewards, b.rewards]), version=a.version, epoch=a.epoch,
+                   metrics=a.metrics)
+
+
+def _truncate(ro: Rollout, want: int, G: int) -> Rollout:
+    if len(ro.prompts) <= want:
+        return ro
+    return Rollout(prompts=ro.prompts[:want], answers=ro.answers[:want],
+                   completions=[c for c in ro.completions if c.prompt_index < want],
+                   rewards=ro.rewards[: want * G], version=ro.version, epoch=ro.epoch,
+                   metrics=ro.metrics)
+
+
+def _batch_std_advantages(rewards: torch.Tensor, G: int, eps: float, dp_group) -> torch.Tensor:
+    """Group-mean baseline divided by the std of the rewards of the whole (DP-global) batch."""
+    stats = torch.tensor([rewards.sum(), (rewards ** 2).sum(), rewards.numel()],
+                         dtype=torch.float64)
+    dist.all_reduce(stats, group=dp_group)
+    n = stats[2]
+    mean = stats[0] / n
+    std = ((stats[1] / n - mean ** 2) * n / max(n - 1, 1)).clamp(min=0).sqrt()
+    centred = algo.group_advantages(rewards, G, "none")
+    return (centred / (std.float() + eps)).float()
+
+
+__all__ = ["Trainer", "Rollout"]
