@@ -11,6 +11,7 @@ process: vLLM's shutdown tears down the process group), single rank, megatron TP
              into the same engine. vLLM's own reload_weights(weights_path=...) needs an engine
              started from a real checkpoint (load_format != "dummy"), so it is not used here.
   memcpy     one flat copy of the same number of bytes (the floor for any in-memory sync)
+  check      after the sync, vLLM greedy tokens vs transformers on the exported checkpoint
 Times are medians over --repeats after one warm-up sync.
 """
 from __future__ import annotations
@@ -54,6 +55,28 @@ def _read_safetensors(path: Path):
                 yield name, f.get_tensor(name)
 
 
+def _agreement(engine, hf_dir: Path, vocab: int) -> dict:
+    """Greedy vLLM (after the in-memory sync) vs a transformers argmax loop on the exported
+    checkpoint: checks the whole megatron -> HF names -> vLLM chain, not just its speed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megagrpo.rollout import SamplingSettings
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    prompts = [[(7 * j + k) % vocab for j in range(5)] for k in (1, 2)]
+    comps = engine.generate(prompts, SamplingSettings(temperature=0.0, max_tokens=8))
+    same, gap = True, 0.0
+    with torch.no_grad():
+        for prompt, comp in zip(prompts, comps):
+            ids = torch.tensor([prompt + comp.token_ids])
+            logp = hf(ids).logits[0, len(prompt) - 1:-1].double().log_softmax(-1)
+            same &= logp.argmax(-1).tolist() == comp.token_ids
+            ref = logp.gather(1, torch.tensor(comp.token_ids)[:, None])[:, 0]
+            gap = max(gap, float((ref - torch.tensor(comp.logprobs).double()).abs().max()))
+    return {"greedy_agrees_with_hf": same, "max_logprob_gap": float(f"{gap:.2e}")}
+
+
 def run_one(size: str, repeats: int) -> dict:
     import torch
 
@@ -93,6 +116,8 @@ def run_one(size: str, repeats: int) -> dict:
                          engine_load_s=out.load_seconds,
                          disk_write_s=write_s, disk_read_load_s=read_load_s,
                          disk_total_s=write_s + read_load_s))
+        if i == 0:
+            check = _agreement(engine, ckpt, mcfg.vocab_size)
         for f in ckpt.iterdir():
             f.unlink()
         ckpt.rmdir()
@@ -109,7 +134,7 @@ def run_one(size: str, repeats: int) -> dict:
         disk_gbps=round(nbytes / med["disk_total_s"] / 1e9, 3),
         memcpy_gbps=round(nbytes / copy_s / 1e9, 3),
         speedup_vs_disk=round(med["disk_total_s"] / med["sync_s"], 2),
-        threads=torch.get_num_threads(), repeats=repeats,
+        threads=torch.get_num_threads(), repeats=repeats, **check,
     )
 
 

@@ -18,7 +18,8 @@ vLLM's side effects on the process, and what this module does about them:
   generator. The engine restores the caller's RNG states after start and swaps in its own torch
   generator state around every `generate`, so rollouts neither consume nor reset the trainer's RNG
   streams, and every rank of a vLLM TP group samples the same tokens.
-- Never shut the engine down mid-run: vLLM's shutdown destroys the default process group.
+- Never shut the engine down mid-run: vLLM's shutdown destroys the default process group
+  (`close()` is for the end of a run or a test module).
 """
 from __future__ import annotations
 
@@ -278,6 +279,7 @@ class VLLMEngine:
             self.hf_config.hidden_size // self.hf_config.num_attention_heads)
         check_head_dim(head_dim, on_cpu=self.on_cpu)
         self._shapes, self._optional = expected_hf_params(self.hf_config)
+        self._set_num_threads = torch.set_num_threads  # vLLM CPU replaces it with a no-op
         self.llm = self._start()
         self._rng = self._initial_rng_state()
         self._packed = self.llm.collective_rpc(_packed_modules_mapping)[0]
@@ -290,8 +292,9 @@ class VLLMEngine:
         if world > 1 and not torch.distributed.is_initialized():
             raise RuntimeError("initialise torch.distributed before VLLMEngine: vLLM otherwise "
                                "creates its own world-size-1 process group")
-        if tp > 1 and world % tp:
-            raise ValueError(f"rollout.tensor_parallel_size={tp} must divide WORLD_SIZE={world}")
+        if tp > 1 and world != tp:  # external_launcher with world > tp would need vLLM DP too
+            raise ValueError(f"rollout.tensor_parallel_size={tp} must be 1 or equal WORLD_SIZE="
+                             f"{world} (the tested external_launcher layout)")
         if self.on_cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.cpu_kvcache_space_gib)
             if tp > 1:
@@ -446,6 +449,18 @@ class VLLMEngine:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+
+    def close(self) -> None:
+        """End of run only: stops the engine and tears down vLLM's process groups AND
+        torch.distributed's default group (vLLM destroys it; it cannot be kept). Restores
+        torch.set_num_threads. The engine cannot be used afterwards."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        self.llm.llm_engine.engine_core.shutdown()
+        cleanup_dist_env_and_memory()
+        torch.set_num_threads = self._set_num_threads
+        del self.llm
 
 
 def logprob_gap(vllm_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor,

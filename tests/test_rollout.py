@@ -38,7 +38,10 @@ def engine(tiny):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     cfg = RolloutConfig(max_model_len=256, max_num_seqs=32, n=4, temperature=1.0,
                         max_tokens=12, seed=0)
-    return VLLMEngine(cfg, tiny[0], dtype="float32")
+    engine = VLLMEngine(cfg, tiny[0], dtype="float32")
+    yield engine
+    engine.close()  # leave no process group or patched torch.set_num_threads to later tests
+    assert not torch.distributed.is_initialized()
 
 
 def perturbed(model, scale: float = 0.05, seed: int = 1):

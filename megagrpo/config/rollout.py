@@ -40,7 +40,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take (weights + KV cache); GPU only."""
     enforce_eager: bool = True
-    """Run without CUDA graphs / torch.compile (faster start; required on CPU)."""
+    """Run without CUDA graphs / torch.compile (faster start, less memory; slower decode on GPU)."""
     sleep_between_rollouts: bool = False
     """GPU only: free the KV cache (and offload weights) between rollouts while training."""
     sleep_level: int = 1
