@@ -5,16 +5,24 @@ configured terms with their weights. Every call runs under a deadline; an except
 a non-finite value scores 0 and is counted in the metrics (`reward_errors`, `reward_timeouts`):
 scoring never raises.
 
-Timeouts: each call runs in a daemon worker thread joined with a deadline. Python cannot kill a
-thread, so a call that overruns is abandoned (it finishes, or not, in the background; the count of
-still-running ones is `reward_stuck_threads`). math-verify's own timeout uses signal.alarm, which
-only works in the main thread, so inside workers it is called with its timeouts off and our
-deadline bounds it instead.
+Isolation (RewardConfig.isolation):
+- thread (default): each call runs in a daemon thread joined with a deadline. Cheap, but Python
+  cannot kill a thread: an overrunning call is abandoned and runs on in the background (counted in
+  `reward_stuck_threads`), and one long C-level operation that holds the GIL (a huge integer
+  power) also delays the deadline itself.
+- process: calls run in a pool of spawned worker processes, `num_workers` at a time; when one
+  overruns, the pool is killed and restarted. Robust against anything, costs a process start
+  (imports) per restart. Terms are resolved by name inside the workers.
+- none: direct calls in the caller's thread, no deadline.
+math-verify's own timeout uses signal.alarm, which only works in a main thread: in worker threads
+it is called with its timeouts off and our deadline bounds it instead.
 """
 from __future__ import annotations
 
 import importlib
 import math
+import multiprocessing.pool
+import os
 import re
 import threading
 import time
@@ -133,16 +141,87 @@ def call_with_deadline(
             return 0.0, "timeout"
     if call.error is not None:
         return 0.0, "error"
+    return _as_score(call.value)
+
+
+def _as_score(value: object) -> tuple[float, str]:
+    """(float, 'ok') for a finite number (or bool), else (0.0, 'error')."""
     try:
-        value = float(call.value)  # type: ignore[arg-type]
+        score = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return 0.0, "error"
-    return (value, "ok") if math.isfinite(value) else (0.0, "error")
+    return (score, "ok") if math.isfinite(score) else (0.0, "error")
 
 
 def stuck_reward_threads() -> int:
     """Abandoned (timed-out) reward calls still running in this process."""
     return sum(t.name.startswith(_THREAD_PREFIX) and t.is_alive() for t in threading.enumerate())
+
+
+# ---------------------------------------------------------------------------------------------
+# calls in worker processes
+
+
+def _process_call(name: str, completion: str, answer: str, kwargs: dict) -> tuple[float, str]:
+    """Runs inside a pool worker: resolve the term by name, call it, never raise."""
+    try:
+        return _as_score(resolve_reward(name)(completion, answer, **kwargs))
+    except BaseException:  # noqa: BLE001 - anything a user reward throws scores 0
+        return 0.0, "error"
+
+
+def _worker_pid(_: int) -> int:
+    time.sleep(0.05)  # long enough that each of the first calls lands on a different worker
+    return os.getpid()
+
+
+class ProcessScorer:
+    """A pool of spawned worker processes running reward calls under a deadline; a call that
+    overruns gets the whole pool killed and restarted (the only way to stop it for sure)."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self.pool: multiprocessing.pool.Pool | None = None
+        self.restarts = 0
+
+    def _ready_pool(self) -> multiprocessing.pool.Pool:
+        if self.pool is None:
+            # spawn, not fork: the trainer process holds threads (and CUDA/NCCL state on GPU)
+            self.pool = multiprocessing.get_context("spawn").Pool(self.num_workers)
+            # Wait (no deadline) until every worker has started and imported this module, so
+            # start-up time is never charged to the first calls.
+            pids: set[int] = set()
+            for _ in range(10):
+                pids.update(self.pool.map(_worker_pid, range(self.num_workers), chunksize=1))
+                if len(pids) >= self.num_workers:
+                    break
+        return self.pool
+
+    def run(
+        self, name: str, pairs: Sequence[tuple[str, str]], kwargs: dict, timeout_s: float
+    ) -> list[tuple[float, str]]:
+        """(score, status) per (completion, answer); num_workers calls at a time, so each call's
+        deadline starts when it does."""
+        out: list[tuple[float, str]] = []
+        for start in range(0, len(pairs), self.num_workers):
+            window = pairs[start:start + self.num_workers]
+            pending = [self._ready_pool().apply_async(_process_call, (name, c, a, kwargs))
+                       for c, a in window]
+            deadline = time.monotonic() + timeout_s
+            for result in pending:
+                result.wait(max(0.0, deadline - time.monotonic()))
+                out.append(result.get() if result.ready() else (0.0, "timeout"))
+            if any(status == "timeout" for _, status in out[start:]):
+                self.close()
+                self.restarts += 1
+        return out
+
+    def close(self) -> None:
+        """Kill the workers (they are restarted on the next call)."""
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+            self.pool = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,8 +234,9 @@ class RewardFn:
     def __init__(self, cfg: RewardConfig) -> None:
         cfg.validate()
         self.cfg = cfg
-        self.fns = [resolve_reward(t.name) for t in cfg.terms]
+        self.fns = [resolve_reward(t.name) for t in cfg.terms]  # fail fast on bad names
         self.labels = _unique_labels([t.name for t in cfg.terms])
+        self.processes = ProcessScorer(cfg.num_workers) if cfg.isolation == "process" else None
 
     def score(
         self, completions: Sequence[str], answers: Sequence[str]
@@ -167,16 +247,15 @@ class RewardFn:
         failing reward call: it scores 0 and counts in reward_errors / reward_timeouts."""
         if len(completions) != len(answers):
             raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
-        timeout = self.cfg.timeout_s if self.cfg.isolation == "thread" else None
         start = time.perf_counter()
+        pairs = list(zip(completions, answers, strict=True))
         per_term: dict[str, Tensor] = {}
         metrics = {"reward_errors": 0.0, "reward_timeouts": 0.0}
         total = torch.zeros(len(completions), dtype=torch.float32)
         for term, fn, label in zip(self.cfg.terms, self.fns, self.labels, strict=True):
-            values = torch.zeros(len(completions), dtype=torch.float32)
-            for i, (completion, answer) in enumerate(zip(completions, answers, strict=True)):
-                value, status = call_with_deadline(fn, completion, answer, term.kwargs, timeout)
-                values[i] = value
+            scored = self._run_term(term.name, fn, pairs, term.kwargs)
+            values = torch.tensor([v for v, _ in scored], dtype=torch.float32)
+            for _, status in scored:
                 if status != "ok":
                     metrics[f"reward_{status}s"] += 1
             per_term[label] = values
@@ -184,7 +263,22 @@ class RewardFn:
             metrics[f"reward/{label}"] = float(values.mean()) if len(values) else 0.0
         metrics["reward_time_s"] = time.perf_counter() - start
         metrics["reward_stuck_threads"] = float(stuck_reward_threads())
+        if self.processes is not None:
+            metrics["reward_pool_restarts"] = float(self.processes.restarts)
         return total, per_term, metrics
+
+    def _run_term(
+        self, name: str, fn: RewardCallable, pairs: list[tuple[str, str]], kwargs: dict
+    ) -> list[tuple[float, str]]:
+        if self.processes is not None:
+            return self.processes.run(name, pairs, kwargs, self.cfg.timeout_s)
+        timeout = self.cfg.timeout_s if self.cfg.isolation == "thread" else None
+        return [call_with_deadline(fn, c, a, kwargs, timeout) for c, a in pairs]
+
+    def close(self) -> None:
+        """Stop worker processes (isolation=process); a later score() starts them again."""
+        if self.processes is not None:
+            self.processes.close()
 
 
 def _unique_labels(names: list[str]) -> list[str]:

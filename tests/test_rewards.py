@@ -112,3 +112,22 @@ def test_no_isolation_calls_directly():
     cfg = RewardConfig(terms=[{"name": "exact_match"}], isolation="none")
     total, _, _ = rewards.RewardFn(cfg).score(["a"], ["A"])
     assert torch.equal(total, torch.tensor([1.0]))
+
+
+def test_process_isolation_kills_overrunning_calls(user_module):
+    """Slow: each pool (re)start spawns a worker that imports torch (~1-2 s)."""
+    cfg = RewardConfig(
+        terms=[{"name": f"{user_module}:slow"}, {"name": f"{user_module}:boom"},
+               {"name": f"{user_module}:length", "kwargs": {"scale": 2.0}}],
+        timeout_s=0.2, isolation="process", num_workers=1,
+    )
+    scorer = rewards.RewardFn(cfg)
+    try:
+        total, per_term, metrics = scorer.score(["abc"], [""])
+        assert per_term[f"{user_module}:slow"].tolist() == [0.0]
+        assert total.tolist() == [6.0]  # the pool came back after the kill
+        assert metrics["reward_timeouts"] == 1 and metrics["reward_errors"] == 1
+        assert metrics["reward_pool_restarts"] == 1
+    finally:
+        scorer.close()
+    assert scorer.processes.pool is None

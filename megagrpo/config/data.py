@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 DATA_FORMATS = ("auto", "jsonl", "parquet", "datasets")
 TASKS = ("arithmetic", "file")
-REWARD_ISOLATION = ("thread", "none")
+REWARD_ISOLATION = ("thread", "process", "none")
 
 
 @dataclass(kw_only=True)
@@ -125,7 +125,9 @@ class RewardConfig:
     timeout_s: float = 2.0
     """Deadline per call (one completion, one term); a timeout scores 0 and is counted."""
     isolation: str = "thread"
-    """'thread' (each call in a worker thread with a deadline) or 'none' (direct, no timeout)."""
+    """'thread' (a thread per call), 'process' (killable worker pool) or 'none' (no deadline)."""
+    num_workers: int = 2
+    """isolation=process: worker processes (calls run this many at a time)."""
 
     def __post_init__(self) -> None:
         self.terms = [RewardTermConfig(**t) if isinstance(t, dict) else t for t in self.terms]
@@ -138,5 +140,7 @@ class RewardConfig:
             term.validate()
         if self.timeout_s <= 0:
             raise ValueError(f"reward.timeout_s={self.timeout_s}: need > 0")
+        if self.num_workers < 1:
+            raise ValueError(f"reward.num_workers={self.num_workers}: need >= 1")
         if self.isolation not in REWARD_ISOLATION:
             raise ValueError(f"reward.isolation={self.isolation!r}: use one of {REWARD_ISOLATION}")
