@@ -173,8 +173,11 @@ def aggregate_loss(
 ) -> Tensor:
     """This chunk's share of the step loss. token_loss, mask, seq_ids: [T] -> scalar.
 
-    `counts` holds the GLOBAL normalisers (see `local_counts`), so chunk losses sum to the loss of
-    the whole step across gradient accumulation and DP ranks."""
+    `counts` holds the GLOBAL normalisers (see `local_counts`), so chunk losses SUM to the loss
+    of the whole step across gradient accumulation and DP ranks. Where the framework averages
+    instead (megatron-core's forward_backward_func divides by num_microbatches and its DDP
+    averages gradients over DP by default), scale by num_microbatches * dp_size or switch the
+    averaging off (calculate_per_token_loss / average_in_collective)."""
     if mode not in LOSS_AGGREGATIONS:
         raise ValueError(f"loss_agg={mode!r}: use one of {sorted(LOSS_AGGREGATIONS)}")
     s = num_sequences(seq_ids, num_local_seqs)
