@@ -4,7 +4,7 @@ Usage (from the repo root; the same command runs on CUDA unchanged):
 
     .venv/bin/python benchmarks/kernels.py                     # auto device, default sizes
     .venv/bin/python benchmarks/kernels.py --out benchmarks/results/kernels_cpu.jsonl
-    python benchmarks/kernels.py --device cuda --T 16384 --V 151936 --tp 1,2,4
+    python benchmarks/kernels.py --device cuda --check   # float64 check first, then timings
 
 One JSON line per (path, TP) case. Every path computes the same thing: per-token log-probs
 with grad, entropy (no grad) and a clipped GRPO loss with a k3 KL term, summed, then the
@@ -146,6 +146,39 @@ def run_case(path: str, base: torch.Tensor, inp: dict, device: torch.device, ite
     return dict(fwd_bwd_s=round(seconds, 5), peak_extra_bytes=peak, loss=loss)
 
 
+def correctness_check(device: torch.device, impl: str) -> bool:
+    """Kernel vs float64 log_softmax on small shapes on ``device``; prints one JSON line.
+
+    Meant for the GPU run, where the compiled kernels (not the interpreter) execute.
+    """
+    from megagrpo.kernels import vocab_parallel_logprob
+
+    worst = {}
+    for dtype, v, temp in ((torch.float32, 151936, 1.0), (torch.bfloat16, 37981, 0.7)):
+        g = torch.Generator(device="cpu").manual_seed(1)
+        x = (torch.randn(64, v, generator=g) * 4).to(dtype)
+        x[0, :] = 1e4 * torch.sign(torch.randn(v, generator=g)).to(dtype)
+        t = torch.randint(0, v, (64,), generator=g)
+        gl, gh = torch.randn(64, generator=g), torch.randn(64, generator=g)
+        xd = x.to(device, copy=True).requires_grad_()
+        logp, ent = vocab_parallel_logprob(xd, t.to(device), temperature=temp,
+                                           with_entropy=True, impl=impl)
+        (logp * gl.to(device) + ent * gh.to(device)).sum().backward()
+        x64 = x.double().requires_grad_()
+        logsm = torch.log_softmax(x64 / temp, dim=-1)
+        lp64 = logsm.gather(1, t[:, None]).squeeze(1)
+        ent64 = -(logsm.exp() * logsm).sum(-1)
+        (lp64 * gl + ent64 * gh).sum().backward()
+        ulp = torch.finfo(dtype).eps * x64.grad.abs() if dtype != torch.float32 else 0.0
+        worst[str(dtype)] = dict(
+            logp=float((logp.cpu() - lp64).abs().max()), entropy=float((ent.cpu() - ent64).abs().max()),
+            grad_excess_over_ulp=float(((xd.grad.cpu().double() - x64.grad).abs() - ulp).max()))
+    ok = all(w["logp"] < 2e-3 and w["entropy"] < 2e-3 and w["grad_excess_over_ulp"] < 1e-4
+             for w in worst.values())
+    emit(dict(check=f"{impl} vs float64", device=device.type, ok=ok, max_abs_err=worst))
+    return ok
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -156,10 +189,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--iters", type=int, default=None, help="timed iterations (5 GPU, 2 CPU)")
     ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
+    ap.add_argument("--check", action="store_true",
+                    help="first compare the kernels with float64 math (exit 1 on mismatch)")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
     gpu = device.type == "cuda"
+    if args.check:
+        impl = "triton" if triton_can_run(torch.empty(0, device=device)) else "torch"
+        if not correctness_check(device, impl):
+            sys.exit(1)
     t = args.T or (16384 if gpu else 2048)
     v = args.V or (151936 if gpu else 32768)
     iters = args.iters or (5 if gpu else 2)

@@ -86,29 +86,32 @@ if HAS_TRITON:
 
     @triton.jit
     def _logprob_bwd_kernel(
-        logits_ptr, stride_row, grad_ptr, grad_stride_row, target_ptr, lse_ptr, mu_ptr,
-        g_logp_ptr, g_ent_ptr, n_cols, vocab_start, inv_temp,
+        logits_ptr, stride_row, grad_ptr, grad_stride_row, target_ptr, max_ptr, log_s_ptr,
+        shift_ptr, g_logp_ptr, g_ent_ptr, n_cols, vocab_start, inv_temp,
         WITH_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         row_ptr = logits_ptr + row * stride_row
         grad_row_ptr = grad_ptr + row * grad_stride_row
         g = tl.load(g_logp_ptr + row)
-        lse = tl.load(lse_ptr + row)
+        big_m = tl.load(max_ptr + row)
+        log_s = tl.load(log_s_ptr + row)
         h = 0.0
-        mu = 0.0
+        shift = 0.0
         if WITH_ENTROPY_GRAD:
             h = tl.load(g_ent_ptr + row)
-            mu = tl.load(mu_ptr + row)
+            shift = tl.load(shift_ptr + row)
         local = tl.load(target_ptr + row) - vocab_start
         for start in range(0, n_cols, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             valid = cols < n_cols
             z = tl.load(row_ptr + cols, mask=valid, other=-float("inf")).to(tl.float32) * inv_temp
-            p = tl.exp(z - lse)
+            # (z - M) first: exact-ish for large logits, unlike z - lse with lse = M + log S.
+            zm = z - big_m
+            p = tl.exp(zm - log_s)
             grad = tl.where(cols == local, g, 0.0) - g * p
             if WITH_ENTROPY_GRAD:
-                grad -= h * p * tl.where(p > 0, z - mu, 0.0)
+                grad -= h * p * tl.where(p > 0, zm - shift, 0.0)
             grad = grad * inv_temp
             # Every element of this block was read above: overwriting in place is safe.
             tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=valid)
@@ -140,9 +143,9 @@ def _triton_stats(
 
 
 def _triton_backward(
-    logits: torch.Tensor, grad: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-    mu: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None, vocab_start: int,
-    inv_temp: float,
+    logits: torch.Tensor, grad: torch.Tensor, target: torch.Tensor, big_m: torch.Tensor,
+    log_s: torch.Tensor, shift: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None,
+    vocab_start: int, inv_temp: float,
 ) -> None:
     """Write the gradient w.r.t. the local logits into ``grad`` (may be ``logits`` itself)."""
     n_rows, n_cols = logits.shape
@@ -150,7 +153,7 @@ def _triton_backward(
         return
     block_v = _block_v(n_cols)
     _logprob_bwd_kernel[(n_rows,)](
-        logits, logits.stride(0), grad, grad.stride(0), target, lse, mu, g_logp,
+        logits, logits.stride(0), grad, grad.stride(0), target, big_m, log_s, shift, g_logp,
         g_logp if g_ent is None else g_ent, n_cols, vocab_start, inv_temp,
         WITH_ENTROPY_GRAD=g_ent is not None, BLOCK_V=block_v, num_warps=_num_warps(block_v),
     )
@@ -205,22 +208,22 @@ def _torch_stats(
 
 
 def _torch_backward(
-    logits: torch.Tensor, grad: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-    mu: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None, vocab_start: int,
-    inv_temp: float, chunk_rows: int | None = None,
+    logits: torch.Tensor, grad: torch.Tensor, target: torch.Tensor, big_m: torch.Tensor,
+    log_s: torch.Tensor, shift: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None,
+    vocab_start: int, inv_temp: float, chunk_rows: int | None = None,
 ) -> None:
     """Chunked twin of ``_triton_backward``: at most two fp32 chunk buffers are live."""
     n_rows, n_cols = logits.shape
     step = chunk_rows or _chunk_rows(n_rows, n_cols)
     for r0 in range(0, n_rows, step):
         r1 = min(r0 + step, n_rows)
-        z = _scaled_fp32(logits[r0:r1], inv_temp)
-        p = torch.sub(z, lse[r0:r1, None]).exp_()
+        z = _scaled_fp32(logits[r0:r1], inv_temp).sub_(big_m[r0:r1, None])  # z - M
+        p = torch.sub(z, log_s[r0:r1, None]).exp_()
         g = g_logp[r0:r1, None] * inv_temp
         if g_ent is not None:
             # z <- (h / temperature) * p * (z - mu); the p > 0 guard keeps -inf logits from
             # giving 0 * inf.
-            z.sub_(mu[r0:r1, None]).mul_(p).mul_(g_ent[r0:r1, None] * inv_temp)
+            z.sub_(shift[r0:r1, None]).mul_(p).mul_(g_ent[r0:r1, None] * inv_temp)
             z.masked_fill_(p == 0, 0.0)
             p.mul_(-g).sub_(z)
         else:
@@ -253,7 +256,11 @@ def _gather_stats(stats: torch.Tensor, group, tp: int) -> torch.Tensor:
 
 
 def _combine(stats: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``[tp, T, 4]`` stats -> (logp, entropy, lse, mu), each ``[T]`` fp32 (see module doc)."""
+    """``[tp, T, 4]`` stats -> (logp, entropy, M, log S, W / S), each ``[T]`` fp32.
+
+    The backward gets ``M``, ``log S`` and ``W / S = mu - M`` rather than ``lse`` and ``mu``, so
+    it can form ``z - M`` first: for logits ~1e4 that keeps p accurate to fp32 rounding.
+    """
     m, s, zt, w = stats.unbind(dim=-1)
     big_m = m.amax(dim=0)
     scale = torch.exp(m - big_m)
@@ -261,8 +268,8 @@ def _combine(stats: torch.Tensor) -> tuple[torch.Tensor, ...]:
     big_w = (scale * (w + s * (m - big_m))).sum(dim=0)
     log_s = torch.log(big_s)
     mean_shift = big_w / big_s  # E_p[z] - M
-    logp = zt.sum(dim=0) - (big_m + log_s)
-    return logp, log_s - mean_shift, big_m + log_s, big_m + mean_shift
+    logp = (zt.sum(dim=0) - big_m) - log_s
+    return logp, log_s - mean_shift, big_m, log_s, mean_shift
 
 
 class VocabParallelLogProb(torch.autograd.Function):
@@ -276,11 +283,11 @@ class VocabParallelLogProb(torch.autograd.Function):
         inv_temp = 1.0 / temperature
         stats_fn = _triton_stats if path == "triton" else _torch_stats
         stats = stats_fn(logits, target, vocab_start, inv_temp, with_entropy)
-        logp, entropy, lse, mu = _combine(_gather_stats(stats, group, tp))
+        logp, entropy, big_m, log_s, shift = _combine(_gather_stats(stats, group, tp))
         keep = ~ignore_mask
         logp = torch.where(keep, logp, 0.0)
         entropy = torch.where(keep, entropy, 0.0) if with_entropy else torch.zeros_like(logp)
-        ctx.save_for_backward(logits, target, ignore_mask, lse, mu)
+        ctx.save_for_backward(logits, target, ignore_mask, big_m, log_s, shift)
         ctx.args = (vocab_start, inv_temp, with_entropy, inplace_backward, path)
         ctx.backward_done = False
         ctx.set_materialize_grads(False)
@@ -293,15 +300,15 @@ class VocabParallelLogProb(torch.autograd.Function):
         if inplace and ctx.backward_done:
             raise RuntimeError("inplace_backward=True overwrote the logits: backward runs once")
         ctx.backward_done = True
-        logits, target, ignore_mask, lse, mu = ctx.saved_tensors
+        logits, target, ignore_mask, big_m, log_s, shift = ctx.saved_tensors
         if g_logp is None and g_ent is None:
             return (None,) * 8
         keep = ~ignore_mask
-        g_logp = torch.where(keep, g_logp, 0.0) if g_logp is not None else torch.zeros_like(lse)
+        g_logp = torch.where(keep, g_logp, 0.0) if g_logp is not None else torch.zeros_like(log_s)
         g_ent = torch.where(keep, g_ent, 0.0) if (g_ent is not None and with_entropy) else None
         grad = logits.detach() if inplace else torch.empty_like(logits)
         bwd = _triton_backward if path == "triton" else _torch_backward
-        bwd(logits, grad, target, lse, mu, g_logp.float().contiguous(),
+        bwd(logits, grad, target, big_m, log_s, shift, g_logp.float().contiguous(),
             None if g_ent is None else g_ent.float().contiguous(), vocab_start, inv_temp)
         del logits  # with inplace, `grad` is now the only handle on that buffer
         return grad, None, None, None, None, None, None, None

@@ -6,6 +6,7 @@ processes (one spawn per world size shared with test_grpo_loss.py, many cases in
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from kernels_oracle import assert_close, logprob_case, oracle_logprob, row_scale, run_case
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import megagrpo.kernels.dispatch as dispatch
 import megagrpo.kernels.logprob as lp_mod
 from megagrpo.kernels import active_path, vocab_parallel_logprob
 
@@ -46,6 +48,14 @@ def test_tp1_matches_float64(name, impl):
     n, v, dtype, temp, extreme = CASES[name]
     case = logprob_case(n, v, 1, dtype, seed=len(name), temperature=temp, extreme=extreme)
     check_logprob(case, run_case(case, impl), f"{name}/{impl}")
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("impl", IMPLS)
+def test_large_vocab(impl):
+    """A realistic vocab shard (Qwen2's 151936 / 4) with many blocks per row (~10 s interpreted)."""
+    case = logprob_case(64, 37984, 1, torch.bfloat16, seed=8, temperature=0.9)
+    check_logprob(case, run_case(case, impl, inplace=True), f"large/{impl}")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -123,6 +133,17 @@ def test_torch_path_is_chunked(monkeypatch):
         (logp * case["g"] + ent * case["h"]).sum().backward()
     assert mode.largest <= 4 * 256
     check_logprob(case, dict(logp=logp, entropy=ent, grad=x.grad), "chunked")
+
+
+def test_dispatch_logs_the_path_once(monkeypatch, caplog):
+    monkeypatch.setattr(dispatch, "_logged", set())
+    case = logprob_case(4, 50, 1, torch.float32, seed=9, masked=False)
+    with caplog.at_level(logging.INFO, logger="megagrpo.kernels"):
+        for _ in range(2):
+            for impl in IMPLS:
+                vocab_parallel_logprob(case["logits"], case["target"], impl=impl)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and any("triton path" in m for m in lines), lines
 
 
 def test_dispatch():
