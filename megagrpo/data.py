@@ -84,8 +84,10 @@ class HFTokenizer:
 
 def load_tokenizer(spec: str) -> Tokenizer:
     """A `.model` file -> sentencepiece; anything else -> Hugging Face (folder or hub name)."""
-    if spec.endswith(".model") and Path(spec).is_file():
-        return SentencePieceTokenizer(spec)
+    if spec.endswith(".model"):
+        if not Path(spec).expanduser().is_file():
+            raise FileNotFoundError(f"sentencepiece model {spec} does not exist")
+        return SentencePieceTokenizer(Path(spec).expanduser())
     return HFTokenizer(spec)
 
 

@@ -77,6 +77,8 @@ def test_sentencepiece_tokenizer_protocol(tmp_path):
     tok = data.load_tokenizer(str(tmp_path / "sp.model"))
     assert isinstance(tok, data.Tokenizer)
     assert (tok.eos_id, tok.pad_id, tok.bos_id, tok.vocab_size) == (2, 2, 1, 30)
+    with pytest.raises(FileNotFoundError):
+        data.load_tokenizer(str(tmp_path / "missing.model"))
     ids = data.encode_prompt(tok, "the cat")
     assert ids[0] == 1 and tok.decode(ids) == "the cat"
     assert tok.decode([*ids, 2, 30, 127]) == "the cat"  # EOS and TP-padding ids vanish
