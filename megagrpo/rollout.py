@@ -53,6 +53,9 @@ class SamplingSettings:
     max_tokens: int = 64
     stop: tuple[str, ...] = ()
     n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a completion (e.g. the tokenizer's EOS when the engine has no
+    tokenizer of its own)."""
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig) -> SamplingSettings:
@@ -216,6 +219,27 @@ def _packed_modules_mapping(worker) -> dict[str, list[str]]:
     return {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
 
 
+def _refresh_tied_modules(worker) -> int:
+    """Runs on the vLLM worker after a reload: re-process modules that share a parameter.
+
+    With tied embeddings vLLM loads `embed_tokens` only; `lm_head` gets no weights, so the
+    in-place reload never re-runs its process_weights_after_loading, and on CPU that is where
+    the GEMM weight is packed: the head would keep computing logits from the start-up (dummy)
+    weights. Returns how many modules were re-processed."""
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in worker.model_runner.get_model().modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(module)
+    count = 0
+    for modules in owners.values():
+        for module in modules if len(modules) > 1 else ():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+                count += 1
+    return count
+
+
 def _tokenizer_in(model_dir: str) -> bool:
     return any((Path(model_dir) / f).exists() for f in _TOKENIZER_FILES)
 
@@ -361,6 +385,7 @@ class VLLMEngine:
             n=n, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_tokens,
             stop=list(sampling.stop) or None, logprobs=0,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
             detokenize=self.llm.llm_engine.tokenizer is not None)
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         with self._engine_rng():
@@ -404,6 +429,7 @@ class VLLMEngine:
             self._precheck(named_tensors, partial)
         self.llm.collective_rpc("reload_weights", kwargs={
             "weights_iterator": iter(feed), "is_checkpoint_format": True})
+        self.llm.collective_rpc(_refresh_tied_modules)
         self.llm.reset_prefix_cache()
         if isinstance(feed.error, ValueError):
             raise ValueError(f"update_weights stopped after {feed.tensors} tensors (those layers "

@@ -222,10 +222,12 @@ def test_sleep_wake_is_a_noop_on_cpu(engine, tiny):
     assert not engine.asleep
 
 
-def test_tp2_external_launcher_matches_transformers(tmp_path, tiny):
-    """One torchrun launch: 2 ranks (gloo), vLLM tensor_parallel_size=2 across them."""
-    model_dir, model, _ = tiny
-    torch.save(model.state_dict(), Path(model_dir) / "weights.pt")
+def test_tp2_external_launcher_matches_transformers(tmp_path):
+    """One torchrun launch: 2 ranks (gloo), vLLM tensor_parallel_size=2 across them, on a model
+    with tied embeddings (lm_head.weight is accepted and not loaded)."""
+    model_dir = tmp_path / "tied"
+    model, _ = build_tiny_llama(model_dir, seed=3, tie=True)
+    torch.save(model.state_dict(), model_dir / "weights.pt")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", "29517", str(Path(__file__).with_name("_rollout_worker.py")),
@@ -234,7 +236,8 @@ def test_tp2_external_launcher_matches_transformers(tmp_path, tiny):
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert [r["tensors"] for r in result["rounds"]] == [len(model.state_dict())] * 2
+        assert "lm_head.weight" in model.state_dict()
+        assert [r["tensors"] for r in result["rounds"]] == [len(model.state_dict()) - 1] * 2
         for round_ in result["rounds"]:
             for row in round_["rows"]:
                 assert row["vllm"] == row["hf"]
