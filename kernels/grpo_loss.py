@@ -93,7 +93,7 @@ def _policy_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, ratio_level: str,
 def grpo_token_loss(
     logits: torch.Tensor,
     target: torch.Tensor,
-    old_logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
@@ -119,7 +119,8 @@ def grpo_token_loss(
     Args:
         logits: ``[T, V_local]`` policy logits, this rank's vocab slice (see vocab_parallel_logprob).
         target: ``[T]`` int64 sampled token ids (global vocab ids).
-        old_logp: ``[T]`` log-probs under the behaviour/old policy (no grad).
+        old_logp: ``[T]`` log-probs under the behaviour/old policy (no grad); None = on-policy
+            (``logp.detach()``: ratio 1, gradient of the plain policy-gradient term).
         advantages: ``[T]`` per-token advantages (broadcast per sequence by the caller).
         mask: ``[T]`` bool, True = token counts (response tokens).
         ref_logp: ``[T]`` reference log-probs; needed when ``beta != 0``.
@@ -154,7 +155,7 @@ def grpo_token_loss(
 
 def grpo_loss_from_logp(
     logp: torch.Tensor,
-    old_logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
@@ -185,7 +186,10 @@ def grpo_loss_from_logp(
     # gradient through 0 * inf.
     zero = logp.new_zeros(())
     adv = torch.where(mask, advantages.float(), zero)
-    log_ratio = torch.where(mask, logp - old_logp.float(), zero)
+    # old_logp None = on-policy (one pass, one optimizer step): ratio is 1 with the gradient of
+    # exp(logp - sg(logp)), which saves the trainer a forward pass for the old log-probs.
+    old = logp.detach() if old_logp is None else old_logp.float()
+    log_ratio = torch.where(mask, logp - old, zero)
     ratio = _policy_ratio(log_ratio, mask, ratio_level, seq_ids)
 
     lo, hi = 1.0 - eps_low, 1.0 + eps_high

@@ -20,9 +20,23 @@ def _relaunch(nproc: int) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "megagrpo", *sys.argv[1:]]
+           "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "megagrpo",
+           *_drop_nproc(sys.argv[1:])]
     env = dict(os.environ, MEGAGRPO_RELAUNCHED="1")
     return subprocess.call(cmd, env=env)
+
+
+def _drop_nproc(argv: list[str]) -> list[str]:
+    """argv without --nproc (torchrun would take it for its own --nproc-per-node)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
 
 
 def _needs_relaunch(nproc: int) -> bool:

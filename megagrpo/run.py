@@ -246,6 +246,7 @@ def train(cfg: TrainConfig) -> dict:
         _write_summary(cfg, summary)
     logger.close()
     dist.barrier()
+    tr.engine.close()  # before torch.distributed goes: vLLM's shutdown destroys its groups
     return summary
 
 
@@ -258,6 +259,10 @@ def _cold_start(tr: Trainer, cfg: TrainConfig, logger: MetricsLogger) -> dict:
     for i in range(0, len(losses), max(1, len(losses) // 20)):
         logger.log({"sft_step": i + 1, "sft_loss": losses[i]})
     tr.sync_weights()
+    if tr.reference is not None:  # GRPO's reference is the cold-started model (DeepSeekMath)
+        from megagrpo.reference import sync_reference
+
+        sync_reference(tr.reference.model, tr.policy, 1.0)
     return {"sft_steps": cfg.run.sft_steps, "sft_final_loss": losses[-1] if losses else None,
             "sft_seconds": time.perf_counter() - t}
 
