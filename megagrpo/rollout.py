@@ -24,6 +24,7 @@ vLLM's side effects on the process, and what this module does about them:
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import os
 import random
@@ -142,8 +143,9 @@ class _WeightFeed:
 
     def check(self, name: str, tensor: torch.Tensor) -> None:
         if name not in self.shapes:
+            near = difflib.get_close_matches(name, list(self.shapes), n=1) or list(self.shapes)
             raise ValueError(f"update_weights: unknown parameter name {name!r} (not in the HF "
-                             f"state dict of the engine's config; e.g. {next(iter(self.shapes))!r})")
+                             f"state dict of the engine's config; nearest: {near[0]!r})")
         if name in self.seen:
             raise ValueError(f"update_weights: parameter {name!r} given twice")
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
@@ -245,15 +247,18 @@ def _tokenizer_in(model_dir: str) -> bool:
 
 
 def _set_omp_binding(tp: int) -> None:
-    """vLLM CPU with TP>1 needs one OpenMP core set per local rank ('0|1' on 2 cores)."""
-    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+    """Give each local rank its own cores for vLLM's OpenMP threads (unless the user set
+    VLLM_CPU_OMP_THREADS_BIND). TP>1 needs one core list per rank of the engine ('0|1' on 2
+    cores); TP=1 engines on several local ranks would otherwise all bind the same cores."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or (tp == 1 and local_world == 1):
         return
     cores = sorted(os.sched_getaffinity(0))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", tp))
-    per = max(1, len(cores) // local)
-    chunks = [cores[i * per:(i + 1) * per] or cores[-1:] for i in range(local)]
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-        f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in chunks)
+    per = max(1, len(cores) // local_world)
+    chunks = [cores[i * per:(i + 1) * per] or cores[-1:] for i in range(local_world)]
+    masks = [",".join(map(str, c)) for c in chunks]
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(masks) if tp > 1 else masks[local_rank]
 
 
 def _remove_stale_shm(rank: int) -> None:
@@ -321,8 +326,8 @@ class VLLMEngine:
                              f"{world} (the tested external_launcher layout)")
         if self.on_cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.cpu_kvcache_space_gib)
+            _set_omp_binding(tp)
             if tp > 1:
-                _set_omp_binding(tp)
                 _remove_stale_shm(int(os.environ.get("RANK", "0")))
         kwargs = dict(
             model=self.model_dir, load_format="dummy", dtype=self.dtype, seed=self.cfg.seed,

@@ -1,6 +1,6 @@
 """torchrun worker for tests/test_rollout.py: vLLM tensor_parallel_size=2 spanning 2 ranks.
 
-    torchrun --nproc-per-node 2 tests/_rollout_worker.py MODEL_DIR OUT_DIR
+    torchrun --nproc-per-node 2 tests/_rollout_worker.py MODEL_DIR OUT_DIR [TP=2]
 
 Each rank initialises gloo first, starts the engine (external_launcher), pushes the full HF
 weights from MODEL_DIR/weights.pt, greedily decodes, compares with a transformers argmax loop,
@@ -18,7 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def main(model_dir: str, out_dir: str) -> None:
+def main(model_dir: str, out_dir: str, tp: int = 2) -> None:
     torch.set_num_threads(1)  # before vLLM turns set_num_threads into a no-op
     dist.init_process_group("gloo")  # before the engine: vLLM reuses the world group
     from _rollout_model import hf_greedy
@@ -29,7 +29,7 @@ def main(model_dir: str, out_dir: str) -> None:
 
     model = LlamaForCausalLM(AutoConfig.from_pretrained(model_dir)).eval()
     model.load_state_dict(torch.load(Path(model_dir) / "weights.pt"))
-    cfg = RolloutConfig(tensor_parallel_size=2, max_model_len=128, max_num_seqs=16)
+    cfg = RolloutConfig(tensor_parallel_size=tp, max_model_len=128, max_num_seqs=16)
     engine = VLLMEngine(cfg, model_dir, dtype="float32")
     prompts = [[0, 40, 41, 42], [0, 70, 80, 90, 5, 6], [0, 33]]
     greedy = SamplingSettings(temperature=0.0, max_tokens=10)
@@ -53,5 +53,5 @@ def main(model_dir: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:4]))
     os._exit(0)  # skip vLLM's shutdown hooks (they tear down the process group mid-exit)
