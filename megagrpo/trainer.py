@@ -64,7 +64,8 @@ class Trainer:
         self.cfg = cfg
         self.__dict__.update(parts)
         self.step_idx = 0
-        self.version = 0
+        self.version = 0  # optimizer updates applied to the policy (GRPO steps)
+        self.engine_version = -1  # policy version vLLM holds (-1: none yet)
         self._pending: Rollout | None = None
         self._thread: threading.Thread | None = None
 
@@ -74,49 +75,58 @@ class Trainer:
         ids = [encode_prompt(self.tokenizer, e.prompt) for e in examples]
         return ids, [e.answer for e in examples], self.loader.epoch
 
-    def _sample(self, prompts: list[list[int]], answers: list[str], *, greedy: bool = False,
-                max_tokens: int | None = None) -> tuple[list, torch.Tensor, dict]:
-        """Each rank of the model-parallel group samples (and scores) a slice of the replica's
-        prompts; the group all-gathers. Returns completions [B*G] and rewards [B*G]."""
+    def _sample_local(self, prompts: list[list[int]], answers: list[str]) -> tuple:
+        """This rank's slice of the replica's prompts: generate G completions each and score
+        them. No collectives, so it may run on the async rollout thread."""
         from megagrpo.rollout import SamplingSettings
 
-        mp, r = self.mp_size, self.mp_rank
         r_cfg = self.cfg.rollout
-        g = 1 if greedy else self.cfg.algo.group_size
         sampling = SamplingSettings(
-            temperature=0.0 if greedy else r_cfg.temperature, top_p=r_cfg.top_p,
-            top_k=r_cfg.top_k, max_tokens=max_tokens or r_cfg.max_tokens,
-            stop=tuple(r_cfg.stop), n=g, stop_token_ids=self.stop_ids)
-        mine = list(range(r, len(prompts), mp))
+            temperature=r_cfg.temperature, top_p=r_cfg.top_p, top_k=r_cfg.top_k,
+            max_tokens=r_cfg.max_tokens, stop=tuple(r_cfg.stop), n=self.cfg.algo.group_size,
+            stop_token_ids=self.stop_ids)
+        mine = list(range(self.mp_rank, len(prompts), self.mp_size))
         comps = self.engine.generate([prompts[i] for i in mine], sampling) if mine else []
         texts = [c.text or self.tokenizer.decode(c.token_ids) for c in comps]
         ans = [answers[mine[c.prompt_index]] for c in comps]
-        rewards, _, rmetrics = self.reward_fn.score(texts, ans) if comps else (
+        rewards, _, metrics = self.reward_fn.score(texts, ans) if comps else (
             torch.zeros(0), None, {})
         for c in comps:
             c.prompt_index = mine[c.prompt_index]
-        parts = [None] * mp
-        payload = (comps, rewards.tolist(), rmetrics)
-        if mp > 1:
-            dist.all_gather_object(parts, payload, group=self.mp_group)
+        return comps, rewards.tolist(), metrics
+
+    def _gather(self, local: tuple) -> tuple[list, torch.Tensor, dict]:
+        """All-gathers the slices over the model-parallel group (every rank of the replica then
+        holds the whole batch): completions [B*G] prompt-major, rewards [B*G], metrics."""
+        parts = [None] * self.mp_size
+        if self.mp_size > 1:
+            dist.all_gather_object(parts, local, group=self.mp_group)
         else:
-            parts = [payload]
+            parts = [local]
         merged = sorted(((c, rw) for cs, rws, _ in parts for c, rw in zip(cs, rws)),
                         key=lambda x: (x[0].prompt_index, x[0].sample_index))
         metrics = _sum_dicts([m for _, _, m in parts])
         return [c for c, _ in merged], torch.tensor([rw for _, rw in merged]), metrics
 
-    def rollout(self) -> Rollout:
+    def _draw(self) -> tuple:
+        """Prompts of the next batch, sampled locally; returns what `_collect` needs."""
+        version = self.engine_version  # the weights vLLM holds while it samples this batch
+        prompts, answers, epoch = self._prompt_batch()
+        return prompts, answers, epoch, version, self._sample_local(prompts, answers)
+
+    def _collect(self, drawn: tuple) -> Rollout:
+        prompts, answers, epoch, version, local = drawn
+        comps, rewards, rm = self._gather(local)
+        return Rollout(prompts=prompts, answers=answers, completions=comps, rewards=rewards,
+                       version=version, epoch=epoch, metrics=rm)
+
+    def rollout(self, drawn: tuple | None = None) -> Rollout:
         """Samples G completions for a batch of prompts; with dynamic sampling, tops the batch
         up with fresh prompts until it holds data.batch_size/dp groups with reward spread."""
-        G = self.cfg.algo.group_size
-        prompts, answers, epoch = self._prompt_batch()
-        comps, rewards, rm = self._sample(prompts, answers)
-        ro = Rollout(prompts=prompts, answers=answers, completions=comps, rewards=rewards,
-                     version=self.version, epoch=epoch, metrics=rm)
+        ro = self._collect(drawn if drawn is not None else self._draw())
         if not self.cfg.algo.dynamic_sampling:
             return ro
-        return self._dynamic_sampling(ro, len(prompts), G)
+        return self._dynamic_sampling(ro, len(ro.prompts), self.cfg.algo.group_size)
 
     def _dynamic_sampling(self, ro: Rollout, want: int, G: int) -> Rollout:
         keep, _ = algo.filter_groups(ro.rewards, G)
@@ -124,12 +134,10 @@ class Trainer:
         rounds = 0
         # all ranks agree on the number of rounds so the data loaders stay in lockstep
         while _any_rank(len(kept.prompts) < want) and rounds < self.cfg.algo.max_resample_rounds:
-            prompts, answers, epoch = self._prompt_batch()
-            comps, rewards, _ = self._sample(prompts, answers)
-            more = Rollout(prompts=prompts, answers=answers, completions=comps, rewards=rewards)
-            keep, _ = algo.filter_groups(rewards, G)
+            more = self._collect(self._draw())
+            keep, _ = algo.filter_groups(more.rewards, G)
             kept = _concat(kept, _select_groups(more, keep, G))
-            kept.epoch = epoch
+            kept.epoch = more.epoch
             rounds += 1
         kept.metrics = dict(ro.metrics, resample_rounds=rounds,
                             filtered_groups=want - min(len(kept.prompts), want))
@@ -278,6 +286,7 @@ class Trainer:
         pairs = (p for bucket in iter_hf_weights(self.policy, self.model_cfg, self.cfg.parallel,
                                                  stats=stats) for p in bucket)
         s = self.engine.update_weights(pairs)
+        self.engine_version = self.version
         return {"sync_bytes": stats.bytes, "sync_gather_s": stats.gather_s,
                 "sync_load_s": s.seconds - stats.gather_s - stats.convert_s}
 
@@ -288,7 +297,7 @@ class Trainer:
             ro = self._next_rollout()
         with t("advantage"):
             batch, metrics = self.build_batch(ro)
-        async_batch = ro.version != self.version
+        async_batch = ro.version != self.version  # sampled by an older policy
         with t("score"):
             metrics.update(self.score(batch, async_batch))
         with t("update"):
@@ -311,15 +320,17 @@ class Trainer:
     def _next_rollout(self) -> Rollout:
         if not self.cfg.run.async_rollout:
             return self.rollout()
-        ro = self._pending if self._pending is not None else self.rollout()
+        drawn = self._pending if self._pending is not None else self._draw()
         self._pending = None
-        # sample step t+1's batch with the engine's current weights while step t trains
-        self._thread = threading.Thread(target=self._async_sample, daemon=True)
+        ro = self.rollout(drawn)  # collectives (gather, dynamic-sampling top-ups) stay here
+        # step t+1's batch is sampled with the engine's current weights while step t trains;
+        # the thread runs no collectives (gloo groups are not for concurrent use)
+        self._thread = threading.Thread(target=self._async_draw, daemon=True)
         self._thread.start()
         return ro
 
-    def _async_sample(self) -> None:
-        self._pending = self.rollout()
+    def _async_draw(self) -> None:
+        self._pending = self._draw()
 
     def _join_async(self) -> None:
         if self._thread is not None:
