@@ -104,6 +104,11 @@ if HAS_TRITON:
         if WITH_ENTROPY_GRAD:
             h = tl.load(g_ent_ptr + row)
             shift = tl.load(shift_ptr + row)
+        # Rows without incoming gradient (ignored tokens) get exact zeros, even when their
+        # logits are garbage (NaN padding would otherwise give 0 * NaN).
+        live = g != 0.0
+        if WITH_ENTROPY_GRAD:
+            live = live | (h != 0.0)
         local = tl.load(target_ptr + row) - vocab_start
         for start in range(0, n_cols, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
@@ -115,7 +120,7 @@ if HAS_TRITON:
             grad = tl.where(cols == local, g, 0.0) - g * p
             if WITH_ENTROPY_GRAD:
                 grad -= h * p * tl.where(p > 0, zm - shift, 0.0)
-            grad = grad * inv_temp
+            grad = tl.where(live, grad * inv_temp, 0.0)
             # Every element of this block was read above: overwriting in place is safe.
             tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=valid)
 
@@ -234,6 +239,10 @@ def _torch_backward(
             p.mul_(-g)
         idx, is_local = _local_target(target[r0:r1], vocab_start, n_cols)
         p.scatter_add_(1, idx[:, None], torch.where(is_local[:, None], g, 0.0))
+        dead = g_logp[r0:r1] == 0
+        if g_ent is not None:
+            dead &= g_ent[r0:r1] == 0
+        p.masked_fill_(dead[:, None], 0.0)  # exact zeros for ignored rows, even with NaN logits
         grad[r0:r1].copy_(p)
         del z, p
 
