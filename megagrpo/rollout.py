@@ -16,8 +16,9 @@ vLLM's side effects on the process, and what this module does about them:
 - vLLM CPU replaces `torch.set_num_threads` with a no-op: set threads before the engine starts.
 - vLLM seeds the global RNGs (python, numpy, torch) at start and samples from the global torch
   generator. The engine restores the caller's RNG states after start and swaps in its own torch
-  generator state around every `generate`, so rollouts neither consume nor reset the trainer's RNG
-  streams, and every rank of a vLLM TP group samples the same tokens.
+  generator state around every `generate` called on the main thread, so rollouts neither consume
+  nor reset the trainer's RNG streams, and every rank of a vLLM TP group samples the same tokens.
+  `generate` on another thread (async rollout, TP=1) samples from the global generator.
 - Never shut the engine down mid-run: vLLM's shutdown destroys the default process group
   (`close()` is for the end of a run or a test module).
 """
@@ -28,6 +29,7 @@ import difflib
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -362,7 +364,12 @@ class VLLMEngine:
     @contextlib.contextmanager
     def _engine_rng(self) -> Iterator[None]:
         """Run vLLM's sampler on the engine's own torch generator state (identical on every rank
-        of a vLLM TP group), leaving the caller's RNG where it was."""
+        of a vLLM TP group), leaving the caller's RNG where it was. Off the main thread (async
+        rollout) swapping the process-global state would race with the trainer, so there the
+        sampler just draws from the global generator."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
         with _preserve_global_rng():
             torch.set_rng_state(self._rng[0])
             if self._rng[1] is not None:
@@ -375,8 +382,10 @@ class VLLMEngine:
     def generate(self, prompt_token_ids: list[list[int]],
                  sampling: SamplingSettings | RolloutConfig | None = None, *,
                  n: int | None = None) -> list[Completion]:
-        """Sample `n` completions per prompt. Returns len(prompts) * n completions, prompt-major:
-        completions[i*n:(i+1)*n] is the group of prompt i."""
+        """Sample `n` completions per prompt (default: the settings of the engine's config).
+        Returns len(prompts) * n completions, prompt-major: completions[i*n:(i+1)*n] is the
+        group of prompt i. Safe on a side thread (async rollout) as long as no update_weights
+        runs at the same time."""
         if self.asleep:
             raise RuntimeError("VLLMEngine.generate called while asleep; call wake() first")
         if isinstance(sampling, RolloutConfig) or sampling is None:

@@ -214,6 +214,22 @@ def test_stop_strings(engine, tiny):
     assert comp.finish_reason == "stop"
     assert comp.text == full.text[:cut]
     assert comp.token_ids == full.token_ids[:len(comp.token_ids)]
+    stop_id = full.token_ids[4]
+    comp = engine.generate(PROMPTS[:1], SamplingSettings(temperature=0.0, max_tokens=16,
+                                                         stop_token_ids=(stop_id,)))[0]
+    assert comp.finish_reason == "stop"
+    assert comp.token_ids == full.token_ids[:full.token_ids.index(stop_id) + 1]
+
+
+def test_generate_on_a_side_thread(engine, tiny):
+    """Async rollout calls generate from a worker thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, model, _ = tiny
+    engine.update_weights(lazy(model))
+    with ThreadPoolExecutor(1) as pool:
+        comps = pool.submit(engine.generate, PROMPTS, GREEDY).result(timeout=120)
+    assert [c.token_ids for c in comps] == [hf_greedy(model, p, 16)[0] for p in PROMPTS]
 
 
 def test_sleep_wake_is_a_noop_on_cpu(engine, tiny):
