@@ -388,6 +388,8 @@ class VLLMEngine:
         runs at the same time."""
         if self.asleep:
             raise RuntimeError("VLLMEngine.generate called while asleep; call wake() first")
+        if not prompt_token_ids:
+            return []
         if isinstance(sampling, RolloutConfig) or sampling is None:
             sampling = SamplingSettings.from_config(sampling or self.cfg)
         n = sampling.n if n is None else n
