@@ -171,7 +171,8 @@ def correctness_check(device: torch.device, impl: str) -> bool:
         (lp64 * gl + ent64 * gh).sum().backward()
         ulp = torch.finfo(dtype).eps * x64.grad.abs() if dtype != torch.float32 else 0.0
         worst[str(dtype)] = dict(
-            logp=float((logp.cpu() - lp64).abs().max()), entropy=float((ent.cpu() - ent64).abs().max()),
+            logp=float((logp.cpu() - lp64).abs().max()),
+            entropy=float((ent.cpu() - ent64).abs().max()),
             grad_excess_over_ulp=float(((xd.grad.cpu().double() - x64.grad).abs() - ulp).max()))
     ok = all(w["logp"] < 2e-3 and w["entropy"] < 2e-3 and w["grad_excess_over_ulp"] < 1e-4
              for w in worst.values())

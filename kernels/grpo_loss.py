@@ -117,7 +117,8 @@ def grpo_token_loss(
     """Per-token GRPO loss ``[T]`` fp32 (0 where ``mask`` is False) and per-token metrics.
 
     Args:
-        logits: ``[T, V_local]`` policy logits, this rank's vocab slice (see vocab_parallel_logprob).
+        logits: ``[T, V_local]`` policy logits, this rank's vocab slice (as in
+            ``vocab_parallel_logprob``).
         target: ``[T]`` int64 sampled token ids (global vocab ids).
         old_logp: ``[T]`` log-probs under the behaviour/old policy (no grad); None = on-policy
             (``logp.detach()``: ratio 1, gradient of the plain policy-gradient term).

@@ -29,7 +29,8 @@ def make_logits(n: int, v: int, dtype: torch.dtype, seed: int, extreme: bool = F
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, v, generator=g) * 3.0
     if extreme:
-        x = torch.where(torch.rand(n, v, generator=g) < 0.5, -1e4, 1e4) * torch.rand(n, v, generator=g)
+        sign = torch.where(torch.rand(n, v, generator=g) < 0.5, -1e4, 1e4)
+        x = sign * torch.rand(n, v, generator=g)
         x[:, 7] = 1e4
         x[1] = -1e4
     return x.to(dtype)
@@ -150,12 +151,14 @@ def oracle_grpo(case) -> tuple[torch.Tensor, torch.Tensor, dict]:
         if o.get("beta", 0.0):
             c_in, c_out = o.get("kl_clamp", (20.0, 10.0))
             d = torch.clamp(logp[i] - o["ref_logp"][i].double(), -c_in, c_in)
-            kl = {"k1": d, "k2": d * d / 2, "k3": torch.exp(-d) + d - 1}[o.get("kl_estimator", "k3")]
+            kls = {"k1": d, "k2": d * d / 2, "k3": torch.exp(-d) + d - 1}
+            kl = kls[o.get("kl_estimator", "k3")]
             term = term + o["beta"] * torch.clamp(kl, -c_out, c_out)
         losses.append(term)
     loss = torch.stack(losses)
     (loss * case["g"].double()).sum().backward()
-    return loss.detach(), x.grad, dict(clipped_low=torch.tensor(low), clipped_high=torch.tensor(high))
+    flags = dict(clipped_low=torch.tensor(low), clipped_high=torch.tensor(high))
+    return loss.detach(), x.grad, flags
 
 
 # ------------------------------------------------------------------------------ tolerances

@@ -50,7 +50,8 @@ def test_options_are_exercised():
 def test_metrics(impl):
     case = grpo_case(24, 500, 1, torch.float32, 9, GRPO_OPTIONS["kl_k3_clamped"])
     out = run_case(case, impl)
-    logp, ent, _ = oracle_logprob(case["logits"], case["target"], case["temperature"], ~case["mask"])
+    logp, ent, _ = oracle_logprob(case["logits"], case["target"], case["temperature"],
+                                  ~case["mask"])
     scale = row_scale(case)
     assert_close(out["logp"], logp, scale, "logp")
     assert_close(out["entropy"], ent, scale, "entropy")
@@ -108,5 +109,6 @@ def test_tensor_parallel_over_gloo(tp_run):
             outs = [r[(name, impl)] for r in ranks]
             what = f"tp{tp}/{name}/{impl}"
             assert all(o["collectives"] == 1 for o in outs), f"{what}: not one collective per call"
-            assert all(torch.equal(o["loss"], outs[0]["loss"]) for o in outs), f"{what}: ranks differ"
+            same = all(torch.equal(o["loss"], outs[0]["loss"]) for o in outs)
+            assert same, f"{what}: ranks differ"
             check_grpo(case, dict(outs[0], grad=torch.cat([o["grad"] for o in outs], dim=1)), what)

@@ -167,7 +167,8 @@ def test_tensor_parallel_over_gloo(tp_run):
             outs = [r[(name, impl)] for r in ranks]
             what = f"tp{tp}/{name}/{impl}"
             assert all(o["collectives"] == 1 for o in outs), f"{what}: not one collective per call"
-            assert all(torch.equal(o["logp"], outs[0]["logp"]) for o in outs), f"{what}: ranks differ"
+            same = all(torch.equal(o["logp"], outs[0]["logp"]) for o in outs)
+            assert same, f"{what}: ranks differ"
             full = dict(outs[0], grad=torch.cat([o["grad"] for o in outs], dim=1))
             check_logprob(case, full, what)
 
