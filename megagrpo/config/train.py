@@ -165,8 +165,26 @@ def _build(cls: type, data: dict, where: str):
         t = hints[key]
         if dataclasses.is_dataclass(t) and isinstance(value, dict):
             value = _build(t, value, f"{where}{key}.")
-        kwargs[key] = value
+        kwargs[key] = _coerce(value, t, where + key)
     return cls(**kwargs)
+
+
+def _coerce(value, hint, name: str):
+    """YAML 1.1 reads '1e-3' as a string and '5' where a float is meant as an int: convert
+    scalars to the field's declared type, or say which field is wrong."""
+    if hint is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r}: expected a number") from None
+    if hint is int and isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r}: expected an integer") from None
+    if hint is bool and not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}: expected true or false")
+    return value
 
 
 def _set_dotted(tree: dict, dotted: str, value) -> None:

@@ -1,0 +1,116 @@
+"""Run under torchrun (4 ranks, TP=2 x PP=2, gloo) by tests/test_trainer.py. One launch drives a
+real trainer (megatron policy + reference, in-process vLLM per rank) through: on-policy steps,
+the scheduled in-place reference reset, alpha mixing, checkpoint + resume of the schedule, and
+async (one-step off-policy) rollouts. Rank 0 writes WORK/results.json."""
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def make_config(work):
+    from megagrpo.config.train import load_config
+
+    return load_config(None, [
+        "model.vocab_size=19", "model.hidden_size=64", "model.ffn_hidden_size=128",
+        "model.num_layers=2", "model.num_attention_heads=4", "model.num_query_groups=2",
+        "model.head_dim=32", "model.max_position_embeddings=64",
+        "parallel.tp=2", "parallel.pp=2", "parallel.make_vocab_size_divisible_by=16",
+        "optim.lr=1e-3", "rollout.max_tokens=6", "rollout.max_model_len=64",
+        "algo.group_size=4", "algo.beta=0.05", "reference.sync_every_steps=2",
+        "data.batch_size=4", "arithmetic.num_train=256", "arithmetic.num_eval=8",
+        f"arithmetic.tokenizer_dir={work}/tok",
+        "reward.terms=[{name: 'tests._rewards:length_reward'}]",
+        "run.micro_batch_size=8", "run.kernel_impl=torch", f"run.out_dir={work}/run",
+        "run.steps=100", "run.progress=false", "run.tensorboard=false",
+    ])
+
+
+def last_stage_logps(tr, batch):
+    """(policy, reference) log-probs [N, S] on the last stage's TP rank 0, else None."""
+    pol = tr._logprobs(tr.policy, batch)
+    ref = tr._logprobs(tr.reference.model, batch)
+    return (pol, ref) if pol is not None and tr.tp_rank == 0 else None
+
+
+def local_params(module):
+    from megagrpo.model import unwrap
+
+    return {n: p.detach().clone() for n, p in unwrap(module).named_parameters()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from megagrpo.reference import ReferenceState, sync_reference
+    from megagrpo.run import resume, save_checkpoint, setup
+
+    res = {}
+    tr = setup(make_config(args.work))
+    tr.sync_weights()
+    before = local_params(tr.policy)
+    ref_ptrs = [p.data_ptr() for p in tr.reference.model.parameters()]
+
+    m1 = tr.step()  # step 1: no reference sync (every 2)
+    after = local_params(tr.policy)
+    res["unchanged_params"] = [n for n in before if torch.equal(before[n], after[n])]
+    res["gap_step1"] = m1["logp_gap_vllm_mean"]
+    batch, _ = tr.build_batch(tr.rollout())
+    lp1 = last_stage_logps(tr, batch)
+    m2 = tr.step()  # step 2: the schedule re-initialises the reference in place
+    lp2 = last_stage_logps(tr, batch)
+    res["sync_reasons"] = [m1["reference_sync"], m2["reference_sync"]]
+    res["ref_ptrs_unchanged"] = ref_ptrs == [p.data_ptr() for p in tr.reference.model.parameters()]
+    if lp1 is not None:
+        res["pre_sync_max_diff"] = float((lp1[0] - lp1[1]).abs().max())
+        res["post_sync_equal"] = bool(torch.equal(lp2[0], lp2[1]))
+        res["post_sync_valid_tokens"] = int(batch.mask.sum())
+
+    save_checkpoint(tr)  # step 2, reference just synced
+    saved = local_params(tr.policy)
+    tr.step()  # step 3: policy moves on
+    # alpha mixing: ref <- a * policy + (1 - a) * ref, against float64 math
+    r0, p0 = local_params(tr.reference.model), local_params(tr.policy)
+    sync_reference(tr.reference.model, tr.policy, 0.3)
+    mixed = local_params(tr.reference.model)
+    res["alpha_max_err"] = max(float((mixed[n].double() - (0.3 * p0[n].double() + 0.7 * r0[n]
+                                                            .double())).abs().max()) for n in r0)
+    res["alpha_moved"] = any(not torch.equal(mixed[n], r0[n]) for n in r0)
+
+    # scramble the state, then resume from the step-2 checkpoint
+    with torch.no_grad():
+        for p in tr.policy.parameters():
+            p.add_(1.0)
+    tr.reference.state, tr.step_idx = ReferenceState(), 99
+    resume(tr, tr_ckpt(args.work))
+    restored = local_params(tr.policy)
+    res["resume_policy_equal"] = all(torch.equal(saved[n], restored[n]) for n in saved)
+    res["resume_state"] = [tr.step_idx, tr.reference.state.syncs, tr.reference.state.last_sync_step]
+    tr.sync_weights()
+    res["resume_sync_reasons"] = [tr.step()["reference_sync"] for _ in range(2)]  # steps 3, 4
+
+    res["sync_versions"] = [[tr.step_idx + 1, tr.step()["policy_version_of_batch"]]]
+    tr.cfg.run.async_rollout = True
+    res["async_versions"] = [[tr.step_idx + 1, tr.step()["policy_version_of_batch"]]
+                             for _ in range(3)]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, res)
+    if dist.get_rank() == 0:
+        with open(os.path.join(args.work, "results.json"), "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
+    tr.engine.close()
+
+
+def tr_ckpt(work):
+    from pathlib import Path
+
+    return sorted(Path(work, "run", "checkpoints").glob("step_*"))[-1]
+
+
+if __name__ == "__main__":
+    main()
