@@ -18,7 +18,8 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 600) -> str:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    env.pop("TRITON_INTERPRET", None) if env.get("MEGAGRPO_KEEP_INTERPRET") is None else None
+    # workers pick their kernel path explicitly; the interpreter would only slow vLLM down
+    env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", script, *args]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
