@@ -1,4 +1,4 @@
-"""Command line: `python -m megagrpo {convert,demo,...}`.
+"""Command line: `python -m megagrpo {train,demo,convert,plan,config}`.
 
 Commands that need several ranks relaunch themselves under torchrun when started as a single
 process (`convert --tp 2 --pp 2` spawns 4 local ranks), so the same line works in both cases.
@@ -126,6 +126,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return cmd_train(args)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Memory/parallelism plan of a recipe; starts nothing."""
+    from megagrpo.plan import run_plan
+
+    return run_plan(args.config, args.overrides, gpus=args.gpus, gpu_mem_gib=args.gpu_mem_gib)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Prints the resolved config (recipe + base + overrides) as YAML."""
+    import yaml
+
+    from megagrpo.config.train import load_config, to_dict
+
+    print(yaml.safe_dump(to_dict(load_config(args.config, args.overrides)), sort_keys=False),
+          end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megagrpo", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -146,6 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="local ranks when started without torchrun (default tp*pp)")
         t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
         t.set_defaults(func=fn)
+    p = sub.add_parser("plan", help="memory/parallelism planner for a recipe (starts nothing)")
+    p.add_argument("--config", default=None, help="YAML recipe")
+    p.add_argument("--gpus", type=int, default=0, help="world size to plan for (default tp*pp)")
+    p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory per GPU in GiB")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    p.set_defaults(func=cmd_plan)
+    c = sub.add_parser("config", help="print the resolved config as YAML")
+    c.add_argument("--config", default=None, help="YAML recipe")
+    c.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    c.set_defaults(func=cmd_config)
     return ap
 
 
