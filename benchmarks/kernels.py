@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
             loss = res.pop("loss")
             if ref_loss is None:
                 ref_loss = loss
+            if not gpu:  # shared CPU machines: the 1-minute load puts the timings in context
+                record["load_avg_1m"] = round(os.getloadavg()[0], 2)
             record.update(res, logits_bytes=logits_bytes,
                           peak_extra_pct=round(100 * res["peak_extra_bytes"] / logits_bytes, 2),
                           loss_max_abs_diff=float((loss - ref_loss).abs().max()))
