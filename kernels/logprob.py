@@ -323,6 +323,10 @@ class VocabParallelLogProb(torch.autograd.Function):
         bwd = _triton_backward if path == "triton" else _torch_backward
         bwd(logits, grad, target, big_m, log_s, shift, g_logp.float().contiguous(),
             None if g_ent is None else g_ent.float().contiguous(), vocab_start, inv_temp)
+        if inplace and path == "triton":
+            # The torch path's copy_ bumps the version counter; do the same for the raw kernel
+            # write, so any other saved use of these logits (a broken promise) fails loudly.
+            torch.autograd.graph.increment_version(grad)
         del logits  # with inplace, `grad` is now the only handle on that buffer
         return grad, None, None, None, None, None, None, None
 

@@ -101,6 +101,18 @@ def test_inplace_backward_reuses_logits_and_drops_them(impl, dtype):
     assert_close(leaf.grad, ref, row_scale(case), "inplace grad")
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_inplace_backward_flags_other_saved_uses(impl):
+    """If something else saved the logits for its backward, overwriting them must not pass
+    silently: the version counter is bumped, so that backward raises."""
+    case = logprob_case(8, 100, 1, torch.float32, seed=10, masked=False)
+    x = case["logits"].clone().requires_grad_() * 1
+    z_loss = (x * x).sum()  # saves x; its backward runs after ours
+    logp = vocab_parallel_logprob(x, case["target"], inplace_backward=True, impl=impl)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (logp.sum() + z_loss).backward()
+
+
 def test_inplace_backward_refuses_second_backward():
     case = logprob_case(8, 100, 1, torch.float32, seed=6)
     x = case["logits"].clone().requires_grad_() * 1
