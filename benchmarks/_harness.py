@@ -30,6 +30,13 @@ def sync(device: torch.device) -> None:
 def time_fn(fn: Callable[[], object], device: torch.device, *, setup: Callable[[], object]
             | None = None, warmup: int = 1, iters: int = 3) -> float:
     """Median seconds of ``fn()``; ``setup()`` runs untimed before each call."""
+    return statistics.median(time_samples(fn, device, setup=setup, warmup=warmup, iters=iters))
+
+
+def time_samples(fn: Callable[[], object], device: torch.device, *,
+                 setup: Callable[[], object] | None = None, warmup: int = 1,
+                 iters: int = 3) -> list[float]:
+    """Seconds of each timed ``fn()`` call (on a shared machine, the min is the least noisy)."""
     times = []
     for i in range(warmup + iters):
         if setup is not None:
@@ -40,7 +47,7 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, setup: Callable[[
         sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def _cpu_peak_bytes(fn: Callable[[], object]) -> int:
