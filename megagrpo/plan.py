@@ -1,0 +1,289 @@
+"""Memory/parallelism planner: per-rank bytes of a recipe at a TP/PP layout, and the layouts
+that fit a GPU budget. Pure arithmetic on the config; it starts nothing and needs no GPU.
+
+    python -m megagrpo plan --config examples/llama3-8b-math.yaml --gpus 16 --gpu-mem-gib 80
+
+What is counted, per rank, on the worst pipeline stage:
+- policy weights: local parameters x dtype bytes. Local = TP-split matrices (QKV, proj, fc1,
+  fc2, the padded vocab of embedding/output layer) plus replicated norms; the embedding lives on
+  the first stage, the final norm and output layer on the last (with tied embeddings and PP > 1
+  the last stage holds its own copy, as megatron does).
+- grads: megatron DDP keeps fp32 grad buffers (`grad_reduce_in_fp32`): 4 bytes/param.
+- optimizer: Adam m and v in fp32 (8 bytes/param) plus an fp32 master copy when the params are
+  bf16/fp16 (4 more); the distributed optimizer divides these by DP.
+- reference weights: same shard as the policy; 0 when algo.beta = 0 (no reference is built) or
+  reference.offload (resident in CPU memory between scoring passes).
+- logits: the fused kernels read the vocab-parallel logits [T, V_pad/tp] in the model dtype and
+  write the gradient into the same buffer (run.inplace_backward), plus fp32 per-row stats;
+  shown next to a naive path that all-gathers [T, V] and runs an fp32 log_softmax (upcast copy,
+  saved output and its gradient: 3 fp32 [T, V] tensors). T = run.micro_batch_size x
+  rollout.max_model_len (the longest padded micro-batch).
+- activations: a rough estimate only (Korthikanti et al. 2022, arXiv 2205.05198, no
+  recomputation, no sequence parallelism): s*b*h*(10 + 24/tp) bytes at 2 bytes/value per layer,
+  plus 5*a*s^2*b/tp when attention scores are materialised (parallel.transformer_impl=local),
+  times layers per stage, times the pp micro-batches the first stage holds under 1F1B.
+- vLLM: colocated in every rank (rollout TP = 1: each rank's engine holds the whole model); it
+  takes rollout.gpu_memory_utilization of the GPU while it samples, next to the training state
+  (weights, grads, optimizer, resident reference), and keeps it through the update unless
+  rollout.sleep_between_rollouts frees it. The peak is the larger of the rollout phase
+  (training state + vLLM) and the update phase (training state + logits + activations, + vLLM
+  when it does not sleep).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.train import TrainConfig, load_config
+
+GIB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MAX_TP = 8  # tensor parallelism stays inside one node (NVLink); more GPUs go to PP and DP
+
+
+# ------------------------------------------------------------------------ parameter counts
+def layer_params(m: ModelConfig, tp: int = 1) -> int:
+    """Parameters of one transformer layer on one TP rank (tp=1: the whole layer)."""
+    qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * m.head_dim
+    split = (qkv_out * m.hidden_size                              # linear_qkv
+             + (qkv_out if m.qkv_bias else 0)                     # its bias (Qwen2)
+             + m.num_attention_heads * m.head_dim * m.hidden_size  # linear_proj
+             + 2 * m.ffn_hidden_size * m.hidden_size              # linear_fc1 = [gate; up]
+             + m.ffn_hidden_size * m.hidden_size)                 # linear_fc2
+    return split // tp + 2 * m.hidden_size                        # two RMSNorms, replicated
+
+
+def total_params(m: ModelConfig) -> int:
+    """Parameter count as Hugging Face reports it (unpadded vocab, one tied embedding)."""
+    embed = m.vocab_size * m.hidden_size
+    out = 0 if m.tie_word_embeddings else embed
+    return embed + m.num_layers * layer_params(m) + m.hidden_size + out
+
+
+def stage_params(m: ModelConfig, p: ParallelConfig, stage: int) -> int:
+    """Parameters held by one rank of pipeline stage `stage` (0-based) at p.tp, p.pp."""
+    vocab_local = p.padded_vocab_size(m.vocab_size) // p.tp * m.hidden_size
+    n = m.num_layers // p.pp * layer_params(m, p.tp)
+    if stage == 0:
+        n += vocab_local                                # word embeddings
+    if stage == p.pp - 1:
+        n += m.hidden_size                              # final norm
+        if not (m.tie_word_embeddings and p.pp == 1):
+            n += vocab_local                            # output layer (or the tied copy)
+    return n
+
+
+# ------------------------------------------------------------------------ per-rank bytes
+@dataclass(kw_only=True)
+class RankMemory:
+    """Bytes on the most loaded rank at one layout."""
+
+    tp: int
+    """Tensor-parallel size."""
+    pp: int
+    """Pipeline-parallel size."""
+    dp: int
+    """Data-parallel size (world // (tp * pp))."""
+    params: int
+    """Parameters on the most loaded stage's rank."""
+    weights: int
+    """Policy weights."""
+    grads: int
+    """fp32 gradient buffers."""
+    optimizer: int
+    """Adam moments (+ fp32 master copy), divided by dp with the distributed optimizer."""
+    reference: int
+    """Reference weights resident on the GPU."""
+    logits_fused: int
+    """Logits working set of the fused vocab-parallel kernels."""
+    logits_naive: int
+    """What a gathered fp32 log_softmax over [T, V] would need instead (not in the total)."""
+    activations: int
+    """Rough activation estimate (see the module docstring)."""
+    vllm: int
+    """vLLM's share of the GPU while it samples."""
+    vllm_sleeps: bool
+    """vLLM frees its share during the update (rollout.sleep_between_rollouts)."""
+    optimizer_sharded: bool
+    """The distributed optimizer shards the optimizer state over dp."""
+
+    @property
+    def state(self) -> int:
+        """Resident through the whole step: weights, grads, optimizer, reference."""
+        return self.weights + self.grads + self.optimizer + self.reference
+
+    @property
+    def update_peak(self) -> int:
+        return (self.state + self.logits_fused + self.activations
+                + (0 if self.vllm_sleeps else self.vllm))
+
+    @property
+    def rollout_peak(self) -> int:
+        return self.state + self.vllm
+
+    @property
+    def total(self) -> int:
+        """Peak bytes of the step on this rank."""
+        return max(self.update_peak, self.rollout_peak)
+
+
+def logits_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, tp_pad: ParallelConfig
+                 ) -> tuple[int, int]:
+    """(fused, naive) logits working set in bytes for one micro-batch on one TP rank."""
+    t = cfg.run.micro_batch_size * cfg.rollout.max_model_len
+    b = DTYPE_BYTES[m.dtype]
+    v_local = tp_pad.padded_vocab_size(m.vocab_size) // tp
+    buffers = 1 if cfg.run.inplace_backward else 2  # logits (+ a separate gradient buffer)
+    # per-row fp32 stats [T, 4], their all-gather [tp * T, 4], and three [T] fp32 rows saved for
+    # backward (max, log-sum-exp, shift)
+    stats = t * 4 * (4 + 4 * tp + 3)
+    fused = buffers * t * v_local * b + stats
+    naive = t * m.vocab_size * (b + 3 * 4)
+    return fused, naive
+
+
+def activation_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int) -> int:
+    """Rough per-rank activations of the first stage (see the module docstring)."""
+    s, b, h = cfg.rollout.max_model_len, cfg.run.micro_batch_size, m.hidden_size
+    per_layer = s * b * h * (10 + 24 / tp)
+    if cfg.parallel.transformer_impl == "local":
+        per_layer += 5 * m.num_attention_heads * s * s * b / tp
+    scale = DTYPE_BYTES[m.dtype] / 2
+    return int(per_layer * scale * (m.num_layers // pp) * pp)
+
+
+def rank_memory(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int, world: int,
+                gpu_mem_gib: float) -> RankMemory:
+    """Per-rank bytes of `cfg` with the model `m` laid out at tp x pp over `world` ranks of
+    `gpu_mem_gib` GiB each."""
+    layout = dataclasses.replace(cfg.parallel, tp=tp, pp=pp)
+    dp = max(1, world // (tp * pp))
+    n = max(stage_params(m, layout, s) for s in range(pp))
+    b = DTYPE_BYTES[m.dtype]
+    opt_per_param = 8 + (4 if b < 4 else 0)
+    optimizer = n * opt_per_param
+    if cfg.optim.distributed_optimizer:
+        optimizer = -(-optimizer // dp)
+    with_ref = cfg.algo.beta > 0 and not cfg.reference.offload
+    fused, naive = logits_bytes(cfg, m, tp, layout)
+    return RankMemory(tp=tp, pp=pp, dp=dp, params=n, weights=n * b, grads=n * 4,
+                      optimizer=optimizer, reference=n * b if with_ref else 0,
+                      logits_fused=fused, logits_naive=naive,
+                      activations=activation_bytes(cfg, m, tp, pp),
+                      vllm=int(cfg.rollout.gpu_memory_utilization * gpu_mem_gib * GIB),
+                      vllm_sleeps=cfg.rollout.sleep_between_rollouts,
+                      optimizer_sharded=cfg.optim.distributed_optimizer)
+
+
+def layouts(cfg: TrainConfig, m: ModelConfig, world: int) -> list[tuple[int, int]]:
+    """Every (tp, pp) that validates for `m` over `world` ranks (tp <= MAX_TP)."""
+    out = []
+    for tp in range(1, min(MAX_TP, world) + 1):
+        for pp in range(1, world // tp + 1):
+            layout = dataclasses.replace(cfg.parallel, tp=tp, pp=pp)
+            try:
+                layout.validate(m, world)
+            except ValueError:
+                continue
+            if cfg.data.batch_size % (world // (tp * pp)) == 0:
+                out.append((tp, pp))
+    return out
+
+
+def suggest(cfg: TrainConfig, m: ModelConfig, world: int, gpu_mem_gib: float
+            ) -> list[RankMemory]:
+    """Layouts that fit, best first: most data parallelism (smallest tp*pp), then fewer
+    pipeline stages (smaller bubble), then smaller tp."""
+    fits = [r for tp, pp in layouts(cfg, m, world)
+            if (r := rank_memory(cfg, m, tp, pp, world, gpu_mem_gib)).total <= gpu_mem_gib * GIB]
+    return sorted(fits, key=lambda r: (r.tp * r.pp, r.pp, r.tp))
+
+
+# ------------------------------------------------------------------------ model and report
+def plan_model(cfg: TrainConfig) -> tuple[ModelConfig, str]:
+    """The architecture to plan for: run.init's config when it points at a checkpoint that is
+    present, else the recipe's model section. Returns (model, where it came from)."""
+    init = cfg.run.init
+    p = Path(init).expanduser()
+    if init != "random" and (p / "config.json").exists():
+        from megagrpo.hf import model_config_from_hf
+
+        return model_config_from_hf(p, dtype=cfg.model.dtype), f"{p / 'config.json'}"
+    if init != "random" and (p / "megagrpo_model.json").exists():
+        from megagrpo.checkpoint import read_model_config
+
+        return read_model_config(p)[0], f"{p / 'megagrpo_model.json'}"
+    note = "" if init == "random" else f"; run.init={init} is not on this machine"
+    return cfg.model, "the recipe's model section" + note
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:9.3f}"
+
+
+def format_breakdown(r: RankMemory, m: ModelConfig, gpu_mem_gib: float) -> str:
+    """The component table of one layout."""
+    master = " + fp32 master" if DTYPE_BYTES[m.dtype] < 4 else ""
+    rows = [
+        (f"policy weights ({m.dtype})", r.weights),
+        ("grads (fp32 buffers)", r.grads),
+        (f"Adam m, v{master}" + (" (/dp)" if r.optimizer_sharded else ""), r.optimizer),
+        ("reference weights (resident)", r.reference),
+        ("logits, fused kernels [T, V/tp] (update)", r.logits_fused),
+        ("activations, rough estimate (update)", r.activations),
+        ("vLLM share (rollout" + ("" if r.vllm_sleeps else " and update") + ")", r.vllm),
+    ]
+    lines = [f"per-rank memory at tp={r.tp} pp={r.pp} dp={r.dp} "
+             f"({r.params / 1e6:.1f}M params on the most loaded rank)",
+             f"  {'component':<56}{'GiB':>9}"]
+    lines += [f"  {name:<56}{_gib(v)}" for name, v in rows]
+    lines += [f"  {'peak during rollout':<56}{_gib(r.rollout_peak)}",
+              f"  {'peak during update':<56}{_gib(r.update_peak)}",
+              f"  {'GPU memory':<56}{gpu_mem_gib:9.3f}",
+              f"  {'(a naive fp32 log_softmax over [T, V] would need)':<56}"
+              f"{_gib(r.logits_naive)}"]
+    return "\n".join(lines)
+
+
+def format_candidates(cands: list[RankMemory]) -> str:
+    """One line per layout."""
+    lines = [f"  {'tp':>3} {'pp':>3} {'dp':>4} {'peak GiB':>9}"]
+    lines += [f"  {r.tp:>3} {r.pp:>3} {r.dp:>4} {_gib(r.total)}" for r in cands]
+    return "\n".join(lines)
+
+
+def run_plan(config: str | None, overrides: list[str], *, gpus: int = 0,
+             gpu_mem_gib: float = 80.0) -> int:
+    """`python -m megagrpo plan`: prints the breakdown at the recipe's layout and the layouts
+    that fit. Returns 0 when the recipe's layout fits, 1 when it does not."""
+    cfg = load_config(config, overrides)
+    m, source = plan_model(cfg)
+    m.validate()
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    world = gpus or tp * pp
+    print(f"model from {source}: {m.architecture}, {total_params(m) / 1e6:.1f}M params; "
+          f"L={m.num_layers} H={m.hidden_size} F={m.ffn_hidden_size} "
+          f"heads={m.num_attention_heads}/{m.num_query_groups} V={m.vocab_size} "
+          f"(padded {cfg.parallel.padded_vocab_size(m.vocab_size)} at tp={tp}), {m.dtype}")
+    print(f"world: {world} GPU(s) x {gpu_mem_gib:g} GiB; T = {cfg.run.micro_batch_size} x "
+          f"{cfg.rollout.max_model_len} tokens per micro-batch\n")
+    current = rank_memory(cfg, m, tp, pp, world, gpu_mem_gib)
+    print(format_breakdown(current, m, gpu_mem_gib))
+    try:
+        cfg.parallel.validate(m, world)
+        print(f"  fits: {'yes' if current.total <= gpu_mem_gib * GIB else 'no'}")
+    except ValueError as e:
+        print(f"  note: the recipe's layout does not validate: {e}")
+    fits = suggest(cfg, m, world, gpu_mem_gib)
+    if fits:
+        best = fits[0]
+        print(f"\nsuggested: parallel.tp={best.tp} parallel.pp={best.pp} (dp={best.dp}); "
+              "layouts that fit, best first:")
+        print(format_candidates(fits[:8]))
+    else:
+        print(f"\nno valid tp x pp over {world} GPU(s) fits {gpu_mem_gib:g} GiB: add GPUs or set "
+              "optim.distributed_optimizer, reference.offload, rollout.sleep_between_rollouts, "
+              "a lower rollout.gpu_memory_utilization or run.micro_batch_size")
+    return 0 if current.total <= gpu_mem_gib * GIB else 1
