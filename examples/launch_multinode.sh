@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Multi-node megagrpo training with torchrun. Run the same line on every node, changing only
+# NODE_RANK; every rank runs trainer + its own colocated vLLM engine (rollout TP = 1).
+#
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash examples/launch_multinode.sh \
+#       examples/llama3-8b-math.yaml run.steps=200        # on node0
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 bash examples/launch_multinode.sh \
+#       examples/llama3-8b-math.yaml run.steps=200        # on node1
+#
+# Arguments: RECIPE.yaml, then key.sub=value overrides (the same on every node).
+# Environment:
+#   NNODES         number of nodes (default 2)
+#   NODE_RANK      this node's index, 0 .. NNODES-1 (required)
+#   MASTER_ADDR    host name or IP of node 0, reachable from every node (required)
+#   MASTER_PORT    free TCP port on node 0 for the rendezvous (default 29500)
+#   GPUS_PER_NODE  ranks per node, one per GPU (default 8)
+#   PYTHON         interpreter with megagrpo installed (default .venv/bin/python if present)
+#   OMP_NUM_THREADS           CPU threads per rank (default 8)
+#   NCCL_SOCKET_IFNAME        optional: network interface NCCL's bootstrap uses (e.g. eth0)
+#   NCCL_IB_HCA               optional: InfiniBand adapters NCCL may use (e.g. mlx5)
+#   NCCL_DEBUG                optional: WARN or INFO to diagnose hangs at start-up
+# World size = NNODES x GPUS_PER_NODE; it must be a multiple of parallel.tp x parallel.pp and
+# divide data.batch_size by the DP size; the recipe is validated before anything starts. Check
+# memory first with: python -m megagrpo plan --config RECIPE --gpus $((NNODES * GPUS_PER_NODE))
+set -euo pipefail
+
+RECIPE=${1:?usage: NODE_RANK=.. MASTER_ADDR=.. $0 RECIPE.yaml [key.sub=value ...]}
+shift
+NNODES=${NNODES:-2}
+NODE_RANK=${NODE_RANK:?set NODE_RANK (0 .. NNODES-1)}
+MASTER_ADDR=${MASTER_ADDR:?set MASTER_ADDR (host of node 0)}
+MASTER_PORT=${MASTER_PORT:-29500}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python; fi
+fi
+
+exec "$PYTHON" -m torch.distributed.run \
+  --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
+  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+  -m megagrpo train --config "$RECIPE" "$@"

@@ -1,0 +1,123 @@
+"""The memory planner's arithmetic against hand-computed numbers for a tiny config."""
+import json
+from pathlib import Path
+
+import pytest
+
+from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.train import load_config
+from megagrpo.plan import (GIB, layer_params, plan_model, rank_memory, run_plan, stage_params,
+                           suggest, total_params)
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+# vocab 100, H 8, F 16, 2 layers, 2 heads of width 4, 2 KV groups (valid at tp=1, 2)
+TINY = ["model.vocab_size=100", "model.hidden_size=8", "model.ffn_hidden_size=16",
+        "model.num_layers=2", "model.num_attention_heads=2", "model.num_query_groups=2",
+        "model.head_dim=4", "parallel.make_vocab_size_divisible_by=8",
+        "run.micro_batch_size=2", "rollout.max_model_len=8", "data.batch_size=4"]
+
+
+def tiny(**kw) -> ModelConfig:
+    return ModelConfig(vocab_size=100, hidden_size=8, ffn_hidden_size=16, num_layers=2,
+                       num_attention_heads=2, num_query_groups=2, head_dim=4, **kw)
+
+
+def test_parameter_counts_by_hand():
+    m = tiny()
+    # qkv (2 + 2*2) * 4 * 8 = 192, proj 8 * 8 = 64, fc1 2 * 16 * 8 = 256, fc2 128, norms 2 * 8
+    assert layer_params(m) == 192 + 64 + 256 + 128 + 16 == 656
+    assert layer_params(m, tp=2) == 640 // 2 + 16 == 336
+    assert layer_params(tiny(qkv_bias=True)) == 656 + 24
+    # embedding 100 * 8, two layers, final norm, untied output layer
+    assert total_params(m) == 800 + 2 * 656 + 8 + 800 == 2920
+    assert total_params(tiny(tie_word_embeddings=True)) == 2920 - 800
+
+
+def test_stage_params_by_hand():
+    m = tiny()
+    # tp=2: vocab padded to a multiple of 8 * 2 -> 112, 56 rows per rank
+    tp2 = ParallelConfig(tp=2, make_vocab_size_divisible_by=8)
+    assert stage_params(m, tp2, 0) == 2 * 336 + 56 * 8 + 8 + 56 * 8 == 1576
+    # pp=2: vocab padded to 104; embedding on stage 0, final norm + output layer on stage 1
+    pp2 = ParallelConfig(pp=2, make_vocab_size_divisible_by=8)
+    assert stage_params(m, pp2, 0) == 656 + 104 * 8 == 1488
+    assert stage_params(m, pp2, 1) == 656 + 8 + 104 * 8 == 1496
+    # tied: one copy on a single stage, a copy on the last stage under PP (as megatron keeps)
+    mt = tiny(tie_word_embeddings=True)
+    assert stage_params(mt, ParallelConfig(make_vocab_size_divisible_by=8), 0) == 2 * 656 + 832 + 8
+    assert stage_params(mt, pp2, 1) == 1496
+
+
+def test_rank_bytes_by_hand():
+    cfg = load_config(None, TINY + ["parallel.tp=2", "model.dtype=bfloat16",
+                                    "optim.distributed_optimizer=true"])
+    r = rank_memory(cfg, cfg.model, 2, 1, world=4, gpu_mem_gib=1.0)
+    n = 1576
+    assert (r.dp, r.params) == (2, n)
+    assert r.weights == 2 * n and r.grads == 4 * n
+    assert r.optimizer == 12 * n // 2  # m, v, fp32 master; sharded over dp=2
+    assert r.reference == 2 * n  # algo.beta > 0 by default
+    # T = 2 x 8 = 16 rows; local vocab 56 in bf16, gradient in place; fp32 stats [T, 4],
+    # their all-gather [2T, 4] and three [T] rows
+    assert r.logits_fused == 16 * 56 * 2 + 16 * 4 * (4 + 8 + 3) == 2752
+    assert r.logits_naive == 16 * 100 * (2 + 3 * 4) == 22400
+    # s*b*h*(10 + 24/tp) at 2 bytes per value, 2 layers on the one stage
+    assert r.activations == 8 * 2 * 8 * (10 + 12) * 2 == 5632
+    assert r.vllm == GIB // 2 and not r.vllm_sleeps
+    assert r.total == r.update_peak == r.state + 2752 + 5632 + GIB // 2
+
+
+@pytest.mark.parametrize("extra,field,expected", [
+    (["optim.distributed_optimizer=false", "model.dtype=bfloat16"], "optimizer", 12 * 1576),
+    (["optim.distributed_optimizer=false"], "optimizer", 8 * 1576),  # fp32: no master copy
+    (["algo.beta=0"], "reference", 0),
+    (["reference.offload=true"], "reference", 0),
+    (["run.inplace_backward=false"], "logits_fused", 2 * 16 * 56 * 4 + 960),
+    (["parallel.transformer_impl=local"], "activations",
+     2 * 2 * (8 * 2 * 8 * 22 + 5 * 2 * 8 * 8 * 2 // 2)),  # fp32 doubles the 2-byte estimate
+])
+def test_switches(extra, field, expected):
+    cfg = load_config(None, TINY + ["parallel.tp=2"] + extra)
+    assert getattr(rank_memory(cfg, cfg.model, 2, 1, world=4, gpu_mem_gib=1.0), field) == expected
+
+
+def test_sleeping_vllm_leaves_the_update_phase():
+    cfg = load_config(None, TINY + ["rollout.sleep_between_rollouts=true"])
+    r = rank_memory(cfg, cfg.model, 1, 1, world=1, gpu_mem_gib=1.0)
+    assert r.update_peak == r.state + r.logits_fused + r.activations
+    assert r.total == max(r.update_peak, r.rollout_peak) == r.state + GIB // 2
+
+
+def test_suggest_prefers_data_parallel_then_fewer_stages():
+    cfg = load_config(None, TINY)
+    fits = suggest(cfg, cfg.model, world=4, gpu_mem_gib=1.0)
+    # tp=4 does not divide 2 heads; every tp x pp divides the world and dp divides the batch
+    assert [(r.tp, r.pp, r.dp) for r in fits] == [(1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 1)]
+    # ~10 KiB per GPU: the fp32 training state alone (~45 KiB at tp=1) does not fit
+    assert suggest(cfg, cfg.model, world=4, gpu_mem_gib=1e-5) == []
+
+
+def test_real_model_counts():
+    """Published sizes: Qwen2.5-0.5B has 494,032,768 parameters, Llama-3-8B 8,030,261,248."""
+    qwen = load_config(str(EXAMPLES / "qwen2.5-0.5b-gsm8k.yaml")).model
+    llama = load_config(str(EXAMPLES / "llama3-8b-math.yaml")).model
+    assert total_params(qwen) == 494_032_768
+    assert total_params(llama) == 8_030_261_248
+
+
+def test_model_from_hf_config_json(tmp_path):
+    from megagrpo.hf import hf_config_dict
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(tiny())))
+    cfg = load_config(None, [f"run.init={tmp_path}"])
+    m, source = plan_model(cfg)
+    assert total_params(m) == 2920 and source.endswith("config.json")
+
+
+def test_cli_prints_the_table(capsys):
+    assert run_plan(None, TINY, gpus=4, gpu_mem_gib=1.0) == 0
+    out = capsys.readouterr().out
+    assert "suggested: parallel.tp=1 parallel.pp=1 (dp=4)" in out
+    assert "naive fp32 log_softmax" in out
+    assert run_plan(None, TINY, gpus=4, gpu_mem_gib=1e-5) == 1
+    assert "no valid tp x pp over 4 GPU(s) fits" in capsys.readouterr().out
