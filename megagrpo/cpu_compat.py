@@ -49,7 +49,9 @@ class _CudaToCpu(TorchFunctionMode):
             args = (args[0], "cpu", *args[2:])
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
-            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+            if name.startswith("torch.cuda."):
+                return name
+            return name.replace("torch.", "torch.cuda.", 1)
         return func(*args, **kwargs)
 
 

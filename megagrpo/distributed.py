@@ -64,7 +64,8 @@ def init_distributed(
     elif world % (parallel.tp * parallel.pp):
         raise ValueError(
             f"world size {world} is not divisible by parallel.tp x parallel.pp = "
-            f"{parallel.tp} x {parallel.pp}; launch a multiple of {parallel.tp * parallel.pp} processes"
+            f"{parallel.tp} x {parallel.pp}; launch a multiple of "
+            f"{parallel.tp * parallel.pp} processes"
         )
     cuda = torch.cuda.is_available()
     backend = parallel.backend if parallel.backend != "auto" else ("nccl" if cuda else "gloo")

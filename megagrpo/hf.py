@@ -187,8 +187,10 @@ def hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{g}."
         shapes.update({
             p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-            p + "self_attn.q_proj.weight": (nh * hd, H), p + "self_attn.k_proj.weight": (ng * hd, H),
-            p + "self_attn.v_proj.weight": (ng * hd, H), p + "self_attn.o_proj.weight": (H, nh * hd),
+            p + "self_attn.q_proj.weight": (nh * hd, H),
+            p + "self_attn.k_proj.weight": (ng * hd, H),
+            p + "self_attn.v_proj.weight": (ng * hd, H),
+            p + "self_attn.o_proj.weight": (H, nh * hd),
             p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
             p + "mlp.down_proj.weight": (H, F),
         })
@@ -251,7 +253,8 @@ class HFCheckpoint:
 
     def _handle(self, name: str, needed_by: str):
         if name not in self.files:
-            raise ValueError(f"checkpoint {self.dir} lacks tensor {name!r} (needed for {needed_by})")
+            raise ValueError(
+                f"checkpoint {self.dir} lacks tensor {name!r} (needed for {needed_by})")
         fname = self.files[name]
         if fname not in self._handles:
             self._handles[fname] = self._open(self.dir / fname, "pt")

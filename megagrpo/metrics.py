@@ -71,7 +71,8 @@ class MetricsLogger:
         if self.progress and "reward_mean" in record:
             parts = " ".join(f"{k}={record[k]:.3g}" for k in CONSOLE_KEYS if k in record)
             extra = f" eval_acc={record['eval_accuracy']:.3f}" if "eval_accuracy" in record else ""
-            ref = f" [ref reset: {record['reference_sync']}]" if record.get("reference_sync") else ""
+            reset = record.get("reference_sync")
+            ref = f" [ref reset: {reset}]" if reset else ""
             print(f"step {step:4d} | {parts}{extra}{ref}", flush=True)
 
     def close(self) -> None:

@@ -58,7 +58,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _exported(specs: list[ParamSpec], model: ModelConfig) -> list[ParamSpec]:
     # the last stage's copy of a tied embedding is not exported (stage 0 exports it)
-    return [s for s in specs if not (model.tie_word_embeddings and s.local == "output_layer.weight")]
+    tied = model.tie_word_embeddings
+    return [s for s in specs if not (tied and s.local == "output_layer.weight")]
 
 
 def _gather_tp(local: list[torch.Tensor], specs: list[ParamSpec], tp: int, group

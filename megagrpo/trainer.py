@@ -25,9 +25,14 @@ from megagrpo.batch import Batch, pack, sft_batch
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import encode_prompt
 from megagrpo.losses import LossContext, grpo_loss, logprob_loss, sft_loss
-from megagrpo.metrics import MetricsLogger, PhaseTimer
-from megagrpo.optim import (build_optimizer, forward_backward, lr_at, optimizer_step, set_lr,
-                            wrap_ddp, zero_grad)
+from megagrpo.metrics import PhaseTimer
+from megagrpo.optim import (
+    forward_backward,
+    lr_at,
+    optimizer_step,
+    set_lr,
+    zero_grad,
+)
 
 log = logging.getLogger("megagrpo")
 

@@ -5,7 +5,6 @@ trip) and an HF export after one training step. Results go to WORK/results.json 
 import argparse
 import json
 import os
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -48,8 +47,14 @@ def run_layout(tp, pp, work, results):
     from megagrpo.distributed import init_distributed
     from megagrpo.hf import load_hf_weights, model_config_from_hf
     from megagrpo.model import build_model
-    from megagrpo.optim import (OptimConfig, build_optimizer, forward_backward, optimizer_step,
-                                wrap_ddp, zero_grad)
+    from megagrpo.optim import (
+        OptimConfig,
+        build_optimizer,
+        forward_backward,
+        optimizer_step,
+        wrap_ddp,
+        zero_grad,
+    )
     from megagrpo.reshard import export_hf
 
     ref = torch.load(os.path.join(work, "ref.pt"))

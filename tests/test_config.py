@@ -1,9 +1,9 @@
 """Recipes, overrides and cross-section validation."""
+import os
+
 import pytest
 
 from megagrpo.config.train import load_config
-
-import os
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "examples", "demo.yaml")
 

@@ -51,7 +51,8 @@ def test_tp_must_divide_heads_and_groups(tp, field):
 
 
 def test_pp_must_divide_layers():
-    with pytest.raises(ValueError, match=r"parallel.pp=3 .* model.num_layers=4; valid pp: \[1, 2, 4\]"):
+    msg = r"parallel.pp=3 .* model.num_layers=4; valid pp: \[1, 2, 4\]"
+    with pytest.raises(ValueError, match=msg):
         ParallelConfig(pp=3).validate(ModelConfig(num_layers=4))
 
 
@@ -61,7 +62,8 @@ def test_world_size_must_be_multiple_of_tp_pp():
 
 
 def test_world_size_checked_before_process_group(tmp_path):
-    code = ("from megagrpo.config.model import *; from megagrpo.distributed import init_distributed;"
+    code = ("from megagrpo.config.model import *; "
+            "from megagrpo.distributed import init_distributed; "
             "init_distributed(ParallelConfig(tp=2), ModelConfig())")
     e = dict(os.environ, WORLD_SIZE="3", RANK="0", LOCAL_RANK="0")
     # were the check after init_process_group, this would hang waiting for 2 more ranks
@@ -103,7 +105,8 @@ def test_misshaped_tensor_named(tmp_path):
     sd = load_file(path)
     sd["model.layers.0.self_attn.k_proj.weight"] = sd["model.layers.0.self_attn.k_proj.weight"][:32]
     save_file(sd, path, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"k_proj.weight' has shape \[32, 64\], expected \[64, 64\]"):
+    msg = r"k_proj.weight' has shape \[32, 64\], expected \[64, 64\]"
+    with pytest.raises(ValueError, match=msg):
         check_hf_checkpoint(tmp_path / "hf", model_config_from_hf(tmp_path / "hf"))
 
 

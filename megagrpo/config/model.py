@@ -45,7 +45,8 @@ class ModelConfig:
     def validate(self) -> None:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(
-                f"model.architecture={self.architecture!r} is not supported; use one of {ARCHITECTURES}"
+                f"model.architecture={self.architecture!r} is not supported; "
+                f"use one of {ARCHITECTURES}"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype={self.dtype!r}: use one of {DTYPES}")

@@ -12,8 +12,8 @@ import yaml
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.config.data import ArithmeticConfig, DataConfig, RewardConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from megagrpo.config.rollout import RolloutConfig
 from megagrpo.config.optim import OptimConfig
+from megagrpo.config.rollout import RolloutConfig
 
 
 @dataclass(kw_only=True)
