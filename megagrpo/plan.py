@@ -235,15 +235,15 @@ def format_breakdown(r: RankMemory, m: ModelConfig, gpu_mem_gib: float) -> str:
         ("activations, rough estimate (update)", r.activations),
         ("vLLM share (rollout" + ("" if r.vllm_sleeps else " and update") + ")", r.vllm),
     ]
-    lines = [f"per-rank memory at tp={r.tp} pp={r.pp} dp={r.dp} "
-             f"({r.params / 1e6:.1f}M params on the most loaded rank)",
+    lines = [(f"per-rank memory at tp={r.tp} pp={r.pp} dp={r.dp} "
+             f"({r.params / 1e6:.1f}M params on the most loaded rank)"),
              f"  {'component':<56}{'GiB':>9}"]
     lines += [f"  {name:<56}{_gib(v)}" for name, v in rows]
     lines += [f"  {'peak during rollout':<56}{_gib(r.rollout_peak)}",
               f"  {'peak during update':<56}{_gib(r.update_peak)}",
               f"  {'GPU memory':<56}{gpu_mem_gib:9.3f}",
-              f"  {'(a naive fp32 log_softmax over [T, V] would need)':<56}"
-              f"{_gib(r.logits_naive)}"]
+              (f"  {'(a naive fp32 log_softmax over [T, V] would need)':<56}"
+              f"{_gib(r.logits_naive)}")]
     return "\n".join(lines)
 
 

@@ -56,7 +56,7 @@ def test_splice_and_check(tmp_path):
 
 
 def _world_sizes(path: Path) -> tuple[int, ...]:
-    m = re.search(r"^# world_size:((?: \d+)+)", path.read_text(), re.M)
+    m = re.search(r"^# world_size:((?: \d+)+)", path.read_text(), re.MULTILINE)
     return tuple(int(w) for w in m.group(1).split()) if m else WORLD_SIZES[path.name]
 
 

@@ -6,8 +6,16 @@ import pytest
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.train import load_config
-from megagrpo.plan import (GIB, layer_params, plan_model, rank_memory, run_plan, stage_params,
-                           suggest, total_params)
+from megagrpo.plan import (
+    GIB,
+    layer_params,
+    plan_model,
+    rank_memory,
+    run_plan,
+    stage_params,
+    suggest,
+    total_params,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # vocab 100, H 8, F 16, 2 layers, 2 heads of width 4, 2 KV groups (valid at tp=1, 2)

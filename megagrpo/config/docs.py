@@ -100,9 +100,9 @@ def _cell(text: str) -> str:
 
 def render() -> str:
     """The Markdown reference (without the markers)."""
-    lines = ["Generated from `megagrpo/config/*.py` by `python -m megagrpo.config.docs --write "
+    lines = [("Generated from `megagrpo/config/*.py` by `python -m megagrpo.config.docs --write "
              "README.md`; do not edit by hand. Every key can be set in a recipe or overridden on "
-             "the command line as `section.key=value` (values parsed as YAML)."]
+             "the command line as `section.key=value` (values parsed as YAML).")]
     for name, cls, rows in sections():
         intro, _ = field_docstrings(cls)
         lines += ["", f"#### `{name}`", "", intro, "", "| key | type | default | description |",
