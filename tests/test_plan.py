@@ -1,5 +1,6 @@
 """The memory planner's arithmetic against hand-computed numbers for a tiny config."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,38 @@ def test_cli_prints_the_table(capsys):
     assert "naive fp32 log_softmax" in out
     assert run_plan(None, TINY, gpus=4, gpu_mem_gib=1e-5) == 1
     assert "no valid tp x pp over 4 GPU(s) fits" in capsys.readouterr().out
+
+
+def test_stage_params_match_megatron_at_tp2_pp2():
+    """The planner's per-rank counts equal the parameters of the GPTModel stage each of 4 real
+    ranks builds (tied embeddings + QKV bias: the last stage's embedding copy, the bias split)."""
+    from tests._launch import torchrun
+
+    out = torchrun(__file__, 4)
+    counts = {int(r): (int(n), int(s)) for r, n, s in re.findall(r"rank (\d) params (\d+) (\d+)",
+                                                                  out)}
+    assert len(counts) == 4
+    m = _worker_model()
+    for _rank, (n, pp_rank) in counts.items():
+        assert n == stage_params(m, _worker_parallel(), pp_rank)
+
+
+def _worker_model() -> ModelConfig:
+    return ModelConfig(architecture="qwen2", vocab_size=100, hidden_size=64, ffn_hidden_size=96,
+                       num_layers=4, num_attention_heads=4, num_query_groups=2, head_dim=16,
+                       qkv_bias=True, tie_word_embeddings=True)
+
+
+def _worker_parallel() -> ParallelConfig:
+    return ParallelConfig(tp=2, pp=2, make_vocab_size_divisible_by=8)
+
+
+if __name__ == "__main__":  # the worker of the test above, one per rank under torchrun
+    from megagrpo.distributed import init_distributed, shutdown
+    from megagrpo.model import build_model
+
+    info = init_distributed(_worker_parallel(), _worker_model())
+    gpt = build_model(_worker_model(), _worker_parallel())
+    n = sum(p.numel() for p in gpt.parameters())
+    print(f"rank {info.rank} params {n} {info.pp_rank}", flush=True)
+    shutdown()
