@@ -142,7 +142,7 @@ def test_stage_params_match_megatron_at_tp2_pp2():
                                                                   out)}
     assert len(counts) == 4
     m = _worker_model()
-    for _rank, (n, pp_rank) in counts.items():
+    for n, pp_rank in counts.values():
         assert n == stage_params(m, _worker_parallel(), pp_rank)
 
 
