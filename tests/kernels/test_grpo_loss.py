@@ -63,6 +63,21 @@ def test_metrics(impl):
     assert out["kl"].abs().max() <= 0.5  # output clamp
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_on_policy_old_logp_none(impl):
+    """old_logp=None means on-policy: ratio 1, the same loss and grad as old_logp = sg(logp)."""
+    case = grpo_case(20, 400, 1, torch.float32, 12, GRPO_OPTIONS["kl_k1"])
+    with torch.no_grad():
+        logp_now = grpo_token_loss(case["logits"], case["target"], case["old_logp"],
+                                   case["advantages"], case["mask"], impl=impl,
+                                   temperature=case["temperature"], **case["kwargs"])[1]["logp"]
+    out_none = run_case(dict(case, old_logp=None), impl)
+    out_sg = run_case(dict(case, old_logp=logp_now), impl)
+    assert torch.equal(out_none["ratio"][case["mask"]], torch.ones(int(case["mask"].sum())))
+    assert torch.allclose(out_none["loss"], out_sg["loss"])
+    assert torch.allclose(out_none["grad"], out_sg["grad"])
+
+
 def test_kl_estimators():
     logp = torch.tensor([-1.0, -2.0, -30.0], dtype=torch.float64)
     ref = torch.tensor([-1.5, -2.0, -1.0], dtype=torch.float64)
