@@ -59,7 +59,7 @@ def sequence_mean(values: torch.Tensor, seq_ids: torch.Tensor, mask: torch.Tenso
     is needed to learn the number of sequences.
     """
     n = values.shape[0]
-    ids = seq_ids.long()
+    ids = seq_ids.to(values.device, torch.long)
     weight = mask.to(values.dtype)
     sums = values.new_zeros(n).index_add(0, ids, values * weight)
     counts = values.new_zeros(n).index_add(0, ids, weight).clamp_min(1.0)

@@ -368,10 +368,11 @@ def vocab_parallel_logprob(
     path = resolve_impl(impl, logits, "vocab_parallel_logprob")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    dev = logits.device
     if ignore_mask is None:
-        ignore_mask = torch.zeros(target.shape, dtype=torch.bool, device=target.device)
+        ignore_mask = torch.zeros(target.shape, dtype=torch.bool, device=dev)
     logp, entropy = VocabParallelLogProb.apply(
-        logits, target.long().contiguous(), ignore_mask.bool(), float(temperature), group,
-        with_entropy, inplace_backward, path,
+        logits, target.to(dev, torch.long).contiguous(), ignore_mask.to(dev, torch.bool),
+        float(temperature), group, with_entropy, inplace_backward, path,
     )
     return (logp, entropy) if with_entropy else logp
