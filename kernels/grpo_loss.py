@@ -180,16 +180,17 @@ def grpo_loss_from_logp(
     zeros when None). Useful when the log-probs come from elsewhere (e.g. the naive baseline).
     """
     _check_options(policy_loss, beta, ref_logp, dual_clip_c, ratio_level, seq_ids, kl_estimator)
-    mask = mask.bool()
+    dev = logp.device
+    mask = mask.to(dev, torch.bool)
     logp = logp.float()
     entropy = torch.zeros_like(logp) if entropy is None else entropy
     # Zero every input at masked positions first: garbage there (inf, NaN) must not reach the
     # gradient through 0 * inf.
     zero = logp.new_zeros(())
-    adv = torch.where(mask, advantages.float(), zero)
+    adv = torch.where(mask, advantages.to(dev, torch.float32), zero)
     # old_logp None = on-policy (one pass, one optimizer step): ratio is 1 with the gradient of
     # exp(logp - sg(logp)), which saves the trainer a forward pass for the old log-probs.
-    old = logp.detach() if old_logp is None else old_logp.float()
+    old = logp.detach() if old_logp is None else old_logp.to(dev, torch.float32)
     log_ratio = torch.where(mask, logp - old, zero)
     ratio = _policy_ratio(log_ratio, mask, ratio_level, seq_ids)
 
@@ -209,12 +210,12 @@ def grpo_loss_from_logp(
         pg = -ratio.clamp(max=hi).detach() * adv * logp
 
     if is_weight is not None:
-        w = torch.where(mask, is_weight.float(), zero).detach()
+        w = torch.where(mask, is_weight.to(dev, torch.float32), zero).detach()
         pg = pg * (w.clamp(max=is_cap) if is_cap is not None else w)
 
     kl = torch.zeros_like(logp)
     if ref_logp is not None:
-        ref = torch.where(mask, ref_logp.float(), zero)
+        ref = torch.where(mask, ref_logp.to(dev, torch.float32), zero)
         kl = kl_penalty(torch.where(mask, logp, zero), ref, kl_estimator, kl_clamp)
     loss = pg + beta * kl if beta != 0.0 else pg
     loss = torch.where(mask, loss, zero)
