@@ -97,7 +97,8 @@ def iter_hf_weights(
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yields buckets [(hf_name, full tensor), ...] of this rank's model-parallel group's
     policy. Collective over the TP and PP groups: every rank must drive the generator to the
-    end. Tensors in a bucket are views of one receive buffer: copy them if kept."""
+    end. Tensors in a bucket are views (of the live parameters at TP=PP=1, else of a receive
+    buffer): copy them if kept, never write to them."""
     from megatron.core import parallel_state as ps
 
     stats = stats if stats is not None else ReshardStats()
@@ -115,7 +116,9 @@ def iter_hf_weights(
         specs = _exported(param_specs(model, parallel, stage, impl), model)
         for bucket in _buckets(specs, bucket_bytes, esize):
             t0 = time.perf_counter()
-            if stage == my_stage:
+            if stage == my_stage and tp == 1 and pp == 1:  # nothing to move: no copy either
+                fulls = [params[s.local].detach() for s in bucket]
+            elif stage == my_stage:
                 fulls = _gather_tp([params[s.local].detach() for s in bucket], bucket, tp, tp_group)
                 flat = torch.cat([f.reshape(-1) for f in fulls]) if pp > 1 else None
             else:
