@@ -1,7 +1,7 @@
 """One whole GRPO step of megagrpo's trainer on the demo config, per phase, at 1 and 2 ranks.
 
     .venv/bin/python benchmarks/grpo_step.py [--nprocs 1,2] [--warmup 2] [--steps 5]
-        [--out benchmarks/results/grpo_step_cpu.jsonl] [--compare TRL_JSONL]
+        [--threads N] [--out benchmarks/results/grpo_step_cpu.jsonl] [--compare TRL_JSONL]
 
 The fixed config is examples/demo.yaml (Llama, hidden 128, 4 layers, 4 heads x 32, vocab 19,
 2-digit addition; G=8, 32 prompts per step, max_tokens 6, beta 0.02) with no cold start and no
@@ -48,7 +48,7 @@ def _count_update(tr, counts: list, batch):
 
     rows = batch.seq_valid.bool()
     nonpad = (batch.ids[rows] != tr.pad_id).sum()
-    counts.append(torch.tensor([float(nonpad), float(batch.mask[rows].sum())],
+    counts.append(torch.tensor([float(nonpad), float(batch.mask[rows].sum()), float(rows.sum())],
                                dtype=torch.float64))
     return type(tr).update(tr, batch)
 
@@ -76,11 +76,13 @@ def worker(warmup: int, steps: int, out_dir: str) -> None:
         t, c = time.perf_counter(), time.process_time()
         m = tr.step()
         m["step_s"] = time.perf_counter() - t
-        tok = torch.cat([torch.stack(counts).sum(0),
-                         torch.tensor([time.process_time() - c], dtype=torch.float64)])
+        cpu = time.process_time() - c
+        nonpad, loss, seqs = torch.stack(counts).sum(0).tolist()
+        # completion_len is this replica's mean: times its sequences, summed over replicas
+        tok = torch.tensor([nonpad, loss, cpu, m["completion_len"] * seqs], dtype=torch.float64)
         dist.all_reduce(tok)
-        m["trained_tokens"], m["loss_tokens"], m["cpu_s"] = (float(v) for v in tok)
-        m["gen_tokens"] = m["completion_len"] * cfg.data.batch_size * cfg.algo.group_size
+        tok[[0, 1, 3]] /= tr.mp_size  # every rank of a replica counted the replica's batch
+        m["trained_tokens"], m["loss_tokens"], m["cpu_s"], m["gen_tokens"] = tok.tolist()
         if i >= warmup:
             rows.append(m)
     if tr.rank == 0:
@@ -112,12 +114,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(nproc: int, warmup: int, steps: int) -> dict:
+def launch(nproc: int, warmup: int, steps: int, threads: int = 0) -> dict:
     out_dir = tempfile.mkdtemp(prefix=f"grpo_step_{nproc}_")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            "--master-addr=127.0.0.1", f"--master-port={_free_port()}", __file__, "--worker",
            "--warmup", str(warmup), "--steps", str(steps), "--out-dir", out_dir]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     found = [ln[7:] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not found:
@@ -144,6 +148,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/grpo_step_cpu.jsonl")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="OMP_NUM_THREADS per rank (default: torchrun's, all cores for 1 rank)")
     ap.add_argument("--compare", default="", help="TRL baseline JSONL to compare against")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
@@ -151,7 +157,8 @@ def main() -> None:
     if args.worker:
         worker(args.warmup, args.steps, args.out_dir)
         return
-    records = [launch(int(n), args.warmup, args.steps) for n in args.nprocs.split(",")]
+    records = [launch(int(n), args.warmup, args.steps, args.threads)
+               for n in args.nprocs.split(",")]
     if args.compare:
         records = compare(records, args.compare)
     lines = [json.dumps(r) for r in records]
