@@ -110,9 +110,9 @@ def run_one(size: str, tp: int, repeats: int) -> dict | None:
     for p in ref.parameters():
         p.requires_grad_(False)
     n_local = sum(p.numel() for p in policy.parameters())
-    n_total = torch.tensor([n_local])
-    dist.all_reduce(n_total)
-    n_total = int(n_total) // (dist.get_world_size() // tp)
+    # whole-model count: TP-split parameters times tp, replicated ones (norms) once (PP=1)
+    n_total = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+                  for p in policy.parameters())
 
     def target_copy():
         return [p.detach().clone() for p in policy.parameters()]
