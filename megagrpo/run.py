@@ -258,6 +258,12 @@ def _cold_start(tr: Trainer, cfg: TrainConfig, logger: MetricsLogger) -> dict:
                            cfg.run.sft_steps)
     for i in range(0, len(losses), max(1, len(losses) // 20)):
         logger.log({"sft_step": i + 1, "sft_loss": losses[i]})
+    # GRPO starts from the cold-started weights with fresh Adam moments: the SFT gradients'
+    # second moments are far larger than policy-gradient ones and would damp the RL updates
+    # for hundreds of steps (beta2 = 0.999)
+    from megagrpo.optim import build_optimizer
+
+    tr.optimizer = build_optimizer(tr.policy, cfg.optim)
     tr.sync_weights()
     if tr.reference is not None:  # GRPO's reference is the cold-started model (DeepSeekMath)
         from megagrpo.reference import sync_reference

@@ -164,7 +164,7 @@ class Trainer:
         if a.std_mode == "batch":  # a global batch std: gather over DP
             adv = _batch_std_advantages(rewards, G, a.std_eps, self.dp_group)
         keep = ~truncated if a.mask_truncated else None
-        mb = self.cfg.run.micro_batch_size * self.cfg.run.num_minibatches
+        mb = self.micro_size(len(ro.completions)) * self.cfg.run.num_minibatches
         batch = pack(prompts, [c.token_ids for c in ro.completions],
                      [c.logprobs for c in ro.completions], adv, pad_id=self.pad_id,
                      multiple=mb, completion_mask=keep)
@@ -178,7 +178,7 @@ class Trainer:
     def _logprobs(self, model, batch: Batch) -> torch.Tensor | None:
         """Forward-only pass through the fused log-prob kernel; [N, S] on the last stage."""
         ctx = self._ctx()
-        m = self.cfg.run.micro_batch_size
+        m = self.micro_size(batch.num_seqs)
         mbs = batch.micro_batches(m)
         out = forward_backward(model, partial(_forward, loss_fn=partial(logprob_loss, ctx)), mbs,
                                len(mbs), seq_length=batch.ids.shape[1], micro_batch_size=m,
@@ -235,16 +235,23 @@ class Trainer:
                                              or self.cfg.rollout.max_tokens),
                                num_chunks=num_chunks * self.dp)
 
+    def micro_size(self, num_seqs: int) -> int:
+        """Sequences per micro-batch: run.micro_batch_size, or a whole minibatch if smaller
+        (padding rows would only cost compute)."""
+        per_mini = -(-num_seqs // self.cfg.run.num_minibatches)
+        return max(1, min(self.cfg.run.micro_batch_size, per_mini))
+
     def update(self, batch: Batch) -> dict:
         """mu passes over the batch, each split into minibatches (one optimizer step each)."""
         run, a = self.cfg.run, self.cfg.algo
         n_mini = run.num_minibatches
         rows = batch.num_seqs // n_mini
-        reports, gnorms = [], []
-        for _ in range(a.mu):
+        m = self.micro_size(batch.num_seqs)
+        reports, gnorms, gap = [], [], (0.0, 0.0)
+        for p in range(a.mu):
             for k in range(n_mini):
                 mini = batch.rows(k * rows, (k + 1) * rows)
-                mbs = mini.micro_batches(run.micro_batch_size)
+                mbs = mini.micro_batches(m)
                 ctx = self._ctx(scale=len(mbs) * self.dp, counts=self._counts(mini, len(mbs)),
                                 algo=a, inplace_backward=run.inplace_backward)
                 set_lr(self.optimizer, lr_at(self.cfg.optim, self.opt_steps, self.total_opt_steps))
@@ -252,35 +259,34 @@ class Trainer:
                 out = forward_backward(self.policy, partial(_forward,
                                                             loss_fn=partial(grpo_loss, ctx)),
                                        mbs, len(mbs), seq_length=batch.ids.shape[1],
-                                       micro_batch_size=run.micro_batch_size)
-                ok, gnorm = optimizer_step(self.policy, self.optimizer)
+                                       micro_batch_size=m)
+                _, gnorm = optimizer_step(self.policy, self.optimizer)
                 self.opt_steps += 1
+                if p == 0 and k == 0 and out:  # before any update: the weights vLLM sampled with
+                    gap = _logp_gap(out, mini)
                 reports += out
                 gnorms.append(gnorm)
-        return self._update_metrics(reports, gnorms, batch)
+        return self._update_metrics(reports, gnorms, gap, a.mu * n_mini)
 
-    def _update_metrics(self, reports: list[dict], gnorms: list[float], batch: Batch) -> dict:
+    def _update_metrics(self, reports: list[dict], gnorms: list[float],
+                        gap: tuple[float, float], opt_steps: int) -> dict:
+        """Reduces the last stage's per-micro-batch reports over the world (TP rank 0 of the
+        last stage of each replica contributes once)."""
         keys = ["loss", "tokens", "kl_sum", "entropy_sum", "clip_low_sum", "clip_high_sum",
                 "clip_dual_sum", "ratio_sum"]
         v = torch.zeros(len(keys) + 2, dtype=torch.float64)
         if reports and self.tp_rank == 0:
             for i, k in enumerate(keys):
                 v[i] = sum(float(r[k]) for r in reports)
-            first = self.cfg.algo.mu * self.cfg.run.num_minibatches  # passes
-            v[-2] = 1.0
-            logp = torch.cat([r["logp"] for r in reports[: len(reports) // first]])
-            gap = ((logp - batch.rollout_logp).abs() * batch.mask)
-            v[-1] = float(gap.sum())  # on-policy logp of pass 1 vs vLLM's
+            v[-2], v[-1] = gap
         dist.all_reduce(v)
         tok = max(float(v[1]), 1.0)
-        passes = self.cfg.algo.mu * self.cfg.run.num_minibatches
-        m = {"loss": float(v[0]) / passes / max(float(v[-2]), 1.0) * self.dp,
-             "kl": float(v[2]) / tok, "entropy": float(v[3]) / tok,
-             "clip_frac_low": float(v[4]) / tok, "clip_frac_high": float(v[5]) / tok,
-             "clip_frac_dual": float(v[6]) / tok, "ratio_mean": float(v[7]) / tok,
-             "logp_gap_vllm_mean": float(v[-1]) / (tok / passes),
-             "grad_norm": sum(gnorms) / max(len(gnorms), 1)}
-        return m
+        return {"loss": float(v[0]) / opt_steps,  # chunk shares sum to each step's loss
+                "kl": float(v[2]) / tok, "entropy": float(v[3]) / tok,
+                "clip_frac_low": float(v[4]) / tok, "clip_frac_high": float(v[5]) / tok,
+                "clip_frac_dual": float(v[6]) / tok, "ratio_mean": float(v[7]) / tok,
+                "logp_gap_vllm_mean": float(v[-1]) / max(float(v[-2]), 1.0),
+                "grad_norm": sum(gnorms) / max(len(gnorms), 1)}
 
     # ------------------------------------------------------------------ sync
     def sync_weights(self) -> dict:
@@ -382,8 +388,9 @@ class Trainer:
             pairs = pairs_fn(per_dp, seed=run.seed * 100_003 + s * self.dp + self.dp_rank)
             prompts = [encode_prompt(self.tokenizer, p) for p, _ in pairs]
             comps = [self.tokenizer.encode(c) + [self.eos_id] for _, c in pairs]
-            batch = sft_batch(prompts, comps, pad_id=self.pad_id, multiple=run.micro_batch_size)
-            mbs = batch.micro_batches(run.micro_batch_size)
+            m = min(run.micro_batch_size, len(pairs))
+            batch = sft_batch(prompts, comps, pad_id=self.pad_id, multiple=m)
+            mbs = batch.micro_batches(m)
             ctx = self._ctx(scale=len(mbs) * self.dp, counts=self._counts(batch, len(mbs)),
                             inplace_backward=run.inplace_backward)
             ctx.temperature = 1.0
@@ -391,7 +398,7 @@ class Trainer:
             zero_grad(self.policy, self.optimizer)
             out = forward_backward(self.policy, partial(_forward, loss_fn=partial(sft_loss, ctx)),
                                    mbs, len(mbs), seq_length=batch.ids.shape[1],
-                                   micro_batch_size=run.micro_batch_size)
+                                   micro_batch_size=m)
             optimizer_step(self.policy, self.optimizer)
             v = torch.tensor([sum(float(o["nll_sum"]) for o in out) if self.tp_rank == 0 else 0,
                               sum(float(o["tokens"]) for o in out) if self.tp_rank == 0 else 0],
@@ -402,6 +409,13 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------- helpers
+def _logp_gap(reports: list[dict], mini: Batch) -> tuple[float, float]:
+    """(valid tokens, sum |trainer logp - vLLM logp|) over a minibatch's micro-batch reports."""
+    logp = torch.cat([r["logp"] for r in reports])
+    mask = mini.mask.float()
+    return float(mask.sum()), float(((logp - mini.rollout_logp).abs() * mask).sum())
+
+
 def _sum_dicts(dicts: list[dict]) -> dict:
     out: dict = {}
     for d in dicts:

@@ -97,6 +97,20 @@ def main():
     tr.cfg.run.async_rollout = True
     res["async_versions"] = [[tr.step_idx + 1, tr.step()["policy_version_of_batch"]]
                              for _ in range(3)]
+    # off-policy machinery: mu=2 passes x 2 minibatches, old log-probs, truncated rollout IS,
+    # token-level (dapo) aggregation, dual clip, GSPO-free
+    tr.cfg.run.async_rollout = False
+    tr._join_async()
+    for key, value in (("mu", 2), ("loss_agg", "dapo"), ("rollout_is", "truncate"),
+                       ("dual_clip_c", 3.0)):
+        setattr(tr.cfg.algo, key, value)
+    tr.cfg.run.num_minibatches, tr.cfg.run.micro_batch_size = 2, 4
+    steps_before = tr.opt_steps
+    m = tr.step()
+    res["offpolicy"] = {"opt_steps": tr.opt_steps - steps_before,
+                        "old_vs_vllm_gap": m["rollout_logp_gap_mean"],
+                        "ratio_mean": m["ratio_mean"], "loss": m["loss"],
+                        "is_weight_mean": m["rollout_is_weight_mean"]}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, res)
     if dist.get_rank() == 0:

@@ -60,3 +60,12 @@ def test_async_is_one_step_off_policy(results):
     steps = [s for s, _ in r["async_versions"]]
     versions = [v for _, v in r["async_versions"]]
     assert versions == [steps[0] - 1, steps[0] - 1, steps[0]]
+
+
+def test_mu_passes_minibatches_and_rollout_is(results):
+    r = results[0]["offpolicy"]
+    assert r["opt_steps"] == 4  # mu=2 passes x 2 minibatches
+    assert r["old_vs_vllm_gap"] < 1e-4  # trainer's old log-probs = vLLM's sampling log-probs
+    assert abs(r["is_weight_mean"] - 1.0) < 1e-3
+    assert r["ratio_mean"] != 1.0  # later optimizer steps see a moved policy
+    assert r["loss"] == r["loss"]  # finite, not NaN
