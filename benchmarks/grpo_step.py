@@ -1,7 +1,8 @@
 """One whole GRPO step of megagrpo's trainer on the demo config, per phase, at 1 and 2 ranks.
 
     .venv/bin/python benchmarks/grpo_step.py [--nprocs 1,2] [--warmup 2] [--steps 5]
-        [--threads N] [--out benchmarks/results/grpo_step_cpu.jsonl] [--compare TRL_JSONL]
+        [--threads N] [--set KEY=VALUE ...] [--out benchmarks/results/grpo_step_cpu.jsonl]
+        [--compare TRL_JSONL]
 
 The fixed config is examples/demo.yaml (Llama, hidden 128, 4 layers, 4 heads x 32, vocab 19,
 2-digit addition; G=8, 32 prompts per step, max_tokens 6, beta 0.02) with no cold start and no
@@ -53,7 +54,7 @@ def _count_update(tr, counts: list, batch):
     return type(tr).update(tr, batch)
 
 
-def worker(warmup: int, steps: int, out_dir: str) -> None:
+def worker(warmup: int, steps: int, out_dir: str, sets: list[str]) -> None:
     """Runs on every rank under torchrun; rank 0 prints `RESULT {json}`."""
     from functools import partial
 
@@ -63,7 +64,7 @@ def worker(warmup: int, steps: int, out_dir: str) -> None:
     from megagrpo.config.train import load_config
     from megagrpo.run import setup
 
-    cfg = load_config(str(DEMO), OVERRIDES + [f"run.out_dir={out_dir}"])
+    cfg = load_config(str(DEMO), OVERRIDES + list(sets) + [f"run.out_dir={out_dir}"])
     t0 = time.perf_counter()
     tr = setup(cfg)
     tr.sync_weights()
@@ -91,7 +92,8 @@ def worker(warmup: int, steps: int, out_dir: str) -> None:
         step = mean["step_s"]
         rec = dict(system="megagrpo", nproc=dist.get_world_size(), tp=cfg.parallel.tp,
                    dp=tr.dp, batch_prompts=cfg.data.batch_size, group_size=cfg.algo.group_size,
-                   max_tokens=cfg.rollout.max_tokens, warmup=warmup, steps=steps,
+                   max_tokens=cfg.rollout.max_tokens, overrides=list(sets), warmup=warmup,
+                   steps=steps,
                    setup_s=round(setup_s, 2),
                    **{f"time_{p}_s": round(mean.get(f"time_{p}", 0.0), 4) for p in PHASES},
                    step_s=round(step, 4), cpu_s_per_step=round(mean["cpu_s"], 4),
@@ -114,11 +116,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(nproc: int, warmup: int, steps: int, threads: int = 0) -> dict:
+def launch(nproc: int, warmup: int, steps: int, threads: int = 0, sets: list[str] = ()) -> dict:
     out_dir = tempfile.mkdtemp(prefix=f"grpo_step_{nproc}_")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            "--master-addr=127.0.0.1", f"--master-port={_free_port()}", __file__, "--worker",
-           "--warmup", str(warmup), "--steps", str(steps), "--out-dir", out_dir]
+           "--warmup", str(warmup), "--steps", str(steps), "--out-dir", out_dir,
+           *(a for kv in sets for a in ("--set", kv))]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -150,14 +153,17 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/grpo_step_cpu.jsonl")
     ap.add_argument("--threads", type=int, default=0,
                     help="OMP_NUM_THREADS per rank (default: torchrun's, all cores for 1 rank)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra config override on top of the demo (repeatable; give the TRL "
+                         "baseline the same)")
     ap.add_argument("--compare", default="", help="TRL baseline JSONL to compare against")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.warmup, args.steps, args.out_dir)
+        worker(args.warmup, args.steps, args.out_dir, args.set)
         return
-    records = [launch(int(n), args.warmup, args.steps, args.threads)
+    records = [launch(int(n), args.warmup, args.steps, args.threads, args.set)
                for n in args.nprocs.split(",")]
     if args.compare:
         records = compare(records, args.compare)

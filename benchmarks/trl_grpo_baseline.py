@@ -2,7 +2,7 @@
 
     bash scripts/setup_trl_venv.sh            # once: .venv-trl (TRL kept out of .venv)
     .venv-trl/bin/python benchmarks/trl_grpo_baseline.py [--warmup 2] [--steps 5] [--threads 2]
-        [--out benchmarks/results/grpo_step_cpu.jsonl --append]
+        [--set KEY=VALUE ...] [--out benchmarks/results/grpo_step_cpu.jsonl --append]
 
 What is the same as grpo_step.py: the model (a transformers LlamaForCausalLM built from the
 config.json megagrpo writes for examples/demo.yaml: hidden 128, 4 layers, 4 heads x 32, 2 KV
@@ -114,13 +114,13 @@ def make_reward(counts: list[int]):
     return arithmetic_reward
 
 
-def run(warmup: int, steps: int, threads: int) -> dict:
+def run(warmup: int, steps: int, threads: int, sets: list[str] = ()) -> dict:
     from datasets import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(threads)
-    cfg = load_config(str(DEMO), ["run.sft_steps=0"])
+    cfg = load_config(str(DEMO), ["run.sft_steps=0", *sets])
     sp = arithmetic.build_tokenizer(cfg.arithmetic.tokenizer_dir)
     tok = hf_tokenizer(sp)
     examples = arithmetic.train_examples(cfg.arithmetic)
@@ -169,6 +169,7 @@ def run(warmup: int, steps: int, threads: int) -> dict:
     return dict(system="trl", trl_version=__import__("trl").__version__,
                 transformers_version=__import__("transformers").__version__, nproc=1,
                 batch_prompts=B, group_size=G, max_tokens=cfg.rollout.max_tokens,
+                overrides=list(sets),
                 warmup=warmup, steps=steps, train_wall_s=round(wall, 2),
                 time_rollout_s=round(mean["rollout"], 4),
                 time_score_s=round(mean["rollout_and_score"] - mean["rollout"], 4),
@@ -186,10 +187,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="torch intra-op threads (default: all cores)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="megagrpo config override on top of the demo (as grpo_step.py --set)")
     ap.add_argument("--out", default="", help="also write the JSON line to this file")
     ap.add_argument("--append", action="store_true", help="append to --out instead of replacing")
     args = ap.parse_args()
-    line = json.dumps(run(args.warmup, args.steps, args.threads))
+    line = json.dumps(run(args.warmup, args.steps, args.threads, args.set))
     print(line, flush=True)
     if args.out:
         with open(args.out, "a" if args.append else "w") as f:
