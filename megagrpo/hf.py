@@ -209,27 +209,39 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> 
     return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
-def split_qkv(fused: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, ...]:
-    """Inverse of `fuse_qkv` for the full (unsharded) tensor."""
-    ng, hd = model.num_query_groups, model.head_dim
-    qper = model.num_attention_heads // ng * hd
-    rest = fused.shape[1:]
-    g = fused.reshape(ng, qper + 2 * hd, *rest)
-    q, k, v = g.split([qper, hd, hd], dim=1)
-    return tuple(t.reshape(-1, *rest).contiguous() for t in (q, k, v))
-
-
-def full_to_hf(spec: ParamSpec, full: torch.Tensor, model: ModelConfig
-               ) -> list[tuple[str, torch.Tensor]]:
-    """A gathered megatron tensor -> its HF tensors (unfused, vocab padding stripped)."""
-    if spec.kind == "qkv":
-        return list(zip(spec.hf, split_qkv(full, model)))
-    if spec.kind == "gate_up":
-        gate, up = full.chunk(2, dim=0)
-        return [(spec.hf[0], gate.contiguous()), (spec.hf[1], up.contiguous())]
+def unfuse_shards(shards: list[torch.Tensor], spec: ParamSpec, model: ModelConfig
+                  ) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors of `spec` from its TP shards (rank order): QKV split per group, gate/up
+    split, vocab padding stripped. Each HF tensor is built with one copy straight from the
+    shards (at TP=1 views where possible), so no full fused tensor is ever materialised."""
+    if spec.kind == "replicated":
+        return [(spec.hf[0], shards[0])]
+    if spec.kind == "row":
+        return [(spec.hf[0], _cat(shards, 1))]
     if spec.kind == "vocab":
-        return [(spec.hf[0], full[: model.vocab_size].contiguous())]
-    return [(spec.hf[0], full)]
+        rows, parts = shards[0].shape[0], []
+        for r, sh in enumerate(shards):
+            if r * rows < model.vocab_size:
+                parts.append(sh[: model.vocab_size - r * rows])
+        return [(spec.hf[0], _cat(parts, 0))]
+    if spec.kind == "gate_up":  # rank r holds cat(gate_r, up_r)
+        half = shards[0].shape[0] // 2
+        return [(spec.hf[0], _cat([s[:half] for s in shards], 0)),
+                (spec.hf[1], _cat([s[half:] for s in shards], 0))]
+    hd = model.head_dim
+    qper = model.num_attention_heads // model.num_query_groups * hd
+    rest = shards[0].shape[1:]
+    grouped = [s.view(-1, qper + 2 * hd, *rest) for s in shards]  # [groups_r, q+k+v, ...]
+    out = []
+    for name, lo, hi in zip(spec.hf, (0, qper, qper + hd), (qper, qper + hd, qper + 2 * hd)):
+        part = torch.cat([g[:, lo:hi] for g in grouped]) if len(grouped) > 1 \
+            else grouped[0][:, lo:hi].contiguous()
+        out.append((name, part.view(-1, *rest)))
+    return out
+
+
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 class HFCheckpoint:
@@ -358,35 +370,44 @@ def local_layer_index(name: str) -> int | None:
 
 
 def save_hf_dir(out_dir: str | os.PathLike, model: ModelConfig,
-                buckets: Iterable[list[tuple[str, torch.Tensor]]], *, write: bool = True) -> None:
-    """Writes an HF checkpoint from a stream of buckets (one safetensors shard per bucket plus
-    the index). `write=False` only drains the stream (ranks other than the writer must still
+                pairs: Iterable[tuple[str, torch.Tensor]], *, write: bool = True,
+                shard_bytes: int = 2 << 30) -> None:
+    """Writes an HF checkpoint from a stream of (name, tensor) pairs: safetensors shards of at
+    most `shard_bytes` (one tensor if larger) plus the index and config.json, renamed into place
+    at the end. `write=False` only drains the stream (ranks other than the writer must still
     take part in its collectives)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    files: list[tuple[str, list[str]]] = []
-    tmp_names = []
-    for i, bucket in enumerate(buckets):
+    files: list[list[str]] = []
+    cur: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(cur, str(out / f"shard-{len(files):05d}.tmp"), metadata={"format": "pt"})
+        files.append(list(cur))
+
+    for name, tensor in pairs:
         if not write:
             continue
-        out.mkdir(parents=True, exist_ok=True)
-        name = f"model-{i + 1:05d}.safetensors.tmp"
-        save_file({n: t.contiguous() for n, t in bucket}, str(out / name),
-                  metadata={"format": "pt"})
-        tmp_names.append(name)
-        files.append((name, [n for n, _ in bucket]))
+        n = tensor.numel() * tensor.element_size()
+        if cur and size + n > shard_bytes:
+            flush()
+            cur, size = {}, 0
+        cur[name] = tensor.contiguous()
+        size += n
     if not write:
         return
-    total = len(files)
-    weight_map, size = {}, 0
-    for i, (tmp, names) in enumerate(files):
+    if cur:
+        flush()
+    total, weight_map, nbytes = len(files), {}, 0
+    for i, names in enumerate(files):
         final = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
-        os.replace(out / tmp, out / final)
+        os.replace(out / f"shard-{i:05d}.tmp", out / final)
         weight_map.update({n: final for n in names})
-        size += (out / final).stat().st_size
+        nbytes += (out / final).stat().st_size
     (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))},
+        {"metadata": {"total_size": nbytes}, "weight_map": dict(sorted(weight_map.items()))},
         indent=1))
-    cfg = hf_config_dict(model)
-    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    (out / "config.json").write_text(json.dumps(hf_config_dict(model), indent=1))

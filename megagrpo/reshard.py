@@ -1,24 +1,26 @@
-"""Sharded policy -> stream of (HF name, full tensor) buckets of bounded bytes.
+"""Sharded policy -> stream of (HF name, full tensor) pairs, moved in buckets of bounded bytes.
 
 One code path for the vLLM weight update and the HF export. For each pipeline stage s and each
 bucket of s's parameters (at most `bucket_bytes` of full tensors, or one tensor if larger):
-  1. the TP ranks of stage s all-gather their shards of the bucket (one flat collective),
-  2. stage s broadcasts the gathered bucket to the other stages (one collective on the PP group),
-  3. every rank undoes the fusions (QKV per group, gate/up), strips vocab padding, renames.
-Every rank of a TP x PP model-parallel group receives every tensor, one bucket at a time; no
-rank ever holds more than one bucket of full tensors (plus its own shards).
+  1. the TP ranks of stage s all-gather their shards of the bucket into one buffer (one
+     collective; the buffer keeps the gathered rank-major layout),
+  2. stage s broadcasts that buffer to the other stages (one collective on the PP group),
+  3. every rank builds the bucket's HF tensors one parameter at a time straight from the shards
+     in the buffer (QKV split per group, gate/up split, vocab padding stripped) and yields them.
+Every rank of a TP x PP model-parallel group receives every tensor. Peak extra memory per rank:
+one bucket buffer plus the HF tensors of one parameter; never the whole model.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from megagrpo.hf import ParamSpec, full_to_hf, param_specs
+from megagrpo.hf import ParamSpec, param_specs, unfuse_shards
 from megagrpo.model import DTYPE, unwrap
 
 
@@ -30,9 +32,8 @@ class ReshardStats:
     tensors: int = 0
     gather_s: float = 0.0
     convert_s: float = 0.0
-    peak_bucket_bytes: int = 0
     buckets: int = 0
-    extra: dict = field(default_factory=dict)
+    peak_buffer_bytes: int = 0
 
 
 def _buckets(specs: list[ParamSpec], bucket_bytes: int, esize: int) -> list[list[ParamSpec]]:
@@ -62,29 +63,48 @@ def _exported(specs: list[ParamSpec], model: ModelConfig) -> list[ParamSpec]:
     return [s for s in specs if not (tied and s.local == "output_layer.weight")]
 
 
-def _gather_tp(local: list[torch.Tensor], specs: list[ParamSpec], tp: int, group
-               ) -> list[torch.Tensor]:
-    """All-gathers the TP shards of one bucket with one collective; returns full tensors."""
-    flat = torch.cat([t.reshape(-1) for t in local])
-    if tp == 1:
-        parts = [flat]
-    else:
-        parts = [torch.empty_like(flat) for _ in range(tp)]
-        dist.all_gather(parts, flat, group=group)
-    fulls, off = [], 0
-    for s in specs:
-        shape = s.local_shape(tp)
-        n = _numel(shape)
-        shards = [p[off:off + n].view(shape) for p in parts]
-        if tp == 1 or s.split_dim is None:
-            fulls.append(shards[0])
-        elif s.kind == "gate_up":  # rank r holds cat(gate_r, up_r); full is cat(gate, up)
-            halves = [sh.chunk(2, dim=0) for sh in shards]
-            fulls.append(torch.cat([h[0] for h in halves] + [h[1] for h in halves]))
-        else:
-            fulls.append(torch.cat(shards, dim=s.split_dim))
-        off += n
-    return fulls
+def _shards(buf: torch.Tensor, spec: ParamSpec, offset: int, n_local: int, tp: int
+            ) -> list[torch.Tensor]:
+    """Views of `spec`'s TP shards in the gathered buffer [tp * n_local] (rank-major: rank r's
+    shards of the bucket, concatenated, at [r * n_local, (r + 1) * n_local))."""
+    shape = spec.local_shape(tp)
+    n = _numel(shape)
+    shards = [buf[r * n_local + offset: r * n_local + offset + n].view(shape) for r in range(tp)]
+    return shards[:1] if spec.split_dim is None else shards
+
+
+def _gather_in_place(buf: torch.Tensor, n_local: int, tp: int, tp_group) -> None:
+    """All-gather over TP where each rank's part already sits in its slice of `buf`. NCCL
+    gathers in place with one collective; gloo's all_gather stages the whole output in a
+    second buffer, so there each rank broadcasts its slice instead (tp collectives, no copy)."""
+    if dist.get_backend(tp_group) != "gloo":
+        r = dist.get_rank(tp_group)
+        dist.all_gather_into_tensor(buf, buf[r * n_local:(r + 1) * n_local], group=tp_group)
+        return
+    for r in range(tp):
+        dist.broadcast(buf[r * n_local:(r + 1) * n_local], src=dist.get_global_rank(tp_group, r),
+                       group=tp_group)
+
+
+def _fill_bucket(buf, bucket, params, my_stage, stage, tp, tp_group, pp_group) -> int:
+    """Gathers this bucket into the front of `buf` on every rank of the model-parallel group:
+    the owning stage copies its shards into its own slice and gathers in place; the stage then
+    broadcasts. Returns the per-rank element count of the bucket."""
+    n_local = sum(_numel(s.local_shape(tp)) for s in bucket)
+    if stage == my_stage:
+        r = dist.get_rank(tp_group) if tp > 1 else 0
+        mine = buf[r * n_local:(r + 1) * n_local]
+        off = 0
+        for s in bucket:
+            p = params[s.local].detach().reshape(-1)
+            mine[off:off + p.numel()].copy_(p)
+            off += p.numel()
+        if tp > 1:
+            _gather_in_place(buf, n_local, tp, tp_group)
+    if dist.get_world_size(pp_group) > 1:
+        dist.broadcast(buf[: tp * n_local], src=dist.get_global_rank(pp_group, stage),
+                       group=pp_group)
+    return n_local
 
 
 def iter_hf_weights(
@@ -94,11 +114,11 @@ def iter_hf_weights(
     *,
     bucket_bytes: int = 256 << 20,
     stats: ReshardStats | None = None,
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yields buckets [(hf_name, full tensor), ...] of this rank's model-parallel group's
-    policy. Collective over the TP and PP groups: every rank must drive the generator to the
-    end. Tensors in a bucket are views (of the live parameters at TP=PP=1, else of a receive
-    buffer): copy them if kept, never write to them."""
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (hf_name, full tensor) for the policy of this rank's model-parallel group.
+    Collective over the TP and PP groups: every rank must drive the generator to the end.
+    Tensors may be views of live parameters or of the bucket buffer: copy them if kept, never
+    write to them."""
     from megatron.core import parallel_state as ps
 
     stats = stats if stats is not None else ReshardStats()
@@ -112,37 +132,43 @@ def iter_hf_weights(
     dtype = DTYPE[model.dtype]
     esize = torch.empty((), dtype=dtype).element_size()
     device = next(iter(params.values())).device
-    for stage in range(pp):
-        specs = _exported(param_specs(model, parallel, stage, impl), model)
-        for bucket in _buckets(specs, bucket_bytes, esize):
-            t0 = time.perf_counter()
-            if stage == my_stage and tp == 1 and pp == 1:  # nothing to move: no copy either
-                fulls = [params[s.local].detach() for s in bucket]
-            elif stage == my_stage:
-                fulls = _gather_tp([params[s.local].detach() for s in bucket], bucket, tp, tp_group)
-                flat = torch.cat([f.reshape(-1) for f in fulls]) if pp > 1 else None
-            else:
-                flat = torch.empty(sum(_numel(s.full_shape) for s in bucket), dtype=dtype,
-                                   device=device)
-            if pp > 1:
-                src = dist.get_global_rank(pp_group, stage)
-                dist.broadcast(flat, src=src, group=pp_group)
-                fulls, off = [], 0
-                for s in bucket:
-                    n = _numel(s.full_shape)
-                    fulls.append(flat[off:off + n].view(s.full_shape))
-                    off += n
+    plan = [(stage, bucket) for stage in range(pp)
+            for bucket in _buckets(_exported(param_specs(model, parallel, stage, impl), model),
+                                   bucket_bytes, esize)]
+    moving = tp > 1 or pp > 1
+    # one receive buffer for the whole stream, reused bucket after bucket: a fresh one per
+    # bucket would briefly coexist with the last (gloo frees a finished collective's tensors
+    # on its own thread)
+    size = max(tp * sum(_numel(s.local_shape(tp)) for s in b) for _, b in plan) if moving else 0
+    buf = torch.empty(size, dtype=dtype, device=device)
+    stats.peak_buffer_bytes = size * esize
+    for stage, bucket in plan:
+        t0 = time.perf_counter()
+        n_local = _fill_bucket(buf, bucket, params, my_stage, stage, tp, tp_group,
+                               pp_group) if moving else 0
+        stats.gather_s += time.perf_counter() - t0
+        stats.buckets += 1
+        offset = 0
+        for spec in bucket:
             t1 = time.perf_counter()
-            out = [pair for s, f in zip(bucket, fulls) for pair in full_to_hf(s, f, model)]
-            t2 = time.perf_counter()
-            nbytes = sum(t.numel() * t.element_size() for _, t in out)
-            stats.gather_s += t1 - t0
-            stats.convert_s += t2 - t1
-            stats.bytes += nbytes
-            stats.tensors += len(out)
-            stats.buckets += 1
-            stats.peak_bucket_bytes = max(stats.peak_bucket_bytes, nbytes)
-            yield out
+            shards = (_shards(buf, spec, offset, n_local, tp) if moving
+                      else [params[spec.local].detach()])
+            offset += _numel(spec.local_shape(tp))
+            # views into the reused buffer are copied: the consumer may keep what it got
+            pairs = [(n, t.clone() if moving and _shares(t, buf) else t)
+                     for n, t in unfuse_shards(shards, spec, model)]
+            del shards
+            stats.convert_s += time.perf_counter() - t1
+            while pairs:  # pop, so this frame holds no tensor the consumer has dropped
+                name, tensor = pairs.pop(0)
+                stats.bytes += tensor.numel() * tensor.element_size()
+                stats.tensors += 1
+                yield name, tensor
+                del tensor
+
+
+def _shares(t: torch.Tensor, buf: torch.Tensor) -> bool:
+    return t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
 
 
 def export_hf(gpt: torch.nn.Module, out_dir: str, model: ModelConfig, parallel: ParallelConfig,

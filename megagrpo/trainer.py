@@ -186,6 +186,8 @@ class Trainer:
         return torch.cat([o["logp"] for o in out]) if out else None
 
     def score(self, batch: Batch, async_batch: bool) -> dict:
+        """Old and reference log-probs (forward only; they live on the last stage, where the
+        loss runs), the rollout-IS correction, and KL-in-reward."""
         a = self.cfg.algo
         need_old = (a.mu > 1 or self.cfg.run.num_minibatches > 1 or async_batch
                     or a.rollout_is != "none")
@@ -197,19 +199,34 @@ class Trainer:
             batch.ref_logp = self._logprobs(self.reference.model, batch)
             self.reference.offload()
         if batch.old_logp is not None:
-            w, mask, im = algo.rollout_is_correction(
+            w, mask, metrics = algo.rollout_is_correction(
                 batch.old_logp.reshape(-1), batch.rollout_logp.reshape(-1),
                 batch.mask.reshape(-1).float(), torch.zeros(0), mode=a.rollout_is,
                 cap=a.rollout_is_cap, low=a.rollout_is_low, high=a.rollout_is_high,
                 num_local_seqs=1) if a.rollout_is != "seq_mask" else self._seq_is(batch)
-            metrics.update(im)
             if a.rollout_is != "none":
                 batch.mask = mask.view_as(batch.mask).bool()
                 batch.is_weight = w.view_as(batch.mask) if a.rollout_is == "truncate" else None
         if a.kl_in_reward and batch.ref_logp is not None and batch.old_logp is not None:
             kl = algo.kl_estimate(batch.old_logp, batch.ref_logp, a.kl_estimator) * batch.mask
             batch.advantages = batch.advantages - a.beta * kl.sum(1, keepdim=True) * batch.mask
-        return metrics
+        return self._from_last_stage(metrics) if need_old else {}
+
+    def _dp_mean(self, metrics: dict) -> dict:
+        """Mean of per-replica scalars over the DP replicas (same keys on every rank)."""
+        if self.dp == 1:
+            return metrics
+        keys = sorted(metrics)
+        v = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        dist.all_reduce(v, group=self.dp_group)
+        return {k: x / self.dp for k, x in zip(keys, v.tolist())}
+
+    def _from_last_stage(self, metrics: dict) -> dict:
+        """Scalars computed on the last pipeline stage -> every rank, averaged over DP."""
+        obj = [metrics]
+        if self.pp > 1:
+            dist.broadcast_object_list(obj, src=self.pp_last_rank, group=self.pp_group)
+        return self._dp_mean(obj[0])
 
     def _seq_is(self, batch: Batch):
         a = self.cfg.algo
@@ -294,8 +311,8 @@ class Trainer:
         from megagrpo.reshard import ReshardStats, iter_hf_weights
 
         stats = ReshardStats()
-        pairs = (p for bucket in iter_hf_weights(self.policy, self.model_cfg, self.cfg.parallel,
-                                                 stats=stats) for p in bucket)
+        pairs = iter_hf_weights(self.policy, self.model_cfg, self.cfg.parallel,
+                                bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, stats=stats)
         s = self.engine.update_weights(pairs)
         self.engine_version = self.version
         return {"sync_bytes": stats.bytes, "sync_gather_s": stats.gather_s,
@@ -308,6 +325,7 @@ class Trainer:
             ro = self._next_rollout()
         with t("advantage"):
             batch, metrics = self.build_batch(ro)
+            metrics = self._dp_mean(metrics)  # each replica saw its own prompts
         async_batch = ro.version != self.version  # sampled by an older policy
         with t("score"):
             metrics.update(self.score(batch, async_batch))

@@ -35,6 +35,63 @@ def last_stage_logps(tr, batch):
     return (pol, ref) if pol is not None and tr.tp_rank == 0 else None
 
 
+def _last_position(batch, model):
+    out = model(batch, torch.arange(batch.shape[1]).expand_as(batch), None)
+    return out, lambda o: (o.sum() * 0, {"last": o[0, -1].detach()})
+
+
+def megatron_greedy(tr, prompts, max_tokens):
+    """A plain argmax loop over the sharded megatron policy (PP schedule, TP-gathered logits)."""
+    from megagrpo.optim import forward_backward
+
+    outs = []
+    for prompt in prompts:
+        ids = list(prompt)
+        for _ in range(max_tokens):
+            x = torch.tensor([ids])
+            res = forward_backward(tr.policy, _last_position, [x], 1, seq_length=len(ids),
+                                   micro_batch_size=1, forward_only=True)
+            tok = torch.zeros(1, dtype=torch.long)
+            if res:  # last stage: gather the vocab shards, drop padding, argmax
+                local = res[0]["last"].contiguous()
+                parts = [torch.empty_like(local) for _ in range(tr.cfg.parallel.tp)]
+                dist.all_gather(parts, local, group=tr.tp_group)
+                tok[0] = torch.cat(parts)[: tr.model_cfg.vocab_size].argmax()
+            dist.broadcast(tok, src=tr.pp_last_rank, group=tr.pp_group)
+            ids.append(int(tok))
+            if int(tok) == tr.eos_id:
+                break
+        outs.append(ids[len(prompt):])
+    return outs
+
+
+def vllm_greedy(tr, prompts, max_tokens):
+    from megagrpo.rollout import SamplingSettings
+
+    s = SamplingSettings(temperature=0.0, max_tokens=max_tokens, n=1, stop_token_ids=(tr.eos_id,))
+    return [c.token_ids for c in tr.engine.generate(prompts, s)]
+
+
+def greedy_check(tr, n=4, max_tokens=6):
+    from megagrpo.data import encode_prompt
+
+    prompts = [encode_prompt(tr.tokenizer, e.prompt) for e in tr.task.eval[:n]]
+    return megatron_greedy(tr, prompts, max_tokens), vllm_greedy(tr, prompts, max_tokens)
+
+
+def reshard_peak(tr, bucket_bytes):
+    """Peak bytes allocated while draining the reshard stream (consumer drops each tensor)."""
+    from benchmarks._harness import _cpu_peak_bytes
+    from megagrpo.reshard import iter_hf_weights
+
+    def drain():
+        for _, t in iter_hf_weights(tr.policy, tr.model_cfg, tr.cfg.parallel,
+                                    bucket_bytes=bucket_bytes):
+            del t
+
+    return _cpu_peak_bytes(drain)
+
+
 def local_params(module):
     from megagrpo.model import unwrap
 
@@ -52,10 +109,15 @@ def main():
     res = {}
     tr = setup(make_config(args.work))
     tr.sync_weights()
+    res["greedy_initial"] = greedy_check(tr)
+    bucket = 64 << 10
+    largest = max(p.numel() for p in tr.policy.parameters()) * tr.cfg.parallel.tp * 4
+    res["reshard_peak"] = [reshard_peak(tr, bucket), bucket, largest]
     before = local_params(tr.policy)
     ref_ptrs = [p.data_ptr() for p in tr.reference.model.parameters()]
 
     m1 = tr.step()  # step 1: no reference sync (every 2)
+    res["greedy_after_step"] = greedy_check(tr)
     after = local_params(tr.policy)
     res["unchanged_params"] = [n for n in before if torch.equal(before[n], after[n])]
     res["gap_step1"] = m1["logp_gap_vllm_mean"]

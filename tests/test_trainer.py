@@ -29,6 +29,22 @@ def test_vllm_logprobs_match_sharded_trainer(results):
     assert results[0]["gap_step1"] < 1e-4
 
 
+def test_vllm_greedy_equals_megatron_argmax_loop_before_and_after_update(results):
+    for r in results:
+        meg0, vllm0 = r["greedy_initial"]
+        meg1, vllm1 = r["greedy_after_step"]
+        assert meg0 == vllm0 and meg1 == vllm1
+        assert meg0 != meg1  # the update changed the policy, and vLLM follows it
+
+
+def test_reshard_peak_memory_is_one_bucket_plus_a_tensor(results):
+    for r in results:
+        peak, bucket, largest = r["reshard_peak"]
+        # one bucket buffer (a bucket holds one tensor when that exceeds the bucket size) plus
+        # the HF tensors of the parameter being converted
+        assert peak <= max(bucket, largest) + largest, (peak, bucket, largest)
+
+
 def test_reference_reset_in_place_and_exact(results):
     last = [r for r in results if "post_sync_equal" in r]
     assert len(last) == 1  # the last stage's TP rank 0

@@ -75,6 +75,9 @@ class ArithmeticConfig:
     """Seed of the train/eval samples."""
     tokenizer_dir: str = "~/.cache/megagrpo/arithmetic"
     """Where the task's sentencepiece model is trained on first use and cached."""
+    reverse_answer: bool = False
+    """Write answers least-significant digit first ('12+79=' -> '19', i.e. 91 reversed): carries
+    then flow left to right, which a tiny model learns far faster (Lee et al., 2023)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field and what would be valid."""

@@ -51,9 +51,14 @@ class RolloutConfig:
     """'processed_logprobs' (after temperature/top-k/top-p: what was sampled) or 'raw_logprobs'."""
     dtype: str = "float32"
     """Engine dtype: float32, bfloat16 or float16 (fp32 makes logprobs match the trainer)."""
+    sync_bucket_mb: int = 256
+    """Weight sync moves the sharded policy in buckets of at most this many MiB of full tensors
+    (peak extra memory per rank: one bucket plus the largest tensor)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its valid values."""
+        if self.sync_bucket_mb < 1:
+            raise ValueError(f"rollout.sync_bucket_mb={self.sync_bucket_mb} must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"rollout.tensor_parallel_size={self.tensor_parallel_size} must be >= 1"

@@ -37,6 +37,16 @@ def solve(a: int, op: str, b: int) -> int:
     return {"+": a + b, "-": a - b, "*": a * b}[op]
 
 
+def answer_text(value: int, cfg: ArithmeticConfig) -> str:
+    """The answer as the model should write it (digits reversed when cfg.reverse_answer; a
+    minus sign stays in front)."""
+    text = str(value)
+    if not cfg.reverse_answer:
+        return text
+    sign, digits = ("-", text[1:]) if text.startswith("-") else ("", text)
+    return sign + digits[::-1]
+
+
 def is_eval_problem(prompt: str, eval_fraction: float) -> bool:
     """Held-out membership by a stable hash of the prompt (CRC32, not Python's salted hash)."""
     return zlib.crc32(prompt.encode()) % _HASH_BUCKETS < eval_fraction * _HASH_BUCKETS
@@ -62,7 +72,7 @@ def _draw(cfg: ArithmeticConfig, split: str, n: int, seed: int, distinct: bool) 
         if is_eval_problem(prompt, cfg.eval_fraction) != want_eval or (distinct and prompt in seen):
             continue
         seen.add(prompt)
-        out.append(Example(prompt=prompt, answer=str(solve(a, op, b))))
+        out.append(Example(prompt=prompt, answer=answer_text(solve(a, op, b), cfg)))
     return out
 
 
