@@ -91,3 +91,18 @@ def emit(record: dict, path: str | None = None) -> None:
     if path:
         with open(path, "a") as f:
             f.write(line + "\n")
+
+
+# Llama shapes shared by the model-size benchmarks (weight_sync, reference_sync): head_dim 32 or
+# 64 (vLLM's CPU attention), vocab a multiple of 128 x TP so no padded rows exist (they are not
+# exported, which would skew byte counts).
+MODEL_SIZES = {
+    "tiny": dict(hidden_size=128, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                 head_dim=32, ffn_hidden_size=256, vocab_size=256),
+    "10m": dict(hidden_size=256, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                head_dim=64, ffn_hidden_size=1024, vocab_size=8192),
+    "50m": dict(hidden_size=512, num_layers=8, num_attention_heads=8, num_query_groups=4,
+                head_dim=64, ffn_hidden_size=2048, vocab_size=16384),
+    "100m": dict(hidden_size=768, num_layers=12, num_attention_heads=12, num_query_groups=4,
+                 head_dim=64, ffn_hidden_size=2048, vocab_size=16384),
+}

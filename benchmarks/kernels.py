@@ -7,9 +7,10 @@ Usage (from the repo root; the same command runs on CUDA unchanged):
     python benchmarks/kernels.py --device cuda --check   # float64 check first, then timings
 
 One JSON line per (path, TP) case: ``fwd_bwd_s`` is the median and ``fwd_bwd_min_s`` the
-fastest of the timed iterations (on a shared CPU machine the min is the least noisy). Every path computes the same thing: per-token log-probs
-with grad, entropy (no grad) and a clipped GRPO loss with a k3 KL term, summed, then the
-gradient w.r.t. the logits (``torch.autograd.grad``, so no ``.grad`` accumulation copy).
+fastest of the timed iterations (on a shared CPU machine the min is the least noisy). Every
+path computes the same thing: per-token log-probs with grad, entropy (no grad) and a clipped
+GRPO loss with a k3 KL term, summed, then the gradient w.r.t. the logits
+(``torch.autograd.grad``, so no ``.grad`` accumulation copy).
 
 Paths:
 - ``naive``: ``log_softmax`` of an fp32 copy + gather under autograd (the textbook way).

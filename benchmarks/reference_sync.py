@@ -37,16 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SIZES = {  # Llama shapes; vocab a multiple of 128 x TP: no padded rows (they are not exported)
-    "tiny": dict(hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                 head_dim=32, ffn_hidden_size=384, vocab_size=256),
-    "10m": dict(hidden_size=256, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                head_dim=64, ffn_hidden_size=1024, vocab_size=8192),
-    "50m": dict(hidden_size=512, num_layers=8, num_attention_heads=8, num_query_groups=4,
-                head_dim=64, ffn_hidden_size=2048, vocab_size=16384),
-    "100m": dict(hidden_size=768, num_layers=12, num_attention_heads=12, num_query_groups=4,
-                 head_dim=64, ffn_hidden_size=2048, vocab_size=16384),
-}
+from _harness import MODEL_SIZES as SIZES  # noqa: E402
 
 
 def _ptrs(model) -> list[int]:
@@ -65,7 +56,6 @@ def measure(fn, ref, repeats: int, expected_fn) -> dict:
     import psutil
     import torch
     import torch.distributed as dist
-
     from _harness import peak_extra_bytes
 
     cpu, proc = torch.device("cpu"), psutil.Process()

@@ -27,16 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-SIZES = {  # Llama shapes; head_dim 32 or 64 (vLLM CPU attention)
-    "tiny": dict(hidden_size=128, num_layers=2, num_attention_heads=4, num_query_groups=2,
-                 head_dim=32, ffn_hidden_size=256, vocab_size=128),
-    "10m": dict(hidden_size=256, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                head_dim=64, ffn_hidden_size=1024, vocab_size=8192),
-    "50m": dict(hidden_size=512, num_layers=8, num_attention_heads=8, num_query_groups=4,
-                head_dim=64, ffn_hidden_size=2048, vocab_size=16384),
-    "100m": dict(hidden_size=768, num_layers=12, num_attention_heads=12, num_query_groups=4,
-                 head_dim=64, ffn_hidden_size=2048, vocab_size=16384),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import MODEL_SIZES as SIZES  # noqa: E402
 
 
 def _timed(fn) -> float:

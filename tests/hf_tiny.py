@@ -1,6 +1,8 @@
 """Tiny random HF Llama / Qwen2 checkpoints built from a config (no downloads)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -41,3 +43,14 @@ def _randomise_norms(model):
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.uniform_(0.5, 1.5)
+
+
+def load_dir(path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF safetensors directory (single file or sharded)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in os.listdir(path):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out

@@ -11,21 +11,13 @@ from safetensors.torch import load_file, save_file
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.hf import check_hf_checkpoint, model_config_from_hf
-from tests.hf_tiny import tiny_llama, tiny_qwen2
+from tests.hf_tiny import load_dir, tiny_llama, tiny_qwen2
 
 
 def _cli(*args, env=None, timeout=300):
     e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run([sys.executable, "-m", "megagrpo", *args], capture_output=True,
                           text=True, env=e, timeout=timeout)
-
-
-def _tensors(d):
-    out = {}
-    for f in os.listdir(d):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(d, f)))
-    return out
 
 
 def test_convert_round_trip_tp2_pp2_to_tp1(tmp_path):
@@ -35,7 +27,7 @@ def test_convert_round_trip_tp2_pp2_to_tp1(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     p = _cli("convert", "--from-megatron", str(tmp_path / "m"), "--to-hf", str(tmp_path / "out"))
     assert p.returncode == 0, p.stderr[-3000:]
-    src, out = _tensors(tmp_path / "hf"), _tensors(tmp_path / "out")
+    src, out = load_dir(tmp_path / "hf"), load_dir(tmp_path / "out")
     src.pop("lm_head.weight", None)
     assert sorted(src) == sorted(out)
     for k in src:

@@ -6,21 +6,12 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests._launch import torchrun
-from tests.hf_tiny import tiny_llama, tiny_qwen2
+from tests.hf_tiny import load_dir, tiny_llama, tiny_qwen2
 
 LAYOUTS = ["tp1_pp1", "tp2_pp1", "tp1_pp2", "tp2_pp2"]
 WORKER = os.path.join(os.path.dirname(__file__), "_foundation_worker.py")
-
-
-def _load_dir(path):
-    out = {}
-    for f in os.listdir(path):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, f)))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +44,8 @@ def test_logits_match_transformers(run, layout, model):
 @pytest.mark.parametrize("model", ["llama", "qwen2"])
 def test_hf_round_trip_bitwise(run, layout, model):
     work, _ = run
-    src = _load_dir(work / model)
-    out = _load_dir(work / f"rt_{model}_{layout}")
+    src = load_dir(work / model)
+    out = load_dir(work / f"rt_{model}_{layout}")
     if "lm_head.weight" in src and "lm_head.weight" not in out:  # tied: HF may store both
         src.pop("lm_head.weight")
     assert sorted(src) == sorted(out)
@@ -77,9 +68,9 @@ def test_exported_dir_loads_in_transformers(run):
 def test_train_step_matches_tp1(run, layout):
     work, results = run
     assert all(r["step_ok"] for r in results if "step_ok" in r)
-    base = _load_dir(work / "step_llama_tp1_pp1")
-    got = _load_dir(work / f"step_llama_{layout}")
-    init = _load_dir(work / "llama")
+    base = load_dir(work / "step_llama_tp1_pp1")
+    got = load_dir(work / f"step_llama_{layout}")
+    init = load_dir(work / "llama")
     changed = 0
     for name, t in base.items():
         torch.testing.assert_close(got[name], t, rtol=0, atol=1e-5, msg=name)
