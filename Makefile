@@ -1,6 +1,5 @@
 # Two commands: `make test` and `make demo`. Both set up .venv first (idempotent, fast when done).
 PY := .venv/bin/python
-export OMP_NUM_THREADS ?= 2
 
 .PHONY: venv test test-all demo lint
 venv:

@@ -22,7 +22,11 @@ def _relaunch(nproc: int) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "megagrpo",
            *_drop_nproc(sys.argv[1:])]
-    env = dict(os.environ, MEGAGRPO_RELAUNCHED="1")
+    env = dict(os.environ)
+    # torchrun defaults every rank to one OpenMP thread; more ranks x threads than cores makes
+    # CPU ops spin against each other (measured: a 4-minute demo did not finish its cold start)
+    cores = os.cpu_count() or 1
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
     return subprocess.call(cmd, env=env)
 
 

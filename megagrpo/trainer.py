@@ -423,6 +423,8 @@ class Trainer:
                              dtype=torch.float64)
             dist.all_reduce(v)
             losses.append(float(v[0] / max(v[1], 1)))
+            if self.rank == 0 and self.cfg.run.progress and (s + 1) % 50 == 0:
+                print(f"cold start {s + 1:4d}/{steps} | nll={losses[-1]:.3f}", flush=True)
         return losses
 
 
