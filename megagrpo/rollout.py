@@ -299,6 +299,8 @@ class VLLMEngine:
         self.model_dir = str(hf_config_dir)
         self.dtype = dtype or cfg.dtype
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # vLLM logs three INFO lines per rank for every weight update; keep the console readable
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
             raise RuntimeError("VLLMEngine runs in-process: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
         from transformers import AutoConfig
