@@ -144,10 +144,11 @@ class Trainer:
             kept = _concat(kept, _select_groups(more, keep, G))
             kept.epoch = more.epoch
             rounds += 1
-        kept.metrics = dict(ro.metrics, resample_rounds=rounds,
-                            filtered_groups=want - min(len(kept.prompts), want))
+        metrics = dict(ro.metrics, resample_rounds=rounds,
+                       filtered_groups=want - min(len(kept.prompts), want))
         if not kept.prompts:  # nothing with signal: train on the batch (zero advantages)
             kept = ro
+        kept.metrics = metrics  # same keys on every rank (they are averaged over DP)
         return _truncate(kept, want, G)
 
     # ------------------------------------------------------------------ advantage
@@ -190,7 +191,7 @@ class Trainer:
         loss runs), the rollout-IS correction, and KL-in-reward."""
         a = self.cfg.algo
         need_old = (a.mu > 1 or self.cfg.run.num_minibatches > 1 or async_batch
-                    or a.rollout_is != "none")
+                    or a.rollout_is != "none" or (a.kl_in_reward and self.reference is not None))
         metrics = {}
         if need_old:
             batch.old_logp = self._logprobs(self.policy, batch)

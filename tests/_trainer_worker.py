@@ -173,6 +173,15 @@ def main():
                         "old_vs_vllm_gap": m["rollout_logp_gap_mean"],
                         "ratio_mean": m["ratio_mean"], "loss": m["loss"],
                         "is_weight_mean": m["rollout_is_weight_mean"]}
+    # DAPO dynamic sampling + GSPO sequence ratio + KL as a reward penalty + batch-std advantages
+    for key, value in (("mu", 1), ("loss_agg", "gspo"), ("rollout_is", "none"),
+                       ("dynamic_sampling", True), ("kl_in_reward", True),
+                       ("std_mode", "batch")):
+        setattr(tr.cfg.algo, key, value)
+    tr.cfg.run.num_minibatches = 1
+    m = tr.step()
+    res["variants"] = {k: m.get(k) for k in ("loss", "resample_rounds", "filtered_groups",
+                                             "reward_mean", "kl")}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, res)
     if dist.get_rank() == 0:

@@ -85,3 +85,9 @@ def test_mu_passes_minibatches_and_rollout_is(results):
     assert abs(r["is_weight_mean"] - 1.0) < 1e-3
     assert r["ratio_mean"] != 1.0  # later optimizer steps see a moved policy
     assert r["loss"] == r["loss"]  # finite, not NaN
+
+
+def test_dynamic_sampling_gspo_kl_in_reward_batch_std_step(results):
+    v = results[0]["variants"]
+    assert v["resample_rounds"] is not None and v["filtered_groups"] is not None
+    assert v["loss"] == v["loss"] and v["kl"] == v["kl"]  # finite
