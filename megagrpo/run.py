@@ -60,13 +60,10 @@ def setup(cfg: TrainConfig) -> Trainer:
     model_cfg = resolve_model_config(cfg, task.tokenizer.vocab_size)
     cfg.model = model_cfg
     cfg.validate(world)
-    if cfg.run.init == "random":
-        pass
-    else:
+    if cfg.run.init != "random" and (Path(cfg.run.init) / "config.json").exists():
         from megagrpo.hf import check_hf_checkpoint
 
-        if (Path(cfg.run.init) / "config.json").exists():
-            check_hf_checkpoint(cfg.run.init, model_cfg)
+        check_hf_checkpoint(cfg.run.init, model_cfg)  # before any process group exists
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
     info = init_distributed(cfg.parallel, model_cfg, seed=cfg.run.seed)
