@@ -8,7 +8,7 @@ completion token. Keeping S columns (not S-1) lets the logits [b, S, V_local] fl
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -89,7 +89,3 @@ def sft_batch(prompts: list[list[int]], completions: list[list[int]], *, pad_id:
     zeros = [[0.0] * len(c) for c in completions]
     return pack(prompts, completions, zeros, torch.ones(len(completions)), pad_id=pad_id,
                 multiple=multiple)
-
-
-def with_fields(batch: Batch, **kw) -> Batch:
-    return replace(batch, **kw)

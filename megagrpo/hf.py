@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -362,11 +361,6 @@ def load_hf_weights(gpt: torch.nn.Module, hf_dir: str | os.PathLike, model: Mode
             p.copy_(t)
             nbytes += t.numel() * t.element_size()
     return nbytes
-
-
-def local_layer_index(name: str) -> int | None:
-    m = re.match(r"decoder\.layers\.(\d+)\.", name)
-    return int(m.group(1)) if m else None
 
 
 def save_hf_dir(out_dir: str | os.PathLike, model: ModelConfig,

@@ -1,7 +1,7 @@
 """Model architecture and parallel layout."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 ARCHITECTURES = ("llama", "qwen2")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -110,7 +110,3 @@ class ParallelConfig:
         """Vocab padded so that every TP rank holds an equal slice."""
         m = self.make_vocab_size_divisible_by * self.tp
         return -(-vocab_size // m) * m
-
-
-def field_names(cls: type) -> list[str]:
-    return [f.name for f in fields(cls)]
