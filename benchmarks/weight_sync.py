@@ -17,7 +17,6 @@ Times are medians over --repeats after one warm-up sync.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -93,8 +92,8 @@ def run_one(size: str, repeats: int) -> dict:
 
     def sync():
         stats = ReshardStats()
-        buckets = iter_hf_weights(gpt, mcfg, par, bucket_bytes=64 << 20, stats=stats)
-        out = engine.update_weights(itertools.chain.from_iterable(buckets))
+        pairs = iter_hf_weights(gpt, mcfg, par, bucket_bytes=64 << 20, stats=stats)
+        out = engine.update_weights(pairs)  # (hf_name, tensor) pairs, streamed bucket by bucket
         return out, stats
 
     sync()  # warm-up
