@@ -1,17 +1,31 @@
-"""Model checkpoints in megatron-core's `dist_checkpointing` format (resharding on load: save at
-one TP/PP, load at another), plus the model config beside them.
+"""Checkpoint files.
 
-Writes are atomic: everything goes to `DIR.tmp-<step>` and is renamed into place only when every
-rank has finished, so a crash mid-save never damages the last good checkpoint.
+Models: megatron-core's `dist_checkpointing` format (resharding on load: save at one TP/PP,
+load at another), plus the model config beside them. Writes are atomic: everything goes to
+`DIR.tmp` and is renamed into place only when every rank has finished, so a crash mid-save
+never damages the last good checkpoint. Loading reads torch DCP's `.metadata`, a pickle: only
+load model checkpoints you trust (HF safetensors directories are the format for downloads).
+
+Per-rank state (optimizer, RNG streams): `save_tree` / `load_tree` write a nested structure of
+tensors and plain values as one safetensors file (tensors) whose metadata holds the structure as
+JSON. Nothing is pickled, so loading a crafted file cannot run code.
+
+Writes that fail for lack of space raise `OSError(ENOSPC)` saying "no space left on device" and
+where, whatever layer (DCP, torch's C++ writer) saw the failure first.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import os
+import random
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -37,21 +51,26 @@ def save_model(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike, model: ModelCo
 
     final = Path(ckpt_dir)
     tmp = final.with_name(final.name + ".tmp")
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    on_every_rank(lambda: _fresh_dir(tmp) if _rank() == 0 else None, tmp)
+    with disk_errors(tmp):  # DCP gathers the ranks' failures: every rank raises together
+        dist_checkpointing.save(unwrap(gpt).sharded_state_dict(), str(tmp))
     _barrier()
-    dist_checkpointing.save(unwrap(gpt).sharded_state_dict(), str(tmp))
-    _barrier()
-    if _rank() == 0:
-        meta = {"model": dataclasses.asdict(model), **(extra or {})}
-        (tmp / MODEL_JSON).write_text(json.dumps(meta, indent=1))
-        old = final.with_name(final.name + ".old")
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    on_every_rank(lambda: _publish(tmp, final, model, extra) if _rank() == 0 else None, tmp)
+
+
+def _fresh_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+
+
+def _publish(tmp: Path, final: Path, model: ModelConfig, extra: dict | None) -> None:
+    meta = {"model": dataclasses.asdict(model), **(extra or {})}
+    (tmp / MODEL_JSON).write_text(json.dumps(meta, indent=1))
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def read_model_config(ckpt_dir: str | os.PathLike) -> tuple[ModelConfig, dict]:
@@ -69,3 +88,178 @@ def load_model(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike) -> None:
     inner = unwrap(gpt)
     state = dist_checkpointing.load(inner.sharded_state_dict(), str(ckpt_dir))
     inner.load_state_dict(state, strict=False)
+
+
+# ---------------------------------------------------------------------- failures of a write
+_NO_SPACE_MARKS = ("no space left on device", "unexpected pos", "basic_ios::clear",
+                   "file write failed", "enospc")
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """exc, its causes and contexts, and the per-rank failures a DCP CheckpointException holds."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+        failures = getattr(e, "failures", None)  # torch DCP: {rank: exception or traceback}
+        if isinstance(failures, dict):
+            todo += [f for f in failures.values() if isinstance(f, BaseException)]
+
+
+def _free_bytes(path: Path) -> tuple[Path, int]:
+    """(nearest existing ancestor of path, its filesystem's free bytes)."""
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p, shutil.disk_usage(p).free
+
+
+def no_space_error(exc: BaseException, path: str | os.PathLike) -> OSError | None:
+    """An OSError(ENOSPC) naming `path` when `exc` is (or wraps) a write that ran out of space:
+    an ENOSPC anywhere in the chain, or the C++ writers' messages ("unexpected pos",
+    "basic_ios::clear") on a filesystem that is (almost) full. None otherwise."""
+    causes = list(_causes(exc))
+    enospc = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in causes)
+    text = " ".join(str(e) for e in causes).lower()
+    where, free = _free_bytes(Path(path))
+    if not (enospc or (any(m in text for m in _NO_SPACE_MARKS) and free < (64 << 20))):
+        return None
+    total = shutil.disk_usage(where).total
+    return OSError(errno.ENOSPC, (
+        f"no space left on device while writing {path} ({free >> 20} MiB free of "
+        f"{total >> 20} MiB on the filesystem of {where}): free space, lower run.keep_last or "
+        "point run.out_dir at a larger disk; the checkpoints written before are intact"))
+
+
+@contextlib.contextmanager
+def disk_errors(path: str | os.PathLike) -> Iterator[None]:
+    """Re-raises a failed write as `no_space_error` when that is what it was."""
+    try:
+        yield
+    except Exception as e:
+        err = no_space_error(e, path)
+        if err is None:
+            raise
+        raise err from e
+
+
+def on_every_rank(fn: Callable[[], object], path: str | os.PathLike) -> None:
+    """Collective: runs this rank's part of a write, then agrees on the outcome, so that a rank
+    that fails (e.g. out of disk) does not leave the others waiting in the next collective:
+    every rank raises, the failing one with its own (translated) error."""
+    err: BaseException | None = None
+    try:
+        with disk_errors(path):
+            fn()
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
+        err = e
+    failed = torch.tensor([0.0 if err is None else 1.0])
+    if dist.is_initialized():
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if err is not None:
+        raise err
+    if failed.item():
+        raise RuntimeError(f"writing {path} failed on another rank (its error says why)")
+
+
+# ---------------------------------------------------------------------- pickle-free state
+_TREE_KEY = "megagrpo_tree"
+
+
+def _encode(obj, tensors: dict[str, torch.Tensor], where: str):
+    """JSON-able structure of `obj`; tensors go to `tensors` and are referenced by key."""
+    if isinstance(obj, torch.Tensor):
+        key = next((k for k, t in tensors.items() if t.data_ptr() == obj.data_ptr()
+                    and t.shape == obj.shape and obj.device.type == "cpu"), None)
+        if key is None:  # safetensors refuses two keys on one storage: store a repeat once
+            key = str(len(tensors))
+            tensors[key] = obj.detach().cpu().contiguous()
+        return {"t": key}
+    if isinstance(obj, dict):
+        return {"d": [[_encode(k, tensors, where), _encode(v, tensors, f"{where}.{k}")]
+                      for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {"u": [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"save_tree: {where} is a {type(obj).__name__}; only tensors, dicts, "
+                    "lists, tuples, numbers, strings and None are saved")
+
+
+def _decode(obj, tensors: dict[str, torch.Tensor]):
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "t" in obj:
+        return tensors[obj["t"]]
+    if "u" in obj:
+        return tuple(_decode(v, tensors) for v in obj["u"])
+    return {_decode(k, tensors): _decode(v, tensors) for k, v in obj["d"]}
+
+
+def save_tree(path: str | os.PathLike, tree) -> None:
+    """Writes a nested structure of tensors and plain values to one safetensors file
+    (atomically: a temp file renamed into place)."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    structure = json.dumps(_encode(tree, tensors, "state"))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with disk_errors(path):
+        save_file(tensors, str(tmp), metadata={_TREE_KEY: structure})
+        os.replace(tmp, path)
+
+
+def load_tree(path: str | os.PathLike):
+    """The structure `save_tree` wrote (tensors on CPU). Reads only safetensors + JSON."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if _TREE_KEY not in meta:
+            raise ValueError(f"{path} was not written by megagrpo's save_tree")
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    return _decode(json.loads(meta[_TREE_KEY]), tensors)
+
+
+# ---------------------------------------------------------------------- RNG streams
+def capture_rng(engine=None) -> dict:
+    """Every random stream of this rank: python, numpy, torch (CPU and CUDA), megatron's
+    model-parallel tracker, and the vLLM engine's sampler (`engine.rng_state()`)."""
+    from megatron.core import tensor_parallel
+
+    version, mt, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": (version, torch.tensor(mt, dtype=torch.int64), gauss),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": dict(tensor_parallel.get_cuda_rng_tracker().get_states()),
+        "engine": engine.rng_state() if engine is not None else None,
+    }
+
+
+def restore_rng(state: dict, engine=None) -> None:
+    """Puts every stream `capture_rng` recorded back."""
+    from megatron.core import tensor_parallel
+
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(int(x) for x in mt.tolist()), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["tracker"]))
+    if engine is not None and state["engine"] is not None:
+        engine.set_rng_state(state["engine"])

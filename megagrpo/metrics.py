@@ -6,28 +6,40 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the watchdog is only passed through here
+    from megagrpo.watchdog import Watchdog
 
 log = logging.getLogger("megagrpo")
 
+METRICS_FILE = "metrics.jsonl"
 CONSOLE_KEYS = ("reward_mean", "kl", "entropy", "clip_frac_high", "completion_len",
                 "logp_gap_vllm_mean", "tokens_per_s")
 
 
 class PhaseTimer:
-    """`with timer("rollout"): ...` accumulates wall seconds per phase."""
+    """`with timer("rollout"): ...` accumulates wall seconds per phase (`times`, keys
+    'time_<name>'), and marks each phase of `step` on the run's stall watchdog when given."""
 
-    def __init__(self) -> None:
+    def __init__(self, watchdog: Watchdog | None = None, step: int | None = None) -> None:
         self.times: dict[str, float] = {}
+        self.watchdog, self.step = watchdog, step
 
     @contextlib.contextmanager
-    def __call__(self, name: str):
+    def __call__(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
+        if self.watchdog is not None:
+            self.watchdog.set_phase(name, self.step)
         try:
             yield
         finally:
             self.times[f"time_{name}"] = self.times.get(f"time_{name}", 0.0) + (
                 time.perf_counter() - t0)
+            if self.watchdog is not None:  # what follows is no longer this phase
+                self.watchdog.set_phase(f"after {name}")
 
 
 class MetricsLogger:
@@ -36,7 +48,7 @@ class MetricsLogger:
     def __init__(self, out_dir: str | Path, *, enabled: bool, tensorboard: bool = True,
                  wandb: bool = False, config: dict | None = None, progress: bool = True):
         self.enabled, self.progress = enabled, progress
-        self.path = Path(out_dir) / "metrics.jsonl"
+        self.path = Path(out_dir) / METRICS_FILE
         self.tb = self.wb = None
         if not enabled:
             return
@@ -80,6 +92,26 @@ class MetricsLogger:
             self.tb.close()
         if self.wb is not None:
             self.wb.finish()
+
+
+def history_size(out_dir: str | Path) -> int:
+    """Bytes of out_dir/metrics.jsonl now (a checkpoint records it: its history ends there)."""
+    p = Path(out_dir) / METRICS_FILE
+    return p.stat().st_size if p.exists() else 0
+
+
+def rewind_history(out_dir: str | Path, size: int) -> int:
+    """Cuts out_dir/metrics.jsonl back to `size` bytes, the history of the checkpoint a run
+    resumes from: the records a crashed run wrote after it are superseded by the resumed run's.
+    Returns how many records were dropped. (TensorBoard / W&B keep theirs: they cannot rewind.)"""
+    p = Path(out_dir) / METRICS_FILE
+    if not p.exists() or p.stat().st_size <= size:
+        return 0
+    with p.open("r+b") as f:
+        f.seek(size)
+        dropped = sum(1 for line in f if line.strip())
+        f.truncate(size)
+    return dropped
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

@@ -4,6 +4,7 @@ every rank."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -12,38 +13,44 @@ import shutil
 import time
 from functools import partial
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
+from megagrpo.checkpoint import (
+    capture_rng,
+    load_model,
+    load_tree,
+    on_every_rank,
+    restore_rng,
+    save_model,
+    save_tree,
+)
 from megagrpo.config.train import TrainConfig
 from megagrpo.distributed import init_distributed, torchrun_env
-from megagrpo.metrics import MetricsLogger, plot_curves, read_jsonl
-from megagrpo.trainer import Trainer
+from megagrpo.metrics import (
+    MetricsLogger,
+    history_size,
+    plot_curves,
+    read_jsonl,
+    rewind_history,
+)
+from megagrpo.procs import follow_parent
+from megagrpo.run_dir import (
+    MANIFEST,
+    TRAINER_STATE,
+    check_out_dir,
+    checkpoint_root,
+    manifest_bytes,
+    newest_intact,
+    step_dirs,
+    step_of,
+    write_manifest,
+)
+from megagrpo.trainer import BadStepsError, Trainer
 
 log = logging.getLogger("megagrpo")
-
-
-def resolve_model_config(cfg: TrainConfig, tokenizer_vocab: int | None):
-    """The architecture: from run.init's checkpoint when it has one, else cfg.model (whose vocab
-    must hold the tokenizer's)."""
-    from megagrpo.checkpoint import MODEL_JSON, read_model_config
-    from megagrpo.hf import model_config_from_hf
-
-    init = cfg.run.init
-    if init != "random":
-        p = Path(init)
-        if (p / "config.json").exists():
-            return model_config_from_hf(p, dtype=cfg.model.dtype)
-        if (p / MODEL_JSON).exists():
-            return read_model_config(p)[0]
-        raise ValueError(f"run.init={init!r} is neither 'random', an HF checkpoint directory "
-                         "(config.json) nor a megagrpo checkpoint")
-    if tokenizer_vocab is not None and cfg.model.vocab_size < tokenizer_vocab:
-        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
-                         f"tokenizer's vocabulary ({tokenizer_vocab}); set model.vocab_size >= "
-                         f"{tokenizer_vocab}")
-    return cfg.model
 
 
 def setup(cfg: TrainConfig) -> Trainer:
@@ -51,19 +58,18 @@ def setup(cfg: TrainConfig) -> Trainer:
     from megagrpo.data import PromptLoader
     from megagrpo.model import build_model, layer_spec_name
     from megagrpo.optim import build_optimizer, wrap_ddp
+    from megagrpo.preflight import preflight
     from megagrpo.reference import Reference
     from megagrpo.rewards import RewardFn
-    from megagrpo.tasks import build_task
 
     rank, world, _ = torchrun_env()
-    task = build_task(cfg.data, cfg.arithmetic)
-    model_cfg = resolve_model_config(cfg, task.tokenizer.vocab_size)
+    # the launcher ran these checks too; here they also cover a plain `torchrun` start, and
+    # the run is built from what they loaded (prompts, tokenizer, architecture)
+    checked = preflight(cfg, world)
+    task, model_cfg = checked.task, checked.model
     cfg.model = model_cfg
-    cfg.validate(world)
-    if cfg.run.init != "random" and (Path(cfg.run.init) / "config.json").exists():
-        from megagrpo.hf import check_hf_checkpoint
-
-        check_hf_checkpoint(cfg.run.init, model_cfg)  # before any process group exists
+    if rank == 0:
+        log.info("%s", checked.summary())
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
     info = init_distributed(cfg.parallel, model_cfg, seed=cfg.run.seed)
@@ -106,7 +112,6 @@ def setup(cfg: TrainConfig) -> Trainer:
 
 
 def _load_init(gpt, cfg: TrainConfig, model_cfg, info) -> None:
-    from megagrpo.checkpoint import load_model
     from megagrpo.hf import load_hf_weights
 
     init = cfg.run.init
@@ -131,85 +136,136 @@ def _start_engine(cfg: TrainConfig, model_cfg, tokenizer, rank: int):
     hf.update(eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id,
               pad_token_id=tokenizer.pad_id)
     (d / "config.json").write_text(json.dumps(hf, indent=1))
-    r = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + rank, n=cfg.algo.group_size,
-                            dtype=model_cfg.dtype)
+    r = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + rank, dtype=model_cfg.dtype)
     return VLLMEngine(r, d, dtype=model_cfg.dtype)
 
 
 # ---------------------------------------------------------------------- checkpoints
 def _ckpt_root(cfg: TrainConfig) -> Path:
-    return Path(cfg.run.out_dir) / "checkpoints"
+    return checkpoint_root(cfg.run.out_dir)
 
 
 def save_checkpoint(tr: Trainer) -> None:
-    """Policy + reference (dist-checkpoint, reshardable), optimizer (per rank) and trainer
-    state, written to a temp dir and renamed into place; older ones beyond keep_last removed."""
-    from megagrpo.checkpoint import save_model
-
+    """Collective. Policy + reference (dist-checkpoint, reshardable), per rank the optimizer
+    and every RNG stream (safetensors, no pickle), the trainer state, and last the manifest
+    that marks the checkpoint complete; complete ones beyond keep_last are then removed. Out of
+    disk, every rank stops with an error that says so and where."""
     root = _ckpt_root(tr.cfg)
     final = root / f"step_{tr.step_idx:06d}"
+    on_every_rank(partial(_clear_for_save, root, final) if tr.rank == 0 else lambda: None,
+                  final)
     save_model(tr.policy, final / "policy", tr.model_cfg)
     if tr.reference is not None:
         save_model(tr.reference.model, final / "reference", tr.model_cfg)
-    opt_dir = final / "optimizer"
-    if tr.rank == 0:
-        opt_dir.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    on_every_rank(partial(_save_rank_state, tr, final), final)
+    on_every_rank(partial(_finish_checkpoint, tr, final) if tr.rank == 0 else lambda: None,
+                  final)
+
+
+def _save_rank_state(tr: Trainer, final: Path) -> None:
+    """This rank's optimizer state and RNG streams, as safetensors (no pickle)."""
+    me = f"rank{dist.get_rank():05d}.safetensors"
     if not tr.cfg.optim.distributed_optimizer:
-        torch.save(tr.optimizer.state_dict(), opt_dir / f"rank{dist.get_rank():05d}.pt")
+        save_tree(final / "optimizer" / me, tr.optimizer.state_dict())
+    save_tree(final / "rng" / me, capture_rng(tr.engine))
+
+
+def _clear_for_save(root: Path, final: Path) -> None:
+    """Removes a leftover of the same step (a save a crash interrupted) and checks that the
+    disk holds another checkpoint as large as the last one."""
+    shutil.rmtree(final, ignore_errors=True)
+    final.mkdir(parents=True)
+    done = [p for p in step_dirs(root) if (p / MANIFEST).exists()]
+    need = manifest_bytes(done[-1]) if done else 0
+    free = shutil.disk_usage(final).free
+    if need > free:
+        raise OSError(errno.ENOSPC, f"no space left on device for checkpoint {final}: the last "
+                      f"one took {need >> 20} MiB, {free >> 20} MiB are free; free space, lower "
+                      "run.keep_last or point run.out_dir at a larger disk")
+
+
+def _finish_checkpoint(tr: Trainer, final: Path) -> None:
+    """Rank 0, after every rank wrote its part: trainer state, manifest, pruning."""
     state = {"step": tr.step_idx, "version": tr.version, "opt_steps": tr.opt_steps,
              "loader": tr.loader.state_dict(),
              "reference": dataclasses.asdict(tr.reference.state) if tr.reference else None,
-             "world_size": dist.get_world_size()}
-    dist.barrier()
-    if tr.rank == 0:
-        tmp = final / "trainer_state.json.tmp"
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, final / "trainer_state.json")  # marks the checkpoint complete
-        done = sorted(p for p in root.glob("step_*") if (p / "trainer_state.json").exists())
-        for old in done[: -tr.cfg.run.keep_last]:
+             "world_size": dist.get_world_size(),
+             "metrics_bytes": history_size(tr.cfg.run.out_dir)}
+    tmp = final / (TRAINER_STATE + ".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, final / TRAINER_STATE)
+    write_manifest(final)  # from here on the checkpoint is complete
+    dirs = step_dirs(final.parent)
+    kept = [p for p in dirs if (p / MANIFEST).exists() and step_of(p) <= tr.step_idx]
+    kept = kept[-tr.cfg.run.keep_last:]
+    for old in dirs:  # older than every kept one, complete or a broken leftover
+        if step_of(old) < step_of(kept[0]):
             shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
 
 
 def latest_checkpoint(cfg: TrainConfig) -> Path | None:
-    done = sorted(p for p in _ckpt_root(cfg).glob("step_*") if (p / "trainer_state.json").exists())
-    return done[-1] if done else None
+    """Collective: the newest checkpoint that matches its manifest, the same on every rank
+    (rank 0 checks and tells the others); newer broken ones are named in a warning."""
+    root = _ckpt_root(cfg)
+    step = torch.tensor([-1], dtype=torch.int64)
+    if dist.get_rank() == 0:
+        ckpt, broken = newest_intact(root)
+        for path, why in broken:
+            log.warning("checkpoint %s is broken and is skipped: %s", path, why)
+        step[0] = step_of(ckpt) if ckpt is not None else -1
+    dist.broadcast(step, src=0)
+    return root / f"step_{int(step):06d}" if int(step) >= 0 else None
 
 
-def resume(tr: Trainer, ckpt: Path) -> None:
-    from megagrpo.checkpoint import load_model
+def resume(tr: Trainer, ckpt: Path) -> dict | None:
+    """Collective: restores policy, reference, optimizer, data position, schedule counters and
+    every RNG stream from `ckpt`. Returns the RNG state (None when it could not be restored):
+    `train` puts it back once more right before the next step, after the evaluation and the
+    weight sync that come between. Reads no pickle except dist-checkpoint metadata."""
     from megagrpo.reference import ReferenceState
 
-    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state = json.loads((ckpt / TRAINER_STATE).read_text())
     load_model(tr.policy, ckpt / "policy")
     if tr.reference is not None and (ckpt / "reference").exists():
         load_model(tr.reference.model, ckpt / "reference")
         tr.reference.state = ReferenceState(**state["reference"])
-    opt = ckpt / "optimizer" / f"rank{dist.get_rank():05d}.pt"
-    if opt.exists() and state["world_size"] == dist.get_world_size():
-        tr.optimizer.load_state_dict(torch.load(opt, weights_only=False))
+    me = f"rank{dist.get_rank():05d}.safetensors"
+    same_world = state["world_size"] == dist.get_world_size()
+    opt = ckpt / "optimizer" / me
+    if opt.exists() and same_world:
+        tr.optimizer.load_state_dict(load_tree(opt))
     elif tr.rank == 0:
-        log.info("resume: optimizer state not restored (saved with world size %d or with the "
-                 "distributed optimizer); Adam moments restart", state["world_size"])
+        log.warning("resume: optimizer state not restored (saved with world size %d, with the "
+                    "distributed optimizer, or as a pickle by an older megagrpo, which is never "
+                    "loaded); Adam moments restart", state["world_size"])
+    rng = load_tree(ckpt / "rng" / me) if same_world and (ckpt / "rng" / me).exists() else None
+    if rng is not None:
+        restore_rng(rng, tr.engine)
+    elif tr.rank == 0:
+        log.warning("resume: RNG streams not restored (world size changed): the run continues "
+                    "but not bitwise as it would have uninterrupted")
     tr.loader.load_state_dict(state["loader"])
     tr.step_idx, tr.version, tr.opt_steps = state["step"], state["version"], state["opt_steps"]
     if tr.rank == 0:
-        log.info("resumed from %s at step %d", ckpt, tr.step_idx)
+        dropped = rewind_history(tr.cfg.run.out_dir, state.get("metrics_bytes", 1 << 62))
+        log.info("resumed from %s at step %d%s", ckpt, tr.step_idx,
+                 f"; dropped {dropped} metrics records written after it" if dropped else "")
+    return rng
 
 
 # ---------------------------------------------------------------------- the run
 def train(cfg: TrainConfig) -> dict:
     """The whole run on this rank. Returns the summary (identical on every rank)."""
     t0 = time.perf_counter()
+    follow_parent()  # under torchrun: a killed agent takes this rank down with it
+    check_out_dir(cfg.run)  # an earlier run in out_dir: refused, resumed or cleared
     tr = setup(cfg)
     logger = MetricsLogger(cfg.run.out_dir, enabled=tr.rank == 0, tensorboard=cfg.run.tensorboard,
                            wandb=cfg.run.wandb, config=dataclasses.asdict(cfg),
                            progress=cfg.run.progress)
     ckpt = latest_checkpoint(cfg) if cfg.run.resume else None
     summary: dict = {}
-    if ckpt is not None:
-        resume(tr, ckpt)
+    rng = resume(tr, ckpt) if ckpt is not None else None
     tr.sync_weights()
     evals = tr.task.eval
     if ckpt is None:
@@ -219,10 +275,18 @@ def train(cfg: TrainConfig) -> dict:
             summary.update(_cold_start(tr, cfg, logger))
     if evals:
         summary["eval_accuracy_before"] = tr.evaluate(evals)
-        logger.log({"step": tr.step_idx, "eval_accuracy": summary["eval_accuracy_before"]})
+        if ckpt is None:  # a resumed run's history already holds this step's evaluation
+            logger.log({"step": tr.step_idx, "eval_accuracy": summary["eval_accuracy_before"]})
+    if rng is not None:  # the streams as they were when the checkpoint was written
+        restore_rng(rng, tr.engine)
     syncs = 0
     while tr.step_idx < cfg.run.steps:
-        m = tr.step()
+        try:
+            m = tr.step()
+        except BadStepsError as e:
+            logger.log(e.metrics)
+            logger.close()
+            stop_on_bad_steps(tr, e)
         syncs += int(bool(m.get("reference_sync")))
         if evals and cfg.run.eval_every and tr.step_idx % cfg.run.eval_every == 0 \
                 and tr.step_idx < cfg.run.steps:
@@ -247,6 +311,20 @@ def train(cfg: TrainConfig) -> dict:
     dist.barrier()
     tr.engine.close()  # before torch.distributed goes: vLLM's shutdown destroys its groups
     return summary
+
+
+def stop_on_bad_steps(tr: Trainer, err: BadStepsError) -> NoReturn:
+    """Ends the run after run.max_bad_steps skipped steps: saves a checkpoint (the weights are
+    the last good step's, as bad steps apply no update), closes the engine and exits non-zero
+    on every rank with the reason."""
+    tr._join_async()
+    save_checkpoint(tr)
+    where = _ckpt_root(tr.cfg) / f"step_{tr.step_idx:06d}"
+    if tr.rank == 0:
+        log.error("stopping: %s; checkpoint saved to %s", err, where)
+    dist.barrier()
+    tr.engine.close()
+    raise SystemExit(f"megagrpo stopped at step {tr.step_idx}: {err}. Checkpoint: {where}")
 
 
 def _cold_start(tr: Trainer, cfg: TrainConfig, logger: MetricsLogger) -> dict:

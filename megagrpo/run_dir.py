@@ -1,0 +1,174 @@
+"""The run directory (`run.out_dir`) and what makes a checkpoint in it trustworthy. Standard
+library only, so the launcher can check out_dir before any process group or engine starts.
+
+Layout:
+  out_dir/.megagrpo-run                  marks a directory megagrpo may clear (run.overwrite)
+  out_dir/metrics.jsonl, summary.json, curves.png, tb/, engine/rank*/config.json
+  out_dir/checkpoints/step_000006/       policy/, reference/ (dist-checkpoint),
+      optimizer/rank*.safetensors, rng/rank*.safetensors, trainer_state.json, manifest.json
+
+A checkpoint is complete when its manifest.json exists (written last, atomically). The manifest
+lists every file of the checkpoint with its size, and a sha256 for the small ones (JSON and
+dist-checkpoint metadata), so a truncated shard, a missing file or a damaged metadata file is
+found before anything is loaded, and the run falls back to the newest intact checkpoint.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+RUN_MARKER = ".megagrpo-run"
+_HASH_LIMIT = 1 << 20  # files up to 1 MiB also get a sha256 (metadata); shards get their size
+_RUN_FILES = ("metrics.jsonl", "checkpoints", "summary.json", "engine")
+
+
+def checkpoint_root(out_dir: str | os.PathLike) -> Path:
+    return Path(out_dir).expanduser() / "checkpoints"
+
+
+def step_of(ckpt: Path) -> int:
+    """The step number of a `step_000006` directory."""
+    return int(ckpt.name.split("_", 1)[1])
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """Every `step_<N>` directory under root (complete or not), oldest first."""
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(dirs, key=step_of)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 16), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(ckpt: Path) -> list[Path]:
+    return sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(ckpt: Path) -> dict:
+    """Lists every file of `ckpt` (relative path -> size, sha256 when small) in manifest.json,
+    written atomically: from then on the checkpoint counts as complete. Returns the manifest."""
+    files = {}
+    for p in _files(ckpt):
+        size = p.stat().st_size
+        entry: dict = {"size": size}
+        if size <= _HASH_LIMIT:
+            entry["sha256"] = _sha256(p)
+        files[str(p.relative_to(ckpt))] = entry
+    manifest = {"format": 1, "files": files, "bytes": sum(e["size"] for e in files.values())}
+    tmp = ckpt / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=0))
+    os.replace(tmp, ckpt / MANIFEST)
+    return manifest
+
+
+def verify(ckpt: Path) -> str | None:
+    """None when `ckpt` is complete and matches its manifest, else what is wrong with it."""
+    path = ckpt / MANIFEST
+    if not path.exists():
+        return ("no manifest.json: the save did not finish (or an older megagrpo, whose "
+                "pickled optimizer files are not loaded, wrote it)")
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"manifest.json unreadable ({e})"
+    for rel, entry in files.items():
+        p = ckpt / rel
+        if not p.is_file():
+            return f"{rel} missing"
+        size = p.stat().st_size
+        if size != entry["size"]:
+            return f"{rel} has {size} bytes, the manifest says {entry['size']} (truncated?)"
+        if "sha256" in entry and _sha256(p) != entry["sha256"]:
+            return f"{rel} does not match its sha256 in the manifest (damaged)"
+    if TRAINER_STATE not in files:
+        return f"{TRAINER_STATE} not in the manifest"
+    try:
+        json.loads((ckpt / TRAINER_STATE).read_text())
+    except ValueError as e:
+        return f"{TRAINER_STATE} is not valid JSON ({e})"
+    return None
+
+
+def newest_intact(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest checkpoint that verifies, [(newer broken checkpoint, why)]), newest first."""
+    broken: list[tuple[Path, str]] = []
+    for ckpt in reversed(step_dirs(root)):
+        reason = verify(ckpt)
+        if reason is None:
+            return ckpt, broken
+        broken.append((ckpt, reason))
+    return None, broken
+
+
+def manifest_bytes(ckpt: Path) -> int:
+    """Total bytes of a complete checkpoint (0 when unknown)."""
+    try:
+        return int(json.loads((ckpt / MANIFEST).read_text())["bytes"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _is_run_dir(out: Path) -> bool:
+    return (out / RUN_MARKER).exists() or any((out / f).exists() for f in _RUN_FILES)
+
+
+def _clear(out: Path) -> None:
+    for entry in out.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def prepare_out_dir(out_dir: str, *, resume: bool, overwrite: bool, rank: int = 0) -> None:
+    """Before a run writes anything: refuses an out_dir that holds an earlier run unless the run
+    resumes from an intact checkpoint there (run.resume) or may delete it (run.overwrite, which
+    clears it on rank 0). Creates out_dir and its marker. Raises ValueError naming the fix.
+    Safe to call on every rank before torch.distributed starts: only rank 0 writes, and no
+    rank writes into out_dir before all ranks have met in init_distributed."""
+    out = Path(out_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"run.out_dir={out_dir!r} is a file, not a directory")
+    held = sorted(p.name for p in out.iterdir() if p.name != RUN_MARKER) if out.exists() else []
+    if held and overwrite:
+        if not _is_run_dir(out):
+            raise ValueError(f"run.overwrite=true would delete {held[:5]} in run.out_dir="
+                             f"{out_dir!r}, which is not a megagrpo run directory: choose "
+                             "another run.out_dir")
+        if rank == 0:
+            _clear(out)
+    elif held and resume:
+        ckpt, broken = newest_intact(checkpoint_root(out))
+        if ckpt is None:
+            why = "; ".join(f"{p.name}: {r}" for p, r in broken) or "it has no checkpoints"
+            raise ValueError(
+                f"run.out_dir={out_dir!r} holds an earlier run ({', '.join(held[:5])}) but no "
+                f"intact checkpoint to resume from ({why}). Set run.overwrite=true to delete it "
+                "and start over, or choose another run.out_dir")
+    elif held:
+        raise ValueError(
+            f"run.out_dir={out_dir!r} is not empty ({', '.join(held[:5])}) and run.resume=false: "
+            "a new run there would mix its metrics and checkpoints with the old run's. Set "
+            "run.resume=true to continue it, run.overwrite=true to delete it and start over, "
+            "or choose another run.out_dir")
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / RUN_MARKER).touch()
+
+
+def check_out_dir(run) -> None:
+    """`prepare_out_dir` for a `RunConfig`, as this process's rank (RANK; 0 outside torchrun)."""
+    prepare_out_dir(run.out_dir, resume=run.resume, overwrite=run.overwrite,
+                    rank=int(os.environ.get("RANK", "0")))
