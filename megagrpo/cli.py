@@ -103,15 +103,19 @@ def _convert_ranks(args: argparse.Namespace, model, parallel) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """Loads the recipe and, when started by hand (not under torchrun), runs the whole
+    preflight here, before torchrun, a process group or vLLM exists; then trains."""
     from megagrpo.config.train import load_config
-    from megagrpo.distributed import shutdown
+    from megagrpo.preflight import preflight
 
     cfg = load_config(args.config, args.overrides)
     nproc = args.nproc or cfg.parallel.tp * cfg.parallel.pp
     world = int(os.environ.get("WORLD_SIZE", nproc))
-    cfg.validate(world)  # before any process starts
+    if "WORLD_SIZE" not in os.environ:  # under torchrun, setup() runs it on every rank
+        logging.getLogger("megagrpo").info("%s", preflight(cfg, world).summary())
     if _needs_relaunch(nproc):
         return _relaunch(nproc)
+    from megagrpo.distributed import shutdown
     from megagrpo.run import train
 
     train(cfg)

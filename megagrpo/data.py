@@ -111,13 +111,14 @@ def read_records(path: str | Path, fmt: str = "auto", split: str = "train") -> l
         raise FileNotFoundError(f"data file {path} does not exist")
     if fmt == "auto":
         fmt = _detect_format(path)
-    if fmt == "jsonl":
-        return _read_jsonl(path)
-    if fmt == "parquet":
-        return _read_parquet(path)
-    if fmt == "datasets":
-        return _read_datasets(path, split)
-    raise ValueError(f"data.format={fmt!r}: use auto, jsonl, parquet or datasets")
+    readers = {"jsonl": _read_jsonl, "parquet": _read_parquet,
+               "datasets": lambda p: _read_datasets(p, split)}
+    if fmt not in readers:
+        raise ValueError(f"data.format={fmt!r}: use auto, jsonl, parquet or datasets")
+    records = readers[fmt](path)
+    if not records:
+        raise ValueError(f"data file {path} holds no records: it needs one prompt per record")
+    return records
 
 
 def _detect_format(path: Path) -> str:
@@ -216,12 +217,23 @@ def build_examples(
     template: str = "{prompt}",
     tokenizer: Tokenizer | None = None,
     system_prompt: str = "",
+    source: str = "records",
 ) -> list[Example]:
-    """Templated `Example`s from raw records (answers converted to str)."""
+    """Templated `Example`s from raw records (answers converted to str). A null or blank prompt,
+    or a null answer, is an error naming `source`, the record and the field: str() would turn
+    it into the text 'None' and the run would train on that."""
     out = []
-    for r in records:
-        prompt = format_prompt(str(get_field(r, prompt_field)), template, tokenizer, system_prompt)
-        out.append(Example(prompt=prompt, answer=str(get_field(r, answer_field))))
+    for i, r in enumerate(records):
+        question, answer = get_field(r, prompt_field), get_field(r, answer_field)
+        if question is None or not str(question).strip():
+            raise ValueError(f"{source}, record {i + 1}: data.prompt_field {prompt_field!r} is "
+                             f"{'null' if question is None else repr(question)}; every prompt "
+                             "needs text (fix or remove the record)")
+        if answer is None:
+            raise ValueError(f"{source}, record {i + 1}: data.answer_field {answer_field!r} is "
+                             "null; give every record an answer (fix or remove the record)")
+        prompt = format_prompt(str(question), template, tokenizer, system_prompt)
+        out.append(Example(prompt=prompt, answer=str(answer)))
     return out
 
 

@@ -20,6 +20,7 @@ it is called with its timeouts off and our deadline bounds it instead.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import multiprocessing.pool
 import os
@@ -90,19 +91,67 @@ BUILTIN_REWARDS: dict[str, str] = {
 
 
 def resolve_reward(name: str) -> RewardCallable:
-    """A built-in name (see BUILTIN_REWARDS) or an import string 'package.module:function'."""
+    """A built-in name (see BUILTIN_REWARDS) or an import string 'package.module:function'.
+
+    The module is imported like any Python module: it must be on the trainer's import path
+    (the launch directory, or a folder on PYTHONPATH). Failures raise ValueError saying so."""
     target = BUILTIN_REWARDS.get(name, name)
-    if ":" not in target:
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
         raise ValueError(
             f"reward {name!r}: use one of {sorted(BUILTIN_REWARDS)} or 'module:function'"
         )
-    module_name, _, attr = target.partition(":")
-    fn = importlib.import_module(module_name)
+    try:
+        fn = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(
+            f"reward {name!r}: cannot import module {module_name!r} ({e}); a reward module must "
+            "be importable by every rank: run from its folder or put that folder on PYTHONPATH "
+            f"(e.g. PYTHONPATH=/path/to/dir for /path/to/dir/{module_name.replace('.', '/')}.py)"
+        ) from e
+    except Exception as e:  # a syntax error or a failing top-level statement in user code
+        raise ValueError(f"reward {name!r}: importing {module_name!r} raised "
+                         f"{type(e).__name__}: {e}") from e
     for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise ValueError(f"reward {name!r}: {module_name} has no attribute {attr!r}")
         fn = getattr(fn, part)
     if not callable(fn):
         raise ValueError(f"reward {name!r} resolves to a non-callable {type(fn).__name__}")
     return fn
+
+
+def check_reward_kwargs(name: str, fn: RewardCallable, kwargs: dict) -> None:
+    """Raise ValueError unless `fn(completion, answer, **kwargs)` binds: a misspelled keyword
+    would otherwise make every call fail, scoring 0 for the whole run."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: trust it
+        return
+    try:
+        sig.bind("completion", "answer", **kwargs)
+    except TypeError as e:
+        params = [p for p in sig.parameters.values()
+                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        accepts = ", ".join(p.name for p in params[2:]) or "no keyword arguments"
+        raise ValueError(
+            f"reward {name!r} with kwargs {kwargs}: {e}. A reward function is called as "
+            f"fn(completion: str, answer: str, **kwargs) -> float; "
+            f"{getattr(fn, '__name__', name)} accepts {accepts} after (completion, answer)"
+        ) from None
+
+
+def resolve_terms(cfg: RewardConfig) -> list[RewardCallable]:
+    """Each term's function, resolved and checked against its kwargs; errors name the term."""
+    fns = []
+    for i, term in enumerate(cfg.terms):
+        try:
+            fn = resolve_reward(term.name)
+            check_reward_kwargs(term.name, fn, term.kwargs)
+        except ValueError as e:
+            raise ValueError(f"reward.terms[{i}]: {e}") from None
+        fns.append(fn)
+    return fns
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +283,7 @@ class RewardFn:
     def __init__(self, cfg: RewardConfig) -> None:
         cfg.validate()
         self.cfg = cfg
-        self.fns = [resolve_reward(t.name) for t in cfg.terms]  # fail fast on bad names
+        self.fns = resolve_terms(cfg)  # fail fast on bad names and keyword arguments
         self.labels = _unique_labels([t.name for t in cfg.terms])
         self.processes = ProcessScorer(cfg.num_workers) if cfg.isolation == "process" else None
 

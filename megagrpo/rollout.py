@@ -61,9 +61,11 @@ class SamplingSettings:
     tokenizer of its own)."""
 
     @classmethod
-    def from_config(cls, cfg: RolloutConfig) -> SamplingSettings:
+    def from_config(cls, cfg: RolloutConfig, n: int = 1) -> SamplingSettings:
+        """The config's sampling knobs; `n` completions per prompt (the trainer passes
+        algo.group_size, the one setting for G)."""
         return cls(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                   max_tokens=cfg.max_tokens, stop=tuple(cfg.stop), n=cfg.n)
+                   max_tokens=cfg.max_tokens, stop=tuple(cfg.stop), n=n)
 
 
 @dataclass(kw_only=True)
@@ -384,7 +386,8 @@ class VLLMEngine:
     def generate(self, prompt_token_ids: list[list[int]],
                  sampling: SamplingSettings | RolloutConfig | None = None, *,
                  n: int | None = None) -> list[Completion]:
-        """Sample `n` completions per prompt (default: the settings of the engine's config).
+        """Sample `n` completions per prompt (default `sampling.n`; the engine's config's
+        sampling settings, n=1, when `sampling` is None).
         Returns len(prompts) * n completions, prompt-major: completions[i*n:(i+1)*n] is the
         group of prompt i. Safe on a side thread (async rollout) as long as no update_weights
         runs at the same time."""

@@ -36,7 +36,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(tiny):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    cfg = RolloutConfig(max_model_len=256, max_num_seqs=32, n=4, temperature=1.0,
+    cfg = RolloutConfig(max_model_len=256, max_num_seqs=32, temperature=1.0,
                         max_tokens=12, seed=0)
     engine = VLLMEngine(cfg, tiny[0], dtype="float32")
     yield engine
@@ -187,7 +187,7 @@ def test_group_sampling_logprobs_and_rng_isolation(engine, tiny):
     torch.manual_seed(123)
     expected_draw = torch.rand(4)
     torch.manual_seed(123)
-    comps = engine.generate(PROMPTS[:3])  # cfg: n=4, temperature 1, max_tokens 12
+    comps = engine.generate(PROMPTS[:3], n=4)  # cfg: temperature 1, max_tokens 12
     assert torch.equal(torch.rand(4), expected_draw)  # the trainer's RNG stream is untouched
     assert len(comps) == 3 * 4
     assert [(c.prompt_index, c.sample_index) for c in comps] == [

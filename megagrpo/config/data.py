@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 DATA_FORMATS = ("auto", "jsonl", "parquet", "datasets")
 TASKS = ("arithmetic", "file")
 REWARD_ISOLATION = ("thread", "process", "none")
+OVERLONG_PROMPTS = ("error", "drop")
 
 
 @dataclass(kw_only=True)
@@ -38,6 +39,8 @@ class DataConfig:
     """Seed of the per-epoch shuffle."""
     shuffle: bool = True
     """Reshuffle the prompts every data epoch."""
+    overlong_prompts: str = "error"
+    """Prompts whose tokens + rollout.max_tokens exceed rollout.max_model_len: 'error' or 'drop'."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field and what would be valid."""
@@ -53,6 +56,12 @@ class DataConfig:
             )
         if self.batch_size < 1:
             raise ValueError(f"data.batch_size={self.batch_size}: need >= 1")
+        if self.overlong_prompts not in OVERLONG_PROMPTS:
+            raise ValueError(f"data.overlong_prompts={self.overlong_prompts!r}: use one of "
+                             f"{OVERLONG_PROMPTS}")
+        for name in ("prompt_field", "answer_field"):
+            if not getattr(self, name):
+                raise ValueError(f"data.{name} is empty: name the record field to read")
 
 
 @dataclass(kw_only=True)
@@ -110,6 +119,8 @@ class RewardTermConfig:
     """Multiplier of this term in the summed reward."""
     kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments for the function (e.g. format: {pattern: '...'})."""
+    correctness: bool = False
+    """Eval accuracy counts this term's unweighted value >= 1 as correct (none marked: 1st term)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field and what would be valid."""
@@ -141,6 +152,10 @@ class RewardConfig:
             raise ValueError("reward.terms is empty: give at least one {name, weight, kwargs}")
         for term in self.terms:
             term.validate()
+        marked = [t.name for t in self.terms if t.correctness]
+        if len(marked) > 1:
+            raise ValueError(f"reward.terms[].correctness is true for {marked}: mark at most one "
+                             "term (held-out accuracy is measured on it)")
         if self.timeout_s <= 0:
             raise ValueError(f"reward.timeout_s={self.timeout_s}: need > 0")
         if self.num_workers < 1:

@@ -25,8 +25,6 @@ class RolloutConfig:
     """Most tokens generated per completion."""
     stop: list[str] = field(default_factory=list)
     """Stop strings; the completion ends (finish_reason 'stop') when one appears."""
-    n: int = 4
-    """Completions per prompt (G, the GRPO group size)."""
     seed: int = 0
     """Engine-level sampling seed (per-request seeds crash chunked prefill on vLLM CPU)."""
     max_num_seqs: int = 256
@@ -69,7 +67,7 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         if self.top_k < -1:
             raise ValueError(f"rollout.top_k={self.top_k} must be -1, 0 (off) or a positive int")
-        for name in ("max_tokens", "n", "max_num_seqs", "max_model_len"):
+        for name in ("max_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name}={getattr(self, name)} must be >= 1")
         if self.max_num_batched_tokens < 0:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from megagrpo.config.data import ArithmeticConfig, DataConfig, RewardConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.optim import OptimConfig
 from megagrpo.config.rollout import RolloutConfig
+from megagrpo.config.schema import build_dataclass
 
 
 @dataclass(kw_only=True)
@@ -73,7 +73,9 @@ class RunConfig:
     keep_last: int = 2
     """Checkpoints kept on disk."""
     resume: bool = True
-    """Continue from the newest checkpoint in out_dir/checkpoints when one exists."""
+    """Continue from the newest intact checkpoint in out_dir/checkpoints when one exists."""
+    overwrite: bool = False
+    """Delete an earlier run in out_dir and start over (else it is resumed, or refused)."""
     eval_every: int = 0
     """Greedy held-out accuracy every N steps (0 = only before and after)."""
     eval_max_tokens: int = 16
@@ -90,15 +92,43 @@ class RunConfig:
     """Log to Weights & Biases when wandb is installed (offline unless configured)."""
     progress: bool = True
     """One-line progress per step on the console."""
+    max_bad_steps: int = 3
+    """Stop with a checkpoint after this many steps in a row skipped for bad values; 0 = never."""
+    stall_timeout_s: float = 1800.0
+    """One phase (setup, rollout, update, eval, ...) running longer stops the run; 0 = off."""
+    heartbeat_timeout_s: float = 120.0
+    """A rank whose heartbeat stops this long (frozen) stops the run, naming it; 0 = off."""
+    heartbeat_interval_s: float = 5.0
+    """Period of each rank's heartbeat and of the stall checks."""
 
     def validate(self) -> None:
         if self.steps < 0:
             raise ValueError(f"run.steps={self.steps} must be >= 0")
         if self.kernel_impl not in ("auto", "triton", "torch"):
             raise ValueError(f"run.kernel_impl={self.kernel_impl!r}: use auto, triton or torch")
-        for f in ("micro_batch_size", "num_minibatches", "keep_last", "sft_batch_size"):
+        for f in ("micro_batch_size", "num_minibatches", "keep_last", "sft_batch_size",
+                  "eval_max_tokens"):
             if getattr(self, f) < 1:
                 raise ValueError(f"run.{f}={getattr(self, f)} must be >= 1")
+        for f in ("checkpoint_every", "eval_every", "sft_steps", "max_bad_steps"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"run.{f}={getattr(self, f)} must be >= 0 (0 = off)")
+        if self.sft_lr <= 0:
+            raise ValueError(f"run.sft_lr={self.sft_lr} must be > 0")
+        if not self.out_dir.strip():
+            raise ValueError("run.out_dir is empty: give a folder for metrics and checkpoints")
+        self._validate_watchdog()
+
+    def _validate_watchdog(self) -> None:
+        interval = self.heartbeat_interval_s
+        if not 0 < interval < float("inf"):
+            raise ValueError(f"run.heartbeat_interval_s={interval}: need a finite number > 0")
+        for f, beats in (("heartbeat_timeout_s", 3), ("stall_timeout_s", 2)):
+            v = getattr(self, f)
+            if not (v == 0 or beats * interval <= v < float("inf")):
+                raise ValueError(
+                    f"run.{f}={v}: need 0 (off) or a finite number >= {beats} x "
+                    f"run.heartbeat_interval_s = {beats * interval:g} (a check needs a few beats)")
 
 
 @dataclass(kw_only=True)
@@ -144,6 +174,7 @@ class TrainConfig:
             if self.data.batch_size % dp:
                 raise ValueError(f"data.batch_size={self.data.batch_size} must be divisible by "
                                  f"the data-parallel size {dp}")
+        self._validate_sampling()
         if self.run.async_rollout and self.rollout.tensor_parallel_size > 1:
             raise ValueError("run.async_rollout needs rollout.tensor_parallel_size=1")
         if self.rollout.tensor_parallel_size > 1:
@@ -152,39 +183,20 @@ class TrainConfig:
                              "supports tp>1 via external_launcher")
 
 
-def _build(cls: type, data: dict, where: str):
-    """Dataclass `cls` from a nested dict; unknown keys are errors that list the valid ones."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{where or 'config'}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            raise ValueError(f"unknown config key {where + key!r}; valid keys: {sorted(names)}")
-        t = hints[key]
-        if dataclasses.is_dataclass(t) and isinstance(value, dict):
-            value = _build(t, value, f"{where}{key}.")
-        kwargs[key] = _coerce(value, t, where + key)
-    return cls(**kwargs)
-
-
-def _coerce(value, hint, name: str):
-    """YAML 1.1 reads '1e-3' as a string and '5' where a float is meant as an int: convert
-    scalars to the field's declared type, or say which field is wrong."""
-    if hint is float and isinstance(value, (int, str)) and not isinstance(value, bool):
-        try:
-            return float(value)
-        except ValueError:
-            raise ValueError(f"{name}={value!r}: expected a number") from None
-    if hint is int and isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"{name}={value!r}: expected an integer") from None
-    if hint is bool and not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r}: expected true or false")
-    return value
+    def _validate_sampling(self) -> None:
+        """Sampling settings that are valid for the engine alone but wrong for GRPO."""
+        temperature, mode = self.rollout.temperature, self.rollout.logprobs_mode
+        if temperature == 0:
+            raise ValueError(
+                "rollout.temperature=0 is greedy decoding: the algo.group_size completions of a "
+                "prompt would be identical (zero advantages) and the loss divides logits by the "
+                "temperature; GRPO needs sampling: use rollout.temperature > 0 (e.g. 1.0)")
+        if mode == "raw_logprobs" and temperature != 1.0:
+            raise ValueError(
+                f"rollout.logprobs_mode=raw_logprobs with rollout.temperature={temperature}: "
+                "vLLM's raw log-probs are taken before temperature scaling, the trainer's after, "
+                "so the vLLM-vs-trainer ratios would be wrong; use "
+                "logprobs_mode=processed_logprobs, or temperature=1.0")
 
 
 def _set_dotted(tree: dict, dotted: str, value) -> None:
@@ -200,26 +212,61 @@ def _set_dotted(tree: dict, dotted: str, value) -> None:
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()
                 ) -> TrainConfig:
     """A recipe (YAML; `base: other.yaml` inherits, relative to the file) plus `a.b=value`
-    overrides (values parsed as YAML)."""
+    overrides (values parsed as YAML). Every value is type-checked against its field (see
+    `megagrpo.config.schema`); call `validate()` for the range and cross-section rules."""
     tree = _read_recipe(Path(path)) if path else {}
     for item in overrides:
-        if "=" not in item:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
             raise ValueError(f"override {item!r}: use key.sub=value")
-        key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
-    return _build(TrainConfig, tree, "")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ValueError(f"override {item!r}: the value is not valid YAML "
+                             f"({getattr(e, 'problem', None) or e})") from None
+        _set_dotted(tree, key.strip(), value)
+    return build_dataclass(TrainConfig, tree, "")
 
 
-def _read_recipe(path: Path) -> dict:
-    if not path.exists():
+def _read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> dict:
+    """The recipe at `path` merged over its `base:` chain; `chain` holds the files that
+    inherit from it (a cycle would recurse forever)."""
+    if not path.is_file():
         raise FileNotFoundError(f"recipe {path} not found")
-    tree = yaml.safe_load(path.read_text()) or {}
+    if path.resolve() in chain:
+        raise ValueError(f"recipe {path}: base: inheritance loops back to itself")
+    text = path.read_text()
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(yaml_error_message(path, text, e)) from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ValueError(f"recipe {path}: the top level must be a mapping of sections "
+                         f"(model:, run:, ...), got {type(tree).__name__} {tree!r:.60}")
     base = tree.pop("base", None)
-    if base:
-        merged = _read_recipe(path.parent / base)
-        _merge(merged, tree)
-        return merged
-    return tree
+    if base is None:
+        return tree
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"recipe {path}: base={base!r} must be a path to another recipe")
+    merged = _read_recipe(path.parent / base, (*chain, path.resolve()))
+    _merge(merged, tree)
+    return merged
+
+
+def yaml_error_message(path: Path, text: str, err: yaml.YAMLError) -> str:
+    """'file:line:column: problem' for a YAML syntax error; a tab on the offending line gets
+    the actual fix (YAML forbids tabs in indentation, and PyYAML's wording hides that)."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    problem = getattr(err, "problem", None) or str(err)
+    if mark is None:
+        return f"{path}: not valid YAML ({problem})"
+    lines = text.splitlines()
+    line = lines[mark.line] if mark.line < len(lines) else ""
+    if "\t" in line or "'\\t'" in problem:
+        problem = "tabs are not allowed in YAML, indent with spaces"
+    return f"{path}:{mark.line + 1}:{mark.column + 1}: {problem}"
 
 
 def _merge(dst: dict, src: dict) -> None:

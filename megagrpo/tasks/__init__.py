@@ -48,4 +48,4 @@ def _file_examples(data: DataConfig, path: str, tokenizer: Tokenizer) -> list[Ex
     records = read_records(path, data.format, data.split)
     return build_examples(records, prompt_field=data.prompt_field, answer_field=data.answer_field,
                           template=data.template, tokenizer=tokenizer,
-                          system_prompt=data.system_prompt)
+                          system_prompt=data.system_prompt, source=str(path))

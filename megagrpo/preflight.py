@@ -1,0 +1,185 @@
+"""Checks that need the filesystem or imports, run before any process group, model or engine
+exists: `run.init`, the architecture it implies, reward modules and their keyword arguments,
+the tokenizer, the data files and every prompt's length.
+
+`python -m megagrpo train` runs `preflight` in the launcher before it relaunches under torchrun,
+so a bad recipe fails within seconds; `megagrpo.run.setup` runs it again on every rank (cheap)
+and builds the run from what it returns, so nothing is loaded twice and a plain `torchrun ...`
+start gets the same checks.
+
+Prompt length rule: a prompt, encoded exactly as the trainer encodes it (`encode_prompt`: the
+template or chat template, then BOS), plus `rollout.max_tokens` must fit
+`rollout.max_model_len` (evaluation prompts: plus `run.eval_max_tokens`). Then no completion is
+cut short by the context window, and vLLM never rejects a prompt mid-run (it refuses prompts of
+max_model_len tokens or more, on one rank, which leaves the others waiting in a collective).
+`data.overlong_prompts` chooses between refusing the run and dropping (and counting) them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from megagrpo.config.model import ModelConfig
+from megagrpo.config.rollout import check_head_dim
+from megagrpo.config.train import TrainConfig
+from megagrpo.data import Example, Tokenizer, encode_prompt
+from megagrpo.tasks import Task
+
+_SHOWN = 3  # overlong prompts listed by index in an error
+
+
+@dataclass(kw_only=True)
+class Preflight:
+    """What the checks found; `setup` builds the run from it."""
+
+    task: Task
+    """Train/eval prompts (overlong ones already dropped when data.overlong_prompts=drop)."""
+    model: ModelConfig
+    """The architecture: from run.init's checkpoint when it has one, else cfg.model."""
+    dropped_train: int
+    """Training prompts dropped as too long."""
+    dropped_eval: int
+    """Evaluation prompts dropped as too long."""
+    longest_prompt: int
+    """Tokens of the longest prompt kept (train and eval)."""
+    seconds: float
+    """Wall time of the checks."""
+
+    def summary(self) -> str:
+        """One console line."""
+        dropped = ""
+        if self.dropped_train or self.dropped_eval:
+            dropped = (f", dropped {self.dropped_train} train / {self.dropped_eval} eval prompts "
+                       "as too long (data.overlong_prompts=drop)")
+        return (f"preflight ok in {self.seconds:.1f} s: {len(self.task.train)} train / "
+                f"{len(self.task.eval)} eval prompts, longest {self.longest_prompt} tokens"
+                f"{dropped}")
+
+
+def preflight(cfg: TrainConfig, world_size: int | None = None) -> Preflight:
+    """Everything checkable before compute; raises ValueError naming the field, the value and
+    what is valid. `cfg` is not modified."""
+    from megagrpo.rewards import resolve_terms
+
+    t0 = time.perf_counter()
+    check_init(cfg.run.init)
+    model = model_config(cfg)
+    cfg = dataclasses.replace(cfg, model=model)  # the layout is checked against the real model
+    cfg.validate(world_size)
+    resolve_terms(cfg.reward)
+    task = load_task(cfg)
+    check_model(cfg, model, task.tokenizer)
+    train, dropped_train, long_train = fit_prompts(
+        task.train, task.tokenizer, cfg, ("rollout.max_tokens", cfg.rollout.max_tokens), "training")
+    evals, dropped_eval, long_eval = fit_prompts(
+        task.eval, task.tokenizer, cfg, ("run.eval_max_tokens", cfg.run.eval_max_tokens),
+        "evaluation")
+    if len(train) < cfg.data.batch_size:
+        source = cfg.data.path if cfg.data.task == "file" else "arithmetic.num_train"
+        raise ValueError(
+            f"data.batch_size={cfg.data.batch_size} needs at least that many training prompts; "
+            f"{source} gives {len(train)}" + (f" ({dropped_train} dropped as too long)"
+                                              if dropped_train else ""))
+    task = dataclasses.replace(task, train=train, eval=evals)
+    return Preflight(task=task, model=model, dropped_train=dropped_train,
+                     dropped_eval=dropped_eval, longest_prompt=max(long_train, long_eval),
+                     seconds=time.perf_counter() - t0)
+
+
+def check_init(init: str) -> None:
+    """run.init is 'random' or a folder holding an HF or a megagrpo checkpoint."""
+    if init == "random":
+        return
+    from megagrpo.checkpoint import MODEL_JSON  # imports torch: only when a checkpoint is named
+
+    what = (f"use 'random', an HF checkpoint folder (config.json + *.safetensors) or a megagrpo "
+            f"checkpoint folder ({MODEL_JSON})")
+    path = Path(init).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"run.init={init!r}: no such folder; {what}")
+    if not (path / "config.json").is_file() and not (path / MODEL_JSON).is_file():
+        raise ValueError(f"run.init={init!r} holds neither config.json nor {MODEL_JSON}; {what}")
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    """The architecture: read from run.init's checkpoint when it has one, else cfg.model."""
+    if cfg.run.init == "random":
+        return cfg.model
+    from megagrpo.checkpoint import MODEL_JSON, read_model_config
+    from megagrpo.hf import model_config_from_hf
+
+    init = Path(cfg.run.init).expanduser()
+    if (init / "config.json").exists():
+        return model_config_from_hf(init, dtype=cfg.model.dtype)
+    if (init / MODEL_JSON).exists():
+        return read_model_config(init)[0]
+    check_init(cfg.run.init)  # raises with the reason
+    return cfg.model
+
+
+def load_task(cfg: TrainConfig) -> Task:
+    """The tokenizer and the prompts, with file and field errors naming the data.* setting."""
+    from megagrpo.tasks import build_task
+
+    data = cfg.data
+    if data.task == "file":
+        for name in ("path", "eval_path"):
+            value = getattr(data, name)
+            if value and not Path(value).expanduser().exists():
+                raise ValueError(f"data.{name}={value!r}: no such file or folder")
+    try:
+        return build_task(data, cfg.arithmetic)
+    except KeyError as e:  # a missing record field: get_field's message names it
+        raise ValueError(f"data.prompt_field / data.answer_field: {e.args[0]}") from None
+    except (OSError, ImportError) as e:
+        where = f"data.tokenizer={data.tokenizer!r}" if data.tokenizer else "data"
+        raise ValueError(f"{where}: {type(e).__name__}: {e}") from None
+
+
+def check_model(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer) -> None:
+    """The architecture against the tokenizer, vLLM and run.init's tensors."""
+    import torch
+
+    if cfg.run.init == "random" and model.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"model.vocab_size={model.vocab_size} is smaller than the tokenizer's "
+                         f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size >= "
+                         f"{tokenizer.vocab_size}")
+    check_head_dim(model.head_dim, on_cpu=not torch.cuda.is_available())
+    if cfg.rollout.max_model_len > model.max_position_embeddings:
+        raise ValueError(
+            f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds the model's "
+            f"max_position_embeddings={model.max_position_embeddings} (vLLM refuses to start): "
+            f"lower rollout.max_model_len to <= {model.max_position_embeddings}")
+    init = Path(cfg.run.init).expanduser()
+    if cfg.run.init != "random" and (init / "config.json").exists():
+        from megagrpo.hf import check_hf_checkpoint
+
+        check_hf_checkpoint(init, model)
+
+
+def fit_prompts(examples: list[Example], tokenizer: Tokenizer, cfg: TrainConfig,
+                new_tokens: tuple[str, int], what: str) -> tuple[list[Example], int, int]:
+    """Examples whose encoded prompt plus `new_tokens` (the setting's name and value) fits
+    rollout.max_model_len; the others are an error (data.overlong_prompts=error) or dropped.
+    Returns (kept, number dropped, longest kept prompt in tokens)."""
+    field, budget = new_tokens
+    max_len = cfg.rollout.max_model_len
+    limit = max_len - budget
+    if limit < 1:
+        raise ValueError(f"{field}={budget} leaves no room for a prompt in rollout.max_model_len"
+                         f"={max_len}: lower it or raise rollout.max_model_len")
+    lengths = [len(encode_prompt(tokenizer, e.prompt)) for e in examples]
+    over = [i for i, n in enumerate(lengths) if n > limit]
+    if over and cfg.data.overlong_prompts == "error":
+        shown = ", ".join(f"#{i + 1} ({lengths[i]} tokens)" for i in over[:_SHOWN])
+        raise ValueError(
+            f"{len(over)} of {len(examples)} {what} prompts are longer than rollout.max_model_len"
+            f"={max_len} - {field}={budget} = {limit} tokens (encoded with data.template and "
+            f"BOS), e.g. {shown}: raise rollout.max_model_len, lower {field}, or set "
+            "data.overlong_prompts=drop to skip them")
+    dropped = set(over)
+    kept = [e for i, e in enumerate(examples) if i not in dropped]
+    longest = max((n for i, n in enumerate(lengths) if i not in dropped), default=0)
+    return kept, len(over), longest
