@@ -21,7 +21,11 @@ Per valid token (``mask`` True), with ``A`` the advantage and ``r`` the policy r
   truncated at ``is_cap``, multiplies the policy term (no gradient through it).
 - KL to the reference, added as ``beta * kl``: with ``d = clamp(logp - ref_logp, -c_in, c_in)``,
   k1 ``d``, k2 ``d^2 / 2``, k3 ``exp(-d) + d - 1`` (Schulman's estimators), then clamped to
-  ``[-c_out, c_out]``, ``(c_in, c_out) = kl_clamp``.
+  ``[-c_out, c_out]``, ``(c_in, c_out) = kl_clamp``. A clamp zeroes the KL gradient wherever it
+  is active, so each estimator has its own default (``KL_CLAMPS``): k3 is clamped (20, 10)
+  because ``exp(-d)`` overflows fp32 beyond d < -88 and grows without bound; k1 (linear) and k2
+  (quadratic) cannot overflow and are not clamped. The trainer's KL-in-reward path calls
+  ``kl_penalty`` with the same clamp as the loss.
 
 Masked tokens get loss 0 and no gradient. The trainer aggregates the per-token losses.
 """
@@ -34,22 +38,31 @@ from .logprob import vocab_parallel_logprob
 KL_ESTIMATORS = ("k1", "k2", "k3")
 POLICY_LOSSES = ("ppo", "cispo")
 RATIO_LEVELS = ("token", "sequence")
+KL_CLAMPS: dict[str, tuple[float, float] | None] = {"k1": None, "k2": None, "k3": (20.0, 10.0)}
+"""Default (input, output) clamp per estimator (None = unclamped); see the module docstring."""
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3",
-               clamp: tuple[float, float] = (20.0, 10.0)) -> torch.Tensor:
-    """Per-token KL(policy || ref) estimate ``[T]`` from log-probs of the sampled tokens."""
+               clamp: tuple[float, float] | None = None) -> torch.Tensor:
+    """Per-token KL(policy || ref) estimate ``[T]`` from log-probs of the sampled tokens ``[T]``.
+
+    ``clamp`` (input, output): ``d = logp - ref_logp`` is clamped to ``[-input, input]`` and the
+    estimate to ``[-output, output]`` (``inf`` = that side unclamped); None = the estimator's
+    default from ``KL_CLAMPS`` (k3 (20, 10); k1 and k2 unclamped).
+    """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
-    c_in, c_out = clamp
-    d = (logp - ref_logp).clamp(-c_in, c_in)
+    clamp = KL_CLAMPS[estimator] if clamp is None else clamp
+    d = logp - ref_logp
+    if clamp is not None:
+        d = d.clamp(-clamp[0], clamp[0])
     if estimator == "k1":
         kl = d
     elif estimator == "k2":
         kl = 0.5 * d * d
     else:
         kl = torch.exp(-d) + d - 1.0
-    return kl.clamp(-c_out, c_out)
+    return kl if clamp is None else kl.clamp(-clamp[1], clamp[1])
 
 
 def sequence_mean(values: torch.Tensor, seq_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -105,7 +118,7 @@ def grpo_token_loss(
     dual_clip_c: float | None = None,
     beta: float = 0.0,
     kl_estimator: str = "k3",
-    kl_clamp: tuple[float, float] = (20.0, 10.0),
+    kl_clamp: tuple[float, float] | None = None,
     ratio_level: str = "token",
     seq_ids: torch.Tensor | None = None,
     is_weight: torch.Tensor | None = None,
@@ -129,7 +142,8 @@ def grpo_token_loss(
         temperature: sampling temperature (logits are divided by it).
         eps_low, eps_high: PPO clip range ``[1 - eps_low, 1 + eps_high]`` (CISPO uses eps_high).
         dual_clip_c: dual-clip constant c > 1 for A < 0, or None.
-        beta: KL coefficient; kl_estimator: "k1" | "k2" | "k3"; kl_clamp: (input, output) clamp.
+        beta: KL coefficient; kl_estimator: "k1" | "k2" | "k3"; kl_clamp: (input, output) clamp
+            of ``kl_penalty`` (None = the estimator's default, ``KL_CLAMPS``).
         ratio_level: "token" (GRPO/PPO) or "sequence" (GSPO; needs ``seq_ids`` ``[T]``).
         is_weight: ``[T]`` rollout importance weights, truncated at ``is_cap`` when given.
         policy_loss: "ppo" or "cispo".
@@ -167,7 +181,7 @@ def grpo_loss_from_logp(
     dual_clip_c: float | None = None,
     beta: float = 0.0,
     kl_estimator: str = "k3",
-    kl_clamp: tuple[float, float] = (20.0, 10.0),
+    kl_clamp: tuple[float, float] | None = None,
     ratio_level: str = "token",
     seq_ids: torch.Tensor | None = None,
     is_weight: torch.Tensor | None = None,

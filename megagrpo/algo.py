@@ -13,6 +13,7 @@ per-token losses into a scalar with the right normaliser, and prepares everythin
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -211,6 +212,15 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor
     raise ValueError(f"kl_estimator={estimator!r}: use 'k1', 'k2' or 'k3'")
 
 
+def kl_clamp(estimator: str, clamp_input: float, clamp_output: float) -> tuple[float, float] | None:
+    """The (input, output) clamp of the fused kernel's `kl_penalty`, for the loss and the
+    KL-in-reward path alike. Only k3 is clamped (its exp() overflows; 0 = that clamp off); k1
+    and k2 cannot overflow and a clamp would only zero their gradient: None."""
+    if estimator != "k3":
+        return None
+    return (clamp_input or math.inf, clamp_output or math.inf)
+
+
 def kl_penalized_rewards(
     rewards: Tensor, token_kl: Tensor, mask: Tensor, seq_ids: Tensor, beta: float
 ) -> tuple[Tensor, dict[str, float]]:
@@ -220,6 +230,13 @@ def kl_penalized_rewards(
     """
     seq_kl = per_sequence_sum(token_kl.to(rewards.dtype), mask, seq_ids, rewards.numel())
     return rewards - beta * seq_kl, {"kl_seq_mean": float(seq_kl.mean().item())}
+
+
+def bad_rewards(rewards: Tensor, max_abs: float) -> Tensor:
+    """[N] -> [N] bool: non-finite rewards, or |reward| > max_abs (0 = no bound). An absurd but
+    finite reward (1e30) overflows the group std and the gradient norm in fp32."""
+    bad = ~torch.isfinite(rewards)
+    return bad | (rewards.abs() > max_abs) if max_abs > 0 else bad
 
 
 # ---------------------------------------------------------------------------------------------

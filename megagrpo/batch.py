@@ -36,6 +36,8 @@ class Batch:
     """[N, S] fp32 reference log-probs (last stage; None without a reference)."""
     is_weight: Tensor | None = None
     """[N, S] fp32 rollout importance weights (None = off)."""
+    rewards: Tensor | None = None
+    """[N] fp32 shaped reward of each row's sequence (0 on padding rows; None = not kept)."""
 
     @property
     def num_seqs(self) -> int:
@@ -50,37 +52,67 @@ class Batch:
     def micro_batches(self, size: int) -> list["Batch"]:
         return [self.rows(i, i + size) for i in range(0, self.num_seqs, size)]
 
+    def real(self, values: Tensor) -> Tensor:
+        """Per-row values [N] -> the real sequences' [n], in sequence (completion) order."""
+        return values[self.seq_valid]
+
+    def set_advantages(self, seq_advantages: Tensor) -> None:
+        """Writes one advantage per real sequence ([n], sequence order) onto its loss tokens."""
+        row = torch.zeros(self.num_seqs, dtype=torch.float32)
+        row[self.seq_valid] = seq_advantages.to(torch.float32)
+        self.advantages = torch.where(self.mask, row[:, None], 0.0)
+
+
+def spread_rows(n: int, rows: int, blocks: int) -> Tensor:
+    """Row index [n] of each of n sequences in `rows` rows cut into `blocks` equal blocks: the
+    sequences are spread over the blocks as evenly as possible, in order, each block's padding
+    at its end. So no block (minibatch) is all padding while n >= blocks."""
+    if rows % blocks or n > rows:
+        raise ValueError(f"{n} sequences do not fit {rows} rows in {blocks} equal blocks")
+    per, (base, extra) = rows // blocks, divmod(n, blocks)
+    return torch.tensor([b * per + j for b in range(blocks) for j in range(base + (b < extra))],
+                        dtype=torch.long)
+
 
 def pack(prompts: list[list[int]], completions: list[list[int]], rollout_logps: list[list[float]],
-         seq_advantages: Tensor, *, pad_id: int, multiple: int = 1,
-         completion_mask: Tensor | None = None) -> Batch:
-    """Builds a `Batch` from N = len(completions) sequences (prompts[i] belongs to sequence i).
+         seq_advantages: Tensor, *, pad_id: int, multiple: int = 1, blocks: int = 1,
+         completion_mask: Tensor | None = None, seq_rewards: Tensor | None = None) -> Batch:
+    """Builds a `Batch` from n = len(completions) sequences (prompts[i] belongs to sequence i).
 
-    `multiple`: N is padded with dummy rows (mask False) to a multiple of it, so every
-    micro-batch has the same shape (pipeline parallelism needs that). `completion_mask` [N]
-    False drops a sequence from the loss (e.g. truncated completions)."""
+    `multiple`: the rows are padded with dummy rows (mask False) to a multiple of it, so every
+    micro-batch has the same shape (pipeline parallelism needs that). `blocks` (dividing
+    `multiple`): the rows are `blocks` equal minibatches and the padding is spread over them
+    (`spread_rows`), so a minibatch never holds only padding while n >= blocks; real rows keep
+    their order. `completion_mask` [n] False drops a sequence from the loss (e.g. truncated
+    completions). `seq_rewards` [n] are kept per row in `Batch.rewards`."""
     n = len(completions)
     S = max(len(p) + len(c) for p, c in zip(prompts, completions))
     rows = -(-n // multiple) * multiple
+    if multiple % blocks:
+        raise ValueError(f"pack: blocks={blocks} must divide multiple={multiple}")
+    where = spread_rows(n, rows, blocks)
     ids = torch.full((rows, S), pad_id, dtype=torch.long)
     mask = torch.zeros(rows, S, dtype=torch.bool)
     rlogp = torch.zeros(rows, S, dtype=torch.float32)
-    adv = torch.zeros(rows, S, dtype=torch.float32)
     for i, (p, c, lp) in enumerate(zip(prompts, completions, rollout_logps)):
-        L = len(p)
-        ids[i, :L] = torch.tensor(p, dtype=torch.long)
+        L, r = len(p), int(where[i])  # r: the row of sequence i
+        ids[r, :L] = torch.tensor(p, dtype=torch.long)
         if c:
-            ids[i, L:L + len(c)] = torch.tensor(c, dtype=torch.long)
+            ids[r, L:L + len(c)] = torch.tensor(c, dtype=torch.long)
             keep = completion_mask is None or bool(completion_mask[i])
-            mask[i, L - 1:L - 1 + len(c)] = keep
-            rlogp[i, L - 1:L - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
-            adv[i, L - 1:L - 1 + len(c)] = float(seq_advantages[i])
+            mask[r, L - 1:L - 1 + len(c)] = keep
+            rlogp[r, L - 1:L - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
     target = torch.roll(ids, -1, dims=1)
     target[:, -1] = pad_id
     valid = torch.zeros(rows, dtype=torch.bool)
-    valid[:n] = True
-    return Batch(ids=ids, target=target, mask=mask, advantages=adv, rollout_logp=rlogp,
-                 seq_valid=valid)
+    valid[where] = True
+    batch = Batch(ids=ids, target=target, mask=mask, advantages=torch.zeros(rows, S),
+                  rollout_logp=rlogp, seq_valid=valid)
+    batch.set_advantages(seq_advantages)
+    if seq_rewards is not None:
+        batch.rewards = torch.zeros(rows, dtype=torch.float32)
+        batch.rewards[where] = seq_rewards.to(torch.float32)
+    return batch
 
 
 def sft_batch(prompts: list[list[int]], completions: list[list[int]], *, pad_id: int,

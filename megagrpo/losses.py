@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megagrpo.algo import LossCounts, aggregate_loss
+from megagrpo.algo import LossCounts, aggregate_loss, kl_clamp
 from megagrpo.batch import Batch
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.kernels import grpo_token_loss, vocab_parallel_logprob
@@ -77,6 +77,7 @@ def grpo_loss(ctx: LossContext, mb: Batch, logits: Tensor):
         eps_low=a.eps_low, eps_high=a.cispo_eps_high if cispo else a.eps_high,
         dual_clip_c=a.dual_clip_c or None, beta=0.0 if a.kl_in_reward else a.beta,
         kl_estimator=a.kl_estimator,
+        kl_clamp=kl_clamp(a.kl_estimator, a.kl_clamp_input, a.kl_clamp_output),
         ratio_level="sequence" if a.loss_agg == "gspo" else "token", seq_ids=seq_ids,
         is_weight=mb.is_weight.reshape(-1) if mb.is_weight is not None else None,
         policy_loss="cispo" if cispo else "ppo", impl=ctx.impl,

@@ -5,6 +5,7 @@ PP) -> finalize grads (DP all-reduce, tied-embedding all-reduce across stages) -
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable
 
 import torch
@@ -18,8 +19,6 @@ def lr_at(cfg: OptimConfig, step: int, total_steps: int) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
         return cfg.lr
-    import math
-
     span = max(1, total_steps - cfg.warmup_steps)
     frac = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
@@ -86,9 +85,22 @@ def forward_backward(
 
 
 def optimizer_step(ddp_model: torch.nn.Module, optimizer) -> tuple[bool, float]:
-    """Applies the accumulated grads. Returns (update_successful, grad_norm)."""
+    """Applies the accumulated grads unless their norm is not finite. Returns (applied,
+    grad_norm).
+
+    megatron skips a step on inf/NaN only for fp16 (its grad scaler's found_inf); in fp32/bf16
+    it clips by clip_grad / inf = 0, which turns inf grads into NaN weights and still moves
+    Adam's moments. So the norm (all-reduced over the model-parallel group, the same on every
+    rank) is checked first and a non-finite one leaves weights and optimizer state untouched."""
+    norm = 0.0
+    if not getattr(getattr(optimizer, "config", None), "fp16", False):
+        # fp16 keeps megatron's check: a second prepare_grads would update the scaler twice
+        optimizer.prepare_grads()  # main grads -> .grad, where the norm reads them
+        norm = float(optimizer.get_grad_norm() or 0.0)
+        if not math.isfinite(norm):
+            return False, norm
     ok, grad_norm, _ = optimizer.step()
-    return bool(ok), float(grad_norm) if grad_norm is not None else 0.0
+    return bool(ok), float(grad_norm) if grad_norm is not None else norm
 
 
 def zero_grad(ddp_model: torch.nn.Module, optimizer) -> None:

@@ -285,6 +285,9 @@ class RewardFn:
         self.cfg = cfg
         self.fns = resolve_terms(cfg)  # fail fast on bad names and keyword arguments
         self.labels = _unique_labels([t.name for t in cfg.terms])
+        marked = [label for t, label in zip(cfg.terms, self.labels) if t.correctness]
+        self.correctness_label = marked[0] if marked else self.labels[0]
+        """The term held-out accuracy is measured on (`correct`)."""
         self.processes = ProcessScorer(cfg.num_workers) if cfg.isolation == "process" else None
 
     def score(
@@ -315,6 +318,11 @@ class RewardFn:
         if self.processes is not None:
             metrics["reward_pool_restarts"] = float(self.processes.restarts)
         return total, per_term, metrics
+
+    def correct(self, per_term: dict[str, Tensor]) -> Tensor:
+        """[N] bool from `score`'s per-term values: the correctness term's unweighted value is
+        >= 1. Other terms (a format bonus, a length term) never make an answer correct."""
+        return per_term[self.correctness_label] >= 1.0
 
     def _run_term(
         self, name: str, fn: RewardCallable, pairs: list[tuple[str, str]], kwargs: dict

@@ -24,6 +24,7 @@ from megagrpo import algo
 from megagrpo.batch import Batch, pack, sft_batch
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import encode_prompt
+from megagrpo.kernels import kl_penalty
 from megagrpo.losses import LossContext, grpo_loss, logprob_loss, sft_loss
 from megagrpo.metrics import PhaseTimer
 from megagrpo.optim import (
@@ -56,6 +57,15 @@ class Rollout:
     metrics: dict = field(default_factory=dict)
 
 
+class BadStepsError(RuntimeError):
+    """run.max_bad_steps consecutive steps skipped their update for non-finite values."""
+
+    def __init__(self, message: str, metrics: dict):
+        super().__init__(message)
+        self.metrics = metrics
+        """The last step's metrics (not yet logged)."""
+
+
 def _forward(mb: Batch, model, *, loss_fn):
     """megatron forward_step: logits on the last stage, hidden states elsewhere."""
     pos = torch.arange(mb.ids.shape[1]).expand_as(mb.ids)
@@ -72,6 +82,7 @@ class Trainer:
         self.version = 0  # optimizer updates applied to the policy (GRPO steps)
         self.engine_version = -1  # policy version vLLM holds (-1: none yet)
         self._pending: Rollout | None = None
+        self.bad_steps = 0  # consecutive steps whose update was skipped for bad values
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ rollout
@@ -153,7 +164,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ advantage
     def build_batch(self, ro: Rollout) -> tuple[Batch, dict]:
-        a, G = self.cfg.algo, self.cfg.algo.group_size
+        """Packs the rollout (padding spread over the minibatches) with its shaped rewards and,
+        unless KL-in-reward must wait for the scoring pass, their group advantages."""
+        a, n_mini = self.cfg.algo, self.cfg.run.num_minibatches
         prompts = [ro.prompts[c.prompt_index] for c in ro.completions]
         lengths = torch.tensor([len(c.token_ids) for c in ro.completions])
         truncated = torch.tensor([c.finish_reason == "length" for c in ro.completions])
@@ -161,19 +174,48 @@ class Trainer:
         if a.overlong_buffer:
             rewards = rewards + algo.overlong_penalty(lengths, self.cfg.rollout.max_tokens,
                                                       a.overlong_buffer, a.overlong_penalty)
-        adv = algo.group_advantages(rewards, G, a.std_mode, a.std_eps)
-        if a.std_mode == "batch":  # a global batch std: gather over DP
-            adv = _batch_std_advantages(rewards, G, a.std_eps, self.dp_group)
         keep = ~truncated if a.mask_truncated else None
-        mb = self.micro_size(len(ro.completions)) * self.cfg.run.num_minibatches
+        mb = self.micro_size(len(ro.completions)) * n_mini
         batch = pack(prompts, [c.token_ids for c in ro.completions],
-                     [c.logprobs for c in ro.completions], adv, pad_id=self.pad_id,
-                     multiple=mb, completion_mask=keep)
-        metrics = dict(algo.reward_metrics(ro.rewards.float(), G), **ro.metrics)
+                     [c.logprobs for c in ro.completions], torch.zeros(len(rewards)),
+                     pad_id=self.pad_id, multiple=mb, blocks=n_mini, completion_mask=keep,
+                     seq_rewards=rewards)
+        metrics = dict(algo.reward_metrics(ro.rewards.float(), a.group_size), **ro.metrics)
         metrics.update(completion_len=float(lengths.float().mean()),
                        truncated_frac=float(truncated.float().mean()),
-                       advantage_abs=float(adv.abs().mean()))
+                       nonfinite_rewards=float(algo.bad_rewards(rewards, a.max_abs_reward).sum()))
+        if not self._kl_in_reward():
+            metrics.update(self._set_advantages(batch, rewards))
         return batch, metrics
+
+    def _kl_in_reward(self) -> bool:
+        return self.cfg.algo.kl_in_reward and self.reference is not None
+
+    def _set_advantages(self, batch: Batch, rewards: torch.Tensor) -> dict:
+        """Group advantages of the real sequences' rewards [n] onto the batch's tokens."""
+        a = self.cfg.algo
+        if a.std_mode == "batch":  # a global batch std: gather over DP
+            adv = _batch_std_advantages(rewards, a.group_size, a.std_eps, self.dp_group)
+        else:
+            adv = algo.group_advantages(rewards, a.group_size, a.std_mode, a.std_eps)
+        batch.set_advantages(adv)
+        return {"advantage_abs": float(adv.abs().mean())}
+
+    def _kl_penalized_advantages(self, batch: Batch) -> dict:
+        """KL in the reward (verl's apply_kl_penalty): r_i - beta * sum_t KL_t(old || ref) over
+        the loss tokens, then group advantages, so equal KL within a group cancels. Needs the
+        scoring pass's old and reference log-probs [N, S] (last stage); same KL clamp as the
+        loss."""
+        a = self.cfg.algo
+        clamp = algo.kl_clamp(a.kl_estimator, a.kl_clamp_input, a.kl_clamp_output)
+        n, S = int(batch.seq_valid.sum()), batch.ids.shape[1]
+        mask = batch.real(batch.mask)
+        kl = kl_penalty(batch.real(batch.old_logp), batch.real(batch.ref_logp), a.kl_estimator,
+                        clamp)
+        rewards, m = algo.kl_penalized_rewards(
+            batch.real(batch.rewards), torch.where(mask, kl, 0.0).reshape(-1), mask.reshape(-1),
+            torch.arange(n).repeat_interleave(S), a.beta)
+        return dict(self._set_advantages(batch, rewards), **m)
 
     # ------------------------------------------------------------------ score
     def _logprobs(self, model, batch: Batch) -> torch.Tensor | None:
@@ -199,6 +241,8 @@ class Trainer:
             self.reference.onload()
             batch.ref_logp = self._logprobs(self.reference.model, batch)
             self.reference.offload()
+        if self._kl_in_reward() and batch.old_logp is not None:  # the last stage
+            metrics.update(self._kl_penalized_advantages(batch))
         if batch.old_logp is not None:
             w, mask, metrics = algo.rollout_is_correction(
                 batch.old_logp.reshape(-1), batch.rollout_logp.reshape(-1),
@@ -208,9 +252,6 @@ class Trainer:
             if a.rollout_is != "none":
                 batch.mask = mask.view_as(batch.mask).bool()
                 batch.is_weight = w.view_as(batch.mask) if a.rollout_is == "truncate" else None
-        if a.kl_in_reward and batch.ref_logp is not None and batch.old_logp is not None:
-            kl = algo.kl_estimate(batch.old_logp, batch.ref_logp, a.kl_estimator) * batch.mask
-            batch.advantages = batch.advantages - a.beta * kl.sum(1, keepdim=True) * batch.mask
         return self._from_last_stage(metrics) if need_old else {}
 
     def _dp_mean(self, metrics: dict) -> dict:
@@ -259,16 +300,23 @@ class Trainer:
         per_mini = -(-num_seqs // self.cfg.run.num_minibatches)
         return max(1, min(self.cfg.run.micro_batch_size, per_mini))
 
-    def update(self, batch: Batch) -> dict:
-        """mu passes over the batch, each split into minibatches (one optimizer step each)."""
+    def update(self, batch: Batch, skip: bool = False) -> dict:
+        """mu passes over the batch, each split into minibatches (one optimizer step each).
+
+        A minibatch without a loss token in any replica is skipped (no optimizer step, no LR
+        advance); so is a step whose gradient norm is not finite (`optimizer_step`), and the
+        whole update when `skip` (bad rewards). Metrics cover the applied steps only."""
         run, a = self.cfg.run, self.cfg.algo
         n_mini = run.num_minibatches
         rows = batch.num_seqs // n_mini
         m = self.micro_size(batch.num_seqs)
-        reports, gnorms, gap = [], [], (0.0, 0.0)
-        for p in range(a.mu):
+        reports, gnorms, gap, empty, nonfinite = [], [], (0.0, 0.0), 0, 0
+        for p in range(0 if skip else a.mu):
             for k in range(n_mini):
                 mini = batch.rows(k * rows, (k + 1) * rows)
+                if not self._has_loss_tokens(mini):
+                    empty += 1
+                    continue
                 mbs = mini.micro_batches(m)
                 ctx = self._ctx(scale=len(mbs) * self.dp, counts=self._counts(mini, len(mbs)),
                                 algo=a, inplace_backward=run.inplace_backward)
@@ -278,18 +326,32 @@ class Trainer:
                                                             loss_fn=partial(grpo_loss, ctx)),
                                        mbs, len(mbs), seq_length=batch.ids.shape[1],
                                        micro_batch_size=m)
-                _, gnorm = optimizer_step(self.policy, self.optimizer)
-                self.opt_steps += 1
-                if p == 0 and k == 0 and out:  # before any update: the weights vLLM sampled with
+                applied, gnorm = optimizer_step(self.policy, self.optimizer)
+                if not applied:
+                    nonfinite += 1
+                    continue
+                if not gnorms and out:  # before any update: the weights vLLM sampled with
                     gap = _logp_gap(out, mini)
+                self.opt_steps += 1
                 reports += out
                 gnorms.append(gnorm)
-        return self._update_metrics(reports, gnorms, gap, a.mu * n_mini)
+        metrics = self._update_metrics(reports, gnorms, gap, len(gnorms))
+        metrics.update(skipped_minibatches=float(empty), nonfinite_grad=float(nonfinite),
+                       update_skipped=float(not gnorms))
+        return metrics
+
+    def _has_loss_tokens(self, mini: Batch) -> bool:
+        """Whether any replica's minibatch holds a loss token; the same answer on every rank.
+        The last stage's mask decides (rollout-IS masking changes it there only)."""
+        last = self.rank == self.pp_last_rank and self.tp_rank == 0
+        n = torch.tensor([float(mini.mask.sum()) if last else 0.0], dtype=torch.float64)
+        dist.all_reduce(n)
+        return bool(n.item() > 0)
 
     def _update_metrics(self, reports: list[dict], gnorms: list[float],
                         gap: tuple[float, float], opt_steps: int) -> dict:
         """Reduces the last stage's per-micro-batch reports over the world (TP rank 0 of the
-        last stage of each replica contributes once)."""
+        last stage of each replica contributes once); zeros when no step was applied."""
         keys = ["loss", "tokens", "kl_sum", "entropy_sum", "clip_low_sum", "clip_high_sum",
                 "clip_dual_sum", "ratio_sum"]
         v = torch.zeros(len(keys) + 2, dtype=torch.float64)
@@ -299,7 +361,7 @@ class Trainer:
             v[-2], v[-1] = gap
         dist.all_reduce(v)
         tok = max(float(v[1]), 1.0)
-        return {"loss": float(v[0]) / opt_steps,  # chunk shares sum to each step's loss
+        return {"loss": float(v[0]) / max(opt_steps, 1),  # chunk shares sum to a step's loss
                 "kl": float(v[2]) / tok, "entropy": float(v[3]) / tok,
                 "clip_frac_low": float(v[4]) / tok, "clip_frac_high": float(v[5]) / tok,
                 "clip_frac_dual": float(v[6]) / tok, "ratio_mean": float(v[7]) / tok,
@@ -331,8 +393,8 @@ class Trainer:
         with t("score"):
             metrics.update(self.score(batch, async_batch))
         with t("update"):
-            metrics.update(self.update(batch))
-        self.version += 1
+            metrics.update(self.update(batch, skip=metrics["nonfinite_rewards"] > 0))
+        self.version += int(not metrics["update_skipped"])
         with t("rollout_wait"):
             self._join_async()
         with t("weight_sync"):
@@ -345,7 +407,24 @@ class Trainer:
                                                 self.total_opt_steps))
         gen_tokens = metrics["completion_len"] * batch.seq_valid.sum().item() * self.dp
         metrics["tokens_per_s"] = gen_tokens / max(sum(t.times.values()), 1e-9)
+        self._check_bad_steps(metrics)
         return metrics
+
+    def _check_bad_steps(self, metrics: dict) -> None:
+        """Counts consecutive steps with bad rewards or a non-finite gradient (their updates
+        were skipped) and raises `BadStepsError` at run.max_bad_steps in a row. Every rank sees
+        the same counts (DP-averaged / all-reduced), so every rank raises together."""
+        bad = metrics["nonfinite_rewards"] > 0 or metrics["nonfinite_grad"] > 0
+        self.bad_steps = self.bad_steps + 1 if bad else 0
+        metrics["bad_steps_in_a_row"] = self.bad_steps
+        k = self.cfg.run.max_bad_steps
+        if k and self.bad_steps >= k:
+            raise BadStepsError(
+                f"{self.bad_steps} steps in a row (up to step {self.step_idx}) had non-finite or "
+                f"absurd rewards (|r| > algo.max_abs_reward={self.cfg.algo.max_abs_reward:g}) "
+                "or a non-finite gradient norm; their updates were skipped, so the weights are "
+                "those of the last good step. Check the reward function and the learning rate "
+                "(run.max_bad_steps sets the limit, 0 = never stop)", metrics)
 
     def _next_rollout(self) -> Rollout:
         if not self.cfg.run.async_rollout:
@@ -380,7 +459,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ eval / cold start
     def evaluate(self, examples) -> float:
-        """Greedy accuracy on held-out examples, split over all ranks."""
+        """Greedy accuracy on held-out examples, split over all ranks: the share whose
+        correctness term (`RewardFn.correct`) scores >= 1, whatever the other terms add."""
         world, rank = dist.get_world_size(), dist.get_rank()
         mine = examples[rank::world]
         correct = 0.0
@@ -392,8 +472,8 @@ class Trainer:
                                  stop_token_ids=self.stop_ids)
             comps = self.engine.generate(ids, s)
             texts = [c.text or self.tokenizer.decode(c.token_ids) for c in comps]
-            rewards, _, _ = self.reward_fn.score(texts, [e.answer for e in mine])
-            correct = float((rewards >= 1.0).sum())
+            _, per_term, _ = self.reward_fn.score(texts, [e.answer for e in mine])
+            correct = float(self.reward_fn.correct(per_term).sum())
         v = torch.tensor([correct, float(len(mine))], dtype=torch.float64)
         dist.all_reduce(v)
         return float(v[0] / max(v[1], 1.0))
@@ -495,4 +575,4 @@ def _batch_std_advantages(rewards: torch.Tensor, G: int, eps: float, dp_group) -
     return (centred / (std.float() + eps)).float()
 
 
-__all__ = ["Trainer", "Rollout"]
+__all__ = ["BadStepsError", "Trainer", "Rollout"]

@@ -267,3 +267,27 @@ def test_every_config_field_has_a_docstring(module):
                 nxt = body[i + 1] if i + 1 < len(body) else None
                 ok = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                 assert ok and isinstance(nxt.value.value, str), f"{cls.name}.{node.target.id}"
+
+
+def test_kl_clamp_only_for_k3():
+    """k1/k2 are never clamped (a clamp would zero their gradient); k3 takes the configured
+    (input, output) clamp, 0 switching a side off."""
+    assert algo.kl_clamp("k1", 20.0, 10.0) is None and algo.kl_clamp("k2", 20.0, 10.0) is None
+    assert algo.kl_clamp("k3", 20.0, 10.0) == (20.0, 10.0)
+    assert algo.kl_clamp("k3", 0.0, 5.0) == (math.inf, 5.0)
+    c = AlgoConfig()
+    assert (c.kl_clamp_input, c.kl_clamp_output) == (20.0, 10.0)
+
+
+def test_bad_rewards():
+    r = torch.tensor([1.0, float("nan"), 1e30, -2e6, float("inf"), -5.0])
+    assert algo.bad_rewards(r, 1e6).tolist() == [False, True, True, True, True, False]
+    assert algo.bad_rewards(r, 0.0).tolist() == [False, True, False, False, True, False]
+
+
+def test_safety_config_validation():
+    for kw in (dict(kl_clamp_input=-1.0), dict(kl_clamp_output=float("nan")),
+               dict(max_abs_reward=-1.0)):
+        field = next(iter(kw))
+        with pytest.raises(ValueError, match=f"algo.{field}"):
+            AlgoConfig(**kw).validate()

@@ -38,8 +38,12 @@ class AlgoConfig:
     """KL coefficient towards the reference model; 0 disables the reference entirely."""
     kl_estimator: str = "k3"
     """Per-token KL estimator: k1 (log-ratio), k2 (squared/2) or k3 (Schulman's unbiased, >= 0)."""
+    kl_clamp_input: float = 20.0
+    """k3 only: logp - ref_logp is clamped to +-this before exp(); k1/k2 never clamp; 0 = off."""
+    kl_clamp_output: float = 10.0
+    """k3 only: cap on each token's KL estimate (loss and KL-in-reward alike); 0 = off."""
     kl_in_reward: bool = False
-    """Subtract beta * summed per-token KL from the reward instead of adding a KL loss term."""
+    """Subtract beta * summed token KL (old policy vs reference) from rewards before advantages."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and top up by sampling more prompts."""
     max_resample_rounds: int = 4
@@ -50,6 +54,8 @@ class AlgoConfig:
     """Reward penalty at max length (linear from 0 at max_len - overlong_buffer)."""
     mask_truncated: bool = False
     """Exclude completions that hit max length without EOS from the loss (DAPO overlong filter)."""
+    max_abs_reward: float = 1e6
+    """A non-finite reward, or one with |reward| > this, skips the step's update; 0 = no bound."""
     rollout_is: str = "none"
     """vLLM-vs-trainer mismatch correction: none, truncate (TIS), token_mask or seq_mask."""
     rollout_is_cap: float = 2.0
@@ -79,6 +85,9 @@ class AlgoConfig:
             raise ValueError(f"algo.cispo_eps_high={self.cispo_eps_high}: need >= 0")
         if self.beta < 0.0:
             raise ValueError(f"algo.beta={self.beta}: need >= 0")
+        for f in ("kl_clamp_input", "kl_clamp_output", "max_abs_reward"):
+            if not getattr(self, f) >= 0.0:  # also rejects NaN
+                raise ValueError(f"algo.{f}={getattr(self, f)}: need >= 0 (0 = off)")
         if self.std_eps < 0.0:
             raise ValueError(f"algo.std_eps={self.std_eps}: need >= 0")
         if self.dr_grpo_max_len < 0:

@@ -149,11 +149,13 @@ def oracle_grpo(case) -> tuple[torch.Tensor, torch.Tensor, dict]:
         if "is_weight" in o:
             term = term * min(float(o["is_weight"][i]), o.get("is_cap") or float("inf"))
         if o.get("beta", 0.0):
-            c_in, c_out = o.get("kl_clamp", (20.0, 10.0))
+            est = o.get("kl_estimator", "k3")
+            # documented defaults: k3 clamped (20, 10) against exp overflow, k1/k2 unclamped
+            default = (20.0, 10.0) if est == "k3" else (float("inf"), float("inf"))
+            c_in, c_out = o.get("kl_clamp") or default
             d = torch.clamp(logp[i] - o["ref_logp"][i].double(), -c_in, c_in)
             kls = {"k1": d, "k2": d * d / 2, "k3": torch.exp(-d) + d - 1}
-            kl = kls[o.get("kl_estimator", "k3")]
-            term = term + o["beta"] * torch.clamp(kl, -c_out, c_out)
+            term = term + o["beta"] * torch.clamp(kls[est], -c_out, c_out)
         losses.append(term)
     loss = torch.stack(losses)
     (loss * case["g"].double()).sum().backward()

@@ -86,8 +86,32 @@ def test_kl_estimators():
     assert torch.allclose(kl_penalty(logp, ref, "k2", (50.0, 1e30)), d * d / 2)
     assert torch.allclose(kl_penalty(logp, ref, "k3", (50.0, 1e30)), torch.exp(-d) + d - 1)
     assert kl_penalty(logp, ref, "k3", (20.0, 10.0))[2] == 10.0  # clamped in, then out
+    # per-estimator defaults: k3 keeps its overflow clamp, k1 and k2 are not clamped
+    assert kl_penalty(logp, ref, "k3")[2] == 10.0
+    assert torch.equal(kl_penalty(logp, ref, "k1"), d)
+    assert torch.equal(kl_penalty(logp, ref, "k2"), 0.5 * d * d)
     with pytest.raises(ValueError):
         kl_penalty(logp, ref, "k4")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("est, gap", [("k1", 15.0), ("k2", 6.0), ("k3", 30.0)])
+def test_kl_gradient_far_from_reference(est, gap, impl):
+    """|logp - ref| beyond the old shared clamp (10 for k1, sqrt(20) for k2): k1 and k2 keep
+    their gradient (float64 autograd of the unclamped estimator), k3 keeps its clamp."""
+    case = grpo_case(24, 300, 1, torch.float32, 31, dict(beta=0.2, kl_estimator=est))
+    logp = oracle_logprob(case["logits"], case["target"], 0.9, ~case["mask"])[0].float()
+    sign = torch.where(torch.arange(24) % 2 == 0, 1.0, -1.0)
+    case["kwargs"]["ref_logp"] = logp + sign * gap  # d = logp - ref = -+gap
+    out = run_case(case, impl)
+    check_grpo(case, out, f"{est}/{impl}")
+    kl = out["kl"][case["mask"]]
+    if est == "k3":
+        assert kl.max() == 10.0  # the output clamp is active and documented
+    else:
+        d = -sign[case["mask"]] * gap
+        want = d if est == "k1" else 0.5 * d * d
+        assert torch.allclose(kl, want, atol=1e-4), (kl, want)
 
 
 def test_masked_garbage_and_extreme_logits_stay_finite():
