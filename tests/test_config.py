@@ -1,11 +1,19 @@
-"""Recipes, overrides and cross-section validation."""
+"""Recipes, overrides, typed loading and cross-section validation."""
+import dataclasses
+import json
 import os
+import re
+import typing
+from pathlib import Path
 
 import pytest
+import yaml
 
-from megagrpo.config.train import load_config
+from megagrpo.config.rollout import RolloutConfig
+from megagrpo.config.train import TrainConfig, load_config, to_dict
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "examples", "demo.yaml")
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def test_demo_recipe_loads_and_validates():
@@ -33,3 +41,132 @@ def test_overrides_and_inheritance(tmp_path):
 def test_bad_config_names_the_field(overrides, match):
     with pytest.raises(ValueError, match=match):
         load_config(DEMO, overrides).validate(world_size=2)
+
+
+# --------------------------------------------------------------------------------- recipes
+
+
+@pytest.mark.parametrize("text,match", [
+    ("run:\n  steps: 3\n   seed: [1\n", r"bad\.yaml:3:\d+: mapping values are not allowed"),
+    ("run:\n\tsteps: 3\n", r"bad\.yaml:2:1: tabs are not allowed in YAML, indent with spaces"),
+    ("run:\n  steps: 3\n  seed:\t4\n", r"bad\.yaml:3:\d+: tabs are not allowed in YAML"),
+    ("- run\n- algo\n", r"recipe .*bad\.yaml: the top level must be a mapping of sections"),
+    ("base: bad.yaml\nrun:\n  steps: 3\n", r"bad\.yaml: base: inheritance loops back"),
+    ("run: 5\n", r"run=5: expected a mapping of RunConfig settings"),
+])
+def test_bad_recipe_file_names_file_and_line(tmp_path, text, match):
+    (tmp_path / "bad.yaml").write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_config(str(tmp_path / "bad.yaml"))
+
+
+@pytest.mark.parametrize("override,match", [
+    ("run.steps=null", r"run\.steps=null: expected an integer"),
+    ("run.steps=2.5", r"run\.steps=2\.5: expected an integer"),
+    ("run=5", r"run=5: expected a mapping"),
+    ("algo.group_size=[1,2]", r"algo\.group_size=\[1, 2\]: expected an integer, got a list"),
+    ("algo.group_size=8.5", r"algo\.group_size=8\.5: expected an integer"),
+    ("algo.group_size=true", r"algo\.group_size=true: expected an integer, got a boolean"),
+    ("algo.mu=1.5", r"algo\.mu=1\.5: expected an integer"),
+    ("optim.lr=nan", r"optim\.lr='nan': expected a finite number"),
+    ("rollout.temperature=.nan", r"rollout\.temperature=nan: expected a finite number"),
+    ("algo.beta=.inf", r"algo\.beta=inf: expected a finite number"),
+    ("optim.lr=fast", r"optim\.lr='fast': expected a number"),
+    ("run.resume=1", r"run\.resume=1: expected true or false"),
+    ("data.template={prompt}", r"data\.template=\{'prompt': None\}: expected a string"),
+    ("rollout.stop=abc", r"rollout\.stop='abc': expected a list of strings.*split into characters"),
+    ("rollout.stop=[1]", r"rollout\.stop\[0\]=1: expected a string"),
+    ("reward.terms=[{name: math, wieght: 2}]",
+     r"unknown config key 'reward\.terms\[0\]\.wieght'; valid keys: \["),
+    ("reward.terms=[{weight: 2}]", r"reward\.terms\[0\]\.name is missing"),
+    ("reward.terms=[math]", r"reward\.terms\[0\]='math': expected a mapping"),
+    ("reward.terms=[{name: format, kwargs: 5}]", r"reward\.terms\[0\]\.kwargs=5: expected a mapp"),
+    ("rollout.n=4", r"rollout\.n is no longer a setting: .* is algo\.group_size"),
+    ("run.steps=[", r"override 'run\.steps=\[': the value is not valid YAML"),
+])
+def test_ill_typed_value_names_field_value_and_type(override, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(DEMO, [override])
+
+
+def _wrong_values(hint) -> list:
+    """Values no field of annotation `hint` may take (a reference independent of the loader:
+    derived from the annotation alone)."""
+    if hint is bool:
+        return [1, "yes", None]
+    if hint is int:
+        return [8.5, True, "x", [1], None]
+    if hint is float:
+        return [float("nan"), float("inf"), True, "x", [1.0], None]
+    if hint is str:
+        return [5, ["a"], None]
+    if typing.get_origin(hint) is list:
+        return ["abc", 5, None]
+    if hint is dict:
+        return [5, "a", None]
+    return []
+
+
+def _leaf_fields():
+    """(dotted name, annotation) of every scalar/list field of every config section."""
+    for section in dataclasses.fields(TrainConfig):
+        cls = typing.get_type_hints(TrainConfig)[section.name]
+        for f, hint in typing.get_type_hints(cls).items():
+            yield f"{section.name}.{f}", hint
+
+
+def test_every_field_rejects_values_of_the_wrong_type():
+    checked = 0
+    for name, hint in _leaf_fields():
+        for bad in _wrong_values(hint):
+            with pytest.raises(ValueError, match=re.escape(name)):
+                load_config(None, [f"{name}={json.dumps(bad)}"])  # NaN, Infinity: strings
+            checked += 1
+    assert checked > 150  # every section's fields were reached
+
+
+def test_defaults_and_every_recipe_round_trip_through_yaml(tmp_path):
+    """No valid value is rejected: the resolved config, dumped and loaded again, is equal."""
+    for recipe in [None, *sorted(str(p) for p in EXAMPLES.glob("*.yaml"))]:
+        cfg = load_config(recipe)
+        (tmp_path / "dump.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
+        assert load_config(str(tmp_path / "dump.yaml")) == cfg
+
+
+# --------------------------------------------------------------------------------- ranges
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["optim.min_lr=1e-3"], r"optim\.min_lr=0\.001: need 0 <= min_lr <= optim\.lr=0\.0003"),
+    (["optim.adam_beta1=1.0"], r"optim\.adam_beta1=1\.0: need 0 <= beta < 1"),
+    (["optim.adam_beta2=-0.1"], r"optim\.adam_beta2=-0\.1: need 0 <= beta < 1"),
+    (["optim.adam_eps=-1e-8"], r"optim\.adam_eps=-1e-08: need > 0"),
+    (["optim.clip_grad=-1"], r"optim\.clip_grad=-1\.0: need >= 0"),
+    (["optim.weight_decay=-0.1"], r"optim\.weight_decay=-0\.1: need >= 0"),
+    (["run.eval_every=-1"], r"run\.eval_every=-1 must be >= 0"),
+    (["run.checkpoint_every=-5"], r"run\.checkpoint_every=-5 must be >= 0"),
+    (["run.sft_lr=-1e-3"], r"run\.sft_lr=-0\.001 must be > 0"),
+    (["run.eval_max_tokens=0"], r"run\.eval_max_tokens=0 must be >= 1"),
+    (["rollout.temperature=0"], r"rollout\.temperature=0 is greedy decoding.*> 0"),
+    (["rollout.logprobs_mode=raw_logprobs", "rollout.temperature=0.7"],
+     r"raw_logprobs with rollout\.temperature=0\.7: vLLM's raw log-probs are taken before"),
+    (["data.overlong_prompts=cut"], r"data\.overlong_prompts='cut': use one of \('error', "),
+])
+def test_out_of_range_value_names_field_and_valid_range(overrides, match):
+    cfg = load_config(DEMO, overrides)  # well-typed: loads
+    with pytest.raises(ValueError, match=match):
+        cfg.validate(world_size=2)
+
+
+def test_raw_logprobs_is_fine_at_temperature_one():
+    load_config(DEMO, ["rollout.logprobs_mode=raw_logprobs"]).validate(world_size=2)
+
+
+def test_group_size_is_the_only_name_for_g():
+    from megagrpo.rollout import SamplingSettings
+
+    assert "n" not in {f.name for f in dataclasses.fields(RolloutConfig)}
+    cfg = RolloutConfig(temperature=0.5, max_tokens=7, stop=["##"])
+    direct = SamplingSettings.from_config(cfg, n=8)  # direct engine users still choose n
+    assert (direct.n, direct.temperature, direct.max_tokens, direct.stop) == (8, 0.5, 7, ("##",))
+    assert SamplingSettings.from_config(cfg).n == 1
