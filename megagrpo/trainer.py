@@ -210,11 +210,12 @@ class Trainer:
         clamp = algo.kl_clamp(a.kl_estimator, a.kl_clamp_input, a.kl_clamp_output)
         n, S = int(batch.seq_valid.sum()), batch.ids.shape[1]
         mask = batch.real(batch.mask)
-        kl = kl_penalty(batch.real(batch.old_logp), batch.real(batch.ref_logp), a.kl_estimator,
-                        clamp)
+        # float64: a group's shaped rewards may differ by small KL sums, which the std scales up
+        kl = kl_penalty(batch.real(batch.old_logp).double(), batch.real(batch.ref_logp).double(),
+                        a.kl_estimator, clamp)
         rewards, m = algo.kl_penalized_rewards(
-            batch.real(batch.rewards), torch.where(mask, kl, 0.0).reshape(-1), mask.reshape(-1),
-            torch.arange(n).repeat_interleave(S), a.beta)
+            batch.real(batch.rewards).double(), torch.where(mask, kl, 0.0).reshape(-1),
+            mask.reshape(-1), torch.arange(n).repeat_interleave(S), a.beta)
         return dict(self._set_advantages(batch, rewards), **m)
 
     # ------------------------------------------------------------------ score

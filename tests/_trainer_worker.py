@@ -182,13 +182,145 @@ def main():
     m = tr.step()
     res["variants"] = {k: m.get(k) for k in ("loss", "resample_rounds", "filtered_groups",
                                              "reward_mean", "kl")}
+    # no silent wrong results (issue 10)
+    res["kl_in_reward"] = kl_in_reward_check(tr)
+    res["empty_minibatches"] = empty_minibatch_check(tr)
+    res["eval_accuracy"] = eval_accuracy_check(tr)
+    bad = bad_steps_check(tr)
+    err = bad.pop("error", None)
+    res["bad_steps"] = bad
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, res)
     if dist.get_rank() == 0:
         with open(os.path.join(args.work, "results.json"), "w") as f:
             json.dump(gathered, f)
     dist.barrier()
-    tr.engine.close()
+    if err is not None:
+        stop_check(tr, err, args.work)  # closes the engine (and the default process group)
+    else:
+        tr.engine.close()
+
+
+class HugeReward:
+    """A reward function gone wrong: finite but absurd values (1e30 x a length score)."""
+
+    def score(self, texts, answers):
+        return torch.tensor([1e30 * (1 + len(t)) for t in texts]), {}, {}
+
+
+def kl_in_reward_check(tr):
+    """Score a fresh batch with KL in the reward; on the last stage compare the advantages with
+    float64 math on its own old/reference log-probs: rewards - beta * sum k3, then the group
+    baseline and std. None on the other ranks."""
+    for key, value in (("dynamic_sampling", False), ("std_mode", "group"),
+                       ("kl_in_reward", True)):
+        setattr(tr.cfg.algo, key, value)
+    a, G = tr.cfg.algo, tr.cfg.algo.group_size
+    g = torch.Generator().manual_seed(0)  # the schedule may just have reset the reference
+    with torch.no_grad():
+        for p in tr.reference.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    batch, _ = tr.build_batch(tr.rollout())
+    tr.score(batch, False)
+    if batch.old_logp is None or tr.tp_rank != 0:
+        return None
+    rows = batch.seq_valid.nonzero().squeeze(1)
+    mask = batch.mask[rows]
+    d = (batch.old_logp[rows].double() - batch.ref_logp[rows].double()).clamp(-20, 20)
+    kl = ((torch.exp(-d) + d - 1).clamp(max=10) * mask).sum(1)
+    shaped = (batch.rewards[rows].double() - a.beta * kl).view(-1, G)
+    plain = batch.rewards[rows].double().view(-1, G)
+    want, before = [((x - x.mean(1, keepdim=True)) / (x.std(1, keepdim=True) + a.std_eps))
+                    .reshape(-1) for x in (shaped, plain)]
+    got = torch.where(mask, batch.advantages[rows].double(), 0.0).sum(1) / mask.sum(1).clamp(min=1)
+    has = mask.any(1)
+    return {"max_err": float((got - want)[has].abs().max()),
+            "moved": float((want - before)[has].abs().max())}
+
+
+def empty_minibatch_check(tr):
+    """One prompt's group (G=4 sequences) in 8 minibatches: 4 hold no real sequence. They must
+    be skipped (no optimizer step, no LR advance) and the logged loss stay finite."""
+    from megagrpo.trainer import _select_groups
+
+    tr.cfg.algo.kl_in_reward = False
+    tr.cfg.run.num_minibatches = 8
+    ro = tr.rollout()
+    keep = torch.zeros(len(ro.prompts), dtype=torch.bool)
+    keep[0] = True
+    batch, _ = tr.build_batch(_select_groups(ro, keep, tr.cfg.algo.group_size))
+    tr.score(batch, False)
+    before = tr.opt_steps
+    m = tr.update(batch)
+    tr.cfg.run.num_minibatches = 1
+    return {"rows": batch.num_seqs, "opt_steps": tr.opt_steps - before, "loss": m["loss"],
+            "skipped": m["skipped_minibatches"], "grad_norm": m["grad_norm"]}
+
+
+def eval_accuracy_check(tr):
+    """evaluate() with a second term that always pays 1 (a summed reward >= 1 everywhere),
+    against the arithmetic term scored here on the same greedy completions."""
+    from megagrpo.config.data import RewardConfig, RewardTermConfig
+    from megagrpo.data import encode_prompt
+    from megagrpo.rewards import RewardFn
+    from megagrpo.rollout import SamplingSettings
+    from megagrpo.tasks.arithmetic import reward
+
+    saved = tr.reward_fn
+    tr.reward_fn = RewardFn(RewardConfig(terms=[
+        RewardTermConfig(name="arithmetic"),
+        RewardTermConfig(name="format", kwargs={"pattern": ".*"})]))
+    acc = tr.evaluate(tr.task.eval)
+    tr.reward_fn = saved
+    s = SamplingSettings(temperature=0.0, max_tokens=tr.cfg.run.eval_max_tokens, n=1,
+                         stop_token_ids=tr.stop_ids)
+    comps = tr.engine.generate([encode_prompt(tr.tokenizer, e.prompt) for e in tr.task.eval], s)
+    texts = [c.text or tr.tokenizer.decode(c.token_ids) for c in comps]
+    ref = sum(reward(t, e.answer) for t, e in zip(texts, tr.task.eval)) / len(texts)
+    return {"accuracy": acc, "reference": ref}
+
+
+def bad_steps_check(tr):
+    """Absurd rewards (1e30) skip the update; unbounded (max_abs_reward=0) they overflow the
+    gradient norm, which skips it too; the second bad step in a row raises BadStepsError."""
+    from megagrpo.trainer import BadStepsError
+
+    for key, value in (("std_mode", "none"), ("mu", 1), ("loss_agg", "grpo")):
+        setattr(tr.cfg.algo, key, value)
+    tr.cfg.run.max_bad_steps = 2
+    saved, tr.reward_fn = tr.reward_fn, HugeReward()
+    p0, opt0, version0 = local_params(tr.policy), tr.opt_steps, tr.version
+    m = tr.step()
+    out = {"rewards_step": {k: m[k] for k in ("nonfinite_rewards", "update_skipped",
+                                               "nonfinite_grad", "bad_steps_in_a_row")}}
+    tr.cfg.algo.max_abs_reward = 0.0  # no bound: the update runs and its grad norm overflows
+    try:
+        tr.step()
+        out["raised"] = False
+    except BadStepsError as e:
+        out["raised"] = True
+        out["grad_step"] = {k: e.metrics[k] for k in ("nonfinite_rewards", "nonfinite_grad",
+                                                       "update_skipped", "bad_steps_in_a_row")}
+        out["message"] = str(e)
+        out["error"] = e
+    p1 = local_params(tr.policy)
+    out["params_unchanged"] = all(torch.equal(p0[n], p1[n]) for n in p0)
+    out["opt_steps"], out["versions"] = tr.opt_steps - opt0, tr.version - version0
+    tr.reward_fn = saved
+    return out
+
+
+def stop_check(tr, err, work):
+    """run.train's handler: checkpoint, engine closed, SystemExit with the reason (per rank)."""
+    from megagrpo.run import stop_on_bad_steps
+
+    try:
+        stop_on_bad_steps(tr, err)
+        msg = "no SystemExit"
+    except SystemExit as e:
+        msg = str(e.code)
+    with open(os.path.join(work, f"stop_rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump({"message": msg, "step": tr.step_idx}, f)
 
 
 def tr_ckpt(work):

@@ -3,6 +3,7 @@ tests/_trainer_worker.py): the reference reset is an exact in-place copy, alpha 
 its formula, a resumed run keeps the reference schedule, async mode trains one step off-policy,
 and vLLM's sampling log-probs agree with the sharded trainer's."""
 import json
+import math
 import os
 
 import pytest
@@ -13,11 +14,15 @@ WORKER = os.path.join(os.path.dirname(__file__), "_trainer_worker.py")
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def trainer_work(tmp_path_factory):
     work = tmp_path_factory.mktemp("trainer")
     torchrun(WORKER, 4, "--work", str(work), timeout=900)
-    ranks = json.loads((work / "results.json").read_text())
-    return ranks
+    return work
+
+
+@pytest.fixture(scope="module")
+def results(trainer_work):
+    return json.loads((trainer_work / "results.json").read_text())
 
 
 def test_every_parameter_moves_after_one_step(results):
@@ -91,3 +96,44 @@ def test_dynamic_sampling_gspo_kl_in_reward_batch_std_step(results):
     v = results[0]["variants"]
     assert v["resample_rounds"] is not None and v["filtered_groups"] is not None
     assert v["loss"] == v["loss"] and v["kl"] == v["kl"]  # finite
+
+
+def test_kl_in_reward_shapes_rewards_before_group_advantages(results):
+    """On the last stage, after the real scoring pass: advantages = group-normalised
+    (reward - beta * summed k3 of old vs reference), to float64 precision."""
+    checks = [r["kl_in_reward"] for r in results if r["kl_in_reward"] is not None]
+    assert len(checks) == 1  # the last stage's TP rank 0
+    assert checks[0]["max_err"] < 1e-5 and checks[0]["moved"] > 1e-4, checks[0]
+
+
+def test_empty_minibatches_are_skipped_without_an_optimizer_step(results):
+    r = results[0]["empty_minibatches"]
+    assert r["rows"] == 8 and r["skipped"] == 4 and r["opt_steps"] == 4, r
+    assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+
+
+def test_eval_accuracy_ignores_bonus_terms(results):
+    for r in results:
+        e = r["eval_accuracy"]
+        assert e["accuracy"] == e["reference"] < 1.0, e  # the summed reward is >= 1 everywhere
+
+
+def test_bad_rewards_and_nonfinite_grads_skip_the_update_then_stop(results):
+    for r in results:
+        b = r["bad_steps"]
+        assert b["rewards_step"] == {"nonfinite_rewards": 16.0, "update_skipped": 1.0,
+                                     "nonfinite_grad": 0.0, "bad_steps_in_a_row": 1}, b
+        assert b["raised"] and b["grad_step"]["nonfinite_grad"] >= 1, b
+        assert b["grad_step"]["nonfinite_rewards"] == 0
+        assert b["grad_step"]["bad_steps_in_a_row"] == 2
+        assert b["params_unchanged"] and b["opt_steps"] == 0 and b["versions"] == 0, b
+        assert "run.max_bad_steps" in b["message"]
+
+
+def test_stop_after_bad_steps_saves_a_checkpoint_and_exits(results, trainer_work):
+    stops = [json.loads((trainer_work / f"stop_rank{r}.json").read_text()) for r in range(4)]
+    step = stops[0]["step"]
+    for s in stops:
+        assert s["step"] == step and "run.max_bad_steps" in s["message"], s
+        assert f"step_{step:06d}" in s["message"]
+    assert (trainer_work / "run" / "checkpoints" / f"step_{step:06d}").is_dir()
