@@ -79,16 +79,19 @@ def init_distributed(
 
         cpu_compat.apply()
         device = torch.device("cpu")
+    # One timeout for every group: the default one here, megatron's below (its own default
+    # is 30 min). A rank waiting longer in a collective raises instead of hanging.
+    timeout = timedelta(seconds=parallel.collective_timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=timedelta(minutes=30))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp
+        tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
+        distributed_timeout_minutes=parallel.collective_timeout_s / 60,  # timedelta(minutes=)
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     info = DistInfo(

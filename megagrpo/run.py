@@ -49,6 +49,7 @@ from megagrpo.run_dir import (
     write_manifest,
 )
 from megagrpo.trainer import BadStepsError, Trainer
+from megagrpo.watchdog import Watchdog, start_watchdog
 
 log = logging.getLogger("megagrpo")
 
@@ -150,6 +151,8 @@ def save_checkpoint(tr: Trainer) -> None:
     and every RNG stream (safetensors, no pickle), the trainer state, and last the manifest
     that marks the checkpoint complete; complete ones beyond keep_last are then removed. Out of
     disk, every rank stops with an error that says so and where."""
+    if tr.watchdog is not None:
+        tr.watchdog.set_phase("checkpoint", tr.step_idx)
     root = _ckpt_root(tr.cfg)
     final = root / f"step_{tr.step_idx:06d}"
     on_every_rank(partial(_clear_for_save, root, final) if tr.rank == 0 else lambda: None,
@@ -256,10 +259,20 @@ def resume(tr: Trainer, ckpt: Path) -> dict | None:
 # ---------------------------------------------------------------------- the run
 def train(cfg: TrainConfig) -> dict:
     """The whole run on this rank. Returns the summary (identical on every rank)."""
+    rank, world, _ = torchrun_env()
+    watchdog = start_watchdog(cfg.run, rank, world)  # a frozen rank or stalled phase ends the run
+    try:
+        return _train(cfg, watchdog)
+    finally:
+        watchdog.stop()
+
+
+def _train(cfg: TrainConfig, watchdog: Watchdog) -> dict:
     t0 = time.perf_counter()
     follow_parent()  # under torchrun: a killed agent takes this rank down with it
     check_out_dir(cfg.run)  # an earlier run in out_dir: refused, resumed or cleared
     tr = setup(cfg)
+    tr.watchdog = watchdog
     logger = MetricsLogger(cfg.run.out_dir, enabled=tr.rank == 0, tensorboard=cfg.run.tensorboard,
                            wandb=cfg.run.wandb, config=dataclasses.asdict(cfg),
                            progress=cfg.run.progress)

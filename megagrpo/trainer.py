@@ -34,6 +34,7 @@ from megagrpo.optim import (
     set_lr,
     zero_grad,
 )
+from megagrpo.watchdog import Watchdog
 
 log = logging.getLogger("megagrpo")
 
@@ -84,6 +85,7 @@ class Trainer:
         self._pending: Rollout | None = None
         self.bad_steps = 0  # consecutive steps whose update was skipped for bad values
         self._thread: threading.Thread | None = None
+        self.watchdog: Watchdog | None = None  # run.train attaches the run's stall watchdog
 
     # ------------------------------------------------------------------ rollout
     def _prompt_batch(self) -> tuple[list[list[int]], list[str], int]:
@@ -384,7 +386,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict:
-        t = PhaseTimer()
+        t = PhaseTimer(self.watchdog, step=self.step_idx + 1)  # phases name a stall
         with t("rollout"):
             ro = self._next_rollout()
         with t("advantage"):
@@ -462,6 +464,8 @@ class Trainer:
     def evaluate(self, examples) -> float:
         """Greedy accuracy on held-out examples, split over all ranks: the share whose
         correctness term (`RewardFn.correct`) scores >= 1, whatever the other terms add."""
+        if self.watchdog is not None:
+            self.watchdog.set_phase("eval", self.step_idx)
         world, rank = dist.get_world_size(), dist.get_rank()
         mine = examples[rank::world]
         correct = 0.0
@@ -485,6 +489,8 @@ class Trainer:
         per_dp = run.sft_batch_size // self.dp
         losses = []
         for s in range(steps):
+            if self.watchdog is not None:  # each SFT step is a phase of its own
+                self.watchdog.set_phase(f"cold_start {s + 1}/{steps}", self.step_idx)
             pairs = pairs_fn(per_dp, seed=run.seed * 100_003 + s * self.dp + self.dp_rank)
             prompts = [encode_prompt(self.tokenizer, p) for p, _ in pairs]
             comps = [self.tokenizer.encode(c) + [self.eos_id] for _, c in pairs]

@@ -75,6 +75,8 @@ class ParallelConfig:
     """'auto' (Transformer Engine when it imports, else local), 'local' or 'transformer_engine'."""
     backend: str = "auto"
     """torch.distributed backend: 'auto' (nccl with CUDA, gloo without), 'nccl' or 'gloo'."""
+    collective_timeout_s: float = 600.0
+    """A collective waiting longer than this raises (every process group, megatron's included)."""
 
     def validate(self, model: ModelConfig, world_size: int | None = None) -> None:
         """Checks the layout against the model (and the world size when given)."""
@@ -100,6 +102,9 @@ class ParallelConfig:
             )
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ValueError(f"parallel.backend={self.backend!r}: use auto, nccl or gloo")
+        if not 0 < self.collective_timeout_s < float("inf"):
+            raise ValueError(f"parallel.collective_timeout_s={self.collective_timeout_s}: need a "
+                             "finite number of seconds > 0 (default 600)")
         if world_size is not None and world_size % (self.tp * self.pp):
             raise ValueError(
                 f"world size {world_size} is not divisible by parallel.tp x parallel.pp = "

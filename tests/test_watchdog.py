@@ -1,0 +1,197 @@
+"""No hangs: the stall watchdog names a frozen rank or a stalled phase and ends the run, and the
+collective timeout is a setting that reaches every process group.
+
+The checks of `Watchdog.tick` run on a fake clock over an in-process store; the end-to-end
+ones launch 2 real ranks under torchrun (tests/_watchdog_worker.py) and freeze one with SIGSTOP.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.train import RunConfig
+from megagrpo.watchdog import EXIT_STALLED, Watchdog, WatchdogSettings
+from tests._launch import free_port
+
+WORKER = os.path.join(os.path.dirname(__file__), "_watchdog_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pair(settings: WatchdogSettings, clock: FakeClock, fired: list) -> list[Watchdog]:
+    """Rank 0 and rank 1 of a 2-rank job sharing one in-process store."""
+    store = dist.HashStore()
+    return [Watchdog(settings, rank=r, world_size=2, store_factory=lambda: store,
+                     on_stall=fired.append, clock=clock, key_prefix="job") for r in range(2)]
+
+
+def test_frozen_peer_is_named_with_its_last_phase():
+    clock, fired = FakeClock(), []
+    w0, w1 = pair(WatchdogSettings(interval_s=1, peer_timeout_s=5, stall_timeout_s=0), clock,
+                  fired)
+    w0.set_phase("update", 3)
+    w1.set_phase("update", 3)
+    for _ in range(20):  # both beating: rank 1's long phase is not a frozen rank
+        clock.now += 1
+        assert w1.tick() == (None, None) and w0.tick() == (None, None)
+    for _ in range(5):  # rank 1 stops beating: within the timeout nothing fires
+        clock.now += 1
+        assert w0.tick() == (None, None)
+    clock.now += 1
+    message, frozen = w0.tick()
+    assert frozen is not None and frozen.rank == 1 and frozen.pid == os.getpid()
+    assert "rank 1 (pid" in message and "no heartbeat for 6.0 s" in message
+    assert "phase 'update' of step 3" in message and "heartbeat_timeout_s=5" in message
+
+
+def test_a_finished_peer_is_not_frozen():
+    clock, fired = FakeClock(), []
+    w0, w1 = pair(WatchdogSettings(interval_s=1, peer_timeout_s=3, stall_timeout_s=0), clock,
+                  fired)
+    w1.tick()
+    w0.tick()
+    w1.stop()  # publishes its last beat, marked done
+    for _ in range(10):
+        clock.now += 1
+        assert w0.tick() == (None, None)
+
+
+def test_stalled_phase_names_the_phase_and_every_rank_phase():
+    clock, fired = FakeClock(), []
+    w0, w1 = pair(WatchdogSettings(interval_s=1, peer_timeout_s=0, stall_timeout_s=10), clock,
+                  fired)
+    w0.set_phase("score", 2)
+    w1.set_phase("update", 2)
+    for _ in range(10):
+        clock.now += 1
+        assert w1.tick() == (None, None) and w0.tick() == (None, None)
+    w1.set_phase("update", 2)  # rank 1 moves on; rank 0's phase goes past the limit
+    clock.now += 1
+    w1.tick()
+    message, frozen = w0.tick()
+    assert frozen is None
+    assert "phase 'score' of step 2 has run 11.0 s > run.stall_timeout_s=10" in message
+    assert "rank 0 in 'score' of step 2" in message and "rank 1 in 'update' of step 2" in message
+
+
+def test_thread_fires_on_a_stalled_phase_and_stops_cleanly():
+    fired = []
+    wd = Watchdog(WatchdogSettings(interval_s=0.05, peer_timeout_s=0, stall_timeout_s=0.3),
+                  rank=0, world_size=1, on_stall=fired.append).start()
+    with wd.phase("rollout", 1):
+        time.sleep(0.1)
+    assert not fired  # a short phase is fine
+    wd.set_phase("update", 1)
+    deadline = time.monotonic() + 5
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.05)
+    wd.stop()
+    assert len(fired) == 1 and "phase 'update' of step 1" in fired[0]
+    assert wd._thread is None
+
+
+@pytest.mark.parametrize("override, field", [
+    (dict(heartbeat_interval_s=0.0), "run.heartbeat_interval_s"),
+    (dict(heartbeat_interval_s=float("nan")), "run.heartbeat_interval_s"),
+    (dict(heartbeat_timeout_s=10.0), "run.heartbeat_timeout_s"),  # < 3 beats of 5 s
+    (dict(stall_timeout_s=-1.0), "run.stall_timeout_s"),
+    (dict(stall_timeout_s=float("inf")), "run.stall_timeout_s"),
+])
+def test_watchdog_settings_are_range_checked(override, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        RunConfig(**override).validate()
+    RunConfig(stall_timeout_s=0.0, heartbeat_timeout_s=0.0).validate()  # both off is valid
+
+
+@pytest.mark.parametrize("value", [0.0, -5.0, float("nan"), float("inf")])
+def test_collective_timeout_is_range_checked(value):
+    with pytest.raises(ValueError, match=r"parallel\.collective_timeout_s"):
+        ParallelConfig(collective_timeout_s=value).validate(ModelConfig())
+
+
+# ------------------------------------------------------------------------- real processes
+def launch(work: Path, scenario: str, timeout: float) -> tuple[int, str, float]:
+    """torchrun, 2 ranks of the worker: (return code, output, seconds from the stall to the
+    end of torchrun). Whatever happens, no rank is left behind: a stopped one is continued
+    and every one is killed."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", WORKER,
+           "--work", str(work), "--scenario", scenario]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        out += f"\n[test: torchrun killed after {timeout} s]"
+    finally:
+        left = _reap_ranks(work)
+    assert not left, f"ranks left running after torchrun ended: {left}\n{out[-4000:]}"
+    stalled = work / "stalled_at"
+    seconds = time.time() - float(stalled.read_text()) if stalled.exists() else float("nan")
+    return p.returncode, out, seconds
+
+
+def _reap_ranks(work: Path) -> list[int]:
+    """Kills every rank that is still alive (SIGCONT first for a stopped one); returns them."""
+    alive = []
+    for f in work.glob("pid_rank*"):
+        pid = int(f.read_text())
+        try:
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def test_frozen_rank_stops_the_run_naming_rank_and_phase(tmp_path):
+    # heartbeat timeout 6 s, stall timeout 60 s, gloo timeout 300 s: only the heartbeat check
+    # can end this run in time, and only the SIGKILL of the stopped rank ends it before
+    # torchrun's own 30 s SIGTERM grace would (the bound leaves room for a loaded machine)
+    rc, out, seconds = launch(tmp_path, "freeze", timeout=200)
+    assert rc != 0, out[-4000:]
+    assert 6 < seconds < 30, (seconds, out[-4000:])
+    assert "megagrpo watchdog on rank 0: rank 1 (pid" in out, out[-4000:]
+    assert "its last: phase 'update' of step 3" in out
+    assert "sent SIGKILL to stopped rank 1" in out
+    assert f"exitcode  : {EXIT_STALLED}" in out  # torchrun's report of rank 0
+    assert "finished without the watchdog firing" not in out
+
+
+def test_stalled_phase_stops_the_run_naming_the_phase(tmp_path):
+    rc, out, seconds = launch(tmp_path, "slow", timeout=200)  # rank 0 would sleep 120 s
+    assert rc != 0, out[-4000:]
+    assert 3 < seconds < 30, (seconds, out[-4000:])
+    assert "phase 'score' of step 2 has run" in out and "run.stall_timeout_s=3" in out, out[-4000:]
+    assert "ranks 0-1 in 'score' of step 2" in out  # both alive, both in the stalled phase
+    assert "finished without the watchdog firing" not in out
+
+
+def test_collective_timeout_reaches_world_and_megatron_groups(tmp_path):
+    rc, out, _ = launch(tmp_path, "collective", timeout=300)
+    assert rc == 0, out[-4000:]
+    r0 = json.loads((tmp_path / "collective_rank0.json").read_text())
+    for group in ("world", "megatron_tp"):
+        # rank 1 arrives 12 s late: with parallel.collective_timeout_s=5 rank 0 gives up at ~5 s
+        # (today's fixed 30 min would wait the 12 s and succeed)
+        assert "Timed out" in r0[group]["error"], (group, r0)
+        assert 4.5 < r0[group]["waited_s"] < 11, (group, r0)
