@@ -3,6 +3,10 @@
 One step reads top to bottom:
   rollout -> reward -> advantage -> score (old / reference log-probs) -> update (mu passes x
   minibatches) -> weight sync to vLLM -> reference schedule -> log -> checkpoint.
+With algo.kl_in_reward the advantages wait for the scoring pass (r - beta * KL needs the old and
+reference log-probs). Nothing wrong is trained on silently: minibatches without a loss token are
+skipped, and so is the update of a step with non-finite / absurd rewards or a non-finite
+gradient norm; run.max_bad_steps such steps in a row raise `BadStepsError`.
 
 Rollouts are data-parallel over *all* ranks: each rank's in-process vLLM engine samples a slice
 of its DP replica's prompts and the replica's TP x PP ranks all-gather the results, so every

@@ -1,7 +1,9 @@
 """The iterative GRPO trainer at TP=2 x PP=2 with real vLLM engines (one torchrun launch, see
 tests/_trainer_worker.py): the reference reset is an exact in-place copy, alpha mixing follows
 its formula, a resumed run keeps the reference schedule, async mode trains one step off-policy,
-and vLLM's sampling log-probs agree with the sharded trainer's."""
+and vLLM's sampling log-probs agree with the sharded trainer's. Issue 10: KL-in-reward shapes
+rewards before the group advantages, empty minibatches take no optimizer step, eval accuracy is
+the correctness term's, and bad rewards / gradients skip the update, then stop with a checkpoint."""
 import json
 import math
 import os
