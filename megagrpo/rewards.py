@@ -9,7 +9,10 @@ Isolation (RewardConfig.isolation):
 - thread (default): each call runs in a daemon thread joined with a deadline. Cheap, but Python
   cannot kill a thread: an overrunning call is abandoned and runs on in the background (counted in
   `reward_stuck_threads`), and one long C-level operation that holds the GIL (a huge integer
-  power) also delays the deadline itself.
+  power) also delays the deadline itself. Abandoned calls are bounded: once
+  `max_stuck_threads` are still running, the run switches to process isolation for good (one
+  warning; metric `reward_process_isolation`), so a reward that hangs for ever costs at most
+  that many threads.
 - process: calls run in a pool of spawned worker processes, `num_workers` at a time; when one
   overruns, the pool is killed and restarted. Robust against anything, costs a process start
   (imports) per restart. Terms are resolved by name inside the workers.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import math
 import multiprocessing.pool
 import os
@@ -33,6 +37,8 @@ import torch
 from torch import Tensor
 
 from megagrpo.config.data import RewardConfig
+
+log = logging.getLogger("megagrpo")
 
 RewardCallable = Callable[..., float]
 _THREAD_PREFIX = "megagrpo-reward"
@@ -314,9 +320,11 @@ class RewardFn:
             total += term.weight * values
             metrics[f"reward/{label}"] = float(values.mean()) if len(values) else 0.0
         metrics["reward_time_s"] = time.perf_counter() - start
+        # the same keys whatever the isolation: ranks that switched average with ranks that
+        # did not (the trainer all-reduces these by key)
         metrics["reward_stuck_threads"] = float(stuck_reward_threads())
-        if self.processes is not None:
-            metrics["reward_pool_restarts"] = float(self.processes.restarts)
+        metrics["reward_pool_restarts"] = float(self.processes.restarts if self.processes else 0)
+        metrics["reward_process_isolation"] = float(self.processes is not None)
         return total, per_term, metrics
 
     def correct(self, per_term: dict[str, Tensor]) -> Tensor:
@@ -329,8 +337,26 @@ class RewardFn:
     ) -> list[tuple[float, str]]:
         if self.processes is not None:
             return self.processes.run(name, pairs, kwargs, self.cfg.timeout_s)
-        timeout = self.cfg.timeout_s if self.cfg.isolation == "thread" else None
-        return [call_with_deadline(fn, c, a, kwargs, timeout) for c, a in pairs]
+        if self.cfg.isolation == "none":
+            return [call_with_deadline(fn, c, a, kwargs, None) for c, a in pairs]
+        out: list[tuple[float, str]] = []
+        for i, (c, a) in enumerate(pairs):
+            stuck = stuck_reward_threads()
+            if stuck >= self.cfg.max_stuck_threads:  # the rest, and every later call, in processes
+                self._switch_to_processes(stuck)
+                return out + self.processes.run(name, pairs[i:], kwargs, self.cfg.timeout_s)
+            out.append(call_with_deadline(fn, c, a, kwargs, self.cfg.timeout_s))
+        return out
+
+    def _switch_to_processes(self, stuck: int) -> None:
+        """Thread isolation cannot stop an overrunning call; worker processes can be killed."""
+        log.warning(
+            "reward: %d timed-out reward calls are still running in threads of this process "
+            "(reward.max_stuck_threads=%d; Python cannot stop a thread): switching to "
+            "reward.isolation=process, whose workers are killed on timeout, for the rest of the "
+            "run. Set reward.isolation=process to start that way, or fix the hanging reward",
+            stuck, self.cfg.max_stuck_threads)
+        self.processes = ProcessScorer(self.cfg.num_workers)
 
     def close(self) -> None:
         """Stop worker processes (isolation=process); a later score() starts them again."""

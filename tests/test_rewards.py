@@ -1,4 +1,6 @@
 """Reward functions: built-ins, user import strings, weighted sums, errors and timeouts."""
+import importlib
+import logging
 import textwrap
 import time
 
@@ -9,7 +11,14 @@ from megagrpo import rewards
 from megagrpo.config.data import RewardConfig, RewardTermConfig
 
 USER_MODULE = """
+import threading
 import time
+
+RELEASE = threading.Event()  # the test sets it at the end; worker processes never see it set
+
+def hang(completion, answer):
+    RELEASE.wait()
+    return 1.0
 
 def slow(completion, answer):
     time.sleep(1.0)
@@ -131,3 +140,45 @@ def test_process_isolation_kills_overrunning_calls(user_module):
     finally:
         scorer.close()
     assert scorer.processes.pool is None
+
+
+def _wait_for_reward_threads_to_end(limit_s: float = 5.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while rewards.stuck_reward_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_hanging_reward_leaves_a_bounded_number_of_threads(user_module, caplog):
+    """A reward that never returns: thread isolation abandons at most max_stuck_threads calls,
+    then the run moves to (killable) worker processes with one warning. Slow: a pool start per
+    hanging call once in processes."""
+    _wait_for_reward_threads_to_end()  # threads of earlier tests' slow rewards
+    assert rewards.stuck_reward_threads() == 0
+    cfg = RewardConfig(terms=[{"name": f"{user_module}:hang"}, {"name": "exact_match"}],
+                       timeout_s=0.1, max_stuck_threads=3, num_workers=1)
+    scorer = rewards.RewardFn(cfg)
+    stuck, isolation = [], []
+    try:
+        with caplog.at_level(logging.WARNING, logger="megagrpo"):
+            for _ in range(3):
+                total, per_term, m = scorer.score(["7", "8"], ["7", "7"])
+                assert total.tolist() == [1.0, 0.0]  # exact_match still counts, the hang is 0
+                assert per_term[f"{user_module}:hang"].tolist() == [0.0, 0.0]
+                assert m["reward_timeouts"] == 2
+                stuck.append(m["reward_stuck_threads"])
+                isolation.append(m["reward_process_isolation"])
+        # 2 calls abandoned in the first score, 1 more in the second, then the cap holds
+        assert stuck == [2, 3, 3] and rewards.stuck_reward_threads() == 3
+        assert isolation == [0.0, 1.0, 1.0]
+        switches = [r for r in caplog.records if "max_stuck_threads=3" in r.getMessage()]
+        assert len(switches) == 1 and "isolation=process" in switches[0].getMessage()
+        assert m["reward_pool_restarts"] >= 1  # the hanging calls' workers were killed
+    finally:
+        importlib.import_module(user_module).RELEASE.set()
+        scorer.close()
+        _wait_for_reward_threads_to_end()
+
+
+def test_max_stuck_threads_is_range_checked():
+    with pytest.raises(ValueError, match=r"reward\.max_stuck_threads=0"):
+        RewardConfig(max_stuck_threads=0).validate()

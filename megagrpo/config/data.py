@@ -142,6 +142,8 @@ class RewardConfig:
     """'thread' (a thread per call), 'process' (killable worker pool) or 'none' (no deadline)."""
     num_workers: int = 2
     """isolation=process: worker processes (calls run this many at a time)."""
+    max_stuck_threads: int = 8
+    """isolation=thread: timed-out calls left running before the run switches to process."""
 
     def __post_init__(self) -> None:
         self.terms = [RewardTermConfig(**t) if isinstance(t, dict) else t for t in self.terms]
@@ -160,5 +162,8 @@ class RewardConfig:
             raise ValueError(f"reward.timeout_s={self.timeout_s}: need > 0")
         if self.num_workers < 1:
             raise ValueError(f"reward.num_workers={self.num_workers}: need >= 1")
+        if self.max_stuck_threads < 1:
+            raise ValueError(f"reward.max_stuck_threads={self.max_stuck_threads}: need >= 1 "
+                             "(abandoned calls kept in threads before switching to processes)")
         if self.isolation not in REWARD_ISOLATION:
             raise ValueError(f"reward.isolation={self.isolation!r}: use one of {REWARD_ISOLATION}")
