@@ -170,3 +170,13 @@ def test_group_size_is_the_only_name_for_g():
     direct = SamplingSettings.from_config(cfg, n=8)  # direct engine users still choose n
     assert (direct.n, direct.temperature, direct.max_tokens, direct.stop) == (8, 0.5, 7, ("##",))
     assert SamplingSettings.from_config(cfg).n == 1
+
+
+def test_configs_built_in_python_get_the_same_type_checks():
+    from megagrpo.config.optim import OptimConfig
+
+    with pytest.raises(ValueError, match=r"optim\.lr=nan: expected a finite number"):
+        TrainConfig(optim=OptimConfig(lr=float("nan"))).validate()
+    with pytest.raises(ValueError, match=r"rollout\.stop='abc': expected a list of strings"):
+        TrainConfig(rollout=RolloutConfig(stop="abc")).validate()
+    TrainConfig().validate(world_size=1)

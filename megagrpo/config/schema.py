@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from typing import Any
@@ -46,6 +47,22 @@ def build_dataclass(cls: type, data: Any, where: str) -> Any:
     return cls(**kwargs)
 
 
+def check_instance(obj: Any, where: str = "") -> None:
+    """The same type rules for a config built in Python rather than loaded (a NaN learning rate
+    or a string where a list is meant passes every range check): raise ValueError naming the
+    first ill-typed field."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, name = getattr(obj, f.name), f"{where}{f.name}"
+        if dataclasses.is_dataclass(value):
+            check_instance(value, name + ".")
+        elif isinstance(value, list) and value and all(map(dataclasses.is_dataclass, value)):
+            for i, item in enumerate(value):
+                check_instance(item, f"{name}[{i}].")
+        else:
+            coerce(value, hints[f.name], name)
+
+
 def coerce(value: Any, hint: Any, name: str) -> Any:
     """`value` checked against the annotation `hint` and converted where YAML 1.1 is ambiguous
     ('1e-3' is read as a string, '5' as an int where a float is meant)."""
@@ -81,7 +98,7 @@ def _coerce_scalar(value: Any, hint: Any, name: str) -> Any:
     if hint is float:
         return _to_float(value, name)
     if hint is str:
-        if not isinstance(value, str):
+        if not isinstance(value, (str, os.PathLike)):  # a Path, from Python callers
             raise ValueError(f"{name}={show(value)}: expected a string, got {_type_name(value)} "
                              "(quote it in YAML: '...')")
         return value

@@ -13,7 +13,7 @@ from megagrpo.config.data import ArithmeticConfig, DataConfig, RewardConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.optim import OptimConfig
 from megagrpo.config.rollout import RolloutConfig
-from megagrpo.config.schema import build_dataclass
+from megagrpo.config.schema import build_dataclass, check_instance
 
 
 @dataclass(kw_only=True)
@@ -158,6 +158,7 @@ class TrainConfig:
 
     def validate(self, world_size: int | None = None) -> None:
         """Checks every section and the cross-section rules, before anything starts."""
+        check_instance(self)  # types first: a config built in Python skipped load_config's
         self.model.validate()
         self.parallel.validate(self.model, world_size)
         self.optim.validate()
