@@ -80,6 +80,40 @@ def test_overlong_prompts_refused_or_dropped_at_the_exact_budget(tmp_path, spm_m
     assert f"dropped {got.dropped_train} train / {got.dropped_eval} eval prompts" in got.summary()
 
 
+def _chat_tokenizer(path: Path) -> str:
+    """A word-level HF tokenizer whose chat template wraps the question in 7 extra tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<s>", "</s>", "<unk>", "user", "assistant", ":", "w"]
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
+                                  unk_token="<unk>", pad_token="<pad>")
+    tok.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>"
+                         "{% endfor %}{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_prompt_budget_counts_the_chat_template(tmp_path, spm_model):
+    from transformers import AutoTokenizer
+
+    tok_dir = _chat_tokenizer(tmp_path / "chat_tok")
+    records = [{"prompt": " ".join(["w"] * k), "answer": "1"} for k in range(12, 21)]
+    hf = AutoTokenizer.from_pretrained(tok_dir)
+    # HF's own rendering and encoding; the template starts with BOS, so nothing goes in front
+    lengths = [len(hf.apply_chat_template([{"role": "user", "content": r["prompt"]}],
+                                          tokenize=True, add_generation_prompt=True)
+                   ["input_ids"]) for r in records]
+    fits = [r["prompt"] for r, n in zip(records, lengths) if n <= 32 - 8]
+    assert 0 < len(fits) < len(records)
+    over = [f"data.tokenizer={tok_dir}", "data.template=chat", "data.overlong_prompts=drop"]
+    got = preflight(_file_cfg(tmp_path, spm_model, records, *over), 1)
+    assert [e.prompt.split(": ")[1].split("</s>")[0] for e in got.task.train] == fits
+    assert got.longest_prompt == max(n for n in lengths if n <= 24)
+
+
 @pytest.mark.parametrize("records,match", [
     ([{"prompt": "1+1", "answer": "2"}, {"prompt": None, "answer": "0"}],
      r"train\.jsonl, record 2: data\.prompt_field 'prompt' is null"),
