@@ -378,11 +378,13 @@ def completion_metrics(lengths: Tensor, truncated: Tensor) -> dict[str, float]:
     }
 
 
-def reward_metrics(rewards: Tensor, group_size: int, solved: float = 1.0) -> dict[str, float]:
-    """Reward summary: mean/std, pass@G (a group has a reward >= `solved`), fraction of groups
-    all-solved / all-unsolved / with zero reward spread. rewards: [B*G]."""
+def reward_metrics(rewards: Tensor, group_size: int, correct: Tensor | None = None,
+                   solved: float = 1.0) -> dict[str, float]:
+    """Reward summary: mean/std, pass@G (a group has a correct completion), fraction of groups
+    all-solved / all-unsolved / with zero reward spread. rewards: [B*G]; correct: [B*G] bool
+    (the correctness term's verdict), or None to call a summed reward >= `solved` correct."""
     grouped = rewards.view(-1, group_size).to(torch.float64)
-    hit = grouped >= solved
+    hit = grouped >= solved if correct is None else correct.view(-1, group_size).bool()
     return {
         "reward_mean": float(grouped.mean().item()),
         "reward_std": float(grouped.std().item()) if grouped.numel() > 1 else 0.0,

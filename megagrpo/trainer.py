@@ -111,10 +111,11 @@ class Trainer:
         comps = self.engine.generate([prompts[i] for i in mine], sampling) if mine else []
         texts = [c.text or self.tokenizer.decode(c.token_ids) for c in comps]
         ans = [answers[mine[c.prompt_index]] for c in comps]
-        rewards, _, metrics = self.reward_fn.score(texts, ans) if comps else (
+        rewards, per_term, metrics = self.reward_fn.score(texts, ans) if comps else (
             torch.zeros(0), None, {})
-        for c in comps:
-            c.prompt_index = mine[c.prompt_index]
+        verdicts = self.reward_fn.correct(per_term).tolist() if comps else []
+        for c, ok in zip(comps, verdicts):
+            c.prompt_index, c.correct = mine[c.prompt_index], bool(ok)
         return comps, rewards.tolist(), metrics
 
     def _gather(self, local: tuple) -> tuple[list, torch.Tensor, dict]:
@@ -186,7 +187,9 @@ class Trainer:
                      [c.logprobs for c in ro.completions], torch.zeros(len(rewards)),
                      pad_id=self.pad_id, multiple=mb, blocks=n_mini, completion_mask=keep,
                      seq_rewards=rewards)
-        metrics = dict(algo.reward_metrics(ro.rewards.float(), a.group_size), **ro.metrics)
+        correct = torch.tensor([bool(c.correct) for c in ro.completions])
+        metrics = dict(algo.reward_metrics(ro.rewards.float(), a.group_size, correct),
+                       **ro.metrics)
         metrics.update(completion_len=float(lengths.float().mean()),
                        truncated_frac=float(truncated.float().mean()),
                        nonfinite_rewards=float(algo.bad_rewards(rewards, a.max_abs_reward).sum()))

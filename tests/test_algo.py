@@ -241,6 +241,16 @@ def test_reward_metrics():
     assert got["reward_mean"] == pytest.approx(4 / 9)
 
 
+def test_reward_metrics_count_the_correctness_verdict_not_the_summed_reward():
+    # a bonus term lifts every summed reward to >= 1; only the verdicts say what was solved
+    rewards = torch.tensor([2, 1, 1, 1, 1, 1], dtype=F64)
+    correct = torch.tensor([True, False, False, False, False, False])
+    got = algo.reward_metrics(rewards, 3, correct)
+    assert got["pass_at_g"] == pytest.approx(1 / 2)
+    assert got["groups_all_solved"] == 0.0 and got["groups_none_solved"] == pytest.approx(1 / 2)
+    assert algo.reward_metrics(rewards, 3)["groups_all_solved"] == 1.0  # the summed view
+
+
 def test_algo_config_validation():
     AlgoConfig().validate()
     bad = [dict(group_size=1), dict(eps_low=1.0), dict(loss_agg="x"), dict(dual_clip_c=0.5),
