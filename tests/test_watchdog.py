@@ -195,3 +195,63 @@ def test_collective_timeout_reaches_world_and_megatron_groups(tmp_path):
         # (today's fixed 30 min would wait the 12 s and succeed)
         assert "Timed out" in r0[group]["error"], (group, r0)
         assert 4.5 < r0[group]["waited_s"] < 11, (group, r0)
+
+
+def test_frozen_rank_in_a_real_run_is_named(tmp_path):
+    """End to end: `python -m megagrpo train --nproc 2` (megatron + vLLM per rank); once step 1
+    is logged, rank 1 stops itself inside a reward call of the next step's rollout."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import resume_stress as stress  # the tiny 2-rank run and its launch helpers
+
+    flag, out, log = tmp_path / "freeze", tmp_path / "run", tmp_path / "run.log"
+    proc = stress.launch(out, 20, log, "run.checkpoint_every=0", "run.checkpoint_at_end=false",
+                         f"reward.terms=[{{name: 'tests._watchdog_rewards:freeze_when_flagged', "
+                         f"kwargs: {{flag: '{flag}'}}}}]",
+                         "run.heartbeat_interval_s=1", "run.heartbeat_timeout_s=8")
+    below: set[int] = set()
+    try:
+        stress.wait_for_step(proc, out, 1, timeout=400)
+        below = _descendants(proc.pid)  # torchrun and the ranks
+        flag.touch()
+        rc = proc.wait(timeout=200)
+        left = [p for p in below if _alive(p)]
+    finally:
+        stress.kill_group(proc)
+        for pid in below:  # a stopped rank ignores all but SIGKILL; SIGCONT in case
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+    text = log.read_text()
+    seconds = time.time() - float(Path(f"{flag}.stalled_at").read_text())
+    assert rc != 0, text[-4000:]
+    assert seconds < 40, (seconds, text[-4000:])
+    assert "megagrpo watchdog on rank 0: rank 1 (pid" in text, text[-4000:]
+    assert "its last: phase 'rollout' of step " in text
+    assert "sent SIGKILL to stopped rank 1" in text
+    assert len(below) >= 3 and not left, (below, left)  # torchrun + 2 ranks, all gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
