@@ -76,7 +76,7 @@ class ParallelConfig:
     backend: str = "auto"
     """torch.distributed backend: 'auto' (nccl with CUDA, gloo without), 'nccl' or 'gloo'."""
     collective_timeout_s: float = 600.0
-    """A collective waiting longer than this raises (every process group, megatron's included)."""
+    """A collective (or a new group's connect) waiting longer raises; all groups, megatron's too."""
 
     def validate(self, model: ModelConfig, world_size: int | None = None) -> None:
         """Checks the layout against the model (and the world size when given)."""
