@@ -10,6 +10,7 @@ import yaml
 
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.config.data import ArithmeticConfig, DataConfig, RewardConfig
+from megagrpo.config.layout import check_rollout_layout
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.optim import OptimConfig
 from megagrpo.config.rollout import RolloutConfig
@@ -177,11 +178,11 @@ class TrainConfig:
                                  f"the data-parallel size {dp}")
         self._validate_sampling()
         if self.run.async_rollout and self.rollout.tensor_parallel_size > 1:
-            raise ValueError("run.async_rollout needs rollout.tensor_parallel_size=1")
-        if self.rollout.tensor_parallel_size > 1:
-            raise ValueError("the trainer runs vLLM with rollout.tensor_parallel_size=1 per rank "
-                             "(rollouts are data-parallel over all ranks); VLLMEngine itself "
-                             "supports tp>1 via external_launcher")
+            # the side thread samples from each rank's own generator: an engine's ranks diverge
+            raise ValueError("run.async_rollout needs rollout.tensor_parallel_size=1 (engines of "
+                             "k > 1 ranks must sample identical tokens on every rank)")
+        check_rollout_layout(self.rollout.tensor_parallel_size, self.parallel, self.model,
+                             world_size)
 
 
     def _validate_sampling(self) -> None:
