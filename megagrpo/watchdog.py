@@ -30,7 +30,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from functools import partial
@@ -175,8 +175,6 @@ class Watchdog:
         self.peer_beat: Beat | None = None
         self.peer_done = False
         self.store_error = ""
-        self.fired: str | None = None
-        """The message, once the watchdog has fired."""
         stat = _proc_stat(os.getpid())
         self.identity = (os.getpid(), socket.gethostname(), stat[1] if stat else -1)
         self._stop = threading.Event()
@@ -190,16 +188,8 @@ class Watchdog:
         self.state = (phase, old_step if step is None else step, self.clock())
         self._wake.set()  # publish now: a rank that freezes in this phase is reported in it
 
-    @contextlib.contextmanager
-    def phase(self, name: str, step: int | None = None) -> Iterator[None]:
-        """`with watchdog.phase("eval"):` marks `name`, then 'after <name>' once it is done."""
-        self.set_phase(name, step)
-        try:
-            yield
-        finally:
-            self.set_phase(f"after {name}")
-
     def start(self) -> Watchdog:
+        """Starts the thread (not needed, so not started, with one rank and no stall check)."""
         if self._thread is None and (self.settings.stall_timeout_s or self.store_factory):
             self._thread = threading.Thread(target=self._loop, name="megagrpo-watchdog",
                                             daemon=True)
@@ -330,7 +320,6 @@ class Watchdog:
         return "heartbeats: " + "; ".join(parts)
 
     def _fire(self, message: str, frozen: Beat | None) -> None:
-        self.fired = message
         print(message, file=sys.stderr, flush=True)
         if frozen is not None and _kill_if_stopped(frozen):
             print(f"megagrpo watchdog on rank {self.rank}: sent SIGKILL to stopped rank "
