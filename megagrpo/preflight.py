@@ -61,13 +61,14 @@ class Preflight:
 def preflight(cfg: TrainConfig, world_size: int | None = None) -> Preflight:
     """Everything checkable before compute; raises ValueError naming the field, the value and
     what is valid. `cfg` is not modified."""
-    from megagrpo.rewards import resolve_terms
-
     t0 = time.perf_counter()
     check_init(cfg.run.init)
     model = model_config(cfg)
     cfg = dataclasses.replace(cfg, model=model)  # the layout is checked against the real model
     cfg.validate(world_size)
+    check_paths(cfg)
+    from megagrpo.rewards import resolve_terms  # imports torch: after the config-only checks
+
     resolve_terms(cfg.reward)
     task = load_task(cfg)
     check_model(cfg, model, task.tokenizer)
@@ -92,13 +93,13 @@ def check_init(init: str) -> None:
     """run.init is 'random' or a folder holding an HF or a megagrpo checkpoint."""
     if init == "random":
         return
-    from megagrpo.checkpoint import MODEL_JSON  # imports torch: only when a checkpoint is named
-
-    what = (f"use 'random', an HF checkpoint folder (config.json + *.safetensors) or a megagrpo "
-            f"checkpoint folder ({MODEL_JSON})")
+    what = ("use 'random', an HF checkpoint folder (config.json + *.safetensors) or a megagrpo "
+            "checkpoint folder")
     path = Path(init).expanduser()
     if not path.is_dir():
         raise ValueError(f"run.init={init!r}: no such folder; {what}")
+    from megagrpo.checkpoint import MODEL_JSON  # imports torch: only once a folder is there
+
     if not (path / "config.json").is_file() and not (path / MODEL_JSON).is_file():
         raise ValueError(f"run.init={init!r} holds neither config.json nor {MODEL_JSON}; {what}")
 
@@ -119,16 +120,27 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
     return cfg.model
 
 
+def check_paths(cfg: TrainConfig) -> None:
+    """The data files and a local tokenizer exist (cheap: before anything is imported or read).
+    A tokenizer that is neither a .model file nor a local path may be a hub name."""
+    data = cfg.data
+    names = ("path", "eval_path") if data.task == "file" else ()
+    for name in names:
+        value = getattr(data, name)
+        if value and not Path(value).expanduser().exists():
+            raise ValueError(f"data.{name}={value!r}: no such file or folder")
+    spec = data.tokenizer
+    local = spec.endswith(".model") or spec.startswith(("/", ".", "~"))
+    if spec and local and not Path(spec).expanduser().exists():
+        raise ValueError(f"data.tokenizer={spec!r}: no such file or folder (a sentencepiece "
+                         ".model file or an HF tokenizer folder)")
+
+
 def load_task(cfg: TrainConfig) -> Task:
     """The tokenizer and the prompts, with file and field errors naming the data.* setting."""
     from megagrpo.tasks import build_task
 
     data = cfg.data
-    if data.task == "file":
-        for name in ("path", "eval_path"):
-            value = getattr(data, name)
-            if value and not Path(value).expanduser().exists():
-                raise ValueError(f"data.{name}={value!r}: no such file or folder")
     try:
         return build_task(data, cfg.arithmetic)
     except KeyError as e:  # a missing record field: get_field's message names it
