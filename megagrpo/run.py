@@ -29,6 +29,7 @@ from megagrpo.checkpoint import (
 )
 from megagrpo.config.train import TrainConfig
 from megagrpo.distributed import init_distributed, torchrun_env
+from megagrpo.export import save_tokenizer
 from megagrpo.metrics import (
     MetricsLogger,
     history_size,
@@ -197,6 +198,7 @@ def _finish_checkpoint(tr: Trainer, final: Path) -> None:
     tmp = final / (TRAINER_STATE + ".tmp")
     tmp.write_text(json.dumps(state))
     os.replace(tmp, final / TRAINER_STATE)
+    save_tokenizer(final / "policy", tr.tokenizer)  # `convert --to-hf` exports it with the model
     write_manifest(final)  # from here on the checkpoint is complete
     dirs = step_dirs(final.parent)
     kept = [p for p in dirs if (p / MANIFEST).exists() and step_of(p) <= tr.step_idx]
