@@ -105,7 +105,7 @@ def check_head_dim(head_dim: int, *, on_cpu: bool) -> None:
     """Raise ValueError if vLLM's CPU attention has no kernel for this head size."""
     if on_cpu and head_dim not in CPU_HEAD_DIMS:
         raise ValueError(
-            f"model head_dim={head_dim} is not supported by vLLM's CPU attention; "
+            f"model.head_dim={head_dim} is not supported by vLLM's CPU attention; "
             f"use one of {CPU_HEAD_DIMS} (head_dim = hidden_size / num_attention_heads "
             "unless the HF config sets head_dim)"
         )
