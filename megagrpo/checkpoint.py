@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megagrpo.config.model import ModelConfig
 from megagrpo.model import unwrap
@@ -91,8 +92,7 @@ def load_model(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike) -> None:
 
 
 # ---------------------------------------------------------------------- failures of a write
-_NO_SPACE_MARKS = ("no space left on device", "unexpected pos", "basic_ios::clear",
-                   "file write failed", "enospc")
+_NEARLY_FULL = 64 << 20  # bytes: a write that failed with less than this free ran out of space
 
 
 def _causes(exc: BaseException) -> Iterator[BaseException]:
@@ -105,9 +105,12 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
         seen.add(id(e))
         yield e
         todo += [c for c in (e.__cause__, e.__context__) if c is not None]
-        failures = getattr(e, "failures", None)  # torch DCP: {rank: exception or traceback}
+        failures = getattr(e, "failures", None)  # torch DCP: {rank: (exception, traceback)}
         if isinstance(failures, dict):
-            todo += [f for f in failures.values() if isinstance(f, BaseException)]
+            for f in failures.values():
+                f = f[0] if isinstance(f, tuple) and f else f
+                if isinstance(f, BaseException):
+                    todo.append(f)
 
 
 def _free_bytes(path: Path) -> tuple[Path, int]:
@@ -119,14 +122,14 @@ def _free_bytes(path: Path) -> tuple[Path, int]:
 
 
 def no_space_error(exc: BaseException, path: str | os.PathLike) -> OSError | None:
-    """An OSError(ENOSPC) naming `path` when `exc` is (or wraps) a write that ran out of space:
-    an ENOSPC anywhere in the chain, or the C++ writers' messages ("unexpected pos",
-    "basic_ios::clear") on a filesystem that is (almost) full. None otherwise."""
-    causes = list(_causes(exc))
-    enospc = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in causes)
-    text = " ".join(str(e) for e in causes).lower()
+    """An OSError(ENOSPC) naming `path` when `exc` is (or wraps) a write that ran out of space,
+    else None. The layers below rarely say so: torch's C++ writer reports "unexpected pos" or
+    "basic_ios::clear", and DCP hands ranks other than the coordinator an empty
+    CheckpointException. So: an ENOSPC anywhere in the chain, or a failure while the
+    filesystem of `path` is (almost) full."""
+    enospc = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in _causes(exc))
     where, free = _free_bytes(Path(path))
-    if not (enospc or (any(m in text for m in _NO_SPACE_MARKS) and free < (64 << 20))):
+    if not (enospc or free < _NEARLY_FULL):
         return None
     total = shutil.disk_usage(where).total
     return OSError(errno.ENOSPC, (
@@ -140,7 +143,7 @@ def disk_errors(path: str | os.PathLike) -> Iterator[None]:
     """Re-raises a failed write as `no_space_error` when that is what it was."""
     try:
         yield
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         err = no_space_error(e, path)
         if err is None:
             raise
@@ -155,7 +158,7 @@ def on_every_rank(fn: Callable[[], object], path: str | os.PathLike) -> None:
     try:
         with disk_errors(path):
             fn()
-    except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised below
         err = e
     failed = torch.tensor([0.0 if err is None else 1.0])
     if dist.is_initialized():

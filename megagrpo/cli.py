@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import subprocess
 import sys
+
+from megagrpo.procs import run_child
+from megagrpo.run_dir import check_out_dir
 
 
 def _relaunch(nproc: int) -> int:
@@ -27,7 +29,9 @@ def _relaunch(nproc: int) -> int:
     # CPU ops spin against each other (measured: a 4-minute demo did not finish its cold start)
     cores = os.cpu_count() or 1
     env.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
-    return subprocess.call(cmd, env=env)
+    # torchrun (and through it the ranks) dies with this process, even on SIGKILL, and gets
+    # the signals it receives: a killed launcher never leaves ranks training on
+    return run_child(cmd, env)
 
 
 def _drop_nproc(argv: list[str]) -> list[str]:
@@ -157,6 +161,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     world = int(os.environ.get("WORLD_SIZE", nproc))
     if "WORLD_SIZE" not in os.environ:  # under torchrun, setup() runs it on every rank
         logging.getLogger("megagrpo").info("%s", preflight(cfg, world).summary())
+    check_out_dir(cfg.run)  # an earlier run in out_dir: refused or cleared, before any start
     if _needs_relaunch(nproc):
         return _relaunch(nproc)
     from megagrpo.distributed import shutdown

@@ -382,6 +382,22 @@ class VLLMEngine:
             cuda = torch.cuda.get_rng_state() if self._rng[1] is not None else None
             self._rng = (torch.get_rng_state(), cuda)
 
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        """The sampler's generator state ({"cpu": ByteTensor, "cuda": ByteTensor when on GPU}),
+        checkpointed so that a resumed run samples the same tokens as an uninterrupted one."""
+        state = {"cpu": self._rng[0].clone()}
+        if self._rng[1] is not None:
+            state["cuda"] = self._rng[1].clone()
+        return state
+
+    def set_rng_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Continue sampling from a state `rng_state` returned (same device kind)."""
+        if ("cuda" in state) != (self._rng[1] is not None):
+            raise ValueError("VLLMEngine.set_rng_state: the saved sampler state is for "
+                             f"{'GPU' if 'cuda' in state else 'CPU'}, this engine runs on "
+                             f"{'GPU' if self._rng[1] is not None else 'CPU'}")
+        self._rng = (state["cpu"].clone(), state["cuda"].clone() if "cuda" in state else None)
+
     # -- rollout -----------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]],
                  sampling: SamplingSettings | RolloutConfig | None = None, *,

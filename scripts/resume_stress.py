@@ -1,0 +1,232 @@
+"""Kill-and-resume stress test: is a resumed run bitwise the run that was never interrupted?
+
+    .venv/bin/python scripts/resume_stress.py --kills 5 [--steps 8] [--work /tmp/stress]
+
+Runs a tiny GRPO recipe (2 ranks, fp32, checkpoint every 2 steps, synchronous rollout) once
+uninterrupted, then N times: start the same run, SIGKILL its launcher, torchrun and ranks at
+once (as a crash or an OOM kill would) at a random moment after the first step,
+resume it, and compare the final policy and optimizer tensors and the metrics history
+(deterministic fields) with the uninterrupted run. Prints one line per kill and
+"k/N resumed bitwise equal". tests/test_resume.py drives the same functions.
+
+Async rollout (run.async_rollout) samples on a thread from the global torch generator and is
+not bitwise reproducible, interrupted or not; this script uses synchronous rollout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# fields that measure time, not what was computed
+_TIMING_SUFFIXES = ("_s", "_seconds")
+
+
+def tiny_overrides(out_dir: Path, steps: int, checkpoint_every: int = 2) -> list[str]:
+    """A run small enough for CI: ~0.1M-parameter Llama, 2 ranks (DP=2), fp32."""
+    return [
+        "model.vocab_size=19", "model.hidden_size=64", "model.ffn_hidden_size=128",
+        "model.num_layers=2", "model.num_attention_heads=2", "model.num_query_groups=1",
+        "model.head_dim=32", "model.max_position_embeddings=64",
+        "parallel.make_vocab_size_divisible_by=16", "optim.lr=1e-3",
+        "optim.lr_schedule=cosine", "optim.warmup_steps=1", "rollout.max_tokens=6",
+        "rollout.max_model_len=64", "rollout.cpu_kvcache_space_gib=1", "algo.group_size=4",
+        "algo.beta=0.05", "reference.sync_every_steps=3", "data.batch_size=8",
+        "reward.terms=[{name: 'tests._rewards:length_reward'}]",
+        "arithmetic.num_train=256", "arithmetic.num_eval=8", "run.micro_batch_size=16",
+        "run.kernel_impl=torch", f"run.out_dir={out_dir}", f"run.steps={steps}",
+        f"run.checkpoint_every={checkpoint_every}", "run.checkpoint_at_end=true",
+        "run.keep_last=3", "run.progress=true", "run.tensorboard=false",
+    ]
+
+
+def launch(out_dir: Path, steps: int, log: Path, *extra: str) -> subprocess.Popen:
+    """`python -m megagrpo train --nproc 2 ...` in its own process group, output to `log`."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)  # the torch kernel path: the interpreter only slows vLLM
+    cmd = [sys.executable, "-m", "megagrpo", "train", "--nproc", "2",
+           *tiny_overrides(out_dir, steps), *extra]
+    with log.open("ab") as f:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
+    """Waits for a run; raises with the tail of its log when it fails."""
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        rc = -1
+    if rc != 0:
+        raise RuntimeError(f"run failed (rc={rc}):\n{log.read_text()[-6000:]}")
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid`, read from /proc (torchrun starts each rank in a session
+    of its own, so the launcher's process group does not hold them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the run's launcher, torchrun and ranks at once (as a crash or OOM kill would)."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def logged_steps(out_dir: Path) -> list[int]:
+    """Steps of the GRPO step records in metrics.jsonl (a line being written is skipped)."""
+    path = out_dir / "metrics.jsonl"
+    steps = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if "reward_mean" in record:
+            steps.append(record["step"])
+    return steps
+
+
+def wait_for_step(proc: subprocess.Popen, out_dir: Path, step: int, *,
+                  checkpoint: bool = False, timeout: float = 600) -> None:
+    """Returns once metrics.jsonl holds step `step` (the run is then inside step + 1), and with
+    `checkpoint` once that step's checkpoint is complete as well."""
+    from megagrpo.run_dir import MANIFEST, checkpoint_root
+
+    manifest = checkpoint_root(out_dir) / f"step_{step:06d}" / MANIFEST
+    t0 = time.monotonic()
+    while step not in logged_steps(out_dir) or (checkpoint and not manifest.exists()):
+        if proc.poll() is not None:
+            raise RuntimeError(f"run ended (rc={proc.returncode}) before step {step}")
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"step {step} not reached in {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def history(out_dir: Path) -> list[dict]:
+    """metrics.jsonl without the fields that measure time."""
+    records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time_")
+             and not k.endswith(_TIMING_SUFFIXES)} for r in records]
+
+
+def final_state(out_dir: Path) -> dict[str, torch.Tensor]:
+    """The newest checkpoint's policy tensors (read with torch DCP, no process group) and
+    every rank's optimizer tensors (megagrpo's safetensors files)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from megagrpo.checkpoint import load_tree
+    from megagrpo.run_dir import checkpoint_root, step_dirs
+
+    ckpt = step_dirs(checkpoint_root(out_dir))[-1]
+    policy = _load_state_dict_from_keys(checkpoint_id=str(ckpt / "policy"))
+    out = {f"policy.{k}": v for k, v in policy.items() if isinstance(v, torch.Tensor)}
+    for f in sorted((ckpt / "optimizer").glob("*.safetensors")):
+        out.update(_flatten(load_tree(f), f"{f.stem}."))
+    return out
+
+
+def _flatten(tree, prefix: str) -> dict[str, torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) \
+        if isinstance(tree, (list, tuple)) else ()
+    out: dict[str, torch.Tensor] = {}
+    for k, v in items:
+        out.update(_flatten(v, f"{prefix}{k}."))
+    return out
+
+
+def compare(reference: Path, resumed: Path) -> list[str]:
+    """What differs between two runs' final tensors and histories (empty: bitwise equal)."""
+    a, b = final_state(reference), final_state(resumed)
+    diffs = [f"tensor sets differ: {sorted(a.keys() ^ b.keys())[:4]}"] if a.keys() != b.keys() \
+        else []
+    for k in sorted(a.keys() & b.keys()):
+        if not torch.equal(a[k], b[k]):
+            gap = float((a[k].double() - b[k].double()).abs().max())
+            diffs.append(f"{k}: max |diff| {gap:.3g}")
+    ha, hb = history(reference), history(resumed)
+    if len(ha) != len(hb):
+        diffs.append(f"metrics.jsonl: {len(ha)} records vs {len(hb)}")
+    diffs += [f"metrics record {i}: {x} != {y}" for i, (x, y) in enumerate(zip(ha, hb)) if x != y]
+    return diffs
+
+
+def interrupted_run(out_dir: Path, steps: int, kill_after_step: int, *,
+                    delay: float = 0.0) -> str:
+    """Starts the run, SIGKILLs all of it `delay` s after step `kill_after_step` was
+    logged, resumes it to the end. Returns the resumed run's log."""
+    log = out_dir.parent / f"{out_dir.name}.log"
+    proc = launch(out_dir, steps, log)
+    try:
+        wait_for_step(proc, out_dir, kill_after_step)
+        time.sleep(delay)
+    finally:
+        kill_tree(proc)
+    resumed_log = out_dir.parent / f"{out_dir.name}.resumed.log"
+    finish(launch(out_dir, steps, resumed_log), resumed_log)
+    return resumed_log.read_text()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--work", default="/tmp/megagrpo-resume-stress")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the kill times")
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    pick = random.Random(args.seed)
+    ref = work / "uninterrupted"
+    t0 = time.monotonic()
+    finish(launch(ref, args.steps, work / "uninterrupted.log", "run.overwrite=true"),
+           work / "uninterrupted.log")
+    print(f"uninterrupted run: {time.monotonic() - t0:.0f} s", flush=True)
+    equal = 0
+    for i in range(args.kills):
+        out = work / f"kill{i}"
+        step, delay = pick.randrange(1, args.steps), pick.uniform(0.0, 1.5)
+        if out.exists():
+            shutil.rmtree(out)
+        interrupted_run(out, args.steps, step, delay=delay)
+        diffs = compare(ref, out)
+        equal += not diffs
+        print(f"kill {i + 1}: after step {step} + {delay:.2f} s -> "
+              f"{'bitwise equal' if not diffs else 'DIFFERS: ' + '; '.join(diffs[:3])}",
+              flush=True)
+    print(f"{equal}/{args.kills} resumed bitwise equal")
+    return 0 if equal == args.kills else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

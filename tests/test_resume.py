@@ -1,0 +1,240 @@
+"""Resuming, failures and safe loading.
+
+End to end (real `python -m megagrpo train` launches, 2 ranks, vLLM, see
+scripts/resume_stress.py): a run whose launcher is SIGKILLed mid-step takes torchrun and its
+ranks down with it; resumed (its newest checkpoint damaged, a crafted pickle planted) it falls
+back to the older intact checkpoint, never unpickles the plant, and ends bitwise equal to the
+uninterrupted run with one metrics history. A non-empty out_dir is refused before anything
+starts. Out of disk says so (a real full tmpfs, tests/_resume_worker.py). The rest are unit
+tests of the manifest, the pickle-free state files and the metrics rewind.
+"""
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megagrpo.checkpoint import load_tree, save_tree
+from megagrpo.metrics import rewind_history
+from megagrpo.run_dir import newest_intact, prepare_out_dir, verify, write_manifest
+from tests._launch import torchrun
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import resume_stress as stress  # noqa: E402 - the stress script shares its harness
+
+WORKER = os.path.join(os.path.dirname(__file__), "_resume_worker.py")
+STEPS = 6  # checkpoints at 2, 4, 6
+
+
+class Plant:
+    """Unpickling this creates `path`: proof that a pickle was executed."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The uninterrupted run and the interrupted one (launched together to share the wait);
+    the latter's launcher is SIGKILLed once step 4's checkpoint is complete (in step 5)."""
+    work = tmp_path_factory.mktemp("resume")
+    ref, cut = work / "uninterrupted", work / "interrupted"
+    ref_proc = stress.launch(ref, STEPS, work / "uninterrupted.log")
+    proc = stress.launch(cut, STEPS, work / "interrupted.log")
+    below: set[int] = set()
+    try:
+        stress.wait_for_step(proc, cut, 4, checkpoint=True)
+        below = stress.descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher only: torchrun and ranks must follow
+        proc.wait()
+        t0 = time.monotonic()
+        while any(alive(p) for p in below) and time.monotonic() - t0 < 60:
+            time.sleep(0.2)
+        orphans = [p for p in below if alive(p)]
+        stress.finish(ref_proc, work / "uninterrupted.log")
+    finally:  # never leave processes behind, whatever failed
+        for p in below | stress.descendants(proc.pid):
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+        if ref_proc.poll() is None:
+            stress.kill_tree(ref_proc)
+    return work, ref, cut, below, orphans
+
+
+@pytest.fixture(scope="module")
+def resumed(runs):
+    """Damages the newest checkpoint, plants a crafted pickle, resumes to the end."""
+    work, ref, cut, _, _ = runs
+    ckpts = sorted((cut / "checkpoints").glob("step_*"))
+    newest, older = ckpts[-1], ckpts[-2]
+    shard = next((newest / "policy").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-16])  # truncated
+    marker = work / "pickle_was_executed"
+    for rank in range(2):
+        with (older / "optimizer" / f"rank{rank:05d}.pt").open("wb") as f:
+            pickle.dump(Plant(str(marker)), f)
+    log = work / "resumed.log"
+    stress.finish(stress.launch(cut, STEPS, log), log)
+    return ref, cut, newest, older, marker, log.read_text()
+
+
+def test_killed_launcher_takes_torchrun_and_ranks_down(runs):
+    _, _, _, below, orphans = runs
+    assert len(below) >= 3, below  # torchrun and two ranks were running
+    assert orphans == []
+
+
+def test_resume_skips_damaged_checkpoint_and_never_unpickles(resumed):
+    _, _, newest, older, marker, log = resumed
+    assert f"checkpoint {newest} is broken" in log and "bytes, the manifest says" in log
+    assert f"resumed from {older} at step {int(older.name[5:])}" in log
+    assert not marker.exists()
+
+
+def test_resumed_run_is_bitwise_the_uninterrupted_run(resumed):
+    ref, cut = resumed[:2]
+    assert stress.compare(ref, cut) == []
+    steps = [r["step"] for r in stress.history(cut) if "reward_mean" in r]
+    assert steps == list(range(1, STEPS + 1))  # one history, no repeated steps
+    assert len(stress.final_state(cut)) > 20  # policy and optimizer tensors were compared
+
+
+def _train_cli(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "megagrpo", "train", "--nproc", "2",
+                           *stress.tiny_overrides(Path("unused"), 2), *overrides],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_non_empty_out_dir_refused_before_anything_starts(tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "metrics.jsonl").write_text('{"step": 1}\n')
+    p = _train_cli(f"run.out_dir={old}", "run.resume=false")
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "is not empty" in p.stderr and "run.overwrite=true" in p.stderr
+    assert "torch.distributed.run" not in p.stderr and not (old / "engine").exists()
+    assert (old / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    # resume=true with only a broken checkpoint: refused, naming it
+    (old / "checkpoints" / "step_000004").mkdir(parents=True)
+    p = _train_cli(f"run.out_dir={old}", "run.resume=true")
+    assert p.returncode == 2 and "step_000004: no manifest.json" in p.stderr, p.stderr[-3000:]
+
+
+def test_overwrite_clears_only_a_run_directory(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    prepare_out_dir(str(run), resume=False, overwrite=True, rank=1)  # not rank 0: no delete
+    assert (run / "metrics.jsonl").exists()
+    prepare_out_dir(str(run), resume=False, overwrite=True, rank=0)
+    assert [p.name for p in run.iterdir()] == [".megagrpo-run"]
+    prepare_out_dir(str(run), resume=False, overwrite=False)  # the marker alone is no run
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "thesis.tex").write_text("x")
+    with pytest.raises(ValueError, match="not a megagrpo run directory"):
+        prepare_out_dir(str(other), resume=False, overwrite=True)
+    assert (other / "thesis.tex").exists()
+
+
+def _fake_checkpoint(root: Path, step: int) -> Path:
+    d = root / f"step_{step:06d}"
+    (d / "policy").mkdir(parents=True)
+    (d / "policy" / "__0_0.distcp").write_bytes(os.urandom(4096))
+    (d / "trainer_state.json").write_text(json.dumps({"step": step}))
+    write_manifest(d)
+    return d
+
+
+def test_manifest_finds_truncation_and_damaged_state(tmp_path):
+    a, b, c = (_fake_checkpoint(tmp_path, s) for s in (2, 4, 6))
+    assert newest_intact(tmp_path) == (c, [])
+    state = c / "trainer_state.json"
+    state.write_text("{" + "!" * (state.stat().st_size - 2) + "}")  # same size, not JSON
+    shard = b / "policy" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    ckpt, broken = newest_intact(tmp_path)
+    assert ckpt == a and [p for p, _ in broken] == [c, b]
+    assert "trainer_state.json does not match its sha256" in broken[0][1]
+    assert "has 100 bytes, the manifest says 4096" in broken[1][1]
+    (a / "manifest.json").unlink()  # a save that did not finish
+    assert "no manifest.json" in verify(a)
+
+
+def test_state_files_round_trip_without_pickle(tmp_path):
+    tree = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 3)},
+                      7: {"m": torch.arange(5, dtype=torch.int64)}},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0, 7],
+                              "eps": float("inf"), "name": None, "flag": True}],
+            "bf16": torch.randn(3).bfloat16(), "bytes": torch.get_rng_state()}
+    tree["again"] = tree["bytes"]  # the same tensor twice is stored once
+    save_tree(tmp_path / "s.safetensors", tree)
+    back = load_tree(tmp_path / "s.safetensors")
+    assert set(back["state"]) == {0, 7} and back["param_groups"][0]["betas"] == (0.9, 0.999)
+    for key in ("bf16", "bytes", "again"):
+        assert back[key].dtype == tree[key].dtype and torch.equal(back[key], tree[key])
+    assert torch.equal(back["state"][0]["exp_avg"], tree["state"][0]["exp_avg"])
+    assert {k: v for k, v in back["param_groups"][0].items()} == tree["param_groups"][0]
+    # a crafted pickle where a state file should be is refused, not executed
+    marker = tmp_path / "executed"
+    (tmp_path / "evil.safetensors").write_bytes(pickle.dumps(Plant(str(marker))))
+    with pytest.raises(Exception):
+        load_tree(tmp_path / "evil.safetensors")
+    assert not marker.exists()
+
+
+def test_rewind_history_keeps_the_checkpoint_prefix(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n')
+    size = path.stat().st_size
+    with path.open("a") as f:
+        f.write('{"step": 3}\n{"step": 4}\n')
+    assert rewind_history(tmp_path, size) == 2
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert rewind_history(tmp_path, size) == 0
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path):
+    mount = tmp_path / "full"
+    mount.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({p.stderr.strip()}): the out-of-disk "
+                    "test needs root and mount")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_out_of_disk_and_optimizer_state_on_real_megatron(tmp_path, full_tmpfs):
+    torchrun(WORKER, 2, "--work", str(tmp_path), "--full", str(full_tmpfs), timeout=300)
+    ranks = json.loads((tmp_path / "results.json").read_text())
+    for r in ranks:
+        assert r["optimizer_bitwise"]
+        e = r["save_model"]
+        assert e["errno"] == 28 and "no space left on device" in e["msg"], e
+        assert str(full_tmpfs / "policy") in e["msg"]
+    one, other = ranks[1]["per_rank"], ranks[0]["per_rank"]
+    assert one["errno"] == 28 and "no space left on device" in one["msg"], one
+    assert str(full_tmpfs) in one["msg"]
+    assert other["type"] == "RuntimeError" and "failed on another rank" in other["msg"]
