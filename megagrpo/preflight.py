@@ -113,7 +113,10 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
 
     init = Path(cfg.run.init).expanduser()
     if (init / "config.json").exists():
-        return model_config_from_hf(init, dtype=cfg.model.dtype)
+        try:
+            return model_config_from_hf(init, dtype=cfg.model.dtype)
+        except KeyError as e:
+            raise ValueError(f"run.init={cfg.run.init!r}: config.json lacks {e}") from None
     if (init / MODEL_JSON).exists():
         return read_model_config(init)[0]
     check_init(cfg.run.init)  # raises with the reason
