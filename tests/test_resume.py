@@ -51,12 +51,25 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def damage(cut: Path, marker: Path) -> tuple[Path, Path]:
+    """Truncates a policy shard of the newest checkpoint and plants, in the one before, crafted
+    pickles where older megagrpo kept optimizer state. Returns (newest, older)."""
+    newest, older = sorted((cut / "checkpoints").glob("step_*"))[-2:][::-1]
+    shard = next((newest / "policy").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-16])
+    for rank in range(2):
+        with (older / "optimizer" / f"rank{rank:05d}.pt").open("wb") as f:
+            pickle.dump(Plant(str(marker)), f)
+    return newest, older
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The uninterrupted run and the interrupted one (launched together to share the wait);
-    the latter's launcher is SIGKILLed once step 4's checkpoint is complete (in step 5)."""
+def e2e(tmp_path_factory):
+    """The uninterrupted run and the interrupted one run side by side. The latter's launcher
+    is SIGKILLed once step 4's checkpoint is complete (in step 5); its checkpoints are damaged
+    and it is resumed while the uninterrupted run finishes."""
     work = tmp_path_factory.mktemp("resume")
-    ref, cut = work / "uninterrupted", work / "interrupted"
+    ref, cut, marker = work / "uninterrupted", work / "interrupted", work / "pickle_was_run"
     ref_proc = stress.launch(ref, STEPS, work / "uninterrupted.log")
     proc = stress.launch(cut, STEPS, work / "interrupted.log")
     below: set[int] = set()
@@ -69,48 +82,33 @@ def runs(tmp_path_factory):
         while any(alive(p) for p in below) and time.monotonic() - t0 < 60:
             time.sleep(0.2)
         orphans = [p for p in below if alive(p)]
+        newest, older = damage(cut, marker)
+        stress.finish(stress.launch(cut, STEPS, work / "resumed.log"), work / "resumed.log")
         stress.finish(ref_proc, work / "uninterrupted.log")
     finally:  # never leave processes behind, whatever failed
-        for p in below | stress.descendants(proc.pid):
+        for p in below:
             if alive(p):
                 os.kill(p, signal.SIGKILL)
         if ref_proc.poll() is None:
             stress.kill_tree(ref_proc)
-    return work, ref, cut, below, orphans
+    return {"ref": ref, "cut": cut, "below": below, "orphans": orphans, "newest": newest,
+            "older": older, "marker": marker, "log": (work / "resumed.log").read_text()}
 
 
-@pytest.fixture(scope="module")
-def resumed(runs):
-    """Damages the newest checkpoint, plants a crafted pickle, resumes to the end."""
-    work, ref, cut, _, _ = runs
-    ckpts = sorted((cut / "checkpoints").glob("step_*"))
-    newest, older = ckpts[-1], ckpts[-2]
-    shard = next((newest / "policy").glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:-16])  # truncated
-    marker = work / "pickle_was_executed"
-    for rank in range(2):
-        with (older / "optimizer" / f"rank{rank:05d}.pt").open("wb") as f:
-            pickle.dump(Plant(str(marker)), f)
-    log = work / "resumed.log"
-    stress.finish(stress.launch(cut, STEPS, log), log)
-    return ref, cut, newest, older, marker, log.read_text()
+def test_killed_launcher_takes_torchrun_and_ranks_down(e2e):
+    assert len(e2e["below"]) >= 3, e2e["below"]  # torchrun and two ranks were running
+    assert e2e["orphans"] == []
 
 
-def test_killed_launcher_takes_torchrun_and_ranks_down(runs):
-    _, _, _, below, orphans = runs
-    assert len(below) >= 3, below  # torchrun and two ranks were running
-    assert orphans == []
-
-
-def test_resume_skips_damaged_checkpoint_and_never_unpickles(resumed):
-    _, _, newest, older, marker, log = resumed
+def test_resume_skips_damaged_checkpoint_and_never_unpickles(e2e):
+    log, newest, older = e2e["log"], e2e["newest"], e2e["older"]
     assert f"checkpoint {newest} is broken" in log and "bytes, the manifest says" in log
     assert f"resumed from {older} at step {int(older.name[5:])}" in log
-    assert not marker.exists()
+    assert not e2e["marker"].exists()
 
 
-def test_resumed_run_is_bitwise_the_uninterrupted_run(resumed):
-    ref, cut = resumed[:2]
+def test_resumed_run_is_bitwise_the_uninterrupted_run(e2e):
+    ref, cut = e2e["ref"], e2e["cut"]
     assert stress.compare(ref, cut) == []
     steps = [r["step"] for r in stress.history(cut) if "reward_mean" in r]
     assert steps == list(range(1, STEPS + 1))  # one history, no repeated steps
@@ -238,3 +236,36 @@ def test_out_of_disk_and_optimizer_state_on_real_megatron(tmp_path, full_tmpfs):
     assert one["errno"] == 28 and "no space left on device" in one["msg"], one
     assert str(full_tmpfs) in one["msg"]
     assert other["type"] == "RuntimeError" and "failed on another rank" in other["msg"]
+
+
+_LAUNCHER = ("import sys; from megagrpo.procs import run_child; "
+             "raise SystemExit(run_child([sys.executable, '-c', sys.argv[1]], {}))")
+_CHILD = ("import signal, sys, time, pathlib; p = pathlib.Path({path!r}); "
+          "signal.signal(signal.SIGTERM, lambda *a: (p.write_text('TERM'), sys.exit(3))); "
+          "p.write_text('up'); time.sleep(120)")
+
+
+def _start_launcher(path: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _CHILD.format(path=str(path))],
+                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    t0 = time.monotonic()
+    while not path.exists() and time.monotonic() - t0 < 30:
+        time.sleep(0.05)
+    return proc
+
+
+def test_launcher_forwards_signals_and_its_death_ends_the_child(tmp_path):
+    forwarded = tmp_path / "forwarded"
+    proc = _start_launcher(forwarded)
+    proc.send_signal(signal.SIGTERM)  # forwarded: the child's handler runs, its code returns
+    assert proc.wait(timeout=30) == 3 and forwarded.read_text() == "TERM"
+    orphaned = tmp_path / "orphaned"
+    proc = _start_launcher(orphaned)
+    child = stress.descendants(proc.pid)
+    proc.kill()  # SIGKILL: nothing can be forwarded; the kernel's death signal must do it
+    proc.wait()
+    t0 = time.monotonic()
+    while any(alive(p) for p in child) and time.monotonic() - t0 < 30:
+        time.sleep(0.05)
+    assert len(child) == 1 and not any(alive(p) for p in child)
+    assert orphaned.read_text() == "TERM"  # SIGTERM, so torchrun can still stop its ranks
