@@ -77,7 +77,8 @@ def test_bad_recipe_file_names_file_and_line(tmp_path, text, match):
     ("rollout.stop=abc", r"rollout\.stop='abc': expected a list of strings.*split into characters"),
     ("rollout.stop=[1]", r"rollout\.stop\[0\]=1: expected a string"),
     ("reward.terms=[{name: math, wieght: 2}]",
-     r"unknown config key 'reward\.terms\[0\]\.wieght'; valid keys: \["),
+     r"unknown config key 'reward\.terms\[0\]\.wieght'; valid keys: \[.*\]; did you mean "
+     r"reward\.terms\[0\]\.weight\?"),
     ("reward.terms=[{weight: 2}]", r"reward\.terms\[0\]\.name is missing"),
     ("reward.terms=[math]", r"reward\.terms\[0\]='math': expected a mapping"),
     ("reward.terms=[{name: format, kwargs: 5}]", r"reward\.terms\[0\]\.kwargs=5: expected a mapp"),

@@ -8,6 +8,7 @@ so a recipe typo fails in the launcher, not after vLLM has started.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import types
@@ -38,7 +39,9 @@ def build_dataclass(cls: type, data: Any, where: str) -> Any:
         if name in REMOVED_KEYS:
             raise ValueError(f"{name} is no longer a setting: {REMOVED_KEYS[name]}")
         if key not in fields:
-            raise ValueError(f"unknown config key {name!r}; valid keys: {sorted(fields)}")
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {where}{close[0]}?" if close else ""
+            raise ValueError(f"unknown config key {name!r}; valid keys: {sorted(fields)}{hint}")
         kwargs[key] = coerce(value, hints[key], name)
     missing = [n for n, f in fields.items() if n not in kwargs and _required(f)]
     if missing:
