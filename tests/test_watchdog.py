@@ -211,20 +211,21 @@ def test_frozen_rank_in_a_real_run_is_named(tmp_path):
     below: set[int] = set()
     try:
         stress.wait_for_step(proc, out, 1, timeout=400)
-        below = _descendants(proc.pid)  # torchrun and the ranks
+        below = stress.descendants(proc.pid)  # torchrun and the ranks
         flag.touch()
         rc = proc.wait(timeout=200)
+        ended = time.time()
         left = [p for p in below if _alive(p)]
     finally:
-        stress.kill_group(proc)
-        for pid in below:  # a stopped rank ignores all but SIGKILL; SIGCONT in case
+        for pid in [proc.pid, *below]:  # a stopped rank ignores all but SIGKILL; SIGCONT in case
             for sig in (signal.SIGCONT, signal.SIGKILL):
                 try:
                     os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
+        proc.wait()
     text = log.read_text()
-    seconds = time.time() - float(Path(f"{flag}.stalled_at").read_text())
+    seconds = ended - float(Path(f"{flag}.stalled_at").read_text())
     assert rc != 0, text[-4000:]
     assert seconds < 40, (seconds, text[-4000:])
     assert "megagrpo watchdog on rank 0: rank 1 (pid" in text, text[-4000:]
@@ -240,18 +241,3 @@ def _alive(pid: int) -> bool:
         return False
     return state != "Z"
 
-
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
