@@ -151,6 +151,9 @@ def test_defaults_and_every_recipe_round_trip_through_yaml(tmp_path):
     (["rollout.temperature=0"], r"rollout\.temperature=0 is greedy decoding.*> 0"),
     (["rollout.logprobs_mode=raw_logprobs", "rollout.temperature=0.7"],
      r"raw_logprobs with rollout\.temperature=0\.7: vLLM's raw log-probs are taken before"),
+    (["data.system_prompt=Be brief."], r"data\.system_prompt is set but data\.template='\{pr"),
+    (["data.task=file", "data.path=x.jsonl", "run.sft_steps=5"],
+     r"run\.sft_steps=5: the supervised cold start exists for data\.task=arithmetic only"),
     (["data.overlong_prompts=cut"], r"data\.overlong_prompts='cut': use one of \('error', "),
 ])
 def test_out_of_range_value_names_field_and_valid_range(overrides, match):

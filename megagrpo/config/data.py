@@ -56,6 +56,9 @@ class DataConfig:
             )
         if self.batch_size < 1:
             raise ValueError(f"data.batch_size={self.batch_size}: need >= 1")
+        if self.system_prompt and self.template != "chat":
+            raise ValueError(f"data.system_prompt is set but data.template={self.template!r}: a "
+                             "system message needs template=chat (or put the text in template)")
         if self.overlong_prompts not in OVERLONG_PROMPTS:
             raise ValueError(f"data.overlong_prompts={self.overlong_prompts!r}: use one of "
                              f"{OVERLONG_PROMPTS}")

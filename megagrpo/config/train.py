@@ -177,6 +177,9 @@ class TrainConfig:
                 raise ValueError(f"data.batch_size={self.data.batch_size} must be divisible by "
                                  f"the data-parallel size {dp}")
         self._validate_sampling()
+        if self.run.sft_steps and self.data.task != "arithmetic":
+            raise ValueError(f"run.sft_steps={self.run.sft_steps}: the supervised cold start "
+                             "exists for data.task=arithmetic only; set run.sft_steps=0")
         if self.run.async_rollout and self.rollout.tensor_parallel_size > 1:
             # the side thread samples from each rank's own generator: an engine's ranks diverge
             raise ValueError("run.async_rollout needs rollout.tensor_parallel_size=1 (engines of "
