@@ -9,6 +9,13 @@ bucket of s's parameters (at most `bucket_bytes` of full tensors, or one tensor 
      in the buffer (QKV split per group, gate/up split, vocab padding stripped) and yields them.
 Every rank of a TP x PP model-parallel group receives every tensor. Peak extra memory per rank:
 one bucket buffer plus the HF tensors of one parameter; never the whole model.
+
+`iter_vllm_slices` is the shard-to-shard variant for vLLM engines of k = training TP ranks lined
+up with the training TP groups (`megagrpo.config.layout`): step 1 is skipped (a rank's shard is
+its vLLM slice), step 2 moves only this TP rank's shards between the stages (its PP group), and
+step 3 builds this rank's slices of the HF tensors. Only the vocab tensors are still gathered:
+vLLM pads the vocab to a multiple of 64 and splits that, so its vocab slice is not a megatron
+shard. `ReshardStats.received_bytes` counts what each rank received in either mode.
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from megagrpo.hf import ParamSpec, param_specs, unfuse_shards
+from megagrpo.hf import ParamSpec, hf_shapes, param_specs, unfuse_shards
 from megagrpo.model import DTYPE, unwrap
 
 
@@ -34,6 +41,8 @@ class ReshardStats:
     convert_s: float = 0.0
     buckets: int = 0
     peak_buffer_bytes: int = 0
+    received_bytes: int = 0
+    """Bytes this rank received through TP gathers and PP broadcasts (its own shards excluded)."""
 
 
 def _buckets(specs: list[ParamSpec], bucket_bytes: int, esize: int) -> list[list[ParamSpec]]:
@@ -63,48 +72,166 @@ def _exported(specs: list[ParamSpec], model: ModelConfig) -> list[ParamSpec]:
     return [s for s in specs if not (tied and s.local == "output_layer.weight")]
 
 
-def _shards(buf: torch.Tensor, spec: ParamSpec, offset: int, n_local: int, tp: int
-            ) -> list[torch.Tensor]:
-    """Views of `spec`'s TP shards in the gathered buffer [tp * n_local] (rank-major: rank r's
-    shards of the bucket, concatenated, at [r * n_local, (r + 1) * n_local))."""
-    shape = spec.local_shape(tp)
+def _shards(buf: torch.Tensor, spec: ParamSpec, offset: int, n_local: int, parts: int,
+            shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """Views of `spec`'s `parts` TP shards (of `shape`) in the buffer [parts * n_local]
+    (rank-major: rank r's shards of the bucket, concatenated, at [r * n_local, (r+1) * n_local))."""
     n = _numel(shape)
-    shards = [buf[r * n_local + offset: r * n_local + offset + n].view(shape) for r in range(tp)]
+    shards = [buf[r * n_local + offset: r * n_local + offset + n].view(shape)
+              for r in range(parts)]
     return shards[:1] if spec.split_dim is None else shards
 
 
-def _gather_in_place(buf: torch.Tensor, n_local: int, tp: int, tp_group) -> None:
+def _gather_in_place(buf: torch.Tensor, n_local: int, tp: int, tp_group,
+                     stats: ReshardStats) -> None:
     """All-gather over TP where each rank's part already sits in its slice of `buf`. NCCL
     gathers in place with one collective; gloo's all_gather stages the whole output in a
     second buffer, so there each rank broadcasts its slice instead (tp collectives, no copy)."""
+    me = dist.get_rank(tp_group)
+    stats.received_bytes += (tp - 1) * n_local * buf.element_size()
     if dist.get_backend(tp_group) != "gloo":
-        r = dist.get_rank(tp_group)
-        dist.all_gather_into_tensor(buf, buf[r * n_local:(r + 1) * n_local], group=tp_group)
+        dist.all_gather_into_tensor(buf, buf[me * n_local:(me + 1) * n_local], group=tp_group)
         return
     for r in range(tp):
         dist.broadcast(buf[r * n_local:(r + 1) * n_local], src=dist.get_global_rank(tp_group, r),
                        group=tp_group)
 
 
-def _fill_bucket(buf, bucket, params, my_stage, stage, tp, tp_group, pp_group) -> int:
-    """Gathers this bucket into the front of `buf` on every rank of the model-parallel group:
-    the owning stage copies its shards into its own slice and gathers in place; the stage then
-    broadcasts. Returns the per-rank element count of the bucket."""
-    n_local = sum(_numel(s.local_shape(tp)) for s in bucket)
-    if stage == my_stage:
-        r = dist.get_rank(tp_group) if tp > 1 else 0
+@dataclass(frozen=True)
+class _Step:
+    """One bucket of the stream: stage `stage`'s parameters `specs`, TP-gathered or not."""
+
+    stage: int
+    specs: list[ParamSpec]
+    gather: bool
+    """True: every TP shard is gathered (full tensors); False: this rank's shard only."""
+
+
+def _fill_bucket(buf: torch.Tensor, step: _Step, params: dict, my_stage: int, tp: int,
+                 groups: tuple, stats: ReshardStats) -> int:
+    """Brings this bucket into the front of `buf` on every rank of the model-parallel group:
+    the owning stage copies its shards into its own slice (and gathers over TP in place when
+    `step.gather`); the stage then broadcasts over the PP group. Without gathering, a rank's PP
+    group (same TP rank on every stage) moves just that rank's shards. Returns the per-rank
+    element count of the bucket."""
+    tp_group, pp_group = groups
+    parts = tp if step.gather else 1
+    n_local = sum(_numel(s.local_shape(tp)) for s in step.specs)
+    if step.stage == my_stage:
+        r = dist.get_rank(tp_group) if parts > 1 else 0
         mine = buf[r * n_local:(r + 1) * n_local]
         off = 0
-        for s in bucket:
+        for s in step.specs:
             p = params[s.local].detach().reshape(-1)
             mine[off:off + p.numel()].copy_(p)
             off += p.numel()
-        if tp > 1:
-            _gather_in_place(buf, n_local, tp, tp_group)
+        if parts > 1:
+            _gather_in_place(buf, n_local, tp, tp_group, stats)
     if dist.get_world_size(pp_group) > 1:
-        dist.broadcast(buf[: tp * n_local], src=dist.get_global_rank(pp_group, stage),
+        if step.stage != my_stage:
+            stats.received_bytes += parts * n_local * buf.element_size()
+        dist.broadcast(buf[: parts * n_local], src=dist.get_global_rank(pp_group, step.stage),
                        group=pp_group)
     return n_local
+
+
+def _plan(model: ModelConfig, parallel: ParallelConfig, impl: str, bucket_bytes: int,
+          esize: int, slices: bool) -> list[_Step]:
+    """Buckets per stage. Full tensors: buckets of at most `bucket_bytes` of full tensors, all
+    gathered. Slices: buckets of at most `bucket_bytes` of this rank's shards, not gathered,
+    except the vocab tensors, which are gathered whole in buckets of their own (vLLM pads and
+    splits the vocab its own way, so its vocab slice is not a megatron shard)."""
+    tp, steps = parallel.tp, []
+    for stage in range(parallel.pp):
+        specs = _exported(param_specs(model, parallel, stage, impl), model)
+        if not slices:
+            steps += [_Step(stage, b, True) for b in _buckets(specs, bucket_bytes, esize)]
+            continue
+        vocab = [s for s in specs if s.kind == "vocab"]
+        rest = [s for s in specs if s.kind != "vocab"]
+        steps += [_Step(stage, [s], True) for s in vocab]
+        steps += [_Step(stage, b, False) for b in _buckets(rest, bucket_bytes * tp, esize)]
+    return steps
+
+
+def _slice_pairs(shard: torch.Tensor, spec: ParamSpec, model: ModelConfig, tp_rank: int
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's TP shard of `spec` -> its HF tensors, one at a time, each full-shape with only
+    this rank's slice written (the rest is left uninitialised: vLLM's weight loaders narrow each
+    tensor to exactly this TP rank's rows/columns, which for q/k/v, gate/up, o_proj and
+    down_proj are the megatron shard's). Each slice is copied once, straight from the shard."""
+    shapes = hf_shapes(model)
+    rest = tuple(shard.shape[1:])
+    # (HF name, this rank's part of it, split dim, rows/columns of the slice along that dim)
+    if spec.kind == "row":
+        parts = [(spec.hf[0], shard, 1, shard.shape[1])]
+    elif spec.kind == "gate_up":  # the shard is cat(gate_r, up_r)
+        half = shard.shape[0] // 2
+        parts = [(spec.hf[0], shard[:half], 0, half), (spec.hf[1], shard[half:], 0, half)]
+    else:  # qkv: [groups_r, q + k + v rows, ...] per KV group
+        hd = model.head_dim
+        qper = model.num_attention_heads // model.num_query_groups * hd
+        grouped = shard.view(-1, qper + 2 * hd, *rest)
+        parts = [(name, grouped[:, lo:hi], 0, grouped.shape[0] * (hi - lo)) for name, lo, hi in
+                 zip(spec.hf, (0, qper, qper + hd), (qper, qper + hd, qper + 2 * hd))]
+    for name, part, dim, n in parts:
+        full = torch.empty(shapes[name], dtype=shard.dtype, device=shard.device)
+        full.narrow(dim, tp_rank * n, n).view(part.shape).copy_(part)
+        yield name, full
+        del full
+
+
+def _stream(gpt: torch.nn.Module, model: ModelConfig, parallel: ParallelConfig,
+            bucket_bytes: int, stats: ReshardStats, slices: bool
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    from megatron.core import parallel_state as ps
+
+    gpt = unwrap(gpt)
+    params = dict(gpt.named_parameters())
+    impl = "transformer_engine" if any("layer_norm_weight" in n for n in params) else "local"
+    tp, pp = parallel.tp, parallel.pp
+    groups = (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group())
+    my_stage = ps.get_pipeline_model_parallel_rank()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    dtype = DTYPE[model.dtype]
+    esize = torch.empty((), dtype=dtype).element_size()
+    device = next(iter(params.values())).device
+    plan = _plan(model, parallel, impl, bucket_bytes, esize, slices)
+
+    def moves(step: _Step) -> bool:
+        return pp > 1 or (tp > 1 and step.gather)
+
+    # one receive buffer for the whole stream, reused bucket after bucket: a fresh one per
+    # bucket would briefly coexist with the last (gloo frees a finished collective's tensors
+    # on its own thread)
+    size = max([(tp if st.gather else 1) * sum(_numel(s.local_shape(tp)) for s in st.specs)
+                for st in plan if moves(st)], default=0)
+    buf = torch.empty(size, dtype=dtype, device=device)
+    stats.peak_buffer_bytes = size * esize
+    for step in plan:
+        t0 = time.perf_counter()
+        move = moves(step)
+        n_local = _fill_bucket(buf, step, params, my_stage, tp, groups, stats) if move else 0
+        stats.gather_s += time.perf_counter() - t0
+        stats.buckets += 1
+        offset = 0
+        for spec in step.specs:
+            t1 = time.perf_counter()
+            if move:
+                shards = _shards(buf, spec, offset, n_local, tp if step.gather else 1,
+                                 spec.local_shape(tp))
+            else:
+                shards = [params[spec.local].detach()]
+            offset += _numel(spec.local_shape(tp))
+            if step.gather or spec.split_dim is None:
+                # views into the reused buffer are copied: the consumer may keep what it got
+                pairs = [(n, t.clone() if move and _shares(t, buf) else t)
+                         for n, t in unfuse_shards(shards, spec, model)]
+            else:  # fresh full-shape tensors, built one at a time
+                pairs = _slice_pairs(shards[0], spec, model, tp_rank)
+            del shards
+            stats.convert_s += time.perf_counter() - t1
+            yield from _counted(pairs, stats)
 
 
 def iter_hf_weights(
@@ -119,52 +246,42 @@ def iter_hf_weights(
     Collective over the TP and PP groups: every rank must drive the generator to the end.
     Tensors may be views of live parameters or of the bucket buffer: copy them if kept, never
     write to them."""
-    from megatron.core import parallel_state as ps
-
     stats = stats if stats is not None else ReshardStats()
-    gpt = unwrap(gpt)
-    params = dict(gpt.named_parameters())
-    impl = "transformer_engine" if any("layer_norm_weight" in n for n in params) else "local"
-    tp, pp = parallel.tp, parallel.pp
-    tp_group = ps.get_tensor_model_parallel_group()
-    pp_group = ps.get_pipeline_model_parallel_group()
-    my_stage = ps.get_pipeline_model_parallel_rank()
-    dtype = DTYPE[model.dtype]
-    esize = torch.empty((), dtype=dtype).element_size()
-    device = next(iter(params.values())).device
-    plan = [(stage, bucket) for stage in range(pp)
-            for bucket in _buckets(_exported(param_specs(model, parallel, stage, impl), model),
-                                   bucket_bytes, esize)]
-    moving = tp > 1 or pp > 1
-    # one receive buffer for the whole stream, reused bucket after bucket: a fresh one per
-    # bucket would briefly coexist with the last (gloo frees a finished collective's tensors
-    # on its own thread)
-    size = max(tp * sum(_numel(s.local_shape(tp)) for s in b) for _, b in plan) if moving else 0
-    buf = torch.empty(size, dtype=dtype, device=device)
-    stats.peak_buffer_bytes = size * esize
-    for stage, bucket in plan:
-        t0 = time.perf_counter()
-        n_local = _fill_bucket(buf, bucket, params, my_stage, stage, tp, tp_group,
-                               pp_group) if moving else 0
-        stats.gather_s += time.perf_counter() - t0
-        stats.buckets += 1
-        offset = 0
-        for spec in bucket:
-            t1 = time.perf_counter()
-            shards = (_shards(buf, spec, offset, n_local, tp) if moving
-                      else [params[spec.local].detach()])
-            offset += _numel(spec.local_shape(tp))
-            # views into the reused buffer are copied: the consumer may keep what it got
-            pairs = [(n, t.clone() if moving and _shares(t, buf) else t)
-                     for n, t in unfuse_shards(shards, spec, model)]
-            del shards
-            stats.convert_s += time.perf_counter() - t1
-            while pairs:  # pop, so this frame holds no tensor the consumer has dropped
-                name, tensor = pairs.pop(0)
-                stats.bytes += tensor.numel() * tensor.element_size()
-                stats.tensors += 1
-                yield name, tensor
-                del tensor
+    yield from _stream(gpt, model, parallel, bucket_bytes, stats, slices=False)
+
+
+def iter_vllm_slices(
+    gpt: torch.nn.Module,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    bucket_bytes: int = 256 << 20,
+    stats: ReshardStats | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Shard to shard, for vLLM engines whose TP equals the training TP with the ranks lined up
+    (`RolloutLayout.shard_to_shard`): yields (hf_name, full-shape tensor) in which only this
+    rank's vLLM TP slice is filled, built from this rank's own training shard (QKV unfused per
+    KV group, gate/up split). Nothing crosses TP except the vocab tensors; pipeline stages
+    broadcast only this TP rank's shards to their PP peers. Same collective contract as
+    `iter_hf_weights`; the yielded tensors are fresh (or live parameters when PP = 1 for
+    replicated tensors): never write to them."""
+    stats = stats if stats is not None else ReshardStats()
+    yield from _stream(gpt, model, parallel, bucket_bytes, stats, slices=True)
+
+
+def _counted(pairs: list | Iterator, stats: ReshardStats) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields the pairs (a list is popped, so no yielded tensor stays referenced here)."""
+    for name, tensor in _popped(pairs) if isinstance(pairs, list) else pairs:
+        stats.bytes += tensor.numel() * tensor.element_size()
+        stats.tensors += 1
+        yield name, tensor
+        del tensor
+
+
+def _popped(pairs: list) -> Iterator:
+    pairs.reverse()  # pop() from the end returns them in order
+    while pairs:
+        yield pairs.pop()
 
 
 def _shares(t: torch.Tensor, buf: torch.Tensor) -> bool:

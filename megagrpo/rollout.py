@@ -6,9 +6,12 @@ dummy weights; the trainer then pushes real weights with `update_weights`, which
 (hf_name, full tensor) pairs into vLLM's in-place `reload_weights` after checking every name and
 shape against the HF parameter set of that config.
 
-Layouts: vLLM tensor_parallel_size=1 gives one engine per rank; tensor_parallel_size>1 spans the
-torchrun ranks through vLLM's "external_launcher" backend (every rank calls `generate` with the
-same prompts and `update_weights` with the same full tensors; vLLM shards them).
+Layouts (`megagrpo.config.layout.RolloutLayout`): tensor_parallel_size=1 gives one engine per
+rank; tensor_parallel_size=k>1 gives world/k engines of k consecutive torchrun ranks through
+vLLM's "external_launcher" backend (vLLM reshapes the existing world into (external DP, TP) and
+builds its TP groups with `new_group`). The ranks of one engine call `generate` with the same
+prompts; `update_weights` takes full-shape HF tensors of which vLLM reads only this rank's
+slice (`megagrpo.reshard.iter_vllm_slices` fills only that slice).
 
 vLLM's side effects on the process, and what this module does about them:
 - torch.distributed must be initialised before the engine (else vLLM builds a world-size-1 group
@@ -265,13 +268,16 @@ def _set_omp_binding(tp: int) -> None:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(masks) if tp > 1 else masks[local_rank]
 
 
-def _remove_stale_shm(rank: int) -> None:
-    """external_launcher on CPU names its shared-memory segments after a fixed identifier
-    (/dev/shm/-tp:0-[0-1]-cpushm_<rank>), and they outlive a crashed (or os._exit-ed) run, so the
-    next start fails with "create shm in SHMManager failed. errno: 17". Remove this rank's
-    leftovers first. (Two TP>1 CPU jobs on one machine at once would collide either way.)"""
+def _remove_stale_shm(engine_ranks: list[int], engine_rank: int) -> None:
+    """external_launcher on CPU names its shared-memory segments after a fixed identifier and
+    the engine's global ranks (/dev/shm/-tp:0-[2-3]-cpushm_<rank in the engine>), and they
+    outlive a crashed (or os._exit-ed) run, so the next start fails with "create shm in
+    SHMManager failed. errno: 17". Remove this rank's leftovers first (only its own: another
+    engine's rank of the same engine index is creating its file at the same time). Two TP>1
+    CPU jobs on one machine at once would collide either way (vLLM's fixed identifier)."""
     shm = Path("/dev/shm")
-    for f in shm.glob(f"*-cpushm_{rank}") if shm.is_dir() else ():
+    ranks = "-".join(map(str, engine_ranks))
+    for f in shm.glob(f"*-[[]{ranks}[]]-cpushm_{engine_rank}") if shm.is_dir() else ():
         with contextlib.suppress(OSError):
             f.unlink()
             log.warning("removed stale vLLM shared-memory file %s", f)
@@ -327,14 +333,15 @@ class VLLMEngine:
         if world > 1 and not torch.distributed.is_initialized():
             raise RuntimeError("initialise torch.distributed before VLLMEngine: vLLM otherwise "
                                "creates its own world-size-1 process group")
-        if tp > 1 and world != tp:  # external_launcher with world > tp would need vLLM DP too
-            raise ValueError(f"rollout.tensor_parallel_size={tp} must be 1 or equal WORLD_SIZE="
-                             f"{world} (the tested external_launcher layout)")
+        if world % tp:  # vLLM groups the world as (external DP, TP): world/tp engines
+            raise ValueError(f"rollout.tensor_parallel_size={tp} must divide WORLD_SIZE={world}: "
+                             "engines are tp consecutive ranks")
         if self.on_cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.cpu_kvcache_space_gib)
             _set_omp_binding(tp)
             if tp > 1:
-                _remove_stale_shm(int(os.environ.get("RANK", "0")))
+                rank = int(os.environ.get("RANK", "0"))
+                _remove_stale_shm(list(range(rank - rank % tp, rank - rank % tp + tp)), rank % tp)
         kwargs = dict(
             model=self.model_dir, load_format="dummy", dtype=self.dtype, seed=self.cfg.seed,
             tensor_parallel_size=tp, max_model_len=self.cfg.max_model_len,

@@ -27,6 +27,7 @@ from megagrpo.checkpoint import (
     save_model,
     save_tree,
 )
+from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.train import TrainConfig
 from megagrpo.distributed import init_distributed, torchrun_env
 from megagrpo.export import save_tokenizer
@@ -83,7 +84,11 @@ def setup(cfg: TrainConfig) -> Trainer:
     optimizer = build_optimizer(policy, cfg.optim)
     reference = (Reference(policy, model_cfg, cfg.parallel, cfg.reference, seed=cfg.run.seed)
                  if cfg.algo.beta > 0 else None)
-    engine = _start_engine(cfg, model_cfg, task.tokenizer, rank)
+    layout = RolloutLayout(rank=rank, world_size=world, engine_tp=cfg.rollout.tensor_parallel_size,
+                           train_tp=cfg.parallel.tp, train_pp=cfg.parallel.pp)
+    if rank == 0:
+        log.info("%s", layout.describe())
+    engine = _start_engine(cfg, model_cfg, task.tokenizer, layout)
     # vLLM reseeds the global RNG: put megatron's tracker and torch's back on the run's seed
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -108,7 +113,7 @@ def setup(cfg: TrainConfig) -> Trainer:
         mp_rank=dist.get_rank(group=ps.get_model_parallel_group()),
         valid_local_vocab=valid_local, pad_id=task.tokenizer.pad_id,
         eos_id=task.tokenizer.eos_id, stop_ids=(task.tokenizer.eos_id,),
-        opt_steps=0, total_opt_steps=max(1, cfg.run.steps * per_step),
+        opt_steps=0, total_opt_steps=max(1, cfg.run.steps * per_step), layout=layout,
     )
     return Trainer(cfg, parts)
 
@@ -126,9 +131,11 @@ def _load_init(gpt, cfg: TrainConfig, model_cfg, info) -> None:
         load_model(gpt, init)
 
 
-def _start_engine(cfg: TrainConfig, model_cfg, tokenizer, rank: int):
+def _start_engine(cfg: TrainConfig, model_cfg, tokenizer, layout: RolloutLayout):
     """vLLM in this process, on an HF config written for this rank (weights come from the
-    policy by `sync_weights`, not from disk)."""
+    policy by `sync_weights`, not from disk). The ranks of one engine share its seed: they
+    must sample the same tokens."""
+    rank = layout.rank
     from megagrpo.hf import hf_config_dict
     from megagrpo.rollout import VLLMEngine
 
@@ -138,7 +145,8 @@ def _start_engine(cfg: TrainConfig, model_cfg, tokenizer, rank: int):
     hf.update(eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id,
               pad_token_id=tokenizer.pad_id)
     (d / "config.json").write_text(json.dumps(hf, indent=1))
-    r = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + rank, dtype=model_cfg.dtype)
+    r = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + layout.engine,
+                            dtype=model_cfg.dtype)
     return VLLMEngine(r, d, dtype=model_cfg.dtype)
 
 

@@ -107,8 +107,10 @@ class Trainer:
             temperature=r_cfg.temperature, top_p=r_cfg.top_p, top_k=r_cfg.top_k,
             max_tokens=r_cfg.max_tokens, stop=tuple(r_cfg.stop), n=self.cfg.algo.group_size,
             stop_token_ids=self.stop_ids)
-        mine = list(range(self.mp_rank, len(prompts), self.mp_size))
+        mine = self.layout.prompt_indices(len(prompts))  # this rank's engine's slice
         comps = self.engine.generate([prompts[i] for i in mine], sampling) if mine else []
+        if not self.layout.is_leader:  # the engine's TP rank 0 reports its completions
+            comps = []
         texts = [c.text or self.tokenizer.decode(c.token_ids) for c in comps]
         ans = [answers[mine[c.prompt_index]] for c in comps]
         rewards, per_term, metrics = self.reward_fn.score(texts, ans) if comps else (
@@ -380,15 +382,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ sync
     def sync_weights(self) -> dict:
-        """Reshards the policy (TP gather, PP broadcast, unfuse) straight into vLLM."""
-        from megagrpo.reshard import ReshardStats, iter_hf_weights
+        """Reshards the policy straight into vLLM: shard to shard when the engines' TP equals
+        the training TP (each rank feeds its own slice), else full tensors (TP gather, PP
+        broadcast, unfuse) of which vLLM keeps its slice."""
+        from megagrpo.reshard import ReshardStats, iter_hf_weights, iter_vllm_slices
 
         stats = ReshardStats()
-        pairs = iter_hf_weights(self.policy, self.model_cfg, self.cfg.parallel,
-                                bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, stats=stats)
+        feed = iter_vllm_slices if self.layout.shard_to_shard else iter_hf_weights
+        pairs = feed(self.policy, self.model_cfg, self.cfg.parallel,
+                     bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, stats=stats)
         s = self.engine.update_weights(pairs)
         self.engine_version = self.version
-        return {"sync_bytes": stats.bytes, "sync_gather_s": stats.gather_s,
+        return {"sync_bytes": stats.bytes, "sync_received_bytes": stats.received_bytes,
+                "sync_gather_s": stats.gather_s,
                 "sync_load_s": s.seconds - stats.gather_s - stats.convert_s}
 
     # ------------------------------------------------------------------ one step
@@ -469,12 +475,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ eval / cold start
     def evaluate(self, examples) -> float:
-        """Greedy accuracy on held-out examples, split over all ranks: the share whose
+        """Greedy accuracy on held-out examples, split over the vLLM engines: the share whose
         correctness term (`RewardFn.correct`) scores >= 1, whatever the other terms add."""
         if self.watchdog is not None:
             self.watchdog.set_phase("eval", self.step_idx)
-        world, rank = dist.get_world_size(), dist.get_rank()
-        mine = examples[rank::world]
+        lay = self.layout  # each engine evaluates its slice; its TP rank 0 counts it
+        mine = examples[lay.engine::lay.num_engines]
         correct = 0.0
         if mine:
             from megagrpo.rollout import SamplingSettings
@@ -486,7 +492,8 @@ class Trainer:
             texts = [c.text or self.tokenizer.decode(c.token_ids) for c in comps]
             _, per_term, _ = self.reward_fn.score(texts, [e.answer for e in mine])
             correct = float(self.reward_fn.correct(per_term).sum())
-        v = torch.tensor([correct, float(len(mine))], dtype=torch.float64)
+        counted = float(len(mine)) if lay.is_leader else 0.0
+        v = torch.tensor([correct if lay.is_leader else 0.0, counted], dtype=torch.float64)
         dist.all_reduce(v)
         return float(v[0] / max(v[1], 1.0))
 
