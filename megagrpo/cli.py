@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
         t.add_argument("--config", default=None, help="YAML recipe")
         t.add_argument("--nproc", type=int, default=0,
                        help="local ranks when started without torchrun (default tp*pp)")
+        t.add_argument("--verbose", action="store_true",
+                       help="show every rank's log and the libraries' warnings on the console "
+                       "(always in OUT_DIR/logs/rank<N>.log)")
         t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
         t.set_defaults(func=fn)
     p = sub.add_parser("plan", help="memory/parallelism planner for a recipe (starts nothing)")
@@ -247,9 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")
-    logging.getLogger("megagrpo").setLevel(logging.INFO)
+    from megagrpo.console import VERBOSE_ENV, configure
+
     args = build_parser().parse_args(argv)
+    if getattr(args, "verbose", False):  # the ranks a relaunch starts inherit it
+        os.environ[VERBOSE_ENV] = "1"
+    configure()
     try:
         rc = args.func(args)
     except (ValueError, FileNotFoundError, KeyError, ImportError) as e:

@@ -16,8 +16,6 @@ if TYPE_CHECKING:  # the watchdog is only passed through here
 log = logging.getLogger("megagrpo")
 
 METRICS_FILE = "metrics.jsonl"
-CONSOLE_KEYS = ("reward_mean", "kl", "entropy", "clip_frac_high", "completion_len",
-                "logp_gap_vllm_mean", "tokens_per_s")
 
 
 class PhaseTimer:
@@ -46,8 +44,12 @@ class MetricsLogger:
     """Writes one JSON object per record to out_dir/metrics.jsonl (+ TB / W&B if present)."""
 
     def __init__(self, out_dir: str | Path, *, enabled: bool, tensorboard: bool = True,
-                 wandb: bool = False, config: dict | None = None, progress: bool = True):
-        self.enabled, self.progress = enabled, progress
+                 wandb: bool = False, config: dict | None = None, progress: bool = True,
+                 total_steps: int = 0):
+        from megagrpo.console import Progress
+
+        self.enabled = enabled
+        self.progress = Progress(total_steps, enabled=enabled and progress)
         self.path = Path(out_dir) / METRICS_FILE
         self.tb = self.wb = None
         if not enabled:
@@ -80,14 +82,10 @@ class MetricsLogger:
                 self.tb.add_scalar(k, v, step)
         if self.wb is not None:
             self.wb.log(nums, step=step)
-        if self.progress and "reward_mean" in record:
-            parts = " ".join(f"{k}={record[k]:.3g}" for k in CONSOLE_KEYS if k in record)
-            extra = f" eval_acc={record['eval_accuracy']:.3f}" if "eval_accuracy" in record else ""
-            reset = record.get("reference_sync")
-            ref = f" [ref reset: {reset}]" if reset else ""
-            print(f"step {step:4d} | {parts}{extra}{ref}", flush=True)
+        self.progress.update(record)  # the bar (or a line every ~5%) and evaluation lines
 
     def close(self) -> None:
+        self.progress.close()
         if self.tb is not None:
             self.tb.close()
         if self.wb is not None:

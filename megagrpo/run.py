@@ -29,6 +29,7 @@ from megagrpo.checkpoint import (
 )
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.train import TrainConfig
+from megagrpo.console import attach_log_file, summary_table, what_runs
 from megagrpo.distributed import init_distributed, torchrun_env
 from megagrpo.export import save_tokenizer
 from megagrpo.metrics import (
@@ -76,8 +77,10 @@ def setup(cfg: TrainConfig) -> Trainer:
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
     info = init_distributed(cfg.parallel, model_cfg, seed=cfg.run.seed)
+    log_file = attach_log_file(cfg.run.out_dir, rank)  # out_dir is ready once all ranks met
     if rank == 0:
-        log.info("layer spec: %s; kernels: %s", layer_spec_name(cfg.parallel), cfg.run.kernel_impl)
+        log.info("%s; full log: %s", what_runs(layer_spec_name(cfg.parallel), cfg.run.kernel_impl),
+                 log_file)
     gpt = build_model(model_cfg, cfg.parallel, seed=cfg.run.seed)
     _load_init(gpt, cfg, model_cfg, info)
     policy = wrap_ddp(gpt, cfg.optim)
@@ -285,7 +288,7 @@ def _train(cfg: TrainConfig, watchdog: Watchdog) -> dict:
     tr.watchdog = watchdog
     logger = MetricsLogger(cfg.run.out_dir, enabled=tr.rank == 0, tensorboard=cfg.run.tensorboard,
                            wandb=cfg.run.wandb, config=dataclasses.asdict(cfg),
-                           progress=cfg.run.progress)
+                           progress=cfg.run.progress, total_steps=cfg.run.steps)
     ckpt = latest_checkpoint(cfg) if cfg.run.resume else None
     summary: dict = {}
     rng = resume(tr, ckpt) if ckpt is not None else None
@@ -385,6 +388,4 @@ def _write_summary(cfg: TrainConfig, summary: dict) -> None:
         plot_curves(records, out / "curves.png")
     except Exception as e:  # plotting must never cost a finished run
         log.warning("curves.png not written: %s", e)
-    rows = [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in summary.items()]
-    width = max(len(k) for k, _ in rows)
-    print("\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows), flush=True)
+    print("\n" + summary_table(summary, out), flush=True)

@@ -1,0 +1,96 @@
+"""The console: known non-actionable library messages and other ranks' INFO stay off it but
+reach the per-rank log file (with what was logged before the file was known); the progress
+view prints a line every ~5% with an ETA and a line per evaluation; a short real demo run's
+console has no traceback, fits on a screen and names what runs, and --verbose shows the rest."""
+import io
+import logging
+import os
+import subprocess
+import sys
+from contextlib import redirect_stdout
+
+import pytest
+
+from megagrpo.console import ConsoleFilter, Progress, attach_log_file
+
+
+def _record(name: str, level: int, msg: str) -> logging.LogRecord:
+    return logging.LogRecord(name, level, __file__, 1, msg, None, None)
+
+
+@pytest.mark.parametrize("rank,name,level,msg,shown", [
+    (0, "vllm.model_executor.model_loader.reload.layerwise", logging.WARNING,
+     "RotaryEmbedding: Failed to load weights", False),
+    (0, "vllm.renderers.base", logging.WARNING, "Chat template warmup failed", False),
+    (0, "py.warnings", logging.WARNING, "x.py:3: UserWarning: Apex is not installed.", False),
+    (0, "vllm.engine", logging.WARNING, "KV cache is too small", True),
+    (0, "vllm.engine", logging.INFO, "Reloading weights took 0.1 s", False),
+    (0, "megagrpo", logging.INFO, "distributed: backend=gloo", True),
+    (1, "megagrpo", logging.INFO, "distributed: backend=gloo", False),
+    (1, "megagrpo", logging.WARNING, "resume: optimizer state not restored", True),
+])
+def test_console_filter(rank, name, level, msg, shown):
+    assert ConsoleFilter(rank).filter(_record(name, level, msg)) is shown
+
+
+def test_log_file_gets_everything_including_what_came_before_it(tmp_path):
+    from megagrpo.console import _Buffer
+
+    root = logging.getLogger()
+    buf = _Buffer()
+    root.addHandler(buf)
+    log = logging.getLogger("vllm.test_console")
+    try:
+        log.warning("before the file: RotaryEmbedding: Failed to load weights")
+        path = attach_log_file(tmp_path, 3)
+        log.warning("after the file")
+    finally:
+        for h in list(root.handlers):
+            if isinstance(h, (logging.FileHandler, type(buf))):
+                root.removeHandler(h)
+                h.close()
+    assert path == tmp_path / "logs" / "rank3.log"
+    text = path.read_text()
+    assert "before the file" in text and "after the file" in text
+
+
+def test_progress_lines_every_five_percent_with_eta_and_evaluations():
+    out = io.StringIO()
+    p = Progress(40)
+    with redirect_stdout(out):
+        p.update({"step": 0, "eval_accuracy": 0.25})
+        for s in range(1, 41):
+            rec = {"step": s, "reward_mean": s / 40, "kl": 0.01, "completion_len": 5.0}
+            if s == 20:
+                rec["eval_accuracy"] = 0.5
+            p.update(rec)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "step 0: held-out accuracy 0.250"
+    steps = [ln for ln in lines if ln.startswith("step ") and "/40" in ln]
+    assert [ln.split()[1] for ln in steps] == [f"{s}/40" for s in range(2, 41, 2)]
+    assert all("eta " in ln for ln in steps) and "reward=1 " in steps[-1]
+    assert "step 20: held-out accuracy 0.500" in lines and "acc=0.500" in steps[-1]
+
+
+def _demo(tmp_path, *extra):
+    e = dict(os.environ)
+    e.pop("OMP_NUM_THREADS", None)  # the launcher picks threads per rank
+    return subprocess.run(
+        [sys.executable, "-m", "megagrpo", "demo", *extra, "run.steps=2", "run.sft_steps=2",
+         "run.eval_every=0", "arithmetic.num_eval=16", f"run.out_dir={tmp_path}/run",
+         "run.checkpoint_at_end=true"],
+        capture_output=True, text=True, env=e, timeout=900)
+
+
+def test_demo_console_is_short_and_has_no_traceback(tmp_path):
+    p = _demo(tmp_path)
+    console = p.stdout + p.stderr
+    assert p.returncode == 0, console[-4000:]
+    lines = console.splitlines()
+    assert "Traceback" not in console and "Warning" not in console, console
+    assert len(lines) <= 40, console
+    assert any("layer spec: local" in ln and "Apex not installed" in ln for ln in lines)
+    assert any(ln.startswith("run summary") for ln in lines)
+    log = (tmp_path / "run" / "logs" / "rank0.log").read_text()
+    assert "Failed to load weights" in log and "Chat template warmup failed" in log
+    assert (tmp_path / "run" / "logs" / "rank1.log").exists()
