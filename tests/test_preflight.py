@@ -228,7 +228,7 @@ def test_setup_runs_the_same_checks_before_any_process_group(tmp_path, monkeypat
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
-    cfg = load_config(DEMO, ["data.task=file", "data.path=/nonexistent/x.jsonl",
+    cfg = load_config(DEMO, ["data.task=file", "data.path=/nonexistent/x.jsonl", "run.sft_steps=0",
                              f"run.out_dir={tmp_path}"])
     with pytest.raises(ValueError, match=r"data\.path='/nonexistent/x\.jsonl'"):
         setup(cfg)
@@ -256,7 +256,8 @@ def _train(tmp_path: Path, *args: str) -> tuple[int, str, float]:
 def test_cli_fails_fast_with_the_field_named(tmp_path, spm_model):
     (tmp_path / "tab.yaml").write_text(f"base: {DEMO}\nrun:\n\tsteps: 3\n")
     long_prompts = _jsonl(tmp_path / "long.jsonl", [{"prompt": "1" * 40, "answer": "1"}] * 4)
-    file_task = ["data.task=file", f"data.path={long_prompts}", f"data.tokenizer={spm_model}",
+    file_task = ["data.task=file", "run.sft_steps=0", f"data.path={long_prompts}",
+                 f"data.tokenizer={spm_model}",
                  "rollout.max_model_len=32", "reward.terms=[{name: exact_match}]"]
     cases = [
         (["--config", str(tmp_path / "tab.yaml")], r"tab.yaml:3:1: tabs are not allowed in YAML"),
