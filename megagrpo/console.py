@@ -146,6 +146,15 @@ def summary_table(summary: dict, out_dir: str | os.PathLike) -> str:
     return "\n".join(lines)
 
 
+def _terminal_width() -> int:
+    """Columns of the terminal stderr writes to; 0 when it is not a terminal (or has no size,
+    as under `script` or some CI runners, where tqdm would draw nothing)."""
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns if sys.stderr.isatty() else 0
+    except (OSError, ValueError):
+        return 0
+
+
 class Progress:
     """Rank 0's view of the GRPO loop: a tqdm bar with ETA and the key figures on a terminal,
     a plain line every ~5% of the run otherwise (logs, CI). Evaluations get a line each."""
@@ -159,7 +168,7 @@ class Progress:
         self.every = max(1, total // 20)
         self.bar = None
         self.last_acc: float | None = None
-        self.tty = sys.stderr.isatty()
+        self.tty = _terminal_width() > 0  # a bar needs a terminal that has a width
 
     def update(self, record: dict) -> None:
         """Takes one metrics record: a step's (advances) or an evaluation's (a line)."""
