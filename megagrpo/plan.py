@@ -22,12 +22,16 @@ What is counted, per rank, on the worst pipeline stage:
   recomputation, no sequence parallelism): s*b*h*(10 + 24/tp) bytes at 2 bytes/value per layer,
   plus 5*a*s^2*b/tp when attention scores are materialised (parallel.transformer_impl=local),
   times layers per stage, times the pp micro-batches the first stage holds under 1F1B.
-- vLLM: colocated in every rank (rollout TP = 1: each rank's engine holds the whole model); it
-  takes rollout.gpu_memory_utilization of the GPU while it samples, next to the training state
-  (weights, grads, optimizer, resident reference), and keeps it through the update unless
-  rollout.sleep_between_rollouts frees it. The peak is the larger of the rollout phase
-  (training state + vLLM) and the update phase (training state + logits + activations, + vLLM
-  when it does not sleep).
+- vLLM: colocated in every rank, in engines of k = rollout.tensor_parallel_size ranks, so each
+  rank holds 1/k of the model in rollout.dtype (vocab and matrices split, norms replicated) and
+  the KV cache of ceil(KV heads / k) heads per layer (vLLM replicates KV heads when k exceeds
+  them). It takes rollout.gpu_memory_utilization of the GPU while it samples (weights + KV
+  cache), next to the training state (weights, grads, optimizer, resident reference), and keeps
+  it through the update unless rollout.sleep_between_rollouts frees it. The peak is the larger
+  of the rollout phase (training state + vLLM) and the update phase (training state + logits +
+  activations, + vLLM when it does not sleep). KV cache = vLLM's share minus its weights; the
+  recommended k is the smallest valid one whose KV cache holds one group (algo.group_size
+  sequences of rollout.max_model_len tokens).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from megagrpo.config.layout import check_rollout_layout
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.train import TrainConfig, load_config
 
@@ -108,6 +113,22 @@ class RankMemory:
     """vLLM frees its share during the update (rollout.sleep_between_rollouts)."""
     optimizer_sharded: bool
     """The distributed optimizer shards the optimizer state over dp."""
+    vllm_tp: int = 1
+    """k = rollout.tensor_parallel_size: ranks per vLLM engine."""
+    vllm_weights: int = 0
+    """vLLM's weights on this rank (1/k of the model), inside its share."""
+    kv_token_bytes: int = 0
+    """KV cache bytes per token on this rank (all layers, K and V)."""
+
+    @property
+    def kv_cache(self) -> int:
+        """What vLLM's share leaves for the KV cache after its weights (< 0: it cannot start)."""
+        return self.vllm - self.vllm_weights
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the KV cache holds (0 when it has no room)."""
+        return max(0, self.kv_cache) // max(1, self.kv_token_bytes)
 
     @property
     def state(self) -> int:
@@ -154,10 +175,21 @@ def activation_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int) -> int:
     return int(per_layer * scale * (m.num_layers // pp) * pp)
 
 
+def vllm_rank_bytes(m: ModelConfig, k: int, dtype: str) -> tuple[int, int]:
+    """(weights, KV cache bytes per token) of one rank of a vLLM engine of k ranks."""
+    b = DTYPE_BYTES[dtype]
+    norms = (2 * m.num_layers + 1) * m.hidden_size  # replicated on every rank
+    weights = ((total_params(m) - norms) // k + norms) * b
+    kv_heads = -(-m.num_query_groups // k)
+    return weights, 2 * m.num_layers * kv_heads * m.head_dim * b
+
+
 def rank_memory(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int, world: int,
-                gpu_mem_gib: float) -> RankMemory:
+                gpu_mem_gib: float, vllm_tp: int | None = None) -> RankMemory:
     """Per-rank bytes of `cfg` with the model `m` laid out at tp x pp over `world` ranks of
-    `gpu_mem_gib` GiB each."""
+    `gpu_mem_gib` GiB each, vLLM engines of `vllm_tp` ranks (default: the recipe's)."""
+    k = vllm_tp or cfg.rollout.tensor_parallel_size
+    vllm_weights, kv_token = vllm_rank_bytes(m, k, cfg.rollout.dtype)
     layout = dataclasses.replace(cfg.parallel, tp=tp, pp=pp)
     dp = max(1, world // (tp * pp))
     n = max(stage_params(m, layout, s) for s in range(pp))
@@ -174,7 +206,25 @@ def rank_memory(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int, world: int,
                       activations=activation_bytes(cfg, m, tp, pp),
                       vllm=int(cfg.rollout.gpu_memory_utilization * gpu_mem_gib * GIB),
                       vllm_sleeps=cfg.rollout.sleep_between_rollouts,
-                      optimizer_sharded=cfg.optim.distributed_optimizer)
+                      optimizer_sharded=cfg.optim.distributed_optimizer,
+                      vllm_tp=k, vllm_weights=vllm_weights, kv_token_bytes=kv_token)
+
+
+def recommend_vllm_tp(cfg: TrainConfig, m: ModelConfig, world: int, gpu_mem_gib: float
+                      ) -> int | None:
+    """The smallest k that the layout check accepts (see `megagrpo.config.layout`) and whose
+    KV cache holds one group: algo.group_size sequences of rollout.max_model_len tokens at
+    once. None when no k does."""
+    need = cfg.algo.group_size * cfg.rollout.max_model_len
+    for k in range(1, world + 1):
+        try:
+            check_rollout_layout(k, cfg.parallel, m, world)
+        except ValueError:
+            continue
+        r = rank_memory(cfg, m, cfg.parallel.tp, cfg.parallel.pp, world, gpu_mem_gib, k)
+        if r.kv_tokens >= need:
+            return k
+    return None
 
 
 def layouts(cfg: TrainConfig, m: ModelConfig, world: int) -> list[tuple[int, int]]:
@@ -234,6 +284,8 @@ def format_breakdown(r: RankMemory, m: ModelConfig, gpu_mem_gib: float) -> str:
         ("logits, fused kernels [T, V/tp] (update)", r.logits_fused),
         ("activations, rough estimate (update)", r.activations),
         ("vLLM share (rollout" + ("" if r.vllm_sleeps else " and update") + ")", r.vllm),
+        (f"  of which vLLM weights (1/{r.vllm_tp} of the model)", r.vllm_weights),
+        ("  of which KV cache", r.kv_cache),
     ]
     lines = [(f"per-rank memory at tp={r.tp} pp={r.pp} dp={r.dp} "
              f"({r.params / 1e6:.1f}M params on the most loaded rank)"),
@@ -252,6 +304,23 @@ def format_candidates(cands: list[RankMemory]) -> str:
     lines = [f"  {'tp':>3} {'pp':>3} {'dp':>4} {'peak GiB':>9}"]
     lines += [f"  {r.tp:>3} {r.pp:>3} {r.dp:>4} {_gib(r.total)}" for r in cands]
     return "\n".join(lines)
+
+
+def _print_vllm(cfg: TrainConfig, m: ModelConfig, r: RankMemory, world: int,
+                gpu_mem_gib: float) -> None:
+    """The rollout side: KV cache room at the recipe's k and the recommended k."""
+    seqs = r.kv_tokens // cfg.rollout.max_model_len
+    print(f"  vLLM engines of {r.vllm_tp} rank(s): KV cache {r.kv_cache / GIB:.2f} GiB per rank"
+          f" = {r.kv_tokens} tokens ({seqs} sequences of {cfg.rollout.max_model_len} at once)")
+    best = recommend_vllm_tp(cfg, m, world, gpu_mem_gib)
+    if best is None:
+        print("  no rollout.tensor_parallel_size gives vLLM room for one group's KV cache: "
+              "raise rollout.gpu_memory_utilization or lower rollout.max_model_len")
+    else:
+        tp = cfg.parallel.tp
+        print(f"  recommended rollout.tensor_parallel_size={best} (smallest k whose KV cache "
+              f"holds {cfg.algo.group_size} sequences of {cfg.rollout.max_model_len} tokens)"
+              + ("" if best == tp else f"; k = parallel.tp = {tp} refreshes shard to shard"))
 
 
 def run_plan(config: str | None, overrides: list[str], *, gpus: int = 0,
@@ -276,6 +345,7 @@ def run_plan(config: str | None, overrides: list[str], *, gpus: int = 0,
         print(f"  fits: {'yes' if current.total <= gpu_mem_gib * GIB else 'no'}")
     except ValueError as e:
         print(f"  note: the recipe's layout does not validate: {e}")
+    _print_vllm(cfg, m, current, world, gpu_mem_gib)
     fits = suggest(cfg, m, world, gpu_mem_gib)
     if fits:
         best = fits[0]

@@ -58,10 +58,9 @@ def main():
     ap.add_argument("--work", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from tests._trainer_worker import greedy_check, make_config
-
     from megagrpo.reshard import iter_hf_weights, iter_vllm_slices
     from megagrpo.run import setup
+    from tests._trainer_worker import greedy_check, make_config
 
     cfg = make_config(args.work)
     cfg.rollout.tensor_parallel_size = 2

@@ -1,6 +1,7 @@
 """The memory planner's arithmetic against hand-computed numbers for a tiny config."""
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,45 @@ if __name__ == "__main__":  # the worker of the test above, one per rank under t
     n = sum(p.numel() for p in gpt.parameters())
     print(f"rank {info.rank} params {n} {info.pp_rank}", flush=True)
     shutdown()
+
+
+def test_vllm_tp_weights_and_kv_cache_by_hand():
+    from megagrpo.plan import vllm_rank_bytes
+
+    m = tiny()
+    # 2920 params, of which 5 norms of 8 stay whole on every rank; fp32
+    assert vllm_rank_bytes(m, 1, "float32") == (2920 * 4, 2 * 2 * 2 * 4 * 4)
+    assert vllm_rank_bytes(m, 2, "float32") == ((2880 // 2 + 40) * 4, 2 * 2 * 1 * 4 * 4)
+    # k above the 2 KV heads: vLLM replicates them, one head per rank
+    m4 = replace(tiny(), num_attention_heads=4)
+    assert vllm_rank_bytes(m4, 4, "bfloat16")[1] == 2 * 2 * 1 * 4 * 2
+    cfg = load_config(None, TINY + ["rollout.tensor_parallel_size=2"])
+    r = rank_memory(cfg, cfg.model, 1, 1, world=4, gpu_mem_gib=1.0)
+    assert r.vllm_tp == 2 and r.kv_cache == GIB // 2 - (2880 // 2 + 40) * 4
+    assert r.kv_tokens == r.kv_cache // 64
+
+
+def test_recommended_vllm_tp_is_the_smallest_with_room_for_a_group():
+    from megagrpo.plan import recommend_vllm_tp
+
+    # 72B in bf16 on 139 GiB GPUs: vLLM's 35% share cannot hold 1/2 of the weights (68 GiB);
+    # at k=4 (36 GiB of weights) it still holds 16 x 3072 tokens of KV cache; 3 divides no head
+    cfg = load_config(str(EXAMPLES / "qwen2.5-72b-math.yaml"))
+    m = cfg.model
+    for k, room in ((1, False), (2, False), (4, True)):
+        r = rank_memory(cfg, m, 8, 2, world=16, gpu_mem_gib=139.0, vllm_tp=k)
+        assert (r.kv_tokens >= 16 * 3072) == room, (k, r.kv_cache / GIB)
+    assert recommend_vllm_tp(cfg, m, 16, 139.0) == 4
+    assert recommend_vllm_tp(cfg, m, 16, 20.0) is None  # 7 GiB share: not even k=16 has room
+
+
+def test_70b_recipe_validates_and_plans_without_weights(capsys):
+    cfg = load_config(str(EXAMPLES / "qwen2.5-72b-math.yaml"))
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.rollout.tensor_parallel_size) == (8, 2, 8)
+    cfg.validate(world_size=16)
+    assert round(total_params(cfg.model) / 1e9, 1) == 72.7  # Qwen2.5-72B's published size
+    assert run_plan(str(EXAMPLES / "qwen2.5-72b-math.yaml"), [], gpus=16, gpu_mem_gib=139) == 0
+    out = capsys.readouterr().out
+    assert "is not on this machine" in out and "vLLM engines of 8 rank(s)" in out
+    assert "of which vLLM weights (1/8 of the model)" in out
+    assert run_plan(str(EXAMPLES / "qwen2.5-72b-math.yaml"), [], gpus=16, gpu_mem_gib=80) == 1
