@@ -51,7 +51,7 @@ from megagrpo.run_dir import (
     step_of,
     write_manifest,
 )
-from megagrpo.trainer import BadStepsError, Trainer
+from megagrpo.trainer import BadStepsError, TokenIds, Trainer, TrainerGroups, TrainerRanks
 from megagrpo.watchdog import Watchdog, start_watchdog
 
 log = logging.getLogger("megagrpo")
@@ -100,25 +100,29 @@ def setup(cfg: TrainConfig) -> Trainer:
     torch.manual_seed(cfg.run.seed + rank)
     loader = PromptLoader(task.train, cfg.data.batch_size, info.dp_rank, info.dp,
                           seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    Vp = cfg.parallel.padded_vocab_size(model_cfg.vocab_size)
-    v_local = Vp // cfg.parallel.tp
-    valid_local = max(0, min(v_local, model_cfg.vocab_size - info.tp_rank * v_local))
     per_step = cfg.algo.mu * cfg.run.num_minibatches
-    parts = dict(
-        model_cfg=model_cfg, policy=policy, optimizer=optimizer, reference=reference,
-        engine=engine, loader=loader, task=task, tokenizer=task.tokenizer,
-        reward_fn=RewardFn(cfg.reward), rank=rank, dp=info.dp, dp_rank=info.dp_rank,
-        tp_rank=info.tp_rank, tp_group=ps.get_tensor_model_parallel_group(),
-        dp_group=ps.get_data_parallel_group(), mp_group=ps.get_model_parallel_group(),
-        mp_size=cfg.parallel.tp * cfg.parallel.pp, pp=cfg.parallel.pp,
-        pp_group=ps.get_pipeline_model_parallel_group(),
-        pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
+    tok = task.tokenizer
+    return Trainer(
+        cfg, model_cfg=model_cfg, policy=policy, optimizer=optimizer, reference=reference,
+        engine=engine, loader=loader, task=task, reward_fn=RewardFn(cfg.reward), layout=layout,
+        ranks=_trainer_ranks(cfg, model_cfg, info), groups=TrainerGroups(
+            tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
+            dp=ps.get_data_parallel_group(), mp=ps.get_model_parallel_group()),
+        tokens=TokenIds(pad_id=tok.pad_id, eos_id=tok.eos_id, stop_ids=(tok.eos_id,)),
+        total_opt_steps=max(1, cfg.run.steps * per_step))
+
+
+def _trainer_ranks(cfg: TrainConfig, model_cfg, info) -> TrainerRanks:
+    """This rank's place in the training layout, from megatron's parallel_state."""
+    from megatron.core import parallel_state as ps
+
+    v_local = cfg.parallel.padded_vocab_size(model_cfg.vocab_size) // cfg.parallel.tp
+    return TrainerRanks(
+        rank=info.rank, dp=info.dp, dp_rank=info.dp_rank, tp_rank=info.tp_rank,
+        pp=cfg.parallel.pp, pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
         mp_rank=dist.get_rank(group=ps.get_model_parallel_group()),
-        valid_local_vocab=valid_local, pad_id=task.tokenizer.pad_id,
-        eos_id=task.tokenizer.eos_id, stop_ids=(task.tokenizer.eos_id,),
-        opt_steps=0, total_opt_steps=max(1, cfg.run.steps * per_step), layout=layout,
-    )
-    return Trainer(cfg, parts)
+        mp_size=cfg.parallel.tp * cfg.parallel.pp,
+        valid_local_vocab=max(0, min(v_local, model_cfg.vocab_size - info.tp_rank * v_local)))
 
 
 def _load_init(gpt, cfg: TrainConfig, model_cfg, info) -> None:

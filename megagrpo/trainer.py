@@ -20,12 +20,14 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megagrpo import algo
 from megagrpo.batch import Batch, pack, sft_batch
+from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import encode_prompt
 from megagrpo.kernels import kl_penalty
@@ -39,6 +41,14 @@ from megagrpo.optim import (
     zero_grad,
 )
 from megagrpo.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from megagrpo.config.model import ModelConfig
+    from megagrpo.data import PromptLoader
+    from megagrpo.reference import Reference
+    from megagrpo.rewards import RewardFn
+    from megagrpo.rollout import RolloutEngine
+    from megagrpo.tasks import Task
 
 log = logging.getLogger("megagrpo")
 
@@ -62,6 +72,56 @@ class Rollout:
     metrics: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True, kw_only=True)
+class TrainerRanks:
+    """Where this rank sits in the training layout (megatron parallel_state)."""
+
+    rank: int = 0
+    """Global rank."""
+    dp: int = 1
+    """Data-parallel size."""
+    dp_rank: int = 0
+    """This rank's DP replica."""
+    tp_rank: int = 0
+    """Tensor-parallel rank."""
+    pp: int = 1
+    """Pipeline stages."""
+    pp_last_rank: int = 0
+    """Global rank of this rank's last-stage peer (where the loss and log-probs live)."""
+    mp_rank: int = 0
+    """Rank inside the model-parallel (TP x PP) group."""
+    mp_size: int = 1
+    """TP x PP."""
+    valid_local_vocab: int = 0
+    """Unpadded vocab rows on this TP rank's logits shard."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerGroups:
+    """megatron's process groups this rank belongs to (None: no processes, e.g. unit tests)."""
+
+    tp: object = None
+    """Tensor-parallel group."""
+    pp: object = None
+    """Pipeline group."""
+    dp: object = None
+    """Data-parallel group."""
+    mp: object = None
+    """Model-parallel (TP x PP) group: the ranks of one replica."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenIds:
+    """Special token ids of the run's tokenizer."""
+
+    pad_id: int = 0
+    """Padding."""
+    eos_id: int = 0
+    """End of sequence."""
+    stop_ids: tuple[int, ...] = ()
+    """Token ids that end a completion."""
+
+
 class BadStepsError(RuntimeError):
     """run.max_bad_steps consecutive steps skipped their update for non-finite values."""
 
@@ -80,9 +140,46 @@ def _forward(mb: Batch, model, *, loss_fn):
 class Trainer:
     """Holds the run's state; `setup` builds it, `step` runs one GRPO iteration."""
 
-    def __init__(self, cfg: TrainConfig, parts: dict):
+    def __init__(self, cfg: TrainConfig, *, model_cfg: ModelConfig | None = None,
+                 policy: list | None = None, optimizer=None, reference: Reference | None = None,
+                 engine: RolloutEngine | None = None, loader: PromptLoader | None = None,
+                 task: Task | None = None, reward_fn: RewardFn | None = None,
+                 layout: RolloutLayout | None = None, ranks: TrainerRanks | None = None,
+                 groups: TrainerGroups | None = None, tokens: TokenIds | None = None,
+                 total_opt_steps: int = 1):
+        """`megagrpo.run.setup` builds every part; tests may leave out what they do not use."""
         self.cfg = cfg
-        self.__dict__.update(parts)
+        self.model_cfg = model_cfg
+        """The architecture (from run.init's checkpoint when it has one)."""
+        self.policy = policy
+        """The policy's model chunks (DDP-wrapped megatron GPTModel stage)."""
+        self.optimizer = optimizer
+        """megatron's optimizer over the policy (replaced after the cold start)."""
+        self.reference = reference
+        """The reference model and its reset schedule (None when algo.beta = 0)."""
+        self.engine = engine
+        """This rank's vLLM engine (one of world / rollout.tensor_parallel_size)."""
+        self.loader = loader
+        """This DP replica's prompt stream."""
+        self.task = task
+        """Train/eval examples and the tokenizer."""
+        self.tokenizer = task.tokenizer if task is not None else None
+        self.reward_fn = reward_fn
+        """The reward terms (scores completions against answers)."""
+        self.layout = layout or RolloutLayout(rank=0, world_size=1, engine_tp=1, train_tp=1,
+                                              train_pp=1)
+        """Which ranks form this rank's vLLM engine and which prompts it samples."""
+        r = ranks or TrainerRanks()
+        self.rank, self.dp, self.dp_rank, self.tp_rank = r.rank, r.dp, r.dp_rank, r.tp_rank
+        self.pp, self.pp_last_rank, self.mp_rank, self.mp_size = (r.pp, r.pp_last_rank,
+                                                                  r.mp_rank, r.mp_size)
+        self.valid_local_vocab = r.valid_local_vocab
+        g = groups or TrainerGroups()
+        self.tp_group, self.pp_group, self.dp_group, self.mp_group = (g.tp, g.pp, g.dp, g.mp)
+        t = tokens or TokenIds()
+        self.pad_id, self.eos_id, self.stop_ids = t.pad_id, t.eos_id, t.stop_ids
+        self.opt_steps = 0  # optimizer steps taken (the LR schedule's position)
+        self.total_opt_steps = total_opt_steps
         self.step_idx = 0
         self.version = 0  # optimizer updates applied to the policy (GRPO steps)
         self.engine_version = -1  # policy version vLLM holds (-1: none yet)
@@ -596,4 +693,4 @@ def _batch_std_advantages(rewards: torch.Tensor, G: int, eps: float, dp_group) -
     return (centred / (std.float() + eps)).float()
 
 
-__all__ = ["BadStepsError", "Trainer", "Rollout"]
+__all__ = ["BadStepsError", "Rollout", "TokenIds", "Trainer", "TrainerGroups", "TrainerRanks"]

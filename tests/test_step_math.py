@@ -21,7 +21,7 @@ def _trainer(estimator: str = "k3", std_mode: str = "group") -> Trainer:
                      std_mode=std_mode).items():
         setattr(cfg.algo, k, v)
     # no processes: dp=1 and a reference that only needs to exist
-    return Trainer(cfg, dict(reference=object(), dp=1, dp_group=None))
+    return Trainer(cfg, reference=object())
 
 
 def _batch(lengths: list[int], rewards: list[float]):
