@@ -1,0 +1,77 @@
+"""Run under torchrun (2 ranks, TP=2, gloo) by tests/test_bf16.py: the trainer in bf16 mixed
+precision on CPU (bf16 policy and vLLM engine, fp32 main parameters in the optimizer, truncated
+rollout IS). Rank 0 writes WORK/results.json."""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests._trainer_worker import local_params, make_config  # noqa: E402
+
+CAP = 1.0005  # low enough that bf16 rounding gaps (mean |log ratio| ~7e-4) reach it
+
+
+def optimizer_dtypes(tr) -> dict:
+    """dtypes of the model's weight matrices and norm vectors, of the optimizer's (main)
+    parameters, and whether each bf16 parameter equals its fp32 main copy rounded to bf16."""
+    opts = getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])
+    main = [p.dtype for o in opts for g in o.optimizer.param_groups for p in g["params"]]
+    pairs = [(m, p) for o in opts
+             for mg, pg in zip(getattr(o, "fp32_from_float16_groups", []),
+                               getattr(o, "float16_groups", []))
+             for m, p in zip(mg, pg)]
+    params = list(tr.policy.parameters())
+    return {"matrices": sorted({str(p.dtype) for p in params if p.dim() == 2}),
+            "vectors": sorted({str(p.dtype) for p in params if p.dim() == 1}),
+            "main": sorted({str(d) for d in main}), "pairs": len(pairs),
+            "copies_exact": all(torch.equal(m.to(torch.bfloat16), p) for m, p in pairs),
+            "optimizer": sorted({type(o).__name__ for o in opts})}
+
+
+def is_check(tr) -> dict:
+    """The truncated-IS weights the loss gets vs min(exp(old - rollout), cap), in float64."""
+    batch, _ = tr.build_batch(tr.rollout())
+    metrics = tr.score(batch, async_batch=False)
+    mask = batch.mask.bool()
+    ratio = (batch.old_logp.double() - batch.rollout_logp.double()).exp().clamp(max=CAP)
+    err = (batch.is_weight.double() - ratio)[mask].abs().max().item()
+    return {"err": err, "metrics": metrics,
+            "below_one": float((batch.is_weight[mask] < 1).float().mean()),
+            "capped": float((batch.is_weight[mask] >= CAP).float().mean())}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from megagrpo.run import setup
+
+    cfg = make_config(args.work)
+    cfg.parallel.pp = 1
+    cfg.model.dtype = cfg.rollout.dtype = "bfloat16"
+    cfg.algo.rollout_is, cfg.algo.rollout_is_cap = "truncate", CAP
+    tr = setup(cfg)
+    tr.sync_weights()
+    res = {"dtypes_before": optimizer_dtypes(tr), "is": is_check(tr)}
+    before = local_params(tr.policy)
+    m = tr.step()
+    after = local_params(tr.policy)
+    res["step"] = {k: v for k, v in m.items() if isinstance(v, (int, float))}
+    res["moved"] = sum(not torch.equal(before[n], after[n]) for n in before) / len(before)
+    res["dtypes_after"] = optimizer_dtypes(tr)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, res)
+    if dist.get_rank() == 0:
+        (Path(args.work) / "results.json").write_text(json.dumps(gathered))
+    dist.barrier()
+    tr.engine.close()
+
+
+if __name__ == "__main__":
+    main()
