@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Multi-node megagrpo training with torchrun. Run the same line on every node, changing only
-# NODE_RANK; every rank runs trainer + its own colocated vLLM engine (rollout TP = 1).
+# NODE_RANK; every rank runs the trainer and its part of a colocated vLLM engine (engines of
+# rollout.tensor_parallel_size consecutive ranks, so keep them inside a node: k <= GPUS_PER_NODE).
+# tests/test_multinode.py runs this script as two "nodes" over loopback.
 #
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash examples/launch_multinode.sh \
 #       examples/llama3-8b-math.yaml run.steps=200        # on node0
@@ -12,7 +14,8 @@
 #   NNODES         number of nodes (default 2)
 #   NODE_RANK      this node's index, 0 .. NNODES-1 (required)
 #   MASTER_ADDR    host name or IP of node 0, reachable from every node (required)
-#   MASTER_PORT    free TCP port on node 0 for the rendezvous (default 29500)
+#   MASTER_PORT    free TCP port on node 0 for the c10d rendezvous (default 29500)
+#   RDZV_ID        job id shared by the nodes of one run (default megagrpo)
 #   GPUS_PER_NODE  ranks per node, one per GPU (default 8)
 #   PYTHON         interpreter with megagrpo installed (default .venv/bin/python if present)
 #   OMP_NUM_THREADS           CPU threads per rank (default 8)
@@ -36,7 +39,10 @@ if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python; fi
 fi
 
+# c10d rendezvous: node 0 hosts the store; ranks are handed out node by node, so the
+# GPUS_PER_NODE ranks of a node are consecutive (training TP and vLLM engines stay inside it)
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
-  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \
+  --rdzv-id "${RDZV_ID:-megagrpo}" \
   -m megagrpo train --config "$RECIPE" "$@"
