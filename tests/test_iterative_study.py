@@ -1,0 +1,142 @@
+"""examples/iterative_study/study.py (issue 12): its --quick grid runs for real (a cold start,
+then 6 one-rank megagrpo runs, two at a time), and what it writes (table.md, runs.json, the PNGs,
+REPORT.md) is checked against the metrics.jsonl / summary.json each run wrote, recomputed here
+independently; plus the design of the full grid (every run gets the same compute)."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "iterative_study" / "study.py"
+
+
+def _study():
+    spec = importlib.util.spec_from_file_location("iterative_study", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["iterative_study"] = mod  # dataclasses resolve their module by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    work = tmp_path_factory.mktemp("study")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--work", str(work), "--out",
+                        str(work / "results"), "--jobs", "2"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    return work
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _runs(work: Path) -> dict[tuple[str, str, str], list[Path]]:
+    """Run dirs by (task, beta, variant), from the layout runs/<task>/beta<b>/<variant>/seed<s>."""
+    out: dict[tuple[str, str, str], list[Path]] = {}
+    for summary in sorted((work / "runs").glob("*/*/*/seed*/summary.json")):
+        task, beta, variant = summary.parent.parts[-4:-1]
+        out.setdefault((task, beta.removeprefix("beta"), variant), []).append(summary.parent)
+    return out
+
+
+def _table_rows(path: Path) -> list[list[str]]:
+    lines = [x for x in path.read_text().splitlines() if x.startswith("|")][2:]
+    return [[c.strip() for c in x.strip("|").split("|")] for x in lines]
+
+
+def test_quick_grid_ran_every_run_from_the_shared_cold_start(quick):
+    grid = _study().quick_grid()
+    runs = _runs(quick)
+    assert sum(len(v) for v in runs.values()) == len(_study().run_specs(grid)) == 6
+    cold = json.loads((quick / "cold_start" / "easy" / "summary.json").read_text())
+    for dirs in runs.values():
+        for d in dirs:
+            s = json.loads((d / "summary.json").read_text())
+            assert s["steps"] == grid.steps
+            # run.init is the cold start: greedy accuracy before GRPO is the cold start's
+            assert s["eval_accuracy_before"] == cold["eval_accuracy_before"]
+
+
+def test_table_matches_the_runs_metrics(quick):
+    rows = _table_rows(quick / "results" / "table.md")
+    runs = _runs(quick)
+    labels = {v.name: v.label for v in _study().quick_grid().variants}
+    assert len(rows) == len(runs) == 3
+    for task, beta, variant in runs:
+        row = next(r for r in rows if r[:3] == [task, beta, labels[variant]])
+        finals, resets, kls = [], [], []
+        for d in runs[task, beta, variant]:
+            recs = _records(d)
+            finals.append([r["eval_accuracy"] for r in recs if "eval_accuracy" in r][-1])
+            steps = [r for r in recs if "reward_mean" in r]
+            resets.append(sum(1 for r in steps if r.get("reference_sync")))
+            kls.append(sum(r["kl"] for r in steps) / len(steps))
+        mean = sum(finals) / len(finals)
+        std = math.sqrt(sum((x - mean) ** 2 for x in finals) / (len(finals) - 1))
+        assert row[3] == str(len(finals))
+        assert row[4] == f"{mean:.3f} +- {std:.3f}"
+        assert row[5] == f"{min(finals):.3f} - {max(finals):.3f}"
+        assert abs(float(row[7]) - sum(kls) / len(kls)) < 1e-4
+        assert float(row[8]) == sum(resets) / len(resets)
+
+
+def test_reset_schedules_in_the_metrics(quick):
+    grid = _study().quick_grid()
+    for (_, _, variant), dirs in _runs(quick).items():
+        for d in dirs:
+            steps = [r for r in _records(d) if "reward_mean" in r]
+            resets = [r["step"] for r in steps if r.get("reference_sync")]
+            if variant == "reset":  # every K=2 steps
+                assert resets == list(range(2, grid.steps + 1, 2))
+            else:
+                assert resets == []
+            if variant == "no_ref":  # beta = 0 builds no reference
+                assert all(r["kl"] == 0.0 for r in steps)
+            else:
+                assert any(r["kl"] > 0.0 for r in steps)
+
+
+def test_runs_json_figures_and_report(quick):
+    from matplotlib.image import imread
+
+    res = quick / "results"
+    data = json.loads((res / "runs.json").read_text())
+    runs = _runs(quick)
+    for r in data["runs"]:
+        d = runs[r["task"], f"{r['beta']:g}", r["variant"]][r["seed"] - 1]
+        assert d.name == f"seed{r['seed']}"
+        steps = [x for x in _records(d) if "reward_mean" in x]
+        assert r["kl"] == [x["kl"] for x in steps]
+        assert r["cpu_s"] > 0
+    png = res / "curves_easy_beta0.04.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert imread(png).shape[0] > 100
+    report = (res / "REPORT.md").read_text()
+    assert (res / "table.md").read_text() in report and "curves_easy_beta0.04.png" in report
+    assert report.count(" vs frozen ") == 2  # reset and no_ref, each against frozen
+
+
+def test_full_grid_gives_every_run_the_same_compute():
+    study = _study()
+    grid = study.full_grid()
+    specs = study.run_specs(grid)
+    assert len(specs) == 2 * (5 * 2 + 1) * 3 == 66
+    assert len(grid.seeds) >= 3 and 0.04 in grid.betas and max(grid.betas) > 0.04
+    init = Path("/cold")
+    for task in grid.tasks:
+        mine = [s for s in specs if s.task == task]
+        stripped = {tuple(o for o in study.run_overrides(grid, s, init)
+                          if not o.startswith(("reference.", "algo.beta=", "run.seed=",
+                                               "rollout.seed=", "data.seed=")))
+                    for s in mine}
+        assert len(stripped) == 1, stripped  # only the reference treatment and seed differ
