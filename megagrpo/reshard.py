@@ -220,8 +220,8 @@ def _stream(gpt: torch.nn.Module, model: ModelConfig, parallel: ParallelConfig,
             if move:
                 shards = _shards(buf, spec, offset, n_local, tp if step.gather else 1,
                                  spec.local_shape(tp))
-            else:
-                shards = [params[spec.local].detach()]
+            else:  # in model.dtype like the buffer: a bf16 model keeps its norm weights in fp32
+                shards = [params[spec.local].detach().to(dtype)]
             offset += _numel(spec.local_shape(tp))
             if step.gather or spec.split_dim is None:
                 # views into the reused buffer are copied: the consumer may keep what it got

@@ -45,11 +45,32 @@ def is_check(tr) -> dict:
             "capped": float((batch.is_weight[mask] >= CAP).float().mean())}
 
 
+def stream_dtypes(work: Path) -> None:
+    """One process, TP=1: the dtypes of the HF tensors the weight sync / export streams from a
+    bf16 model -> WORK/stream_dtypes.json ({dtype: [names]})."""
+    from megagrpo.distributed import init_distributed
+    from megagrpo.model import build_model
+    from megagrpo.reshard import iter_hf_weights
+
+    cfg = make_config(str(work))
+    cfg.parallel.tp = cfg.parallel.pp = 1
+    cfg.model.dtype = "bfloat16"
+    init_distributed(cfg.parallel, cfg.model)
+    gpt = build_model(cfg.model, cfg.parallel)
+    seen: dict[str, list[str]] = {}
+    for name, t in iter_hf_weights(gpt, cfg.model, cfg.parallel):
+        seen.setdefault(str(t.dtype), []).append(name)
+    (work / "stream_dtypes.json").write_text(json.dumps(seen))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
+    ap.add_argument("--stream-dtypes", action="store_true", help="one process: stream_dtypes")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.stream_dtypes:
+        return stream_dtypes(Path(args.work))
     from megagrpo.run import setup
 
     cfg = make_config(args.work)

@@ -2,10 +2,13 @@
 the vLLM engine run in bf16 (weight matrices; norm weights stay fp32) while the optimizer keeps
 fp32 main parameters (each bf16 weight is its main copy rounded); the vLLM-vs-trainer log-prob
 gap that bf16 rounding opens is reported, and the truncated-IS weights the loss gets are
-min(exp(old - rollout), cap); a step moves every parameter with a finite loss."""
+min(exp(old - rollout), cap); a step moves every parameter with a finite loss; the weight stream
+(vLLM sync, HF export) carries the model dtype even for the fp32 norm weights."""
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -49,3 +52,14 @@ def test_bf16_step_moves_every_parameter(results):
         assert r["moved"] == 1.0, r["moved"]
         assert s["update_skipped"] == 0 and math.isfinite(s["loss"]) and s["grad_norm"] > 0, s
         assert 1e-4 < s["logp_gap_vllm_mean"] < 0.5, s
+
+
+def test_weight_stream_is_in_the_model_dtype_at_tp1(tmp_path):
+    """megatron's local RMSNorm weights stay fp32 in a bf16 model; the stream to vLLM and to an
+    HF export still carries every tensor in bf16 (vLLM warned once per norm and sync)."""
+    e = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, WORKER, "--work", str(tmp_path), "--stream-dtypes"],
+                       capture_output=True, text=True, env=e, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    seen = json.loads((tmp_path / "stream_dtypes.json").read_text())
+    assert list(seen) == ["torch.bfloat16"], {k: v[:3] for k, v in seen.items()}
