@@ -304,7 +304,10 @@ def _train(cfg: TrainConfig, watchdog: Watchdog) -> dict:
         if cfg.run.sft_steps and cfg.data.task == "arithmetic":
             summary.update(_cold_start(tr, cfg, logger))
     if evals:
-        summary["eval_accuracy_before"] = tr.evaluate(evals)
+        # greedy and the same weights unless a cold start ran: no second pass over the eval set
+        fresh = ckpt is not None or "sft_steps" in summary
+        summary["eval_accuracy_before"] = (tr.evaluate(evals) if fresh
+                                           else summary["eval_accuracy_init"])
         if ckpt is None:  # a resumed run's history already holds this step's evaluation
             logger.log({"step": tr.step_idx, "eval_accuracy": summary["eval_accuracy_before"]})
     if rng is not None:  # the streams as they were when the checkpoint was written
