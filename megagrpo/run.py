@@ -298,6 +298,9 @@ def _train(cfg: TrainConfig, watchdog: Watchdog) -> dict:
     rng = resume(tr, ckpt) if ckpt is not None else None
     tr.sync_weights()
     evals = tr.task.eval
+    if evals and tr.rank == 0:
+        log.info("held-out evaluation: %d prompts, greedy, <= %d new tokens", len(evals),
+                 cfg.run.eval_max_tokens)
     if ckpt is None:
         if evals:
             summary["eval_accuracy_init"] = tr.evaluate(evals)
