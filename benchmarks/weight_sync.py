@@ -13,12 +13,24 @@ process: vLLM's shutdown tears down the process group), single rank, megatron TP
   memcpy     one flat copy of the same number of bytes (the floor for any in-memory sync)
   check      after the sync, vLLM greedy tokens vs transformers on the exported checkpoint
 Times are medians over --repeats after one warm-up sync.
+
+    .venv/bin/python benchmarks/weight_sync.py --vllm-tp 2 [--sizes ...]
+        [--out benchmarks/results/weight_sync_tp2_cpu.jsonl]
+
+vLLM TP rows: 2 ranks under torchrun (training TP=2, one vLLM engine of tensor_parallel_size=2
+spanning both), rank 0 reports:
+  full       iter_hf_weights: every rank gathers every full tensor (what vLLM TP=1 needs);
+             vLLM keeps its slice
+  slices     iter_vllm_slices: shard to shard, each rank feeds its own slice (k = training TP)
+  disk       export_hf (rank 0 writes) + every rank reads the checkpoint back into its engine
+  *_received_bytes: bytes a rank received through collectives (measured by the stream)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -129,27 +141,109 @@ def run_one(size: str, repeats: int) -> dict:
     )
 
 
+def run_tp(size: str, repeats: int, k: int) -> dict | None:
+    """One rank of the vLLM TP=k rows (training TP=k); returns the row on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    from megagrpo.config.model import ModelConfig, ParallelConfig
+    from megagrpo.config.rollout import RolloutConfig
+    from megagrpo.distributed import init_distributed
+    from megagrpo.hf import hf_config_dict
+    from megagrpo.model import build_model
+    from megagrpo.reshard import ReshardStats, export_hf, iter_hf_weights, iter_vllm_slices
+    from megagrpo.rollout import VLLMEngine
+
+    mcfg = ModelConfig(architecture="llama", max_position_embeddings=256, **SIZES[size])
+    par = ParallelConfig(tp=k)
+    info = init_distributed(par, mcfg)
+    gpt = build_model(mcfg, par, seed=0)
+    tmp = Path(tempfile.gettempdir()) / f"weight_sync_tp{k}_{os.environ['MASTER_PORT']}"
+    (tmp / f"rank{info.rank}").mkdir(parents=True, exist_ok=True)
+    (tmp / f"rank{info.rank}" / "config.json").write_text(json.dumps(hf_config_dict(mcfg)))
+    engine = VLLMEngine(RolloutConfig(max_model_len=256, max_num_seqs=8, tensor_parallel_size=k),
+                        tmp / f"rank{info.rank}", dtype="float32")
+
+    def sync(feed):
+        stats = ReshardStats()
+        out = engine.update_weights(feed(gpt, mcfg, par, bucket_bytes=64 << 20, stats=stats))
+        return out.seconds, out.source_seconds, stats.received_bytes, out.bytes
+
+    def disk(i):
+        ckpt = tmp / f"ckpt{i}"
+        t0 = time.perf_counter()
+        export_hf(gpt, str(ckpt), mcfg, par, bucket_bytes=64 << 20)
+        dist.barrier()
+        engine.update_weights(_read_safetensors(ckpt))
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    sync(iter_hf_weights), sync(iter_vllm_slices)  # warm-up
+    # *_stream_s: inside megagrpo's stream (collectives + slicing); the rest is vLLM's reload
+    rows = [dict(zip(("full_s", "full_stream_s", "full_received_bytes", "bytes"),
+                     sync(iter_hf_weights)))
+            | dict(zip(("slices_s", "slices_stream_s", "slices_received_bytes"),
+                       sync(iter_vllm_slices)))
+            | {"disk_total_s": disk(i)} for i in range(repeats)]
+    check = _agreement(engine, tmp / "ckpt0", mcfg.vocab_size)  # after a slices sync
+    nbytes = rows[0]["bytes"]
+    src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
+    dst = torch.empty_like(src)
+    copy_s = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats + 1))
+    med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+    dist.barrier()
+    if info.rank:
+        return None
+    shutil.rmtree(tmp, ignore_errors=True)
+    return dict(
+        size=size, layout=f"train tp={k}, vllm tp={k}", bytes=nbytes,
+        **{key: round(v, 4) for key, v in med.items() if key.endswith("_s")},
+        full_received_bytes=rows[0]["full_received_bytes"],
+        slices_received_bytes=rows[0]["slices_received_bytes"],
+        slices_gbps=round(nbytes / med["slices_s"] / 1e9, 3),
+        full_gbps=round(nbytes / med["full_s"] / 1e9, 3),
+        memcpy_gbps=round(nbytes / copy_s / 1e9, 3),
+        slices_vs_disk=round(med["disk_total_s"] / med["slices_s"], 2),
+        slices_vs_memcpy=round(med["slices_s"] / copy_s, 1),
+        threads=torch.get_num_threads(), repeats=repeats, **check)
+
+
+def _launch(size: str, repeats: int, vllm_tp: int, env: dict) -> str:
+    """Runs one size in its own process (torchrun with vllm_tp ranks for the TP rows)."""
+    one = [__file__, "--one", size, "--repeats", str(repeats), "--vllm-tp", str(vllm_tp)]
+    cmd = [sys.executable, *one] if vllm_tp == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={vllm_tp}",
+        "--master-addr=127.0.0.1", f"--master-port={29600 + os.getpid() % 300}", *one]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    found = [ln[7:] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not found:
+        sys.exit(f"size {size} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+    return found[-1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default=",".join(SIZES))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/weight_sync_cpu.jsonl")
+    ap.add_argument("--vllm-tp", type=int, default=1,
+                    help="vLLM TP rows: this many ranks, training TP = vLLM TP")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(run_one(args.one, args.repeats)), flush=True)
+        row = (run_one(args.one, args.repeats) if args.vllm_tp == 1
+               else run_tp(args.one, args.repeats, args.vllm_tp))
+        if row is not None:
+            print("RESULT " + json.dumps(row), flush=True)
         os._exit(0)  # skip vLLM's shutdown hooks
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env.setdefault("OMP_NUM_THREADS", "1")
+    if args.vllm_tp > 1 and args.out == ap.get_default("out"):
+        args.out = f"benchmarks/results/weight_sync_tp{args.vllm_tp}_cpu.jsonl"
     lines = []
     for size in args.sizes.split(","):
-        proc = subprocess.run([sys.executable, __file__, "--one", size, "--repeats",
-                               str(args.repeats)], env=env, capture_output=True, text=True)
-        found = [ln[7:] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not found:
-            sys.exit(f"size {size} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
-        print(found[-1], flush=True)
-        lines.append(found[-1])
+        lines.append(_launch(size, args.repeats, args.vllm_tp, env))
+        print(lines[-1], flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("\n".join(lines) + "\n")

@@ -51,6 +51,16 @@ def test_weight_sync_benchmark_tiny(tmp_path):
     assert out.read_text().strip() == json.dumps(row)
 
 
+def test_weight_sync_benchmark_vllm_tp2_tiny(tmp_path):
+    """The vLLM TP=2 rows (2 ranks under torchrun): the shard-to-shard feed receives less than
+    the full-tensor one, and the engine it fed decodes like HF."""
+    (row,) = _run("weight_sync.py", "--vllm-tp", "2", "--sizes", "tiny", "--repeats", "1",
+                  "--out", str(tmp_path / "w2.jsonl"))
+    assert row["greedy_agrees_with_hf"] and row["max_logprob_gap"] < 1e-4
+    assert 0 < row["slices_received_bytes"] < row["full_received_bytes"]
+    assert row["slices_s"] > 0 and row["disk_total_s"] > 0
+
+
 def test_reference_sync_benchmark_tiny(tmp_path):
     (row,) = _run("reference_sync.py", "--sizes", "tiny", "--tps", "1", "--repeats", "1",
                   "--out", str(tmp_path / "r.jsonl"))
