@@ -201,11 +201,24 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+CONVERT_HELP = """\
+Converts checkpoints; exactly one --from-* with its --to-*:
+  --from-hf DIR --to-megatron OUT [--tp N --pp M]   HF folder -> megagrpo checkpoint (with the
+                                                    folder's tokenizer)
+  --from-megatron CKPT --to-hf OUT [--tp N --pp M]  megagrpo checkpoint, training step dir or
+                                                    run dir -> complete HF folder (weights,
+                                                    config and generation config with the
+                                                    bos/eos/pad ids, tokenizer)
+  --from-gguf FILE|smollm2 --to-hf OUT              GGUF -> HF folder (dequantized, one process)
+--tp/--pp > 1 start that many local ranks (torchrun) when run as one process."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megagrpo", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     c = sub.add_parser("convert", help="HF <-> megatron dist-checkpoint at a given TP/PP; "
-                       "GGUF -> HF")
+                       "GGUF -> HF", description=CONVERT_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("--from-hf", metavar="DIR", help="HF checkpoint folder (config.json + "
                    "safetensors) to convert to --to-megatron")
     c.add_argument("--to-megatron", metavar="DIR", help="output: megatron dist-checkpoint")
