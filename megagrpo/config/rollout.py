@@ -14,7 +14,8 @@ class RolloutConfig:
     """How the colocated vLLM engine is laid out and how it samples the G completions."""
 
     tensor_parallel_size: int = 1
-    """vLLM TP degree, independent of training TP/PP: 1 = one engine per rank, >1 spans ranks."""
+    """Ranks per vLLM engine: world/k engines of k consecutive ranks; k = parallel.tp syncs
+    shard to shard."""
     temperature: float = 1.0
     """Sampling temperature; 0 = greedy."""
     top_p: float = 1.0
