@@ -122,3 +122,32 @@ def test_shard_to_shard_receives_about_half_and_no_full_model_buffer(results):
 
 def test_eval_accuracy_is_the_same_on_every_rank(results):
     assert len({r["eval_accuracy"] for r in results}) == 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_slices_are_what_vllm_narrows_from_the_full_hf_tensors(arch):
+    """Each TP rank's slice tensors (built from its megatron shard alone) hold, in the region
+    vLLM's loaders read (rows or columns [r*n, (r+1)*n) of each HF tensor), exactly the full
+    HF tensor's values; the full tensors come from all shards via `unfuse_shards`."""
+    import torch
+
+    from megagrpo.hf import param_specs, unfuse_shards
+    from megagrpo.reshard import _slice_pairs
+
+    tp = 2
+    model = ModelConfig(architecture=arch, num_attention_heads=8, num_query_groups=2,
+                        head_dim=4, hidden_size=16, ffn_hidden_size=12, qkv_bias=arch == "qwen2")
+    g = torch.Generator().manual_seed(0)
+    for spec in param_specs(model, ParallelConfig(tp=tp, make_vocab_size_divisible_by=8), 0):
+        if spec.kind in ("vocab", "replicated"):
+            continue  # vocab is gathered whole; replicated tensors pass through
+        full_meg = torch.randn(spec.full_shape, generator=g)
+        shards = list(full_meg.chunk(tp, dim=spec.split_dim))  # megatron's TP split
+        reference = dict(unfuse_shards(shards, spec, model))
+        dim = 1 if spec.kind == "row" else 0
+        for r in range(tp):
+            for name, got in _slice_pairs(shards[r].contiguous(), spec, model, r):
+                want = reference[name]
+                n = want.shape[dim] // tp
+                assert got.shape == want.shape, name
+                assert torch.equal(got.narrow(dim, r * n, n), want.narrow(dim, r * n, n)), name
