@@ -90,20 +90,36 @@ def test_table_matches_the_runs_metrics(quick):
         assert float(row[8]) == sum(resets) / len(resets)
 
 
+def _steps(run: Path) -> list[dict]:
+    return [r for r in _records(run) if "reward_mean" in r]
+
+
 def test_reset_schedules_in_the_metrics(quick):
     grid = _study().quick_grid()
     for (_, _, variant), dirs in _runs(quick).items():
         for d in dirs:
-            steps = [r for r in _records(d) if "reward_mean" in r]
+            steps = _steps(d)
             resets = [r["step"] for r in steps if r.get("reference_sync")]
-            if variant == "reset":  # every K=2 steps
-                assert resets == list(range(2, grid.steps + 1, 2))
-            else:
-                assert resets == []
+            assert resets == (list(range(2, grid.steps + 1, 2)) if variant == "reset" else [])
             if variant == "no_ref":  # beta = 0 builds no reference
                 assert all(r["kl"] == 0.0 for r in steps)
-            else:
-                assert any(r["kl"] > 0.0 for r in steps)
+            # one minibatch per step: KL is measured before the step's update, so on the step
+            # after a reset the policy is the reference and the KL is exactly zero
+            for s in resets[:-1]:
+                assert steps[s]["kl"] == 0.0, (d, s)
+
+
+def test_treatments_share_rollouts_until_the_reference_differs(quick):
+    """Same seed, same cold start: the treatments sample the same completions until their
+    references differ (reset at K=2 -> the updates of step K+1 on), so the comparison is paired."""
+    runs = _runs(quick)
+    for i in range(2):
+        frozen, reset = _steps(runs["easy", "0.04", "frozen"][i]), _steps(
+            runs["easy", "0.04", "reset"][i])
+        no_ref = _steps(runs["easy", "0", "no_ref"][i])
+        assert [r["reward_mean"] for r in frozen[:3]] == [r["reward_mean"] for r in reset[:3]]
+        assert [r["kl"] for r in frozen[:2]] == [r["kl"] for r in reset[:2]]
+        assert frozen[0]["reward_mean"] == no_ref[0]["reward_mean"]
 
 
 def test_runs_json_figures_and_report(quick):
