@@ -154,8 +154,8 @@ def _plan(model: ModelConfig, parallel: ParallelConfig, impl: str, bucket_bytes:
     return steps
 
 
-def _slice_pairs(shard: torch.Tensor, spec: ParamSpec, model: ModelConfig, tp_rank: int
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+def _slice_pairs(shard: torch.Tensor, spec: ParamSpec, model: ModelConfig, tp_rank: int,
+                 stats: ReshardStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's TP shard of `spec` -> its HF tensors, one at a time, each full-shape with only
     this rank's slice written (the rest is left uninitialised: vLLM's weight loaders narrow each
     tensor to exactly this TP rank's rows/columns, which for q/k/v, gate/up, o_proj and
@@ -175,8 +175,11 @@ def _slice_pairs(shard: torch.Tensor, spec: ParamSpec, model: ModelConfig, tp_ra
         parts = [(name, grouped[:, lo:hi], 0, grouped.shape[0] * (hi - lo)) for name, lo, hi in
                  zip(spec.hf, (0, qper, qper + hd), (qper, qper + hd, qper + 2 * hd))]
     for name, part, dim, n in parts:
+        t0 = time.perf_counter()
         full = torch.empty(shapes[name], dtype=shard.dtype, device=shard.device)
         full.narrow(dim, tp_rank * n, n).view(part.shape).copy_(part)
+        if stats is not None:
+            stats.convert_s += time.perf_counter() - t0
         yield name, full
         del full
 
@@ -228,7 +231,7 @@ def _stream(gpt: torch.nn.Module, model: ModelConfig, parallel: ParallelConfig,
                 pairs = [(n, t.clone() if move and _shares(t, buf) else t)
                          for n, t in unfuse_shards(shards, spec, model)]
             else:  # fresh full-shape tensors, built one at a time
-                pairs = _slice_pairs(shards[0], spec, model, tp_rank)
+                pairs = _slice_pairs(shards[0], spec, model, tp_rank, stats)
             del shards
             stats.convert_s += time.perf_counter() - t1
             yield from _counted(pairs, stats)
