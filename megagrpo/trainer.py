@@ -8,9 +8,10 @@ reference log-probs). Nothing wrong is trained on silently: minibatches without 
 skipped, and so is the update of a step with non-finite / absurd rewards or a non-finite
 gradient norm; run.max_bad_steps such steps in a row raise `BadStepsError`.
 
-Rollouts are data-parallel over *all* ranks: each rank's in-process vLLM engine samples a slice
-of its DP replica's prompts and the replica's TP x PP ranks all-gather the results, so every
-core samples and every rank of a replica trains on the same batch. Departures from the paper:
+Rollouts are data-parallel over *all* ranks: the in-process vLLM engines (one per rank, or one
+per k = rollout.tensor_parallel_size consecutive ranks; `megagrpo.config.layout`) each sample a
+slice of their DP replica's prompts and the replica's TP x PP ranks all-gather the results, so
+every core samples and every rank of a replica trains on the same batch. Departures from the paper:
 process supervision is not implemented (outcome rewards only); the reference can be mixed
 (alpha < 1) as well as reset; async mode trains one step off-policy.
 """
