@@ -11,6 +11,7 @@ What is filtered from the console, and why it is safe to (each is checked elsewh
   the global seed: performance hints for serving, or about state megagrpo restores itself.
 - megatron-core "Transformer Engine / Apex not installed, falling back": said once, in the
   'layer spec' line, as what runs; deprecation/Future warnings of the libraries.
+- math-verify's "Timeout is disabled" (reward threads): megagrpo enforces reward.timeout_s.
 - torch C++ warnings (NUMA binding): TORCH_CPP_LOG_LEVEL=ERROR unless --verbose.
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ QUIET = (
     ("py.warnings", "cuda_graph_scope"),
     ("py.warnings", "DeprecationWarning"),
     ("py.warnings", "FutureWarning"),
+    ("math_verify", "Timeout is disabled"),  # megagrpo enforces reward.timeout_s itself
     ("megagrpo", "reference re-initialised"),  # the progress bar marks it ("ref reset")
 )
 
