@@ -218,28 +218,46 @@ class Trainer:
             c.prompt_index, c.correct = mine[c.prompt_index], bool(ok)
         return comps, rewards.tolist(), metrics
 
-    def _gather(self, local: tuple) -> tuple[list, torch.Tensor, dict]:
-        """All-gathers the slices over the model-parallel group (every rank of the replica then
-        holds the whole batch): completions [B*G] prompt-major, rewards [B*G], metrics."""
-        parts = [None] * self.mp_size
-        if self.mp_size > 1:
-            dist.all_gather_object(parts, local, group=self.mp_group)
+    def _gather(self, local: tuple, num_prompts: int) -> tuple[list, torch.Tensor, dict]:
+        """All-gathers the slices over the model-parallel group (pooled layout: the world, then
+        keeps this replica's [num_prompts] prompts), so every rank of the replica holds the
+        whole batch: completions [B*G] prompt-major, rewards [B*G], metrics."""
+        pooled = self.layout.pooled
+        size = dist.get_world_size() if pooled else self.mp_size
+        parts = [None] * size
+        if size > 1:
+            dist.all_gather_object(parts, local, group=None if pooled else self.mp_group)
         else:
             parts = [local]
-        merged = sorted(((c, rw) for cs, rws, _ in parts for c, rw in zip(cs, rws)),
+        lo = self.dp_rank * num_prompts if pooled else 0
+        merged = sorted(((c, rw) for cs, rws, _ in parts for c, rw in zip(cs, rws)
+                         if lo <= c.prompt_index < lo + num_prompts),
                         key=lambda x: (x[0].prompt_index, x[0].sample_index))
+        for c, _ in merged:
+            c.prompt_index -= lo
         metrics = _sum_dicts([m for _, _, m in parts])
+        if pooled:  # counts over every replica's prompts: per replica on average
+            metrics = {k: v / self.dp for k, v in metrics.items()}
         return [c for c, _ in merged], torch.tensor([rw for _, rw in merged]), metrics
+
+    def _pool(self, prompts: list[list[int]], answers: list[str]) -> tuple[list, list]:
+        """Pooled layout: every replica's prompts and answers, replica-major [dp * B]."""
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (self.dp_rank, prompts, answers))
+        by_replica = {d: (p, a) for d, p, a in parts}
+        return ([p for d in range(self.dp) for p in by_replica[d][0]],
+                [a for d in range(self.dp) for a in by_replica[d][1]])
 
     def _draw(self) -> tuple:
         """Prompts of the next batch, sampled locally; returns what `_collect` needs."""
         version = self.engine_version  # the weights vLLM holds while it samples this batch
         prompts, answers, epoch = self._prompt_batch()
-        return prompts, answers, epoch, version, self._sample_local(prompts, answers)
+        pool = self._pool(prompts, answers) if self.layout.pooled else (prompts, answers)
+        return prompts, answers, epoch, version, self._sample_local(*pool)
 
     def _collect(self, drawn: tuple) -> Rollout:
         prompts, answers, epoch, version, local = drawn
-        comps, rewards, rm = self._gather(local)
+        comps, rewards, rm = self._gather(local, len(prompts))
         return Rollout(prompts=prompts, answers=answers, completions=comps, rewards=rewards,
                        version=version, epoch=epoch, metrics=rm)
 

@@ -48,14 +48,17 @@ def sampled_prompts(tr) -> dict:
     """Which replica prompts this rank's engine sampled, and the gathered batch's coverage."""
     ro = tr.rollout()
     groups = sorted({(c.prompt_index, c.sample_index) for c in ro.completions})
-    return {"engine": tr.layout.engine, "mine": tr.layout.prompt_indices(len(ro.prompts)),
+    pool = len(ro.prompts) * (tr.dp if tr.layout.pooled else 1)
+    return {"engine": tr.layout.engine, "mine": tr.layout.prompt_indices(pool),
             "num_prompts": len(ro.prompts), "num_completions": len(ro.completions),
-            "distinct": len(groups)}
+            "distinct": len(groups), "prompts": ro.prompts}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
+    ap.add_argument("--pooled", action="store_true",
+                    help="training TP=1 x DP=4 instead: each TP=2 engine spans two replicas")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from megagrpo.reshard import iter_hf_weights, iter_vllm_slices
@@ -65,12 +68,16 @@ def main():
     cfg = make_config(args.work)
     cfg.rollout.tensor_parallel_size = 2
     cfg.algo.beta, cfg.reference.sync_every_steps = 0.0, 0  # no reference: not tested here
+    if args.pooled:
+        cfg.parallel.tp, cfg.parallel.pp = 1, 1
     tr = setup(cfg)
-    res = {"rank": dist.get_rank(), "shard_to_shard": tr.layout.shard_to_shard}
+    res = {"rank": dist.get_rank(), "shard_to_shard": tr.layout.shard_to_shard,
+           "pooled": tr.layout.pooled, "dp_rank": tr.dp_rank}
     res["sync"] = tr.sync_weights()
     res["greedy_initial"] = greedy_check(tr)
-    res["feed_full"] = feed_bytes(tr, iter_hf_weights)
-    res["feed_slices"] = feed_bytes(tr, iter_vllm_slices)
+    if not args.pooled:
+        res["feed_full"] = feed_bytes(tr, iter_hf_weights)
+        res["feed_slices"] = feed_bytes(tr, iter_vllm_slices)
     res["prompts"] = sampled_prompts(tr)
     res["step"] = {k: v for k, v in tr.step().items() if isinstance(v, (int, float))}
     res["greedy_after_step"] = greedy_check(tr)

@@ -45,7 +45,18 @@ def test_engines_sample_each_replica_prompt_exactly_once(world, k, tp, pp):
         assert sampled == list(range(B))  # every prompt once, by one engine of this replica
         for lay in members:  # an engine's ranks all lie in this replica
             assert {_replica(r, tp, pp, world) for r in lay.engine_ranks()} == {dp_rank}
+            assert not lay.pooled
     assert sum(lay.is_leader for lay in layouts) == world // k
+
+
+@pytest.mark.parametrize("world,k,tp,pp", [(4, 2, 1, 1), (8, 4, 2, 1), (8, 4, 1, 2)])
+def test_engines_spanning_replicas_sample_the_pool_exactly_once(world, k, tp, pp):
+    layouts = _layouts(world, k, tp, pp)
+    dp, B = world // (tp * pp), 3
+    spans = {len({_replica(r, tp, pp, world) for r in lay.engine_ranks()}) for lay in layouts}
+    assert max(spans) > 1 and all(lay.pooled for lay in layouts)
+    engines = {lay.engine: lay.prompt_indices(dp * B) for lay in layouts}
+    assert sorted(i for idx in engines.values() for i in idx) == list(range(dp * B))
 
 
 def test_shard_to_shard_only_when_k_equals_training_tp():
@@ -61,18 +72,22 @@ def test_invalid_layouts_are_refused_with_the_reason():
         check_rollout_layout(3, ParallelConfig(), model, 6)
     with pytest.raises(ValueError, match="does not divide the world size 2"):
         check_rollout_layout(4, ParallelConfig(), model, 2)
-    with pytest.raises(ValueError, match="span two training replicas"):  # TP=1 x DP=4, k=2
-        check_rollout_layout(2, ParallelConfig(tp=1), model, 4)
+    with pytest.raises(ValueError, match="model.num_query_groups=2: vLLM needs one"):
+        check_rollout_layout(3, ParallelConfig(), ModelConfig(num_attention_heads=6,
+                                                              num_query_groups=2), 6)
     check_rollout_layout(4, ParallelConfig(tp=2, pp=2), model, 4)  # DP = 1: any k | world
     check_rollout_layout(2, ParallelConfig(tp=2), model, 8)  # k | TP with DP = 4
+    check_rollout_layout(2, ParallelConfig(tp=1), model, 4)  # pooled: spans two replicas
 
 
 def test_trainer_config_checks_the_layout_before_anything_starts():
     from megagrpo.config.train import load_config
 
-    cfg = load_config(None, ["rollout.tensor_parallel_size=2", "parallel.tp=1"])
-    with pytest.raises(ValueError, match="span two training replicas"):
-        cfg.validate(world_size=4)
+    cfg = load_config(None, ["rollout.tensor_parallel_size=2", "parallel.tp=1",
+                             "data.batch_size=12"])
+    with pytest.raises(ValueError, match="does not divide the world size 3"):
+        cfg.validate(world_size=3)
+    cfg.validate(world_size=4)  # engines of 2 ranks over TP=1 x DP=4 replicas: pooled
     cfg.run.async_rollout = True
     with pytest.raises(ValueError, match="async_rollout needs rollout.tensor_parallel_size=1"):
         cfg.validate(world_size=2)
@@ -151,3 +166,28 @@ def test_slices_are_what_vllm_narrows_from_the_full_hf_tensors(arch):
                 n = want.shape[dim] // tp
                 assert got.shape == want.shape, name
                 assert torch.equal(got.narrow(dim, r * n, n), want.narrow(dim, r * n, n)), name
+
+
+@pytest.fixture(scope="module")
+def pooled(tmp_path_factory):
+    """Training TP=1 x DP=4 with two vLLM TP=2 engines: each engine spans two replicas."""
+    work = tmp_path_factory.mktemp("pooled")
+    torchrun(WORKER, 4, "--work", str(work), "--pooled", timeout=900)
+    return json.loads((work / "results.json").read_text())
+
+
+def test_engines_spanning_replicas_serve_each_replica_its_own_prompts(pooled):
+    assert all(r["pooled"] for r in pooled) and sorted(r["dp_rank"] for r in pooled) == [0, 1, 2,
+                                                                                           3]
+    assert len({json.dumps(r["prompts"]["prompts"]) for r in pooled}) == 4  # 4 different batches
+    for r in pooled:
+        meg0, vllm0 = r["greedy_initial"]
+        meg1, vllm1 = r["greedy_after_step"]
+        assert meg0 == vllm0 and meg1 == vllm1 and meg0 != meg1
+        p = r["prompts"]
+        assert p["num_completions"] == p["distinct"] == p["num_prompts"] * 4
+        # completions sit on the prompt they were sampled for: the trainer's log-probs of
+        # (prompt + completion) equal vLLM's (every rank is a last stage at TP=1 x PP=1)
+        assert r["logprob_gap"] is not None and r["logprob_gap"] < 1e-5
+    engines = {r["prompts"]["engine"]: r["prompts"]["mine"] for r in pooled}
+    assert sorted(sum(engines.values(), [])) == [0, 1, 2, 3]  # the pool of 4 replicas x 1

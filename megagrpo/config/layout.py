@@ -10,8 +10,10 @@ that train on one batch) the replica's engines sample disjoint, strided slices o
 
 Megatron numbers ranks TP fastest, then DP, then PP (rank = tp_rank + tp * (dp_rank + dp *
 pp_rank)), so an engine of k consecutive ranks stays inside one training replica exactly when k
-divides the training TP, or DP = 1 (the replica is the whole world). Those are the valid layouts:
-an engine spanning two replicas would have to sample two different prompt batches at once.
+divides the training TP, or DP = 1 (the replica is the whole world). Otherwise an engine spans
+several replicas, which draw different prompts: the layout is then `pooled`, the replicas'
+prompts are all-gathered over the world (replica-major), engine e of E samples pool prompts e,
+e+E, ..., the completions are all-gathered over the world and each replica keeps its own.
 
 Shard to shard: when k equals the training TP, engine e's ranks are one training TP group with
 vLLM TP rank = megatron TP rank, so each rank's training shard already holds its vLLM slice.
@@ -65,8 +67,23 @@ class RolloutLayout:
         return list(range(e * self.engine_tp, (e + 1) * self.engine_tp))
 
     @property
+    def dp(self) -> int:
+        """Training data-parallel size."""
+        return self.world_size // (self.train_tp * self.train_pp)
+
+    @property
+    def pooled(self) -> bool:
+        """True when an engine spans several training replicas (k does not divide the training
+        TP and DP > 1): then the replicas' prompts are pooled over the world, every engine
+        samples a strided slice of the pool, and each replica keeps its own prompts' results."""
+        return self.train_tp % self.engine_tp != 0 and self.dp > 1
+
+    @property
     def engines_per_replica(self) -> int:
-        """Engines that sample one training replica's prompts."""
+        """Engines that sample one training replica's prompts (pooled: all of them sample the
+        pool)."""
+        if self.pooled:
+            return self.num_engines
         return max(1, self.train_tp * self.train_pp // self.engine_tp)
 
     @property
@@ -74,17 +91,19 @@ class RolloutLayout:
         """Index of this rank's engine among its replica's engines. Megatron's model-parallel
         rank is tp_rank + tp * pp_rank, and an engine is k consecutive global ranks, which are
         k consecutive model-parallel ranks of one replica (see the module docstring)."""
+        if self.pooled:
+            return self.engine
         mp_rank = self.rank % self.train_tp + self.train_tp * self._pp_rank
         return mp_rank // self.engine_tp
 
     @property
     def _pp_rank(self) -> int:
-        dp = self.world_size // (self.train_tp * self.train_pp)
-        return self.rank // (self.train_tp * dp)
+        return self.rank // (self.train_tp * self.dp)
 
     def prompt_indices(self, num_prompts: int) -> list[int]:
-        """Indices into the replica's prompt batch [num_prompts] that this rank's engine samples
-        (strided, so every engine gets within one prompt of the same count)."""
+        """Indices into the replica's prompt batch [num_prompts] (pooled: into the pool of all
+        replicas' batches, replica-major) that this rank's engine samples (strided, so every
+        engine gets within one prompt of the same count)."""
         return list(range(self.replica_engine, num_prompts, self.engines_per_replica))
 
     @property
@@ -120,13 +139,6 @@ def check_rollout_layout(k: int, parallel: ParallelConfig, model: ModelConfig,
                          f"{world_size}: engines are k consecutive ranks; launch a multiple of "
                          f"{k} processes or choose k from "
                          f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}")
-    dp = world_size // (parallel.tp * parallel.pp)
-    if parallel.tp % k and dp > 1:
-        raise ValueError(
-            f"rollout.tensor_parallel_size={k} with parallel.tp={parallel.tp} and data-parallel "
-            f"size {dp}: an engine of {k} consecutive ranks would span two training replicas "
-            "(megatron numbers ranks TP fastest, then DP), which sample different prompts; use "
-            f"k dividing parallel.tp={parallel.tp}, or DP = 1 (world = tp x pp)")
 
 
 __all__ = ["RolloutLayout", "check_rollout_layout"]
