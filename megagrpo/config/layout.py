@@ -116,8 +116,10 @@ class RolloutLayout:
         feed = ("shard to shard (k = training TP)" if self.shard_to_shard
                 else "full tensors (vLLM slices them)" if self.engine_tp > 1
                 else "full tensors")
+        share = ("prompts pooled over the training replicas" if self.pooled
+                 else f"{self.engines_per_replica} per training replica")
         return (f"rollout layout: {self.num_engines} vLLM engine(s) of {self.engine_tp} rank(s), "
-                f"{self.engines_per_replica} per training replica; weights {feed}")
+                f"{share}; weights {feed}")
 
 
 def check_rollout_layout(k: int, parallel: ParallelConfig, model: ModelConfig,
