@@ -124,8 +124,10 @@ class RolloutLayout:
 
 def check_rollout_layout(k: int, parallel: ParallelConfig, model: ModelConfig,
                          world_size: int | None) -> None:
-    """Raise ValueError unless vLLM engines of k consecutive ranks fit this training layout and
-    model (run before any process starts)."""
+    """Raise ValueError unless vLLM engines of k consecutive ranks fit the model and the world
+    (run before any process starts). Every training layout `parallel` accepts any such k: an
+    engine inside one replica samples that replica's prompts, one spanning several replicas
+    samples their pooled prompts (`RolloutLayout.pooled`)."""
     heads, groups = model.num_attention_heads, model.num_query_groups
     if heads % k:
         ok = [d for d in range(1, heads + 1) if heads % d == 0]
