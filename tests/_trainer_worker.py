@@ -205,7 +205,11 @@ class HugeReward:
     """A reward function gone wrong: finite but absurd values (1e30 x a length score)."""
 
     def score(self, texts, answers):
-        return torch.tensor([1e30 * (1 + len(t)) for t in texts]), {}, {}
+        values = torch.tensor([1e30 * (1 + len(t)) for t in texts])
+        return values, {"huge": values}, {}
+
+    def correct(self, per_term):
+        return per_term["huge"] >= 1.0
 
 
 def kl_in_reward_check(tr):
