@@ -84,6 +84,8 @@ class Completion:
     finish_reason: str
     """'stop' (EOS or a stop string) or 'length' (hit max_tokens)."""
     text: str = ""
+    correct: bool | None = None
+    """Set by the trainer's reward pass: the correctness term's verdict (None: not scored)."""
 
 
 @dataclass(kw_only=True)
