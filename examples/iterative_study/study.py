@@ -230,8 +230,14 @@ def run_one(grid: Grid, spec: RunSpec, work: Path, timeout_s: float) -> str:
     if (out / "summary.json").exists():
         return f"{spec.key}: done earlier"
     init = cold_start_dir(work, spec.task) / "checkpoints" / "step_000000" / "policy"
-    # the console log lies beside out_dir: megagrpo refuses an out_dir holding foreign files
+    # the console log lies beside out_dir (megagrpo refuses an out_dir holding foreign files)
+    # and claims the run: several study processes can share a grid without running one twice
     log = out.parent / f"{out.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        log.open("x").close()
+    except FileExistsError:
+        return f"{spec.key}: skipped, claimed by {log} (--rerun-unfinished to run it again)"
     res = _megagrpo(run_overrides(grid, spec, init), out, log, timeout_s)
     if res.returncode != 0:
         return f"{spec.key}: FAILED rc={res.returncode} (see {log})"
@@ -241,6 +247,19 @@ def run_one(grid: Grid, spec: RunSpec, work: Path, timeout_s: float) -> str:
 
 def _write_cost(out: Path, res: Launch) -> None:
     (out / COST_FILE).write_text(json.dumps({"wall_s": res.wall_s, "cpu_s": res.cpu_s}))
+
+
+def release_unfinished(grid: Grid, work: Path) -> list[str]:
+    """Removes the claims (console logs) of runs that have no summary: a failed or interrupted
+    run then runs again. Only while no other study process works on `work`."""
+    released = []
+    for spec in run_specs(grid):
+        out = run_dir(work, spec)
+        log = out.parent / f"{out.name}.log"
+        if log.exists() and not (out / "summary.json").exists():
+            log.unlink()
+            released.append(spec.key)
+    return released
 
 
 def run_grid(grid: Grid, work: Path, jobs: int, timeout_s: float) -> None:
@@ -421,7 +440,8 @@ def plot_cell_group(results: list[RunResult], task: str, beta: float, path: Path
     ax_kl.set_yscale("symlog", linthresh=1e-3)
     for ax in (ax_acc, ax_kl):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a task whose runs did not finish has none
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -499,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2,
                     help="runs at once, one thread each (default: one per core of 2)")
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="limit per run")
+    ap.add_argument("--rerun-unfinished", action="store_true",
+                    help="run again the runs an earlier study process started but did not "
+                         "finish (only when no other study process is running on WORK)")
     ap.add_argument("--report-only", action="store_true",
                     help="only summarise the runs already finished in WORK")
     args = ap.parse_args(argv)
@@ -508,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     work = (args.work or ROOT / "runs" / ("iterative_study_quick" if args.quick
                                           else "iterative_study")).resolve()
     out = (args.out or (work / "results" if args.quick else HERE / "results")).resolve()
+    if args.rerun_unfinished:
+        print(f"released {len(release_unfinished(grid, work))} unfinished runs")
     if not args.report_only:
         run_grid(grid, work, args.jobs, args.timeout_s)
     done = write_outputs(grid, work, out)
