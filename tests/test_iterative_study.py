@@ -156,3 +156,17 @@ def test_full_grid_gives_every_run_the_same_compute():
                                                "rollout.seed=", "data.seed=")))
                     for s in mine}
         assert len(stripped) == 1, stripped  # only the reference treatment and seed differ
+
+
+def test_a_claimed_run_is_not_started_twice_and_can_be_released(tmp_path):
+    study = _study()
+    grid = study.quick_grid()
+    spec = study.run_specs(grid)[0]
+    out = study.run_dir(tmp_path, spec)
+    claim = out.parent / f"{out.name}.log"
+    claim.parent.mkdir(parents=True)
+    claim.write_text("started by another study process\n")
+    assert "skipped, claimed" in study.run_one(grid, spec, tmp_path, timeout_s=1)
+    assert not out.exists()  # nothing was launched
+    assert study.release_unfinished(grid, tmp_path) == [spec.key]
+    assert not claim.exists()
