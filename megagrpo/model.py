@@ -115,9 +115,21 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 123
         rotary_base=int(model.rope_theta),
         parallel_output=True,
     )
+    _cast_params(gpt, DTYPE[model.dtype])
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     return gpt
+
+
+def _cast_params(gpt: torch.nn.Module, dtype: torch.dtype) -> None:
+    """All parameters in `dtype`. megatron-core's local-spec RMSNorm creates fp32 weights whatever
+    params_dtype says (megatron's own training wraps the model in Float16Module, megagrpo does
+    not): in a bf16 model torch's rms_norm then falls back from its fused kernel on the mixed
+    dtypes (and warns at every call site), and vLLM gets fp32 tensors for bf16 parameters."""
+    with torch.no_grad():
+        for p in gpt.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
 
 
 def stage_layer_offset(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> int:

@@ -33,6 +33,12 @@ def optimizer_dtypes(tr) -> dict:
             "optimizer": sorted({type(o).__name__ for o in opts})}
 
 
+def main_params(tr) -> list[torch.Tensor]:
+    """Copies of the optimizer's (fp32 main) parameters."""
+    opts = getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])
+    return [p.detach().clone() for o in opts for g in o.optimizer.param_groups for p in g["params"]]
+
+
 def is_check(tr) -> dict:
     """The truncated-IS weights the loss gets vs min(exp(old - rollout), cap), in float64."""
     batch, _ = tr.build_batch(tr.rollout())
@@ -80,11 +86,17 @@ def main():
     tr = setup(cfg)
     tr.sync_weights()
     res = {"dtypes_before": optimizer_dtypes(tr), "is": is_check(tr)}
-    before = local_params(tr.policy)
+    before, main_before = local_params(tr.policy), main_params(tr)
     m = tr.step()
-    after = local_params(tr.policy)
+    after, main_after = local_params(tr.policy), main_params(tr)
     res["step"] = {k: v for k, v in m.items() if isinstance(v, (int, float))}
-    res["moved"] = sum(not torch.equal(before[n], after[n]) for n in before) / len(before)
+    # bf16 matrices move; a norm weight near 1 may not (its update is below bf16's resolution
+    # there, 2^-7) but its fp32 main copy does: that is what the main copy is for
+    matrices = [n for n in before if before[n].dim() == 2]
+    res["moved_matrices"] = sum(not torch.equal(before[n], after[n]) for n in matrices) / len(
+        matrices)
+    res["moved_main"] = sum(not torch.equal(a, b) for a, b in zip(main_before, main_after)) / len(
+        main_before)
     res["dtypes_after"] = optimizer_dtypes(tr)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, res)
