@@ -369,10 +369,13 @@ def cells(results: list[RunResult]) -> list[Cell]:
     return out
 
 
-def comparisons(table: list[Cell]) -> list[str]:
+def comparisons(table: list[Cell], results: list[RunResult]) -> list[str]:
     """Each treatment against the frozen reference at the same task and beta (no_ref against
     both betas' frozen runs). A difference counts only when it exceeds the larger of the two
-    cells' seed std; otherwise it is reported as within the spread."""
+    cells' seed std; otherwise it is reported as within the spread. The per-seed (paired)
+    differences are listed too: a seed's runs share the cold start and, until their references
+    differ, the same rollouts."""
+    final = {(r.task, r.beta, r.variant, r.seed): r.accuracy_after for r in results}
     lines = []
     frozen = {(c.task, c.beta): c for c in table if c.variant == "frozen"}
     for c in table:
@@ -383,8 +386,13 @@ def comparisons(table: list[Cell]) -> list[str]:
             diff, spread = c.acc_mean - f.acc_mean, max(c.acc_std, f.acc_std)
             verdict = ("higher" if diff > 0 else "lower") if abs(diff) > spread else \
                 "no difference beyond the spread"
+            paired = [final[c.task, c.beta, c.variant, s] - final[f.task, f.beta, "frozen", s]
+                      for s in sorted({k[3] for k in final})
+                      if (c.task, c.beta, c.variant, s) in final
+                      and (f.task, f.beta, "frozen", s) in final]
             lines.append(f"{c.task}, {c.variant} (beta={c.beta:g}) vs frozen (beta={f.beta:g}): "
-                         f"{diff:+.3f} accuracy (spread {spread:.3f}): {verdict}")
+                         f"{diff:+.3f} accuracy (spread {spread:.3f}): {verdict}; per seed "
+                         + ", ".join(f"{d:+.3f}" for d in paired))
     return lines
 
 
@@ -502,7 +510,7 @@ def _report(grid: Grid, table: list[Cell], labels: dict[str, str], colds: dict,
     lines += [f"![{f}]({f})" for f in figures]
     lines += ["", "Against the frozen reference (a difference counts only beyond the larger "
               "seed std of the two cells):", ""]
-    lines += [f"- {c}" for c in comparisons(table)]
+    lines += [f"- {c}" for c in comparisons(table, results)]
     return "\n".join(lines) + "\n"
 
 
