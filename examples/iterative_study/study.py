@@ -14,7 +14,8 @@ and evaluation (the same compute) and differs only in what happens to the KL ref
 at the paper's beta = 0.04 and a larger beta, on the easy task (2-digit addition) and a harder
 one (3-digit addition), over several seeds (sampling and data order; the cold start is shared).
 
-    python examples/iterative_study/study.py           # the full grid (~60 min, quiet 2 cores)
+    python examples/iterative_study/study.py           # the full grid: 66 runs, ~3400 CPU s
+                                                       # (~30 min on 2 quiet cores, --jobs 2)
     python examples/iterative_study/study.py --quick   # a small grid in a few minutes (tests)
     python examples/iterative_study/study.py --report-only   # tables/figures from finished runs
 
@@ -88,6 +89,8 @@ class Grid:
     """GRPO steps per run (the same for every run: the compute budget)."""
     eval_every: int
     """Held-out greedy accuracy every this many steps."""
+    num_eval: int = 200
+    """Held-out problems (arithmetic.num_eval): accuracy moves in steps of 1 / num_eval."""
     extra: tuple[str, ...] = ()
     """Overrides for every run and cold start (smaller batches in quick mode)."""
 
@@ -122,9 +125,9 @@ def quick_grid() -> Grid:
     pick = {"frozen", "reset", "no_ref"}
     return Grid(tasks=(task,), betas=(0.04,),
                 variants=tuple(v for v in variants(2, 0.1) if v.name in pick),
-                seeds=(1, 2), steps=4, eval_every=2,
+                seeds=(1, 2), steps=4, eval_every=2, num_eval=24,
                 extra=("data.batch_size=8", "algo.group_size=4", "run.num_minibatches=1",
-                       "arithmetic.num_train=24", "arithmetic.num_eval=24"))
+                       "arithmetic.num_train=24"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,7 +204,8 @@ def run_cold_start(grid: Grid, task: Task, work: Path, timeout_s: float) -> Path
     policy = out / "checkpoints" / "step_000000" / "policy"
     if (out / "summary.json").exists() and policy.is_dir():
         return policy
-    overrides = [f"arithmetic.digits={task.digits}", f"run.sft_steps={task.sft_steps}",
+    overrides = [f"arithmetic.digits={task.digits}", f"arithmetic.num_eval={grid.num_eval}",
+                 f"run.sft_steps={task.sft_steps}",
                  "run.steps=0", "run.checkpoint_at_end=true", "algo.beta=0", *grid.extra]
     res = _megagrpo(overrides, out, out.parent / f"{task.name}.log", timeout_s)
     if res.returncode != 0 or not policy.is_dir():
@@ -218,7 +222,8 @@ def run_dir(work: Path, spec: RunSpec) -> Path:
 def run_overrides(grid: Grid, spec: RunSpec, init: Path) -> list[str]:
     """The key=value overrides of one run: task, start, budget, seed, beta, reference."""
     s = spec.seed
-    return [f"arithmetic.digits={spec.task.digits}", f"run.init={init}",
+    return [f"arithmetic.digits={spec.task.digits}", f"arithmetic.num_eval={grid.num_eval}",
+            f"run.init={init}",
             f"run.steps={grid.steps}", f"run.eval_every={grid.eval_every}",
             f"run.seed={s}", f"rollout.seed={s}", f"data.seed={s}", f"algo.beta={spec.beta}",
             *spec.variant.overrides, *grid.extra]
@@ -369,10 +374,11 @@ def cells(results: list[RunResult]) -> list[Cell]:
     return out
 
 
-def comparisons(table: list[Cell], results: list[RunResult]) -> list[str]:
+def comparisons(table: list[Cell], results: list[RunResult], num_eval: int) -> list[str]:
     """Each treatment against the frozen reference at the same task and beta (no_ref against
     both betas' frozen runs). A difference counts only when it exceeds the larger of the two
-    cells' seed std; otherwise it is reported as within the spread. The per-seed (paired)
+    cells' seed std and one held-out problem (1 / num_eval: the accuracy's resolution);
+    otherwise it is reported as within the spread. The per-seed (paired)
     differences are listed too: a seed's runs share the cold start and, until their references
     differ, the same rollouts."""
     final = {(r.task, r.beta, r.variant, r.seed): r.accuracy_after for r in results}
@@ -383,7 +389,7 @@ def comparisons(table: list[Cell], results: list[RunResult]) -> list[str]:
             continue
         refs = [f for (t, b), f in frozen.items() if t == c.task and (b == c.beta or c.beta == 0)]
         for f in refs:
-            diff, spread = c.acc_mean - f.acc_mean, max(c.acc_std, f.acc_std)
+            diff, spread = c.acc_mean - f.acc_mean, max(c.acc_std, f.acc_std, 1 / num_eval)
             verdict = ("higher" if diff > 0 else "lower") if abs(diff) > spread else \
                 "no difference beyond the spread"
             paired = [final[c.task, c.beta, c.variant, s] - final[f.task, f.beta, "frozen", s]
@@ -509,8 +515,8 @@ def _report(grid: Grid, table: list[Cell], labels: dict[str, str], colds: dict,
     lines += ["", table_markdown(table, labels), ""]
     lines += [f"![{f}]({f})" for f in figures]
     lines += ["", "Against the frozen reference (a difference counts only beyond the larger "
-              "seed std of the two cells):", ""]
-    lines += [f"- {c}" for c in comparisons(table, results)]
+              f"seed std of the two cells and one held-out problem, 1/{grid.num_eval}):", ""]
+    lines += [f"- {c}" for c in comparisons(table, results, grid.num_eval)]
     return "\n".join(lines) + "\n"
 
 
