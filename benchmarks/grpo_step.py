@@ -43,7 +43,7 @@ OVERRIDES = ["run.sft_steps=0", "run.eval_every=0", "run.resume=false", "run.ten
              "run.progress=false", "reference.sync_every_steps=1"]
 
 
-def _count_update(tr, counts: list, batch):
+def _count_update(tr, counts: list, batch, skip: bool = False):
     """Trainer.update, recording the tokens of the batch it trains on (this rank)."""
     import torch
 
@@ -51,7 +51,7 @@ def _count_update(tr, counts: list, batch):
     nonpad = (batch.ids[rows] != tr.pad_id).sum()
     counts.append(torch.tensor([float(nonpad), float(batch.mask[rows].sum()), float(rows.sum())],
                                dtype=torch.float64))
-    return type(tr).update(tr, batch)
+    return type(tr).update(tr, batch, skip=skip)
 
 
 def worker(warmup: int, steps: int, out_dir: str, sets: list[str]) -> None:
