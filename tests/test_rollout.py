@@ -73,7 +73,8 @@ def assert_greedy_matches(engine, model):
 
 def test_config_validate_names_field():
     RolloutConfig().validate()
-    for bad, field in [({"top_p": 0.0}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"dtype": "fp8"}, "dtype"),
+    for bad, field in [({"top_p": 0.0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+                       ({"dtype": "fp8"}, "dtype"),
                        ({"stop": [""]}, "stop"), ({"cpu_kvcache_space_gib": 0},
                                                   "cpu_kvcache_space_gib"),
                        ({"logprobs_mode": "x"}, "logprobs_mode")]:
