@@ -159,15 +159,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     nproc = args.nproc or cfg.parallel.tp * cfg.parallel.pp
     world = int(os.environ.get("WORLD_SIZE", nproc))
+    checked = None
     if "WORLD_SIZE" not in os.environ:  # under torchrun, setup() runs it on every rank
-        logging.getLogger("megagrpo").info("%s", preflight(cfg, world).summary())
+        checked = preflight(cfg, world)
+        logging.getLogger("megagrpo").info("%s", checked.summary())
     check_out_dir(cfg.run)  # an earlier run in out_dir: refused or cleared, before any start
     if _needs_relaunch(nproc):
         return _relaunch(nproc)
     from megagrpo.distributed import shutdown
     from megagrpo.run import train
 
-    train(cfg)
+    train(cfg, checked)  # one process: setup reuses the launcher's preflight
     shutdown()
     return 0
 

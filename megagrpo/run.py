@@ -13,7 +13,7 @@ import shutil
 import time
 from functools import partial
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -54,11 +54,15 @@ from megagrpo.run_dir import (
 from megagrpo.trainer import BadStepsError, TokenIds, Trainer, TrainerGroups, TrainerRanks
 from megagrpo.watchdog import Watchdog, start_watchdog
 
+if TYPE_CHECKING:
+    from megagrpo.preflight import Preflight
+
 log = logging.getLogger("megagrpo")
 
 
-def setup(cfg: TrainConfig) -> Trainer:
-    """Validates everything, then starts distributed, models, optimizer, engine and data."""
+def setup(cfg: TrainConfig, checked: Preflight | None = None) -> Trainer:
+    """Validates everything (unless the launcher's `checked` preflight, in this very process,
+    already did), then starts distributed, models, optimizer, engine and data."""
     from megagrpo.data import PromptLoader
     from megagrpo.model import build_model, layer_spec_name
     from megagrpo.optim import build_optimizer, wrap_ddp
@@ -69,10 +73,11 @@ def setup(cfg: TrainConfig) -> Trainer:
     rank, world, _ = torchrun_env()
     # the launcher ran these checks too; here they also cover a plain `torchrun` start, and
     # the run is built from what they loaded (prompts, tokenizer, architecture)
-    checked = preflight(cfg, world)
+    fresh = checked is None
+    checked = preflight(cfg, world) if fresh else checked
     task, model_cfg = checked.task, checked.model
     cfg.model = model_cfg
-    if rank == 0:
+    if rank == 0 and fresh:
         log.info("%s", checked.summary())
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
@@ -274,21 +279,22 @@ def resume(tr: Trainer, ckpt: Path) -> dict | None:
 
 
 # ---------------------------------------------------------------------- the run
-def train(cfg: TrainConfig) -> dict:
-    """The whole run on this rank. Returns the summary (identical on every rank)."""
+def train(cfg: TrainConfig, checked: Preflight | None = None) -> dict:
+    """The whole run on this rank. Returns the summary (identical on every rank). `checked`:
+    the preflight the single-process launcher already ran (not run again)."""
     rank, world, _ = torchrun_env()
     watchdog = start_watchdog(cfg.run, rank, world)  # a frozen rank or stalled phase ends the run
     try:
-        return _train(cfg, watchdog)
+        return _train(cfg, watchdog, checked)
     finally:
         watchdog.stop()
 
 
-def _train(cfg: TrainConfig, watchdog: Watchdog) -> dict:
+def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> dict:
     t0 = time.perf_counter()
     follow_parent()  # under torchrun: a killed agent takes this rank down with it
     check_out_dir(cfg.run)  # an earlier run in out_dir: refused, resumed or cleared
-    tr = setup(cfg)
+    tr = setup(cfg, checked)
     tr.watchdog = watchdog
     logger = MetricsLogger(cfg.run.out_dir, enabled=tr.rank == 0, tensorboard=cfg.run.tensorboard,
                            wandb=cfg.run.wandb, config=dataclasses.asdict(cfg),
