@@ -1,27 +1,38 @@
-"""One whole GRPO step of megagrpo's trainer on the demo config, per phase, at 1 and 2 ranks.
+"""One whole GRPO step of megagrpo's trainer on a named workload, per phase, at 1 and 2 ranks.
 
-    .venv/bin/python benchmarks/grpo_step.py [--nprocs 1,2] [--warmup 2] [--steps 5]
-        [--threads N] [--set KEY=VALUE ...] [--out benchmarks/results/grpo_step_cpu.jsonl]
+    .venv/bin/python benchmarks/grpo_step.py [--workload demo|varlen|smollm2]
+        [--dtype float32|bfloat16] [--nprocs 1,2] [--warmup 2] [--steps 5] [--threads N]
+        [--set KEY=VALUE ...] [--out benchmarks/results/grpo_step_cpu.jsonl [--append]]
         [--compare TRL_JSONL]
 
-The fixed config is examples/demo.yaml (Llama, hidden 128, 4 layers, 4 heads x 32, vocab 19,
-2-digit addition; G=8, 32 prompts per step, max_tokens 6, beta 0.02) with no cold start and no
-evaluation; reference.sync_every_steps=1 so every measured step pays one in-place reference
-re-initialisation (the demo does it every 10th step). Each nproc runs under
-`python -m torch.distributed.run` (DP over the ranks, one in-process vLLM engine per rank);
-rank 0 prints one JSON line with the means over the measured steps:
+The workloads (benchmarks/_workloads.py) start from the same weights as the TRL baseline
+(benchmarks/trl_grpo_baseline.py) and reset the reference every step where there is one. Each
+nproc runs under `python -m torch.distributed.run` (DP over the ranks, one in-process vLLM engine
+per rank); rank 0 reports the means over the measured steps, one JSON line per nproc:
   time_<phase>_s      rollout, advantage, score, update, weight_sync, reference_sync (the
                       trainer's own PhaseTimer; rollout_wait is 0 without async rollouts)
   step_s              wall time of Trainer.step()
   gen_tokens_per_s    completion tokens sampled (all ranks) / step_s
-  trained_tokens_per_s prompt + completion tokens (non-pad, all ranks) through the policy's
-                      forward + backward / step_s
-  loss_tokens_per_s   completion tokens that carry the loss / step_s
+  trained_tokens_per_s real (non-pad) prompt + completion tokens through the update's
+                      forward + backward passes / step_s
+  loss_tokens_per_s   update tokens that carry the loss / step_s
   cpu_s_per_step      process CPU seconds per step, summed over ranks (all threads; less
                       disturbed than wall time when other processes share the cores)
---compare reads the TRL baseline's JSON lines (benchmarks/trl_grpo_baseline.py) and adds
-`vs_trl_gen_tokens_per_s`: megagrpo gen tokens/s divided by the best TRL line's (the TRL
-setting most favourable to TRL), and the same ratio per CPU second.
+  padded_token_share  1 - real tokens / tokens the policy processed in the update, counted from
+                      the shapes of the micro-batches that reach `megagrpo.trainer._forward`
+                      (wrapped here, so trimmed or packed micro-batches count as they are);
+                      `padded_token_share_score` the same for the scoring passes
+  mfu_update, mfu_score  useful model FLOPs of the phase (`_workloads.forward_flops`: dense
+                      layers and causal attention over the real tokens, the output layer at the
+                      loss positions; an update pass is 3x a forward, a scoring pass 1x; each
+                      scoring pass that ran counts: old log-probs if computed, reference)
+                      / the phase's seconds / `gemm_gflops`, torch.mm's best rate measured by
+                      this script at the same dtype and the run's total thread count (ranks x
+                      threads per rank)
+  completion_len_mean/_p50/_max  the sampled completion lengths over the measured steps
+--compare reads the TRL baseline's JSON lines and adds `vs_trl_gen_tokens_per_s`: megagrpo gen
+tokens/s divided by the best TRL line's of the same workload and dtype (the thread setting most
+favourable to TRL), and the same ratio per CPU second.
 """
 from __future__ import annotations
 
@@ -34,75 +45,155 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-DEMO = ROOT / "examples" / "demo.yaml"
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _workloads as W  # noqa: E402
+
+ROOT = W.ROOT
 PHASES = ("rollout", "advantage", "score", "update", "weight_sync", "reference_sync")
-OVERRIDES = ["run.sft_steps=0", "run.eval_every=0", "run.resume=false", "run.tensorboard=false",
-             "run.progress=false", "reference.sync_every_steps=1"]
+# per-phase sums recorded by StepCounter, in this order
+COUNTS = ("processed", "real", "loss", "flops")
 
 
-def _count_update(tr, counts: list, batch, skip: bool = False):
-    """Trainer.update, recording the tokens of the batch it trains on (this rank)."""
-    import torch
+def row_lengths(ids: torch.Tensor, mask: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Real tokens of each row [b] of a right-padded micro-batch (ids, mask [b, S]): up to the
+    last non-pad token or the last loss target, whichever is later (pad may equal EOS, and a
+    chat prompt may hold that id too, so counting non-pad ids would be wrong)."""
+    pos = torch.arange(1, ids.shape[1] + 1)
+    last_tok = torch.where(ids != pad_id, pos, 0).amax(dim=1)
+    last_loss = torch.where(mask.bool(), pos + 1, 0).amax(dim=1)  # target of column j: j + 1
+    return torch.maximum(last_tok, last_loss).clamp(max=ids.shape[1])
 
-    rows = batch.seq_valid.bool()
-    nonpad = (batch.ids[rows] != tr.pad_id).sum()
-    counts.append(torch.tensor([float(nonpad), float(batch.mask[rows].sum()), float(rows.sum())],
-                               dtype=torch.float64))
-    return type(tr).update(tr, batch, skip=skip)
+
+class StepCounter:
+    """What the policy processes per phase, from the micro-batches reaching trainer._forward:
+    processed (b x S), real and loss tokens, useful FLOPs (x3 in the update); and the sampled
+    completion lengths (replica rank 0 only, so a replica counts once)."""
+
+    def __init__(self, model_cfg, pad_id: int, count_lengths: bool) -> None:
+        self.model_cfg = model_cfg
+        self.pad_id = pad_id
+        self.count_lengths = count_lengths
+        self.phase = "other"
+        self.sums: dict[str, torch.Tensor] = {}
+        self.lengths: list[int] = []
+
+    def install(self, tr) -> None:
+        """Wraps megagrpo.trainer._forward (looked up at call time by the trainer) and the
+        trainer's score / update / build_batch."""
+        import megagrpo.trainer as trainer_mod
+
+        trainer_mod._forward = partial(self._forward, trainer_mod._forward)
+        tr.update = partial(self._in_phase, "update", tr.update)
+        tr.score = partial(self._in_phase, "score", tr.score)
+        tr.build_batch = partial(self._build_batch, tr.build_batch)
+
+    def reset(self) -> None:
+        self.sums = {}
+
+    def step_counts(self, phase: str) -> torch.Tensor:
+        return self.sums.get(phase, torch.zeros(len(COUNTS), dtype=torch.float64))
+
+    def _in_phase(self, phase: str, fn, *args, **kwargs):
+        self.phase = phase
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.phase = "other"
+
+    def _build_batch(self, fn, ro):
+        if self.count_lengths:
+            self.lengths += [len(c.token_ids) for c in ro.completions]
+        return fn(ro)
+
+    def _forward(self, fn, mb, *args, **kwargs):
+        n = row_lengths(mb.ids, mb.mask, self.pad_id)
+        loss = float(mb.mask.sum())
+        flops = W.forward_flops(self.model_cfg, n[n > 0], loss) * (
+            3.0 if self.phase == "update" else 1.0)
+        row = torch.tensor([float(mb.ids.numel()), float(n.sum()), loss, flops],
+                           dtype=torch.float64)
+        self.sums[self.phase] = self.step_counts(self.phase) + row
+        return fn(mb, *args, **kwargs)
 
 
-def worker(warmup: int, steps: int, out_dir: str, sets: list[str]) -> None:
+def _measure(tr, counter: StepCounter, warmup: int, steps: int) -> list[dict]:
+    """Runs warmup + steps trainer steps; per measured step the trainer's metrics plus the
+    world's token, FLOP and CPU counts (every rank of a replica counted the replica's batch)."""
+    import torch.distributed as dist
+
+    rows = []
+    for i in range(warmup + steps):
+        counter.reset()
+        n_len = len(counter.lengths)
+        t, c = time.perf_counter(), time.process_time()
+        m = tr.step()
+        m["step_s"] = time.perf_counter() - t
+        cpu = time.process_time() - c
+        gen = float(sum(counter.lengths[n_len:]))
+        v = torch.cat([counter.step_counts("update"), counter.step_counts("score"),
+                       torch.tensor([cpu, gen], dtype=torch.float64)])
+        dist.all_reduce(v)
+        v[:2 * len(COUNTS)] /= tr.mp_size
+        names = [f"{k}_{p}" for p in ("update", "score") for k in COUNTS] + ["cpu_s", "gen"]
+        m.update(zip(names, v.tolist()))
+        if i >= warmup:
+            rows.append(m)
+        else:
+            del counter.lengths[n_len:]
+    return rows
+
+
+def _record(rows: list[dict], lengths: list[int]) -> dict:
+    """The JSON fields computed from the measured steps' means (rank 0)."""
+    mean = {k: statistics.mean(r[k] for r in rows) for k in rows[0]
+            if isinstance(rows[0][k], (int, float)) and not isinstance(rows[0][k], bool)}
+    step, cpu = mean["step_s"], mean["cpu_s"]
+
+    def share(phase: str) -> float | None:
+        p = mean[f"processed_{phase}"]
+        return round(1.0 - mean[f"real_{phase}"] / p, 4) if p else None
+
+    return dict(
+        **{f"time_{p}_s": round(mean.get(f"time_{p}", 0.0), 4) for p in PHASES},
+        step_s=round(step, 4), cpu_s_per_step=round(cpu, 4),
+        gen_tokens_per_step=round(mean["gen"], 1), gen_tokens_per_s=round(mean["gen"] / step, 1),
+        gen_tokens_per_cpu_s=round(mean["gen"] / cpu, 1),
+        trained_tokens_per_s=round(mean["real_update"] / step, 1),
+        loss_tokens_per_s=round(mean["loss_update"] / step, 1),
+        padded_token_share=share("update"), padded_token_share_score=share("score"),
+        processed_tokens_update=round(mean["processed_update"], 1),
+        real_tokens_update=round(mean["real_update"], 1),
+        flops_update=mean["flops_update"], flops_score=mean["flops_score"],
+        **W.length_stats(lengths), reward_mean=round(mean.get("reward_mean", float("nan")), 4))
+
+
+def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) -> None:
     """Runs on every rank under torchrun; rank 0 prints `RESULT {json}`."""
-    from functools import partial
-
-    import torch
     import torch.distributed as dist
 
     from megagrpo.config.train import load_config
     from megagrpo.run import setup
 
-    cfg = load_config(str(DEMO), OVERRIDES + list(sets) + [f"run.out_dir={out_dir}"])
+    cfg = load_config(recipe, [*sets, f"run.out_dir={out_dir}", "run.overwrite=true"])
     t0 = time.perf_counter()
     tr = setup(cfg)
     tr.sync_weights()
     setup_s = time.perf_counter() - t0
-    counts: list = []
-    tr.update = partial(_count_update, tr, counts)
-    rows = []
-    for i in range(warmup + steps):
-        counts.clear()
-        t, c = time.perf_counter(), time.process_time()
-        m = tr.step()
-        m["step_s"] = time.perf_counter() - t
-        cpu = time.process_time() - c
-        nonpad, loss, seqs = torch.stack(counts).sum(0).tolist()
-        # completion_len is this replica's mean: times its sequences, summed over replicas
-        tok = torch.tensor([nonpad, loss, cpu, m["completion_len"] * seqs], dtype=torch.float64)
-        dist.all_reduce(tok)
-        tok[[0, 1, 3]] /= tr.mp_size  # every rank of a replica counted the replica's batch
-        m["trained_tokens"], m["loss_tokens"], m["cpu_s"], m["gen_tokens"] = tok.tolist()
-        if i >= warmup:
-            rows.append(m)
+    counter = StepCounter(tr.model_cfg, tr.pad_id, count_lengths=tr.mp_rank == 0)
+    counter.install(tr)
+    rows = _measure(tr, counter, warmup, steps)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, counter.lengths)
     if tr.rank == 0:
-        mean = {k: statistics.mean(r[k] for r in rows) for k in rows[0]
-                if isinstance(rows[0][k], (int, float)) and not isinstance(rows[0][k], bool)}
-        step = mean["step_s"]
-        rec = dict(system="megagrpo", nproc=dist.get_world_size(), tp=cfg.parallel.tp,
-                   dp=tr.dp, batch_prompts=cfg.data.batch_size, group_size=cfg.algo.group_size,
-                   max_tokens=cfg.rollout.max_tokens, overrides=list(sets), warmup=warmup,
-                   steps=steps,
-                   setup_s=round(setup_s, 2),
-                   **{f"time_{p}_s": round(mean.get(f"time_{p}", 0.0), 4) for p in PHASES},
-                   step_s=round(step, 4), cpu_s_per_step=round(mean["cpu_s"], 4),
-                   gen_tokens_per_step=round(mean["gen_tokens"], 1),
-                   gen_tokens_per_s=round(mean["gen_tokens"] / step, 1),
-                   gen_tokens_per_cpu_s=round(mean["gen_tokens"] / mean["cpu_s"], 1),
-                   trained_tokens_per_s=round(mean["trained_tokens"] / step, 1),
-                   loss_tokens_per_s=round(mean["loss_tokens"] / step, 1),
-                   reward_mean=round(mean.get("reward_mean", float("nan")), 4),
+        rec = dict(system="megagrpo", nproc=dist.get_world_size(), tp=cfg.parallel.tp, dp=tr.dp,
+                   batch_prompts=cfg.data.batch_size, group_size=cfg.algo.group_size,
+                   max_tokens=cfg.rollout.max_tokens, warmup=warmup, steps=steps,
+                   setup_s=round(setup_s, 2), **_record(rows, [n for ls in every for n in ls]),
                    threads=torch.get_num_threads(), cpus=os.cpu_count(),
                    loadavg_1m=round(os.getloadavg()[0], 2))
         print("RESULT " + json.dumps(rec), flush=True)
@@ -116,12 +207,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(nproc: int, warmup: int, steps: int, threads: int = 0, sets: list[str] = ()) -> dict:
+def launch(nproc: int, recipe: str, sets: list[str], warmup: int, steps: int,
+           threads: int = 0, script: str = __file__) -> dict:
+    """One torchrun launch of `script --worker` (this file's `worker` by default); its RESULT
+    record."""
     out_dir = tempfile.mkdtemp(prefix=f"grpo_step_{nproc}_")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", __file__, "--worker",
-           "--warmup", str(warmup), "--steps", str(steps), "--out-dir", out_dir,
-           *(a for kv in sets for a in ("--set", kv))]
+           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", script, "--worker",
+           "--recipe", recipe, "--warmup", str(warmup), "--steps", str(steps),
+           "--out-dir", out_dir, *(a for kv in sets for a in ("--set", kv))]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -132,12 +226,34 @@ def launch(nproc: int, warmup: int, steps: int, threads: int = 0, sets: list[str
     return json.loads(found[-1])
 
 
+def add_mfu(rec: dict, dtype: str, gemm: dict) -> dict:
+    """mfu_update / mfu_score / achieved GFLOP/s against torch.mm at the run's total threads
+    (`gemm` caches one measurement per (dtype, threads))."""
+    total = rec["nproc"] * rec["threads"]
+    if (dtype, total) not in gemm:
+        gemm[(dtype, total)] = W.gemm_gflops(dtype, total)
+    rate, n = gemm[(dtype, total)]
+    rec.update(gemm_gflops=round(rate, 1), gemm_n=n, gemm_threads=total)
+    for phase in ("update", "score"):
+        t, flops = rec[f"time_{phase}_s"], rec[f"flops_{phase}"]
+        ok = t > 0 and flops > 0
+        rec[f"achieved_gflops_{phase}"] = round(flops / t / 1e9, 2) if ok else None
+        rec[f"mfu_{phase}"] = round(flops / t / 1e9 / rate, 4) if ok else None
+    return rec
+
+
 def compare(records: list[dict], trl_path: str) -> list[dict]:
-    """Adds megagrpo gen tokens/s over the best TRL line's (wall and per CPU second)."""
+    """Adds megagrpo gen tokens/s over the best TRL line's of the same workload and dtype
+    (wall and per CPU second)."""
     trl = [json.loads(ln) for ln in Path(trl_path).read_text().splitlines() if ln.strip()]
-    best = max(trl, key=lambda r: r["gen_tokens_per_s"])
-    best_cpu = max(r["gen_tokens_per_cpu_s"] for r in trl)
     for r in records:
+        same = [t for t in trl if t.get("system") == "trl" and "skipped" not in t
+                and t.get("workload", "demo") == r["workload"]
+                and t.get("dtype", "float32") == r["dtype"]]
+        if not same:
+            continue
+        best = max(same, key=lambda t: t["gen_tokens_per_s"])
+        best_cpu = max(t["gen_tokens_per_cpu_s"] for t in same)
         r["trl_gen_tokens_per_s"] = best["gen_tokens_per_s"]
         r["trl_threads"] = best["threads"]
         r["vs_trl_gen_tokens_per_s"] = round(r["gen_tokens_per_s"] / best["gen_tokens_per_s"], 2)
@@ -145,33 +261,56 @@ def compare(records: list[dict], trl_path: str) -> list[dict]:
     return records
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="demo", help="demo, varlen or smollm2")
+    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     ap.add_argument("--nprocs", default="1,2")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/grpo_step_cpu.jsonl")
+    ap.add_argument("--append", action="store_true", help="append to --out instead of replacing")
     ap.add_argument("--threads", type=int, default=0,
                     help="OMP_NUM_THREADS per rank (default: torchrun's, all cores for 1 rank)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra config override on top of the demo (repeatable; give the TRL "
-                         "baseline the same)")
+                    help="extra config override on top of the workload (repeatable; give the "
+                         "TRL baseline the same)")
     ap.add_argument("--compare", default="", help="TRL baseline JSONL to compare against")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--recipe", help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        worker(args.warmup, args.steps, args.out_dir, args.set)
-        return
-    records = [launch(int(n), args.warmup, args.steps, args.threads, args.set)
-               for n in args.nprocs.split(",")]
-    if args.compare:
-        records = compare(records, args.compare)
+    return ap.parse_args()
+
+
+def write_lines(records: list[dict], out: str, append: bool) -> None:
     lines = [json.dumps(r) for r in records]
     print("\n".join(lines), flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("\n".join(lines) + "\n")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a" if append else "w") as f:
+            f.write("".join(ln + "\n" for ln in lines))
+
+
+def main() -> None:
+    args = _args()
+    if args.worker:
+        worker(args.recipe, args.set, args.warmup, args.steps, args.out_dir)
+        return
+    w, dtype = W.get_workload(args.workload), W.check_dtype(args.dtype)
+    head = dict(workload=w.name, dtype=dtype, overrides=list(args.set))
+    if why := W.missing_model(w):
+        print(why, file=sys.stderr)
+        write_lines([dict(system="megagrpo", **head, skipped=why)], args.out, args.append)
+        return
+    sets = W.overrides(w, dtype, args.set)
+    gemm: dict = {}
+    records = []
+    for n in args.nprocs.split(","):
+        rec = launch(int(n), str(ROOT / w.recipe), sets, args.warmup, args.steps, args.threads)
+        records.append(add_mfu({**head, **rec}, dtype, gemm))
+    if args.compare:
+        records = compare(records, args.compare)
+    write_lines(records, args.out, args.append)
 
 
 if __name__ == "__main__":

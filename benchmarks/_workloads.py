@@ -1,0 +1,238 @@
+"""The named throughput workloads shared by grpo_step.py, trl_grpo_baseline.py and profile_step.py.
+
+Only torch, transformers and megagrpo's config/data/task modules are imported, so the TRL venv
+(`.venv-trl`: torch, trl, transformers; no megatron, no vLLM) can import this file too.
+
+    demo     examples/demo.yaml at 32 prompts x G=8, max_tokens 6 (the 0.85M-parameter Llama,
+             2-digit addition, vocab 19), beta 0.02
+    varlen   a Llama megagrpo was not tuned on (hidden 256, 6 layers, 8 heads x 32, 4 KV groups,
+             FFN 704), the arithmetic task's tokenizer and prompts, 16 prompts x G=8,
+             max_tokens 96, temperature 1: a random-init model stops at EOS at random, so the
+             completion lengths vary (roughly geometric, mean ~19 tokens with a 1/19 EOS chance)
+    smollm2  the real SmolLM2-135M (`models/smollm2-135m`, fp32 HF folder) with
+             examples/smollm2-135m-math-cpu.yaml: chat template, word problems, math reward,
+             8 prompts x G=4, max_tokens 48
+
+Both systems start from the same weights: the random-init workloads write one seeded init as an
+HF folder (`benchmarks/.cache/<workload>-<dtype>/`, git-ignored, rebuilt when the workload's
+architecture or seed changes) that megagrpo loads with `run.init=<folder>` and TRL with
+`from_pretrained`; smollm2 uses the converted model folder itself. Every workload resets the
+reference every GRPO step when it has one (beta > 0), as the benchmarks always did.
+
+Useful model FLOPs (`forward_flops`, the numerator of every MFU figure): per real (non-pad) token
+2 x the matrix-multiply parameters of the transformer layers (q, k, v, output projection, gate,
+up, down; embeddings are lookups), plus causal attention: the token at position t (1-based)
+multiplies its query with t keys and its softmax row with t values, 4 x t x (heads x head_dim)
+per layer - half of the 4 x S x hidden full-attention figure on average - plus the output layer,
+2 x hidden x vocab, at the loss positions only (the completion tokens). A backward costs twice a
+forward, so an update pass is 3x these FLOPs; a scoring pass (old or reference log-probs) is 1x.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / "benchmarks" / ".cache"
+DTYPES = ("float32", "bfloat16")
+# Settings every workload shares: no cold start, no evaluation, no checkpoints, a reference
+# reset every step (reference.sync_every_steps is set only where beta > 0: see `overrides`).
+COMMON = ("run.sft_steps=0", "run.eval_every=0", "run.resume=false", "run.tensorboard=false",
+          "run.progress=false", "run.checkpoint_at_end=false")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """One named benchmark workload: a recipe plus overrides."""
+
+    name: str
+    """demo, varlen or smollm2."""
+    recipe: str
+    """The YAML recipe, relative to the repository root."""
+    overrides: tuple[str, ...]
+    """`key=value` overrides on top of the recipe."""
+    model_dir: str = ""
+    """A model folder the workload needs (relative to the root); '' = seeded random init."""
+    summary: str = ""
+    """One line for console output."""
+
+
+def workloads() -> dict[str, Workload]:
+    """The three named workloads (see the module docstring)."""
+    return {w.name: w for w in (
+        Workload(name="demo", recipe="examples/demo.yaml",
+                 overrides=("data.batch_size=32",),
+                 summary="demo Llama 0.85M, 32 prompts x G=8, max_tokens 6"),
+        Workload(name="varlen", recipe="examples/demo.yaml",
+                 overrides=("model.hidden_size=256", "model.num_layers=6",
+                            "model.num_attention_heads=8", "model.num_query_groups=4",
+                            "model.head_dim=32", "model.ffn_hidden_size=704",
+                            "model.max_position_embeddings=128", "rollout.max_model_len=128",
+                            "rollout.max_tokens=96", "rollout.temperature=1.0",
+                            "data.batch_size=16"),
+                 summary="Llama hidden 256 x 6 layers, 16 prompts x G=8, max_tokens 96"),
+        Workload(name="smollm2", recipe="examples/smollm2-135m-math-cpu.yaml", overrides=(),
+                 model_dir="models/smollm2-135m",
+                 summary="SmolLM2-135M, word problems, 8 prompts x G=4, max_tokens 48"),
+    )}
+
+
+def get_workload(name: str) -> Workload:
+    """The workload called `name`; a clear error for an unknown one."""
+    table = workloads()
+    if name not in table:
+        raise SystemExit(f"--workload {name!r}: use one of {', '.join(table)}")
+    return table[name]
+
+
+def missing_model(w: Workload) -> str:
+    """'' when the workload can run, else why not and how to fix it."""
+    if w.model_dir and not (ROOT / w.model_dir / "config.json").exists():
+        return (f"workload {w.name}: {w.model_dir} is absent; create it with `python -m megagrpo "
+                f"convert --from-gguf smollm2 --to-hf {w.model_dir}` (and the word problems with "
+                "`python -m megagrpo.tasks.word_problems data/word_problems`)")
+    return ""
+
+
+def check_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise SystemExit(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    return dtype
+
+
+def _plain_overrides(w: Workload, dtype: str, extra: list[str] | tuple[str, ...]) -> list[str]:
+    """Shared settings, the workload's, the precision, a reference reset every step where there
+    is a reference (beta > 0), then the caller's `extra` (they win)."""
+    from megagrpo.config.train import load_config
+
+    over = [*COMMON, *w.overrides, f"model.dtype={dtype}", f"rollout.dtype={dtype}"]
+    if load_config(str(ROOT / w.recipe), [*over, *extra]).algo.beta > 0:
+        over.append("reference.sync_every_steps=1")  # every measured step pays one reset
+    return [*over, *extra]
+
+
+def base_config(w: Workload, dtype: str, extra: list[str] | tuple[str, ...] = ()):
+    """The workload's TrainConfig without run.init (the architecture comes from the recipe)."""
+    from megagrpo.config.train import load_config
+
+    return load_config(str(ROOT / w.recipe), _plain_overrides(w, dtype, extra))
+
+
+def overrides(w: Workload, dtype: str, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Every override megagrpo runs the workload with, run.init included (builds the seeded
+    init folder on first use)."""
+    init = str(ROOT / w.model_dir) if w.model_dir else str(ensure_init(w, dtype, extra))
+    return [*_plain_overrides(w, dtype, extra), f"run.init={init}"]
+
+
+def _hf_config(cfg) -> dict:
+    """config.json for the workload's seeded init: megagrpo's HF config with the task's ids."""
+    from megagrpo.hf import hf_config_dict
+    from megagrpo.tasks import build_task
+
+    tok = build_task(cfg.data, cfg.arithmetic).tokenizer
+    hf = hf_config_dict(cfg.model)
+    hf.update(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    return hf
+
+
+def ensure_init(w: Workload, dtype: str, extra: list[str] | tuple[str, ...] = ()) -> Path:
+    """The seeded random init of a random-init workload as an HF folder in `dtype`, written once:
+    torch.manual_seed(run.seed), transformers' own init (normal, std 0.02), cast to `dtype` (so
+    the bf16 folder holds the fp32 folder's values, rounded). Rebuilt when the HF config or the
+    seed it was made from changes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = base_config(w, dtype, extra)
+    hf = _hf_config(cfg)
+    key = json.dumps({"hf": hf, "seed": cfg.run.seed, "dtype": dtype}, sort_keys=True)
+    out = CACHE / f"{w.name}-{dtype}"
+    if (out / "workload_key.json").exists() and (out / "workload_key.json").read_text() == key:
+        return out
+    if hf.get("architectures") != ["LlamaForCausalLM"]:
+        raise SystemExit(f"workload {w.name}: only Llama random inits are supported, got "
+                         f"{hf.get('architectures')}")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{w.name}-{dtype}-", dir=CACHE))
+    kw = {k: v for k, v in hf.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    torch.manual_seed(cfg.run.seed)
+    model = LlamaForCausalLM(LlamaConfig(**kw)).float().to(getattr(torch, dtype))
+    model.save_pretrained(tmp)
+    (tmp / "workload_key.json").write_text(key)
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process wrote it first: its copy has the same seeded values
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# figures shared by the benchmarks
+
+
+def matmul_params_per_layer(model) -> int:
+    """Matrix-multiply weights of one transformer layer (q, k, v, proj, gate, up, down)."""
+    H, hd = model.hidden_size, model.head_dim
+    q, kv = model.num_attention_heads * hd, model.num_query_groups * hd
+    return H * (q + 2 * kv) + q * H + 3 * H * model.ffn_hidden_size
+
+
+def forward_flops(model, lengths: torch.Tensor, loss_tokens: int | float) -> float:
+    """Useful FLOPs of one forward over sequences of real `lengths` [n] with `loss_tokens`
+    positions that need logits (module docstring: dense layers, causal attention, output layer
+    at the loss positions)."""
+    n = lengths.to(torch.float64)
+    L, d = model.num_layers, model.num_attention_heads * model.head_dim
+    dense = 2.0 * L * matmul_params_per_layer(model) * float(n.sum())
+    attention = L * 2.0 * d * float((n * (n + 1)).sum())  # sum over t=1..n of 4 t d
+    return dense + attention + 2.0 * model.hidden_size * model.vocab_size * float(loss_tokens)
+
+
+def gemm_gflops(dtype: str, threads: int, size: int = 2048, iters: int = 5
+                ) -> tuple[float, int]:
+    """The machine's measured GEMM rate: best of `iters` torch.mm n^3 at `threads` intra-op
+    threads and `dtype`, in GFLOP/s (the denominator of every MFU figure), and the n used.
+    n is `size` unless one product at a smaller n already takes over a second (a CPU without
+    native bf16 runs bf16 at ~1 GFLOP/s; 2048^3 would take minutes there)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = 256
+        while True:
+            best = _best_mm_seconds(n, getattr(torch, dtype), iters)
+            if n >= size or best > 1.0:
+                return 2.0 * n ** 3 / best / 1e9, n
+            n = min(size, 2 * n)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _best_mm_seconds(n: int, dtype: torch.dtype, iters: int) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    torch.mm(a, b)  # warm-up: oneDNN primitive creation, page faults
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+        if best > 1.0:
+            break
+    return best
+
+
+def length_stats(lengths: list[int]) -> dict:
+    """Completion-length distribution: mean, median, max (tokens)."""
+    if not lengths:
+        return dict(completion_len_mean=0.0, completion_len_p50=0.0, completion_len_max=0)
+    return dict(completion_len_mean=round(statistics.mean(lengths), 2),
+                completion_len_p50=float(statistics.median(lengths)),
+                completion_len_max=int(max(lengths)))

@@ -1,0 +1,220 @@
+"""Per-phase profile of megagrpo's update and scoring on a named workload (one rank).
+
+    .venv/bin/python benchmarks/profile_step.py [--workload demo|varlen|smollm2]
+        [--dtype float32|bfloat16] [--warmup 1] [--steps 2] [--threads N] [--set KEY=VALUE ...]
+        [--out benchmarks/results/profile_<workload>_<dtype>.json]
+
+After `--warmup` unprofiled steps, torch.profiler records `--steps` trainer steps at one rank
+(torchrun, DP=1, the in-process vLLM engine as in grpo_step.py). Ranges are marked with
+record_function by wrapping what the trainer calls:
+  forward      megagrpo.trainer._forward (the model's forward of each micro-batch)
+  backward     megatron's schedules.backward_step
+  attention    every `*.core_attention` module's forward (megatron's DotProductAttention or the
+               SDPA module put in that slot); its backward is the autograd nodes whose forward
+               op ran inside it (matched by autograd sequence number)
+  output+loss  the `output_layer` module and the trainer's loss functions (the vocab pass:
+               fused log-prob / GRPO loss kernels), forward and backward as above
+  optimizer    megagrpo.trainer.optimizer_step
+  other        the rest of the phase (micro-batch slicing, zero_grad, metrics, reductions)
+forward and backward are reported without their attention and output+loss parts. Per phase
+(update, score): seconds per step and share of the phase, the padded-token share (as
+grpo_step.py) and the achieved useful FLOP/s (`_workloads.forward_flops`) against torch.mm's
+measured rate at the same threads and dtype. The profiler's own overhead inflates the seconds a
+little (most on the smallest models); the shares are what to read. Prints a table, then one
+JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _workloads as W  # noqa: E402
+import grpo_step  # noqa: E402
+
+LABELS = ("forward", "backward", "attention", "output_loss", "optimizer")
+ROWS = ("forward", "backward", "attention", "output_loss", "optimizer", "other")
+BWD_PREFIX = "autograd::engine::evaluate_function: "
+
+
+def _labeled(label: str, fn, *args, **kwargs):
+    with torch.profiler.record_function(f"mg::{label}"):
+        return fn(*args, **kwargs)
+
+
+def install_labels(tr) -> None:
+    """record_function ranges around what the trainer calls (see the module docstring)."""
+    import megagrpo.trainer as trainer_mod
+    from megatron.core.pipeline_parallel import schedules
+
+    trainer_mod._forward = partial(_labeled, "forward", trainer_mod._forward)
+    schedules.backward_step = partial(_labeled, "backward", schedules.backward_step)
+    trainer_mod.optimizer_step = partial(_labeled, "optimizer", trainer_mod.optimizer_step)
+    for name in ("grpo_loss", "logprob_loss"):
+        if hasattr(trainer_mod, name):
+            setattr(trainer_mod, name, partial(_labeled, "output_loss", getattr(trainer_mod, name)))
+    models = [tr.policy] + ([tr.reference.model] if tr.reference is not None else [])
+    chunks = [c for m in models for c in (m if isinstance(m, list) else [m])]
+    for chunk in chunks:
+        for name, m in chunk.named_modules():
+            if name.endswith("core_attention"):
+                m.forward = partial(_labeled, "attention", m.forward)
+            elif name.endswith("output_layer"):
+                m.forward = partial(_labeled, "output_loss", m.forward)
+    tr.update = partial(_labeled, "phase_update", tr.update)
+    tr.score = partial(_labeled, "phase_score", tr.score)
+
+
+def _inside(ev, ranges: list[tuple[float, float]]) -> bool:
+    t = ev.time_range.start
+    return any(a <= t < b for a, b in ranges)
+
+
+def attribute(events) -> dict[str, dict[str, float]]:
+    """Seconds per phase ('update', 'score') and row (ROWS) from the profiler's events."""
+    ranges: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for ev in events:
+        if ev.name.startswith("mg::"):
+            ranges[ev.name[4:]].append((ev.time_range.start, ev.time_range.end))
+    # forward ops run inside an attention / output_loss range: their autograd nodes' backward
+    seq_label = {}
+    for ev in events:
+        if ev.sequence_nr >= 0 and not ev.name.startswith(BWD_PREFIX):
+            for label in ("attention", "output_loss"):
+                if _inside(ev, ranges[label]):
+                    seq_label.setdefault(ev.sequence_nr, label)
+    out = {}
+    for phase in ("update", "score"):
+        span = ranges[f"phase_{phase}"]
+        sec = {r: 0.0 for r in ROWS}
+        fwd_parts = {"attention": 0.0, "output_loss": 0.0}
+        for ev in events:
+            if not ev.name.startswith("mg::") or not _inside(ev, span):
+                continue
+            label = ev.name[4:]
+            if label in LABELS:
+                sec[label] += ev.time_range.elapsed_us() / 1e6
+                if label in fwd_parts and _inside(ev, ranges["forward"]):
+                    fwd_parts[label] += ev.time_range.elapsed_us() / 1e6
+        bwd_parts = {"attention": 0.0, "output_loss": 0.0}
+        for ev in events:
+            if ev.name.startswith(BWD_PREFIX) and ev.sequence_nr in seq_label and _inside(
+                    ev, span):
+                bwd_parts[seq_label[ev.sequence_nr]] += ev.time_range.elapsed_us() / 1e6
+        for label in ("attention", "output_loss"):
+            sec[label] += bwd_parts[label]
+        sec["forward"] -= fwd_parts["attention"] + fwd_parts["output_loss"]
+        sec["backward"] -= bwd_parts["attention"] + bwd_parts["output_loss"]
+        total = sum(b - a for a, b in span) / 1e6
+        sec["other"] = total - sum(sec[r] for r in ROWS if r != "other")
+        out[phase] = dict(sec, total=total)
+    return out
+
+
+def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) -> None:
+    """One rank: warm-up steps, then `steps` profiled steps; prints `RESULT {json}`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megagrpo.config.train import load_config
+    from megagrpo.run import setup
+
+    cfg = load_config(recipe, [*sets, f"run.out_dir={out_dir}", "run.overwrite=true"])
+    tr = setup(cfg)
+    tr.sync_weights()
+    counter = grpo_step.StepCounter(tr.model_cfg, tr.pad_id, count_lengths=True)
+    counter.install(tr)
+    install_labels(tr)
+    for _ in range(warmup):
+        tr.step()
+    totals = defaultdict(float)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            counter.reset()
+            tr.step()
+            for phase in ("update", "score"):
+                for k, v in zip(grpo_step.COUNTS, counter.step_counts(phase).tolist()):
+                    totals[f"{k}_{phase}"] += v
+    secs = attribute(prof.events())
+    rate, n = W.gemm_gflops(cfg.model.dtype, torch.get_num_threads())
+    rec = dict(system="megagrpo", nproc=1, warmup=warmup, steps=steps,
+               threads=torch.get_num_threads(), gemm_gflops=round(rate, 1), gemm_n=n)
+    for phase, sec in secs.items():
+        per_step = {k: v / steps for k, v in sec.items()}
+        flops, proc = totals[f"flops_{phase}"] / steps, totals[f"processed_{phase}"]
+        rec[phase] = dict(
+            seconds={k: round(v, 4) for k, v in per_step.items()},
+            share={k: round(v / per_step["total"], 4) if per_step["total"] else None
+                   for k, v in per_step.items() if k != "total"},
+            padded_token_share=round(1 - totals[f"real_{phase}"] / proc, 4) if proc else None,
+            achieved_gflops=round(flops / per_step["total"] / 1e9, 2) if per_step["total"]
+            else None,
+            mfu=round(flops / per_step["total"] / 1e9 / rate, 4) if per_step["total"] else None)
+    rec.update(loadavg_1m=round(os.getloadavg()[0], 2))
+    print("RESULT " + json.dumps(rec), flush=True)
+    os._exit(0)  # skip vLLM's shutdown hooks
+
+
+def table(rec: dict) -> str:
+    """The readable per-phase table."""
+    lines = [f"{rec['workload']} {rec['dtype']}: {rec['steps']} profiled step(s), "
+             f"{rec['threads']} thread(s), torch.mm {rec['gemm_gflops']} GFLOP/s "
+             f"(n={rec['gemm_n']})",
+             f"{'':14}" + "".join(f"{p:>22}" for p in ("update", "score"))]
+    for row in (*ROWS, "total"):
+        cells = []
+        for p in ("update", "score"):
+            s, sh = rec[p]["seconds"][row], rec[p]["share"].get(row)
+            cells.append(f"{s:>10.3f} s" + (f" {100 * sh:>6.1f}%" if sh is not None else " " * 8))
+        lines.append(f"{row:14}" + "".join(f"{c:>22}" for c in cells))
+    for key, fmt in (("padded_token_share", "{:.1%}"), ("achieved_gflops", "{} GFLOP/s"),
+                     ("mfu", "{:.1%}")):
+        vals = [rec[p][key] for p in ("update", "score")]
+        lines.append(f"{key:14}" + "".join(
+            f"{(fmt.format(v) if v is not None else '-'):>22}" for v in vals))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="demo", help="demo, varlen or smollm2")
+    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS (default: all cores)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--out", default="", help="write the JSON line to this file")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--recipe", help=argparse.SUPPRESS)
+    ap.add_argument("--out-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.recipe, args.set, args.warmup, args.steps, args.out_dir)
+        return
+    w, dtype = W.get_workload(args.workload), W.check_dtype(args.dtype)
+    if why := W.missing_model(w):
+        print(why, file=sys.stderr)
+        print(json.dumps(dict(workload=w.name, dtype=dtype, skipped=why)))
+        return
+    t0 = time.perf_counter()
+    rec = grpo_step.launch(1, str(W.ROOT / w.recipe), W.overrides(w, dtype, args.set),
+                           args.warmup, args.steps, args.threads, script=__file__)
+    rec = dict(workload=w.name, dtype=dtype, overrides=list(args.set), **rec,
+               wall_s=round(time.perf_counter() - t0, 1))
+    print(table(rec), flush=True)
+    line = json.dumps(rec)
+    print(line, flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
