@@ -67,10 +67,148 @@ def test_reference_sync_benchmark_tiny(tmp_path):
     assert row["inplace_a1_s"] > 0 and row["params"] > 0
 
 
+def _bench_module(name: str):
+    """A benchmarks/ module imported by file path (benchmarks/ is not a package)."""
+    import importlib.util
+
+    sys.path.insert(0, str(BENCH))  # grpo_step imports _workloads as a sibling
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_forward_flops_match_torch_flop_counter():
+    """The useful-FLOP model (dense layers, causal attention, output layer at the loss
+    positions) against torch's FlopCounterMode on a real HF Llama forward (eager attention,
+    logits at every position): they differ exactly by the causal half of attention,
+    2 L d n (n - 1), and by the output layer at the n - k positions without a loss."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megagrpo.config.model import ModelConfig
+
+    W = _bench_module("_workloads")
+    mc = ModelConfig(vocab_size=40, hidden_size=64, ffn_hidden_size=96, num_layers=2,
+                     num_attention_heads=4, num_query_groups=2, head_dim=32)
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=40, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        attn_implementation="eager")).eval()
+    n, k = 11, 4
+    with FlopCounterMode(display=False) as fc, torch.no_grad():
+        hf(torch.randint(0, 40, (1, n)))
+    d = mc.num_attention_heads * mc.head_dim
+    expected = (fc.get_total_flops() - 2 * mc.num_layers * d * n * (n - 1)
+                - 2 * mc.hidden_size * mc.vocab_size * (n - k))
+    assert W.forward_flops(mc, torch.tensor([n]), k) == expected
+
+
+def test_row_lengths_pad_equal_to_eos():
+    """Real tokens per row when pad == EOS (SmolLM2): a completion's final EOS and an EOS id
+    inside a chat prompt both count; trailing pad does not."""
+    import torch
+
+    g = _bench_module("grpo_step")
+    pad = 2
+    ids = torch.tensor([[5, 2, 6, 7, 2, 2, 2],    # prompt [5, 2, 6], completion [7, EOS]
+                        [5, 6, 8, 9, 4, 2, 2],    # prompt [5, 6], completion [8, 9, 4]
+                        [2, 2, 2, 2, 2, 2, 2]])   # a padding row
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[0, 2:4] = True  # targets 7 and EOS
+    mask[1, 1:4] = True
+    assert g.row_lengths(ids, mask, pad).tolist() == [5, 5, 0]
+
+
 def test_grpo_step_benchmark_one_rank_one_step(tmp_path):
-    (row,) = _run("grpo_step.py", "--nprocs", "1", "--warmup", "0", "--steps", "1",
-                  "--out", str(tmp_path / "g.jsonl"), timeout=900)
-    assert row["gen_tokens_per_s"] > 0 and row["nproc"] == 1
+    """demo at 1 rank: the new fields are present and sane, and they agree with each other:
+    every completion token carries the loss; the update's real tokens are the completions plus
+    prompts of 2-digit additions (BOS + 4..6 characters); scoring ran the old and the reference
+    pass, so its FLOPs are 2/3 of the update's (3 x one forward)."""
+    (row,) = _run("grpo_step.py", "--workload", "demo", "--nprocs", "1", "--warmup", "1",
+                  "--steps", "1", "--out", str(tmp_path / "g.jsonl"), timeout=900)
+    assert row["gen_tokens_per_s"] > 0 and row["nproc"] == 1 and row["workload"] == "demo"
+    assert 0 <= row["padded_token_share"] < 1 and row["gemm_gflops"] > 0
+    assert 0 < row["mfu_update"] < 1.5 and 0 < row["mfu_score"] < 1.5
+    assert row["padded_token_share"] == round(
+        1 - row["real_tokens_update"] / row["processed_tokens_update"], 4)
+    seqs = row["batch_prompts"] * row["group_size"]
+    prompts = row["real_tokens_update"] - row["gen_tokens_per_step"]
+    assert 5 * seqs <= prompts <= 7 * seqs
+    assert abs(row["loss_tokens_per_s"] - row["gen_tokens_per_s"]) <= 0.1
+    assert row["flops_score"] == pytest.approx(row["flops_update"] * 2 / 3, rel=1e-12)
+    assert 1 <= row["completion_len_p50"] <= row["completion_len_max"] <= row["max_tokens"]
+
+
+def test_grpo_step_benchmark_varlen_smallest(tmp_path):
+    """varlen at 2 prompts x G=8: lengths vary and stay within max_tokens; padding is counted
+    from the micro-batches as the update processed them."""
+    (row,) = _run("grpo_step.py", "--workload", "varlen", "--nprocs", "1", "--warmup", "0",
+                  "--steps", "1", "--set", "data.batch_size=2", "--out", "", timeout=900)
+    assert row["workload"] == "varlen" and row["max_tokens"] == 96
+    assert 1 <= row["completion_len_mean"] <= row["completion_len_max"] <= 96
+    assert 0 <= row["padded_token_share"] < 1 and 0 < row["mfu_update"] < 1.5
+    assert row["gen_tokens_per_step"] == pytest.approx(16 * row["completion_len_mean"], abs=0.1)
+
+
+def test_profile_step_smallest(tmp_path):
+    """One profiled demo step: every row of both phases is a share of the phase (they sum to
+    1, none below zero beyond rounding), the update has a backward and an optimizer step,
+    scoring has neither."""
+    out = tmp_path / "p.json"
+    (row,) = _run("profile_step.py", "--workload", "demo", "--warmup", "0", "--steps", "1",
+                  "--set", "data.batch_size=8", "--out", str(out), timeout=900)
+    assert json.loads(out.read_text()) == row
+    for phase in ("update", "score"):
+        share = row[phase]["share"]
+        assert sum(share.values()) == pytest.approx(1.0, abs=1e-3)
+        assert all(v >= -1e-3 for v in share.values()), share
+        assert share["forward"] > 0 and share["output_loss"] > 0 and share["attention"] > 0
+        assert 0 <= row[phase]["padded_token_share"] < 1 and 0 < row[phase]["mfu"] < 1.5
+    assert row["update"]["share"]["backward"] > 0 and row["update"]["share"]["optimizer"] > 0
+    assert row["score"]["seconds"]["backward"] == 0 and row["score"]["seconds"]["optimizer"] == 0
+
+
+def _rec(system: str, workload: str, tok_s: float, cpu_tok_s: float, **kw) -> dict:
+    return dict(system=system, workload=workload, dtype=kw.pop("dtype", "float32"),
+                gen_tokens_per_s=tok_s, gen_tokens_per_cpu_s=cpu_tok_s, loadavg_1m=1.0, **kw)
+
+
+def test_report_tables_from_synthetic_jsonl(tmp_path):
+    """report.py picks each system's best setting and computes the ratios and verdicts."""
+    recs = [_rec("megagrpo", "demo", 1000.0, 400.0, nproc=1, padded_token_share=0.3,
+                 mfu_update=0.2, mfu_score=0.1),
+            _rec("megagrpo", "demo", 1500.0, 500.0, nproc=2, padded_token_share=0.25,
+                 mfu_update=0.55, mfu_score=0.3),
+            _rec("trl", "demo", 700.0, 600.0, threads=1),
+            _rec("trl", "demo", 600.0, 350.0, threads=2),
+            _rec("megagrpo", "varlen", 300.0, 200.0, nproc=1, padded_token_share=0.05,
+                 mfu_update=0.4, mfu_score=0.2),
+            _rec("trl", "varlen", 100.0, 120.0, threads=2),
+            dict(system="megagrpo", workload="smollm2", dtype="float32", skipped="absent")]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    p = subprocess.run([sys.executable, str(BENCH / "report.py"), str(path), "--json"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    demo, varlen, smol = [json.loads(ln) for ln in p.stdout.splitlines()]
+    assert (demo["megagrpo_nproc"], demo["trl_threads"]) == (2, 1)
+    assert demo["ratio"] == pytest.approx(1500 / 700)
+    assert demo["ratio_cpu"] == pytest.approx(500 / 600)
+    assert demo["met"] == dict(ratio=True, ratio_cpu=False, mfu_update=True, padded_share=None)
+    assert varlen["ratio"] == pytest.approx(3.0) and varlen["ratio_cpu"] == pytest.approx(200 / 120)
+    assert varlen["met"] == dict(ratio=True, ratio_cpu=True, mfu_update=False, padded_share=True)
+    assert smol["skipped"] == "absent"
+    md = subprocess.run([sys.executable, str(BENCH / "report.py"), str(path)],
+                        capture_output=True, text=True, timeout=60).stdout
+    assert "| demo | float32 | 1500 tok/s (2 ranks) | 700 tok/s (1 thread) | 2.14x | 0.83x |" in md
+    assert f"not met (0.83x; {(1.5 - 500 / 600) / 1.5:.0%} short)" in md
+    assert "skipped: absent" in md
 
 
 TRL_PY = ROOT / ".venv-trl" / "bin" / "python"
@@ -80,6 +218,9 @@ TRL_PY = ROOT / ".venv-trl" / "bin" / "python"
                     "`bash scripts/setup_trl_venv.sh` to include the TRL baseline's smoke test")
 def test_trl_baseline_one_step(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    (row,) = _run("trl_grpo_baseline.py", "--warmup", "0", "--steps", "1", "--threads", "1",
+    (row,) = _run("trl_grpo_baseline.py", "--workload", "demo", "--warmup", "0", "--steps", "1",
+                  "--threads", "1", "--set", "data.batch_size=8",
                   "--out", str(tmp_path / "t.jsonl"), python=str(TRL_PY), timeout=900, env=env)
-    assert row["gen_tokens_per_s"] > 0
+    assert row["gen_tokens_per_s"] > 0 and row["workload"] == "demo" and row["threads"] == 1
+    assert row["optimizer_steps_per_step"] == 4  # demo's 4 minibatches, as megagrpo
+    assert 1 <= row["completion_len_max"] <= row["max_tokens"]

@@ -1,0 +1,144 @@
+"""The README's throughput tables from benchmarks/results/throughput_cpu.jsonl (issue 11 targets).
+
+    .venv/bin/python benchmarks/report.py [benchmarks/results/throughput_cpu.jsonl] [--json]
+
+Reads the JSON lines grpo_step.py (system "megagrpo") and trl_grpo_baseline.py (system "trl")
+wrote; per (workload, dtype): each system's best line by generated tokens/s (megagrpo over its
+rank counts, TRL over its thread settings: each system at its best setting), the wall ratio
+megagrpo / TRL, the per-CPU-second ratio (each system's best gen tokens per CPU second), and
+the padded-token share and update / scoring MFU of megagrpo's best line. Then the targets:
+>= 2x TRL's tokens/s, >= 1.5x per CPU second, update MFU >= 50% of the measured GEMM rate, and
+padded tokens <= 10% on the variable-length workload (varlen); a missed target says by how
+much. Lines marked "skipped" (a workload whose model is absent) are listed as such.
+`--json` prints one summary object per (workload, dtype) instead of markdown.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ORDER = ("demo", "varlen", "smollm2")
+TARGETS = dict(ratio=2.0, ratio_cpu=1.5, mfu_update=0.5, padded_share=0.10)
+PADDING_WORKLOAD = "varlen"
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """The JSON lines of `path` (blank lines ignored); a clear error naming a bad line."""
+    out = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{path}, line {i}: not JSON ({e.msg}); every line must be one "
+                             "record from grpo_step.py or trl_grpo_baseline.py") from None
+    return out
+
+
+def _best(rows: list[dict], key: str) -> dict | None:
+    return max(rows, key=lambda r: r[key]) if rows else None
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One summary per (workload, dtype), in ORDER then float32 before bfloat16."""
+    keys = sorted({(r.get("workload", "demo"), r.get("dtype", "float32")) for r in records},
+                  key=lambda k: (ORDER.index(k[0]) if k[0] in ORDER else len(ORDER), k[0],
+                                 k[1] != "float32"))
+    out = []
+    for wl, dt in keys:
+        rows = [r for r in records if (r.get("workload", "demo"), r.get("dtype", "float32"))
+                == (wl, dt)]
+        skipped = [r["skipped"] for r in rows if "skipped" in r]
+        mg = [r for r in rows if r.get("system") == "megagrpo" and "skipped" not in r]
+        trl = [r for r in rows if r.get("system") == "trl" and "skipped" not in r]
+        m, t = _best(mg, "gen_tokens_per_s"), _best(trl, "gen_tokens_per_s")
+        s = dict(workload=wl, dtype=dt, skipped=skipped[0] if skipped and not mg else None,
+                 megagrpo_tok_s=m and m["gen_tokens_per_s"], megagrpo_nproc=m and m["nproc"],
+                 trl_tok_s=t and t["gen_tokens_per_s"], trl_threads=t and t["threads"],
+                 padded_share=m and m.get("padded_token_share"),
+                 mfu_update=m and m.get("mfu_update"), mfu_score=m and m.get("mfu_score"),
+                 loadavg_max=max((r.get("loadavg_1m") or 0.0 for r in mg + trl), default=None))
+        s["ratio"] = m["gen_tokens_per_s"] / t["gen_tokens_per_s"] if m and t else None
+        s["ratio_cpu"] = (max(r["gen_tokens_per_cpu_s"] for r in mg)
+                          / max(r["gen_tokens_per_cpu_s"] for r in trl)) if m and t else None
+        s["met"] = verdicts(s)
+        out.append(s)
+    return out
+
+
+def verdicts(s: dict) -> dict[str, bool | None]:
+    """Per target: True met, False not met, None not measured / not applicable."""
+    v = {k: (None if s[k] is None else s[k] >= TARGETS[k]) for k in ("ratio", "ratio_cpu",
+                                                                     "mfu_update")}
+    pad = s["padded_share"]
+    v["padded_share"] = (None if pad is None or s["workload"] != PADDING_WORKLOAD
+                         else pad <= TARGETS["padded_share"])
+    return v
+
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _verdict(s: dict, key: str, fmt: str) -> str:
+    """'met (2.31x)' / 'not met (1.16x; 42% short)' / '-'."""
+    ok, value, target = s["met"][key], s[key], TARGETS[key]
+    if ok is None:
+        return "-"
+    shown = fmt.format(value)
+    if ok:
+        return f"met ({shown})"
+    gap = (value - target) / target if key == "padded_share" else (target - value) / target
+    return f"not met ({shown}; {gap:.0%} {'over' if key == 'padded_share' else 'short'})"
+
+
+def markdown(summary: list[dict]) -> str:
+    """Two markdown tables: the figures, then the targets."""
+    head = ("| workload | dtype | megagrpo best | TRL best | ratio (tok/s) | per CPU-s "
+            "| padded share | MFU update | MFU score | max load |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for s in summary:
+        if s["skipped"]:
+            lines.append(f"| {s['workload']} | {s['dtype']} | skipped: {s['skipped']} "
+                         "| | | | | | | |")
+            continue
+        mg = (f"{s['megagrpo_tok_s']:.0f} tok/s ({s['megagrpo_nproc']} rank"
+              f"{'s' if s['megagrpo_nproc'] != 1 else ''})" if s["megagrpo_tok_s"] else "-")
+        trl = (f"{s['trl_tok_s']:.0f} tok/s ({s['trl_threads']} thread"
+               f"{'s' if s['trl_threads'] != 1 else ''})" if s["trl_tok_s"] else "-")
+        lines.append(f"| {s['workload']} | {s['dtype']} | {mg} | {trl} "
+                     f"| {_num(s['ratio'], '{:.2f}x')} | {_num(s['ratio_cpu'], '{:.2f}x')} "
+                     f"| {_num(s['padded_share'], '{:.1%}')} "
+                     f"| {_num(s['mfu_update'], '{:.1%}')} | {_num(s['mfu_score'], '{:.1%}')} "
+                     f"| {_num(s['loadavg_max'], '{:.2f}')} |")
+    lines += ["", "| workload | dtype | >= 2x tok/s | >= 1.5x per CPU-s | update MFU >= 50% "
+              "| padding <= 10% (varlen) |", "|---|---|---|---|---|---|"]
+    for s in summary:
+        if not s["skipped"]:
+            lines.append(f"| {s['workload']} | {s['dtype']} | {_verdict(s, 'ratio', '{:.2f}x')} "
+                         f"| {_verdict(s, 'ratio_cpu', '{:.2f}x')} "
+                         f"| {_verdict(s, 'mfu_update', '{:.1%}')} "
+                         f"| {_verdict(s, 'padded_share', '{:.1%}')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("path", nargs="?", default="benchmarks/results/throughput_cpu.jsonl")
+    ap.add_argument("--json", action="store_true", help="one JSON summary line per workload")
+    args = ap.parse_args()
+    if not Path(args.path).exists():
+        raise SystemExit(f"{args.path} does not exist: run `bash benchmarks/throughput.sh` "
+                         "first (or give the JSONL to read)")
+    summary = summarize(read_records(args.path))
+    if args.json:
+        print("\n".join(json.dumps(s) for s in summary))
+    else:
+        print(markdown(summary))
+
+
+if __name__ == "__main__":
+    main()
