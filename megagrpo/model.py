@@ -41,12 +41,33 @@ def layer_spec_name(parallel: ParallelConfig) -> str:
     return "transformer_engine" if transformer_engine_available() else "local"
 
 
+def attention_impl_name(parallel: ParallelConfig) -> str:
+    """The core attention that runs: 'transformer_engine' (TE spec, unchanged), 'sdpa' (torch's
+    fused kernel, `megagrpo.attention`) or 'megatron' (the local spec's DotProductAttention)."""
+    if layer_spec_name(parallel) == "transformer_engine":
+        if parallel.attention_impl == "sdpa":
+            raise RuntimeError(
+                "parallel.attention_impl='sdpa' replaces the local spec's attention, but this "
+                "machine runs Transformer Engine's spec; use attention_impl='auto', or "
+                "transformer_impl='local'"
+            )
+        return "transformer_engine"
+    # auto = sdpa: it was faster than megatron's at every measured shape (benchmarks/attention.py)
+    return "megatron" if parallel.attention_impl == "megatron" else "sdpa"
+
+
 def _layer_spec(parallel: ParallelConfig):
     from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     if layer_spec_name(parallel) == "transformer_engine":
         return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if attention_impl_name(parallel) == "sdpa":
+        from megagrpo.attention import SdpaAttention
+
+        spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=SdpaAttention)
+    return spec
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig):

@@ -73,6 +73,8 @@ class ParallelConfig:
     """The padded vocab is a multiple of this times tp (padding is stripped on export)."""
     transformer_impl: str = "auto"
     """'auto' (Transformer Engine when it imports, else local), 'local' or 'transformer_engine'."""
+    attention_impl: str = "auto"
+    """Local-spec core attention: 'auto' (= sdpa), 'sdpa' (torch's fused kernel) or 'megatron'."""
     backend: str = "auto"
     """torch.distributed backend: 'auto' (nccl with CUDA, gloo without), 'nccl' or 'gloo'."""
     collective_timeout_s: float = 600.0
@@ -100,6 +102,13 @@ class ParallelConfig:
                 f"parallel.transformer_impl={self.transformer_impl!r}: use auto, local or "
                 "transformer_engine"
             )
+        if self.attention_impl not in ("auto", "sdpa", "megatron"):
+            raise ValueError(f"parallel.attention_impl={self.attention_impl!r}: use auto, sdpa "
+                             "or megatron")
+        if self.attention_impl == "sdpa" and self.transformer_impl == "transformer_engine":
+            raise ValueError("parallel.attention_impl='sdpa' replaces the local spec's attention; "
+                             "with transformer_impl='transformer_engine' use attention_impl="
+                             "'auto' (Transformer Engine's own attention)")
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ValueError(f"parallel.backend={self.backend!r}: use auto, nccl or gloo")
         if not 0 < self.collective_timeout_s < float("inf"):

@@ -1,0 +1,137 @@
+"""Causal core attention through `torch.nn.functional.scaled_dot_product_attention` for
+megatron-core's local (no Transformer Engine) layer spec.
+
+megatron's local `DotProductAttention` repeats the KV heads for GQA, materialises the
+[b, heads, sq, sk] scores (baddbmm), runs a masked softmax and a bmm. torch's SDPA has fused
+kernels on CPU (flash-style, fp32 and bf16, causal) that never hold the full score matrix and
+take GQA directly (`enable_gqa`). `SdpaAttention` is a drop-in for the spec's
+`core_attention` slot: same constructor, same forward signature, same result. `build_model`
+chooses it through `parallel.attention_impl` (see `attention_impl_name`).
+
+Two deliberate departures from megatron's module, neither of which changes results:
+- No RNG-tracker fork. megatron forks the model-parallel RNG around its (p=0) dropout; a p=0
+  dropout draws no random numbers and the fork restores the state it saved, so the streams are
+  identical either way (tests/test_attention.py checks the RNG state after a step).
+- Padding beyond a row's length needs no mask: attention is causal and megagrpo right-pads, so a
+  padded position is never attended to by an earlier (real) one.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+
+
+def _tp_size(pg_collection) -> int:
+    """This module's tensor-parallel size (megatron's global TP group when none is given)."""
+    if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
+        return pg_collection.tp.size()
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size()
+
+
+def _check_supported(config: TransformerConfig, attn_mask_type: AttnMaskType,
+                     attention_dropout: float | None) -> None:
+    """Raises for configurations `SdpaAttention` does not implement (megatron's module does)."""
+    dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+    if dropout > 0:
+        raise ValueError(f"attention_dropout={dropout}: SdpaAttention has no dropout (megagrpo "
+                         "trains with 0); set parallel.attention_impl='megatron' to use it")
+    if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.padding):
+        raise ValueError(f"attn_mask_type={attn_mask_type}: SdpaAttention supports causal, "
+                         "padding and no_mask; set parallel.attention_impl='megatron'")
+    if config.context_parallel_size != 1:
+        raise ValueError(f"context_parallel_size={config.context_parallel_size}: context "
+                         "parallelism needs Transformer Engine's attention")
+    if getattr(config, "window_size", None) is not None:
+        raise ValueError(f"window_size={config.window_size}: sliding-window attention is not "
+                         "implemented by SdpaAttention; set parallel.attention_impl='megatron'")
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        raise ValueError(f"softmax_type={config.softmax_type!r}: SdpaAttention implements the "
+                         "vanilla softmax only; set parallel.attention_impl='megatron'")
+
+
+class SdpaAttention(MegatronModule):
+    """megatron `DotProductAttention`'s interface, computed with torch's fused SDPA.
+
+    Softmax scale as megatron's: `softmax_scale` or 1/sqrt(head_dim). megatron's
+    `apply_query_key_layer_scaling` divides the scores by the layer number and multiplies them
+    back inside its softmax (an fp16 range trick); the product is the same scale, so it is not
+    repeated here (SDPA accumulates in fp32).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        _check_supported(config, attn_mask_type, attention_dropout)
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        tp = _tp_size(pg_collection)
+        if config.num_attention_heads % tp or config.num_query_groups % tp:
+            raise ValueError(f"tensor-parallel size {tp} must divide num_attention_heads="
+                             f"{config.num_attention_heads} and num_query_groups="
+                             f"{config.num_query_groups}")
+        self.num_heads = config.num_attention_heads // tp
+        """Query heads on this TP rank (np)."""
+        self.num_groups = config.num_query_groups // tp
+        """KV heads on this TP rank (ng)."""
+        self.head_dim = config.kv_channels
+        self.softmax_scale = (1.0 / math.sqrt(self.head_dim) if softmax_scale is None
+                              else softmax_scale)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params=None,
+    ) -> Tensor:
+        """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np * hn].
+
+        Masking follows megatron's softmax: `attention_mask` (bool, True = masked out,
+        broadcastable to [b, np, sq, sk]) is used when given; otherwise a causal module (the
+        type it was built with; megatron ignores the forward's `attn_mask_type` too) lets query
+        i see keys 0..i, except for a single query, which sees every key.
+        """
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SdpaAttention takes no packed_seq_params / attention_bias (like "
+                             "megatron's DotProductAttention); use Transformer Engine's")
+        sq, sk = query.shape[0], key.shape[0]
+        causal = (attention_mask is None and self.attn_mask_type == AttnMaskType.causal
+                  and sq > 1)
+        if causal and sq != sk:
+            raise ValueError(f"causal attention with {sq} queries and {sk} keys: megatron's "
+                             "default causal mask is square; pass an explicit attention_mask")
+        # [s, b, heads, hn] -> [b, heads, s, hn]: views; SDPA reads the strides.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        mask = None if attention_mask is None else ~attention_mask.to(torch.bool)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=causal,
+            scale=self.softmax_scale, enable_gqa=self.num_heads != self.num_groups)
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return out.permute(2, 0, 1, 3).reshape(sq, query.shape[1], self.num_heads * self.head_dim)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        """No parameters, so nothing to checkpoint (megatron's module holds only an optional
+        learnable softmax offset, which SdpaAttention refuses)."""
+        return {}
