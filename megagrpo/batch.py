@@ -38,6 +38,8 @@ class Batch:
     """[N, S] fp32 rollout importance weights (None = off)."""
     rewards: Tensor | None = None
     """[N] fp32 shaped reward of each row's sequence (0 on padding rows; None = not kept)."""
+    lengths: Tensor | None = None
+    """[N] int64 prompt + completion tokens of each row (0 on padding rows; None = S)."""
 
     @property
     def num_seqs(self) -> int:
@@ -52,6 +54,19 @@ class Batch:
     def micro_batches(self, size: int) -> list["Batch"]:
         return [self.rows(i, i + size) for i in range(0, self.num_seqs, size)]
 
+    def select(self, index: Tensor, width: int) -> "Batch":
+        """Rows `index` [b] of every tensor, per-token tensors cut to their first `width`
+        columns (copies)."""
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is not None:
+                v = v[index]
+                kw[f.name] = v[:, :width] if v.dim() == 2 else v
+            else:
+                kw[f.name] = None
+        return Batch(**kw)
+
     def real(self, values: Tensor) -> Tensor:
         """Per-row values [N] -> the real sequences' [n], in sequence (completion) order."""
         return values[self.seq_valid]
@@ -61,6 +76,51 @@ class Batch:
         row = torch.zeros(self.num_seqs, dtype=torch.float32)
         row[self.seq_valid] = seq_advantages.to(torch.float32)
         self.advantages = torch.where(self.mask, row[:, None], 0.0)
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of a (mini)batch: which of its rows, and their data."""
+
+    index: Tensor
+    """[b] int64 rows of the parent batch."""
+    batch: Batch
+    """Those rows, per-token tensors [b, width]."""
+
+
+def plan_micro_batches(batch: Batch, size: int, *, token_budget: int = 0,
+                       trim: bool = True) -> list[MicroBatch]:
+    """Cuts `batch` into micro-batches that waste little compute on padding.
+
+    trim=False: consecutive rows, `size` per micro-batch, full width S (the fixed shapes
+    pipeline parallelism's point-to-point transfers need). trim=True: rows sorted by length
+    (longest first), each micro-batch cut to its longest row; `size` rows each, or with
+    `token_budget` > 0 as many rows as keep rows x width <= token_budget (at least one). Causal
+    attention makes a row's logits independent of the padding after it, so trimming changes
+    no result beyond float summation order."""
+    n, S = batch.ids.shape
+    if not trim:
+        return [MicroBatch(torch.arange(i, min(i + size, n)), batch.rows(i, i + size))
+                for i in range(0, n, size)]
+    lengths = batch.lengths if batch.lengths is not None else torch.full((n,), S)
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    groups, start = [], 0
+    while start < n:
+        width = max(int(lengths[order[start]]), 1)  # the longest row of this group
+        rows = max(1, token_budget // width) if token_budget > 0 else size
+        groups.append(order[start:start + rows])
+        start += rows
+    return [MicroBatch(idx, batch.select(idx, max(int(lengths[idx].max()), 1)))
+            for idx in groups]
+
+
+def unplan(parts: list[Tensor], plan: list[MicroBatch], shape: tuple[int, int]) -> Tensor:
+    """Per-micro-batch [b, width] tensors -> one [N, S] tensor in the parent's row order
+    (zeros beyond each row's width)."""
+    out = torch.zeros(shape, dtype=parts[0].dtype if parts else torch.float32)
+    for part, mb in zip(parts, plan):
+        out[mb.index, :part.shape[1]] = part
+    return out
 
 
 def spread_rows(n: int, rows: int, blocks: int) -> Tensor:
@@ -106,8 +166,11 @@ def pack(prompts: list[list[int]], completions: list[list[int]], rollout_logps: 
     target[:, -1] = pad_id
     valid = torch.zeros(rows, dtype=torch.bool)
     valid[where] = True
+    lengths = torch.zeros(rows, dtype=torch.long)
+    lengths[where] = torch.tensor([len(p) + len(c) for p, c in zip(prompts, completions)],
+                                  dtype=torch.long)
     batch = Batch(ids=ids, target=target, mask=mask, advantages=torch.zeros(rows, S),
-                  rollout_logp=rlogp, seq_valid=valid)
+                  rollout_logp=rlogp, seq_valid=valid, lengths=lengths)
     batch.set_advantages(seq_advantages)
     if seq_rewards is not None:
         batch.rewards = torch.zeros(rows, dtype=torch.float32)

@@ -16,6 +16,7 @@ from megagrpo.algo import LossCounts, aggregate_loss, kl_clamp
 from megagrpo.batch import Batch
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.kernels import grpo_token_loss, vocab_parallel_logprob
+from megagrpo.positions import put, take
 
 PAD_LOGIT = -1e9
 """Logit given to vocab padding columns: exp() underflows to exactly 0, and 0 * PAD_LOGIT
@@ -52,34 +53,42 @@ def flat_logits(logits: Tensor, ctx: LossContext) -> Tensor:
     return flat
 
 
-def logprob_loss(ctx: LossContext, mb: Batch, logits: Tensor):
-    """Scoring pass (no grad): per-token log-probs of the targets, [b, S]."""
+def _seq_ids(mb: Batch, positions: Tensor | None) -> Tensor:
+    """[T] row (sequence) of each token the logits cover."""
+    b, S = mb.target.shape
+    return torch.arange(b).repeat_interleave(S) if positions is None else positions // S
+
+
+def logprob_loss(ctx: LossContext, mb: Batch, logits: Tensor, positions: Tensor | None = None):
+    """Scoring pass (no grad): per-token log-probs of the targets, [b, S]. `positions`: the
+    flat [b*S] indices the logits [1, n, V_local] cover (None: logits [b, S, V_local])."""
     with torch.no_grad():
         flat = flat_logits(logits, ctx)
-        logp = vocab_parallel_logprob(flat, mb.target.reshape(-1), temperature=ctx.temperature,
-                                      group=ctx.tp_group, ignore_mask=~mb.mask.reshape(-1),
-                                      impl=ctx.impl)
-    return logits.new_zeros(()), {"logp": logp.view_as(mb.target)}
+        logp = vocab_parallel_logprob(flat, take(mb.target, positions),
+                                      temperature=ctx.temperature, group=ctx.tp_group,
+                                      ignore_mask=~take(mb.mask, positions), impl=ctx.impl)
+    return logits.new_zeros(()), {"logp": put(logp, positions, tuple(mb.target.shape))}
 
 
-def grpo_loss(ctx: LossContext, mb: Batch, logits: Tensor):
-    """Training pass: fused per-token GRPO loss -> this chunk's share of the step loss."""
+def grpo_loss(ctx: LossContext, mb: Batch, logits: Tensor, positions: Tensor | None = None):
+    """Training pass: fused per-token GRPO loss -> this chunk's share of the step loss.
+    `positions` as in `logprob_loss`."""
     a = ctx.algo
     b, S = mb.target.shape
-    mask = mb.mask.reshape(-1)
-    seq_ids = torch.arange(b).repeat_interleave(S)
-    old = mb.old_logp.reshape(-1) if mb.old_logp is not None else None
-    ref = mb.ref_logp.reshape(-1) if mb.ref_logp is not None else None
+    mask = take(mb.mask, positions)
+    seq_ids = _seq_ids(mb, positions)
+    old, ref = take(mb.old_logp, positions), take(mb.ref_logp, positions)
     cispo = a.loss_agg == "cispo"
     tok_loss, m = grpo_token_loss(
-        flat_logits(logits, ctx), mb.target.reshape(-1), old, mb.advantages.reshape(-1), mask,
+        flat_logits(logits, ctx), take(mb.target, positions), old,
+        take(mb.advantages, positions), mask,
         ref_logp=ref, group=ctx.tp_group, temperature=ctx.temperature,
         eps_low=a.eps_low, eps_high=a.cispo_eps_high if cispo else a.eps_high,
         dual_clip_c=a.dual_clip_c or None, beta=0.0 if a.kl_in_reward else a.beta,
         kl_estimator=a.kl_estimator,
         kl_clamp=kl_clamp(a.kl_estimator, a.kl_clamp_input, a.kl_clamp_output),
         ratio_level="sequence" if a.loss_agg == "gspo" else "token", seq_ids=seq_ids,
-        is_weight=mb.is_weight.reshape(-1) if mb.is_weight is not None else None,
+        is_weight=take(mb.is_weight, positions),
         policy_loss="cispo" if cispo else "ppo", impl=ctx.impl,
         inplace_backward=ctx.inplace_backward,
     )
@@ -95,15 +104,15 @@ def grpo_loss(ctx: LossContext, mb: Batch, logits: Tensor):
         "clip_high_sum": (m["clipped_high"].float() * f).sum(),
         "clip_dual_sum": (m["clipped_dual"].float() * f).sum(),
         "ratio_sum": (m["ratio"] * f).sum(),
-        "logp": m["logp"].view(b, S),
+        "logp": put(m["logp"].detach(), positions, (b, S)),
     }
     return loss * ctx.scale, report
 
 
-def sft_loss(ctx: LossContext, mb: Batch, logits: Tensor):
+def sft_loss(ctx: LossContext, mb: Batch, logits: Tensor, positions: Tensor | None = None):
     """Cold start: token-mean negative log-likelihood of the completion tokens."""
-    mask = mb.mask.reshape(-1)
-    logp = vocab_parallel_logprob(flat_logits(logits, ctx), mb.target.reshape(-1),
+    mask = take(mb.mask, positions)
+    logp = vocab_parallel_logprob(flat_logits(logits, ctx), take(mb.target, positions),
                                   group=ctx.tp_group, ignore_mask=~mask, impl=ctx.impl,
                                   inplace_backward=ctx.inplace_backward)
     loss = -(logp * mask.float()).sum() / max(ctx.counts.num_tokens, 1.0)

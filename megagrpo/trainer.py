@@ -27,13 +27,14 @@ import torch
 import torch.distributed as dist
 
 from megagrpo import algo
-from megagrpo.batch import Batch, pack, sft_batch
+from megagrpo.batch import Batch, MicroBatch, pack, plan_micro_batches, sft_batch, unplan
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import encode_prompt
 from megagrpo.kernels import kl_penalty
 from megagrpo.losses import LossContext, grpo_loss, logprob_loss, sft_loss
 from megagrpo.metrics import PhaseTimer
+from megagrpo.model import unwrap
 from megagrpo.optim import (
     forward_backward,
     lr_at,
@@ -41,6 +42,7 @@ from megagrpo.optim import (
     set_lr,
     zero_grad,
 )
+from megagrpo.positions import OutputPositions, loss_positions
 from megagrpo.watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -132,10 +134,19 @@ class BadStepsError(RuntimeError):
         """The last step's metrics (not yet logged)."""
 
 
-def _forward(mb: Batch, model, *, loss_fn):
-    """megatron forward_step: logits on the last stage, hidden states elsewhere."""
-    pos = torch.arange(mb.ids.shape[1]).expand_as(mb.ids)
-    return model(mb.ids, pos, None), partial(loss_fn, mb)
+def _forward(mb: MicroBatch, model, *, loss_fn, at_loss_positions: bool = True):
+    """megatron forward_step: logits on the last stage, hidden states elsewhere. With
+    `at_loss_positions` the last stage's output layer runs only where mb's mask is set
+    (`megagrpo.positions`), and the loss function is told which positions those are."""
+    b = mb.batch
+    pos = torch.arange(b.ids.shape[1]).expand_as(b.ids)
+    sel = OutputPositions.of(unwrap(model)) if at_loss_positions else None
+    if sel is None:
+        return model(b.ids, pos, None), partial(loss_fn, b)
+    flat = loss_positions(b.mask)
+    with sel.at(flat, b.ids.shape[1]):
+        out = model(b.ids, pos, None)
+    return out, partial(loss_fn, b, positions=flat)
 
 
 class Trainer:
@@ -346,15 +357,27 @@ class Trainer:
         return dict(self._set_advantages(batch, rewards), **m)
 
     # ------------------------------------------------------------------ score
+    def _plan(self, batch: Batch, m: int) -> list[MicroBatch]:
+        """Micro-batches of `batch`: length-sorted and trimmed at pp = 1 (run.*micro_batch*)."""
+        run = self.cfg.run
+        return plan_micro_batches(batch, m, token_budget=run.micro_batch_tokens,
+                                  trim=run.trim_micro_batches and self.pp == 1)
+
+    def _run(self, model, loss_fn, plan: list[MicroBatch], seq_length: int, m: int,
+             forward_only: bool = False) -> list:
+        """megatron's schedule over the planned micro-batches; the last stage's reports."""
+        fwd = partial(_forward, loss_fn=loss_fn,
+                      at_loss_positions=self.cfg.run.logits_at_loss_positions)
+        return forward_backward(model, fwd, plan, len(plan), seq_length=seq_length,
+                                micro_batch_size=m, forward_only=forward_only)
+
     def _logprobs(self, model, batch: Batch) -> torch.Tensor | None:
         """Forward-only pass through the fused log-prob kernel; [N, S] on the last stage."""
-        ctx = self._ctx()
         m = self.micro_size(batch.num_seqs)
-        mbs = batch.micro_batches(m)
-        out = forward_backward(model, partial(_forward, loss_fn=partial(logprob_loss, ctx)), mbs,
-                               len(mbs), seq_length=batch.ids.shape[1], micro_batch_size=m,
-                               forward_only=True)
-        return torch.cat([o["logp"] for o in out]) if out else None
+        plan = self._plan(batch, m)
+        out = self._run(model, partial(logprob_loss, self._ctx()), plan, batch.ids.shape[1], m,
+                        forward_only=True)
+        return unplan([o["logp"] for o in out], plan, tuple(batch.ids.shape)) if out else None
 
     def score(self, batch: Batch, async_batch: bool) -> dict:
         """Old and reference log-probs (forward only; they live on the last stage, where the
@@ -414,13 +437,16 @@ class Trainer:
                            **kw)
 
     def _counts(self, mb: Batch, num_chunks: int) -> algo.LossCounts:
+        """Global normalisers; `num_chunks` is this replica's micro-batch count (replicas may
+        differ under run.micro_batch_tokens), summed over DP."""
         seqs = (mb.mask.any(dim=1) & mb.seq_valid).sum()
-        local = torch.tensor([float(mb.mask.sum()), float(seqs)], dtype=torch.float64)
+        local = torch.tensor([float(mb.mask.sum()), float(seqs), float(num_chunks)],
+                             dtype=torch.float64)
         dist.all_reduce(local, group=self.dp_group)
         return algo.LossCounts(num_tokens=float(local[0]), num_seqs=float(local[1]),
                                max_len=float(self.cfg.algo.dr_grpo_max_len
                                              or self.cfg.rollout.max_tokens),
-                               num_chunks=num_chunks * self.dp)
+                               num_chunks=int(local[2]))
 
     def micro_size(self, num_seqs: int) -> int:
         """Sequences per micro-batch: run.micro_batch_size, or a whole minibatch if smaller
@@ -445,21 +471,18 @@ class Trainer:
                 if not self._has_loss_tokens(mini):
                     empty += 1
                     continue
-                mbs = mini.micro_batches(m)
-                ctx = self._ctx(scale=len(mbs) * self.dp, counts=self._counts(mini, len(mbs)),
+                plan = self._plan(mini, m)
+                ctx = self._ctx(scale=len(plan) * self.dp, counts=self._counts(mini, len(plan)),
                                 algo=a, inplace_backward=run.inplace_backward)
                 set_lr(self.optimizer, lr_at(self.cfg.optim, self.opt_steps, self.total_opt_steps))
                 zero_grad(self.policy, self.optimizer)
-                out = forward_backward(self.policy, partial(_forward,
-                                                            loss_fn=partial(grpo_loss, ctx)),
-                                       mbs, len(mbs), seq_length=batch.ids.shape[1],
-                                       micro_batch_size=m)
+                out = self._run(self.policy, partial(grpo_loss, ctx), plan, batch.ids.shape[1], m)
                 applied, gnorm = optimizer_step(self.policy, self.optimizer)
                 if not applied:
                     nonfinite += 1
                     continue
                 if not gnorms and out:  # before any update: the weights vLLM sampled with
-                    gap = _logp_gap(out, mini)
+                    gap = _logp_gap(out, plan)
                 self.opt_steps += 1
                 reports += out
                 gnorms.append(gnorm)
@@ -626,15 +649,13 @@ class Trainer:
             comps = [self.tokenizer.encode(c) + [self.eos_id] for _, c in pairs]
             m = min(run.micro_batch_size, len(pairs))
             batch = sft_batch(prompts, comps, pad_id=self.pad_id, multiple=m)
-            mbs = batch.micro_batches(m)
-            ctx = self._ctx(scale=len(mbs) * self.dp, counts=self._counts(batch, len(mbs)),
+            plan = self._plan(batch, m)
+            ctx = self._ctx(scale=len(plan) * self.dp, counts=self._counts(batch, len(plan)),
                             inplace_backward=run.inplace_backward)
             ctx.temperature = 1.0
             set_lr(self.optimizer, run.sft_lr)
             zero_grad(self.policy, self.optimizer)
-            out = forward_backward(self.policy, partial(_forward, loss_fn=partial(sft_loss, ctx)),
-                                   mbs, len(mbs), seq_length=batch.ids.shape[1],
-                                   micro_batch_size=m)
+            out = self._run(self.policy, partial(sft_loss, ctx), plan, batch.ids.shape[1], m)
             optimizer_step(self.policy, self.optimizer)
             v = torch.tensor([sum(float(o["nll_sum"]) for o in out) if self.tp_rank == 0 else 0,
                               sum(float(o["tokens"]) for o in out) if self.tp_rank == 0 else 0],
@@ -647,11 +668,14 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------- helpers
-def _logp_gap(reports: list[dict], mini: Batch) -> tuple[float, float]:
+def _logp_gap(reports: list[dict], plan: list[MicroBatch]) -> tuple[float, float]:
     """(valid tokens, sum |trainer logp - vLLM logp|) over a minibatch's micro-batch reports."""
-    logp = torch.cat([r["logp"] for r in reports])
-    mask = mini.mask.float()
-    return float(mask.sum()), float(((logp - mini.rollout_logp).abs() * mask).sum())
+    tokens, gap = 0.0, 0.0
+    for r, mb in zip(reports, plan):
+        mask = mb.batch.mask.float()
+        tokens += float(mask.sum())
+        gap += float(((r["logp"] - mb.batch.rollout_logp).abs() * mask).sum())
+    return tokens, gap
 
 
 def _sum_dicts(dicts: list[dict]) -> dict:

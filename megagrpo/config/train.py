@@ -59,6 +59,15 @@ class RunConfig:
     """'random', an HF checkpoint directory, or a megagrpo checkpoint directory."""
     micro_batch_size: int = 16
     """Sequences per forward/backward micro-batch."""
+    micro_batch_tokens: int = 0
+    """> 0: micro-batches of length-sorted sequences holding up to this many tokens (rows x
+    longest row) instead of micro_batch_size rows; needs parallel.pp = 1."""
+    trim_micro_batches: bool = True
+    """Sort sequences by length and cut each micro-batch to its longest one (pp = 1 only:
+    pipeline stages exchange fixed shapes)."""
+    logits_at_loss_positions: bool = True
+    """Run the output layer and the vocab pass only at completion tokens (not at prompt or
+    padding positions)."""
     num_minibatches: int = 1
     """Optimizer steps per pass over a rollout batch (PPO-style minibatches)."""
     async_rollout: bool = False
@@ -111,7 +120,8 @@ class RunConfig:
                   "eval_max_tokens"):
             if getattr(self, f) < 1:
                 raise ValueError(f"run.{f}={getattr(self, f)} must be >= 1")
-        for f in ("checkpoint_every", "eval_every", "sft_steps", "max_bad_steps"):
+        for f in ("checkpoint_every", "eval_every", "sft_steps", "max_bad_steps",
+                  "micro_batch_tokens"):
             if getattr(self, f) < 0:
                 raise ValueError(f"run.{f}={getattr(self, f)} must be >= 0 (0 = off)")
         if self.sft_lr <= 0:

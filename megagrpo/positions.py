@@ -1,0 +1,82 @@
+"""The output layer and the vocab pass only where a loss is taken.
+
+A GRPO micro-batch [b, S] carries a loss only at completion tokens; the prompt and padding
+positions need hidden states (attention reads them) but no logits. The output layer (hidden x
+vocab, the biggest matmul of a small model's step) and the fused log-prob / loss kernels then
+run on the n selected positions instead of all b x S: `OutputPositions` is a forward pre-hook
+on megatron's `output_layer` that keeps the selected rows of its input [S, b, h] -> [n, 1, h],
+so the model returns logits [1, n, V_local] and backward scatters the gradient back (autograd).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+
+def loss_positions(mask: Tensor) -> Tensor:
+    """[b, S] bool -> flat indices [n] (row-major into b x S) of the loss positions; one
+    position (0, whose mask is False) when there is none, so every pass has a non-empty
+    output and the same code path."""
+    flat = mask.reshape(-1).nonzero().squeeze(1)
+    return flat if flat.numel() else torch.zeros(1, dtype=torch.long)
+
+
+class OutputPositions:
+    """Restricts a GPTModel stage's output layer to chosen positions while `at` is active."""
+
+    def __init__(self, output_layer: torch.nn.Module):
+        if getattr(output_layer, "sequence_parallel", False):
+            raise ValueError("OutputPositions needs the full sequence at the output layer "
+                             "(sequence_parallel=False)")
+        self.flat: Tensor | None = None
+        """[n] flat indices into [b, S] while active; None: every position."""
+        self.width = 0
+        """S of the active micro-batch."""
+        output_layer.register_forward_pre_hook(self._select, with_kwargs=True)
+
+    @classmethod
+    def of(cls, gpt: torch.nn.Module) -> "OutputPositions | None":
+        """The (lazily installed) selector of a GPTModel stage; None off the last stage."""
+        layer = getattr(gpt, "output_layer", None) if getattr(gpt, "post_process", False) \
+            else None
+        if layer is None:
+            return None
+        if not hasattr(gpt, "_megagrpo_positions"):
+            gpt._megagrpo_positions = cls(layer)
+        return gpt._megagrpo_positions
+
+    def _select(self, module, args: tuple, kwargs: dict):
+        if self.flat is None:
+            return None
+        hidden = args[0]  # [S, b, h]
+        rows, cols = self.flat // self.width, self.flat % self.width
+        return (hidden[cols, rows].unsqueeze(1), *args[1:]), kwargs
+
+    @contextmanager
+    def at(self, flat: Tensor, width: int) -> Iterator[None]:
+        """Within the block, the output layer computes only positions `flat` of [b, width]."""
+        self.flat, self.width = flat, width
+        try:
+            yield
+        finally:
+            self.flat = None
+
+
+def take(t: Tensor | None, flat: Tensor | None) -> Tensor | None:
+    """[b, S] per-token tensor -> [n] at the selected positions (all b*S when flat is None)."""
+    if t is None:
+        return None
+    t = t.reshape(-1)
+    return t if flat is None else t[flat]
+
+
+def put(values: Tensor, flat: Tensor | None, shape: tuple[int, int]) -> Tensor:
+    """[n] values at the selected positions -> [b, S] (0 elsewhere)."""
+    if flat is None:
+        return values.view(shape)
+    out = values.new_zeros(shape[0] * shape[1])
+    out[flat] = values
+    return out.view(shape)

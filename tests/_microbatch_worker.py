@@ -1,0 +1,99 @@
+"""Run under torchrun (2 ranks, DP=2, TP=1, PP=1, gloo) by tests/test_microbatch.py: the same
+rollout batch scored and back-propagated with every micro-batching lever off (consecutive
+rows at full width, logits at every position) and on (length-sorted trimmed micro-batches,
+token-budget micro-batches, logits at loss positions only). Rank 0 writes WORK/results.json."""
+import argparse
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests._trainer_worker import make_config  # noqa: E402
+
+VARIANTS = {  # trim, logits at loss positions only, token budget
+    "baseline": (False, False, 0),
+    "trim": (True, False, 0),
+    "positions": (False, True, 0),
+    "trim+positions": (True, True, 0),
+    "budget": (True, True, 24),
+}
+
+
+def grads_and_report(tr, mini) -> tuple[list[torch.Tensor], dict, int, list[int]]:
+    """One forward/backward of the GRPO loss over `mini` (no optimizer step): the DP-reduced
+    gradients, the summed reports, the micro-batch count and the tokens each processed."""
+    from megagrpo.losses import grpo_loss
+    from megagrpo.optim import zero_grad
+
+    m = tr.micro_size(mini.num_seqs)
+    plan = tr._plan(mini, m)
+    ctx = tr._ctx(scale=len(plan) * tr.dp, counts=tr._counts(mini, len(plan)),
+                  algo=tr.cfg.algo, inplace_backward=True)
+    zero_grad(tr.policy, tr.optimizer)
+    out = tr._run(tr.policy, partial(grpo_loss, ctx), plan, mini.ids.shape[1], m)
+    grads = [p.main_grad.detach().clone() for p in tr.policy.parameters()]
+    keys = ("loss", "tokens", "kl_sum", "entropy_sum", "ratio_sum")
+    report = {k: float(sum(float(o[k]) for o in out)) for k in keys}
+    return grads, report, len(plan), [int(mb.batch.ids.numel()) for mb in plan]
+
+
+def compare(tr, batch) -> dict:
+    res, base = {}, None
+    for name, (trim, positions, budget) in VARIANTS.items():
+        tr.cfg.run.trim_micro_batches, tr.cfg.run.logits_at_loss_positions = trim, positions
+        tr.cfg.run.micro_batch_tokens = budget
+        logp = tr._logprobs(tr.policy, batch)
+        ref = tr._logprobs(tr.reference.model, batch)
+        grads, report, n_mb, sizes = grads_and_report(tr, batch)
+        if base is None:
+            base = (logp, ref, grads, report)
+        mask = batch.mask
+        res[name] = {
+            "logp_diff": float((logp - base[0])[mask].abs().max()),
+            "ref_diff": float((ref - base[1])[mask].abs().max()),
+            "logp_offmask_zero": bool((logp[~mask] == 0).all()),
+            "grad_rel": max(float((g - b).norm() / b.norm().clamp_min(1e-30))
+                            for g, b in zip(grads, base[2])),
+            # |diff| / (1 + |value|): the loss of a zero-mean-advantage batch is near 0
+            "report_rel": {k: abs(report[k] - base[3][k]) / (1.0 + abs(base[3][k]))
+                           for k in report},
+            "micro_batches": n_mb, "tokens": sizes, "budget": budget,
+            "padded_rows_width": int(batch.ids.shape[1]),
+        }
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from megagrpo.run import setup
+
+    cfg = make_config(args.work)
+    cfg.parallel.tp = cfg.parallel.pp = 1
+    cfg.run.micro_batch_size = 3
+    cfg.algo.mu = 2  # old log-probs are scored, so every per-token input takes the new path
+    tr = setup(cfg)
+    tr.sync_weights()
+    batch, _ = tr.build_batch(tr.rollout())
+    tr.score(batch, async_batch=False)
+    res = {"grpo": compare(tr, batch)}
+    tr.cfg.algo.loss_agg = "gspo"  # sequence-level ratios: per-token sequence ids matter
+    res["gspo"] = compare(tr, batch)
+    res["lengths"] = batch.lengths.tolist()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, res)
+    if dist.get_rank() == 0:
+        (Path(args.work) / "results.json").write_text(json.dumps(gathered))
+    dist.barrier()
+    tr.engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Micro-batching levers of the update and scoring passes (issue 11): length-sorted,
+trimmed micro-batches, token-budget micro-batches and logits only at loss positions change no
+result beyond float summation order. Unit checks of the plan, then one torchrun launch
+(tests/_microbatch_worker.py, DP=2) comparing each lever against the plain layout on the same
+batch: scored log-probs, reference log-probs, DP-reduced gradients and loss reports, for the
+token-level (grpo) and sequence-level (gspo) ratio."""
+import json
+import os
+
+import pytest
+import torch
+
+from megagrpo.batch import pack, plan_micro_batches, unplan
+from megagrpo.positions import loss_positions, put, take
+from tests._launch import torchrun
+
+WORKER = os.path.join(os.path.dirname(__file__), "_microbatch_worker.py")
+
+
+def _batch(n=11, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 9, (n, 2), generator=g).tolist()
+    prompts = [[1 + (i + j) % 7 for j in range(p)] for i, (p, _) in enumerate(lens)]
+    comps = [[10 + (i + j) % 5 for j in range(c)] for i, (_, c) in enumerate(lens)]
+    lps = [[-0.1 * (j + 1) for j in range(len(c))] for c in comps]
+    return pack(prompts, comps, lps, torch.linspace(-1, 1, n), pad_id=0, multiple=4), lens
+
+
+def test_plan_sorts_trims_and_covers_every_row_once():
+    b, lens = _batch()
+    plan = plan_micro_batches(b, 3)
+    rows = torch.cat([mb.index for mb in plan])
+    assert sorted(rows.tolist()) == list(range(b.num_seqs))
+    true_len = b.lengths.tolist()
+    assert true_len[:11] == [p + c for p, c in lens] and true_len[11:] == [0]
+    order = [true_len[r] for r in rows.tolist()]
+    assert order == sorted(order, reverse=True)  # longest first
+    for mb in plan:
+        width = max(max(true_len[r] for r in mb.index.tolist()), 1)
+        assert mb.batch.ids.shape == (len(mb.index), width)
+        assert torch.equal(mb.batch.ids, b.ids[mb.index, :width])
+        assert torch.equal(mb.batch.mask, b.mask[mb.index, :width])
+        assert not b.mask[mb.index, width:].any()  # nothing with a loss was cut
+    # scattering per-micro-batch tensors back restores the parent's layout exactly
+    back = unplan([mb.batch.rollout_logp for mb in plan], plan, tuple(b.ids.shape))
+    assert torch.equal(back, b.rollout_logp)
+
+
+def test_token_budget_bounds_every_micro_batch():
+    b, _ = _batch(n=23, seed=1)
+    for budget in (1, 10, 16, 40):
+        plan = plan_micro_batches(b, 3, token_budget=budget)
+        assert sorted(torch.cat([mb.index for mb in plan]).tolist()) == list(range(b.num_seqs))
+        for mb in plan:  # one row may exceed a budget below its own length, never two
+            assert mb.batch.ids.numel() <= budget or len(mb.index) == 1
+    plain = plan_micro_batches(b, 3, trim=False)
+    assert [mb.index.tolist() for mb in plain] == [list(range(i, min(i + 3, 24)))
+                                                    for i in range(0, 24, 3)]
+    assert all(mb.batch.ids.shape[1] == b.ids.shape[1] for mb in plain)
+
+
+def test_positions_take_and_put_round_trip():
+    b, _ = _batch()
+    flat = loss_positions(b.mask)
+    assert flat.numel() == int(b.mask.sum())
+    assert torch.equal(put(take(b.rollout_logp, flat), flat, tuple(b.ids.shape)), b.rollout_logp)
+    none = loss_positions(torch.zeros(2, 3, dtype=torch.bool))
+    assert none.tolist() == [0]  # one (masked) position keeps the output non-empty
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    work = tmp_path_factory.mktemp("microbatch")
+    torchrun(WORKER, 2, "--work", str(work), timeout=900)
+    return json.loads((work / "results.json").read_text())
+
+
+@pytest.mark.parametrize("agg", ["grpo", "gspo"])
+def test_levers_equal_the_plain_layout(results, agg):
+    for rank in results:
+        for name, r in rank[agg].items():
+            assert r["logp_diff"] < 1e-5 and r["ref_diff"] < 1e-5, (agg, name, r)
+            assert r["logp_offmask_zero"], (agg, name)
+            assert r["grad_rel"] < 1e-5, (agg, name, r)
+            assert all(v < 1e-5 for v in r["report_rel"].values()), (agg, name, r)
+
+
+def test_trimming_and_budget_process_fewer_tokens(results):
+    for rank in results:
+        r = rank["grpo"]
+        full = sum(r["baseline"]["tokens"])
+        assert sum(r["trim"]["tokens"]) < full  # lengths vary, so sorting trims padding
+        assert all(t <= r["budget"]["budget"] or t <= max(rank["lengths"])
+                   for t in r["budget"]["tokens"])
+        # DP replicas may cut different numbers of micro-batches; both still sum the same loss
+        assert r["budget"]["micro_batches"] >= 1
