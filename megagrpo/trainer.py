@@ -471,7 +471,7 @@ class Trainer:
                 if not self._has_loss_tokens(mini):
                     empty += 1
                     continue
-                plan = self._plan(mini, m)
+                plan = self._plan(self._trained_rows(mini), m)
                 ctx = self._ctx(scale=len(plan) * self.dp, counts=self._counts(mini, len(plan)),
                                 algo=a, inplace_backward=run.inplace_backward)
                 set_lr(self.optimizer, lr_at(self.cfg.optim, self.opt_steps, self.total_opt_steps))
@@ -490,6 +490,27 @@ class Trainer:
         metrics.update(skipped_minibatches=float(empty), nonfinite_grad=float(nonfinite),
                        update_skipped=float(not gnorms))
         return metrics
+
+    def _trained_rows(self, mini: Batch) -> Batch:
+        """The rows whose loss has a gradient. With no KL term in the loss, a sequence whose
+        advantage is 0 (a group whose rewards are all equal) adds exactly 0 to loss and
+        gradient for every loss_agg but bnpo (whose chunk means depend on the rows), so its
+        forward and backward are skipped (run.skip_zero_advantage); the normalisers still
+        count it (`_counts` reads the whole minibatch). One row is kept so every rank runs
+        the schedule (its DP all-reduce). pp = 1 only: pipeline stages exchange fixed shapes,
+        and under KL-in-reward only the last stage holds the advantages."""
+        a = self.cfg.algo
+        loss_kl = a.beta > 0 and not a.kl_in_reward and self.reference is not None
+        if (not self.cfg.run.skip_zero_advantage or loss_kl or a.loss_agg == "bnpo"
+                or self.pp > 1):
+            return mini
+        keep = (mini.advantages != 0).any(dim=1) & mini.mask.any(dim=1)
+        if bool(keep.all()):
+            return mini
+        idx = keep.nonzero().squeeze(1)
+        if idx.numel() == 0:
+            idx = torch.zeros(1, dtype=torch.long)
+        return mini.select(idx, mini.ids.shape[1])
 
     def _has_loss_tokens(self, mini: Batch) -> bool:
         """Whether any replica's minibatch holds a loss token; the same answer on every rank.

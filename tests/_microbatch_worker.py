@@ -24,14 +24,15 @@ VARIANTS = {  # trim, logits at loss positions only, token budget
 }
 
 
-def grads_and_report(tr, mini) -> tuple[list[torch.Tensor], dict, int, list[int]]:
-    """One forward/backward of the GRPO loss over `mini` (no optimizer step): the DP-reduced
-    gradients, the summed reports, the micro-batch count and the tokens each processed."""
+def grads_and_report(tr, mini, trained=None) -> tuple[list[torch.Tensor], dict, int, list[int]]:
+    """One forward/backward of the GRPO loss over `mini` (no optimizer step; `trained`: the
+    rows that run, default all): the DP-reduced gradients, the summed reports, the
+    micro-batch count and the tokens each processed."""
     from megagrpo.losses import grpo_loss
     from megagrpo.optim import zero_grad
 
     m = tr.micro_size(mini.num_seqs)
-    plan = tr._plan(mini, m)
+    plan = tr._plan(mini if trained is None else trained, m)
     ctx = tr._ctx(scale=len(plan) * tr.dp, counts=tr._counts(mini, len(plan)),
                   algo=tr.cfg.algo, inplace_backward=True)
     zero_grad(tr.policy, tr.optimizer)
@@ -68,6 +69,24 @@ def compare(tr, batch) -> dict:
     return res
 
 
+def skip_check(tr, batch) -> dict:
+    """beta = 0: half the rows get advantage 0; the update's gradient and loss with those rows
+    skipped (run.skip_zero_advantage) vs run."""
+    tr.cfg.algo.beta, tr.cfg.algo.loss_agg = 0.0, "grpo"
+    batch.advantages[::2] = 0.0
+    runs = {}
+    for skip in (False, True):
+        tr.cfg.run.skip_zero_advantage = skip
+        trained = tr._trained_rows(batch)
+        runs[skip] = grads_and_report(tr, batch, trained) + (trained.num_seqs,)
+    (g0, r0, _, s0, n0), (g1, r1, _, s1, n1) = runs[False], runs[True]
+    return {"grad_rel": max(float((a - b).norm() / b.norm().clamp_min(1e-30))
+                            for a, b in zip(g1, g0)),
+            "grad_norm": float(sum(b.norm() ** 2 for b in g0) ** 0.5),
+            "loss_diff": abs(r1["loss"] - r0["loss"]), "rows": [n0, n1],
+            "tokens": [sum(s0), sum(s1)]}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
@@ -87,6 +106,7 @@ def main():
     tr.cfg.algo.loss_agg = "gspo"  # sequence-level ratios: per-token sequence ids matter
     res["gspo"] = compare(tr, batch)
     res["lengths"] = batch.lengths.tolist()
+    res["skip"] = skip_check(tr, batch)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, res)
     if dist.get_rank() == 0:

@@ -94,3 +94,13 @@ def test_trimming_and_budget_process_fewer_tokens(results):
                    for t in r["budget"]["tokens"])
         # DP replicas may cut different numbers of micro-batches; both still sum the same loss
         assert r["budget"]["micro_batches"] >= 1
+
+
+def test_zero_advantage_rows_are_skipped_without_changing_the_gradient(results):
+    """beta = 0, half the rows with advantage 0: skipping their forward/backward leaves the
+    DP-reduced gradient and the loss as they were, and processes about half the tokens."""
+    for rank in results:
+        r = rank["skip"]
+        assert r["grad_norm"] > 0 and r["grad_rel"] < 1e-5 and r["loss_diff"] < 1e-6, r
+        n_all, n_kept = r["rows"]
+        assert n_kept < n_all and r["tokens"][1] < r["tokens"][0], r

@@ -65,6 +65,10 @@ class RunConfig:
     trim_micro_batches: bool = True
     """Sort sequences by length and cut each micro-batch to its longest one (pp = 1 only:
     pipeline stages exchange fixed shapes)."""
+    skip_zero_advantage: bool = True
+    """Without a KL term in the loss (beta = 0 or algo.kl_in_reward), skip the forward and
+    backward of sequences whose advantage is 0: they add exactly nothing to the gradient
+    (entropy and clip metrics then cover the trained sequences)."""
     logits_at_loss_positions: bool = True
     """Run the output layer and the vocab pass only at completion tokens (not at prompt or
     padding positions)."""
