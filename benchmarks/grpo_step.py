@@ -110,7 +110,9 @@ class StepCounter:
             self.lengths += [len(c.token_ids) for c in ro.completions]
         return fn(ro)
 
-    def _forward(self, fn, mb, *args, **kwargs):
+    def _forward(self, fn, micro, *args, **kwargs):
+        # a megagrpo.batch.MicroBatch (its rows, trimmed to their width) or a plain Batch
+        mb = getattr(micro, "batch", micro)
         n = row_lengths(mb.ids, mb.mask, self.pad_id)
         loss = float(mb.mask.sum())
         flops = W.forward_flops(self.model_cfg, n[n > 0], loss) * (
@@ -118,7 +120,7 @@ class StepCounter:
         row = torch.tensor([float(mb.ids.numel()), float(n.sum()), loss, flops],
                            dtype=torch.float64)
         self.sums[self.phase] = self.step_counts(self.phase) + row
-        return fn(mb, *args, **kwargs)
+        return fn(micro, *args, **kwargs)
 
 
 def _measure(tr, counter: StepCounter, warmup: int, steps: int) -> list[dict]:

@@ -131,7 +131,8 @@ def test_grpo_step_benchmark_one_rank_one_step(tmp_path):
     prompts of 2-digit additions (BOS + 4..6 characters); scoring ran the old and the reference
     pass, so its FLOPs are 2/3 of the update's (3 x one forward)."""
     (row,) = _run("grpo_step.py", "--workload", "demo", "--nprocs", "1", "--warmup", "1",
-                  "--steps", "1", "--out", str(tmp_path / "g.jsonl"), timeout=900)
+                  "--steps", "1", "--set", "data.batch_size=8", "--out", str(tmp_path / "g.jsonl"),
+                  timeout=900)
     assert row["gen_tokens_per_s"] > 0 and row["nproc"] == 1 and row["workload"] == "demo"
     assert 0 <= row["padded_token_share"] < 1 and row["gemm_gflops"] > 0
     assert 0 < row["mfu_update"] < 1.5 and 0 < row["mfu_score"] < 1.5
