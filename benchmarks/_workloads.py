@@ -10,8 +10,8 @@ Only torch, transformers and megagrpo's config/data/task modules are imported, s
              max_tokens 96, temperature 1: a random-init model stops at EOS at random, so the
              completion lengths vary (roughly geometric, mean ~19 tokens with a 1/19 EOS chance)
     smollm2  the real SmolLM2-135M (`models/smollm2-135m`, fp32 HF folder) with
-             examples/smollm2-135m-math-cpu.yaml: chat template, word problems, math reward,
-             8 prompts x G=4, max_tokens 48
+             examples/smollm2-135m-math-cpu.yaml: chat template, word problems, math reward;
+             8 prompts x G=4, max_tokens 48 pinned here (the rest: the recipe's)
 
 Both systems start from the same weights: the random-init workloads write one seeded init as an
 HF folder (`benchmarks/.cache/<workload>-<dtype>/`, git-ignored, rebuilt when the workload's
@@ -79,7 +79,9 @@ def workloads() -> dict[str, Workload]:
                             "rollout.max_tokens=96", "rollout.temperature=1.0",
                             "data.batch_size=16"),
                  summary="Llama hidden 256 x 6 layers, 16 prompts x G=8, max_tokens 96"),
-        Workload(name="smollm2", recipe="examples/smollm2-135m-math-cpu.yaml", overrides=(),
+        # the batch shape is pinned here, so edits of the training recipe keep the benchmark
+        Workload(name="smollm2", recipe="examples/smollm2-135m-math-cpu.yaml",
+                 overrides=("data.batch_size=8", "algo.group_size=4", "rollout.max_tokens=48"),
                  model_dir="models/smollm2-135m",
                  summary="SmolLM2-135M, word problems, 8 prompts x G=4, max_tokens 48"),
     )}
