@@ -13,12 +13,15 @@ One JSON line per (shape, dtype):
   step_s_<impl>       min wall time of one GPTModel forward + backward (per-token CE loss)
                       built with parallel.attention_impl=<impl>; both models are timed in
                       turn, so both see the same load
-  speedup             step_s_megatron / step_s_sdpa
+  step_cpu_s_<impl>   min process CPU seconds of the same (all threads)
+  speedup             step_s_megatron / step_s_sdpa (speedup_cpu: the same in CPU seconds)
   attn_s_<impl>       core-attention forward + backward per step: the module alone on
                       [S, b, heads, head_dim] inputs (min time) x layers
   attn_share_<impl>   attn_s_<impl> / step_s_<impl>
   max_rel_diff        max |logits_sdpa - logits_megatron| / max |logits_megatron| (same weights)
-Min times, not medians: other processes share these cores and only ever add time.
+  kernels_<impl>      the aten attention ops a forward of that model ran (profiler)
+Min times, not medians: other processes share these cores and only ever add time; under load
+`--threads 1` is the steadier measure (no thread waits at a barrier for a descheduled peer).
 """
 from __future__ import annotations
 
@@ -49,23 +52,26 @@ SHAPES = {
 IMPLS = ("megatron", "sdpa")
 
 
-def interleaved_min(fns: dict[str, Callable[[], object]], iters: int) -> dict[str, float]:
-    """Min wall seconds of each fn, calling them in turn (one warm-up round first) so that every
-    fn sees the same load from the processes sharing these cores."""
-    best = {name: float("inf") for name in fns}
+def interleaved_min(fns: dict[str, Callable[[], object]],
+                    iters: int) -> dict[str, tuple[float, float]]:
+    """(min wall seconds, min process CPU seconds) of each fn, calling them in turn (one warm-up
+    round first) so that every fn sees the same load from the processes sharing these cores."""
+    best = {name: (float("inf"), float("inf")) for name in fns}
     for i in range(iters + 1):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            w0, c0 = time.perf_counter(), time.process_time()
             fn()
+            wall, cpu = time.perf_counter() - w0, time.process_time() - c0
             if i:
-                best[name] = min(best[name], time.perf_counter() - t0)
+                best[name] = (min(best[name][0], wall), min(best[name][1], cpu))
     return best
 
 
 def model_step(model_kw: dict, dtype: str, impl: str,
-               ids: torch.Tensor) -> tuple[Callable[[], None], torch.Tensor]:
-    """(one GPTModel forward + backward with a per-token CE loss, the logits [b, S, V_padded])
-    for a model built with parallel.attention_impl=impl (same seed, so same weights)."""
+               ids: torch.Tensor) -> tuple[Callable[[], None], torch.Tensor, list[str]]:
+    """(one GPTModel forward + backward with a per-token CE loss, the logits [b, S, V_padded],
+    the attention kernels torch ran in that forward) for a model built with
+    parallel.attention_impl=impl (same seed, so same weights)."""
     from megagrpo.config.model import ModelConfig, ParallelConfig
     from megagrpo.model import build_model
 
@@ -81,9 +87,9 @@ def model_step(model_kw: dict, dtype: str, impl: str,
     want = "SdpaAttention" if impl == "sdpa" else "DotProductAttention"
     if got != want:
         raise RuntimeError(f"attention_impl={impl!r} built {got}, expected {want}")
-    with torch.no_grad():
+    with torch.no_grad(), torch.profiler.profile() as prof:
         logits = gpt(ids, pos, None).float().clone()
-    return fwd_bwd, logits
+    return fwd_bwd, logits, sorted({e.key for e in prof.key_averages() if "attention" in e.key})
 
 
 def attention_step(model_kw: dict, dtype: str, impl: str, batch: int,
@@ -124,15 +130,17 @@ def run_case(name: str, dtype: str, iters: int) -> dict:
                  "threads": torch.get_num_threads()}
     steps, logits = {}, {}
     for impl in IMPLS:
-        steps[impl], logits[impl] = model_step(model_kw, dtype, impl, ids)
+        steps[impl], logits[impl], kernels = model_step(model_kw, dtype, impl, ids)
+        rec[f"kernels_{impl}"] = kernels
     step_s = interleaved_min(steps, iters)
     del steps
     attn_s = interleaved_min({i: attention_step(model_kw, dtype, i, b, s) for i in IMPLS}, iters)
     for impl in IMPLS:
-        rec[f"step_s_{impl}"] = step_s[impl]
-        rec[f"attn_s_{impl}"] = attn_s[impl] * layers
-        rec[f"attn_share_{impl}"] = attn_s[impl] * layers / step_s[impl]
-    rec["speedup"] = step_s["megatron"] / step_s["sdpa"]
+        (rec[f"step_s_{impl}"], rec[f"step_cpu_s_{impl}"]) = step_s[impl]
+        rec[f"attn_s_{impl}"] = attn_s[impl][0] * layers
+        rec[f"attn_share_{impl}"] = attn_s[impl][0] * layers / step_s[impl][0]
+    rec["speedup"] = step_s["megatron"][0] / step_s["sdpa"][0]
+    rec["speedup_cpu"] = step_s["megatron"][1] / step_s["sdpa"][1]
     ref = logits["megatron"]
     rec["max_rel_diff"] = ((logits["sdpa"] - ref).abs().max() / ref.abs().max()).item()
     return rec

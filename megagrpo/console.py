@@ -118,9 +118,9 @@ def attach_log_file(out_dir: str | os.PathLike, rank: int) -> Path:
     return path
 
 
-def what_runs(layer_spec: str, kernel_impl: str) -> str:
+def what_runs(layer_spec: str, kernel_impl: str, attention: str = "") -> str:
     """One line naming the implementations in use and why (instead of the libraries' fallback
-    warnings on every rank)."""
+    warnings on every rank). `attention`: `megagrpo.model.attention_impl_name`'s answer."""
     import importlib.util
 
     import torch
@@ -130,7 +130,11 @@ def what_runs(layer_spec: str, kernel_impl: str) -> str:
     te = " (Transformer Engine not installed)" if no_te else ""
     norms = "apex" if importlib.util.find_spec("apex") is not None else "torch (Apex not installed)"
     kernels = kernel_impl if kernel_impl != "auto" else ("triton" if cuda else "torch (no CUDA)")
-    return f"layer spec: {layer_spec}{te}; norms and optimizer: {norms}; loss kernels: {kernels}"
+    # the local spec's core attention (Transformer Engine's spec brings its own)
+    names = {"sdpa": "torch sdpa", "megatron": "megatron"}
+    attn = f", attention: {names[attention]}" if attention in names else ""
+    return (f"layer spec: {layer_spec}{te}{attn}; norms and optimizer: {norms}; "
+            f"loss kernels: {kernels}")
 
 
 def summary_table(summary: dict, out_dir: str | os.PathLike) -> str:

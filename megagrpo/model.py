@@ -1,7 +1,9 @@
 """Builds the policy (and reference) as a megatron-core `GPTModel` for Llama/Qwen2 configs.
 
 Transformer Engine's layer spec is used when TE imports (GPU machines), megatron-core's local
-spec otherwise; `layer_spec_name()` says which one runs. All fusions are off on CPU.
+spec otherwise; `layer_spec_name()` says which one runs. All fusions are off on CPU. On the local
+spec, `parallel.attention_impl` puts `megagrpo.attention.SdpaAttention` (torch's fused SDPA) or
+megatron's DotProductAttention in the `core_attention` slot; `attention_impl_name()` says which.
 """
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ def attention_impl_name(parallel: ParallelConfig) -> str:
                 "transformer_impl='local'"
             )
         return "transformer_engine"
-    # auto = sdpa: it was faster than megatron's at every measured shape (benchmarks/attention.py)
+    # auto = sdpa: never slower than megatron's beyond noise in benchmarks/attention.py (equal at
+    # S=13, a few % faster at S~100 in fp32), and it never holds [b, heads, S, S] scores
     return "megatron" if parallel.attention_impl == "megatron" else "sdpa"
 
 

@@ -130,5 +130,15 @@ def test_benchmark_smallest(tmp_path):
     (row,) = _run("attention.py", "--shapes", "demo", "--dtypes", "float32", "--iters", "1",
                   "--out", str(tmp_path / "a.jsonl"))
     assert row["max_rel_diff"] < 1e-5
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in row["kernels_sdpa"]
     for impl in ("megatron", "sdpa"):
         assert row[f"step_s_{impl}"] > 0 and 0 < row[f"attn_share_{impl}"]
+
+
+def test_console_line_names_the_attention():
+    from megagrpo.console import what_runs
+    from megagrpo.model import attention_impl_name
+
+    line = what_runs("local", "auto", attention_impl_name(ParallelConfig(transformer_impl="local")))
+    assert line.startswith("layer spec: local") and ", attention: torch sdpa;" in line
+    assert "attention" not in what_runs("transformer_engine", "auto", "transformer_engine")

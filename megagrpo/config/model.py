@@ -74,7 +74,7 @@ class ParallelConfig:
     transformer_impl: str = "auto"
     """'auto' (Transformer Engine when it imports, else local), 'local' or 'transformer_engine'."""
     attention_impl: str = "auto"
-    """Local-spec core attention: 'auto' (= sdpa), 'sdpa' (torch's fused kernel) or 'megatron'."""
+    """Local-spec core attention: 'auto' (= sdpa), 'sdpa' (torch's fused SDPA) or 'megatron'."""
     backend: str = "auto"
     """torch.distributed backend: 'auto' (nccl with CUDA, gloo without), 'nccl' or 'gloo'."""
     collective_timeout_s: float = 600.0
