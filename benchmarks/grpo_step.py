@@ -27,8 +27,8 @@ per rank); rank 0 reports the means over the measured steps, one JSON line per n
                       loss positions; an update pass is 3x a forward, a scoring pass 1x; each
                       scoring pass that ran counts: old log-probs if computed, reference)
                       / the phase's seconds / `gemm_gflops`, torch.mm's best rate measured by
-                      this script at the same dtype and the run's total thread count (ranks x
-                      threads per rank)
+                      this script (before the launches and after each) at the same dtype and
+                      the run's total thread count (ranks x threads per rank)
   completion_len_mean/_p50/_max  the sampled completion lengths over the measured steps
 --compare reads the TRL baseline's JSON lines and adds `vs_trl_gen_tokens_per_s`: megagrpo gen
 tokens/s divided by the best TRL line's of the same workload and dtype (the thread setting most
@@ -228,13 +228,27 @@ def launch(nproc: int, recipe: str, sets: list[str], warmup: int, steps: int,
     return json.loads(found[-1])
 
 
+def expected_threads(nproc: int, threads: int) -> int:
+    """Intra-op threads of a launch in all: torchrun sets OMP_NUM_THREADS=1 per rank when
+    nproc > 1 and it is unset; one rank keeps torch's default (all cores)."""
+    return nproc * threads if threads else (os.cpu_count() or 1) if nproc == 1 else nproc
+
+
+def measure_gemm(gemm: dict, dtype: str, threads: int) -> tuple[float, int]:
+    """torch.mm's rate at (dtype, threads), kept as the best of every measurement so far: on a
+    shared machine a busy moment lowers one measurement, and a low denominator would inflate
+    the MFU (the best rate makes it conservative)."""
+    rate, n = W.gemm_gflops(dtype, threads)
+    if (dtype, threads) not in gemm or rate > gemm[(dtype, threads)][0]:
+        gemm[(dtype, threads)] = (rate, n)
+    return gemm[(dtype, threads)]
+
+
 def add_mfu(rec: dict, dtype: str, gemm: dict) -> dict:
-    """mfu_update / mfu_score / achieved GFLOP/s against torch.mm at the run's total threads
-    (`gemm` caches one measurement per (dtype, threads))."""
+    """mfu_update / mfu_score / achieved GFLOP/s against torch.mm at the run's total threads,
+    measured before the launches and again now (`measure_gemm`)."""
     total = rec["nproc"] * rec["threads"]
-    if (dtype, total) not in gemm:
-        gemm[(dtype, total)] = W.gemm_gflops(dtype, total)
-    rate, n = gemm[(dtype, total)]
+    rate, n = measure_gemm(gemm, dtype, total)
     rec.update(gemm_gflops=round(rate, 1), gemm_n=n, gemm_threads=total)
     for phase in ("update", "score"):
         t, flops = rec[f"time_{phase}_s"], rec[f"flops_{phase}"]
@@ -306,6 +320,8 @@ def main() -> None:
         return
     sets = W.overrides(w, dtype, args.set)
     gemm: dict = {}
+    for n in {expected_threads(int(n), args.threads) for n in args.nprocs.split(",")}:
+        measure_gemm(gemm, dtype, n)  # before the runs, too: the best rate of the session
     records = []
     for n in args.nprocs.split(","):
         rec = launch(int(n), str(ROOT / w.recipe), sets, args.warmup, args.steps, args.threads)

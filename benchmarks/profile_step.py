@@ -132,6 +132,8 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) 
     counter = grpo_step.StepCounter(tr.model_cfg, tr.pad_id, count_lengths=True)
     counter.install(tr)
     install_labels(tr)
+    # torch.mm's rate before and after the steps, the best kept (a busy moment lowers one)
+    before = W.gemm_gflops(cfg.model.dtype, torch.get_num_threads())
     for _ in range(warmup):
         tr.step()
     totals = defaultdict(float)
@@ -143,7 +145,7 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) 
                 for k, v in zip(grpo_step.COUNTS, counter.step_counts(phase).tolist()):
                     totals[f"{k}_{phase}"] += v
     secs = attribute(prof.events())
-    rate, n = W.gemm_gflops(cfg.model.dtype, torch.get_num_threads())
+    rate, n = max(before, W.gemm_gflops(cfg.model.dtype, torch.get_num_threads()))
     rec = dict(system="megagrpo", nproc=1, warmup=warmup, steps=steps,
                threads=torch.get_num_threads(), gemm_gflops=round(rate, 1), gemm_n=n)
     for phase, sec in secs.items():
