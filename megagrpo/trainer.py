@@ -371,13 +371,27 @@ class Trainer:
         return forward_backward(model, fwd, plan, len(plan), seq_length=seq_length,
                                 micro_batch_size=m, forward_only=forward_only)
 
-    def _logprobs(self, model, batch: Batch) -> torch.Tensor | None:
-        """Forward-only pass through the fused log-prob kernel; [N, S] on the last stage."""
+    def _logprobs(self, model, batch: Batch, rows: torch.Tensor | None = None
+                  ) -> torch.Tensor | None:
+        """Forward-only pass through the fused log-prob kernel; [N, S] on the last stage.
+        `rows` [N] bool: score only those (0 elsewhere; at least one row runs)."""
+        sub, idx = batch, None
+        if rows is not None:
+            idx = rows.nonzero().squeeze(1)
+            idx = idx if idx.numel() else torch.zeros(1, dtype=torch.long)
+            sub = batch.select(idx, batch.ids.shape[1])
         m = self.micro_size(batch.num_seqs)
-        plan = self._plan(batch, m)
-        out = self._run(model, partial(logprob_loss, self._ctx()), plan, batch.ids.shape[1], m,
+        plan = self._plan(sub, m)
+        out = self._run(model, partial(logprob_loss, self._ctx()), plan, sub.ids.shape[1], m,
                         forward_only=True)
-        return unplan([o["logp"] for o in out], plan, tuple(batch.ids.shape)) if out else None
+        if not out:
+            return None
+        logp = unplan([o["logp"] for o in out], plan, tuple(sub.ids.shape))
+        if idx is None:
+            return logp
+        full = torch.zeros(tuple(batch.ids.shape), dtype=logp.dtype)
+        full[idx] = logp
+        return full
 
     def score(self, batch: Batch, async_batch: bool) -> dict:
         """Old and reference log-probs (forward only; they live on the last stage, where the
@@ -386,8 +400,10 @@ class Trainer:
         need_old = (a.mu > 1 or self.cfg.run.num_minibatches > 1 or async_batch
                     or a.rollout_is != "none" or (a.kl_in_reward and self.reference is not None))
         metrics = {}
+        # rows that will never train need no old log-probs (KL-in-reward needs every row's)
+        keep = None if self._kl_in_reward() else self._gradient_rows(batch)
         if need_old:
-            batch.old_logp = self._logprobs(self.policy, batch)
+            batch.old_logp = self._logprobs(self.policy, batch, keep)
         if self.reference is not None:
             self.reference.onload()
             batch.ref_logp = self._logprobs(self.reference.model, batch)
@@ -395,15 +411,30 @@ class Trainer:
         if self._kl_in_reward() and batch.old_logp is not None:  # the last stage
             metrics.update(self._kl_penalized_advantages(batch))
         if batch.old_logp is not None:
-            w, mask, metrics = algo.rollout_is_correction(
-                batch.old_logp.reshape(-1), batch.rollout_logp.reshape(-1),
-                batch.mask.reshape(-1).float(), torch.zeros(0), mode=a.rollout_is,
-                cap=a.rollout_is_cap, low=a.rollout_is_low, high=a.rollout_is_high,
-                num_local_seqs=1) if a.rollout_is != "seq_mask" else self._seq_is(batch)
-            if a.rollout_is != "none":
-                batch.mask = mask.view_as(batch.mask).bool()
-                batch.is_weight = w.view_as(batch.mask) if a.rollout_is == "truncate" else None
+            metrics.update(self._rollout_is(batch, keep))
         return self._from_last_stage(metrics) if need_old else {}
+
+    def _rollout_is(self, batch: Batch, keep: torch.Tensor | None) -> dict:
+        """Rollout-IS weights / masks from old vs rollout log-probs, over the scored rows
+        (`keep` [N] bool, None = all); the other rows keep their mask and weight 1."""
+        a = self.cfg.algo
+        mask = batch.mask if keep is None else batch.mask & keep[:, None]
+        if a.rollout_is == "seq_mask":
+            w, new_mask, metrics = self._seq_is(batch, mask)
+        else:
+            w, new_mask, metrics = algo.rollout_is_correction(
+                batch.old_logp.reshape(-1), batch.rollout_logp.reshape(-1),
+                mask.reshape(-1).float(), torch.zeros(0), mode=a.rollout_is,
+                cap=a.rollout_is_cap, low=a.rollout_is_low, high=a.rollout_is_high,
+                num_local_seqs=1)
+        if a.rollout_is != "none":
+            new_mask, w = new_mask.view_as(batch.mask).bool(), w.view_as(batch.mask)
+            if keep is not None:
+                new_mask = torch.where(keep[:, None], new_mask, batch.mask)
+                w = torch.where(keep[:, None], w, torch.ones_like(w))
+            batch.mask = new_mask
+            batch.is_weight = w if a.rollout_is == "truncate" else None
+        return metrics
 
     def _dp_mean(self, metrics: dict) -> dict:
         """Mean of per-replica scalars over the DP replicas (same keys on every rank)."""
@@ -421,13 +452,13 @@ class Trainer:
             dist.broadcast_object_list(obj, src=self.pp_last_rank, group=self.pp_group)
         return self._dp_mean(obj[0])
 
-    def _seq_is(self, batch: Batch):
+    def _seq_is(self, batch: Batch, mask: torch.Tensor):
         a = self.cfg.algo
-        n, S = batch.mask.shape
+        n, S = mask.shape
         seq_ids = torch.arange(n).repeat_interleave(S)
         return algo.rollout_is_correction(
             batch.old_logp.reshape(-1), batch.rollout_logp.reshape(-1),
-            batch.mask.reshape(-1).float(), seq_ids, mode="seq_mask", low=a.rollout_is_low,
+            mask.reshape(-1).float(), seq_ids, mode="seq_mask", low=a.rollout_is_low,
             high=a.rollout_is_high, num_local_seqs=n)
 
     # ------------------------------------------------------------------ update
@@ -491,21 +522,27 @@ class Trainer:
                        update_skipped=float(not gnorms))
         return metrics
 
-    def _trained_rows(self, mini: Batch) -> Batch:
-        """The rows whose loss has a gradient. With no KL term in the loss, a sequence whose
-        advantage is 0 (a group whose rewards are all equal) adds exactly 0 to loss and
-        gradient for every loss_agg but bnpo (whose chunk means depend on the rows), so its
-        forward and backward are skipped (run.skip_zero_advantage); the normalisers still
-        count it (`_counts` reads the whole minibatch). One row is kept so every rank runs
-        the schedule (its DP all-reduce). pp = 1 only: pipeline stages exchange fixed shapes,
-        and under KL-in-reward only the last stage holds the advantages."""
+    def _gradient_rows(self, batch: Batch) -> torch.Tensor | None:
+        """[N] bool: the rows whose loss has a gradient; None: all of them (or the lever is
+        off). With no KL term in the loss, a sequence whose advantage is 0 (a group whose
+        rewards are all equal) adds exactly 0 to loss and gradient for every loss_agg but bnpo
+        (whose chunk means depend on the rows), so its forward and backward are skipped and
+        its old log-probs are not scored (run.skip_zero_advantage); the normalisers still
+        count it (`_counts` reads the whole minibatch). pp = 1 only: pipeline stages exchange
+        fixed shapes, and under KL-in-reward only the last stage holds the advantages."""
         a = self.cfg.algo
         loss_kl = a.beta > 0 and not a.kl_in_reward and self.reference is not None
         if (not self.cfg.run.skip_zero_advantage or loss_kl or a.loss_agg == "bnpo"
                 or self.pp > 1):
-            return mini
-        keep = (mini.advantages != 0).any(dim=1) & mini.mask.any(dim=1)
-        if bool(keep.all()):
+            return None
+        keep = (batch.advantages != 0).any(dim=1) & batch.mask.any(dim=1)
+        return None if bool(keep.all()) else keep
+
+    def _trained_rows(self, mini: Batch) -> Batch:
+        """`mini` without the rows `_gradient_rows` leaves out; one row is kept so every rank
+        runs the schedule (its DP all-reduce)."""
+        keep = self._gradient_rows(mini)
+        if keep is None:
             return mini
         idx = keep.nonzero().squeeze(1)
         if idx.numel() == 0:

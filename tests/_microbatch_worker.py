@@ -3,6 +3,7 @@ rollout batch scored and back-propagated with every micro-batching lever off (co
 rows at full width, logits at every position) and on (length-sorted trimmed micro-batches,
 token-budget micro-batches, logits at loss positions only). Rank 0 writes WORK/results.json."""
 import argparse
+import copy
 import json
 import sys
 from functools import partial
@@ -80,11 +81,29 @@ def skip_check(tr, batch) -> dict:
         trained = tr._trained_rows(batch)
         runs[skip] = grads_and_report(tr, batch, trained) + (trained.num_seqs,)
     (g0, r0, _, s0, n0), (g1, r1, _, s1, n1) = runs[False], runs[True]
+    # scoring with truncated rollout IS: the skipped rows are not scored, the others get the
+    # same old log-probs and weights, and no row's mask changes differently
+    tr.cfg.algo.rollout_is, tr.cfg.algo.rollout_is_cap = "truncate", 1.0 + 1e-7
+    scored = {}
+    for skip in (False, True):
+        tr.cfg.run.skip_zero_advantage = skip
+        b = copy.deepcopy(batch)
+        b.mask = batch.mask.clone()
+        tr.score(b, async_batch=False)
+        scored[skip] = b
+    keep = (batch.advantages != 0).any(dim=1)
+    full, part = scored[False], scored[True]
+    m = batch.mask & keep[:, None]
     return {"grad_rel": max(float((a - b).norm() / b.norm().clamp_min(1e-30))
                             for a, b in zip(g1, g0)),
             "grad_norm": float(sum(b.norm() ** 2 for b in g0) ** 0.5),
             "loss_diff": abs(r1["loss"] - r0["loss"]), "rows": [n0, n1],
-            "tokens": [sum(s0), sum(s1)]}
+            "tokens": [sum(s0), sum(s1)],
+            "score_old_diff": float((part.old_logp - full.old_logp)[m].abs().max()),
+            "score_skipped_zero": bool((part.old_logp[~keep] == 0).all()),
+            "score_is_diff": float((part.is_weight - full.is_weight)[m].abs().max()),
+            "score_capped": float((full.is_weight[m] < 1).float().mean()),
+            "score_mask_equal": bool(torch.equal(part.mask, full.mask))}
 
 
 def main():

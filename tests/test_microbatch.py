@@ -104,3 +104,6 @@ def test_zero_advantage_rows_are_skipped_without_changing_the_gradient(results):
         assert r["grad_norm"] > 0 and r["grad_rel"] < 1e-5 and r["loss_diff"] < 1e-6, r
         n_all, n_kept = r["rows"]
         assert n_kept < n_all and r["tokens"][1] < r["tokens"][0], r
+        # scoring (truncated rollout IS) skips those rows too and changes nothing else
+        assert r["score_skipped_zero"] and r["score_mask_equal"], r
+        assert r["score_old_diff"] < 1e-5 and r["score_is_diff"] < 1e-5, r
