@@ -110,7 +110,8 @@ class SdpaAttention(MegatronModule):
         Masking follows megatron's softmax: `attention_mask` (bool, True = masked out,
         broadcastable to [b, np, sq, sk]) is used when given; otherwise a causal module (the
         type it was built with; megatron ignores the forward's `attn_mask_type` too) lets query
-        i see keys 0..i, except for a single query, which sees every key.
+        i see keys 0..i, except for a single query, which sees every key. (megatron fills masked
+        scores with -10000, SDPA with -inf: the same unless a row is masked entirely.)
         """
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SdpaAttention takes no packed_seq_params / attention_bias (like "
