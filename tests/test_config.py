@@ -155,6 +155,9 @@ def test_defaults_and_every_recipe_round_trip_through_yaml(tmp_path):
     (["data.task=file", "data.path=x.jsonl", "run.sft_steps=5"],
      r"run\.sft_steps=5: the supervised cold start exists for data\.task=arithmetic only"),
     (["data.overlong_prompts=cut"], r"data\.overlong_prompts='cut': use one of \('error', "),
+    (["run.micro_batch_tokens=-1"], r"run\.micro_batch_tokens=-1 must be >= 0"),
+    (["run.micro_batch_tokens=512", "parallel.pp=2"],
+     r"run\.micro_batch_tokens=512 needs parallel\.pp=1 \(got 2"),
 ])
 def test_out_of_range_value_names_field_and_valid_range(overrides, match):
     cfg = load_config(DEMO, overrides)  # well-typed: loads

@@ -191,6 +191,10 @@ class TrainConfig:
                 raise ValueError(f"data.batch_size={self.data.batch_size} must be divisible by "
                                  f"the data-parallel size {dp}")
         self._validate_sampling()
+        if self.run.micro_batch_tokens and self.parallel.pp > 1:
+            raise ValueError(f"run.micro_batch_tokens={self.run.micro_batch_tokens} needs "
+                             f"parallel.pp=1 (got {self.parallel.pp}: pipeline stages exchange "
+                             "fixed micro-batch shapes); set run.micro_batch_tokens=0")
         if self.run.sft_steps and self.data.task != "arithmetic":
             raise ValueError(f"run.sft_steps={self.run.sft_steps}: the supervised cold start "
                              "exists for data.task=arithmetic only; set run.sft_steps=0")
