@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The full megagrpo-vs-TRL throughput comparison of issue 11, into
 # benchmarks/results/throughput_cpu.jsonl (replaced), then the README's tables (benchmarks/report.py).
-#   bash benchmarks/throughput.sh            # on a quiet machine: ~1 h on 2 cores
+#   bash benchmarks/throughput.sh            # on a quiet machine (smollm2 dominates the time)
 #   WARMUP=1 STEPS=3 bash benchmarks/throughput.sh
 # Runs: demo, varlen and smollm2 in float32; demo and smollm2 in bfloat16; megagrpo at 1 and 2
 # ranks (grpo_step.py), TRL 1.16 at 1 and 2 threads (trl_grpo_baseline.py, .venv-trl); every
