@@ -94,8 +94,8 @@ def plan_micro_batches(batch: Batch, size: int, *, token_budget: int = 0,
 
     trim=False: consecutive rows, `size` per micro-batch, full width S (the fixed shapes
     pipeline parallelism's point-to-point transfers need). trim=True: rows sorted by length
-    (longest first), each micro-batch cut to its longest row; `size` rows each, or with
-    `token_budget` > 0 as many rows as keep rows x width <= token_budget (at least one). Causal
+    (longest first), each micro-batch cut to its longest row; `size` rows each, and with
+    `token_budget` > 0 at most as many as keep rows x width <= token_budget (at least one). Causal
     attention makes a row's logits independent of the padding after it, so trimming changes
     no result beyond float summation order."""
     n, S = batch.ids.shape
@@ -107,7 +107,7 @@ def plan_micro_batches(batch: Batch, size: int, *, token_budget: int = 0,
     groups, start = [], 0
     while start < n:
         width = max(int(lengths[order[start]]), 1)  # the longest row of this group
-        rows = max(1, token_budget // width) if token_budget > 0 else size
+        rows = min(size, max(1, token_budget // width)) if token_budget > 0 else size
         groups.append(order[start:start + rows])
         start += rows
     return [MicroBatch(idx, batch.select(idx, max(int(lengths[idx].max()), 1)))

@@ -134,6 +134,11 @@ class BadStepsError(RuntimeError):
         """The last step's metrics (not yet logged)."""
 
 
+DEFAULT_MICRO_BATCH_TOKENS = 1024
+"""run.micro_batch_tokens when unset (pp = 1): small enough that length-sorted micro-batches
+of varied lengths waste little on padding, large enough for efficient matrix multiplies."""
+
+
 def _forward(mb: MicroBatch, model, *, loss_fn, at_loss_positions: bool = True):
     """megatron forward_step: logits on the last stage, hidden states elsewhere. With
     `at_loss_positions` the last stage's output layer runs only where mb's mask is set
@@ -360,7 +365,10 @@ class Trainer:
     def _plan(self, batch: Batch, m: int) -> list[MicroBatch]:
         """Micro-batches of `batch`: length-sorted and trimmed at pp = 1 (run.*micro_batch*)."""
         run = self.cfg.run
-        return plan_micro_batches(batch, m, token_budget=run.micro_batch_tokens,
+        budget = run.micro_batch_tokens
+        if budget is None:  # automatic: pipeline stages exchange fixed shapes
+            budget = DEFAULT_MICRO_BATCH_TOKENS if self.pp == 1 else 0
+        return plan_micro_batches(batch, m, token_budget=budget,
                                   trim=run.trim_micro_batches and self.pp == 1)
 
     def _run(self, model, loss_fn, plan: list[MicroBatch], seq_length: int, m: int,

@@ -59,9 +59,10 @@ class RunConfig:
     """'random', an HF checkpoint directory, or a megagrpo checkpoint directory."""
     micro_batch_size: int = 16
     """Sequences per forward/backward micro-batch."""
-    micro_batch_tokens: int = 0
-    """> 0: micro-batches of length-sorted sequences holding up to this many tokens (rows x
-    longest row) instead of micro_batch_size rows; needs parallel.pp = 1."""
+    micro_batch_tokens: int | None = None
+    """Token budget of a micro-batch (rows x its longest row, at most micro_batch_size rows) of
+    length-sorted sequences; None: 1024 at parallel.pp = 1, off under pipeline parallelism;
+    0: off."""
     trim_micro_batches: bool = True
     """Sort sequences by length and cut each micro-batch to its longest one (pp = 1 only:
     pipeline stages exchange fixed shapes)."""
@@ -124,8 +125,10 @@ class RunConfig:
                   "eval_max_tokens"):
             if getattr(self, f) < 1:
                 raise ValueError(f"run.{f}={getattr(self, f)} must be >= 1")
-        for f in ("checkpoint_every", "eval_every", "sft_steps", "max_bad_steps",
-                  "micro_batch_tokens"):
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 0:
+            raise ValueError(f"run.micro_batch_tokens={self.micro_batch_tokens} must be >= 0 "
+                             "(0 = off, unset = automatic)")
+        for f in ("checkpoint_every", "eval_every", "sft_steps", "max_bad_steps"):
             if getattr(self, f) < 0:
                 raise ValueError(f"run.{f}={getattr(self, f)} must be >= 0 (0 = off)")
         if self.sft_lr <= 0:
