@@ -385,8 +385,7 @@ class Trainer:
         `rows` [N] bool: score only those (0 elsewhere; at least one row runs)."""
         sub, idx = batch, None
         if rows is not None:
-            idx = rows.nonzero().squeeze(1)
-            idx = idx if idx.numel() else torch.zeros(1, dtype=torch.long)
+            idx = _row_index(rows)
             sub = batch.select(idx, batch.ids.shape[1])
         m = self.micro_size(batch.num_seqs)
         plan = self._plan(sub, m)
@@ -550,12 +549,7 @@ class Trainer:
         """`mini` without the rows `_gradient_rows` leaves out; one row is kept so every rank
         runs the schedule (its DP all-reduce)."""
         keep = self._gradient_rows(mini)
-        if keep is None:
-            return mini
-        idx = keep.nonzero().squeeze(1)
-        if idx.numel() == 0:
-            idx = torch.zeros(1, dtype=torch.long)
-        return mini.select(idx, mini.ids.shape[1])
+        return mini if keep is None else mini.select(_row_index(keep), mini.ids.shape[1])
 
     def _has_loss_tokens(self, mini: Batch) -> bool:
         """Whether any replica's minibatch holds a loss token; the same answer on every rank.
@@ -734,6 +728,13 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------- helpers
+def _row_index(keep: torch.Tensor) -> torch.Tensor:
+    """[N] bool -> the kept rows' indices; row 0 when none is kept, so every rank still runs
+    megatron's schedule (and its collectives)."""
+    idx = keep.nonzero().squeeze(1)
+    return idx if idx.numel() else torch.zeros(1, dtype=torch.long)
+
+
 def _logp_gap(reports: list[dict], plan: list[MicroBatch]) -> tuple[float, float]:
     """(valid tokens, sum |trainer logp - vLLM logp|) over a minibatch's micro-batch reports."""
     tokens, gap = 0.0, 0.0
