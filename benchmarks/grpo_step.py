@@ -20,7 +20,9 @@ per rank); rank 0 reports the means over the measured steps, one JSON line per n
                       disturbed than wall time when other processes share the cores)
   padded_token_share  1 - real tokens / tokens the policy processed in the update, counted from
                       the shapes of the micro-batches that reach `megagrpo.trainer._forward`
-                      (wrapped here, so trimmed or packed micro-batches count as they are);
+                      (wrapped here, so trimmed or packed micro-batches count as they are: a
+                      packed one's dense layers see its packed tokens only; its attention pads
+                      each row to the micro-batch's longest, not counted here);
                       `padded_token_share_score` the same for the scoring passes
   mfu_update, mfu_score  useful model FLOPs of the phase (`_workloads.forward_flops`: dense
                       layers and causal attention over the real tokens, the output layer at the
@@ -111,13 +113,16 @@ class StepCounter:
         return fn(ro)
 
     def _forward(self, fn, micro, *args, **kwargs):
-        # a megagrpo.batch.MicroBatch (its rows, trimmed to their width) or a plain Batch
+        # a megagrpo.batch.MicroBatch (its rows, trimmed to their width, maybe packed end to
+        # end: then the model processes the packed tokens) or a plain Batch
         mb = getattr(micro, "batch", micro)
+        packed = getattr(micro, "packed", None)
         n = row_lengths(mb.ids, mb.mask, self.pad_id)
         loss = float(mb.mask.sum())
         flops = W.forward_flops(self.model_cfg, n[n > 0], loss) * (
             3.0 if self.phase == "update" else 1.0)
-        row = torch.tensor([float(mb.ids.numel()), float(n.sum()), loss, flops],
+        processed = (packed if packed is not None else mb).ids.numel()
+        row = torch.tensor([float(processed), float(n.sum()), loss, flops],
                            dtype=torch.float64)
         self.sums[self.phase] = self.step_counts(self.phase) + row
         return fn(micro, *args, **kwargs)

@@ -14,6 +14,10 @@ Two deliberate departures from megatron's module, neither of which changes resul
   identical either way (tests/test_attention.py checks the RNG state after a step).
 - Padding beyond a row's length needs no mask: attention is causal and megagrpo right-pads, so a
   padded position is never attended to by an earlier (real) one.
+
+Packed micro-batches (`megagrpo.batch.PackedRows`, megatron's `thd` layout through
+`packed_seq_params`) are computed too: the rows are gathered into a padded grid for one SDPA
+call, so only attention, not the dense layers, sees padding.
 """
 from __future__ import annotations
 
@@ -113,9 +117,11 @@ class SdpaAttention(MegatronModule):
         i see keys 0..i, except for a single query, which sees every key. (megatron fills masked
         scores with -10000, SDPA with -inf: the same unless a row is masked entirely.)
         """
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SdpaAttention takes no packed_seq_params / attention_bias (like "
-                             "megatron's DotProductAttention); use Transformer Engine's")
+        if attention_bias is not None:
+            raise ValueError("SdpaAttention takes no attention_bias (like megatron's "
+                             "DotProductAttention); use Transformer Engine's")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, sk = query.shape[0], key.shape[0]
         causal = (attention_mask is None and self.attn_mask_type == AttnMaskType.causal
                   and sq > 1)
@@ -130,6 +136,25 @@ class SdpaAttention(MegatronModule):
             scale=self.softmax_scale, enable_gqa=self.num_heads != self.num_groups)
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, query.shape[1], self.num_heads * self.head_dim)
+
+    def _packed(self, query: Tensor, key: Tensor, value: Tensor, params) -> Tensor:
+        """`thd` layout: query [T, np, hn], key/value [T, ng, hn] of rows laid end to end ->
+        [T, np * hn], each row attending causally to itself only. The rows are gathered into a
+        padded [b, max_len] grid for one batched SDPA call and scattered back; a row's padding
+        sits after its real tokens, which a causal query never reads."""
+        rows = getattr(params, "megagrpo_rows", None)
+        if rows is None or params.qkv_format != "thd":
+            raise ValueError("SdpaAttention's packed path takes megagrpo.batch.PackedRows' "
+                             "seq_params() (qkv_format 'thd')")
+        b, L = rows.pad_index.shape
+        # [T, heads, hn] -> [b, L, heads, hn] -> [b, heads, L, hn]
+        q, k, v = (t[rows.pad_index].transpose(1, 2) for t in (query, key, value))
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=0.0, is_causal=L > 1, scale=self.softmax_scale,
+            enable_gqa=self.num_heads != self.num_groups)
+        # [b, np, L, hn] -> [b * L, np * hn] -> the real tokens [T, np * hn]
+        out = out.transpose(1, 2).reshape(b * L, self.num_heads * self.head_dim)
+        return out[rows.unpad_index]
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:

@@ -79,6 +79,58 @@ class Batch:
 
 
 @dataclass
+class PackedRows:
+    """A micro-batch's b rows laid end to end as one sequence of T = sum(lengths) tokens (the
+    `thd` layout): no padding reaches the dense layers; attention keeps each row to itself
+    (`megagrpo.attention`) and positions restart at 0 on every row."""
+
+    ids: Tensor
+    """[1, T] int64 the rows' real tokens, row after row."""
+    position_ids: Tensor
+    """[1, T] int64 position of each token within its own row."""
+    cu_seqlens: Tensor
+    """[b + 1] int32 start of each row in T (and T)."""
+    max_len: int
+    """The longest row."""
+    pad_index: Tensor
+    """[b, max_len] int64: token t of row i sits at T-index pad_index[i, t]; beyond row i's
+    length it repeats row i's last token (a causal query never reads those)."""
+    unpad_index: Tensor
+    """[T] int64: the T-index's place in the row-major [b, max_len] grid (inverse of pad_index
+    on real tokens)."""
+
+    @classmethod
+    def of(cls, ids: Tensor, lengths: Tensor) -> "PackedRows":
+        """Packs rows `ids` [b, W] whose first `lengths` [b] (each >= 1) tokens are real."""
+        b = ids.shape[0]
+        cu = torch.zeros(b + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(lengths, 0)
+        L = int(lengths.max())
+        col = torch.arange(L)
+        real = col[None, :] < lengths[:, None]                          # [b, L]
+        starts = cu[:-1].long()[:, None]
+        pad_index = starts + torch.minimum(col[None, :], lengths[:, None] - 1)
+        return cls(ids=ids[:, :L][real][None], position_ids=col.expand(b, L)[real][None],
+                   cu_seqlens=cu, max_len=L, pad_index=pad_index,
+                   unpad_index=real.reshape(-1).nonzero().squeeze(1))
+
+    def positions(self, flat: Tensor, width: int) -> Tensor:
+        """Flat indices into the unpacked rows [b, width] (within each row's length) -> the
+        same tokens' indices into T, in the same order."""
+        return self.cu_seqlens[:-1].long()[flat // width] + flat % width
+
+    def seq_params(self):
+        """megatron-core's PackedSeqParams for the `thd` path, carrying this packing."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        p = PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens,
+                            cu_seqlens_kv=self.cu_seqlens, max_seqlen_q=self.max_len,
+                            max_seqlen_kv=self.max_len)
+        p.megagrpo_rows = self  # read by megagrpo.attention.SdpaAttention
+        return p
+
+
+@dataclass
 class MicroBatch:
     """One micro-batch of a (mini)batch: which of its rows, and their data."""
 
@@ -86,10 +138,12 @@ class MicroBatch:
     """[b] int64 rows of the parent batch."""
     batch: Batch
     """Those rows, per-token tensors [b, width]."""
+    packed: PackedRows | None = None
+    """The same rows packed end to end (what the model runs on); None: `batch.ids` as is."""
 
 
 def plan_micro_batches(batch: Batch, size: int, *, token_budget: int = 0,
-                       trim: bool = True) -> list[MicroBatch]:
+                       trim: bool = True, packed: bool = False) -> list[MicroBatch]:
     """Cuts `batch` into micro-batches that waste little compute on padding.
 
     trim=False: consecutive rows, `size` per micro-batch, full width S (the fixed shapes
@@ -97,8 +151,15 @@ def plan_micro_batches(batch: Batch, size: int, *, token_budget: int = 0,
     (longest first), each micro-batch cut to its longest row; `size` rows each, and with
     `token_budget` > 0 at most as many as keep rows x width <= token_budget (at least one). Causal
     attention makes a row's logits independent of the padding after it, so trimming changes
-    no result beyond float summation order."""
+    no result beyond float summation order.
+
+    packed=True (needs token_budget > 0): rows sorted by length (longest first) go into a
+    micro-batch while their summed lengths fit token_budget (at least one row; `size` does not
+    cap them), each micro-batch carrying its rows end to end (`PackedRows`): the dense layers
+    see no padding at all."""
     n, S = batch.ids.shape
+    if packed:
+        return _plan_packed(batch, token_budget)
     if not trim:
         return [MicroBatch(torch.arange(i, min(i + size, n)), batch.rows(i, i + size))
                 for i in range(0, n, size)]
@@ -112,6 +173,25 @@ def plan_micro_batches(batch: Batch, size: int, *, token_budget: int = 0,
         start += rows
     return [MicroBatch(idx, batch.select(idx, max(int(lengths[idx].max()), 1)))
             for idx in groups]
+
+
+def _plan_packed(batch: Batch, token_budget: int) -> list[MicroBatch]:
+    if token_budget <= 0:
+        raise ValueError(f"packed micro-batches need a token budget > 0 (got {token_budget})")
+    n, S = batch.ids.shape
+    lengths = (batch.lengths if batch.lengths is not None else torch.full((n,), S)).clamp(min=1)
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    plan, start, ls = [], 0, lengths[order].tolist()
+    while start < n:
+        end, total = start + 1, ls[start]
+        while end < n and total + ls[end] <= token_budget:
+            total += ls[end]
+            end += 1
+        idx = order[start:end]
+        sub = batch.select(idx, ls[start])
+        plan.append(MicroBatch(idx, sub, PackedRows.of(sub.ids, lengths[idx])))
+        start = end
+    return plan
 
 
 def unplan(parts: list[Tensor], plan: list[MicroBatch], shape: tuple[int, int]) -> Tensor:

@@ -59,6 +59,21 @@ def attention_impl_name(parallel: ParallelConfig) -> str:
     return "megatron" if parallel.attention_impl == "megatron" else "sdpa"
 
 
+def sequence_packing(run, parallel: ParallelConfig) -> bool:
+    """Whether micro-batches are packed end to end (run.pack_sequences; unset: wherever the
+    packed path runs: pp = 1, torch SDPA attention, loss-position logits, trimmed micro-batches
+    with a token budget). TrainConfig.validate refuses the explicit settings that cannot run;
+    Transformer Engine's spec is only known here."""
+    can = (parallel.pp == 1 and attention_impl_name(parallel) == "sdpa"
+           and run.logits_at_loss_positions and run.trim_micro_batches
+           and run.micro_batch_tokens != 0)
+    if run.pack_sequences and not can:
+        raise ValueError("run.pack_sequences=true: packed micro-batches run through megagrpo's "
+                         f"SDPA attention, but attention here is {attention_impl_name(parallel)!r}"
+                         "; set run.pack_sequences=false")
+    return can if run.pack_sequences is None else run.pack_sequences
+
+
 def _layer_spec(parallel: ParallelConfig):
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.spec_utils import ModuleSpec

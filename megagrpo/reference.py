@@ -86,6 +86,18 @@ class Reference:
         self.state = ReferenceState(syncs=self.state.syncs + 1, last_sync_step=step,
                                     last_epoch=epoch)
 
+    def equals(self, policy: torch.nn.Module, group=None) -> bool:
+        """Whether every rank's reference shard is bitwise its policy shard (a reset with alpha
+        1 and no optimizer step since), so its log-probs would equal the policy's. Stops at
+        the first differing tensor; an offloaded reference is not compared (False). The same
+        answer on every rank of `group` (None: the world)."""
+        same = not self._offloaded and all(torch.equal(r, p) for r, p in _pairs(self.model,
+                                                                                 policy))
+        flag = torch.tensor([1.0 if same else 0.0])
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
     def onload(self) -> None:
         """Moves an offloaded reference back to the accelerator (before scoring)."""
         if self._offloaded:

@@ -34,7 +34,7 @@ from megagrpo.data import encode_prompt
 from megagrpo.kernels import kl_penalty
 from megagrpo.losses import LossContext, grpo_loss, logprob_loss, sft_loss
 from megagrpo.metrics import PhaseTimer
-from megagrpo.model import unwrap
+from megagrpo.model import sequence_packing, unwrap
 from megagrpo.optim import (
     forward_backward,
     lr_at,
@@ -144,6 +144,12 @@ def _forward(mb: MicroBatch, model, *, loss_fn, at_loss_positions: bool = True):
     `at_loss_positions` the last stage's output layer runs only where mb's mask is set
     (`megagrpo.positions`), and the loss function is told which positions those are."""
     b = mb.batch
+    if mb.packed is not None:  # rows end to end (megatron's thd layout), loss positions only
+        p, flat = mb.packed, loss_positions(b.mask)
+        with OutputPositions.of(unwrap(model)).at(p.positions(flat, b.ids.shape[1]),
+                                                  p.ids.shape[1]):
+            out = model(p.ids, p.position_ids, None, packed_seq_params=p.seq_params())
+        return out, partial(loss_fn, b, positions=flat)
     pos = torch.arange(b.ids.shape[1]).expand_as(b.ids)
     sel = OutputPositions.of(unwrap(model)) if at_loss_positions else None
     if sel is None:
@@ -195,6 +201,8 @@ class Trainer:
         self.tp_group, self.pp_group, self.dp_group, self.mp_group = (g.tp, g.pp, g.dp, g.mp)
         t = tokens or TokenIds()
         self.pad_id, self.eos_id, self.stop_ids = t.pad_id, t.eos_id, t.stop_ids
+        self.packed = sequence_packing(cfg.run, cfg.parallel)
+        """Micro-batches run packed end to end (`megagrpo.batch.PackedRows`)."""
         self.opt_steps = 0  # optimizer steps taken (the LR schedule's position)
         self.total_opt_steps = total_opt_steps
         self.step_idx = 0
@@ -369,7 +377,8 @@ class Trainer:
         if budget is None:  # automatic: pipeline stages exchange fixed shapes
             budget = DEFAULT_MICRO_BATCH_TOKENS if self.pp == 1 else 0
         return plan_micro_batches(batch, m, token_budget=budget,
-                                  trim=run.trim_micro_batches and self.pp == 1)
+                                  trim=run.trim_micro_batches and self.pp == 1,
+                                  packed=self.packed)
 
     def _run(self, model, loss_fn, plan: list[MicroBatch], seq_length: int, m: int,
              forward_only: bool = False) -> list:
@@ -412,9 +421,17 @@ class Trainer:
         if need_old:
             batch.old_logp = self._logprobs(self.policy, batch, keep)
         if self.reference is not None:
-            self.reference.onload()
-            batch.ref_logp = self._logprobs(self.reference.model, batch)
-            self.reference.offload()
+            if (keep is None and need_old and self.cfg.run.reuse_equal_reference
+                    and self.reference.equals(unwrap(self.policy))):
+                # same weights, same micro-batches: the reference pass would repeat the policy's
+                # (the log-probs live on the last stage; None elsewhere, like any scoring pass)
+                batch.ref_logp = None if batch.old_logp is None else batch.old_logp.clone()
+                metrics["reference_pass_reused"] = 1.0
+            else:
+                self.reference.onload()
+                batch.ref_logp = self._logprobs(self.reference.model, batch)
+                self.reference.offload()
+                metrics["reference_pass_reused"] = 0.0
         if self._kl_in_reward() and batch.old_logp is not None:  # the last stage
             metrics.update(self._kl_penalized_advantages(batch))
         if batch.old_logp is not None:

@@ -16,12 +16,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests._trainer_worker import make_config  # noqa: E402
 
-VARIANTS = {  # trim, logits at loss positions only, token budget
-    "baseline": (False, False, 0),
-    "trim": (True, False, 0),
-    "positions": (False, True, 0),
-    "trim+positions": (True, True, 0),
-    "budget": (True, True, 24),
+VARIANTS = {  # trim, logits at loss positions only, token budget, packed end to end
+    "baseline": (False, False, 0, False),
+    "trim": (True, False, 0, False),
+    "positions": (False, True, 0, False),
+    "trim+positions": (True, True, 0, False),
+    "budget": (True, True, 24, False),
+    "packed": (True, True, 40, True),
 }
 
 
@@ -41,14 +42,15 @@ def grads_and_report(tr, mini, trained=None) -> tuple[list[torch.Tensor], dict, 
     grads = [p.main_grad.detach().clone() for p in tr.policy.parameters()]
     keys = ("loss", "tokens", "kl_sum", "entropy_sum", "ratio_sum")
     report = {k: float(sum(float(o[k]) for o in out)) for k in keys}
-    return grads, report, len(plan), [int(mb.batch.ids.numel()) for mb in plan]
+    return grads, report, len(plan), [
+        int((mb.batch.ids if mb.packed is None else mb.packed.ids).numel()) for mb in plan]
 
 
 def compare(tr, batch) -> dict:
     res, base = {}, None
-    for name, (trim, positions, budget) in VARIANTS.items():
+    for name, (trim, positions, budget, packed) in VARIANTS.items():
         tr.cfg.run.trim_micro_batches, tr.cfg.run.logits_at_loss_positions = trim, positions
-        tr.cfg.run.micro_batch_tokens = budget
+        tr.cfg.run.micro_batch_tokens, tr.packed = budget, packed
         logp = tr._logprobs(tr.policy, batch)
         ref = tr._logprobs(tr.reference.model, batch)
         grads, report, n_mb, sizes = grads_and_report(tr, batch)
@@ -66,6 +68,7 @@ def compare(tr, batch) -> dict:
                            for k in report},
             "micro_batches": n_mb, "tokens": sizes, "budget": budget,
             "padded_rows_width": int(batch.ids.shape[1]),
+            "real_tokens": int(batch.lengths.clamp(min=1).sum()),
         }
     return res
 
@@ -106,6 +109,29 @@ def skip_check(tr, batch) -> dict:
             "score_mask_equal": bool(torch.equal(part.mask, full.mask))}
 
 
+def reuse_check(tr, batch) -> dict:
+    """run.reuse_equal_reference: while the reference is bitwise the policy, its log-probs are
+    taken from the policy's scoring pass, bitwise what its own pass gives; after an optimizer
+    step they are computed again."""
+    from megagrpo.model import unwrap
+
+    def scored(reuse: bool):
+        tr.cfg.run.reuse_equal_reference = reuse
+        b = copy.deepcopy(batch)
+        m = tr.score(b, async_batch=False)
+        return b.ref_logp, m["reference_pass_reused"]
+
+    res = {"equal_before": tr.reference.equals(unwrap(tr.policy))}
+    (own, r0), (reused, r1) = scored(False), scored(True)
+    res.update(bitwise=bool(torch.equal(own, reused)), reused=[r0, r1])
+    tr.update(copy.deepcopy(batch))  # optimizer steps: the policy moves away
+    res["equal_after"] = tr.reference.equals(unwrap(tr.policy))
+    (own, r0), (again, r1) = scored(False), scored(True)
+    res.update(bitwise_after=bool(torch.equal(own, again)), reused_after=[r0, r1],
+               moved=float((own - reused)[batch.mask].abs().max()))
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
@@ -125,6 +151,8 @@ def main():
     tr.cfg.algo.loss_agg = "gspo"  # sequence-level ratios: per-token sequence ids matter
     res["gspo"] = compare(tr, batch)
     res["lengths"] = batch.lengths.tolist()
+    tr.cfg.algo.loss_agg = "grpo"
+    res["reuse"] = reuse_check(tr, batch)
     res["skip"] = skip_check(tr, batch)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, res)

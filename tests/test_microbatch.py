@@ -1,6 +1,6 @@
 """Micro-batching levers of the update and scoring passes (issue 11): length-sorted,
-trimmed micro-batches, token-budget micro-batches and logits only at loss positions change no
-result beyond float summation order. Unit checks of the plan, then one torchrun launch
+trimmed micro-batches, token-budget micro-batches, sequences packed end to end (thd) and logits
+only at loss positions change no result beyond float summation order. Unit checks of the plan, then one torchrun launch
 (tests/_microbatch_worker.py, DP=2) comparing each lever against the plain layout on the same
 batch: scored log-probs, reference log-probs, DP-reduced gradients and loss reports, for the
 token-level (grpo) and sequence-level (gspo) ratio."""
@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from megagrpo.batch import pack, plan_micro_batches, unplan
+from megagrpo.batch import PackedRows, pack, plan_micro_batches, unplan
 from megagrpo.positions import loss_positions, put, take
 from tests._launch import torchrun
 
@@ -94,6 +94,53 @@ def test_trimming_and_budget_process_fewer_tokens(results):
                    for t in r["budget"]["tokens"])
         # DP replicas may cut different numbers of micro-batches; both still sum the same loss
         assert r["budget"]["micro_batches"] >= 1
+
+
+def test_packed_micro_batches_hold_no_padding(results):
+    """Packed end to end, the model processes exactly the real tokens (the plain layout pads
+    every row to the batch's longest), and each micro-batch stays within the token budget
+    unless one sequence alone exceeds it."""
+    for rank in results:
+        r = rank["grpo"]["packed"]
+        assert sum(r["tokens"]) == r["real_tokens"] < sum(rank["grpo"]["baseline"]["tokens"]), r
+        assert all(t <= r["budget"] or t <= max(rank["lengths"]) for t in r["tokens"]), r
+        assert r["micro_batches"] < rank["grpo"]["budget"]["micro_batches"], r
+
+
+def test_reference_pass_reused_only_while_it_equals_the_policy(results):
+    """While the reference is bitwise the policy (reset with alpha 1, no update since), its
+    log-probs come from the policy's scoring pass and equal its own pass bitwise; once an
+    optimizer step moves the policy, the reference pass runs again."""
+    for rank in results:
+        r = rank["reuse"]
+        assert r["equal_before"] and r["bitwise"] and r["reused"] == [0.0, 1.0], r
+        assert not r["equal_after"] and r["reused_after"] == [0.0, 0.0], r
+        assert r["bitwise_after"] and r["moved"] == 0.0, r  # the reference itself did not move
+
+
+def test_packed_rows_index_maps():
+    """PackedRows against a direct construction: tokens row after row, positions restart,
+    pad_index / unpad_index invert each other, and unpacked flat positions map to the same
+    tokens."""
+    b, _ = _batch(n=7, seed=3)
+    plan = plan_micro_batches(b, 3, token_budget=20, packed=True)
+    assert sorted(torch.cat([mb.index for mb in plan]).tolist()) == list(range(b.num_seqs))
+    for mb in plan:
+        p, sub = mb.packed, mb.batch
+        lens = b.lengths[mb.index].clamp(min=1).tolist()
+        assert sum(lens) <= 20 or len(lens) == 1
+        want_ids = torch.cat([sub.ids[i, :n] for i, n in enumerate(lens)])
+        want_pos = torch.cat([torch.arange(n) for n in lens])
+        assert torch.equal(p.ids[0], want_ids) and torch.equal(p.position_ids[0], want_pos)
+        assert p.cu_seqlens.tolist() == [sum(lens[:i]) for i in range(len(lens) + 1)]
+        T = p.ids.shape[1]
+        grid = p.pad_index.reshape(-1)[p.unpad_index]
+        assert torch.equal(grid, torch.arange(T))  # pad_index then unpad_index: identity
+        flat = loss_positions(sub.mask)
+        W = sub.ids.shape[1]
+        assert torch.equal(p.ids[0, p.positions(flat, W)], sub.ids.reshape(-1)[flat])
+    with pytest.raises(ValueError, match="token budget"):
+        plan_micro_batches(b, 3, packed=True)
 
 
 def test_zero_advantage_rows_are_skipped_without_changing_the_gradient(results):

@@ -73,6 +73,15 @@ class RunConfig:
     logits_at_loss_positions: bool = True
     """Run the output layer and the vocab pass only at completion tokens (not at prompt or
     padding positions)."""
+    reuse_equal_reference: bool = True
+    """When the reference's weights are bitwise the policy's at scoring time (a reset with
+    reference.alpha = 1 and no update since) and the policy's old log-probs are scored anyway,
+    take the reference log-probs from them instead of running the reference's forward pass."""
+    pack_sequences: bool | None = None
+    """Lay each micro-batch's sequences end to end (megatron's `thd` layout) so the dense layers
+    process no padding; the micro-batch is then cut by its summed tokens
+    (run.micro_batch_tokens), not by micro_batch_size. None: on where it can run (parallel.pp =
+    1, torch SDPA attention, the levers above on); true where it cannot is an error."""
     num_minibatches: int = 1
     """Optimizer steps per pass over a rollout batch (PPO-style minibatches)."""
     async_rollout: bool = False
@@ -198,6 +207,20 @@ class TrainConfig:
             raise ValueError(f"run.micro_batch_tokens={self.run.micro_batch_tokens} needs "
                              f"parallel.pp=1 (got {self.parallel.pp}: pipeline stages exchange "
                              "fixed micro-batch shapes); set run.micro_batch_tokens=0")
+        if self.run.pack_sequences:
+            r, why = self.run, None
+            if self.parallel.pp > 1:
+                why = f"parallel.pp=1 (got {self.parallel.pp}: stages exchange fixed shapes)"
+            elif self.parallel.attention_impl == "megatron":
+                why = ("parallel.attention_impl sdpa or auto (megatron's DotProductAttention "
+                       "has no packed path)")
+            elif not r.logits_at_loss_positions or not r.trim_micro_batches:
+                why = "run.logits_at_loss_positions=true and run.trim_micro_batches=true"
+            elif r.micro_batch_tokens == 0:
+                why = "a token budget (run.micro_batch_tokens unset or > 0)"
+            if why:
+                raise ValueError(f"run.pack_sequences=true needs {why}; set "
+                                 "run.pack_sequences=false (or leave it unset)")
         if self.run.sft_steps and self.data.task != "arithmetic":
             raise ValueError(f"run.sft_steps={self.run.sft_steps}: the supervised cold start "
                              "exists for data.task=arithmetic only; set run.sft_steps=0")
