@@ -1,16 +1,17 @@
 """Micro-batching levers of the update and scoring passes (issue 11): length-sorted,
 trimmed micro-batches, token-budget micro-batches, sequences packed end to end (thd) and logits
-only at loss positions change no result beyond float summation order. Unit checks of the plan, then one torchrun launch
-(tests/_microbatch_worker.py, DP=2) comparing each lever against the plain layout on the same
-batch: scored log-probs, reference log-probs, DP-reduced gradients and loss reports, for the
-token-level (grpo) and sequence-level (gspo) ratio."""
+only at loss positions change no result beyond float summation order. Unit checks of the
+plan, then one torchrun launch (tests/_microbatch_worker.py, DP=2) comparing each lever
+against the plain layout on the same batch: scored log-probs, reference log-probs, DP-reduced
+gradients and loss reports, for the token-level (grpo) and sequence-level (gspo) ratio; the
+reference pass reused while the reference equals the policy."""
 import json
 import os
 
 import pytest
 import torch
 
-from megagrpo.batch import PackedRows, pack, plan_micro_batches, unplan
+from megagrpo.batch import pack, plan_micro_batches, unplan
 from megagrpo.positions import loss_positions, put, take
 from tests._launch import torchrun
 
