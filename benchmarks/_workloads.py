@@ -8,7 +8,10 @@ Only torch, transformers and megagrpo's config/data/task modules are imported, s
     varlen   a Llama megagrpo was not tuned on (hidden 256, 6 layers, 8 heads x 32, 4 KV groups,
              FFN 704), the arithmetic task's tokenizer and prompts, 16 prompts x G=8,
              max_tokens 96, temperature 1: a random-init model stops at EOS at random, so the
-             completion lengths vary (roughly geometric, mean ~19 tokens with a 1/19 EOS chance)
+             completion lengths vary (roughly geometric, mean ~19 tokens with a 1/19 EOS chance);
+             lr 1e-6: a random model earns no reward, so the steps only drift its weights, and at
+             the demo's 3e-4 that drift shortened megagrpo's completions (mean 21 -> 8.5) but
+             not TRL's, i.e. unequal work; at 1e-6 both keep the init's length distribution
     smollm2  the real SmolLM2-135M (`models/smollm2-135m`, fp32 HF folder) with
              examples/smollm2-135m-math-cpu.yaml: chat template, word problems, math reward;
              8 prompts x G=4, max_tokens 48 pinned here (the rest: the recipe's)
@@ -77,7 +80,7 @@ def workloads() -> dict[str, Workload]:
                             "model.head_dim=32", "model.ffn_hidden_size=704",
                             "model.max_position_embeddings=128", "rollout.max_model_len=128",
                             "rollout.max_tokens=96", "rollout.temperature=1.0",
-                            "data.batch_size=16"),
+                            "data.batch_size=16", "optim.lr=1.0e-6"),
                  summary="Llama hidden 256 x 6 layers, 16 prompts x G=8, max_tokens 96"),
         # the batch shape is pinned here, so edits of the training recipe keep the benchmark
         Workload(name="smollm2", recipe="examples/smollm2-135m-math-cpu.yaml",

@@ -59,7 +59,10 @@ def summarize(records: list[dict]) -> list[dict]:
                  trl_tok_s=t and t["gen_tokens_per_s"], trl_threads=t and t["threads"],
                  padded_share=m and m.get("padded_token_share"),
                  mfu_update=m and m.get("mfu_update"), mfu_score=m and m.get("mfu_score"),
-                 loadavg_max=max((r.get("loadavg_1m") or 0.0 for r in mg + trl), default=None))
+                 loadavg_max=max((r.get("loadavg_1m") or 0.0 for r in mg + trl), default=None),
+                 # equal work: both systems' mean completion over their measured steps
+                 len_megagrpo=m and m.get("completion_len_mean"),
+                 len_trl=t and t.get("completion_len_mean"))
         s["ratio"] = m["gen_tokens_per_s"] / t["gen_tokens_per_s"] if m and t else None
         s["ratio_cpu"] = (max(r["gen_tokens_per_cpu_s"] for r in mg)
                           / max(r["gen_tokens_per_cpu_s"] for r in trl)) if m and t else None
@@ -97,13 +100,13 @@ def _verdict(s: dict, key: str, fmt: str) -> str:
 def markdown(summary: list[dict]) -> str:
     """Two markdown tables: the figures, then the targets."""
     head = ("| workload | dtype | megagrpo best | TRL best | ratio (tok/s) | per CPU-s "
-            "| padded share | MFU update | MFU score | max load |\n"
-            "|---|---|---|---|---|---|---|---|---|---|")
+            "| padded share | MFU update | MFU score | max load | completion mean (mg / TRL) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for s in summary:
         if s["skipped"]:
             lines.append(f"| {s['workload']} | {s['dtype']} | skipped: {s['skipped']} "
-                         "| | | | | | | |")
+                         "| | | | | | | | |")
             continue
         mg = (f"{s['megagrpo_tok_s']:.0f} tok/s ({s['megagrpo_nproc']} rank"
               f"{'s' if s['megagrpo_nproc'] != 1 else ''})" if s["megagrpo_tok_s"] else "-")
@@ -113,7 +116,8 @@ def markdown(summary: list[dict]) -> str:
                      f"| {_num(s['ratio'], '{:.2f}x')} | {_num(s['ratio_cpu'], '{:.2f}x')} "
                      f"| {_num(s['padded_share'], '{:.1%}')} "
                      f"| {_num(s['mfu_update'], '{:.1%}')} | {_num(s['mfu_score'], '{:.1%}')} "
-                     f"| {_num(s['loadavg_max'], '{:.2f}')} |")
+                     f"| {_num(s['loadavg_max'], '{:.2f}')} "
+                     f"| {_num(s['len_megagrpo'], '{:.1f}')} / {_num(s['len_trl'], '{:.1f}')} |")
     lines += ["", "| workload | dtype | >= 2x tok/s | >= 1.5x per CPU-s | update MFU >= 50% "
               "| padding <= 10% (varlen) |", "|---|---|---|---|---|---|"]
     for s in summary:

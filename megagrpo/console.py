@@ -118,9 +118,11 @@ def attach_log_file(out_dir: str | os.PathLike, rank: int) -> Path:
     return path
 
 
-def what_runs(layer_spec: str, kernel_impl: str, attention: str = "") -> str:
+def what_runs(layer_spec: str, kernel_impl: str, attention: str = "",
+              packed: bool | None = None) -> str:
     """One line naming the implementations in use and why (instead of the libraries' fallback
-    warnings on every rank). `attention`: `megagrpo.model.attention_impl_name`'s answer."""
+    warnings on every rank). `attention`: `megagrpo.model.attention_impl_name`'s answer;
+    `packed`: `megagrpo.model.sequence_packing`'s (None: not said)."""
     import importlib.util
 
     import torch
@@ -133,8 +135,10 @@ def what_runs(layer_spec: str, kernel_impl: str, attention: str = "") -> str:
     # the local spec's core attention (Transformer Engine's spec brings its own)
     names = {"sdpa": "torch sdpa", "megatron": "megatron"}
     attn = f", attention: {names[attention]}" if attention in names else ""
+    pack = ("" if packed is None else "; micro-batches: packed end to end" if packed
+            else "; micro-batches: padded rows")
     return (f"layer spec: {layer_spec}{te}{attn}; norms and optimizer: {norms}; "
-            f"loss kernels: {kernels}")
+            f"loss kernels: {kernels}{pack}")
 
 
 def summary_table(summary: dict, out_dir: str | os.PathLike) -> str:

@@ -64,7 +64,8 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None) -> Trainer:
     """Validates everything (unless the launcher's `checked` preflight, in this very process,
     already did), then starts distributed, models, optimizer, engine and data."""
     from megagrpo.data import PromptLoader
-    from megagrpo.model import attention_impl_name, build_model, layer_spec_name
+    from megagrpo.model import (attention_impl_name, build_model, layer_spec_name,
+                                sequence_packing)
     from megagrpo.optim import build_optimizer, wrap_ddp
     from megagrpo.preflight import preflight
     from megagrpo.reference import Reference
@@ -85,7 +86,8 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None) -> Trainer:
     log_file = attach_log_file(cfg.run.out_dir, rank)  # out_dir is ready once all ranks met
     if rank == 0:
         log.info("%s; full log: %s", what_runs(layer_spec_name(cfg.parallel), cfg.run.kernel_impl,
-                                               attention_impl_name(cfg.parallel)), log_file)
+                                               attention_impl_name(cfg.parallel),
+                                               sequence_packing(cfg.run, cfg.parallel)), log_file)
     gpt = build_model(model_cfg, cfg.parallel, seed=cfg.run.seed)
     _load_init(gpt, cfg, model_cfg, info)
     policy = wrap_ddp(gpt, cfg.optim)

@@ -142,3 +142,5 @@ def test_console_line_names_the_attention():
     line = what_runs("local", "auto", attention_impl_name(ParallelConfig(transformer_impl="local")))
     assert line.startswith("layer spec: local") and ", attention: torch sdpa;" in line
     assert "attention" not in what_runs("transformer_engine", "auto", "transformer_engine")
+    assert what_runs("local", "auto", "sdpa", True).endswith("; micro-batches: packed end to end")
+    assert what_runs("local", "auto", "sdpa", False).endswith("; micro-batches: padded rows")

@@ -37,10 +37,30 @@ def test_overrides_and_inheritance(tmp_path):
     (["data.batch_size=3"], r"data.batch_size=3 must be divisible by the data-parallel size 2"),
     (["parallel.tp=3"], r"parallel.tp=3 does not divide model.num_attention_heads"),
     (["run.kernel_impl=cuda"], r"run.kernel_impl='cuda'"),
+    (["run.pack_sequences=true", "parallel.attention_impl=megatron"],
+     r"run.pack_sequences=true needs parallel.attention_impl sdpa or auto"),
+    (["run.pack_sequences=true", "run.micro_batch_tokens=0"],
+     r"run.pack_sequences=true needs a token budget"),
+    (["run.pack_sequences=true", "run.logits_at_loss_positions=false"],
+     r"run.pack_sequences=true needs run.logits_at_loss_positions=true"),
 ])
 def test_bad_config_names_the_field(overrides, match):
     with pytest.raises(ValueError, match=match):
         load_config(DEMO, overrides).validate(world_size=2)
+
+
+def test_sequence_packing_runs_where_it_can():
+    """Unset, packing is on exactly where its path runs (pp = 1, SDPA attention, its levers
+    on); explicit false is always honoured."""
+    from megagrpo.model import sequence_packing
+
+    def packed(*overrides):
+        cfg = load_config(DEMO, ["parallel.transformer_impl=local", *overrides])
+        return sequence_packing(cfg.run, cfg.parallel)
+
+    assert packed() and not packed("run.pack_sequences=false")
+    assert not packed("parallel.attention_impl=megatron") and not packed("parallel.pp=2")
+    assert not packed("run.micro_batch_tokens=0") and not packed("run.trim_micro_batches=false")
 
 
 # --------------------------------------------------------------------------------- recipes
