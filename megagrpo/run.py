@@ -64,8 +64,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None) -> Trainer:
     """Validates everything (unless the launcher's `checked` preflight, in this very process,
     already did), then starts distributed, models, optimizer, engine and data."""
     from megagrpo.data import PromptLoader
-    from megagrpo.model import (attention_impl_name, build_model, layer_spec_name,
-                                sequence_packing)
+    from megagrpo.model import attention_impl_name, build_model, layer_spec_name, sequence_packing
     from megagrpo.optim import build_optimizer, wrap_ddp
     from megagrpo.preflight import preflight
     from megagrpo.reference import Reference
