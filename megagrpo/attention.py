@@ -15,7 +15,7 @@ Two deliberate departures from megatron's module, neither of which changes resul
 - Padding beyond a row's length needs no mask: attention is causal and megagrpo right-pads, so a
   padded position is never attended to by an earlier (real) one.
 
-Packed micro-batches (`megagrpo.batch.PackedRows`, megatron's `thd` layout through
+Packed micro-batches (`megagrpo.batch.PackedRows`, rows laid end to end and handed over as
 `packed_seq_params`) are computed too: the rows are gathered into a padded grid for one SDPA
 call, so only attention, not the dense layers, sees padding.
 """
@@ -138,14 +138,20 @@ class SdpaAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, query.shape[1], self.num_heads * self.head_dim)
 
     def _packed(self, query: Tensor, key: Tensor, value: Tensor, params) -> Tensor:
-        """`thd` layout: query [T, np, hn], key/value [T, ng, hn] of rows laid end to end ->
-        [T, np * hn], each row attending causally to itself only. The rows are gathered into a
-        padded [b, max_len] grid for one batched SDPA call and scattered back; a row's padding
-        sits after its real tokens, which a causal query never reads."""
+        """Rows laid end to end (`megagrpo.batch.PackedRows`): query [T, 1, np, hn] ('sbhd'
+        with one sequence; [T, np, hn] under 'thd'), key/value likewise with ng heads ->
+        [T, 1, np * hn] ([T, np * hn]), each row attending causally to itself only. The rows
+        are gathered into a padded [b, max_len] grid for one batched SDPA call and scattered
+        back; a row's padding sits after its real tokens, which a causal query never reads."""
         rows = getattr(params, "megagrpo_rows", None)
-        if rows is None or params.qkv_format != "thd":
+        if rows is None:
             raise ValueError("SdpaAttention's packed path takes megagrpo.batch.PackedRows' "
-                             "seq_params() (qkv_format 'thd')")
+                             "seq_params(); other packed formats need Transformer Engine")
+        thd = query.dim() == 3
+        if not thd:
+            if query.shape[1] != 1:
+                raise ValueError(f"packed rows come as one sequence (b=1), got b={query.shape[1]}")
+            query, key, value = (t.squeeze(1) for t in (query, key, value))
         b, L = rows.pad_index.shape
         # [T, heads, hn] -> [b, L, heads, hn] -> [b, heads, L, hn]
         q, k, v = (t[rows.pad_index].transpose(1, 2) for t in (query, key, value))
@@ -154,7 +160,8 @@ class SdpaAttention(MegatronModule):
             enable_gqa=self.num_heads != self.num_groups)
         # [b, np, L, hn] -> [b * L, np * hn] -> the real tokens [T, np * hn]
         out = out.transpose(1, 2).reshape(b * L, self.num_heads * self.head_dim)
-        return out[rows.unpad_index]
+        out = out[rows.unpad_index]
+        return out if thd else out.unsqueeze(1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
@@ -42,7 +43,7 @@ from megagrpo.optim import (
     set_lr,
     zero_grad,
 )
-from megagrpo.positions import OutputPositions, loss_positions
+from megagrpo.positions import OutputPositions, RotaryPositions, loss_positions
 from megagrpo.watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -144,10 +145,11 @@ def _forward(mb: MicroBatch, model, *, loss_fn, at_loss_positions: bool = True):
     `at_loss_positions` the last stage's output layer runs only where mb's mask is set
     (`megagrpo.positions`), and the loss function is told which positions those are."""
     b = mb.batch
-    if mb.packed is not None:  # rows end to end (megatron's thd layout), loss positions only
-        p, flat = mb.packed, loss_positions(b.mask)
-        with OutputPositions.of(unwrap(model)).at(p.positions(flat, b.ids.shape[1]),
-                                                  p.ids.shape[1]):
+    if mb.packed is not None:  # rows end to end, loss positions only
+        p, flat, gpt = mb.packed, loss_positions(b.mask), unwrap(model)
+        rope = RotaryPositions.of(gpt)
+        with (OutputPositions.of(gpt).at(p.positions(flat, b.ids.shape[1]), p.ids.shape[1]),
+              rope.at(p.position_ids[0]) if rope is not None else nullcontext()):
             out = model(p.ids, p.position_ids, None, packed_seq_params=p.seq_params())
         return out, partial(loss_fn, b, positions=flat)
     pos = torch.arange(b.ids.shape[1]).expand_as(b.ids)
