@@ -80,7 +80,7 @@ def workloads() -> dict[str, Workload]:
                             "model.head_dim=32", "model.ffn_hidden_size=704",
                             "model.max_position_embeddings=128", "rollout.max_model_len=128",
                             "rollout.max_tokens=96", "rollout.temperature=1.0",
-                            "data.batch_size=16", "optim.lr=1.0e-6"),
+                            "data.batch_size=16", "optim.lr=1.0e-6", "optim.min_lr=0"),
                  summary="Llama hidden 256 x 6 layers, 16 prompts x G=8, max_tokens 96"),
         # the batch shape is pinned here, so edits of the training recipe keep the benchmark
         Workload(name="smollm2", recipe="examples/smollm2-135m-math-cpu.yaml",
