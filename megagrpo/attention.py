@@ -141,7 +141,7 @@ class SdpaAttention(MegatronModule):
         """Rows laid end to end (`megagrpo.batch.PackedRows`): query [T, 1, np, hn] ('sbhd'
         with one sequence; [T, np, hn] under 'thd'), key/value likewise with ng heads ->
         [T, 1, np * hn] ([T, np * hn]), each row attending causally to itself only. The rows
-        are gathered into a padded [b, max_len] grid for one batched SDPA call and scattered
+        are placed in a zero-padded [b, max_len] grid for one batched SDPA call and gathered
         back; a row's padding sits after its real tokens, which a causal query never reads."""
         rows = getattr(params, "megagrpo_rows", None)
         if rows is None:
@@ -152,15 +152,21 @@ class SdpaAttention(MegatronModule):
             if query.shape[1] != 1:
                 raise ValueError(f"packed rows come as one sequence (b=1), got b={query.shape[1]}")
             query, key, value = (t.squeeze(1) for t in (query, key, value))
-        b, L = rows.pad_index.shape
-        # [T, heads, hn] -> [b, L, heads, hn] -> [b, heads, L, hn]
-        q, k, v = (t[rows.pad_index].transpose(1, 2) for t in (query, key, value))
+        b, L = rows.grid
+
+        def grid(t: Tensor) -> Tensor:  # [T, heads, hn] -> [b, heads, L, hn], zeros as padding
+            g = t.new_zeros((b * L, *t.shape[1:])).index_copy(0, rows.unpad_index, t)
+            return g.view(b, L, *t.shape[1:]).transpose(1, 2)
+
+        # index_copy / index_select: their backwards are a gather and an index_add (advanced
+        # indexing's backward is an accumulating index_put, several times slower on CPU)
+        q, k, v = grid(query), grid(key), grid(value)
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=0.0, is_causal=L > 1, scale=self.softmax_scale,
             enable_gqa=self.num_heads != self.num_groups)
         # [b, np, L, hn] -> [b * L, np * hn] -> the real tokens [T, np * hn]
         out = out.transpose(1, 2).reshape(b * L, self.num_heads * self.head_dim)
-        out = out[rows.unpad_index]
+        out = out.index_select(0, rows.unpad_index)
         return out if thd else out.unsqueeze(1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),

@@ -92,12 +92,14 @@ class PackedRows:
     """[b + 1] int32 start of each row in T (and T)."""
     max_len: int
     """The longest row."""
-    pad_index: Tensor
-    """[b, max_len] int64: token t of row i sits at T-index pad_index[i, t]; beyond row i's
-    length it repeats row i's last token (a causal query never reads those)."""
     unpad_index: Tensor
-    """[T] int64: the T-index's place in the row-major [b, max_len] grid (inverse of pad_index
-    on real tokens)."""
+    """[T] int64: each token's place in the row-major [b, max_len] grid of the rows
+    (row i's token t at i * max_len + t)."""
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """(rows b, max_len): the padded grid attention runs on."""
+        return int(self.cu_seqlens.numel()) - 1, self.max_len
 
     @classmethod
     def of(cls, ids: Tensor, lengths: Tensor) -> "PackedRows":
@@ -108,11 +110,8 @@ class PackedRows:
         L = int(lengths.max())
         col = torch.arange(L)
         real = col[None, :] < lengths[:, None]                          # [b, L]
-        starts = cu[:-1].long()[:, None]
-        pad_index = starts + torch.minimum(col[None, :], lengths[:, None] - 1)
         return cls(ids=ids[:, :L][real][None], position_ids=col.expand(b, L)[real][None],
-                   cu_seqlens=cu, max_len=L, pad_index=pad_index,
-                   unpad_index=real.reshape(-1).nonzero().squeeze(1))
+                   cu_seqlens=cu, max_len=L, unpad_index=real.reshape(-1).nonzero().squeeze(1))
 
     def positions(self, flat: Tensor, width: int) -> Tensor:
         """Flat indices into the unpacked rows [b, width] (within each row's length) -> the

@@ -121,8 +121,8 @@ def test_reference_pass_reused_only_while_it_equals_the_policy(results):
 
 def test_packed_rows_index_maps():
     """PackedRows against a direct construction: tokens row after row, positions restart,
-    pad_index / unpad_index invert each other, and unpacked flat positions map to the same
-    tokens."""
+    unpad_index puts each token at its row and position of the padded grid, and unpacked flat
+    positions map to the same tokens."""
     b, _ = _batch(n=7, seed=3)
     plan = plan_micro_batches(b, 3, token_budget=20, packed=True)
     assert sorted(torch.cat([mb.index for mb in plan]).tolist()) == list(range(b.num_seqs))
@@ -134,9 +134,9 @@ def test_packed_rows_index_maps():
         want_pos = torch.cat([torch.arange(n) for n in lens])
         assert torch.equal(p.ids[0], want_ids) and torch.equal(p.position_ids[0], want_pos)
         assert p.cu_seqlens.tolist() == [sum(lens[:i]) for i in range(len(lens) + 1)]
-        T = p.ids.shape[1]
-        grid = p.pad_index.reshape(-1)[p.unpad_index]
-        assert torch.equal(grid, torch.arange(T))  # pad_index then unpad_index: identity
+        row = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        assert p.grid == (len(lens), max(lens))
+        assert torch.equal(p.unpad_index, row * max(lens) + want_pos)
         flat = loss_positions(sub.mask)
         W = sub.ids.shape[1]
         assert torch.equal(p.ids[0, p.positions(flat, W)], sub.ids.reshape(-1)[flat])
