@@ -138,20 +138,17 @@ class SdpaAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, query.shape[1], self.num_heads * self.head_dim)
 
     def _packed(self, query: Tensor, key: Tensor, value: Tensor, params) -> Tensor:
-        """Rows laid end to end (`megagrpo.batch.PackedRows`): query [T, 1, np, hn] ('sbhd'
-        with one sequence; [T, np, hn] under 'thd'), key/value likewise with ng heads ->
-        [T, 1, np * hn] ([T, np * hn]), each row attending causally to itself only. The rows
-        are placed in a zero-padded [b, max_len] grid for one batched SDPA call and gathered
-        back; a row's padding sits after its real tokens, which a causal query never reads."""
+        """Rows laid end to end (`megagrpo.batch.PackedRows`): query [T, 1, np, hn] (one
+        sequence, 'sbhd'), key/value [T, 1, ng, hn] -> [T, 1, np * hn], each row attending
+        causally to itself only. The rows are placed in a zero-padded [b, max_len] grid for one
+        batched SDPA call and gathered back; a row's padding sits after its real tokens, which
+        a causal query never reads."""
         rows = getattr(params, "megagrpo_rows", None)
-        if rows is None:
+        if rows is None or query.dim() != 4 or query.shape[1] != 1:
             raise ValueError("SdpaAttention's packed path takes megagrpo.batch.PackedRows' "
-                             "seq_params(); other packed formats need Transformer Engine")
-        thd = query.dim() == 3
-        if not thd:
-            if query.shape[1] != 1:
-                raise ValueError(f"packed rows come as one sequence (b=1), got b={query.shape[1]}")
-            query, key, value = (t.squeeze(1) for t in (query, key, value))
+                             "seq_params() (one 'sbhd' sequence); other packed formats need "
+                             "Transformer Engine")
+        query, key, value = (t.squeeze(1) for t in (query, key, value))
         b, L = rows.grid
 
         def grid(t: Tensor) -> Tensor:  # [T, heads, hn] -> [b, heads, L, hn], zeros as padding
@@ -166,8 +163,7 @@ class SdpaAttention(MegatronModule):
             enable_gqa=self.num_heads != self.num_groups)
         # [b, np, L, hn] -> [b * L, np * hn] -> the real tokens [T, np * hn]
         out = out.transpose(1, 2).reshape(b * L, self.num_heads * self.head_dim)
-        out = out.index_select(0, rows.unpad_index)
-        return out if thd else out.unsqueeze(1)
+        return out.index_select(0, rows.unpad_index).unsqueeze(1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:

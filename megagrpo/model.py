@@ -64,9 +64,9 @@ def sequence_packing(run, parallel: ParallelConfig) -> bool:
     packed path runs: pp = 1, torch SDPA attention, loss-position logits, trimmed micro-batches
     with a token budget). TrainConfig.validate refuses the explicit settings that cannot run;
     Transformer Engine's spec is only known here."""
-    can = (parallel.pp == 1 and attention_impl_name(parallel) == "sdpa"
-           and run.logits_at_loss_positions and run.trim_micro_batches
-           and run.micro_batch_tokens != 0)
+    from megagrpo.config.train import packing_blocker
+
+    can = packing_blocker(run, parallel) is None and attention_impl_name(parallel) == "sdpa"
     if run.pack_sequences and not can:
         raise ValueError("run.pack_sequences=true: packed micro-batches run through megagrpo's "
                          f"SDPA attention, but attention here is {attention_impl_name(parallel)!r}"

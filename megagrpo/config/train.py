@@ -207,20 +207,9 @@ class TrainConfig:
             raise ValueError(f"run.micro_batch_tokens={self.run.micro_batch_tokens} needs "
                              f"parallel.pp=1 (got {self.parallel.pp}: pipeline stages exchange "
                              "fixed micro-batch shapes); set run.micro_batch_tokens=0")
-        if self.run.pack_sequences:
-            r, why = self.run, None
-            if self.parallel.pp > 1:
-                why = f"parallel.pp=1 (got {self.parallel.pp}: stages exchange fixed shapes)"
-            elif self.parallel.attention_impl == "megatron":
-                why = ("parallel.attention_impl sdpa or auto (megatron's DotProductAttention "
-                       "has no packed path)")
-            elif not r.logits_at_loss_positions or not r.trim_micro_batches:
-                why = "run.logits_at_loss_positions=true and run.trim_micro_batches=true"
-            elif r.micro_batch_tokens == 0:
-                why = "a token budget (run.micro_batch_tokens unset or > 0)"
-            if why:
-                raise ValueError(f"run.pack_sequences=true needs {why}; set "
-                                 "run.pack_sequences=false (or leave it unset)")
+        if self.run.pack_sequences and (why := packing_blocker(self.run, self.parallel)):
+            raise ValueError(f"run.pack_sequences=true needs {why}; set "
+                             "run.pack_sequences=false (or leave it unset)")
         if self.run.sft_steps and self.data.task != "arithmetic":
             raise ValueError(f"run.sft_steps={self.run.sft_steps}: the supervised cold start "
                              "exists for data.task=arithmetic only; set run.sft_steps=0")
@@ -256,6 +245,21 @@ def _set_dotted(tree: dict, dotted: str, value) -> None:
         if not isinstance(node, dict):
             raise ValueError(f"override {dotted!r}: {k!r} is not a section")
     node[keys[-1]] = value
+
+
+def packing_blocker(run: RunConfig, parallel: ParallelConfig) -> str | None:
+    """What the config lacks for packed micro-batches (None: nothing; whether Transformer
+    Engine's spec replaces the attention is known only at start-up: model.sequence_packing)."""
+    if parallel.pp > 1:
+        return f"parallel.pp=1 (got {parallel.pp}: stages exchange fixed shapes)"
+    if parallel.attention_impl == "megatron":
+        return ("parallel.attention_impl sdpa or auto (megatron's DotProductAttention has no "
+                "packed path)")
+    if not run.logits_at_loss_positions or not run.trim_micro_batches:
+        return "run.logits_at_loss_positions=true and run.trim_micro_batches=true"
+    if run.micro_batch_tokens == 0:
+        return "a token budget (run.micro_batch_tokens unset or > 0)"
+    return None
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()
