@@ -48,8 +48,8 @@ CACHE = ROOT / "benchmarks" / ".cache"
 DTYPES = ("float32", "bfloat16")
 # Settings every workload shares: no cold start, no evaluation, no checkpoints, a reference
 # reset every step (reference.sync_every_steps is set only where beta > 0: see `overrides`).
-COMMON = ("run.sft_steps=0", "run.eval_every=0", "run.resume=false", "run.tensorboard=false",
-          "run.progress=false", "run.checkpoint_at_end=false")
+COMMON = ("cold_start.steps=0", "eval.every=0", "run.resume=false", "log.tensorboard=false",
+          "log.progress=false", "checkpoint.at_end=false")
 
 
 @dataclass(frozen=True, kw_only=True)

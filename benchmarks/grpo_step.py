@@ -19,7 +19,7 @@ per rank); rank 0 reports the means over the measured steps, one JSON line per n
   cpu_s_per_step      process CPU seconds per step, summed over ranks (all threads; less
                       disturbed than wall time when other processes share the cores)
   padded_token_share  1 - real tokens / tokens the policy processed in the update, counted from
-                      the shapes of the micro-batches that reach `megagrpo.trainer._forward`
+                      the shapes of the micro-batches reaching `tr.passes.forward`
                       (wrapped here, so trimmed or packed micro-batches count as they are: a
                       packed one's dense layers see its packed tokens only; its attention pads
                       each row to the micro-batch's longest, not counted here);
@@ -72,7 +72,7 @@ def row_lengths(ids: torch.Tensor, mask: torch.Tensor, pad_id: int) -> torch.Ten
 
 
 class StepCounter:
-    """What the policy processes per phase, from the micro-batches reaching trainer._forward:
+    """What the policy processes per phase, from the micro-batches reaching `tr.passes.forward`:
     processed (b x S), real and loss tokens, useful FLOPs (x3 in the update); and the sampled
     completion lengths (replica rank 0 only, so a replica counts once)."""
 
@@ -85,11 +85,9 @@ class StepCounter:
         self.lengths: list[int] = []
 
     def install(self, tr) -> None:
-        """Wraps megagrpo.trainer._forward (looked up at call time by the trainer) and the
+        """Wraps the trainer's forward step (`tr.passes.forward`, its observation hook) and the
         trainer's score / update / build_batch."""
-        import megagrpo.trainer as trainer_mod
-
-        trainer_mod._forward = partial(self._forward, trainer_mod._forward)
+        tr.passes.forward = partial(self._forward, tr.passes.forward)
         tr.update = partial(self._in_phase, "update", tr.update)
         tr.score = partial(self._in_phase, "score", tr.score)
         tr.build_batch = partial(self._build_batch, tr.build_batch)
@@ -145,7 +143,7 @@ def _measure(tr, counter: StepCounter, warmup: int, steps: int) -> list[dict]:
         v = torch.cat([counter.step_counts("update"), counter.step_counts("score"),
                        torch.tensor([cpu, gen], dtype=torch.float64)])
         dist.all_reduce(v)
-        v[:2 * len(COUNTS)] /= tr.mp_size
+        v[:2 * len(COUNTS)] /= tr.ranks.mp_size
         names = [f"{k}_{p}" for p in ("update", "score") for k in COUNTS] + ["cpu_s", "gen"]
         m.update(zip(names, v.tolist()))
         if i >= warmup:
@@ -191,13 +189,14 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) 
     tr = setup(cfg)
     tr.sync_weights()
     setup_s = time.perf_counter() - t0
-    counter = StepCounter(tr.model_cfg, tr.pad_id, count_lengths=tr.mp_rank == 0)
+    counter = StepCounter(tr.model_cfg, tr.tokens.pad_id, count_lengths=tr.ranks.mp_rank == 0)
     counter.install(tr)
     rows = _measure(tr, counter, warmup, steps)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, counter.lengths)
-    if tr.rank == 0:
-        rec = dict(system="megagrpo", nproc=dist.get_world_size(), tp=cfg.parallel.tp, dp=tr.dp,
+    if tr.ranks.rank == 0:
+        rec = dict(system="megagrpo", nproc=dist.get_world_size(), tp=cfg.parallel.tp,
+                   dp=tr.ranks.dp,
                    batch_prompts=cfg.data.batch_size, group_size=cfg.algo.group_size,
                    max_tokens=cfg.rollout.max_tokens, warmup=warmup, steps=steps,
                    setup_s=round(setup_s, 2), **_record(rows, [n for ls in every for n in ls]),

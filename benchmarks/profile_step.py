@@ -7,7 +7,7 @@
 After `--warmup` unprofiled steps, torch.profiler records `--steps` trainer steps at one rank
 (torchrun, DP=1, the in-process vLLM engine as in grpo_step.py). Ranges are marked with
 record_function by wrapping what the trainer calls:
-  forward      megagrpo.trainer._forward (the model's forward of each micro-batch)
+  forward      tr.passes.forward (the model's forward of each micro-batch)
   backward     megatron's schedules.backward_step
   attention    every `*.core_attention` module's forward (megatron's DotProductAttention or the
                SDPA module put in that slot); its backward is the autograd nodes whose forward
@@ -52,15 +52,16 @@ def _labeled(label: str, fn, *args, **kwargs):
 
 def install_labels(tr) -> None:
     """record_function ranges around what the trainer calls (see the module docstring)."""
+    import megagrpo.passes as passes_mod
     import megagrpo.trainer as trainer_mod
     from megatron.core.pipeline_parallel import schedules
 
-    trainer_mod._forward = partial(_labeled, "forward", trainer_mod._forward)
+    tr.passes.forward = partial(_labeled, "forward", tr.passes.forward)
     schedules.backward_step = partial(_labeled, "backward", schedules.backward_step)
     trainer_mod.optimizer_step = partial(_labeled, "optimizer", trainer_mod.optimizer_step)
-    for name in ("grpo_loss", "logprob_loss"):
-        if hasattr(trainer_mod, name):
-            setattr(trainer_mod, name, partial(_labeled, "output_loss", getattr(trainer_mod, name)))
+    # the loss functions, looked up at call time in the modules that call them
+    for mod, name in ((trainer_mod, "grpo_loss"), (passes_mod, "logprob_loss")):
+        setattr(mod, name, partial(_labeled, "output_loss", getattr(mod, name)))
     models = [tr.policy] + ([tr.reference.model] if tr.reference is not None else [])
     chunks = [c for m in models for c in (m if isinstance(m, list) else [m])]
     for chunk in chunks:
@@ -129,7 +130,7 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) 
     cfg = load_config(recipe, [*sets, f"run.out_dir={out_dir}", "run.overwrite=true"])
     tr = setup(cfg)
     tr.sync_weights()
-    counter = grpo_step.StepCounter(tr.model_cfg, tr.pad_id, count_lengths=True)
+    counter = grpo_step.StepCounter(tr.model_cfg, tr.tokens.pad_id, count_lengths=True)
     counter.install(tr)
     install_labels(tr)
     # torch.mm's rate before and after the steps, the best kept (a busy moment lowers one)

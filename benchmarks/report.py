@@ -1,4 +1,5 @@
-"""The README's throughput tables from benchmarks/results/throughput_cpu.jsonl (issue 11 targets).
+"""The throughput tables of docs/performance.md from benchmarks/results/throughput_cpu.jsonl
+(issue 11 targets).
 
     .venv/bin/python benchmarks/report.py [benchmarks/results/throughput_cpu.jsonl] [--json]
 

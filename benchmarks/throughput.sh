@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The full megagrpo-vs-TRL throughput comparison of issue 11, into
-# benchmarks/results/throughput_cpu.jsonl (replaced), then the README's tables (benchmarks/report.py).
+# benchmarks/results/throughput_cpu.jsonl (replaced), then the tables of docs/performance.md
+# (benchmarks/report.py).
 #   bash benchmarks/throughput.sh            # on a quiet machine (smollm2 dominates the time)
 #   WARMUP=1 STEPS=3 bash benchmarks/throughput.sh
 # Runs: demo, varlen and smollm2 in float32; demo and smollm2 in bfloat16; megagrpo at 1 and 2

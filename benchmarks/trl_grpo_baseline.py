@@ -12,7 +12,7 @@ task's templated training prompts, token ids checked against megagrpo's), the to
 arithmetic task's sentencepiece model rebuilt as a `PreTrainedTokenizerFast`, checked id for
 id; SmolLM2's own), the reward (megagrpo's `RewardFn` on the workload's reward terms: the
 arithmetic reward, or math-verify), G, prompts per step, the minibatch structure
-(run.num_minibatches optimizer steps per generation, each over micro-batches of megagrpo's
+(algo.num_minibatches optimizer steps per generation, each over micro-batches of megagrpo's
 micro-batch size, so TRL computes old log-probs exactly when megagrpo must), max completion
 length, temperature, beta, eps low/high, lr, grad clip, loss aggregation, advantage scale and a
 reference re-initialisation every GRPO step where there is a reference (TRL's sync_ref_model,
@@ -144,10 +144,10 @@ def grpo_args(cfg, dtype: str, total_steps: int) -> tuple:
     """TRL's GRPOConfig mirroring megagrpo's step: (args, optimizer steps per GRPO step)."""
     from trl import GRPOConfig
 
-    B, G, n_mini, mu = cfg.data.batch_size, cfg.algo.group_size, cfg.run.num_minibatches, \
+    B, G, n_mini, mu = cfg.data.batch_size, cfg.algo.group_size, cfg.algo.num_minibatches, \
         cfg.algo.mu
     rows = B * G // n_mini
-    micro = max(1, min(cfg.run.micro_batch_size, rows))  # megagrpo's Trainer.micro_size
+    micro = max(1, min(cfg.compute.micro_batch_size, rows))  # megagrpo's Trainer.micro_size
     if B * G % n_mini or rows % micro or cfg.algo.loss_agg not in LOSS_TYPES:
         raise SystemExit(f"TRL cannot mirror {B}x{G} sequences in {n_mini} minibatches of "
                          f"micro-batches of {micro} with loss {cfg.algo.loss_agg!r}")

@@ -64,7 +64,7 @@ def _agreement(engine, hf_dir: Path, vocab: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megagrpo.rollout import SamplingSettings
+    from megagrpo.engine import SamplingSettings
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     prompts = [[(7 * j + k) % vocab for j in range(5)] for k in (1, 2)]
@@ -89,7 +89,7 @@ def run_one(size: str, repeats: int) -> dict:
     from megagrpo.hf import hf_config_dict
     from megagrpo.model import build_model
     from megagrpo.reshard import ReshardStats, export_hf, iter_hf_weights
-    from megagrpo.rollout import VLLMEngine
+    from megagrpo.engine import VLLMEngine
 
     mcfg = ModelConfig(architecture="llama", max_position_embeddings=256, **SIZES[size])
     par = ParallelConfig()
@@ -152,7 +152,7 @@ def run_tp(size: str, repeats: int, k: int) -> dict | None:
     from megagrpo.hf import hf_config_dict
     from megagrpo.model import build_model
     from megagrpo.reshard import ReshardStats, export_hf, iter_hf_weights, iter_vllm_slices
-    from megagrpo.rollout import VLLMEngine
+    from megagrpo.engine import VLLMEngine
 
     mcfg = ModelConfig(architecture="llama", max_position_embeddings=256, **SIZES[size])
     par = ParallelConfig(tp=k)

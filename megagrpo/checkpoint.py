@@ -1,4 +1,11 @@
-"""Checkpoint files.
+"""Checkpoints: `CheckpointManager` (save / newest intact / load) over the run's Stateful
+parts, and the file formats beneath it.
+
+What a checkpoint of step N holds (`out_dir/checkpoints/step_N/`, layout in `megagrpo.run_dir`):
+policy/ and reference/ (dist-checkpoint), optimizer/rank*.safetensors and rng/rank*.safetensors
+(per rank, no pickle), trainer_state.json (`Trainer.state_dict()`: counters, loader position,
+reference schedule; plus the world size and the metrics history length), and last the manifest
+that marks it complete.
 
 Models: megatron-core's `dist_checkpointing` format (resharding on load: save at one TP/PP,
 load at another), plus the model config beside them. Writes are atomic: everything goes to
@@ -19,21 +26,44 @@ import contextlib
 import dataclasses
 import errno
 import json
+import logging
 import os
 import random
 import shutil
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megagrpo.config.model import ModelConfig
+from megagrpo.export import save_tokenizer
+from megagrpo.metrics import history_size, rewind_history
 from megagrpo.model import unwrap
+from megagrpo.run_dir import (
+    MANIFEST,
+    MODEL_JSON,
+    TRAINER_STATE,
+    checkpoint_root,
+    manifest_bytes,
+    newest_intact,
+    step_dirs,
+    step_of,
+    write_manifest,
+)
 
-MODEL_JSON = "megagrpo_model.json"
+if TYPE_CHECKING:
+    from megagrpo.trainer import Trainer
+
+log = logging.getLogger("megagrpo")
+# megatron-core is imported where it is used: the launcher's preflight and `plan` read model
+# configs through this module and must not pay megatron's ~7 s import.
 
 
 def _rank() -> int:
@@ -134,8 +164,8 @@ def no_space_error(exc: BaseException, path: str | os.PathLike) -> OSError | Non
     total = shutil.disk_usage(where).total
     return OSError(errno.ENOSPC, (
         f"no space left on device while writing {path} ({free >> 20} MiB free of "
-        f"{total >> 20} MiB on the filesystem of {where}): free space, lower run.keep_last or "
-        "point run.out_dir at a larger disk; the checkpoints written before are intact"))
+        f"{total >> 20} MiB on the filesystem of {where}): free space, lower checkpoint.keep_last "
+        "or point run.out_dir at a larger disk; the checkpoints written before are intact"))
 
 
 @contextlib.contextmanager
@@ -210,8 +240,6 @@ def _decode(obj, tensors: dict[str, torch.Tensor]):
 def save_tree(path: str | os.PathLike, tree) -> None:
     """Writes a nested structure of tensors and plain values to one safetensors file
     (atomically: a temp file renamed into place)."""
-    from safetensors.torch import save_file
-
     tensors: dict[str, torch.Tensor] = {}
     structure = json.dumps(_encode(tree, tensors, "state"))
     path = Path(path)
@@ -224,8 +252,6 @@ def save_tree(path: str | os.PathLike, tree) -> None:
 
 def load_tree(path: str | os.PathLike):
     """The structure `save_tree` wrote (tensors on CPU). Reads only safetensors + JSON."""
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
         if _TREE_KEY not in meta:
@@ -266,3 +292,138 @@ def restore_rng(state: dict, engine=None) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["tracker"]))
     if engine is not None and state["engine"] is not None:
         engine.set_rng_state(state["engine"])
+
+
+class RankRng:
+    """This rank's random streams as a Stateful object (`capture_rng` / `restore_rng`)."""
+
+    def __init__(self, engine=None) -> None:
+        self.engine = engine
+
+    def state_dict(self) -> dict:
+        return capture_rng(self.engine)
+
+    def load_state_dict(self, state: dict) -> None:
+        restore_rng(state, self.engine)
+
+
+# ---------------------------------------------------------------------- the manager
+class CheckpointManager:
+    """Saves, finds and loads the run's checkpoints in run.out_dir/checkpoints (every method is
+    a collective). Writes are atomic per part and the manifest, written last, marks a
+    checkpoint complete; complete ones beyond checkpoint.keep_last are then removed. Out of
+    disk, every rank stops with an error that says so and where."""
+
+    def __init__(self, out_dir: str | os.PathLike, keep_last: int, watchdog=None) -> None:
+        self.root = checkpoint_root(out_dir)
+        self.out_dir = str(out_dir)
+        self.keep_last = keep_last
+        self.watchdog = watchdog
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step_{step:06d}"
+
+    def save(self, tr: Trainer) -> Path:
+        """Policy + reference (dist-checkpoint, reshardable), per rank the optimizer and every
+        RNG stream, the trainer state, and last the manifest."""
+        if self.watchdog is not None:
+            self.watchdog.set_phase("checkpoint", tr.step_idx)
+        final, rank0 = self.path(tr.step_idx), dist.get_rank() == 0
+        on_every_rank(partial(self._clear_for_save, final) if rank0 else _nothing, final)
+        save_model(tr.policy, final / "policy", tr.model_cfg)
+        if tr.reference is not None:
+            save_model(tr.reference.model, final / "reference", tr.model_cfg)
+        on_every_rank(partial(self._save_rank_state, tr, final), final)
+        on_every_rank(partial(self._finish, tr, final) if rank0 else _nothing, final)
+        return final
+
+    @staticmethod
+    def _save_rank_state(tr: Trainer, final: Path) -> None:
+        """This rank's optimizer state and RNG streams, as safetensors (no pickle)."""
+        me = _rank_file()
+        if not tr.cfg.optim.distributed_optimizer:
+            save_tree(final / "optimizer" / me, tr.optimizer.state_dict())
+        save_tree(final / "rng" / me, RankRng(tr.engine).state_dict())
+
+    def _clear_for_save(self, final: Path) -> None:
+        """Removes a leftover of the same step (a save a crash interrupted) and checks that the
+        disk holds another checkpoint as large as the last one."""
+        shutil.rmtree(final, ignore_errors=True)
+        final.mkdir(parents=True)
+        done = [p for p in step_dirs(self.root) if (p / MANIFEST).exists()]
+        need = manifest_bytes(done[-1]) if done else 0
+        free = shutil.disk_usage(final).free
+        if need > free:
+            raise OSError(errno.ENOSPC, f"no space left on device for checkpoint {final}: the "
+                          f"last one took {need >> 20} MiB, {free >> 20} MiB are free; free "
+                          "space, lower checkpoint.keep_last or point run.out_dir at a larger "
+                          "disk")
+
+    def _finish(self, tr: Trainer, final: Path) -> None:
+        """Rank 0, after every rank wrote its part: trainer state, manifest, pruning."""
+        state = dict(tr.state_dict(), world_size=dist.get_world_size(),
+                     metrics_bytes=history_size(self.out_dir))
+        tmp = final / (TRAINER_STATE + ".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, final / TRAINER_STATE)
+        save_tokenizer(final / "policy", tr.tokenizer)  # `convert --to-hf` exports it too
+        write_manifest(final)  # from here on the checkpoint is complete
+        dirs = step_dirs(final.parent)
+        kept = [p for p in dirs if (p / MANIFEST).exists() and step_of(p) <= tr.step_idx]
+        kept = kept[-self.keep_last:]
+        for old in dirs:  # older than every kept one, complete or a broken leftover
+            if step_of(old) < step_of(kept[0]):
+                shutil.rmtree(old, ignore_errors=True)
+
+    def latest(self) -> Path | None:
+        """The newest checkpoint that matches its manifest, the same on every rank (rank 0
+        checks and tells the others); newer broken ones are named in a warning."""
+        step = torch.tensor([-1], dtype=torch.int64)
+        if dist.get_rank() == 0:
+            ckpt, broken = newest_intact(self.root)
+            for path, why in broken:
+                log.warning("checkpoint %s is broken and is skipped: %s", path, why)
+            step[0] = step_of(ckpt) if ckpt is not None else -1
+        dist.broadcast(step, src=0)
+        return self.path(int(step)) if int(step) >= 0 else None
+
+    def load(self, tr: Trainer, ckpt: Path) -> dict | None:
+        """Restores policy, reference, optimizer, trainer state (data position, schedule
+        counters) and every RNG stream from `ckpt`. Returns the RNG state (None when it could
+        not be restored): the caller puts it back once more right before the next step, after
+        the evaluation and the weight sync that come between. Reads no pickle except
+        dist-checkpoint metadata."""
+        state = json.loads((ckpt / TRAINER_STATE).read_text())
+        load_model(tr.policy, ckpt / "policy")
+        if tr.reference is not None and (ckpt / "reference").exists():
+            load_model(tr.reference.model, ckpt / "reference")
+        me, rank0 = _rank_file(), dist.get_rank() == 0
+        same_world = state["world_size"] == dist.get_world_size()
+        opt = ckpt / "optimizer" / me
+        if opt.exists() and same_world:
+            tr.optimizer.load_state_dict(load_tree(opt))
+        elif rank0:
+            log.warning("resume: optimizer state not restored (saved with world size %d, with "
+                        "the distributed optimizer, or as a pickle by an older megagrpo, which "
+                        "is never loaded); Adam moments restart", state["world_size"])
+        rng_file = ckpt / "rng" / me
+        rng = load_tree(rng_file) if same_world and rng_file.exists() else None
+        if rng is not None:
+            RankRng(tr.engine).load_state_dict(rng)
+        elif rank0:
+            log.warning("resume: RNG streams not restored (world size changed): the run "
+                        "continues but not bitwise as it would have uninterrupted")
+        tr.load_state_dict(state)
+        if rank0:
+            dropped = rewind_history(self.out_dir, state.get("metrics_bytes", 1 << 62))
+            log.info("resumed from %s at step %d%s", ckpt, tr.step_idx,
+                     f"; dropped {dropped} metrics records written after it" if dropped else "")
+        return rng
+
+
+def _rank_file() -> str:
+    return f"rank{dist.get_rank():05d}.safetensors"
+
+
+def _nothing() -> None:
+    """This rank's part of a write that rank 0 does alone."""

@@ -108,6 +108,83 @@ def init_distributed(
     return info
 
 
+@dataclass(frozen=True, kw_only=True)
+class Ranks:
+    """Where this rank sits in the training layout (megatron parallel_state)."""
+
+    rank: int = 0
+    """Global rank."""
+    dp: int = 1
+    """Data-parallel size."""
+    dp_rank: int = 0
+    """This rank's DP replica."""
+    tp_rank: int = 0
+    """Tensor-parallel rank."""
+    pp: int = 1
+    """Pipeline stages."""
+    pp_last_rank: int = 0
+    """Global rank of this rank's last-stage peer (where the loss and log-probs live)."""
+    mp_rank: int = 0
+    """Rank inside the model-parallel (TP x PP) group."""
+    mp_size: int = 1
+    """TP x PP."""
+    valid_local_vocab: int = 0
+    """Unpadded vocab rows on this TP rank's logits shard."""
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.rank == self.pp_last_rank
+
+    @property
+    def reports(self) -> bool:
+        """TP rank 0 of the last stage: the rank that counts a replica's loss reports once."""
+        return self.is_last_stage and self.tp_rank == 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Groups:
+    """The process groups this rank belongs to; every collective names one of them (None
+    everywhere: no process group, e.g. unit tests, where the world is this process)."""
+
+    world: object = None
+    """Every rank (pooled rollouts, run-wide agreement)."""
+    tp: object = None
+    """Tensor-parallel group."""
+    pp: object = None
+    """Pipeline group."""
+    dp: object = None
+    """Data-parallel group."""
+    mp: object = None
+    """Model-parallel (TP x PP) group: the ranks of one replica."""
+
+
+def training_layout(parallel: ParallelConfig, model: ModelConfig, info: DistInfo
+                    ) -> tuple[Ranks, Groups]:
+    """This rank's `Ranks` and `Groups` from megatron's parallel_state (after
+    `init_distributed`)."""
+    from megatron.core import parallel_state as ps
+
+    v_local = parallel.padded_vocab_size(model.vocab_size) // parallel.tp
+    ranks = Ranks(
+        rank=info.rank, dp=info.dp, dp_rank=info.dp_rank, tp_rank=info.tp_rank, pp=parallel.pp,
+        pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
+        mp_rank=dist.get_rank(group=ps.get_model_parallel_group()),
+        mp_size=parallel.tp * parallel.pp,
+        valid_local_vocab=max(0, min(v_local, model.vocab_size - info.tp_rank * v_local)))
+    groups = Groups(world=dist.group.WORLD, tp=ps.get_tensor_model_parallel_group(),
+                    pp=ps.get_pipeline_model_parallel_group(), dp=ps.get_data_parallel_group(),
+                    mp=ps.get_model_parallel_group())
+    return ranks, groups
+
+
+def any_rank(flag: bool, group=None) -> bool:
+    """Collective: True when `flag` holds on any rank of `group` (the same answer on all)."""
+    t = torch.tensor([1.0 if flag else 0.0])
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
 def tp_group():
     from megatron.core import parallel_state as ps
 

@@ -19,9 +19,8 @@ import os
 import shutil
 from pathlib import Path
 
-from megagrpo.checkpoint import MODEL_JSON
 from megagrpo.data import HFTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
-from megagrpo.run_dir import checkpoint_root, newest_intact, verify
+from megagrpo.run_dir import MODEL_JSON, checkpoint_root, newest_intact, verify
 
 log = logging.getLogger("megagrpo")
 

@@ -59,19 +59,20 @@ def attention_impl_name(parallel: ParallelConfig) -> str:
     return "megatron" if parallel.attention_impl == "megatron" else "sdpa"
 
 
-def sequence_packing(run, parallel: ParallelConfig) -> bool:
-    """Whether micro-batches are packed end to end (run.pack_sequences; unset: wherever the
+def sequence_packing(compute, parallel: ParallelConfig) -> bool:
+    """Whether micro-batches are packed end to end (compute.pack_sequences; unset: wherever the
     packed path runs: pp = 1, torch SDPA attention, loss-position logits, trimmed micro-batches
     with a token budget). TrainConfig.validate refuses the explicit settings that cannot run;
     Transformer Engine's spec is only known here."""
     from megagrpo.config.train import packing_blocker
 
-    can = packing_blocker(run, parallel) is None and attention_impl_name(parallel) == "sdpa"
-    if run.pack_sequences and not can:
-        raise ValueError("run.pack_sequences=true: packed micro-batches run through megagrpo's "
-                         f"SDPA attention, but attention here is {attention_impl_name(parallel)!r}"
-                         "; set run.pack_sequences=false")
-    return can if run.pack_sequences is None else run.pack_sequences
+    can = packing_blocker(compute, parallel) is None and attention_impl_name(parallel) == "sdpa"
+    if compute.pack_sequences and not can:
+        raise ValueError("compute.pack_sequences=true: packed micro-batches run through "
+                         "megagrpo's SDPA attention, but attention here is "
+                         f"{attention_impl_name(parallel)!r}"
+                         "; set compute.pack_sequences=false")
+    return can if compute.pack_sequences is None else compute.pack_sequences
 
 
 def _layer_spec(parallel: ParallelConfig):

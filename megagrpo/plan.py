@@ -14,9 +14,9 @@ What is counted, per rank, on the worst pipeline stage:
 - reference weights: same shard as the policy; 0 when algo.beta = 0 (no reference is built) or
   reference.offload (resident in CPU memory between scoring passes).
 - logits: the fused kernels read the vocab-parallel logits [T, V_pad/tp] in the model dtype and
-  write the gradient into the same buffer (run.inplace_backward), plus fp32 per-row stats;
+  write the gradient into the same buffer (compute.inplace_backward), plus fp32 per-row stats;
   shown next to a naive path that all-gathers [T, V] and runs an fp32 log_softmax (upcast copy,
-  saved output and its gradient: 3 fp32 [T, V] tensors). T = run.micro_batch_size x
+  saved output and its gradient: 3 fp32 [T, V] tensors). T = compute.micro_batch_size x
   rollout.max_model_len (the longest padded micro-batch).
 - activations: a rough estimate only (Korthikanti et al. 2022, arXiv 2205.05198, no
   recomputation, no sequence parallelism): s*b*h*(10 + 24/tp) bytes at 2 bytes/value per layer,
@@ -153,10 +153,10 @@ class RankMemory:
 def logits_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, tp_pad: ParallelConfig
                  ) -> tuple[int, int]:
     """(fused, naive) logits working set in bytes for one micro-batch on one TP rank."""
-    t = cfg.run.micro_batch_size * cfg.rollout.max_model_len
+    t = cfg.compute.micro_batch_size * cfg.rollout.max_model_len
     b = DTYPE_BYTES[m.dtype]
     v_local = tp_pad.padded_vocab_size(m.vocab_size) // tp
-    buffers = 1 if cfg.run.inplace_backward else 2  # logits (+ a separate gradient buffer)
+    buffers = 1 if cfg.compute.inplace_backward else 2  # logits (+ a separate gradient buffer)
     # per-row fp32 stats [T, 4], their all-gather [tp * T, 4], and three [T] fp32 rows saved for
     # backward (max, log-sum-exp, shift)
     stats = t * 4 * (4 + 4 * tp + 3)
@@ -167,7 +167,7 @@ def logits_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, tp_pad: ParallelConf
 
 def activation_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int) -> int:
     """Rough per-rank activations of the first stage (see the module docstring)."""
-    s, b, h = cfg.rollout.max_model_len, cfg.run.micro_batch_size, m.hidden_size
+    s, b, h = cfg.rollout.max_model_len, cfg.compute.micro_batch_size, m.hidden_size
     per_layer = s * b * h * (10 + 24 / tp)
     if cfg.parallel.transformer_impl == "local":
         per_layer += 5 * m.num_attention_heads * s * s * b / tp
@@ -336,7 +336,7 @@ def run_plan(config: str | None, overrides: list[str], *, gpus: int = 0,
           f"L={m.num_layers} H={m.hidden_size} F={m.ffn_hidden_size} "
           f"heads={m.num_attention_heads}/{m.num_query_groups} V={m.vocab_size} "
           f"(padded {cfg.parallel.padded_vocab_size(m.vocab_size)} at tp={tp}), {m.dtype}")
-    print(f"world: {world} GPU(s) x {gpu_mem_gib:g} GiB; T = {cfg.run.micro_batch_size} x "
+    print(f"world: {world} GPU(s) x {gpu_mem_gib:g} GiB; T = {cfg.compute.micro_batch_size} x "
           f"{cfg.rollout.max_model_len} tokens per micro-batch\n")
     current = rank_memory(cfg, m, tp, pp, world, gpu_mem_gib)
     print(format_breakdown(current, m, gpu_mem_gib))
@@ -355,5 +355,5 @@ def run_plan(config: str | None, overrides: list[str], *, gpus: int = 0,
     else:
         print(f"\nno valid tp x pp over {world} GPU(s) fits {gpu_mem_gib:g} GiB: add GPUs or set "
               "optim.distributed_optimizer, reference.offload, rollout.sleep_between_rollouts, "
-              "a lower rollout.gpu_memory_utilization or run.micro_batch_size")
+              "a lower rollout.gpu_memory_utilization or compute.micro_batch_size")
     return 0 if current.total <= gpu_mem_gib * GIB else 1

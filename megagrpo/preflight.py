@@ -9,7 +9,7 @@ start gets the same checks.
 
 Prompt length rule: a prompt, encoded exactly as the trainer encodes it (`encode_prompt`: the
 template or chat template, then BOS), plus `rollout.max_tokens` must fit
-`rollout.max_model_len` (evaluation prompts: plus `run.eval_max_tokens`). Then no completion is
+`rollout.max_model_len` (evaluation prompts: plus `eval.max_tokens`). Then no completion is
 cut short by the context window, and vLLM never rejects a prompt mid-run (it refuses prompts of
 max_model_len tokens or more, on one rank, which leaves the others waiting in a collective).
 `data.overlong_prompts` chooses between refusing the run and dropping (and counting) them.
@@ -75,7 +75,7 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> Preflight:
     train, dropped_train, long_train = fit_prompts(
         task.train, task.tokenizer, cfg, ("rollout.max_tokens", cfg.rollout.max_tokens), "training")
     evals, dropped_eval, long_eval = fit_prompts(
-        task.eval, task.tokenizer, cfg, ("run.eval_max_tokens", cfg.run.eval_max_tokens),
+        task.eval, task.tokenizer, cfg, ("eval.max_tokens", cfg.eval.max_tokens),
         "evaluation")
     if len(train) < cfg.data.batch_size:
         source = cfg.data.path if cfg.data.task == "file" else "arithmetic.num_train"

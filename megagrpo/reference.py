@@ -7,6 +7,7 @@ alpha<1 is TRL-style mixing ref <- alpha*policy + (1-alpha)*ref.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -97,6 +98,13 @@ class Reference:
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
         return bool(flag.item())
+
+    def state_dict(self) -> dict:
+        """The schedule's state (the weights are saved as a model checkpoint)."""
+        return dataclasses.asdict(self.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = ReferenceState(**state)
 
     def onload(self) -> None:
         """Moves an offloaded reference back to the accelerator (before scoring)."""

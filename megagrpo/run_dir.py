@@ -20,6 +20,7 @@ import os
 import shutil
 from pathlib import Path
 
+MODEL_JSON = "megagrpo_model.json"  # beside a model checkpoint's shards: its ModelConfig
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 RUN_MARKER = ".megagrpo-run"

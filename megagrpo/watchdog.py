@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megagrpo.config.train import RunConfig
+from megagrpo.config.run import WatchdogConfig
 
 EXIT_STALLED = 124
 """Exit code of a rank the watchdog stops (as coreutils `timeout` uses)."""
@@ -279,7 +279,7 @@ class Watchdog:
         phase, step, start = self.state
         here = f"this rank is in phase '{phase}' of step {step} for {now - start:.1f} s"
         what = (f"rank {b.rank} (pid {b.pid} on {b.host}) sent no heartbeat for "
-                f"{silent:.1f} s > run.heartbeat_timeout_s={limit:g}; its last: phase "
+                f"{silent:.1f} s > watchdog.heartbeat_timeout_s={limit:g}; its last: phase "
                 f"'{b.phase}' of step {b.step} (running {b.phase_s:.1f} s then)")
         error = f"; store error: {self.store_error}" if self.store_error else ""
         return (f"megagrpo watchdog on rank {self.rank}: {what}; {here}{error}. The rank is "
@@ -292,8 +292,9 @@ class Watchdog:
         if not limit or now - start <= limit:
             return None
         return (f"megagrpo watchdog on rank {self.rank}: phase '{phase}' of step {step} has "
-                f"run {now - start:.1f} s > run.stall_timeout_s={limit:g}; {self._peers_summary()}"
-                ". Raise run.stall_timeout_s if the phase is legitimately this slow (a first "
+                f"run {now - start:.1f} s > watchdog.stall_timeout_s={limit:g}; "
+                f"{self._peers_summary()}"
+                ". Raise watchdog.stall_timeout_s if the phase is legitimately this slow (a first "
                 "vLLM compile, a large model's step), or set it to 0 to turn the check off: "
                 f"stopping the run (exit code {EXIT_STALLED})")
 
@@ -327,14 +328,14 @@ class Watchdog:
         self.on_stall(message)
 
 
-def start_watchdog(run_cfg: RunConfig, rank: int, world_size: int) -> Watchdog:
-    """The run's watchdog from `RunConfig` (heartbeat_interval_s, heartbeat_timeout_s,
-    stall_timeout_s), started with phase 'setup'. Validates run.* first: it starts before the
+def start_watchdog(wd_cfg: WatchdogConfig, rank: int, world_size: int) -> Watchdog:
+    """The run's watchdog from `WatchdogConfig` (heartbeat_interval_s, heartbeat_timeout_s,
+    stall_timeout_s), started with phase 'setup'. Validates watchdog.* first: it starts before the
     rest of the config is checked, so that set-up itself is watched."""
-    run_cfg.validate()
-    settings = WatchdogSettings(interval_s=run_cfg.heartbeat_interval_s,
-                                peer_timeout_s=run_cfg.heartbeat_timeout_s,
-                                stall_timeout_s=run_cfg.stall_timeout_s)
+    wd_cfg.validate()
+    settings = WatchdogSettings(interval_s=wd_cfg.heartbeat_interval_s,
+                                peer_timeout_s=wd_cfg.heartbeat_timeout_s,
+                                stall_timeout_s=wd_cfg.stall_timeout_s)
     timeout = max(5.0, 2 * settings.interval_s)
     factory = partial(connect_job_store, timeout) if "MASTER_PORT" in os.environ else None
     return Watchdog(settings, rank=rank, world_size=world_size, store_factory=factory).start()

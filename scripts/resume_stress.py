@@ -43,10 +43,10 @@ def tiny_overrides(out_dir: Path, steps: int, checkpoint_every: int = 2) -> list
         "rollout.max_model_len=64", "rollout.cpu_kvcache_space_gib=1", "algo.group_size=4",
         "algo.beta=0.05", "reference.sync_every_steps=3", "data.batch_size=8",
         "reward.terms=[{name: 'tests._rewards:length_reward'}]",
-        "arithmetic.num_train=256", "arithmetic.num_eval=8", "run.micro_batch_size=16",
-        "run.kernel_impl=torch", f"run.out_dir={out_dir}", f"run.steps={steps}",
-        f"run.checkpoint_every={checkpoint_every}", "run.checkpoint_at_end=true",
-        "run.keep_last=3", "run.progress=true", "run.tensorboard=false",
+        "arithmetic.num_train=256", "arithmetic.num_eval=8", "compute.micro_batch_size=16",
+        "compute.kernel_impl=torch", f"run.out_dir={out_dir}", f"run.steps={steps}",
+        f"checkpoint.every={checkpoint_every}", "checkpoint.at_end=true",
+        "checkpoint.keep_last=3", "log.progress=true", "log.tensorboard=false",
     ]
 
 

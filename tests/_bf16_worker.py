@@ -41,8 +41,8 @@ def main_params(tr) -> list[torch.Tensor]:
 
 def is_check(tr) -> dict:
     """The truncated-IS weights the loss gets vs min(exp(old - rollout), cap), in float64."""
-    batch, _ = tr.build_batch(tr.rollout())
-    metrics = tr.score(batch, async_batch=False)
+    batch, prep = tr.prepare(tr.rollout())
+    metrics = prep.metrics
     mask = batch.mask.bool()
     ratio = (batch.old_logp.double() - batch.rollout_logp.double()).exp().clamp(max=CAP)
     err = (batch.is_weight.double() - ratio)[mask].abs().max().item()

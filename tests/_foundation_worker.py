@@ -1,7 +1,8 @@
 """Run under torchrun (4 processes, gloo) by tests/test_foundation.py. One launch covers every
 layout: for (TP, PP) in the list it re-initialises parallel_state, loads the tiny HF models
 prepared by the parent, and records logits agreement, an HF export right after loading (round
-trip) and an HF export after one training step. Results go to WORK/results.json (rank 0)."""
+trip), the reduced gradients of one training step (exported as an HF checkpoint) with the
+optimizer's grad norm, and (llama) an HF export after that step. Results go to WORK/results.json (rank 0)."""
 import argparse
 import json
 import os
@@ -42,6 +43,21 @@ def ce_forward(batch, model):
     return out, loss_fn
 
 
+def export_grads(gpt, out_dir, model_cfg, parallel):
+    """Writes every parameter's DDP main_grad as an HF checkpoint (the same TP/PP gather and
+    name mapping as the weights), then puts the weights back."""
+    from megagrpo.reshard import export_hf
+
+    params = list(gpt.parameters())
+    with torch.no_grad():
+        saved = [p.detach().clone() for p in params]
+        for p in params:
+            p.copy_(p.main_grad)
+        export_hf(gpt, out_dir, model_cfg, parallel)
+        for p, w in zip(params, saved):
+            p.copy_(w)
+
+
 def run_layout(tp, pp, work, results):
     from megagrpo.config.model import ParallelConfig
     from megagrpo.distributed import init_distributed
@@ -73,16 +89,24 @@ def run_layout(tp, pp, work, results):
             err = ((logits - hf).abs().max() / hf.abs().max()).item()
             results.append({"layout": tag, "model": name, "logits_rel_err": err})
         export_hf(gpt, os.path.join(work, f"rt_{name}_{tag}"), mcfg, parallel)
+        ocfg = OptimConfig(lr=1e-3, clip_grad=1.0)
+        ddp = wrap_ddp(gpt, ocfg)
+        opt = build_optimizer(ddp, ocfg)
+        zero_grad(ddp, opt)
+        # every DP rank feeds the same batch, as 2 micro-batches of 1 row: the reduced gradient
+        # is the mean over both (and over DP), so a DP sum or a missing 1/num_microbatches
+        # scales it by DP or 2 and the parent's single-process reference no longer matches
+        ids, labels = ref["ids"], ref["labels"]
+        mbs = [(ids[i:i + 1], labels[i:i + 1]) for i in range(ids.shape[0])]
+        forward_backward(ddp, ce_forward, mbs, len(mbs), seq_length=ids.shape[1],
+                         micro_batch_size=1)
+        # the finalized grads (DP all-reduce + tied-embedding all-reduce across stages), before
+        # the optimizer clips them in place, exported under HF names
+        export_grads(gpt, os.path.join(work, f"grad_{name}_{tag}"), mcfg, parallel)
+        ok, gnorm = optimizer_step(ddp, opt)
+        if info.rank == 0:
+            results.append({"layout": tag, "model": name, "step_ok": ok, "grad_norm": gnorm})
         if name == "llama":
-            ocfg = OptimConfig(lr=1e-3, clip_grad=1.0)
-            ddp = wrap_ddp(gpt, ocfg)
-            opt = build_optimizer(ddp, ocfg)
-            zero_grad(ddp, opt)
-            forward_backward(ddp, ce_forward, [(ref["ids"], ref["labels"])], 1,
-                             seq_length=ref["ids"].shape[1], micro_batch_size=ref["ids"].shape[0])
-            ok, gnorm = optimizer_step(ddp, opt)
-            if info.rank == 0:
-                results.append({"layout": tag, "model": name, "step_ok": ok, "grad_norm": gnorm})
             export_hf(gpt, os.path.join(work, f"step_{name}_{tag}"), mcfg, parallel)
         dist.barrier()
 

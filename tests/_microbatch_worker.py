@@ -33,12 +33,13 @@ def grads_and_report(tr, mini, trained=None) -> tuple[list[torch.Tensor], dict, 
     from megagrpo.losses import grpo_loss
     from megagrpo.optim import zero_grad
 
-    m = tr.micro_size(mini.num_seqs)
-    plan = tr._plan(mini if trained is None else trained, m)
-    ctx = tr._ctx(scale=len(plan) * tr.dp, counts=tr._counts(mini, len(plan)),
-                  algo=tr.cfg.algo, inplace_backward=True)
+    m = tr.passes.micro_size(mini.num_seqs)
+    plan = tr.passes.plan(mini if trained is None else trained, m)
+    ctx = tr.passes.loss_context(scale=len(plan) * tr.ranks.dp,
+                                 counts=tr.passes.counts(mini, len(plan)), algo=tr.cfg.algo,
+                                 inplace_backward=True)
     zero_grad(tr.policy, tr.optimizer)
-    out = tr._run(tr.policy, partial(grpo_loss, ctx), plan, mini.ids.shape[1], m)
+    out = tr.passes.run(tr.policy, partial(grpo_loss, ctx), plan, mini.ids.shape[1], m)
     grads = [p.main_grad.detach().clone() for p in tr.policy.parameters()]
     keys = ("loss", "tokens", "kl_sum", "entropy_sum", "ratio_sum")
     report = {k: float(sum(float(o[k]) for o in out)) for k in keys}
@@ -49,10 +50,10 @@ def grads_and_report(tr, mini, trained=None) -> tuple[list[torch.Tensor], dict, 
 def compare(tr, batch) -> dict:
     res, base = {}, None
     for name, (trim, positions, budget, packed) in VARIANTS.items():
-        tr.cfg.run.trim_micro_batches, tr.cfg.run.logits_at_loss_positions = trim, positions
-        tr.cfg.run.micro_batch_tokens, tr.packed = budget, packed
-        logp = tr._logprobs(tr.policy, batch)
-        ref = tr._logprobs(tr.reference.model, batch)
+        tr.cfg.compute.trim_micro_batches, tr.cfg.compute.logits_at_loss_positions = trim, positions
+        tr.cfg.compute.micro_batch_tokens, tr.passes.packed = budget, packed
+        logp = tr.passes.logprobs(tr.policy, batch)
+        ref = tr.passes.logprobs(tr.reference.model, batch)
         grads, report, n_mb, sizes = grads_and_report(tr, batch)
         if base is None:
             base = (logp, ref, grads, report)
@@ -75,13 +76,13 @@ def compare(tr, batch) -> dict:
 
 def skip_check(tr, batch) -> dict:
     """beta = 0: half the rows get advantage 0; the update's gradient and loss with those rows
-    skipped (run.skip_zero_advantage) vs run."""
+    skipped (compute.skip_zero_advantage) vs run."""
     tr.cfg.algo.beta, tr.cfg.algo.loss_agg = 0.0, "grpo"
     batch.advantages[::2] = 0.0
     runs = {}
     for skip in (False, True):
-        tr.cfg.run.skip_zero_advantage = skip
-        trained = tr._trained_rows(batch)
+        tr.cfg.compute.skip_zero_advantage = skip
+        trained = tr.passes.trained_rows(batch, tr.loss_has_kl())
         runs[skip] = grads_and_report(tr, batch, trained) + (trained.num_seqs,)
     (g0, r0, _, s0, n0), (g1, r1, _, s1, n1) = runs[False], runs[True]
     # scoring with truncated rollout IS: the skipped rows are not scored, the others get the
@@ -89,11 +90,10 @@ def skip_check(tr, batch) -> dict:
     tr.cfg.algo.rollout_is, tr.cfg.algo.rollout_is_cap = "truncate", 1.0 + 1e-7
     scored = {}
     for skip in (False, True):
-        tr.cfg.run.skip_zero_advantage = skip
+        tr.cfg.compute.skip_zero_advantage = skip
         b = copy.deepcopy(batch)
         b.mask = batch.mask.clone()
-        tr.score(b, async_batch=False)
-        scored[skip] = b
+        scored[skip] = score_stage(tr, b)
     keep = (batch.advantages != 0).any(dim=1)
     full, part = scored[False], scored[True]
     m = batch.mask & keep[:, None]
@@ -109,17 +109,28 @@ def skip_check(tr, batch) -> dict:
             "score_mask_equal": bool(torch.equal(part.mask, full.mask))}
 
 
+def score_stage(tr, b):
+    """The step's scoring stage on `b` (old log-probs, then the rollout-IS correction)."""
+    from megagrpo.advantage import rollout_is
+
+    s = tr.score(b, async_batch=False)
+    b.old_logp, b.ref_logp = s.old_logp, s.ref_logp
+    if b.old_logp is not None:  # the last stage
+        corr = rollout_is(b, s.rows, tr.cfg.algo)
+        b.mask, b.is_weight = corr.mask, corr.weight
+    return b
+
+
 def reuse_check(tr, batch) -> dict:
-    """run.reuse_equal_reference: while the reference is bitwise the policy, its log-probs are
+    """compute.reuse_equal_reference: while the reference is bitwise the policy, its log-probs are
     taken from the policy's scoring pass, bitwise what its own pass gives; after an optimizer
     step they are computed again."""
     from megagrpo.model import unwrap
 
     def scored(reuse: bool):
-        tr.cfg.run.reuse_equal_reference = reuse
-        b = copy.deepcopy(batch)
-        m = tr.score(b, async_batch=False)
-        return b.ref_logp, m["reference_pass_reused"]
+        tr.cfg.compute.reuse_equal_reference = reuse
+        s = tr.score(copy.deepcopy(batch), async_batch=False)
+        return s.ref_logp, float(s.reference_reused)
 
     res = {"equal_before": tr.reference.equals(unwrap(tr.policy))}
     (own, r0), (reused, r1) = scored(False), scored(True)
@@ -141,12 +152,11 @@ def main():
 
     cfg = make_config(args.work)
     cfg.parallel.tp = cfg.parallel.pp = 1
-    cfg.run.micro_batch_size = 3
+    cfg.compute.micro_batch_size = 3
     cfg.algo.mu = 2  # old log-probs are scored, so every per-token input takes the new path
     tr = setup(cfg)
     tr.sync_weights()
-    batch, _ = tr.build_batch(tr.rollout())
-    tr.score(batch, async_batch=False)
+    batch, _ = tr.prepare(tr.rollout())
     res = {"grpo": compare(tr, batch)}
     tr.cfg.algo.loss_agg = "gspo"  # sequence-level ratios: per-token sequence ids matter
     res["gspo"] = compare(tr, batch)

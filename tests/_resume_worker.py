@@ -1,12 +1,22 @@
 """Run under torchrun (2 ranks, gloo, DP=2) by tests/test_resume.py. With a real megatron-core
 model and optimizer: (1) the optimizer state survives save_tree / load_tree bitwise (the next
 step from the restored state equals the next step from the original); (2) a model save into a
-full filesystem (a tmpfs mounted by the test) fails on every rank with "no space left on
-device" and the path; (3) a per-rank write that runs out of space on one rank fails on both
-(no rank is left waiting in a collective). Rank 0 writes WORK/results.json."""
+full filesystem fails on every rank with "no space left on device" and the path, and the
+checkpoint saved there before the disk filled up is intact; (3) a per-rank write that runs out
+of space on one rank fails on both (no rank is left waiting in a collective). Rank 0 writes
+WORK/results.json.
+
+The full filesystem is simulated (`FullDisk`), so no mount (root) is needed: once `full` is set,
+every file write under the directory raises what a full disk raises at that layer (Python's io:
+OSError(ENOSPC); safetensors' Rust writer: a SafetensorError that is not an OSError) and
+shutil.disk_usage reports it 0 bytes free, as the kernel would."""
 import argparse
+import builtins
+import errno
+import io
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -79,37 +89,92 @@ def error_of(fn) -> dict:
     return {"type": None}
 
 
-def fill(mount: Path) -> None:
-    """Takes every free byte of the filesystem at `mount`."""
-    try:
-        with (mount / "filler").open("ab") as f:
-            while True:
-                f.write(b"\0" * 4096)
-                f.flush()
-    except OSError:  # ENOSPC: full (perhaps already before the file could be created)
-        pass
+class _FullFile(io.RawIOBase):
+    """A file on a full disk: opening works, every write fails with ENOSPC."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.name)
+
+
+class FullDisk:
+    """Simulates a full filesystem at `root` (see the module doc); call `install` before
+    megagrpo is imported (megagrpo.checkpoint binds safetensors' save_file at import)."""
+
+    def __init__(self, root: Path):
+        self.root, self.full = Path(root).resolve(), False
+
+    def holds(self, path) -> bool:
+        if not isinstance(path, (str, os.PathLike)):
+            return False  # a file descriptor
+        return Path(os.fspath(path)).resolve().is_relative_to(self.root)
+
+    def install(self) -> None:
+        import safetensors.torch
+        from safetensors import SafetensorError
+
+        real_open, real_usage = io.open, shutil.disk_usage
+        real_save_file = safetensors.torch.save_file
+
+        def open_(file, mode="r", *args, **kwargs):
+            if self.full and self.holds(file) and any(c in mode for c in "wax+"):
+                real_open(file, mode.replace("a", "w"), *args, **kwargs).close()  # the inode
+                raw = _FullFile(os.fspath(file))
+                if "b" not in mode:
+                    return io.TextIOWrapper(io.BufferedWriter(raw))
+                unbuffered = (args[0] if args else kwargs.get("buffering", -1)) == 0
+                return raw if unbuffered else io.BufferedWriter(raw)
+            return real_open(file, mode, *args, **kwargs)
+
+        def disk_usage(path):
+            if self.full and self.holds(path):
+                return shutil._ntuple_diskusage(64 << 10, 64 << 10, 0)
+            return real_usage(path)
+
+        def save_file(tensors, filename, metadata=None):
+            if self.full and self.holds(filename):  # what the Rust writer raises on ENOSPC
+                raise SafetensorError("Error while serializing: I/O error: No space left on "
+                                      "device (os error 28)")
+            return real_save_file(tensors, filename, metadata=metadata)
+
+        io.open = builtins.open = open_  # pathlib's Path.open calls io.open
+        shutil.disk_usage = disk_usage
+        safetensors.torch.save_file = save_file
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
-    ap.add_argument("--full", required=True, help="a small mounted tmpfs")
+    ap.add_argument("--full", required=True, help="a directory whose filesystem will fill up")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from megagrpo.checkpoint import on_every_rank, save_model, save_tree
-
     work, full = Path(args.work), Path(args.full)
+    disk = FullDisk(full)
+    disk.install()
+    from megagrpo.checkpoint import load_model, on_every_rank, save_model, save_tree
+
     res = {"rank": dist.get_rank() if dist.is_initialized() else None}
     res["optimizer_bitwise"] = optimizer_roundtrip(work)
     model, policy, opt = build()
+    save_model(policy, full / "policy", model)  # while there is room: the earlier checkpoint
+    saved = params(policy)
+    train_step(policy, opt, 2)
+    res["moved"] = not all(torch.equal(a, b) for a, b in zip(saved, params(policy)))
+    disk.full = True  # the disk fills up (on every rank: one filesystem)
     res["save_model"] = error_of(lambda: save_model(policy, full / "policy", model))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        fill(full)
+    _, fresh, _ = build(seed=1)
+    load_model(fresh, full / "policy")  # reading works on a full disk
+    res["earlier_intact"] = all(torch.equal(a, b) for a, b in zip(saved, params(fresh)))
     dist.barrier()
     target = (full if dist.get_rank() == 1 else work) / f"rank{dist.get_rank()}.safetensors"
     res["per_rank"] = error_of(lambda: on_every_rank(
         lambda: save_tree(target, opt.state_dict()), target))
+    disk.full = False
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, res)
     if dist.get_rank() == 0:

@@ -37,8 +37,8 @@ def logprob_gap(tr) -> float | None:
     """Max |trainer log-prob - vLLM sampling log-prob| over a fresh batch's completion tokens
     (last stage's TP rank 0; None elsewhere)."""
     batch, _ = tr.build_batch(tr.rollout())
-    logp = tr._logprobs(tr.policy, batch)
-    if logp is None or tr.tp_rank != 0:
+    logp = tr.passes.logprobs(tr.policy, batch)
+    if logp is None or tr.ranks.tp_rank != 0:
         return None
     mask = batch.mask.bool()
     return float((logp - batch.rollout_logp).abs()[mask].max())
@@ -48,8 +48,8 @@ def sampled_prompts(tr) -> dict:
     """Which replica prompts this rank's engine sampled, and the gathered batch's coverage."""
     ro = tr.rollout()
     groups = sorted({(c.prompt_index, c.sample_index) for c in ro.completions})
-    pool = len(ro.prompts) * (tr.dp if tr.layout.pooled else 1)
-    return {"engine": tr.layout.engine, "mine": tr.layout.prompt_indices(pool),
+    pool = len(ro.prompts) * (tr.ranks.dp if tr.rollouts.layout.pooled else 1)
+    return {"engine": tr.rollouts.layout.engine, "mine": tr.rollouts.layout.prompt_indices(pool),
             "num_prompts": len(ro.prompts), "num_completions": len(ro.completions),
             "distinct": len(groups), "prompts": ro.prompts}
 
@@ -71,8 +71,8 @@ def main():
     if args.pooled:
         cfg.parallel.tp, cfg.parallel.pp = 1, 1
     tr = setup(cfg)
-    res = {"rank": dist.get_rank(), "shard_to_shard": tr.layout.shard_to_shard,
-           "pooled": tr.layout.pooled, "dp_rank": tr.dp_rank}
+    res = {"rank": dist.get_rank(), "shard_to_shard": tr.rollouts.layout.shard_to_shard,
+           "pooled": tr.rollouts.layout.pooled, "dp_rank": tr.ranks.dp_rank}
     res["sync"] = tr.sync_weights()
     res["greedy_initial"] = greedy_check(tr)
     if not args.pooled:

@@ -25,7 +25,7 @@ def main(model_dir: str, out_dir: str, tp: int = 2) -> None:
     from transformers import AutoConfig, LlamaForCausalLM
 
     from megagrpo.config.rollout import RolloutConfig
-    from megagrpo.rollout import SamplingSettings, VLLMEngine
+    from megagrpo.engine import SamplingSettings, VLLMEngine
 
     model = LlamaForCausalLM(AutoConfig.from_pretrained(model_dir)).eval()
     model.load_state_dict(torch.load(Path(model_dir) / "weights.pt"))

@@ -85,18 +85,18 @@ def make_config(work: Path, hf: str):
         "data.batch_size=2", "algo.group_size=2", "algo.beta=0", "optim.lr=2e-5",
         "optim.warmup_steps=0", "rollout.max_tokens=24", "rollout.max_model_len=256",
         "rollout.max_num_seqs=8",
-        "run.eval_max_tokens=12", "run.micro_batch_size=6", "run.kernel_impl=torch",
+        "eval.max_tokens=12", "compute.micro_batch_size=6", "compute.kernel_impl=torch",
         # the length term (weight 0.01) keeps a group's rewards apart, so the step has a gradient
         "reward.terms=[{name: math, correctness: true}, "
         "{name: 'tests._rewards:length_reward', weight: 0.01}]",
         f"run.out_dir={work}/run", "run.steps=1",
-        "run.progress=false", "run.tensorboard=false",
+        "log.progress=false", "log.tensorboard=false",
     ])
 
 
 def trainer_checks(work: Path, hf: str):
     from megagrpo.data import encode_prompt
-    from megagrpo.run import save_checkpoint, setup
+    from megagrpo.run import checkpoints, setup
 
     tr = setup(make_config(work, hf))
     tr.sync_weights()
@@ -109,8 +109,8 @@ def trainer_checks(work: Path, hf: str):
     res["moved_params"] = sum(not torch.equal(before[n], after[n]) for n in before)
     res["num_params"] = len(before)
     res["metrics"] = {k: v for k, v in m.items() if isinstance(v, (int, float))}
-    res["eos_id"] = tr.eos_id
-    save_checkpoint(tr)
+    res["eos_id"] = tr.tokens.eos_id
+    checkpoints(tr.cfg).save(tr)
     return tr, res
 
 

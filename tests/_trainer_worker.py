@@ -23,16 +23,16 @@ def make_config(work):
         "data.batch_size=4", "arithmetic.num_train=256", "arithmetic.num_eval=8",
         f"arithmetic.tokenizer_dir={work}/tok",
         "reward.terms=[{name: 'tests._rewards:length_reward'}]",
-        "run.micro_batch_size=8", "run.kernel_impl=torch", f"run.out_dir={work}/run",
-        "run.steps=100", "run.progress=false", "run.tensorboard=false",
+        "compute.micro_batch_size=8", "compute.kernel_impl=torch", f"run.out_dir={work}/run",
+        "run.steps=100", "log.progress=false", "log.tensorboard=false",
     ])
 
 
 def last_stage_logps(tr, batch):
     """(policy, reference) log-probs [N, S] on the last stage's TP rank 0, else None."""
-    pol = tr._logprobs(tr.policy, batch)
-    ref = tr._logprobs(tr.reference.model, batch)
-    return (pol, ref) if pol is not None and tr.tp_rank == 0 else None
+    pol = tr.passes.logprobs(tr.policy, batch)
+    ref = tr.passes.logprobs(tr.reference.model, batch)
+    return (pol, ref) if pol is not None and tr.ranks.tp_rank == 0 else None
 
 
 def _last_position(batch, model):
@@ -55,20 +55,21 @@ def megatron_greedy(tr, prompts, max_tokens):
             if res:  # last stage: gather the vocab shards, drop padding, argmax
                 local = res[0]["last"].contiguous()
                 parts = [torch.empty_like(local) for _ in range(tr.cfg.parallel.tp)]
-                dist.all_gather(parts, local, group=tr.tp_group)
+                dist.all_gather(parts, local, group=tr.groups.tp)
                 tok[0] = torch.cat(parts)[: tr.model_cfg.vocab_size].argmax()
-            dist.broadcast(tok, src=tr.pp_last_rank, group=tr.pp_group)
+            dist.broadcast(tok, src=tr.ranks.pp_last_rank, group=tr.groups.pp)
             ids.append(int(tok))
-            if int(tok) == tr.eos_id:
+            if int(tok) == tr.tokens.eos_id:
                 break
         outs.append(ids[len(prompt):])
     return outs
 
 
 def vllm_greedy(tr, prompts, max_tokens):
-    from megagrpo.rollout import SamplingSettings
+    from megagrpo.engine import SamplingSettings
 
-    s = SamplingSettings(temperature=0.0, max_tokens=max_tokens, n=1, stop_token_ids=(tr.eos_id,))
+    s = SamplingSettings(temperature=0.0, max_tokens=max_tokens, n=1,
+                         stop_token_ids=(tr.tokens.eos_id,))
     return [c.token_ids for c in tr.engine.generate(prompts, s)]
 
 
@@ -104,7 +105,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     from megagrpo.reference import ReferenceState, sync_reference
-    from megagrpo.run import resume, save_checkpoint, setup
+    from megagrpo.run import checkpoints, setup
 
     res = {}
     tr = setup(make_config(args.work))
@@ -132,7 +133,7 @@ def main():
         res["post_sync_equal"] = bool(torch.equal(lp2[0], lp2[1]))
         res["post_sync_valid_tokens"] = int(batch.mask.sum())
 
-    save_checkpoint(tr)  # step 2, reference just synced
+    checkpoints(tr.cfg).save(tr)  # step 2, reference just synced
     saved = local_params(tr.policy)
     tr.step()  # step 3: policy moves on
     # alpha mixing: ref <- a * policy + (1 - a) * ref, against float64 math
@@ -148,7 +149,7 @@ def main():
         for p in tr.policy.parameters():
             p.add_(1.0)
     tr.reference.state, tr.step_idx = ReferenceState(), 99
-    resume(tr, tr_ckpt(args.work))
+    checkpoints(tr.cfg).load(tr, tr_ckpt(args.work))
     restored = local_params(tr.policy)
     res["resume_policy_equal"] = all(torch.equal(saved[n], restored[n]) for n in saved)
     res["resume_state"] = [tr.step_idx, tr.reference.state.syncs, tr.reference.state.last_sync_step]
@@ -162,11 +163,11 @@ def main():
     # off-policy machinery: mu=2 passes x 2 minibatches, old log-probs, truncated rollout IS,
     # token-level (dapo) aggregation, dual clip, GSPO-free
     tr.cfg.run.async_rollout = False
-    tr._join_async()
+    tr.rollouts.join()
     for key, value in (("mu", 2), ("loss_agg", "dapo"), ("rollout_is", "truncate"),
                        ("dual_clip_c", 3.0)):
         setattr(tr.cfg.algo, key, value)
-    tr.cfg.run.num_minibatches, tr.cfg.run.micro_batch_size = 2, 4
+    tr.cfg.algo.num_minibatches, tr.cfg.compute.micro_batch_size = 2, 4
     steps_before = tr.opt_steps
     m = tr.step()
     res["offpolicy"] = {"opt_steps": tr.opt_steps - steps_before,
@@ -178,7 +179,7 @@ def main():
                        ("dynamic_sampling", True), ("kl_in_reward", True),
                        ("std_mode", "batch")):
         setattr(tr.cfg.algo, key, value)
-    tr.cfg.run.num_minibatches = 1
+    tr.cfg.algo.num_minibatches = 1
     m = tr.step()
     res["variants"] = {k: m.get(k) for k in ("loss", "resample_rounds", "filtered_groups",
                                              "reward_mean", "kl")}
@@ -224,9 +225,8 @@ def kl_in_reward_check(tr):
     with torch.no_grad():
         for p in tr.reference.model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    batch, _ = tr.build_batch(tr.rollout())
-    tr.score(batch, False)
-    if batch.old_logp is None or tr.tp_rank != 0:
+    batch, _ = tr.prepare(tr.rollout())
+    if batch.old_logp is None or tr.ranks.tp_rank != 0:
         return None
     rows = batch.seq_valid.nonzero().squeeze(1)
     mask = batch.mask[rows]
@@ -245,20 +245,20 @@ def kl_in_reward_check(tr):
 def empty_minibatch_check(tr):
     """One prompt's group (G=4 sequences) in 8 minibatches: 4 hold no real sequence. They must
     be skipped (no optimizer step, no LR advance) and the logged loss stay finite."""
-    from megagrpo.trainer import _select_groups
+    from megagrpo.rollout import select_groups
 
     tr.cfg.algo.kl_in_reward = False
-    tr.cfg.run.num_minibatches = 8
+    tr.cfg.algo.num_minibatches = 8
     ro = tr.rollout()
     keep = torch.zeros(len(ro.prompts), dtype=torch.bool)
     keep[0] = True
-    batch, _ = tr.build_batch(_select_groups(ro, keep, tr.cfg.algo.group_size))
-    tr.score(batch, False)
+    batch, _ = tr.prepare(select_groups(ro, keep, tr.cfg.algo.group_size))
     before = tr.opt_steps
-    m = tr.update(batch)
-    tr.cfg.run.num_minibatches = 1
-    return {"rows": batch.num_seqs, "opt_steps": tr.opt_steps - before, "loss": m["loss"],
-            "skipped": m["skipped_minibatches"], "grad_norm": m["grad_norm"]}
+    upd = tr.update(batch)
+    tr.cfg.algo.num_minibatches = 1
+    return {"rows": batch.num_seqs, "opt_steps": tr.opt_steps - before,
+            "loss": upd.metrics["loss"], "skipped": upd.empty_minibatches,
+            "grad_norm": upd.metrics["grad_norm"]}
 
 
 def eval_accuracy_check(tr):
@@ -266,18 +266,18 @@ def eval_accuracy_check(tr):
     against the arithmetic term scored here on the same greedy completions."""
     from megagrpo.config.data import RewardConfig, RewardTermConfig
     from megagrpo.data import encode_prompt
+    from megagrpo.engine import SamplingSettings
     from megagrpo.rewards import RewardFn
-    from megagrpo.rollout import SamplingSettings
     from megagrpo.tasks.arithmetic import reward
 
-    saved = tr.reward_fn
-    tr.reward_fn = RewardFn(RewardConfig(terms=[
+    saved = tr.rollouts.reward_fn
+    tr.rollouts.reward_fn = RewardFn(RewardConfig(terms=[
         RewardTermConfig(name="arithmetic"),
         RewardTermConfig(name="format", kwargs={"pattern": ".*"})]))
     acc = tr.evaluate(tr.task.eval)
-    tr.reward_fn = saved
-    s = SamplingSettings(temperature=0.0, max_tokens=tr.cfg.run.eval_max_tokens, n=1,
-                         stop_token_ids=tr.stop_ids)
+    tr.rollouts.reward_fn = saved
+    s = SamplingSettings(temperature=0.0, max_tokens=tr.cfg.eval.max_tokens, n=1,
+                         stop_token_ids=tr.tokens.stop_ids)
     comps = tr.engine.generate([encode_prompt(tr.tokenizer, e.prompt) for e in tr.task.eval], s)
     texts = [c.text or tr.tokenizer.decode(c.token_ids) for c in comps]
     ref = sum(reward(t, e.answer) for t, e in zip(texts, tr.task.eval)) / len(texts)
@@ -292,7 +292,7 @@ def bad_steps_check(tr):
     for key, value in (("std_mode", "none"), ("mu", 1), ("loss_agg", "grpo")):
         setattr(tr.cfg.algo, key, value)
     tr.cfg.run.max_bad_steps = 2
-    saved, tr.reward_fn = tr.reward_fn, HugeReward()
+    saved, tr.rollouts.reward_fn = tr.rollouts.reward_fn, HugeReward()
     p0, opt0, version0 = local_params(tr.policy), tr.opt_steps, tr.version
     m = tr.step()
     out = {"rewards_step": {k: m[k] for k in ("nonfinite_rewards", "update_skipped",
@@ -310,16 +310,16 @@ def bad_steps_check(tr):
     p1 = local_params(tr.policy)
     out["params_unchanged"] = all(torch.equal(p0[n], p1[n]) for n in p0)
     out["opt_steps"], out["versions"] = tr.opt_steps - opt0, tr.version - version0
-    tr.reward_fn = saved
+    tr.rollouts.reward_fn = saved
     return out
 
 
 def stop_check(tr, err, work):
     """run.train's handler: checkpoint, engine closed, SystemExit with the reason (per rank)."""
-    from megagrpo.run import stop_on_bad_steps
+    from megagrpo.run import checkpoints, stop_on_bad_steps
 
     try:
-        stop_on_bad_steps(tr, err)
+        stop_on_bad_steps(tr, checkpoints(tr.cfg), err)
         msg = "no SystemExit"
     except SystemExit as e:
         msg = str(e.code)

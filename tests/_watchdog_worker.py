@@ -63,13 +63,13 @@ def collective(work: Path, rank: int) -> None:
 
 
 def stall_loop(work: Path, scenario: str, rank: int, world: int) -> None:
-    from megagrpo.config.train import RunConfig
+    from megagrpo.config.run import WatchdogConfig
     from megagrpo.metrics import PhaseTimer
     from megagrpo.watchdog import start_watchdog
 
     # freeze: only the heartbeat check can fire; slow: only the stall check can (the heartbeat
     # timeout is far longer, so a rank starved by a loaded machine is not taken for frozen)
-    run = RunConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=6.0 if scenario == "freeze"
+    run = WatchdogConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=6.0 if scenario == "freeze"
                     else 30.0, stall_timeout_s=60.0 if scenario == "freeze" else 3.0)
     watchdog = start_watchdog(run, rank, world)
     # a long collective timeout: the watchdog, not gloo, must be what ends the run

@@ -36,13 +36,13 @@ def test_overrides_and_inheritance(tmp_path):
     (["reference.alpha=0"], r"reference.alpha=0"),
     (["data.batch_size=3"], r"data.batch_size=3 must be divisible by the data-parallel size 2"),
     (["parallel.tp=3"], r"parallel.tp=3 does not divide model.num_attention_heads"),
-    (["run.kernel_impl=cuda"], r"run.kernel_impl='cuda'"),
-    (["run.pack_sequences=true", "parallel.attention_impl=megatron"],
-     r"run.pack_sequences=true needs parallel.attention_impl sdpa or auto"),
-    (["run.pack_sequences=true", "run.micro_batch_tokens=0"],
-     r"run.pack_sequences=true needs a token budget"),
-    (["run.pack_sequences=true", "run.logits_at_loss_positions=false"],
-     r"run.pack_sequences=true needs run.logits_at_loss_positions=true"),
+    (["compute.kernel_impl=cuda"], r"compute.kernel_impl='cuda'"),
+    (["compute.pack_sequences=true", "parallel.attention_impl=megatron"],
+     r"compute.pack_sequences=true needs parallel.attention_impl sdpa or auto"),
+    (["compute.pack_sequences=true", "compute.micro_batch_tokens=0"],
+     r"compute.pack_sequences=true needs a token budget"),
+    (["compute.pack_sequences=true", "compute.logits_at_loss_positions=false"],
+     r"compute.pack_sequences=true needs compute.logits_at_loss_positions=true"),
 ])
 def test_bad_config_names_the_field(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -56,11 +56,12 @@ def test_sequence_packing_runs_where_it_can():
 
     def packed(*overrides):
         cfg = load_config(DEMO, ["parallel.transformer_impl=local", *overrides])
-        return sequence_packing(cfg.run, cfg.parallel)
+        return sequence_packing(cfg.compute, cfg.parallel)
 
-    assert packed() and not packed("run.pack_sequences=false")
+    assert packed() and not packed("compute.pack_sequences=false")
     assert not packed("parallel.attention_impl=megatron") and not packed("parallel.pp=2")
-    assert not packed("run.micro_batch_tokens=0") and not packed("run.trim_micro_batches=false")
+    assert not packed("compute.micro_batch_tokens=0")
+    assert not packed("compute.trim_micro_batches=false")
 
 
 # --------------------------------------------------------------------------------- recipes
@@ -164,20 +165,20 @@ def test_defaults_and_every_recipe_round_trip_through_yaml(tmp_path):
     (["optim.adam_eps=-1e-8"], r"optim\.adam_eps=-1e-08: need > 0"),
     (["optim.clip_grad=-1"], r"optim\.clip_grad=-1\.0: need >= 0"),
     (["optim.weight_decay=-0.1"], r"optim\.weight_decay=-0\.1: need >= 0"),
-    (["run.eval_every=-1"], r"run\.eval_every=-1 must be >= 0"),
-    (["run.checkpoint_every=-5"], r"run\.checkpoint_every=-5 must be >= 0"),
-    (["run.sft_lr=-1e-3"], r"run\.sft_lr=-0\.001 must be > 0"),
-    (["run.eval_max_tokens=0"], r"run\.eval_max_tokens=0 must be >= 1"),
+    (["eval.every=-1"], r"eval\.every=-1 must be >= 0"),
+    (["checkpoint.every=-5"], r"checkpoint\.every=-5 must be >= 0"),
+    (["cold_start.lr=-1e-3"], r"cold_start\.lr=-0\.001 must be > 0"),
+    (["eval.max_tokens=0"], r"eval\.max_tokens=0 must be >= 1"),
     (["rollout.temperature=0"], r"rollout\.temperature=0 is greedy decoding.*> 0"),
     (["rollout.logprobs_mode=raw_logprobs", "rollout.temperature=0.7"],
      r"raw_logprobs with rollout\.temperature=0\.7: vLLM's raw log-probs are taken before"),
     (["data.system_prompt=Be brief."], r"data\.system_prompt is set but data\.template='\{pr"),
-    (["data.task=file", "data.path=x.jsonl", "run.sft_steps=5"],
-     r"run\.sft_steps=5: the supervised cold start exists for data\.task=arithmetic only"),
+    (["data.task=file", "data.path=x.jsonl", "cold_start.steps=5"],
+     r"cold_start\.steps=5: the supervised cold start exists for data\.task=arithmetic only"),
     (["data.overlong_prompts=cut"], r"data\.overlong_prompts='cut': use one of \('error', "),
-    (["run.micro_batch_tokens=-1"], r"run\.micro_batch_tokens=-1 must be >= 0"),
-    (["run.micro_batch_tokens=512", "parallel.pp=2"],
-     r"run\.micro_batch_tokens=512 needs parallel\.pp=1 \(got 2"),
+    (["compute.micro_batch_tokens=-1"], r"compute\.micro_batch_tokens=-1 must be >= 0"),
+    (["compute.micro_batch_tokens=512", "parallel.pp=2"],
+     r"compute\.micro_batch_tokens=512 needs parallel\.pp=1 \(got 2"),
 ])
 def test_out_of_range_value_names_field_and_valid_range(overrides, match):
     cfg = load_config(DEMO, overrides)  # well-typed: loads
@@ -190,7 +191,7 @@ def test_raw_logprobs_is_fine_at_temperature_one():
 
 
 def test_group_size_is_the_only_name_for_g():
-    from megagrpo.rollout import SamplingSettings
+    from megagrpo.engine import SamplingSettings
 
     assert "n" not in {f.name for f in dataclasses.fields(RolloutConfig)}
     cfg = RolloutConfig(temperature=0.5, max_tokens=7, stop=["##"])

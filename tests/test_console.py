@@ -76,9 +76,9 @@ def _demo(tmp_path, *extra):
     e = dict(os.environ)
     e.pop("OMP_NUM_THREADS", None)  # the launcher picks threads per rank
     return subprocess.run(
-        [sys.executable, "-m", "megagrpo", "demo", *extra, "run.steps=2", "run.sft_steps=2",
-         "run.eval_every=0", "arithmetic.num_eval=16", f"run.out_dir={tmp_path}/run",
-         "run.checkpoint_at_end=true"],
+        [sys.executable, "-m", "megagrpo", "demo", *extra, "run.steps=2", "cold_start.steps=2",
+         "eval.every=0", "arithmetic.num_eval=16", f"run.out_dir={tmp_path}/run",
+         "checkpoint.at_end=true"],
         capture_output=True, text=True, env=e, timeout=900)
 
 

@@ -1,6 +1,6 @@
 """Prompt files, templates, tokenizers behind one protocol, and the DP-sharded loader."""
-import importlib.util
 import json
+import sys
 
 import pytest
 
@@ -40,32 +40,49 @@ def test_json_array_and_bad_lines(tmp_path):
         data.read_records(arr.rename(tmp_path / "a.txt"))
 
 
-def test_parquet_or_clear_error(tmp_path):
-    path = tmp_path / "p.parquet"
-    if importlib.util.find_spec("pyarrow") is None:
-        path.write_bytes(b"PAR1")
-        with pytest.raises(ImportError, match="pip install pyarrow"):
-            data.read_records(path)
-        return
+def test_parquet_records(tmp_path):
+    # pyarrow is in requirements-cpu.txt: a missing or broken install fails here, never skips
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    path = tmp_path / "p.parquet"
     pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", "2"]}), path)
     want = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
     assert data.read_records(path) == want
 
 
-def test_datasets_folder_or_clear_error(tmp_path):
+def test_parquet_without_pyarrow_is_a_clear_error(tmp_path, monkeypatch):
+    # None in sys.modules makes `import pyarrow.parquet` raise ImportError, as when absent
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    path = tmp_path / "p.parquet"
+    path.write_bytes(b"PAR1")
+    with pytest.raises(ImportError, match="pip install pyarrow"):
+        data.read_records(path)
+
+
+def test_datasets_folder_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)
     folder = tmp_path / "ds"
     folder.mkdir()
-    if importlib.util.find_spec("datasets") is None:
-        with pytest.raises(ImportError, match="pip install datasets"):
-            data.read_records(folder)
-        return
-    import datasets
+    with pytest.raises(ImportError, match="pip install datasets"):
+        data.read_records(folder)
+
+
+@pytest.mark.heavy  # `datasets` (pandas, xxhash, multiprocess, ...) is not in requirements-cpu.txt
+def test_datasets_folder_records(tmp_path):
+    try:
+        import datasets
+    except ImportError:
+        pytest.fail("this heavy test reads a real datasets folder: `.venv/bin/python -m pip "
+                    "install datasets` first (it is not in requirements-cpu.txt)")
+    folder = tmp_path / "ds"
     train = datasets.Dataset.from_dict({"prompt": ["a"], "answer": ["1"]})
     dd = datasets.DatasetDict({"train": train})
     dd.save_to_disk(str(folder))
     assert data.read_records(folder, split="train") == [{"prompt": "a", "answer": "1"}]
+    with pytest.raises(ValueError, match="has splits"):
+        data.read_records(folder, split="test")
 
 
 def test_sentencepiece_tokenizer_protocol(tmp_path):

@@ -1,5 +1,6 @@
-"""README config reference vs the dataclasses; every config field documented; every recipe in
-examples/ loads and validates at its intended world size (nothing is started)."""
+"""docs/config.md's config reference vs the dataclasses; every config field documented; every
+relative link in README.md and docs/ resolves; every recipe in examples/ loads and validates at
+its intended world size (nothing is started)."""
 import dataclasses
 import re
 import subprocess
@@ -12,25 +13,63 @@ from megagrpo.config import docs
 from megagrpo.config.train import TrainConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+CONFIG_DOC = ROOT / "docs" / "config.md"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# [text](target) and ![alt](target); the target ends at whitespace or ')' (a title may follow)
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?[^)]*\)")
 RECIPES = sorted((ROOT / "examples").glob("*.yaml"))
 # recipes without a `# world_size: N [M ...]` line (owned elsewhere)
 WORLD_SIZES = {"demo.yaml": (2,)}
 
 
-def test_readme_config_reference_is_current():
-    text = README.read_text()
+def test_config_reference_is_current():
+    text = CONFIG_DOC.read_text()
     block = text.split(docs.START, 1)[1].split(docs.END, 1)[0]
     assert block == "\n" + docs.render(), (
-        "README config reference is stale: python -m megagrpo.config.docs --write README.md")
-    assert docs.main(["--check", str(README)]) == 0
+        "docs/config.md is stale: python -m megagrpo.config.docs --write docs/config.md")
+    assert docs.main(["--check", str(CONFIG_DOC)]) == 0
+
+
+def _unfenced(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+
+
+def _links(text: str) -> list[str]:
+    """Link targets outside fenced code blocks and inline code spans."""
+    return LINK.findall(re.sub(r"`[^`\n]*`", "", _unfenced(text)))
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading ids: lower case, punctuation but '-' and '_' dropped, spaces -> '-'."""
+    heads = re.findall(r"^#{1,6} +(.+?) *#*$", _unfenced(page.read_text()), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
+
+
+def test_relative_links_resolve():
+    """Every relative link in README.md and docs/*.md points at an existing file, and an
+    anchor into a Markdown page names one of its headings, so splitting or moving a page
+    cannot leave dead links behind."""
+    assert len(PAGES) > 1
+    dead = []
+    for page in PAGES:
+        for target in _links(page.read_text()):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):
+                continue  # http(s):, mailto:, ...
+            path, _, anchor = target.split("?", 1)[0].partition("#")
+            dest = (page.parent / path) if path else page
+            if not dest.exists():
+                dead.append(f"{page.relative_to(ROOT)}: {target}")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                dead.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not dead, f"dead links: {dead}"
 
 
 def test_every_field_has_a_docstring():
     hints = typing.get_type_hints(TrainConfig)
     names = [f.name for f in dataclasses.fields(TrainConfig)]
     assert names == ["model", "parallel", "optim", "rollout", "algo", "data", "arithmetic",
-                     "reward", "reference", "run"]
+                     "reward", "reference", "run", "compute", "checkpoint", "eval",
+                     "cold_start", "log", "watchdog"]
     for name, cls, rows in docs.sections():
         intro, _ = docs.field_docstrings(cls)
         assert intro, f"{cls.__name__} has no class docstring"
@@ -42,7 +81,7 @@ def test_every_field_has_a_docstring():
 
 
 def test_splice_and_check(tmp_path):
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "config.md"
     readme.write_text(f"# x\n\n{docs.START}\nold\n{docs.END}\n\ntail\n")
     assert docs.main(["--check", str(readme)]) == 1
     assert docs.main(["--write", str(readme)]) == 0

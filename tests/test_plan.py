@@ -24,7 +24,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TINY = ["model.vocab_size=100", "model.hidden_size=8", "model.ffn_hidden_size=16",
         "model.num_layers=2", "model.num_attention_heads=2", "model.num_query_groups=2",
         "model.head_dim=4", "parallel.make_vocab_size_divisible_by=8",
-        "run.micro_batch_size=2", "rollout.max_model_len=8", "data.batch_size=4"]
+        "compute.micro_batch_size=2", "rollout.max_model_len=8", "data.batch_size=4"]
 
 
 def tiny(**kw) -> ModelConfig:
@@ -82,7 +82,7 @@ def test_rank_bytes_by_hand():
     (["optim.distributed_optimizer=false"], "optimizer", 8 * 1576),  # fp32: no master copy
     (["algo.beta=0"], "reference", 0),
     (["reference.offload=true"], "reference", 0),
-    (["run.inplace_backward=false"], "logits_fused", 2 * 16 * 56 * 4 + 960),
+    (["compute.inplace_backward=false"], "logits_fused", 2 * 16 * 56 * 4 + 960),
     (["parallel.transformer_impl=local"], "activations",
      2 * 2 * (8 * 2 * 8 * 22 + 5 * 2 * 8 * 8 * 2 // 2)),  # fp32 doubles the 2-byte estimate
 ])

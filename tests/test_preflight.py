@@ -62,7 +62,7 @@ def test_overlong_prompts_refused_or_dropped_at_the_exact_budget(tmp_path, spm_m
     records = [{"prompt": "1" * k, "answer": "1"} for k in range(18, 28)]
     evals = [{"prompt": "2" * k, "answer": "2"} for k in range(18, 30)]
     eval_path = _jsonl(tmp_path / "eval.jsonl", evals)
-    over = ["run.eval_max_tokens=4", f"data.eval_path={eval_path}"]
+    over = ["eval.max_tokens=4", f"data.eval_path={eval_path}"]
     lengths = [_reference_length(spm_model, r["prompt"] + "=") for r in records]
     fits = [r["prompt"] + "=" for r, n in zip(records, lengths) if n + 8 <= 32]
     assert 24 in lengths and 25 in lengths  # the boundary is exercised
@@ -228,8 +228,8 @@ def test_setup_runs_the_same_checks_before_any_process_group(tmp_path, monkeypat
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
-    cfg = load_config(DEMO, ["data.task=file", "data.path=/nonexistent/x.jsonl", "run.sft_steps=0",
-                             f"run.out_dir={tmp_path}"])
+    cfg = load_config(DEMO, ["data.task=file", "data.path=/nonexistent/x.jsonl",
+                             "cold_start.steps=0", f"run.out_dir={tmp_path}"])
     with pytest.raises(ValueError, match=r"data\.path='/nonexistent/x\.jsonl'"):
         setup(cfg)
     assert not dist.is_initialized()
@@ -256,7 +256,7 @@ def _train(tmp_path: Path, *args: str) -> tuple[int, str, float]:
 def test_cli_fails_fast_with_the_field_named(tmp_path, spm_model):
     (tmp_path / "tab.yaml").write_text(f"base: {DEMO}\nrun:\n\tsteps: 3\n")
     long_prompts = _jsonl(tmp_path / "long.jsonl", [{"prompt": "1" * 40, "answer": "1"}] * 4)
-    file_task = ["data.task=file", "run.sft_steps=0", f"data.path={long_prompts}",
+    file_task = ["data.task=file", "cold_start.steps=0", f"data.path={long_prompts}",
                  f"data.tokenizer={spm_model}",
                  "rollout.max_model_len=32", "reward.terms=[{name: exact_match}]"]
     cases = [

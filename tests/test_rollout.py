@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import vllm  # noqa: F401  (a CPU requirement: a broken install fails here, never skips)
 
 from megagrpo.config.rollout import RolloutConfig, check_head_dim
-from megagrpo.rollout import SamplingSettings, VLLMEngine, expected_hf_params, logprob_gap
+from megagrpo.engine import SamplingSettings, VLLMEngine, expected_hf_params, logprob_gap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _rollout_model import build_tiny_llama, hf_greedy, hf_token_logprobs  # noqa: E402
-
-pytest.importorskip("vllm")
 
 PROMPTS = [[0, 40, 41, 42], [0, 70, 80, 90, 5, 6], [0, 33], [0, 50, 51, 52, 53, 54, 55, 56]]
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=16)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megagrpo import algo
+from megagrpo.advantage import advantages, kl_penalized_rewards
 from megagrpo.batch import pack
 from megagrpo.config.train import TrainConfig
 from megagrpo.losses import LossContext, grpo_loss
@@ -22,6 +23,13 @@ def _trainer(estimator: str = "k3", std_mode: str = "group") -> Trainer:
         setattr(cfg.algo, k, v)
     # no processes: dp=1 and a reference that only needs to exist
     return Trainer(cfg, reference=object())
+
+
+def _kl_advantages(tr: Trainer, batch) -> dict:
+    """The step's KL-in-reward stage: penalised rewards, then their group advantages."""
+    rewards, metrics = kl_penalized_rewards(batch, tr.cfg.algo)
+    batch.set_advantages(advantages(rewards, tr.cfg.algo))
+    return metrics
 
 
 def _batch(lengths: list[int], rewards: list[float]):
@@ -79,9 +87,17 @@ def test_equal_kl_within_a_group_cancels(estimator):
     d = {"k1": 0.5, "k2": 1.0, "k3": 1.0}[estimator]  # summed over 3 tokens: 1.5 for k1, k2
     _set_logps(batch, lambda r, t: -1.0, lambda r, t: -1.0 - d)
     tr = _trainer(estimator)
-    metrics = tr._kl_penalized_advantages(batch)
+    metrics = _kl_advantages(tr, batch)
     rows = batch.seq_valid.nonzero().squeeze(1).tolist()
-    want = algo.group_advantages(torch.tensor(rewards, dtype=torch.float64), G).tolist()
+    # the unpenalised rewards' advantages, written out (not algo.group_advantages): per group
+    # (r - mean) / (std + 1e-6), std with Bessel's correction as the library documents
+    want = []
+    for b in range(0, len(rewards), G):
+        grp = rewards[b:b + G]
+        mean = sum(grp) / G
+        std = math.sqrt(sum((x - mean) ** 2 for x in grp) / (G - 1))
+        want += [(x - mean) / (std + 1e-6) for x in grp]
+    assert want[:4] == pytest.approx([0.866025, -0.866025] * 2, abs=1e-5)  # the issue's numbers
     assert _token_advantages(batch, rows) == pytest.approx(want, abs=1e-5)
     assert metrics["kl_seq_mean"] == pytest.approx(3 * _est(d, estimator), rel=1e-5)
 
@@ -94,7 +110,7 @@ def test_kl_in_reward_matches_float64_and_kl_penalized_rewards(estimator):
     g = torch.Generator().manual_seed(0)
     noise = torch.randn(batch.mask.shape, generator=g)
     _set_logps(batch, lambda r, t: -0.5 - 0.1 * t, lambda r, t: -0.5 - 0.1 * t + 2 * noise[r, t])
-    _trainer(estimator)._kl_penalized_advantages(batch)
+    _kl_advantages(_trainer(estimator), batch)
     rows, want = _reference_advantages(batch, rewards, estimator)
     got = [float(batch.advantages[r][batch.mask[r]][0]) if batch.mask[r].any() else 0.0
            for r in rows]
@@ -130,7 +146,7 @@ def test_kl_in_reward_uses_the_loss_kl(estimator, gap):
     batch.old_logp = torch.where(batch.mask, logp.float(), 0.0)
     batch.ref_logp = torch.where(batch.mask, logp.float() + sign * gap, 0.0)
     _, report = grpo_loss(ctx, batch, logits.clone())
-    metrics = tr._kl_penalized_advantages(batch)
+    metrics = _kl_advantages(tr, batch)
     assert metrics["kl_seq_mean"] * 8 == pytest.approx(float(report["kl_sum"]), rel=1e-5)
     unclamped = sum(_est(-float(sign[t]) * gap, estimator) if estimator != "k3" else 10.0
                     for r, t in batch.mask.nonzero().tolist())

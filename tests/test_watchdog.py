@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from megagrpo.config.train import RunConfig
+from megagrpo.config.run import WatchdogConfig
 from megagrpo.watchdog import EXIT_STALLED, Watchdog, WatchdogSettings
 from tests._launch import free_port
 
@@ -84,7 +84,7 @@ def test_stalled_phase_names_the_phase_and_every_rank_phase():
     w1.tick()
     message, frozen = w0.tick()
     assert frozen is None
-    assert "phase 'score' of step 2 has run 11.0 s > run.stall_timeout_s=10" in message
+    assert "phase 'score' of step 2 has run 11.0 s > watchdog.stall_timeout_s=10" in message
     assert "rank 0 in 'score' of step 2" in message and "rank 1 in 'update' of step 2" in message
 
 
@@ -105,16 +105,16 @@ def test_thread_fires_on_a_stalled_phase_and_stops_cleanly():
 
 
 @pytest.mark.parametrize("override, field", [
-    (dict(heartbeat_interval_s=0.0), "run.heartbeat_interval_s"),
-    (dict(heartbeat_interval_s=float("nan")), "run.heartbeat_interval_s"),
-    (dict(heartbeat_timeout_s=10.0), "run.heartbeat_timeout_s"),  # < 3 beats of 5 s
-    (dict(stall_timeout_s=-1.0), "run.stall_timeout_s"),
-    (dict(stall_timeout_s=float("inf")), "run.stall_timeout_s"),
+    (dict(heartbeat_interval_s=0.0), "watchdog.heartbeat_interval_s"),
+    (dict(heartbeat_interval_s=float("nan")), "watchdog.heartbeat_interval_s"),
+    (dict(heartbeat_timeout_s=10.0), "watchdog.heartbeat_timeout_s"),  # < 3 beats of 5 s
+    (dict(stall_timeout_s=-1.0), "watchdog.stall_timeout_s"),
+    (dict(stall_timeout_s=float("inf")), "watchdog.stall_timeout_s"),
 ])
 def test_watchdog_settings_are_range_checked(override, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        RunConfig(**override).validate()
-    RunConfig(stall_timeout_s=0.0, heartbeat_timeout_s=0.0).validate()  # both off is valid
+        WatchdogConfig(**override).validate()
+    WatchdogConfig(stall_timeout_s=0.0, heartbeat_timeout_s=0.0).validate()  # both off is valid
 
 
 @pytest.mark.parametrize("value", [0.0, -5.0, float("nan"), float("inf")])
@@ -181,7 +181,8 @@ def test_stalled_phase_stops_the_run_naming_the_phase(tmp_path):
     rc, out, seconds = launch(tmp_path, "slow", timeout=200)  # rank 0 would sleep 120 s
     assert rc != 0, out[-4000:]
     assert 3 < seconds < 30, (seconds, out[-4000:])
-    assert "phase 'score' of step 2 has run" in out and "run.stall_timeout_s=3" in out, out[-4000:]
+    assert "phase 'score' of step 2 has run" in out, out[-4000:]
+    assert "watchdog.stall_timeout_s=3" in out, out[-4000:]
     assert "ranks 0-1 in 'score' of step 2" in out  # both alive, both in the stalled phase
     assert "finished without the watchdog firing" not in out
 
@@ -204,10 +205,10 @@ def test_frozen_rank_in_a_real_run_is_named(tmp_path):
     import resume_stress as stress  # the tiny 2-rank run and its launch helpers
 
     flag, out, log = tmp_path / "freeze", tmp_path / "run", tmp_path / "run.log"
-    proc = stress.launch(out, 20, log, "run.checkpoint_every=0", "run.checkpoint_at_end=false",
+    proc = stress.launch(out, 20, log, "checkpoint.every=0", "checkpoint.at_end=false",
                          f"reward.terms=[{{name: 'tests._watchdog_rewards:freeze_when_flagged', "
                          f"kwargs: {{flag: '{flag}'}}}}]",
-                         "run.heartbeat_interval_s=1", "run.heartbeat_timeout_s=8")
+                         "watchdog.heartbeat_interval_s=1", "watchdog.heartbeat_timeout_s=8")
     below: set[int] = set()
     try:
         stress.wait_for_step(proc, out, 1, timeout=400)

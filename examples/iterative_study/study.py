@@ -126,7 +126,7 @@ def quick_grid() -> Grid:
     return Grid(tasks=(task,), betas=(0.04,),
                 variants=tuple(v for v in variants(2, 0.1) if v.name in pick),
                 seeds=(1, 2), steps=4, eval_every=2, num_eval=24,
-                extra=("data.batch_size=8", "algo.group_size=4", "run.num_minibatches=1",
+                extra=("data.batch_size=8", "algo.group_size=4", "algo.num_minibatches=1",
                        "arithmetic.num_train=24"))
 
 
@@ -205,8 +205,8 @@ def run_cold_start(grid: Grid, task: Task, work: Path, timeout_s: float) -> Path
     if (out / "summary.json").exists() and policy.is_dir():
         return policy
     overrides = [f"arithmetic.digits={task.digits}", f"arithmetic.num_eval={grid.num_eval}",
-                 f"run.sft_steps={task.sft_steps}",
-                 "run.steps=0", "run.checkpoint_at_end=true", "algo.beta=0", *grid.extra]
+                 f"cold_start.steps={task.sft_steps}",
+                 "run.steps=0", "checkpoint.at_end=true", "algo.beta=0", *grid.extra]
     res = _megagrpo(overrides, out, out.parent / f"{task.name}.log", timeout_s)
     if res.returncode != 0 or not policy.is_dir():
         raise SystemExit(f"cold start of task {task.name} failed (rc={res.returncode}); see "
@@ -224,7 +224,7 @@ def run_overrides(grid: Grid, spec: RunSpec, init: Path) -> list[str]:
     s = spec.seed
     return [f"arithmetic.digits={spec.task.digits}", f"arithmetic.num_eval={grid.num_eval}",
             f"run.init={init}",
-            f"run.steps={grid.steps}", f"run.eval_every={grid.eval_every}",
+            f"run.steps={grid.steps}", f"eval.every={grid.eval_every}",
             f"run.seed={s}", f"rollout.seed={s}", f"data.seed={s}", f"algo.beta={spec.beta}",
             *spec.variant.overrides, *grid.extra]
 

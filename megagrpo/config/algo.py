@@ -26,6 +26,8 @@ class AlgoConfig:
     """Dr. GRPO constant normaliser (tokens per sequence); 0 = use the rollout's max new tokens."""
     mu: int = 1
     """Optimisation passes over each batch of rollouts (mu > 1 needs old log-probs)."""
+    num_minibatches: int = 1
+    """Optimizer steps per pass over a rollout batch (PPO-style minibatches)."""
     eps_low: float = 0.2
     """Lower clip: the ratio is clipped at 1 - eps_low."""
     eps_high: float = 0.2
@@ -75,6 +77,8 @@ class AlgoConfig:
             raise ValueError(f"algo.group_size={self.group_size}: need >= 2 for a group baseline")
         if self.mu < 1:
             raise ValueError(f"algo.mu={self.mu}: need >= 1 optimisation pass")
+        if self.num_minibatches < 1:
+            raise ValueError(f"algo.num_minibatches={self.num_minibatches} must be >= 1")
         if not 0.0 <= self.eps_low < 1.0:
             raise ValueError(f"algo.eps_low={self.eps_low}: need 0 <= eps_low < 1")
         if self.eps_high < 0.0:

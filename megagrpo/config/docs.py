@@ -1,11 +1,11 @@
-"""The README's config reference, generated from the config dataclasses.
+"""The config reference (docs/config.md), generated from the config dataclasses.
 
 Each field's description is the string literal that follows it in the class body (read with
 `ast`, since Python keeps no runtime trace of it); a section's intro is its class docstring.
 
-    python -m megagrpo.config.docs                    # print the reference
-    python -m megagrpo.config.docs --write README.md  # replace the block between the markers
-    python -m megagrpo.config.docs --check README.md  # exit 1 when the README block is stale
+    python -m megagrpo.config.docs                         # print the reference
+    python -m megagrpo.config.docs --write docs/config.md  # replace the block between the markers
+    python -m megagrpo.config.docs --check docs/config.md  # exit 1 when that block is stale
 """
 from __future__ import annotations
 
@@ -101,11 +101,11 @@ def _cell(text: str) -> str:
 def render() -> str:
     """The Markdown reference (without the markers)."""
     lines = [("Generated from `megagrpo/config/*.py` by `python -m megagrpo.config.docs --write "
-             "README.md`; do not edit by hand. Every key can be set in a recipe or overridden on "
-             "the command line as `section.key=value` (values parsed as YAML).")]
+             "docs/config.md`; do not edit by hand. Every key can be set in a recipe or "
+             "overridden on the command line as `section.key=value` (values parsed as YAML).")]
     for name, cls, rows in sections():
         intro, _ = field_docstrings(cls)
-        lines += ["", f"#### `{name}`", "", intro, "", "| key | type | default | description |",
+        lines += ["", f"## `{name}`", "", intro, "", "| key | type | default | description |",
                   "|---|---|---|---|"]
         lines += [f"| `{r.key}` | `{_cell(r.type)}` | `{_cell(r.default)}` | {_cell(r.doc)} |"
                   for r in rows]
@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megagrpo.config.docs", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     group = ap.add_mutually_exclusive_group()
-    group.add_argument("--write", metavar="README", help="update the marked block in place")
-    group.add_argument("--check", metavar="README", help="exit 1 when the marked block is stale")
+    group.add_argument("--write", metavar="FILE", help="update the marked block in place")
+    group.add_argument("--check", metavar="FILE", help="exit 1 when the marked block is stale")
     args = ap.parse_args(argv)
     block = render()
     if not (args.write or args.check):

@@ -15,11 +15,15 @@ import types
 import typing
 from typing import Any
 
+from megagrpo.config.run import MOVED_RUN_KEYS
+
 # Keys that used to exist, and where their meaning lives now: a recipe that still sets one gets
 # told, instead of the setting being silently ignored.
 REMOVED_KEYS: dict[str, str] = {
     "rollout.n": "the group size G (completions per prompt) is algo.group_size: set "
                  "algo.group_size instead (rollout.n was documented as G but never used)",
+    **{f"run.{old}": f"run's 32 settings were split by concern: it is {new} now (in a recipe, "
+                     f"under '{new.split('.')[0]}:')" for old, new in MOVED_RUN_KEYS.items()},
 }
 
 

@@ -14,6 +14,15 @@ from megagrpo.config.layout import check_rollout_layout
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.optim import OptimConfig
 from megagrpo.config.rollout import RolloutConfig
+from megagrpo.config.run import (
+    CheckpointConfig,
+    ColdStartConfig,
+    ComputeConfig,
+    EvalConfig,
+    LogConfig,
+    RunConfig,
+    WatchdogConfig,
+)
 from megagrpo.config.schema import build_dataclass, check_instance
 
 
@@ -46,119 +55,6 @@ class ReferenceConfig:
 
 
 @dataclass(kw_only=True)
-class RunConfig:
-    """Loop length, batching inside a step, checkpoints, evaluation and logging."""
-
-    steps: int = 20
-    """GRPO steps (one rollout batch each)."""
-    seed: int = 1234
-    """Seed of model init, sampling and data order."""
-    out_dir: str = "runs/default"
-    """Metrics, checkpoints, summary and plots go here."""
-    init: str = "random"
-    """'random', an HF checkpoint directory, or a megagrpo checkpoint directory."""
-    micro_batch_size: int = 16
-    """Sequences per forward/backward micro-batch."""
-    micro_batch_tokens: int | None = None
-    """Token budget of a micro-batch (rows x its longest row, at most micro_batch_size rows) of
-    length-sorted sequences; None: 1024 at parallel.pp = 1, off under pipeline parallelism;
-    0: off."""
-    trim_micro_batches: bool = True
-    """Sort sequences by length and cut each micro-batch to its longest one (pp = 1 only:
-    pipeline stages exchange fixed shapes)."""
-    skip_zero_advantage: bool = True
-    """Without a KL term in the loss (beta = 0 or algo.kl_in_reward), skip the forward and
-    backward of sequences whose advantage is 0: they add exactly nothing to the gradient
-    (entropy and clip metrics then cover the trained sequences)."""
-    logits_at_loss_positions: bool = True
-    """Run the output layer and the vocab pass only at completion tokens (not at prompt or
-    padding positions)."""
-    reuse_equal_reference: bool = True
-    """When the reference's weights are bitwise the policy's at scoring time (a reset with
-    reference.alpha = 1 and no update since) and the policy's old log-probs are scored anyway,
-    take the reference log-probs from them instead of running the reference's forward pass."""
-    pack_sequences: bool | None = None
-    """Lay each micro-batch's sequences end to end (megatron's `thd` layout) so the dense layers
-    process no padding; the micro-batch is then cut by its summed tokens
-    (run.micro_batch_tokens), not by micro_batch_size. None: on where it can run (parallel.pp =
-    1, torch SDPA attention, the levers above on); true where it cannot is an error."""
-    num_minibatches: int = 1
-    """Optimizer steps per pass over a rollout batch (PPO-style minibatches)."""
-    async_rollout: bool = False
-    """One-step off-policy: the rollout of step t+1 overlaps the update of step t."""
-    kernel_impl: str = "auto"
-    """Fused-kernel path: 'auto' (Triton on CUDA, torch otherwise), 'triton' or 'torch'."""
-    inplace_backward: bool = True
-    """Let the loss kernel write the logits gradient into the logits buffer."""
-    checkpoint_every: int = 0
-    """Save every N steps (0 = only at the end when checkpoint_at_end)."""
-    checkpoint_at_end: bool = False
-    """Save once more after the last step."""
-    keep_last: int = 2
-    """Checkpoints kept on disk."""
-    resume: bool = True
-    """Continue from the newest intact checkpoint in out_dir/checkpoints when one exists."""
-    overwrite: bool = False
-    """Delete an earlier run in out_dir and start over (else it is resumed, or refused)."""
-    eval_every: int = 0
-    """Greedy held-out accuracy every N steps (0 = only before and after)."""
-    eval_max_tokens: int = 16
-    """Generation length for evaluation."""
-    sft_steps: int = 0
-    """Supervised cold-start steps before GRPO (built-in task only)."""
-    sft_batch_size: int = 64
-    """Sequences per cold-start step (global)."""
-    sft_lr: float = 1e-3
-    """Cold-start learning rate."""
-    tensorboard: bool = True
-    """Write TensorBoard scalars when tensorboard is installed."""
-    wandb: bool = False
-    """Log to Weights & Biases when wandb is installed (offline unless configured)."""
-    progress: bool = True
-    """One-line progress per step on the console."""
-    max_bad_steps: int = 3
-    """Stop with a checkpoint after this many steps in a row skipped for bad values; 0 = never."""
-    stall_timeout_s: float = 1800.0
-    """One phase (setup, rollout, update, eval, ...) running longer stops the run; 0 = off."""
-    heartbeat_timeout_s: float = 120.0
-    """A rank whose heartbeat stops this long (frozen) stops the run, naming it; 0 = off."""
-    heartbeat_interval_s: float = 5.0
-    """Period of each rank's heartbeat and of the stall checks."""
-
-    def validate(self) -> None:
-        if self.steps < 0:
-            raise ValueError(f"run.steps={self.steps} must be >= 0")
-        if self.kernel_impl not in ("auto", "triton", "torch"):
-            raise ValueError(f"run.kernel_impl={self.kernel_impl!r}: use auto, triton or torch")
-        for f in ("micro_batch_size", "num_minibatches", "keep_last", "sft_batch_size",
-                  "eval_max_tokens"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"run.{f}={getattr(self, f)} must be >= 1")
-        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 0:
-            raise ValueError(f"run.micro_batch_tokens={self.micro_batch_tokens} must be >= 0 "
-                             "(0 = off, unset = automatic)")
-        for f in ("checkpoint_every", "eval_every", "sft_steps", "max_bad_steps"):
-            if getattr(self, f) < 0:
-                raise ValueError(f"run.{f}={getattr(self, f)} must be >= 0 (0 = off)")
-        if self.sft_lr <= 0:
-            raise ValueError(f"run.sft_lr={self.sft_lr} must be > 0")
-        if not self.out_dir.strip():
-            raise ValueError("run.out_dir is empty: give a folder for metrics and checkpoints")
-        self._validate_watchdog()
-
-    def _validate_watchdog(self) -> None:
-        interval = self.heartbeat_interval_s
-        if not 0 < interval < float("inf"):
-            raise ValueError(f"run.heartbeat_interval_s={interval}: need a finite number > 0")
-        for f, beats in (("heartbeat_timeout_s", 3), ("stall_timeout_s", 2)):
-            v = getattr(self, f)
-            if not (v == 0 or beats * interval <= v < float("inf")):
-                raise ValueError(
-                    f"run.{f}={v}: need 0 (off) or a finite number >= {beats} x "
-                    f"run.heartbeat_interval_s = {beats * interval:g} (a check needs a few beats)")
-
-
-@dataclass(kw_only=True)
 class TrainConfig:
     """Everything a run needs."""
 
@@ -181,7 +77,19 @@ class TrainConfig:
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     """Reference model and its reset schedule."""
     run: RunConfig = field(default_factory=RunConfig)
-    """Loop, checkpoints, logging."""
+    """The loop: steps, seed, out_dir, init, resume."""
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    """Micro-batches and the speed/memory levers of a step's passes."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """When checkpoints are written, how many are kept."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation."""
+    cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
+    """Supervised fine-tuning before GRPO (built-in task)."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """TensorBoard, W&B, console progress."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Stall and frozen-rank detection."""
 
     def validate(self, world_size: int | None = None) -> None:
         """Checks every section and the cross-section rules, before anything starts."""
@@ -196,23 +104,26 @@ class TrainConfig:
             self.arithmetic.validate()
         self.reward.validate()
         self.reference.validate(self.algo.beta)
-        self.run.validate()
+        for section in (self.run, self.compute, self.checkpoint, self.eval, self.cold_start,
+                        self.watchdog):
+            section.validate()
         if world_size is not None:
             dp = world_size // (self.parallel.tp * self.parallel.pp)
             if self.data.batch_size % dp:
                 raise ValueError(f"data.batch_size={self.data.batch_size} must be divisible by "
                                  f"the data-parallel size {dp}")
         self._validate_sampling()
-        if self.run.micro_batch_tokens and self.parallel.pp > 1:
-            raise ValueError(f"run.micro_batch_tokens={self.run.micro_batch_tokens} needs "
-                             f"parallel.pp=1 (got {self.parallel.pp}: pipeline stages exchange "
-                             "fixed micro-batch shapes); set run.micro_batch_tokens=0")
-        if self.run.pack_sequences and (why := packing_blocker(self.run, self.parallel)):
-            raise ValueError(f"run.pack_sequences=true needs {why}; set "
-                             "run.pack_sequences=false (or leave it unset)")
-        if self.run.sft_steps and self.data.task != "arithmetic":
-            raise ValueError(f"run.sft_steps={self.run.sft_steps}: the supervised cold start "
-                             "exists for data.task=arithmetic only; set run.sft_steps=0")
+        if self.compute.micro_batch_tokens and self.parallel.pp > 1:
+            raise ValueError(f"compute.micro_batch_tokens={self.compute.micro_batch_tokens} "
+                             f"needs parallel.pp=1 (got {self.parallel.pp}: pipeline stages "
+                             "exchange fixed micro-batch shapes); set compute.micro_batch_tokens=0")
+        why = packing_blocker(self.compute, self.parallel)
+        if self.compute.pack_sequences and why:
+            raise ValueError(f"compute.pack_sequences=true needs {why}; set "
+                             "compute.pack_sequences=false (or leave it unset)")
+        if self.cold_start.steps and self.data.task != "arithmetic":
+            raise ValueError(f"cold_start.steps={self.cold_start.steps}: the supervised cold "
+                             "start exists for data.task=arithmetic only; set cold_start.steps=0")
         if self.run.async_rollout and self.rollout.tensor_parallel_size > 1:
             # the side thread samples from each rank's own generator: an engine's ranks diverge
             raise ValueError("run.async_rollout needs rollout.tensor_parallel_size=1 (engines of "
@@ -247,7 +158,7 @@ def _set_dotted(tree: dict, dotted: str, value) -> None:
     node[keys[-1]] = value
 
 
-def packing_blocker(run: RunConfig, parallel: ParallelConfig) -> str | None:
+def packing_blocker(compute: ComputeConfig, parallel: ParallelConfig) -> str | None:
     """What the config lacks for packed micro-batches (None: nothing; whether Transformer
     Engine's spec replaces the attention is known only at start-up: model.sequence_packing)."""
     if parallel.pp > 1:
@@ -255,10 +166,10 @@ def packing_blocker(run: RunConfig, parallel: ParallelConfig) -> str | None:
     if parallel.attention_impl == "megatron":
         return ("parallel.attention_impl sdpa or auto (megatron's DotProductAttention has no "
                 "packed path)")
-    if not run.logits_at_loss_positions or not run.trim_micro_batches:
-        return "run.logits_at_loss_positions=true and run.trim_micro_batches=true"
-    if run.micro_batch_tokens == 0:
-        return "a token budget (run.micro_batch_tokens unset or > 0)"
+    if not compute.logits_at_loss_positions or not compute.trim_micro_batches:
+        return "compute.logits_at_loss_positions=true and compute.trim_micro_batches=true"
+    if compute.micro_batch_tokens == 0:
+        return "a token budget (compute.micro_batch_tokens unset or > 0)"
     return None
 
 

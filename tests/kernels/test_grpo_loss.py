@@ -58,8 +58,15 @@ def test_metrics(impl):
     m = case["mask"]
     ratio = torch.exp(logp[m] - case["old_logp"][m].double())
     assert_close(out["ratio"][m], ratio, scale[m], "ratio")
-    kl = kl_penalty(logp.float(), torch.where(m, case["kwargs"]["ref_logp"], 0.0), "k3", (1.0, 0.5))
-    assert_close(out["kl"][m], kl[m].double(), scale[m], "kl")
+    # k3 written out in float64 (not the kl_penalty the loss calls), with the case's clamp
+    # kl_clamp=(1.0, 0.5): d = logp - ref clamped to [-1, 1], the estimate to [-0.5, 0.5]
+    d = (logp[m] - case["kwargs"]["ref_logp"][m].double()).clamp(-1.0, 1.0)
+    k3 = torch.exp(-d) - 1.0 + d
+    kl = k3.clamp(-0.5, 0.5)
+    # the output clamp and the unclamped branch are both exercised (a missing output clamp or a
+    # wrong estimator fails; this case has no |d| in (1, 1.2), where only the input clamp shows)
+    assert (k3 > 0.5).any() and (k3 < 0.5).any()
+    assert_close(out["kl"][m], kl, scale[m], "kl")
     assert out["kl"].abs().max() <= 0.5  # output clamp
 
 

@@ -1,0 +1,202 @@
+"""The run-level sections: the loop (`run`), compute levers inside a step (`compute`),
+checkpoints, evaluation, the supervised cold start, logging and the stall watchdog."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """The loop: how long, from what, where to, and when to stop on bad steps."""
+
+    steps: int = 20
+    """GRPO steps (one rollout batch each)."""
+    seed: int = 1234
+    """Seed of model init, sampling and data order."""
+    out_dir: str = "runs/default"
+    """Metrics, checkpoints, summary and plots go here."""
+    init: str = "random"
+    """'random', an HF checkpoint directory, or a megagrpo checkpoint directory."""
+    resume: bool = True
+    """Continue from the newest intact checkpoint in out_dir/checkpoints when one exists."""
+    overwrite: bool = False
+    """Delete an earlier run in out_dir and start over (else it is resumed, or refused)."""
+    async_rollout: bool = False
+    """One-step off-policy: the rollout of step t+1 overlaps the update of step t."""
+    max_bad_steps: int = 3
+    """Stop with a checkpoint after this many steps in a row skipped for bad values; 0 = never."""
+
+    def validate(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"run.steps={self.steps} must be >= 0")
+        if self.max_bad_steps < 0:
+            raise ValueError(f"run.max_bad_steps={self.max_bad_steps} must be >= 0 (0 = off)")
+        if not self.out_dir.strip():
+            raise ValueError("run.out_dir is empty: give a folder for metrics and checkpoints")
+
+
+@dataclass(kw_only=True)
+class ComputeConfig:
+    """How a step's forward and backward passes are laid out: micro-batches and the levers
+    that change speed and memory, never the result (each is tested against the plain layout)."""
+
+    micro_batch_size: int = 16
+    """Sequences per forward/backward micro-batch."""
+    micro_batch_tokens: int | None = None
+    """Token budget of a micro-batch (rows x its longest row, at most micro_batch_size rows) of
+    length-sorted sequences; None: 1024 at parallel.pp = 1, off under pipeline parallelism;
+    0: off."""
+    trim_micro_batches: bool = True
+    """Sort sequences by length and cut each micro-batch to its longest one (pp = 1 only:
+    pipeline stages exchange fixed shapes)."""
+    skip_zero_advantage: bool = True
+    """Without a KL term in the loss (beta = 0 or algo.kl_in_reward), skip the forward and
+    backward of sequences whose advantage is 0: they add exactly nothing to the gradient
+    (entropy and clip metrics then cover the trained sequences)."""
+    logits_at_loss_positions: bool = True
+    """Run the output layer and the vocab pass only at completion tokens (not at prompt or
+    padding positions)."""
+    reuse_equal_reference: bool = True
+    """When the reference's weights are bitwise the policy's at scoring time (a reset with
+    reference.alpha = 1 and no update since) and the policy's old log-probs are scored anyway,
+    take the reference log-probs from them instead of running the reference's forward pass."""
+    pack_sequences: bool | None = None
+    """Lay each micro-batch's sequences end to end (megatron's `thd` layout) so the dense layers
+    process no padding; the micro-batch is then cut by its summed tokens
+    (compute.micro_batch_tokens), not by micro_batch_size. None: on where it can run
+    (parallel.pp = 1, torch SDPA attention, the levers above on); true where it cannot is an
+    error."""
+    kernel_impl: str = "auto"
+    """Fused-kernel path: 'auto' (Triton on CUDA, torch otherwise), 'triton' or 'torch'."""
+    inplace_backward: bool = True
+    """Let the loss kernel write the logits gradient into the logits buffer."""
+
+    def validate(self) -> None:
+        if self.kernel_impl not in ("auto", "triton", "torch"):
+            raise ValueError(f"compute.kernel_impl={self.kernel_impl!r}: use auto, triton or "
+                             "torch")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"compute.micro_batch_size={self.micro_batch_size} must be >= 1")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 0:
+            raise ValueError(f"compute.micro_batch_tokens={self.micro_batch_tokens} must be "
+                             ">= 0 (0 = off, unset = automatic)")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """When checkpoints are written and how many are kept (resume: run.resume)."""
+
+    every: int = 0
+    """Save every N steps (0 = only at the end when checkpoint.at_end)."""
+    at_end: bool = False
+    """Save once more after the last step."""
+    keep_last: int = 2
+    """Checkpoints kept on disk."""
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"checkpoint.every={self.every} must be >= 0 (0 = off)")
+        if self.keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last={self.keep_last} must be >= 1")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Greedy held-out accuracy on the task's evaluation examples."""
+
+    every: int = 0
+    """Evaluate every N steps (0 = only before and after)."""
+    max_tokens: int = 16
+    """Generation length for evaluation."""
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"eval.every={self.every} must be >= 0 (0 = off)")
+        if self.max_tokens < 1:
+            raise ValueError(f"eval.max_tokens={self.max_tokens} must be >= 1")
+
+
+@dataclass(kw_only=True)
+class ColdStartConfig:
+    """Supervised fine-tuning before GRPO (built-in task only), as DeepSeek-R1's cold start."""
+
+    steps: int = 0
+    """Supervised cold-start steps before GRPO (0 = none)."""
+    batch_size: int = 64
+    """Sequences per cold-start step (global)."""
+    lr: float = 1e-3
+    """Cold-start learning rate."""
+
+    def validate(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"cold_start.steps={self.steps} must be >= 0 (0 = off)")
+        if self.batch_size < 1:
+            raise ValueError(f"cold_start.batch_size={self.batch_size} must be >= 1")
+        if self.lr <= 0:
+            raise ValueError(f"cold_start.lr={self.lr} must be > 0")
+
+
+@dataclass(kw_only=True)
+class LogConfig:
+    """Where metrics go besides out_dir/metrics.jsonl."""
+
+    tensorboard: bool = True
+    """Write TensorBoard scalars when tensorboard is installed."""
+    wandb: bool = False
+    """Log to Weights & Biases when wandb is installed (offline unless configured)."""
+    progress: bool = True
+    """One-line progress per step on the console."""
+
+
+@dataclass(kw_only=True)
+class WatchdogConfig:
+    """The stall watchdog: a frozen rank or a phase that never ends stops the run, named."""
+
+    stall_timeout_s: float = 1800.0
+    """One phase (setup, rollout, update, eval, ...) running longer stops the run; 0 = off."""
+    heartbeat_timeout_s: float = 120.0
+    """A rank whose heartbeat stops this long (frozen) stops the run, naming it; 0 = off."""
+    heartbeat_interval_s: float = 5.0
+    """Period of each rank's heartbeat and of the stall checks."""
+
+    def validate(self) -> None:
+        interval = self.heartbeat_interval_s
+        if not 0 < interval < float("inf"):
+            raise ValueError(f"watchdog.heartbeat_interval_s={interval}: need a finite number "
+                             "> 0")
+        for f, beats in (("heartbeat_timeout_s", 3), ("stall_timeout_s", 2)):
+            v = getattr(self, f)
+            if not (v == 0 or beats * interval <= v < float("inf")):
+                raise ValueError(
+                    f"watchdog.{f}={v}: need 0 (off) or a finite number >= {beats} x "
+                    f"watchdog.heartbeat_interval_s = {beats * interval:g} (a check needs a few "
+                    "beats)")
+
+
+MOVED_RUN_KEYS: dict[str, str] = {
+    "micro_batch_size": "compute.micro_batch_size",
+    "micro_batch_tokens": "compute.micro_batch_tokens",
+    "trim_micro_batches": "compute.trim_micro_batches",
+    "skip_zero_advantage": "compute.skip_zero_advantage",
+    "logits_at_loss_positions": "compute.logits_at_loss_positions",
+    "reuse_equal_reference": "compute.reuse_equal_reference",
+    "pack_sequences": "compute.pack_sequences",
+    "kernel_impl": "compute.kernel_impl",
+    "inplace_backward": "compute.inplace_backward",
+    "num_minibatches": "algo.num_minibatches",
+    "checkpoint_every": "checkpoint.every",
+    "checkpoint_at_end": "checkpoint.at_end",
+    "keep_last": "checkpoint.keep_last",
+    "eval_every": "eval.every",
+    "eval_max_tokens": "eval.max_tokens",
+    "sft_steps": "cold_start.steps",
+    "sft_batch_size": "cold_start.batch_size",
+    "sft_lr": "cold_start.lr",
+    "tensorboard": "log.tensorboard",
+    "wandb": "log.wandb",
+    "progress": "log.progress",
+    "stall_timeout_s": "watchdog.stall_timeout_s",
+    "heartbeat_timeout_s": "watchdog.heartbeat_timeout_s",
+    "heartbeat_interval_s": "watchdog.heartbeat_interval_s",
+}
+"""run.* keys of megagrpo <= 0.1 (one 32-field section) and their new homes."""

@@ -1,0 +1,159 @@
+"""The forward/backward drivers of a step: micro-batch plans, megatron's schedule over them, the
+forward-only scoring pass and the loss normalisers. `Passes` holds what every pass needs (the
+config, this rank's place and groups); the trainer, the cold start, tests and benchmarks call
+it. Its `forward` is megatron's forward_step (`forward_step` below): a benchmark may wrap it to
+observe each micro-batch."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megagrpo import algo
+from megagrpo.batch import Batch, MicroBatch, plan_micro_batches, unplan
+from megagrpo.config.train import TrainConfig
+from megagrpo.distributed import Groups, Ranks
+from megagrpo.losses import LossContext, logprob_loss
+from megagrpo.model import unwrap
+from megagrpo.optim import forward_backward
+from megagrpo.positions import OutputPositions, RotaryPositions, loss_positions
+
+DEFAULT_MICRO_BATCH_TOKENS = 1024
+"""compute.micro_batch_tokens when unset (pp = 1): small enough that length-sorted micro-batches
+of varied lengths waste little on padding, large enough for efficient matrix multiplies."""
+
+
+def forward_step(mb: MicroBatch, model, *, loss_fn, at_loss_positions: bool = True):
+    """megatron forward_step: logits on the last stage, hidden states elsewhere. With
+    `at_loss_positions` the last stage's output layer runs only where mb's mask is set
+    (`megagrpo.positions`), and the loss function is told which positions those are."""
+    b = mb.batch
+    if mb.packed is not None:  # rows end to end, loss positions only
+        p, flat, gpt = mb.packed, loss_positions(b.mask), unwrap(model)
+        rope = RotaryPositions.of(gpt)
+        with (OutputPositions.of(gpt).at(p.positions(flat, b.ids.shape[1]), p.ids.shape[1]),
+              rope.at(p.position_ids[0]) if rope is not None else nullcontext()):
+            out = model(p.ids, p.position_ids, None, packed_seq_params=p.seq_params())
+        return out, partial(loss_fn, b, positions=flat)
+    pos = torch.arange(b.ids.shape[1]).expand_as(b.ids)
+    sel = OutputPositions.of(unwrap(model)) if at_loss_positions else None
+    if sel is None:
+        return model(b.ids, pos, None), partial(loss_fn, b)
+    flat = loss_positions(b.mask)
+    with sel.at(flat, b.ids.shape[1]):
+        out = model(b.ids, pos, None)
+    return out, partial(loss_fn, b, positions=flat)
+
+
+def row_index(keep: torch.Tensor) -> torch.Tensor:
+    """[N] bool -> the kept rows' indices; row 0 when none is kept, so every rank still runs
+    megatron's schedule (and its collectives)."""
+    idx = keep.nonzero().squeeze(1)
+    return idx if idx.numel() else torch.zeros(1, dtype=torch.long)
+
+
+@dataclass
+class Passes:
+    """Forward/backward passes over a batch's micro-batches on this rank."""
+
+    cfg: TrainConfig
+    ranks: Ranks = field(default_factory=Ranks)
+    groups: Groups = field(default_factory=Groups)
+    packed: bool = False
+    """Micro-batches run packed end to end (`megagrpo.batch.PackedRows`)."""
+    forward: Callable = forward_step
+    """megatron's forward_step for every pass (wrap it to observe micro-batches)."""
+
+    def micro_size(self, num_seqs: int) -> int:
+        """Sequences per micro-batch: compute.micro_batch_size, or a whole minibatch if
+        smaller (padding rows would only cost compute)."""
+        per_mini = -(-num_seqs // self.cfg.algo.num_minibatches)
+        return max(1, min(self.cfg.compute.micro_batch_size, per_mini))
+
+    def plan(self, batch: Batch, m: int) -> list[MicroBatch]:
+        """Micro-batches of `batch`: length-sorted and trimmed at pp = 1 (compute.*)."""
+        c = self.cfg.compute
+        budget = c.micro_batch_tokens
+        if budget is None:  # automatic: pipeline stages exchange fixed shapes
+            budget = DEFAULT_MICRO_BATCH_TOKENS if self.ranks.pp == 1 else 0
+        return plan_micro_batches(batch, m, token_budget=budget,
+                                  trim=c.trim_micro_batches and self.ranks.pp == 1,
+                                  packed=self.packed)
+
+    def run(self, model, loss_fn, plan: list[MicroBatch], seq_length: int, m: int,
+            forward_only: bool = False) -> list:
+        """megatron's schedule over the planned micro-batches; the last stage's reports."""
+        fwd = partial(self.forward, loss_fn=loss_fn,
+                      at_loss_positions=self.cfg.compute.logits_at_loss_positions)
+        return forward_backward(model, fwd, plan, len(plan), seq_length=seq_length,
+                                micro_batch_size=m, forward_only=forward_only)
+
+    def loss_context(self, **kw) -> LossContext:
+        return LossContext(tp_group=self.groups.tp, valid_local_vocab=self.ranks.valid_local_vocab,
+                           temperature=self.cfg.rollout.temperature,
+                           impl=self.cfg.compute.kernel_impl, **kw)
+
+    def logprobs(self, model, batch: Batch, rows: torch.Tensor | None = None
+                 ) -> torch.Tensor | None:
+        """Forward-only pass through the fused log-prob kernel; [N, S] on the last stage (None
+        elsewhere). `rows` [N] bool: score only those (0 elsewhere; at least one row runs)."""
+        sub, idx = batch, None
+        if rows is not None:
+            idx = row_index(rows)
+            sub = batch.select(idx, batch.ids.shape[1])
+        m = self.micro_size(batch.num_seqs)
+        plan = self.plan(sub, m)
+        out = self.run(model, partial(logprob_loss, self.loss_context()), plan, sub.ids.shape[1],
+                       m, forward_only=True)
+        if not out:
+            return None
+        logp = unplan([o["logp"] for o in out], plan, tuple(sub.ids.shape))
+        if idx is None:
+            return logp
+        full = torch.zeros(tuple(batch.ids.shape), dtype=logp.dtype)
+        full[idx] = logp
+        return full
+
+    def counts(self, mb: Batch, num_chunks: int) -> algo.LossCounts:
+        """Global normalisers; `num_chunks` is this replica's micro-batch count (replicas may
+        differ under compute.micro_batch_tokens), summed over DP."""
+        seqs = (mb.mask.any(dim=1) & mb.seq_valid).sum()
+        local = torch.tensor([float(mb.mask.sum()), float(seqs), float(num_chunks)],
+                             dtype=torch.float64)
+        dist.all_reduce(local, group=self.groups.dp)
+        return algo.LossCounts(num_tokens=float(local[0]), num_seqs=float(local[1]),
+                               max_len=float(self.cfg.algo.dr_grpo_max_len
+                                             or self.cfg.rollout.max_tokens),
+                               num_chunks=int(local[2]))
+
+    def gradient_rows(self, batch: Batch, loss_has_kl: bool) -> torch.Tensor | None:
+        """[N] bool: the rows whose loss has a gradient; None: all of them (or the lever is
+        off). With no KL term in the loss, a sequence whose advantage is 0 (a group whose
+        rewards are all equal) adds exactly 0 to loss and gradient for every loss_agg but bnpo
+        (whose chunk means depend on the rows), so its forward and backward are skipped and
+        its old log-probs are not scored (compute.skip_zero_advantage); the normalisers still
+        count it (`counts` reads the whole minibatch). pp = 1 only: pipeline stages exchange
+        fixed shapes, and under KL-in-reward only the last stage holds the advantages."""
+        if (not self.cfg.compute.skip_zero_advantage or loss_has_kl
+                or self.cfg.algo.loss_agg == "bnpo" or self.ranks.pp > 1):
+            return None
+        keep = (batch.advantages != 0).any(dim=1) & batch.mask.any(dim=1)
+        return None if bool(keep.all()) else keep
+
+    def trained_rows(self, mini: Batch, loss_has_kl: bool) -> Batch:
+        """`mini` without the rows `gradient_rows` leaves out; one row is kept so every rank
+        runs the schedule (its DP all-reduce)."""
+        keep = self.gradient_rows(mini, loss_has_kl)
+        return mini if keep is None else mini.select(row_index(keep), mini.ids.shape[1])
+
+    def has_loss_tokens(self, mini: Batch) -> bool:
+        """Whether any replica's minibatch holds a loss token; the same answer on every rank.
+        The last stage's mask decides (rollout-IS masking changes it there only)."""
+        n = torch.tensor([float(mini.mask.sum()) if self.ranks.reports else 0.0],
+                         dtype=torch.float64)
+        dist.all_reduce(n, group=self.groups.world)
+        return bool(n.item() > 0)
