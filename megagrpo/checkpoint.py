@@ -72,7 +72,7 @@ def _rank() -> int:
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=dist.group.WORLD)
 
 
 def save_model(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike, model: ModelConfig,
@@ -192,7 +192,7 @@ def on_every_rank(fn: Callable[[], object], path: str | os.PathLike) -> None:
         err = e
     failed = torch.tensor([0.0 if err is None else 1.0])
     if dist.is_initialized():
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
     if err is not None:
         raise err
     if failed.item():
@@ -384,7 +384,7 @@ class CheckpointManager:
             for path, why in broken:
                 log.warning("checkpoint %s is broken and is skipped: %s", path, why)
             step[0] = step_of(ckpt) if ckpt is not None else -1
-        dist.broadcast(step, src=0)
+        dist.broadcast(step, src=0, group=dist.group.WORLD)
         return self.path(int(step)) if int(step) >= 0 else None
 
     def load(self, tr: Trainer, ckpt: Path) -> dict | None:

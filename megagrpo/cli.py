@@ -8,16 +8,20 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
+import yaml
+
+from megagrpo.config.model import ParallelConfig
+from megagrpo.config.train import load_config, to_dict
+from megagrpo.console import VERBOSE_ENV, configure
 from megagrpo.procs import run_child
 from megagrpo.run_dir import check_out_dir
 
 
 def _relaunch(nproc: int) -> int:
     """Re-runs this command under torchrun with `nproc` local ranks."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -52,8 +56,6 @@ def _needs_relaunch(nproc: int) -> bool:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from megagrpo.config.model import ParallelConfig
-
     sources = [f for f in ("from_hf", "from_megatron", "from_gguf") if getattr(args, f)]
     if len(sources) != 1:
         raise SystemExit("convert: give exactly one of --from-hf DIR, --from-megatron DIR or "
@@ -153,7 +155,6 @@ def _complete_output(args: argparse.Namespace) -> str:
 def cmd_train(args: argparse.Namespace) -> int:
     """Loads the recipe and, when started by hand (not under torchrun), runs the whole
     preflight here, before torchrun, a process group or vLLM exists; then trains."""
-    from megagrpo.config.train import load_config
     from megagrpo.preflight import preflight
 
     cfg = load_config(args.config, args.overrides)
@@ -194,10 +195,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     """Prints the resolved config (recipe + base + overrides) as YAML."""
-    import yaml
-
-    from megagrpo.config.train import load_config, to_dict
-
     print(yaml.safe_dump(to_dict(load_config(args.config, args.overrides)), sort_keys=False),
           end="")
     return 0
@@ -265,8 +262,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from megagrpo.console import VERBOSE_ENV, configure
-
     args = build_parser().parse_args(argv)
     if getattr(args, "verbose", False):  # the ranks a relaunch starts inherit it
         os.environ[VERBOSE_ENV] = "1"

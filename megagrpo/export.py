@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from megagrpo.data import HFTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
@@ -151,8 +152,6 @@ def _write_generation_config(out: Path, source: Path, ids: dict) -> None:
 
 
 def _transformers_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("transformers")
     except PackageNotFoundError:

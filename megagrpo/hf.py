@@ -21,6 +21,7 @@ from typing import Iterable
 import torch
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.model import unwrap
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -339,8 +340,6 @@ def load_hf_weights(gpt: torch.nn.Module, hf_dir: str | os.PathLike, model: Mode
     """Copies this rank's shards of an HF checkpoint into `gpt` (a GPTModel stage) in place.
     Every tensor is checked (present, right shape) before any parameter is written.
     Returns the number of bytes read."""
-    from megagrpo.model import unwrap
-
     gpt = unwrap(gpt)
     params = dict(gpt.named_parameters())
     impl = "transformer_engine" if any("layer_norm_weight" in n for n in params) else "local"

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megagrpo.console import Progress
+
 if TYPE_CHECKING:  # the watchdog is only passed through here
     from megagrpo.watchdog import Watchdog
 
@@ -46,8 +48,6 @@ class MetricsLogger:
     def __init__(self, out_dir: str | Path, *, enabled: bool, tensorboard: bool = True,
                  wandb: bool = False, config: dict | None = None, progress: bool = True,
                  total_steps: int = 0):
-        from megagrpo.console import Progress
-
         self.enabled = enabled
         self.progress = Progress(total_steps, enabled=enabled and progress)
         self.path = Path(out_dir) / METRICS_FILE

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.train import packing_blocker
 
 log = logging.getLogger("megagrpo")
 
@@ -64,8 +65,6 @@ def sequence_packing(compute, parallel: ParallelConfig) -> bool:
     packed path runs: pp = 1, torch SDPA attention, loss-position logits, trimmed micro-batches
     with a token budget). TrainConfig.validate refuses the explicit settings that cannot run;
     Transformer Engine's spec is only known here."""
-    from megagrpo.config.train import packing_blocker
-
     can = packing_blocker(compute, parallel) is None and attention_impl_name(parallel) == "sdpa"
     if compute.pack_sequences and not can:
         raise ValueError("compute.pack_sequences=true: packed micro-batches run through "

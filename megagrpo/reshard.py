@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from megagrpo.hf import ParamSpec, hf_shapes, param_specs, unfuse_shards
+from megagrpo.hf import ParamSpec, hf_shapes, param_specs, save_hf_dir, unfuse_shards
 from megagrpo.model import DTYPE, unwrap
 
 
@@ -295,8 +295,6 @@ def export_hf(gpt: torch.nn.Module, out_dir: str, model: ModelConfig, parallel: 
               *, bucket_bytes: int = 256 << 20) -> None:
     """Writes the sharded policy as an HF checkpoint directory (global rank 0 writes; every rank
     of the model-parallel group must call this)."""
-    from megagrpo.hf import save_hf_dir
-
     write = dist.get_rank() == 0 if dist.is_initialized() else True
     save_hf_dir(out_dir, model, iter_hf_weights(gpt, model, parallel, bucket_bytes=bucket_bytes),
                 write=write)

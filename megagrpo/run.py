@@ -85,7 +85,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None) -> Trainer:
                                 groups=groups, stop_ids=tokens.stop_ids)
     return Trainer(cfg, model_cfg=model_cfg, policy=policy, optimizer=optimizer,
                    reference=reference, rollouts=rollouts, task=task, ranks=ranks,
-                   groups=groups, tokens=tokens, packed=packed)
+                   groups=groups, tokens=tokens)
 
 
 def _load_init(gpt, cfg: TrainConfig, info) -> None:
@@ -148,7 +148,7 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
     summary = _evaluate_before(tr, logger, resumed=ckpt is not None)
     if rng is not None:  # the streams as they were when the checkpoint was written
         restore_rng(rng, tr.engine)
-    syncs = 0
+    syncs_before = tr.reference.state.syncs if tr.reference else 0
     while tr.step_idx < cfg.run.steps:
         try:
             m = tr.step()
@@ -156,7 +156,6 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
             logger.log(e.metrics)
             logger.close()
             stop_on_bad_steps(tr, ckpts, e)
-        syncs += int(bool(m["reference_sync"]))
         if tr.task.eval and cfg.eval.every and tr.step_idx % cfg.eval.every == 0 \
                 and tr.step_idx < cfg.run.steps:
             m["eval_accuracy"] = tr.evaluate(tr.task.eval)
@@ -170,14 +169,15 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
     if tr.task.eval:
         summary["eval_accuracy_after"] = tr.evaluate(tr.task.eval)
         logger.log({"step": tr.step_idx, "eval_accuracy": summary["eval_accuracy_after"]})
-    summary.update(steps=tr.step_idx, reference_syncs=tr.reference.state.syncs
-                   if tr.reference else 0, reference_syncs_this_run=syncs,
+    syncs = tr.reference.state.syncs if tr.reference else 0
+    summary.update(steps=tr.step_idx, reference_syncs=syncs,
+                   reference_syncs_this_run=syncs - syncs_before,
                    wall_seconds=time.perf_counter() - t0, world_size=dist.get_world_size(),
                    tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=tr.ranks.dp)
     if tr.ranks.rank == 0:
         _write_summary(cfg, summary)
     logger.close()
-    dist.barrier()
+    dist.barrier(group=tr.groups.world)
     tr.engine.close()  # before torch.distributed goes: vLLM's shutdown destroys its groups
     return summary
 
@@ -212,7 +212,7 @@ def stop_on_bad_steps(tr: Trainer, ckpts: CheckpointManager, err: BadStepsError)
     where = ckpts.save(tr)
     if tr.ranks.rank == 0:
         log.error("stopping: %s; checkpoint saved to %s", err, where)
-    dist.barrier()
+    dist.barrier(group=tr.groups.world)
     tr.engine.close()
     raise SystemExit(f"megagrpo stopped at step {tr.step_idx}: {err}. Checkpoint: {where}")
 

@@ -33,7 +33,7 @@ from megagrpo.config.train import TrainConfig
 from megagrpo.distributed import Groups, Ranks, any_rank
 from megagrpo.losses import grpo_loss
 from megagrpo.metrics import PhaseTimer
-from megagrpo.model import unwrap
+from megagrpo.model import sequence_packing, unwrap
 from megagrpo.optim import lr_at, optimizer_step, set_lr, zero_grad
 from megagrpo.passes import Passes
 from megagrpo.reshard import ReshardStats, iter_hf_weights, iter_vllm_slices
@@ -155,14 +155,15 @@ class Trainer:
                  policy: list | None = None, optimizer=None, reference: Reference | None = None,
                  rollouts: RolloutCollector | None = None, task: Task | None = None,
                  ranks: Ranks | None = None, groups: Groups | None = None,
-                 tokens: TokenIds | None = None, packed: bool = False):
+                 tokens: TokenIds | None = None):
         """`megagrpo.run.setup` builds every part; tests may leave out what they do not use."""
         self.cfg, self.model_cfg, self.policy, self.optimizer = cfg, model_cfg, policy, optimizer
         self.reference, self.rollouts, self.task = reference, rollouts, task
         self.engine = rollouts.engine if rollouts is not None else None
         self.ranks, self.groups = ranks or Ranks(), groups or Groups()
         self.tokens = tokens or TokenIds()
-        self.passes = Passes(cfg, self.ranks, self.groups, packed=packed)
+        self.passes = Passes(cfg, self.ranks, self.groups,
+                             packed=sequence_packing(cfg.compute, cfg.parallel))
         self.step_idx, self.version, self.opt_steps, self.bad_steps = 0, 0, 0, 0
         self.total_opt_steps = max(1, cfg.run.steps * cfg.algo.mu * cfg.algo.num_minibatches)
         self.engine_version = -1

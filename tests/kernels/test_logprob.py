@@ -210,11 +210,12 @@ AOT_SCRIPT = textwrap.dedent("""
 
 
 def test_kernels_compile_for_sm90():
-    pytest.importorskip("triton.backends.nvidia")
+    # the triton wheel of requirements*.txt ships the nvidia backend and its ptxas: a
+    # missing one is a broken install and fails here, never skips
+    import triton.backends.nvidia  # noqa: F401
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     res = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True,
                          text=True, timeout=300)
-    if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr:
-        pytest.skip("no ptxas in this triton install")
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
