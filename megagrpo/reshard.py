@@ -154,7 +154,7 @@ def _plan(model: ModelConfig, parallel: ParallelConfig, impl: str, bucket_bytes:
     return steps
 
 
-def _slice_pairs(shard: torch.Tensor, spec: ParamSpec, model: ModelConfig, tp_rank: int,
+def slice_pairs(shard: torch.Tensor, spec: ParamSpec, model: ModelConfig, tp_rank: int,
                  stats: ReshardStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's TP shard of `spec` -> its HF tensors, one at a time, each full-shape with only
     this rank's slice written (the rest is left uninitialised: vLLM's weight loaders narrow each
@@ -231,7 +231,7 @@ def _stream(gpt: torch.nn.Module, model: ModelConfig, parallel: ParallelConfig,
                 pairs = [(n, t.clone() if move and _shares(t, buf) else t)
                          for n, t in unfuse_shards(shards, spec, model)]
             else:  # fresh full-shape tensors, built one at a time
-                pairs = _slice_pairs(shards[0], spec, model, tp_rank, stats)
+                pairs = slice_pairs(shards[0], spec, model, tp_rank, stats)
             del shards
             stats.convert_s += time.perf_counter() - t1
             yield from _counted(pairs, stats)

@@ -261,27 +261,49 @@ def empty_minibatch_check(tr):
             "grad_norm": upd.metrics["grad_norm"]}
 
 
-def eval_accuracy_check(tr):
-    """evaluate() with a second term that always pays 1 (a summed reward >= 1 everywhere),
-    against the arithmetic term scored here on the same greedy completions."""
-    from megagrpo.config.data import RewardConfig, RewardTermConfig
-    from megagrpo.data import encode_prompt
+EVAL_RIGHT = (0, 1, 4)
+"""Held-out examples whose answer is set to their greedy completion (the rest get one it cannot
+be): engines take every num_engines-th example, so the right ones fall unevenly on them."""
+
+
+def known_share_eval(tr, reward_fn) -> dict:
+    """evaluate() on the held-out prompts with answers chosen so that a known share is right:
+    the greedy completions, decoded here on the engine with eval's sampling settings (rank 0's,
+    broadcast: every engine must agree with them), are the answers of EVAL_RIGHT, and a wrong
+    answer (completion + "9") of the others. `reward_fn` is installed for the evaluation.
+    Returns what evaluate() reports, the share the task's own check (arithmetic.reward) scores
+    on the completions decoded here, and the share by construction."""
+    from megagrpo.data import Example, encode_prompt
     from megagrpo.engine import SamplingSettings
-    from megagrpo.rewards import RewardFn
     from megagrpo.tasks.arithmetic import reward
 
-    saved = tr.rollouts.reward_fn
-    tr.rollouts.reward_fn = RewardFn(RewardConfig(terms=[
-        RewardTermConfig(name="arithmetic"),
-        RewardTermConfig(name="format", kwargs={"pattern": ".*"})]))
-    acc = tr.evaluate(tr.task.eval)
-    tr.rollouts.reward_fn = saved
+    evals = tr.task.eval
     s = SamplingSettings(temperature=0.0, max_tokens=tr.cfg.eval.max_tokens, n=1,
                          stop_token_ids=tr.tokens.stop_ids)
-    comps = tr.engine.generate([encode_prompt(tr.tokenizer, e.prompt) for e in tr.task.eval], s)
-    texts = [c.text or tr.tokenizer.decode(c.token_ids) for c in comps]
-    ref = sum(reward(t, e.answer) for t, e in zip(texts, tr.task.eval)) / len(texts)
-    return {"accuracy": acc, "reference": ref}
+    comps = tr.engine.generate([encode_prompt(tr.tokenizer, e.prompt) for e in evals], s)
+    box = [[c.text or tr.tokenizer.decode(c.token_ids) for c in comps]]
+    dist.broadcast_object_list(box, src=0, group=tr.groups.world)
+    texts = box[0]
+    examples = [Example(prompt=e.prompt, answer=t.strip() if i in EVAL_RIGHT else t.strip() + "9")
+                for i, (e, t) in enumerate(zip(evals, texts))]
+    saved, tr.rollouts.reward_fn = tr.rollouts.reward_fn, reward_fn
+    try:
+        acc = tr.evaluate(examples)
+    finally:
+        tr.rollouts.reward_fn = saved
+    ref = sum(reward(t, e.answer) for t, e in zip(texts, examples)) / len(examples)
+    return {"accuracy": acc, "reference": ref, "expected": len(EVAL_RIGHT) / len(examples)}
+
+
+def eval_accuracy_check(tr):
+    """known_share_eval with a second term that always pays 1: a summed reward >= 1 everywhere,
+    so an accuracy counted on the sum instead of the correctness term would be 1."""
+    from megagrpo.config.data import RewardConfig, RewardTermConfig
+    from megagrpo.rewards import RewardFn
+
+    return known_share_eval(tr, RewardFn(RewardConfig(terms=[
+        RewardTermConfig(name="arithmetic"),
+        RewardTermConfig(name="format", kwargs={"pattern": ".*"})])))
 
 
 def bad_steps_check(tr):

@@ -16,6 +16,12 @@ import pytest
 from tests._launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "_bf16_worker.py")
+# mean |vLLM - trainer| log-prob gap that bf16 rounding alone opens on this model: measured
+# 5.2e-4 before and 6.8e-4 after the step (deterministic run to run; bf16 keeps 8 mantissa bits,
+# ~2e-3 relative per op, and the per-token errors partly cancel). 7e-3 is ~10x that, a margin
+# for rounding only: a sync or precision defect on top of it (a stale or mis-sharded weight, a
+# norm in fp32 on one side only) has no 700x room to hide in, as under the old bound of 0.5.
+BF16_GAP_MAX = 7e-3
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +47,7 @@ def test_bf16_gap_is_reported_and_corrected_by_truncated_is(results):
         c = r["is"]
         m = c["metrics"]
         # bf16 rounding: a real gap (fp32 stays below 1e-4, tests/test_trainer.py), not a bug
-        assert 1e-4 < m["rollout_logp_gap_mean"] < 0.5, m
+        assert 1e-4 < m["rollout_logp_gap_mean"] < BF16_GAP_MAX, m
         assert c["err"] < 1e-6, c  # the weights are exactly the truncated ratios
         assert c["below_one"] > 0 and c["capped"] > 0, c  # both sides of 1 are corrected
         assert m["rollout_is_weight_mean"] != 1.0 and m["rollout_is_capped_frac"] > 0, m
@@ -52,7 +58,7 @@ def test_bf16_step_moves_every_main_parameter(results):
         s = r["step"]
         assert r["moved_matrices"] == r["moved_main"] == 1.0, r
         assert s["update_skipped"] == 0 and math.isfinite(s["loss"]) and s["grad_norm"] > 0, s
-        assert 1e-4 < s["logp_gap_vllm_mean"] < 0.5, s
+        assert 1e-4 < s["logp_gap_vllm_mean"] < BF16_GAP_MAX, s
 
 
 def test_weight_stream_is_in_the_model_dtype_at_tp1(tmp_path):

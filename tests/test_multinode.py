@@ -72,7 +72,7 @@ def test_two_loopback_nodes_train_with_vllm_tp2(run_dir):
         assert m["logp_gap_vllm_mean"] < 1e-4, m
         # finite (NaN and inf fail); on-policy (mu=1, one minibatch: ratio 1), beta=0, "grpo"
         # per-sequence mean: the loss is -mean(A) over group-centred advantages, 0 up to rounding
-        assert math.isfinite(m["loss"]) and abs(m["loss"]) < 1e-3, m
+        assert math.isfinite(m["loss"]) and abs(m["loss"]) < 1e-5, m  # measured <= 1e-7
         assert m["sync_received_bytes"] >= 0
     # TP = k = 2, PP = 1: the shard-to-shard feed moves only the vocab tensors across TP
     assert steps[0]["sync_received_bytes"] < steps[0]["sync_bytes"] / 4

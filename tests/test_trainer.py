@@ -101,10 +101,11 @@ def test_dynamic_sampling_gspo_kl_in_reward_batch_std_step(results):
     v = results[0]["variants"]
     assert v["resample_rounds"] is not None and v["filtered_groups"] is not None
     # finite (NaN and inf fail): k3 is >= 0 and capped per token at kl_clamp_output (10); the
-    # loss (mu=1, one minibatch: ratio 1; beta 0 in the loss under KL-in-reward) is
-    # -mean(A) over group-centred advantages, 0 up to rounding
+    # loss (mu=1, one minibatch: the sequence ratio is 1 up to rounding, the old log-probs
+    # coming from a scoring pass over the same weights; beta 0 in the loss under KL-in-reward)
+    # is -mean(A) over group-centred advantages, 0 up to rounding
     assert math.isfinite(v["kl"]) and 0.0 <= v["kl"] <= 10.0, v
-    assert math.isfinite(v["loss"]) and abs(v["loss"]) < 1e-3, v
+    assert math.isfinite(v["loss"]) and abs(v["loss"]) < 1e-5, v  # measured ~1e-8
 
 
 def test_kl_in_reward_shapes_rewards_before_group_advantages(results):
@@ -122,9 +123,13 @@ def test_empty_minibatches_are_skipped_without_an_optimizer_step(results):
 
 
 def test_eval_accuracy_ignores_bonus_terms(results):
+    """3 of the 8 held-out answers are the greedy completions (tests/_trainer_worker.py:
+    known_share_eval): evaluate() reports 3/8 on every rank, as the task's own check scores the
+    completions decoded in the worker, although the summed reward is >= 1 everywhere."""
     for r in results:
         e = r["eval_accuracy"]
-        assert e["accuracy"] == e["reference"] < 1.0, e  # the summed reward is >= 1 everywhere
+        assert e["expected"] == 3 / 8, e
+        assert e["accuracy"] == e["reference"] == e["expected"], e
 
 
 def test_bad_rewards_and_nonfinite_grads_skip_the_update_then_stop(results):
