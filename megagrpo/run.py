@@ -134,8 +134,10 @@ def train(cfg: TrainConfig, checked: Preflight | None = None) -> dict:
 def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> dict:
     t0 = time.perf_counter()
     follow_parent()  # under torchrun: a killed agent takes this rank down with it
-    check_out_dir(cfg.run)  # an earlier run in out_dir: refused, resumed or cleared
+    said = check_out_dir(cfg.run)  # an earlier run in out_dir: refused, resumed or cleared
     tr = setup(cfg, checked)
+    if said and tr.ranks.rank == 0:
+        log.warning("%s", said)
     tr.watchdog = watchdog
     ckpts = checkpoints(cfg, watchdog)
     logger = MetricsLogger(cfg.run.out_dir, enabled=tr.ranks.rank == 0,

@@ -133,16 +133,25 @@ def _clear(out: Path) -> None:
             entry.unlink()
 
 
-def prepare_out_dir(out_dir: str, *, resume: bool, overwrite: bool, rank: int = 0) -> None:
+def prepare_out_dir(out_dir: str, *, resume: bool, overwrite: bool, rank: int = 0) -> str:
     """Before a run writes anything: refuses an out_dir that holds an earlier run unless the run
     resumes from an intact checkpoint there (run.resume) or may delete it (run.overwrite, which
-    clears it on rank 0). Creates out_dir and its marker. Raises ValueError naming the fix.
-    Safe to call on every rank before torch.distributed starts: only rank 0 writes, and no
+    clears it on rank 0). With both set, resume wins where an intact checkpoint exists (a crashed
+    run rerun with its recipe must not delete its own checkpoints), and the returned line says so
+    for the console ('' otherwise). Creates out_dir and its marker. Raises ValueError naming the
+    fix. Safe to call on every rank before torch.distributed starts: only rank 0 writes, and no
     rank writes into out_dir before all ranks have met in init_distributed."""
     out = Path(out_dir).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"run.out_dir={out_dir!r} is a file, not a directory")
     held = sorted(p.name for p in out.iterdir() if p.name != RUN_MARKER) if out.exists() else []
+    said = ""
+    if held and overwrite and resume:
+        ckpt, _ = newest_intact(checkpoint_root(out))
+        if ckpt is not None:
+            overwrite = False
+            said = (f"run.resume and run.overwrite are both true: resuming from the intact "
+                    f"checkpoint {ckpt} (nothing deleted); set run.resume=false to start over")
     if held and overwrite:
         if not _is_run_dir(out):
             raise ValueError(f"run.overwrite=true would delete {held[:5]} in run.out_dir="
@@ -167,9 +176,10 @@ def prepare_out_dir(out_dir: str, *, resume: bool, overwrite: bool, rank: int = 
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / RUN_MARKER).touch()
+    return said
 
 
-def check_out_dir(run) -> None:
+def check_out_dir(run) -> str:
     """`prepare_out_dir` for a `RunConfig`, as this process's rank (RANK; 0 outside torchrun)."""
-    prepare_out_dir(run.out_dir, resume=run.resume, overwrite=run.overwrite,
-                    rank=int(os.environ.get("RANK", "0")))
+    return prepare_out_dir(run.out_dir, resume=run.resume, overwrite=run.overwrite,
+                           rank=int(os.environ.get("RANK", "0")))

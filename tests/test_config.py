@@ -231,3 +231,20 @@ def test_moved_run_keys_point_at_their_new_home(old, new, tmp_path):
         load_config(str(recipe))
     section, key = new.split(".")
     assert getattr(getattr(load_config(None, [f"{new}=1"]), section), key) == 1
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["algo.std_eps=0"], r"algo\.std_eps=0\.0: need > 0"),
+    (["rollout.top_p=0.9", "algo.rollout_is=truncate"],
+     r"rollout\.top_p=0\.9 / rollout\.top_k=-1 with algo\.rollout_is='truncate'"),
+    (["rollout.top_k=20", "algo.rollout_is=token_mask"], r"rollout\.top_k=20 with"),
+])
+def test_step_defects_refused_before_compute(overrides, match):
+    """algo.std_eps=0 makes every all-equal group NaN; nucleus/top-k sampling with rollout-IS
+    biases every IS weight by the kept mass (vLLM's processed log-probs are renormalised)."""
+    with pytest.raises(ValueError, match=match):
+        load_config(DEMO, overrides).validate(world_size=2)
+    # the same sampling without the IS correction, or with raw log-probs, is fine
+    load_config(DEMO, ["rollout.top_p=0.9"]).validate(world_size=2)
+    load_config(DEMO, ["rollout.top_p=0.9", "algo.rollout_is=truncate",
+                       "rollout.logprobs_mode=raw_logprobs"]).validate(world_size=2)

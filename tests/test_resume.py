@@ -263,3 +263,21 @@ def test_launcher_forwards_signals_and_its_death_ends_the_child(tmp_path):
         time.sleep(0.05)
     assert len(child) == 1 and not any(alive(p) for p in child)
     assert orphaned.read_text() == "TERM"  # SIGTERM, so torchrun can still stop its ranks
+
+
+def test_resume_wins_over_overwrite_where_a_checkpoint_is_intact(tmp_path):
+    """A recipe with run.overwrite (e.g. built on examples/demo.yaml) and checkpoints, rerun
+    after a crash: its intact checkpoints are resumed, not deleted, and the console is told;
+    with nothing intact to resume, overwrite clears as before."""
+    run = tmp_path / "run"
+    _fake_checkpoint(run / "checkpoints", 4)
+    (run / "metrics.jsonl").write_text('{"step": 4}\n')
+    said = prepare_out_dir(str(run), resume=True, overwrite=True, rank=0)
+    assert "resuming from the intact checkpoint" in said and "step_000004" in said, said
+    assert "run.resume=false to start over" in said
+    assert (run / "metrics.jsonl").exists() and newest_intact(run / "checkpoints")[0] is not None
+    assert prepare_out_dir(str(run), resume=False, overwrite=True, rank=0) == ""
+    assert [p.name for p in run.iterdir()] == [".megagrpo-run"]
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')  # a run with no checkpoint at all
+    assert prepare_out_dir(str(run), resume=True, overwrite=True, rank=0) == ""
+    assert [p.name for p in run.iterdir()] == [".megagrpo-run"]

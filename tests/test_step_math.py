@@ -151,3 +151,36 @@ def test_kl_in_reward_uses_the_loss_kl(estimator, gap):
     unclamped = sum(_est(-float(sign[t]) * gap, estimator) if estimator != "k3" else 10.0
                     for r, t in batch.mask.nonzero().tolist())
     assert float(report["kl_sum"]) == pytest.approx(unclamped, rel=1e-5)
+
+
+def test_trainer_state_round_trips_through_json():
+    """What a checkpoint's trainer_state.json holds: counters, the consecutive bad-step count
+    (it restarted at 0 on every resume before), the loader position and the reference schedule;
+    a fresh trainer that loads it continues with the same next batch."""
+    import json
+
+    from megagrpo.data import Example, PromptLoader
+    from megagrpo.reference import Reference, ReferenceState
+    from megagrpo.rollout import RolloutCollector
+
+    def make():
+        cfg = TrainConfig()
+        data = [Example(prompt=f"p{i}", answer=str(i)) for i in range(12)]
+        loader = PromptLoader(data, 4, seed=3)
+        rollouts = RolloutCollector(cfg=cfg, engine=None, loader=loader, tokenizer=None,
+                                    reward_fn=None, layout=None)
+        ref = Reference.__new__(Reference)  # the schedule's state only: no model needed here
+        ref.state = ReferenceState()
+        return Trainer(cfg, reference=ref, rollouts=rollouts)
+
+    a = make()
+    for _ in range(4):  # into the second epoch
+        next(a.rollouts.loader)
+    a.step_idx, a.version, a.opt_steps, a.bad_steps = 4, 3, 12, 2
+    a.reference.state = ReferenceState(syncs=2, last_sync_step=4, last_epoch=1)
+    b = make()
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert (b.step_idx, b.version, b.opt_steps, b.bad_steps) == (4, 3, 12, 2)
+    assert b.reference.state == a.reference.state
+    nxt = [e.prompt for e in next(a.rollouts.loader)]
+    assert [e.prompt for e in next(b.rollouts.loader)] == nxt

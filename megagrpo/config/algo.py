@@ -19,7 +19,8 @@ class AlgoConfig:
     std_mode: str = "group"
     """Advantage scale: 'group' std (GRPO), 'batch' std, or 'none' (Dr. GRPO: mean-centred only)."""
     std_eps: float = 1e-6
-    """Added to the std before dividing, so all-equal groups give zero advantage, not NaN."""
+    """Added to the std before dividing, so all-equal groups give zero advantage, not NaN
+    (must be > 0)."""
     loss_agg: str = "grpo"
     """Token-loss aggregation: grpo, bnpo, dr_grpo, dapo, gspo or cispo (see megagrpo.algo)."""
     dr_grpo_max_len: int = 0
@@ -43,7 +44,10 @@ class AlgoConfig:
     kl_clamp_input: float = 20.0
     """k3 only: logp - ref_logp is clamped to +-this before exp(); k1/k2 never clamp; 0 = off."""
     kl_clamp_output: float = 10.0
-    """k3 only: cap on each token's KL estimate (loss and KL-in-reward alike); 0 = off."""
+    """k3 only: cap on each token's KL estimate (loss and KL-in-reward alike); 0 = off. verl's
+    default 10 is reached at logp - ref_logp ~ -2.6, and from there on the token's KL gradient is
+    0, exactly where the policy has drifted furthest below the reference: raise it (or 0) to
+    keep pulling there."""
     kl_in_reward: bool = False
     """Subtract beta * summed token KL (old policy vs reference) from rewards before advantages."""
     dynamic_sampling: bool = False
@@ -92,8 +96,10 @@ class AlgoConfig:
         for f in ("kl_clamp_input", "kl_clamp_output", "max_abs_reward"):
             if not getattr(self, f) >= 0.0:  # also rejects NaN
                 raise ValueError(f"algo.{f}={getattr(self, f)}: need >= 0 (0 = off)")
-        if self.std_eps < 0.0:
-            raise ValueError(f"algo.std_eps={self.std_eps}: need >= 0")
+        if not self.std_eps > 0.0:  # also rejects NaN
+            raise ValueError(f"algo.std_eps={self.std_eps}: need > 0 (with 0 a group whose "
+                             "rewards are all equal divides 0 by 0 and every advantage is NaN); "
+                             "use e.g. 1e-6")
         if self.dr_grpo_max_len < 0:
             raise ValueError(f"algo.dr_grpo_max_len={self.dr_grpo_max_len}: need >= 0")
         if self.max_resample_rounds < 0:

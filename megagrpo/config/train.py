@@ -31,7 +31,8 @@ class ReferenceConfig:
     """The KL reference and its iterative re-initialisation (DeepSeekMath Alg. 1, outer loop)."""
 
     sync_every_steps: int = 0
-    """Re-initialise the reference from the policy every N optimizer steps (0 = never)."""
+    """Re-initialise the reference from the policy every N GRPO steps (rollout batches, Alg. 1's
+    M; not optimizer steps, of which a step takes algo.mu x algo.num_minibatches); 0 = never."""
     sync_every_epoch: bool = False
     """Re-initialise at the start of every data epoch."""
     sync_kl_threshold: float = 0.0
@@ -140,6 +141,14 @@ class TrainConfig:
                 "rollout.temperature=0 is greedy decoding: the algo.group_size completions of a "
                 "prompt would be identical (zero advantages) and the loss divides logits by the "
                 "temperature; GRPO needs sampling: use rollout.temperature > 0 (e.g. 1.0)")
+        truncated = self.rollout.top_p < 1.0 or self.rollout.top_k > 0
+        if truncated and mode == "processed_logprobs" and self.algo.rollout_is != "none":
+            raise ValueError(
+                f"rollout.top_p={self.rollout.top_p} / rollout.top_k={self.rollout.top_k} with "
+                f"algo.rollout_is={self.algo.rollout_is!r}: vLLM's processed log-probs are of "
+                "the truncated, renormalised distribution while the trainer scores the full "
+                "softmax, so every IS weight would be off by the nucleus mass; sample with "
+                "top_p=1 and top_k=-1 (or 0), or set algo.rollout_is=none")
         if mode == "raw_logprobs" and temperature != 1.0:
             raise ValueError(
                 f"rollout.logprobs_mode=raw_logprobs with rollout.temperature={temperature}: "
