@@ -69,13 +69,19 @@ class Reference:
             log.info("reference.offload: no-op on CPU (the reference already lives in host memory)")
         self.offload()
 
-    def due(self, step: int, epoch: int, kl: float | None) -> str | None:
-        """The reason to re-initialise after optimizer step `step` (1-based), or None."""
+    def due_before(self, epoch: int) -> str | None:
+        """'epoch' when a batch of data epoch `epoch` is about to be scored and the reference
+        is reset at every epoch's start and has not been in this epoch (DeepSeekMath Alg. 1:
+        the reference is re-initialised before the iteration's first batch), else None."""
+        if self.cfg.sync_every_epoch and epoch > self.state.last_epoch:
+            return "epoch"
+        return None
+
+    def due_after(self, step: int, kl: float | None) -> str | None:
+        """The reason to re-initialise after GRPO step `step` (1-based), or None."""
         c = self.cfg
         if c.sync_every_steps and step - self.state.last_sync_step >= c.sync_every_steps:
             return "steps"
-        if c.sync_every_epoch and epoch > self.state.last_epoch:
-            return "epoch"
         if c.sync_kl_threshold and kl is not None and kl > c.sync_kl_threshold:
             return "kl"
         return None

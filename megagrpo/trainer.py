@@ -183,6 +183,9 @@ class Trainer:
         t = PhaseTimer(self.watchdog, step=self.step_idx + 1)  # phases name a stall
         with t("rollout"):
             ro = self.rollouts.next(self.engine_version)
+        with t("reference_sync"):  # a new data epoch starts against a fresh reference
+            reset_before = self._reset_reference(
+                self.reference.due_before(ro.epoch) if self.reference else None, ro.epoch)
         batch, prep = self.prepare(ro, t)
         with t("update"):
             upd = self.update(batch, skip=prep.bad_rewards)
@@ -193,7 +196,10 @@ class Trainer:
             sync = self.sync_weights()
         self.step_idx += 1
         with t("reference_sync"):
-            reset = self._reference_schedule(ro.epoch, upd.kl)
+            reset_after = self._reset_reference(
+                self.reference.due_after(self.step_idx, upd.kl) if self.reference else None,
+                ro.epoch)
+        reset = "+".join(r for r in (reset_before, reset_after) if r)
         bad = prep.bad_rewards or upd.nonfinite_grad > 0
         self.bad_steps = self.bad_steps + 1 if bad else 0
         record = self._record(ro, batch, t, prep.metrics, upd, sync, reset)
@@ -401,11 +407,9 @@ class Trainer:
                 "sync_gather_s": stats.gather_s,
                 "sync_load_s": s.seconds - stats.gather_s - stats.convert_s}
 
-    def _reference_schedule(self, epoch: int, kl: float) -> str:
-        """Re-initialises the reference when its schedule says so; the reason, or ''."""
-        if self.reference is None:
-            return ""
-        reason = self.reference.due(self.step_idx, epoch, kl)
+    def _reset_reference(self, reason: str | None, epoch: int) -> str:
+        """Re-initialises the reference in place when its schedule gave a `reason`; the reason,
+        or ''."""
         if reason:
             self.reference.sync(self.policy, self.step_idx, epoch)
             if self.ranks.rank == 0:

@@ -143,6 +143,30 @@ def reuse_check(tr, batch) -> dict:
     return res
 
 
+def epoch_check(tr, async_rollout: bool) -> dict:
+    """reference.sync_every_epoch with 3 batches per epoch: the reference is reset before the
+    first batch of each new epoch is scored, so that batch's reference pass is the policy's
+    own (reused bitwise); the other batches are scored against a reference the policy has left.
+    Sync or async rollouts alike. Per step: (epoch, reference_sync, reference_pass_reused)."""
+    from megagrpo.data import PromptLoader
+    from megagrpo.reference import ReferenceState
+
+    c = tr.cfg
+    c.algo.beta, c.algo.rollout_is = 0.05, "none"  # (skip_check left beta 0: no KL in the loss)
+    c.reference.sync_every_steps, c.reference.sync_every_epoch = 0, True
+    c.compute.reuse_equal_reference, c.run.async_rollout = True, async_rollout
+    tr.rollouts.loader = PromptLoader(tr.task.train[:12], c.data.batch_size, tr.ranks.dp_rank,
+                                      tr.ranks.dp, seed=5)
+    tr.reference.state = ReferenceState(last_sync_step=tr.step_idx)  # this loader's epoch 0
+    steps = []
+    for _ in range(7):
+        m = tr.step()
+        steps.append([m["epoch"], m["reference_sync"], m["reference_pass_reused"]])
+    tr.rollouts.join()
+    c.run.async_rollout = False
+    return steps
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
@@ -164,6 +188,8 @@ def main():
     tr.cfg.algo.loss_agg = "grpo"
     res["reuse"] = reuse_check(tr, batch)
     res["skip"] = skip_check(tr, batch)
+    res["epoch_sync"] = epoch_check(tr, async_rollout=False)
+    res["epoch_async"] = epoch_check(tr, async_rollout=True)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, res)
     if dist.get_rank() == 0:
