@@ -151,8 +151,10 @@ def summary_table(summary: dict, out_dir: str | os.PathLike) -> str:
     out = Path(out_dir)
     lines = [f"run summary ({out / 'summary.json'})"]
     lines += [f"  {k:<{width}}  {v}" for k, v in rows]
-    lines.append(f"files: {out / 'metrics.jsonl'}, {out / 'curves.png'}, {out / LOG_DIR}/; "
-                 f"browse: tensorboard --logdir {out / 'tb'}")
+    files = f"files: {out / 'metrics.jsonl'}, {out / 'curves.png'}, {out / LOG_DIR}/"
+    if (out / "tb").is_dir():  # log.tensorboard on and tensorboard installed
+        files += f"; browse: tensorboard --logdir {out / 'tb'}"
+    lines.append(files)
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ console has no traceback, fits on a screen and names what runs, and --verbose sh
 import io
 import logging
 import os
+import re
 import subprocess
 import sys
 from contextlib import redirect_stdout
@@ -94,3 +95,14 @@ def test_demo_console_is_short_and_has_no_traceback(tmp_path):
     log = (tmp_path / "run" / "logs" / "rank0.log").read_text()
     assert "Failed to load weights" in log and "Chat template warmup failed" in log
     assert (tmp_path / "run" / "logs" / "rank1.log").exists()
+
+
+def test_summary_names_tensorboard_only_when_it_was_written(tmp_path):
+    """The end-of-run table points at `tensorboard --logdir` only where the run wrote tb/
+    (log.tensorboard=false, or tensorboard not installed, writes none)."""
+    from megagrpo.console import summary_table
+
+    table = summary_table({"steps": 3, "wall_seconds": 75.0}, tmp_path)
+    assert re.search(r"wall_time +1m15s", table) and "--logdir" not in table
+    (tmp_path / "tb").mkdir()
+    assert f"browse: tensorboard --logdir {tmp_path / 'tb'}" in summary_table({"steps": 3}, tmp_path)
