@@ -15,7 +15,7 @@ import yaml
 
 from megagrpo.config.model import ParallelConfig
 from megagrpo.config.train import load_config, to_dict
-from megagrpo.console import VERBOSE_ENV, configure
+from megagrpo.console import PREFLIGHT_SHOWN_ENV, VERBOSE_ENV, configure
 from megagrpo.procs import run_child
 from megagrpo.run_dir import check_out_dir
 
@@ -33,6 +33,7 @@ def _relaunch(nproc: int) -> int:
     # CPU ops spin against each other (measured: a 4-minute demo did not finish its cold start)
     cores = os.cpu_count() or 1
     env.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    env[PREFLIGHT_SHOWN_ENV] = "1"  # the ranks check again but do not print it a second time
     # torchrun (and through it the ranks) dies with this process, even on SIGKILL, and gets
     # the signals it receives: a killed launcher never leaves ranks training on
     return run_child(cmd, env)
@@ -158,6 +159,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from megagrpo.preflight import preflight
 
     cfg = load_config(args.config, args.overrides)
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc {args.nproc}: need >= 1 local ranks (leave it out for "
+                         "parallel.tp x parallel.pp)")
     nproc = args.nproc or cfg.parallel.tp * cfg.parallel.pp
     world = int(os.environ.get("WORLD_SIZE", nproc))
     checked = None
@@ -182,7 +186,7 @@ DEMO_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 def cmd_demo(args: argparse.Namespace) -> int:
     """The embedded default: cold start + iterative GRPO on the built-in arithmetic task."""
     args.config = args.config or DEMO_RECIPE
-    args.nproc = args.nproc or 2
+    args.nproc = 2 if args.nproc is None else args.nproc
     return cmd_train(args)
 
 
@@ -241,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
                           ("demo", cmd_demo, "the embedded default run (examples/demo.yaml)")):
         t = sub.add_parser(name, help=hlp)
         t.add_argument("--config", default=None, help="YAML recipe")
-        t.add_argument("--nproc", type=int, default=0,
+        t.add_argument("--nproc", type=int, default=None,
                        help="local ranks when started without torchrun (default tp*pp)")
         t.add_argument("--verbose", action="store_true",
                        help="show every rank's log and the libraries' warnings on the console "

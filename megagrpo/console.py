@@ -11,6 +11,9 @@ What is filtered from the console, and why it is safe to (each is checked elsewh
   the global seed: performance hints for serving, or about state megagrpo restores itself.
 - megatron-core "Transformer Engine / Apex not installed, falling back": said once, in the
   'layer spec' line, as what runs; deprecation/Future warnings of the libraries.
+- vLLM CPU "Reset SSM cache type to float32 ...": a setting of hybrid (mamba) models, which
+  megagrpo does not train; megatron-core's CUDA_DEVICE_MAX_CONNECTIONS warning at TP > 1 on CPU
+  (a CUDA stream setting: there is no CUDA).
 - math-verify's "Timeout is disabled" (reward threads): megagrpo enforces reward.timeout_s.
 - torch C++ warnings (NUMA binding): TORCH_CPP_LOG_LEVEL=ERROR unless --verbose.
 """
@@ -24,6 +27,7 @@ import time
 from pathlib import Path
 
 VERBOSE_ENV = "MEGAGRPO_VERBOSE"
+PREFLIGHT_SHOWN_ENV = "MEGAGRPO_PREFLIGHT_SHOWN"  # set by the launcher for the ranks it starts
 LOG_DIR = "logs"
 _FORMAT = "[%(name)s] %(message)s"
 _FILE_FORMAT = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
@@ -43,9 +47,11 @@ QUIET = (
     ("py.warnings", "Transformer Engine and Apex are not installed"),
     ("py.warnings", "Apex is not installed"),
     ("py.warnings", "cuda_graph_scope"),
+    ("py.warnings", "CUDA_DEVICE_MAX_CONNECTIONS"),
     ("py.warnings", "DeprecationWarning"),
     ("py.warnings", "FutureWarning"),
     ("math_verify", "Timeout is disabled"),  # megagrpo enforces reward.timeout_s itself
+    ("vllm", "Reset SSM cache type"),  # hybrid (mamba) models only
     ("megagrpo", "reference re-initialised"),  # the progress bar marks it ("ref reset")
 )
 

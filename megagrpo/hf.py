@@ -33,7 +33,13 @@ def model_config_from_hf(hf_dir: str | os.PathLike, *, dtype: str = "float32") -
     path = Path(hf_dir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: an HF checkpoint directory needs config.json")
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ValueError(f"{path} is not valid JSON ({e}): an HF checkpoint's config.json as "
+                         "transformers writes it (save_pretrained) is needed") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} holds a {type(cfg).__name__}, not a JSON object of settings")
     archs = cfg.get("architectures") or []
     arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
     if arch is None:

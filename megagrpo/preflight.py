@@ -17,6 +17,7 @@ max_model_len tokens or more, on one rank, which leaves the others waiting in a 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,6 +163,12 @@ def check_model(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer) -> N
                          f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size >= "
                          f"{tokenizer.vocab_size}")
     check_head_dim(model.head_dim, on_cpu=not torch.cuda.is_available())
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if cfg.compute.kernel_impl == "triton" and not torch.cuda.is_available() and not interpreted:
+        raise ValueError(
+            "compute.kernel_impl=triton needs CUDA (or the Triton interpreter, "
+            "TRITON_INTERPRET=1, which is for tests and far slower); on this machine use "
+            "compute.kernel_impl=auto or torch")
     if cfg.rollout.max_model_len > model.max_position_embeddings:
         raise ValueError(
             f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds the model's "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import random
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from megagrpo.checkpoint import CheckpointManager, load_model, restore_rng
 from megagrpo.cold_start import cold_start
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.train import TrainConfig
-from megagrpo.console import attach_log_file, summary_table, what_runs
+from megagrpo.console import PREFLIGHT_SHOWN_ENV, attach_log_file, summary_table, what_runs
 from megagrpo.data import PromptLoader
 from megagrpo.distributed import init_distributed, torchrun_env, training_layout
 from megagrpo.engine import VLLMEngine
@@ -49,7 +50,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None) -> Trainer:
     checked = preflight(cfg, world) if fresh else checked
     task, model_cfg = checked.task, checked.model
     cfg.model = model_cfg
-    if rank == 0 and fresh:
+    if rank == 0 and fresh and not os.environ.get(PREFLIGHT_SHOWN_ENV):
         log.info("%s", checked.summary())
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)

@@ -174,8 +174,13 @@ def prepare_out_dir(out_dir: str, *, resume: bool, overwrite: bool, rank: int = 
             "run.resume=true to continue it, run.overwrite=true to delete it and start over, "
             "or choose another run.out_dir")
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / RUN_MARKER).touch()
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / RUN_MARKER).touch()
+        except OSError as e:
+            raise ValueError(f"run.out_dir={out_dir!r} cannot be created or written "
+                             f"({e.strerror or e}: {e.filename or out}); choose a folder this "
+                             "user may write, e.g. run.out_dir=runs/mine") from None
     return said
 
 

@@ -92,8 +92,13 @@ def test_demo_console_is_short_and_has_no_traceback(tmp_path):
     assert len(lines) <= 40, console
     assert any("layer spec: local" in ln and "Apex not installed" in ln for ln in lines)
     assert any(ln.startswith("run summary") for ln in lines)
+    # said once by the launcher, not again by rank 0 (it still runs the checks); vLLM's
+    # hybrid-model note goes to the log only
+    assert sum("preflight ok" in ln for ln in lines) == 1, console
+    assert "Reset SSM cache" not in console, console
     log = (tmp_path / "run" / "logs" / "rank0.log").read_text()
     assert "Failed to load weights" in log and "Chat template warmup failed" in log
+    assert "Reset SSM cache" in log
     assert (tmp_path / "run" / "logs" / "rank1.log").exists()
 
 

@@ -114,6 +114,11 @@ class TrainConfig:
                 raise ValueError(f"data.batch_size={self.data.batch_size} must be divisible by "
                                  f"the data-parallel size {dp}")
         self._validate_sampling()
+        if self.algo.overlong_buffer > self.rollout.max_tokens:
+            raise ValueError(
+                f"algo.overlong_buffer={self.algo.overlong_buffer} is longer than "
+                f"rollout.max_tokens={self.rollout.max_tokens}: the penalty ramp would start "
+                "before the first token; use algo.overlong_buffer <= rollout.max_tokens")
         if self.compute.micro_batch_tokens and self.parallel.pp > 1:
             raise ValueError(f"compute.micro_batch_tokens={self.compute.micro_batch_tokens} "
                              f"needs parallel.pp=1 (got {self.parallel.pp}: pipeline stages "
@@ -214,7 +219,8 @@ def _read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> dict:
     except yaml.YAMLError as e:
         raise ValueError(yaml_error_message(path, text, e)) from None
     if tree is None:
-        return {}
+        raise ValueError(f"recipe {path} is empty: give at least one section (e.g. 'run:' "
+                         "with steps and out_dir), or leave --config out for the defaults")
     if not isinstance(tree, dict):
         raise ValueError(f"recipe {path}: the top level must be a mapping of sections "
                          f"(model:, run:, ...), got {type(tree).__name__} {tree!r:.60}")
