@@ -85,6 +85,8 @@ class RolloutCollector:
     pending: Drawn | None = None
     """Async mode: the next step's batch, drawn on the side thread."""
     thread: threading.Thread | None = None
+    failure: BaseException | None = None
+    """What the side thread raised; `join` re-raises it on the main thread."""
 
     # ------------------------------------------------------------------ shared
     def score(self, comps: list[Completion], answers: list[str]
@@ -204,13 +206,25 @@ class RolloutCollector:
         return ro
 
     def _draw_pending(self, version: int) -> None:
-        self.pending = self.draw(version)
+        try:
+            self.pending = self.draw(version)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread by join()
+            self.failure = e
 
     def join(self) -> None:
-        """Waits for the async draw (no-op when none runs)."""
+        """Collective: waits for the async draw (no-op when none runs); when it raised on any
+        rank, every rank raises (this one with the thread's traceback), so the step stops
+        instead of quietly sampling on-policy next time and no rank is left waiting."""
         if self.thread is not None:
             self.thread.join()
             self.thread = None
+        e, self.failure = self.failure, None
+        if any_rank(e is not None, self.groups.world):
+            if e is not None:
+                raise RuntimeError("the async rollout thread failed while drawing the next "
+                                   f"batch ({type(e).__name__}: {e})") from e
+            raise RuntimeError("the async rollout thread failed on another rank while drawing "
+                               "the next batch (that rank's error says why)")
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, examples: list[Example]) -> float:

@@ -72,6 +72,8 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None) -> Trainer:
                            train_tp=cfg.parallel.tp, train_pp=cfg.parallel.pp)
     if rank == 0:
         log.info("%s", layout.describe())
+        if cfg.run.async_rollout:
+            log.info("%s", async_note(cfg))
     tok = task.tokenizer
     engine = _start_engine(cfg, tok, layout)
     # vLLM reseeds the global RNG: put megatron's tracker and torch's back on the run's seed
@@ -87,6 +89,16 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None) -> Trainer:
     return Trainer(cfg, model_cfg=model_cfg, policy=policy, optimizer=optimizer,
                    reference=reference, rollouts=rollouts, task=task, ranks=ranks,
                    groups=groups, tokens=tokens)
+
+
+def async_note(cfg: TrainConfig) -> str:
+    """What one-step-off-policy sampling means for this run, and which correction runs."""
+    mode = cfg.algo.rollout_is
+    how = (f"weighted by algo.rollout_is={mode} (trainer old log-probs vs vLLM's)"
+           if mode != "none" else
+           "not corrected (algo.rollout_is=none; set truncate for truncated IS weights)")
+    return ("async rollouts: each batch is sampled by the policy one update behind the one "
+            f"that trains on it; that staleness is {how}")
 
 
 def _load_init(gpt, cfg: TrainConfig, info) -> None:

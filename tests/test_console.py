@@ -112,3 +112,15 @@ def test_summary_names_tensorboard_only_when_it_was_written(tmp_path):
     (tmp_path / "tb").mkdir()
     table = summary_table({"steps": 3}, tmp_path)
     assert f"browse: tensorboard --logdir {tmp_path / 'tb'}" in table
+
+
+def test_async_runs_name_their_staleness_correction():
+    """run.async_rollout: the start-up console says the batch is one update stale and which
+    rollout-IS correction (or none) handles it."""
+    from megagrpo.config.train import load_config
+    from megagrpo.run import async_note
+
+    on = async_note(load_config(None, ["run.async_rollout=true", "algo.rollout_is=truncate"]))
+    assert "one update behind" in on and "algo.rollout_is=truncate" in on
+    off = async_note(load_config(None, ["run.async_rollout=true"]))
+    assert "not corrected (algo.rollout_is=none" in off

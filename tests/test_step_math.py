@@ -184,3 +184,50 @@ def test_trainer_state_round_trips_through_json():
     assert b.reference.state == a.reference.state
     nxt = [e.prompt for e in next(a.rollouts.loader)]
     assert [e.prompt for e in next(b.rollouts.loader)] == nxt
+
+
+def test_async_rollout_thread_failure_stops_the_step():
+    """An exception on the async rollout thread is re-raised on the main thread at the join,
+    with the thread's exception as the cause (before, the next step quietly sampled on-policy)."""
+    from megagrpo.config.layout import RolloutLayout
+    from megagrpo.data import Example, PromptLoader
+    from megagrpo.engine import Completion
+    from megagrpo.rollout import RolloutCollector
+
+    class Engine:
+        calls = 0
+
+        def generate(self, prompts, sampling):
+            Engine.calls += 1
+            if Engine.calls > 1:
+                raise ValueError("reward server unreachable")
+            return [Completion(prompt_index=i, sample_index=j, token_ids=[5], logprobs=[-1.0],
+                               finish_reason="stop", text="x")
+                    for i in range(len(prompts)) for j in range(sampling.n)]
+
+    class Tok:
+        bos_id = None
+
+        def encode(self, text):
+            return [1, 2]
+
+    class Reward:
+        def score(self, texts, answers):
+            return torch.zeros(len(texts)), {"r": torch.ones(len(texts))}, {}
+
+        def correct(self, per_term):
+            return per_term["r"] >= 1
+
+    cfg = TrainConfig()
+    cfg.run.async_rollout, cfg.algo.group_size = True, 2
+    loader = PromptLoader([Example(prompt=f"p{i}", answer="a") for i in range(8)], 4)
+    c = RolloutCollector(cfg=cfg, engine=Engine(), loader=loader, tokenizer=Tok(),
+                         reward_fn=Reward(), layout=RolloutLayout(rank=0, world_size=1,
+                                                                  engine_tp=1, train_tp=1,
+                                                                  train_pp=1))
+    ro = c.next(version=0)  # this step's batch; the next one is drawn on the thread
+    assert len(ro.completions) == 8
+    with pytest.raises(RuntimeError, match="async rollout thread failed") as e:
+        c.join()
+    assert isinstance(e.value.__cause__, ValueError) and c.failure is None
+    c.join()  # reported once; nothing pending
