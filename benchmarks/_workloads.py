@@ -37,11 +37,12 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from megagrpo.machine import gemm_gflops  # noqa: F401 - the benchmarks' FLOP floor
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "benchmarks" / ".cache"
@@ -200,38 +201,6 @@ def forward_flops(model, lengths: torch.Tensor, loss_tokens: int | float) -> flo
     dense = 2.0 * L * matmul_params_per_layer(model) * float(n.sum())
     attention = L * 2.0 * d * float((n * (n + 1)).sum())  # sum over t=1..n of 4 t d
     return dense + attention + 2.0 * model.hidden_size * model.vocab_size * float(loss_tokens)
-
-
-def gemm_gflops(dtype: str, threads: int, size: int = 2048, iters: int = 5
-                ) -> tuple[float, int]:
-    """The machine's measured GEMM rate: best of `iters` torch.mm n^3 at `threads` intra-op
-    threads and `dtype`, in GFLOP/s (the denominator of every MFU figure), and the n used.
-    n is `size` unless one product at a smaller n already takes over a second (a CPU without
-    native bf16 runs bf16 at ~1 GFLOP/s; 2048^3 would take minutes there)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        n = 256
-        while True:
-            best = _best_mm_seconds(n, getattr(torch, dtype), iters)
-            if n >= size or best > 1.0:
-                return 2.0 * n ** 3 / best / 1e9, n
-            n = min(size, 2 * n)
-    finally:
-        torch.set_num_threads(before)
-
-
-def _best_mm_seconds(n: int, dtype: torch.dtype, iters: int) -> float:
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    torch.mm(a, b)  # warm-up: oneDNN primitive creation, page faults
-    best = float("inf")
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-        if best > 1.0:
-            break
-    return best
 
 
 def length_stats(lengths: list[int]) -> dict:

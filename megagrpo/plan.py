@@ -356,4 +356,11 @@ def run_plan(config: str | None, overrides: list[str], *, gpus: int = 0,
         print(f"\nno valid tp x pp over {world} GPU(s) fits {gpu_mem_gib:g} GiB: add GPUs or set "
               "optim.distributed_optimizer, reference.offload, rollout.sleep_between_rollouts, "
               "a lower rollout.gpu_memory_utilization or compute.micro_batch_size")
+    if not gpus:  # planning for this machine: which dtype is faster on its CPU, measured
+        import torch  # only once the memory plan is out (the planner starts nothing)
+
+        from megagrpo.machine import dtype_advice
+
+        if not torch.cuda.is_available():
+            print("\n" + dtype_advice())
     return 0 if current.total <= gpu_mem_gib * GIB else 1

@@ -5,6 +5,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.train import load_config
@@ -131,6 +132,21 @@ def test_cli_prints_the_table(capsys):
     assert "naive fp32 log_softmax" in out
     assert run_plan(None, TINY, gpus=4, gpu_mem_gib=1e-5) == 1
     assert "no valid tp x pp over 4 GPU(s) fits" in capsys.readouterr().out
+
+
+def test_plan_measures_which_dtype_is_faster_on_this_cpu(capsys):
+    """Planning for this machine (no --gpus) ends with fp32 and bf16 torch.mm rates measured
+    now and the dtype that trains faster here, consistent with the measured ratio (AVX2-only
+    CPUs run bf16 ~70x slower, AVX-512 + avx512_bf16 ones ~3-4x faster)."""
+    run_plan(None, TINY)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    m = re.search(r"torch capability (\w+).*fp32 ([\d.]+) GFLOP/s .*bf16 ([\d.]+) GFLOP/s .*"
+                  r"bf16/fp32 = ([\d.]+)x: the faster training dtype here is (\w+)", line)
+    assert m, line
+    assert m.group(1) == torch.backends.cpu.get_cpu_capability()
+    fp32, bf16, ratio = float(m.group(2)), float(m.group(3)), float(m.group(4))
+    assert fp32 > 0 and bf16 > 0 and ratio == pytest.approx(bf16 / fp32, rel=0.02, abs=0.01)
+    assert m.group(5) == ("bfloat16" if ratio > 1.2 else "float32")
 
 
 def test_stage_params_match_megatron_at_tp2_pp2():

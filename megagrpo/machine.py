@@ -1,0 +1,71 @@
+"""This machine's arithmetic, measured: torch.mm rates per dtype (the FLOP floor of the
+benchmarks' MFU figures) and which training dtype is faster here. Machines of one kind differ:
+an AVX-512 CPU with avx512_bf16 runs bf16 matmuls ~4x faster than fp32, an AVX2-only one ~70x
+slower, so the choice is measured, never assumed."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def gemm_gflops(dtype: str, threads: int, size: int = 2048, iters: int = 5,
+                budget_s: float = 1.0) -> tuple[float, int]:
+    """The measured GEMM rate: best of `iters` torch.mm n^3 at `threads` intra-op threads and
+    `dtype`, in GFLOP/s, and the n used. n is `size` unless one product at a smaller n already
+    takes over `budget_s` (a CPU without native bf16 runs it at ~1 GFLOP/s; 2048^3 would take
+    minutes there)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = 256
+        while True:
+            best = _best_mm_seconds(n, getattr(torch, dtype), iters, budget_s)
+            if n >= size or best > budget_s:
+                return 2.0 * n ** 3 / best / 1e9, n
+            n = min(size, 2 * n)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _best_mm_seconds(n: int, dtype: torch.dtype, iters: int, budget_s: float) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    torch.mm(a, b)  # warm-up: oneDNN primitive creation, page faults
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+        if best > budget_s:
+            break
+    return best
+
+
+def cpu_features() -> str:
+    """torch's CPU capability and the bf16-relevant flags of /proc/cpuinfo."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    have = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"torch capability {torch.backends.cpu.get_cpu_capability()}" + (
+        f"; {', '.join(have)}" if have else "")
+
+
+def dtype_advice(threads: int | None = None) -> str:
+    """One line: fp32 vs bf16 torch.mm on this CPU (measured now, ~1 s) and which
+    model.dtype trains faster here."""
+    threads = threads or torch.get_num_threads()
+    fp32, n32 = gemm_gflops("float32", threads, size=1024, iters=3, budget_s=0.2)
+    bf16, n16 = gemm_gflops("bfloat16", threads, size=1024, iters=3, budget_s=0.2)
+    ratio = bf16 / max(fp32, 1e-9)
+    pick = ("bfloat16 (set model.dtype=bfloat16 rollout.dtype=bfloat16 algo.rollout_is=truncate)"
+            if ratio > 1.2 else "float32")
+    return (f"this CPU ({cpu_features()}), torch.mm at {threads} threads: fp32 {fp32:.0f} "
+            f"GFLOP/s (n={n32}), bf16 {bf16:.1f} GFLOP/s (n={n16}), bf16/fp32 = {ratio:.2f}x: "
+            f"the faster training dtype here is {pick}")
