@@ -212,12 +212,13 @@ class RolloutCollector:
             self.failure = e
 
     def join(self) -> None:
-        """Collective: waits for the async draw (no-op when none runs); when it raised on any
+        """Collective after an async draw (no-op when none ran): waits for it; when it raised on any
         rank, every rank raises (this one with the thread's traceback), so the step stops
         instead of quietly sampling on-policy next time and no rank is left waiting."""
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
+        if self.thread is None:  # no async draw ran (the same on every rank)
+            return
+        self.thread.join()
+        self.thread = None
         e, self.failure = self.failure, None
         if any_rank(e is not None, self.groups.world):
             if e is not None:

@@ -146,12 +146,11 @@ def prepare_out_dir(out_dir: str, *, resume: bool, overwrite: bool, rank: int = 
         raise ValueError(f"run.out_dir={out_dir!r} is a file, not a directory")
     held = sorted(p.name for p in out.iterdir() if p.name != RUN_MARKER) if out.exists() else []
     said = ""
-    if held and overwrite and resume:
-        ckpt, _ = newest_intact(checkpoint_root(out))
-        if ckpt is not None:
-            overwrite = False
-            said = (f"run.resume and run.overwrite are both true: resuming from the intact "
-                    f"checkpoint {ckpt} (nothing deleted); set run.resume=false to start over")
+    ckpt, broken = newest_intact(checkpoint_root(out)) if held and resume else (None, [])
+    if overwrite and ckpt is not None:
+        overwrite = False
+        said = (f"run.resume and run.overwrite are both true: resuming from the intact "
+                f"checkpoint {ckpt} (nothing deleted); set run.resume=false to start over")
     if held and overwrite:
         if not _is_run_dir(out):
             raise ValueError(f"run.overwrite=true would delete {held[:5]} in run.out_dir="
@@ -160,7 +159,6 @@ def prepare_out_dir(out_dir: str, *, resume: bool, overwrite: bool, rank: int = 
         if rank == 0:
             _clear(out)
     elif held and resume:
-        ckpt, broken = newest_intact(checkpoint_root(out))
         if ckpt is None:
             why = "; ".join(f"{p.name}: {r}" for p, r in broken) or "it has no checkpoints"
             raise ValueError(

@@ -128,8 +128,6 @@ class Trainer:
     """The reference model and its reset schedule (None when algo.beta = 0)."""
     rollouts: RolloutCollector | None
     """Samples, rewards and gathers rollouts; evaluates (holds the engine, loader, rewards)."""
-    engine: RolloutEngine | None
-    """This rank's vLLM engine (the collector samples on it; `sync_weights` feeds it)."""
     task: Task | None
     """Train/eval examples and the tokenizer."""
     ranks: Ranks
@@ -159,7 +157,6 @@ class Trainer:
         """`megagrpo.run.setup` builds every part; tests may leave out what they do not use."""
         self.cfg, self.model_cfg, self.policy, self.optimizer = cfg, model_cfg, policy, optimizer
         self.reference, self.rollouts, self.task = reference, rollouts, task
-        self.engine = rollouts.engine if rollouts is not None else None
         self.ranks, self.groups = ranks or Ranks(), groups or Groups()
         self.tokens = tokens or TokenIds()
         self.passes = Passes(cfg, self.ranks, self.groups,
@@ -168,6 +165,11 @@ class Trainer:
         self.total_opt_steps = max(1, cfg.run.steps * cfg.algo.mu * cfg.algo.num_minibatches)
         self.engine_version = -1
         self.watchdog = None
+
+    @property
+    def engine(self) -> RolloutEngine | None:
+        """This rank's vLLM engine (the collector samples on it; `sync_weights` feeds it)."""
+        return self.rollouts.engine if self.rollouts is not None else None
 
     @property
     def tokenizer(self):
