@@ -1,5 +1,8 @@
 """Hugging Face interop: HF config <-> ModelConfig, HF tensor names <-> megatron shards.
 
+Families: Llama (with default or llama3 RoPE), Qwen2 (QKV bias), Qwen3 (q_norm / k_norm <->
+megatron's `self_attention.q_layernorm` / `k_layernorm`, [head_dim] each, replicated).
+
 Layouts (weights are [out, in]; see ../shared/FINDINGS.md):
 - ``linear_qkv`` is fused per KV group g: [q heads of g, k_g, v_g]; TP splits whole groups.
 - ``linear_fc1`` is cat(gate, up); TP rank r holds cat(gate_r, up_r).
@@ -20,17 +23,32 @@ from typing import Iterable
 
 import torch
 
-from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.model import (
+    MEGATRON_LLAMA3_ROPE,
+    ROPE_TYPES,
+    ModelConfig,
+    ParallelConfig,
+)
 from megagrpo.model import unwrap
 
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                    "Qwen3ForCausalLM": "qwen3"}
+MODEL_TYPES = {arch: cls for cls, arch in HF_ARCHITECTURES.items()}
+"""megagrpo architecture -> HF class; the architecture is also the HF model_type."""
+# config.json keys of features megagrpo does not implement, with what they mean; a truthy value
+# is refused (the families above leave them unset, false or 0)
+_REFUSED_KEYS = {
+    "mlp_bias": "MLP biases", "attention_bias": "attention biases",
+    "use_sliding_window": "sliding-window attention",
+    "kv_lora_rank": "multi-head latent attention (MLA)", "q_lora_rank": "MLA query compression",
+    "num_nextn_predict_layers": "multi-token prediction (MTP) layers",
+    "num_experts": "mixture of experts", "num_local_experts": "mixture of experts",
+    "n_routed_experts": "mixture of experts",
+}
 
 
 # ---------------------------------------------------------------- configs
-def model_config_from_hf(hf_dir: str | os.PathLike, *, dtype: str = "float32") -> ModelConfig:
-    """Reads `config.json` of a Llama/Qwen2 checkpoint; refuses features megagrpo lacks."""
-    path = Path(hf_dir) / "config.json"
+def _read_config_json(path: Path) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: an HF checkpoint directory needs config.json")
     try:
@@ -40,6 +58,10 @@ def model_config_from_hf(hf_dir: str | os.PathLike, *, dtype: str = "float32") -
                          "transformers writes it (save_pretrained) is needed") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{path} holds a {type(cfg).__name__}, not a JSON object of settings")
+    return cfg
+
+
+def _architecture(cfg: dict, path: Path) -> str:
     archs = cfg.get("architectures") or []
     arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
     if arch is None:
@@ -47,16 +69,79 @@ def model_config_from_hf(hf_dir: str | os.PathLike, *, dtype: str = "float32") -
             f"{path}: architectures={archs} is not supported; supported: "
             f"{sorted(HF_ARCHITECTURES)}"
         )
-    for key in ("mlp_bias", "attention_bias"):
+    model_type = cfg.get("model_type", arch)
+    if model_type != arch:
+        raise ValueError(f"{path}: model_type={model_type!r} with architectures={archs} is not "
+                         f"supported; supported model_type values: {sorted(MODEL_TYPES)} (each "
+                         "with its own architecture class)")
+    return arch
+
+
+def _refuse_unsupported(cfg: dict, path: Path) -> None:
+    """Features megagrpo lacks, named by their config.json key, before anything is built."""
+    for key, what in _REFUSED_KEYS.items():
         if cfg.get(key):
-            raise ValueError(f"{path}: {key}=true is not supported (Llama/Qwen2 without it only)")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise ValueError(f"{path}: rope_type={rope.get('rope_type')!r} is not supported; "
-                         "only default RoPE")
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if arch == "qwen2" and cfg.get("use_sliding_window"):
-        raise ValueError(f"{path}: use_sliding_window=true is not supported")
+            raise ValueError(f"{path}: {key}={json.dumps(cfg[key])} is not supported ({what}); "
+                             "megagrpo trains dense Llama/Qwen2/Qwen3 models without it")
+    # Llama-like configs carry `sliding_window` only when it applies; Qwen2/3 carry a window
+    # size that only use_sliding_window (checked above) switches on
+    if cfg.get("sliding_window") and "use_sliding_window" not in cfg:
+        raise ValueError(f"{path}: sliding_window={cfg['sliding_window']} is not supported "
+                         "(sliding-window attention); full attention only")
+    layers = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
+    if layers:
+        raise ValueError(f"{path}: layer_types holds {sorted(set(layers))} layers; only "
+                         "'full_attention' is supported (no sliding-window or linear attention)")
+    sinks = [k for k in cfg if "sink" in k.lower() and cfg[k]]
+    if sinks:
+        raise ValueError(f"{path}: {sinks[0]}={json.dumps(cfg[sinks[0]])} is not supported "
+                         "(attention sinks)")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{path}: hidden_act={act!r} is not supported; SwiGLU (silu) only")
+
+
+def _rope_from_hf(cfg: dict, path: Path) -> dict:
+    """ModelConfig's rope_* fields from `rope_parameters` (transformers >= 5) or `rope_scaling`
+    with a top-level `rope_theta` (older configs). Unimplemented types and parameters are
+    refused naming the key."""
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    rope = cfg.get(key) or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{path}: {key}={json.dumps(rope)} is not a mapping of RoPE settings")
+    if rope and set(rope) <= {"full_attention", "sliding_attention"}:
+        raise ValueError(f"{path}: {key} per layer type is not supported (one RoPE for all "
+                         "layers only)")
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"{path}: {key}.rope_type={kind!r} is not supported; implemented: "
+                         f"{list(ROPE_TYPES)} (linear, dynamic, yarn, longrope, ... are not)")
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"{path}: partial_rotary_factor={partial} is not supported (RoPE over "
+                         "the whole head only)")
+    out = {"rope_type": kind, "rope_theta": float(rope.get("rope_theta",
+                                                           cfg.get("rope_theta", 10000.0)))}
+    if kind == "llama3":
+        out["rope_factor"] = float(rope.get("factor", 8.0))
+        for name, want in MEGATRON_LLAMA3_ROPE.items():
+            got = rope.get(name, want)
+            if got != want:
+                raise ValueError(
+                    f"{path}: {key}.{name}={got} is not supported: megatron-core's llama3 RoPE "
+                    f"scaling hard-codes {name}={want:g} (Llama-3.1/3.2/3.3's value)")
+            out[f"rope_{name}"] = type(want)(got)
+    return out
+
+
+def model_config_from_hf(hf_dir: str | os.PathLike, *, dtype: str = "float32") -> ModelConfig:
+    """Reads `config.json` of a Llama/Qwen2/Qwen3 checkpoint; refuses, naming the key, every
+    feature megagrpo lacks (MoE, sliding windows, MLA, MTP, attention sinks, RoPE types other
+    than default and llama3)."""
+    path = Path(hf_dir) / "config.json"
+    cfg = _read_config_json(path)
+    arch = _architecture(cfg, path)
+    _refuse_unsupported(cfg, path)
     heads = cfg["num_attention_heads"]
     mc = ModelConfig(
         architecture=arch,
@@ -67,19 +152,29 @@ def model_config_from_hf(hf_dir: str | os.PathLike, *, dtype: str = "float32") -
         num_attention_heads=heads,
         num_query_groups=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rope_theta=float(theta),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         qkv_bias=arch == "qwen2",
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         dtype=dtype,
+        **_rope_from_hf(cfg, path),
     )
     mc.validate()
     return mc
 
 
+def _rope_parameters(model: ModelConfig) -> dict:
+    rope: dict = {"rope_theta": model.rope_theta, "rope_type": model.rope_type}
+    if model.rope_type == "llama3":
+        rope.update(factor=model.rope_factor, low_freq_factor=model.rope_low_freq_factor,
+                    high_freq_factor=model.rope_high_freq_factor,
+                    original_max_position_embeddings=model.rope_original_max_position_embeddings)
+    return rope
+
+
 def hf_config_dict(model: ModelConfig) -> dict:
     """config.json contents that transformers (and vLLM) load for this model."""
+    rope = _rope_parameters(model)
     d = {
         "architectures": [MODEL_TYPES[model.architecture]],
         "model_type": model.architecture,
@@ -93,7 +188,7 @@ def hf_config_dict(model: ModelConfig) -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": model.rms_norm_eps,
         "rope_theta": model.rope_theta,
-        "rope_parameters": {"rope_theta": model.rope_theta, "rope_type": "default"},
+        "rope_parameters": rope,
         "tie_word_embeddings": model.tie_word_embeddings,
         "max_position_embeddings": model.max_position_embeddings,
         "torch_dtype": model.dtype,
@@ -104,6 +199,8 @@ def hf_config_dict(model: ModelConfig) -> dict:
         d.update(attention_bias=False, mlp_bias=False)
     else:
         d.update(use_sliding_window=False, sliding_window=None)
+    if model.architecture == "qwen3":
+        d.update(attention_bias=False, layer_types=["full_attention"] * model.num_layers)
     return d
 
 
@@ -161,6 +258,11 @@ def param_specs(model: ModelConfig, parallel: ParallelConfig, pp_rank: int,
             out.append(ParamSpec(L + "self_attention.linear_qkv.bias", "qkv",
                                  (attn + "q_proj.bias", attn + "k_proj.bias",
                                   attn + "v_proj.bias"), (qkv_rows,)))
+        if model.qk_norm:  # per-head RMSNorm weights: [head_dim], the same on every TP rank
+            out.append(ParamSpec(L + "self_attention.q_layernorm.weight", "replicated",
+                                 (attn + "q_norm.weight",), (hd,)))
+            out.append(ParamSpec(L + "self_attention.k_layernorm.weight", "replicated",
+                                 (attn + "k_norm.weight",), (hd,)))
         out.append(ParamSpec(L + "self_attention.linear_proj.weight", "row",
                              (attn + "o_proj.weight",), (H, nh * hd)))
         out.append(ParamSpec(L + ("mlp.linear_fc1.layer_norm_weight" if te
@@ -200,6 +302,9 @@ def hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
             p + "mlp.down_proj.weight": (H, F),
         })
+        if model.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,),
+                           p + "self_attn.k_norm.weight": (hd,)})
         if model.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (nh * hd,),
                            p + "self_attn.k_proj.bias": (ng * hd,),

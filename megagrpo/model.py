@@ -1,4 +1,4 @@
-"""Builds the policy (and reference) as a megatron-core `GPTModel` for Llama/Qwen2 configs.
+"""Builds the policy (and reference) as a megatron-core `GPTModel` for Llama/Qwen2/Qwen3 configs.
 
 Transformer Engine's layer spec is used when TE imports (GPU machines), megatron-core's local
 spec otherwise; `layer_spec_name()` says which one runs. All fusions are off on CPU. On the local
@@ -74,13 +74,15 @@ def sequence_packing(compute, parallel: ParallelConfig) -> bool:
     return can if compute.pack_sequences is None else compute.pack_sequences
 
 
-def _layer_spec(parallel: ParallelConfig):
+def _layer_spec(model: ModelConfig, parallel: ParallelConfig):
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     if layer_spec_name(parallel) == "transformer_engine":
-        return specs.get_gpt_layer_with_transformer_engine_spec()
-    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_norm)
+    # qk_layernorm: an RMSNorm of width head_dim on each query / key head, after the QKV split
+    # and before RoPE, as Qwen3's q_norm / k_norm
+    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model.qk_norm)
     if attention_impl_name(parallel) == "sdpa":
         from megagrpo.attention import SdpaAttention
 
@@ -89,7 +91,7 @@ def _layer_spec(parallel: ParallelConfig):
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig):
-    """The megatron TransformerConfig for a Llama/Qwen2-style decoder."""
+    """The megatron TransformerConfig for a Llama/Qwen2/Qwen3-style decoder."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = DTYPE[model.dtype]
@@ -107,6 +109,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=model.qkv_bias,
+        qk_layernorm=model.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=model.init_std,
@@ -144,7 +147,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 123
     torch.manual_seed(seed)
     gpt = GPTModel(
         config=transformer_config(model, parallel),
-        transformer_layer_spec=_layer_spec(parallel),
+        transformer_layer_spec=_layer_spec(model, parallel),
         vocab_size=parallel.padded_vocab_size(model.vocab_size),
         max_sequence_length=model.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -152,6 +155,10 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 123
         share_embeddings_and_output_weights=model.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(model.rope_theta),
+        # megatron's llama3 scaling takes only the factor (ModelConfig refuses other low/high
+        # frequency factors and original context lengths than the ones it hard-codes)
+        rope_scaling=model.rope_type == "llama3",
+        rope_scaling_factor=model.rope_factor,
         parallel_output=True,
     )
     _cast_params(gpt, DTYPE[model.dtype])

@@ -57,7 +57,8 @@ def layer_params(m: ModelConfig, tp: int = 1) -> int:
              + m.num_attention_heads * m.head_dim * m.hidden_size  # linear_proj
              + 2 * m.ffn_hidden_size * m.hidden_size              # linear_fc1 = [gate; up]
              + m.ffn_hidden_size * m.hidden_size)                 # linear_fc2
-    return split // tp + 2 * m.hidden_size                        # two RMSNorms, replicated
+    norms = 2 * m.hidden_size + (2 * m.head_dim if m.qk_norm else 0)  # + Qwen3's q/k norms
+    return split // tp + norms                                    # norms are replicated
 
 
 def total_params(m: ModelConfig) -> int:

@@ -1,4 +1,4 @@
-"""Tiny random HF Llama / Qwen2 checkpoints built from a config (no downloads)."""
+"""Tiny random HF Llama / Qwen2 / Qwen3 checkpoints built from a config (no downloads)."""
 from __future__ import annotations
 
 import os
@@ -34,6 +34,47 @@ def tiny_qwen2(path, *, vocab=100, layers=2, tie=True, seed=1):
         for n, p in model.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+def tiny_qwen3(path, *, vocab=100, layers=2, tie=False, seed=2):
+    """Qwen3 with head_dim 32 != hidden / heads (64 / 4 = 16), as in the real family."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=tie,
+                      max_position_embeddings=512, use_sliding_window=False)
+    model = Qwen3ForCausalLM(cfg).float().eval()
+    _randomise_norms(model)
+    model.save_pretrained(path)
+    return model
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+               "rope_theta": 500000.0}
+
+
+def tiny_llama31(path, *, vocab=100, layers=2, seed=3, rope=LLAMA3_ROPE):
+    """Llama-3.1-style: llama3 RoPE scaling (megatron-core's fixed low/high factors and 8192
+    original positions). Query/key weights are scaled up so that attention is sharp and the
+    positions (hence the RoPE frequencies) visibly change the logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                      max_position_embeddings=16384, rope_parameters=dict(rope))
+    model = LlamaForCausalLM(cfg).float().eval()
+    _randomise_norms(model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)
     model.save_pretrained(path)
     return model
 

@@ -3,16 +3,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+QK_NORM_ARCHITECTURES = ("qwen3",)
+"""Families with an RMSNorm over each query and key head before RoPE (HF q_norm / k_norm)."""
+ROPE_TYPES = ("default", "llama3")
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 8192}
+"""What megatron-core's llama3 RoPE scaling hard-codes (only `factor` is an argument of
+GPTModel, up to 0.19): Llama-3.1, 3.2 and 3.3 all use these values. Others are refused."""
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """A Llama/Qwen2-style decoder: RMSNorm, SwiGLU, RoPE, GQA."""
+    """A dense Llama/Qwen-style decoder: RMSNorm, SwiGLU, RoPE, GQA."""
 
     architecture: str = "llama"
-    """'llama' or 'qwen2' (qwen2 = llama + QKV bias)."""
+    """'llama', 'qwen2' (llama + QKV bias) or 'qwen3' (llama + per-head RMSNorm of queries and
+    keys, q_norm / k_norm; head_dim may differ from hidden_size / heads)."""
     vocab_size: int = 128
     """Tokenizer vocabulary size (unpadded; padding for TP is derived)."""
     hidden_size: int = 128
@@ -29,6 +37,16 @@ class ModelConfig:
     """Per-head width (vLLM's CPU attention supports 32, 64, 80, 96, 112, 128, ...)."""
     rope_theta: float = 10000.0
     """RoPE base."""
+    rope_type: str = "default"
+    """RoPE frequencies: 'default', or 'llama3' (Llama-3.1+ scaling; HF rope_parameters)."""
+    rope_factor: float = 8.0
+    """llama3 RoPE: `factor` (8 for Llama-3.1/3.3, 32 for Llama-3.2 1B/3B)."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 RoPE: `low_freq_factor` (megatron-core implements 1 only)."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 RoPE: `high_freq_factor` (megatron-core implements 4 only)."""
+    rope_original_max_position_embeddings: int = 8192
+    """llama3 RoPE: `original_max_position_embeddings` (megatron-core implements 8192 only)."""
     rms_norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     qkv_bias: bool = False
@@ -42,12 +60,21 @@ class ModelConfig:
     dtype: str = "float32"
     """Parameter dtype: float32, bfloat16 or float16."""
 
+    @property
+    def qk_norm(self) -> bool:
+        """Whether queries and keys get a per-head RMSNorm before RoPE (the architecture's)."""
+        return self.architecture in QK_NORM_ARCHITECTURES
+
     def validate(self) -> None:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(
                 f"model.architecture={self.architecture!r} is not supported; "
                 f"use one of {ARCHITECTURES}"
             )
+        if self.qkv_bias and self.architecture == "qwen3":
+            raise ValueError("model.qkv_bias=true: Qwen3 has no QKV bias (set it false, or "
+                             "model.architecture=qwen2)")
+        self._validate_rope()
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype={self.dtype!r}: use one of {DTYPES}")
         for f in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
@@ -59,6 +86,24 @@ class ModelConfig:
                 f"model.num_query_groups={self.num_query_groups} must divide "
                 f"model.num_attention_heads={self.num_attention_heads}"
             )
+
+
+    def _validate_rope(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"model.rope_type={self.rope_type!r} is not supported; use one of "
+                             f"{ROPE_TYPES}")
+        if self.rope_type != "llama3":
+            return
+        if not self.rope_factor >= 1.0:
+            raise ValueError(f"model.rope_factor={self.rope_factor}: llama3 RoPE scaling needs "
+                             "a factor >= 1 (Llama-3.1: 8)")
+        for key, want in MEGATRON_LLAMA3_ROPE.items():
+            got = getattr(self, f"rope_{key}")
+            if got != want:
+                raise ValueError(
+                    f"model.rope_{key}={got}: megatron-core's llama3 RoPE scaling hard-codes "
+                    f"{key}={want:g} (the value of Llama-3.1/3.2/3.3); other values are not "
+                    "supported")
 
 
 @dataclass(kw_only=True)
