@@ -1,0 +1,236 @@
+"""Cases, float64 references, runners and the TP worker for the fused output layer's tests.
+
+A case is hidden states ``h [T, H]`` and the WHOLE output weight ``W [V, H]`` (vocab padding
+at the end, as megatron pads). The float64 reference forms the logits ``h W^T`` in float64 and
+reuses ``kernels_oracle``'s token-by-token oracles (which share no code with megagrpo.kernels);
+``dh`` and ``dW`` follow from their logits gradient by the chain rule, in float64. The "logits
+path" runner is what megagrpo ran before the fused layer: ``h @ W_local^T`` in the inputs'
+dtype, padding columns set to ``PAD_LOGIT``, the fused logits kernel, and (under TP) the input
+gradient all-reduced as megatron's ColumnParallelLinear does.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from kernels_oracle import GRPO_OPTIONS, _count_collectives, edge_targets, oracle_grpo
+
+PAD_LOGIT = -1e9  # megagrpo.losses.PAD_LOGIT (not imported: that module pulls in megatron)
+
+
+def fused_case(n: int, hdim: int, v: int, tp: int, dtype: torch.dtype, seed: int, *,
+               kind: str = "grpo", options: dict | None = None, temperature: float = 0.9,
+               pad: int = 0, logit_scale: float = 3.0) -> dict:
+    """``v`` padded vocab rows (``pad`` of them padding), ``n`` tokens, every 5th ignored."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hdim, generator=g).to(dtype)
+    w = (torch.randn(v, hdim, generator=g) * (logit_scale / math.sqrt(hdim))).to(dtype)
+    real = v - pad
+    target = edge_targets(n, v, tp, seed).clamp(max=real - 1)
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[2::5] = False
+    case = dict(kind=kind, h=h, w=w, real=real, target=target, mask=mask,
+                temperature=temperature, g=torch.randn(n, generator=g),
+                e=torch.randn(n, generator=g))
+    if kind == "logprob":
+        case["target"] = torch.where(mask, target, -100)  # garbage ids where ignored
+        return case
+    true = reference64(case)[0].float()
+    scale = 0.12 if (options or {}).get("ratio_level") == "sequence" else 0.6
+    old = true + scale * torch.randn(n, generator=g)
+    old[~mask] = float("inf")  # garbage at masked tokens must not leak
+    kwargs = dict(options or {})
+    if kwargs.get("ratio_level") == "sequence":
+        kwargs["seq_ids"] = torch.arange(n) // 6
+    if "is_cap" in kwargs:
+        kwargs["is_weight"] = torch.rand(n, generator=g) * 2.5
+    if kwargs.get("beta", 0.0) != 0.0:
+        kwargs["ref_logp"] = true + 0.5 * torch.randn(n, generator=g)
+    case.update(old_logp=old, advantages=torch.randn(n, generator=g), kwargs=kwargs)
+    return case
+
+
+def grpo_cases(tp: int, hdim: int = 16, v_local: int = 300) -> dict:
+    """Every loss option; every third in bf16; one with a padded last shard."""
+    cases = {}
+    for i, (name, opt) in enumerate(GRPO_OPTIONS.items()):
+        dtype = torch.bfloat16 if i % 3 == 2 else torch.float32
+        cases["grpo_" + name] = fused_case(18, hdim, v_local * tp, tp, dtype, 40 + i,
+                                           options=opt, pad=37 if i == 1 else 0)
+    return cases
+
+
+# ------------------------------------------------------------------------------ float64 reference
+def _logits64(case) -> torch.Tensor:
+    """fp32 inputs: the exact float64 product. bf16 inputs: the bf16 logits a matmul of them
+    gives (what both paths compute), then float64: the check is then that everything after the
+    matmul runs at fp32 accuracy. (Against logits from the exact product, a GRPO token near a
+    clip bound flips sides and its gradient jumps by O(1).)"""
+    h, w = case["h"], case["w"][:case["real"]]
+    if h.dtype in (torch.float32, torch.float64):
+        return h.double() @ w.double().T
+    return (h @ w.T).double()
+
+
+def reference64(case) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, entropy) in float64 through the full logits (0 at ignored tokens)."""
+    logsm = torch.log_softmax(_logits64(case) / case["temperature"], dim=-1)
+    idx = case["target"].clamp(0, case["real"] - 1)
+    logp = logsm.gather(1, idx[:, None]).squeeze(1)
+    ent = -(logsm.exp() * logsm).sum(dim=-1)
+    keep = case["mask"]
+    return torch.where(keep, logp, 0.0), torch.where(keep, ent, 0.0)
+
+
+def reference_grads(case) -> dict:
+    """Float64 outputs and (dh, dW) of sum(g*logp + e*entropy) or sum(g*loss)."""
+    w_real = case["w"][:case["real"]].double()
+    if case["kind"] == "logprob":
+        x = _logits64(case).requires_grad_()
+        logsm = torch.log_softmax(x / case["temperature"], dim=-1)
+        logp = logsm.gather(1, case["target"].clamp(0, case["real"] - 1)[:, None]).squeeze(1)
+        ent = -(logsm.exp() * logsm).sum(dim=-1)
+        keep = case["mask"]
+        logp, ent = torch.where(keep, logp, 0.0), torch.where(keep, ent, 0.0)
+        (logp * case["g"].double() + ent * case["e"].double()).sum().backward()
+        out, grad = dict(logp=logp.detach(), entropy=ent.detach()), x.grad
+    else:
+        loss, grad, flags = oracle_grpo(dict(case, logits=_logits64(case)))
+        out = dict(loss=loss, **flags)
+        out["logp"], out["entropy"] = reference64(case)
+    dw = torch.zeros(case["w"].shape, dtype=torch.float64)
+    dw[:case["real"]] = grad.T @ case["h"].double()
+    return dict(out, dh=grad @ w_real, dw=dw)
+
+
+# ------------------------------------------------------------------------------ runners
+def shard(case, rank: int, tp: int) -> tuple[torch.Tensor, int]:
+    """This rank's weight rows and how many of them are real tokens."""
+    v_local = case["w"].shape[0] // tp
+    valid = max(0, min(v_local, case["real"] - rank * v_local))
+    return case["w"][rank * v_local:(rank + 1) * v_local], valid
+
+
+def _backward_of(case, out) -> torch.Tensor:
+    if case["kind"] == "logprob":
+        return (out["logp"] * case["g"] + out["entropy"] * case["e"]).sum()
+    return (out["loss"] * case["g"]).sum()
+
+
+def run_fused(case, impl: str, group=None, rank: int = 0, tp: int = 1, chunk=(8, 128)) -> dict:
+    """The fused op on this rank's shard; dh is already summed over the group by the op."""
+    from megagrpo.kernels import fused_output_grpo_loss, fused_output_logprob
+
+    w_local, valid = shard(case, rank, tp)
+    h = case["h"].clone().requires_grad_()
+    w = w_local.clone().requires_grad_()
+    common = dict(temperature=case["temperature"], group=group, valid_vocab=valid, impl=impl,
+                  chunk_tokens=chunk[0], chunk_vocab=chunk[1])
+    if case["kind"] == "logprob":
+        logp, ent = fused_output_logprob(h, w, case["target"], ignore_mask=~case["mask"],
+                                         with_entropy=True, **common)
+        out = dict(logp=logp, entropy=ent)
+    else:
+        loss, metrics = fused_output_grpo_loss(h, w, case["target"], case["old_logp"],
+                                               case["advantages"], case["mask"], **common,
+                                               **case["kwargs"])
+        out = dict(metrics, loss=loss)
+    _backward_of(case, out).backward()
+    return dict({k: v.detach() for k, v in out.items()}, dh=h.grad, dw=w.grad)
+
+
+def run_logits(case, impl: str, group=None, rank: int = 0, tp: int = 1) -> dict:
+    """The logits path: output-layer matmul, padding masked, the logits kernel."""
+    from megagrpo.kernels import grpo_token_loss, vocab_parallel_logprob
+
+    w_local, valid = shard(case, rank, tp)
+    h = case["h"].clone().requires_grad_()
+    w = w_local.clone().requires_grad_()
+    logits = h @ w.T
+    logits[:, valid:] = PAD_LOGIT
+    if case["kind"] == "logprob":
+        logp, ent = vocab_parallel_logprob(logits, case["target"], temperature=case["temperature"],
+                                           group=group, ignore_mask=~case["mask"],
+                                           with_entropy=True, impl=impl)
+        out = dict(logp=logp, entropy=ent)
+    else:
+        loss, metrics = grpo_token_loss(logits, case["target"], case["old_logp"],
+                                        case["advantages"], case["mask"], group=group,
+                                        temperature=case["temperature"], impl=impl,
+                                        **case["kwargs"])
+        out = dict(metrics, loss=loss)
+    _backward_of(case, out).backward()
+    dh = h.grad
+    if tp > 1:  # megatron's ColumnParallelLinear all-reduces its input gradient
+        dh32 = dh.float()
+        dist.all_reduce(dh32, group=group)
+        dh = dh32.to(dh.dtype)
+    return dict({k: v.detach() for k, v in out.items()}, dh=dh, dw=w.grad)
+
+
+# ------------------------------------------------------------------------------ comparisons
+def max_err(actual: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((actual.double() - ref.double()).abs().max()) if ref.numel() else 0.0
+
+
+def assert_near(actual, ref, tol: float, what: str) -> None:
+    """max |actual - ref| <= tol * max(1, max |ref|): errors of a sum scale with its terms."""
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    scale = max(1.0, float(ref.double().abs().max())) if ref.numel() else 1.0
+    err = max_err(actual, ref)
+    assert err <= tol * scale, f"{what}: max err {err:.3g} > {tol:.3g} x {scale:.3g}"
+
+
+TOL64 = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-5, 1.5e-2)}
+"""(outputs, gradients) against float64 (on the bf16 logits for bf16, see `_logits64`): fp32
+rounding; bf16 gradients are rounded to bf16 once per chunk GEMM (a bf16 ulp or two)."""
+TOL_LOGITS = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-5, 1.5e-2)}
+"""Against the logits path: the same bf16 logits (outputs agree to ~1e-8), but the bf16
+gradient GEMMs are rounded per chunk (fused, summed in fp32) vs once over the whole vocab
+(megatron): a bf16 ulp or two (measured <= 4e-3)."""
+
+
+def check(case, out, ref, tol: tuple[float, float], what: str, grads: bool = True) -> None:
+    keys = ["logp", "entropy"] + (["loss"] if case["kind"] == "grpo" else [])
+    for k in keys:
+        assert_near(out[k], ref[k], tol[0], f"{what} {k}")
+    if case["kind"] == "grpo":
+        assert (out["loss"][~case["mask"]] == 0).all(), f"{what}: masked tokens have a loss"
+    if grads:
+        assert out["dh"].dtype == case["h"].dtype and out["dw"].dtype == case["w"].dtype
+        assert_near(out["dh"], ref["dh"], tol[1], f"{what} dh")
+        assert_near(out["dw"], ref["dw"], tol[1], f"{what} dW")
+
+
+# ------------------------------------------------------------------------------ TP worker
+def tp_worker(rank: int, world: int, rdzv: str, cases_path: str, out_dir: str) -> None:
+    """Spawned gloo rank: every case on the fused op (both paths where asked) and the logits
+    path; counts the collectives of each fused call (forward, backward) and of scoring."""
+    from megagrpo.kernels import fused_output_logprob
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world)
+    calls = _count_collectives()
+    group = dist.group.WORLD
+    results = {}
+    try:
+        spec = torch.load(cases_path, weights_only=False)
+        for name, case in spec["cases"].items():
+            for impl in spec["impls"].get(name, ("torch",)):
+                before = calls[0]
+                out = run_fused(case, impl, group, rank, world)
+                out["collectives"] = calls[0] - before
+                results[(name, impl)] = out
+            results[(name, "logits")] = run_logits(case, "torch", group, rank, world)
+        case = next(iter(spec["cases"].values()))
+        w_local, valid = shard(case, rank, world)
+        before = calls[0]
+        with torch.no_grad():  # scoring: forward only
+            fused_output_logprob(case["h"], w_local, case["target"], group=group,
+                                 valid_vocab=valid, impl="torch")
+        results["scoring_collectives"] = calls[0] - before
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,222 @@
+"""The fused output layer (kernels/fused_output.py) against float64 and the logits path.
+
+TP=1 runs in-process; TP=2 in one spawned gloo pair shared by every TP case (module fixture).
+Chunks are tiny (8 tokens x 128 vocab, remainders on both axes) so every case crosses chunk
+boundaries; the "triton" path runs under the interpreter on a few cases.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from fused_cases import (
+    TOL64, TOL_LOGITS, assert_near, check, fused_case, grpo_cases, reference_grads, run_fused,
+    run_logits, tp_worker,
+)
+from kernels_oracle import GRPO_OPTIONS
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megagrpo.kernels import dispatch, fused_output_logprob
+from megagrpo.kernels import fused_output as fo
+
+TP1_GRPO = grpo_cases(1)
+LOGPROB = {
+    "fp32_t08": fused_case(21, 16, 700, 1, torch.float32, 1, kind="logprob", temperature=0.8),
+    "bf16": fused_case(21, 16, 700, 1, torch.bfloat16, 2, kind="logprob", temperature=1.3),
+    "large_logits": fused_case(12, 16, 500, 1, torch.float32, 3, kind="logprob",
+                               logit_scale=300.0),
+    "padded": fused_case(19, 8, 512, 1, torch.float32, 4, kind="logprob", pad=100),
+}
+
+
+def _tol(case, table):
+    """The table's tolerance; x30 for the large-logit case (|z| ~ 1e3: fp32 rounding of the
+    logits themselves is ~1e-4 absolute)."""
+    big = float(case["h"].abs().max() * case["w"].abs().max()) > 50
+    return tuple(t * (30 if big else 1) for t in table[case["h"].dtype])
+
+
+@pytest.mark.parametrize("name", list(TP1_GRPO))
+def test_grpo_tp1_matches_float64_and_logits_path(name):
+    case = TP1_GRPO[name]
+    ref, out = reference_grads(case), run_fused(case, "torch")
+    check(case, out, ref, TOL64[case["h"].dtype], f"{name} vs float64")
+    for key in ("clipped_low", "clipped_high"):
+        assert torch.equal(out[key], ref[key]), f"{name}: {key}"
+    check(case, out, run_logits(case, "torch"), TOL_LOGITS[case["h"].dtype],
+          f"{name} vs logits path")
+
+
+@pytest.mark.parametrize("name", list(LOGPROB))
+def test_logprob_tp1_matches_float64_and_logits_path(name):
+    case = LOGPROB[name]
+    out = run_fused(case, "torch")
+    check(case, out, reference_grads(case), _tol(case, TOL64), f"{name} vs float64")
+    check(case, out, run_logits(case, "torch"), _tol(case, TOL_LOGITS), f"{name} vs logits")
+    if case["real"] < case["w"].shape[0]:
+        assert (out["dw"][case["real"]:] == 0).all(), "padding rows got a gradient"
+
+
+@pytest.mark.parametrize("name", ["fp32_t08", "bf16"])
+def test_triton_path_under_interpreter(name):
+    case = LOGPROB[name]
+    out, want = run_fused(case, "triton"), run_fused(case, "torch")
+    check(case, out, want, TOL_LOGITS[case["h"].dtype], f"{name} triton vs torch")
+    check(case, out, reference_grads(case), TOL64[case["h"].dtype], f"{name} triton vs float64")
+
+
+def test_triton_grpo_under_interpreter():
+    case = TP1_GRPO["grpo_kl_k3_clamped"]
+    check(case, run_fused(case, "triton"), reference_grads(case), TOL64[case["h"].dtype],
+          "triton grpo vs float64")
+
+
+def test_tied_embedding_gradient_accumulates():
+    """Tied: W is also the input embedding; the op's dW adds to the lookup's gradient in the one
+    weight's .grad (float64 reference through the same graph, its own loss formula)."""
+    case = fused_case(16, 16, 600, 1, torch.float32, 7, options=GRPO_OPTIONS["kl_k2"])
+    ids = torch.randint(0, 600, (16,), generator=torch.Generator().manual_seed(3))
+    grads = []
+    for dtype in (torch.float32, torch.float64):
+        w = case["w"].detach().to(dtype, copy=True).requires_grad_()
+        h = torch.tanh(w[ids] * 4.0 + case["h"].to(dtype))  # embedding -> a "decoder"
+        if dtype == torch.float32:
+            loss, _ = fo.fused_output_grpo_loss(
+                h, w, case["target"], case["old_logp"], case["advantages"], case["mask"],
+                temperature=case["temperature"], impl="torch", chunk_tokens=8, chunk_vocab=128,
+                **case["kwargs"])
+        else:
+            loss = _grpo64_loss(case, h @ w.T)
+        (loss * case["g"].to(dtype)).sum().backward()
+        grads.append(w.grad)
+    assert_near(grads[0], grads[1], 2e-5, "tied dW")
+
+
+def _grpo64_loss(case, logits64):
+    """Per-token k2-KL GRPO loss in float64 on differentiable logits (kl_k2 options)."""
+    o = case["kwargs"]
+    logsm = torch.log_softmax(logits64 / case["temperature"], dim=-1)
+    logp = logsm.gather(1, case["target"][:, None]).squeeze(1)
+    m = case["mask"]
+    adv = case["advantages"].double()
+    old = torch.where(m, case["old_logp"].double(), 0.0)
+    r = torch.exp(torch.where(m, logp - old, 0.0))
+    pg = -torch.minimum(r * adv, r.clamp(0.8, 1.2) * adv)
+    d = logp - o["ref_logp"].double()
+    loss = pg + o["beta"] * 0.5 * d * d
+    return torch.where(m, loss, 0.0)
+
+
+class _LargestFloat(TorchDispatchMode):
+    """Records the largest floating tensor any op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_no_tokens_by_vocab_tensor_exists():
+    """Forward and backward create nothing bigger than a chunk or the weight: T x V logits
+    never exist (here T*V = 8 x any chunk and 4 x W)."""
+    n, hdim, v = 64, 8, 2048
+    case = fused_case(n, hdim, v, 1, torch.bfloat16, 8, kind="logprob")
+    h = case["h"].clone().requires_grad_()
+    w = case["w"].clone().requires_grad_()
+    with _LargestFloat() as mode:
+        logp, ent = fused_output_logprob(h, w, case["target"], ignore_mask=~case["mask"],
+                                         with_entropy=True, temperature=case["temperature"],
+                                         impl="torch", chunk_tokens=16,
+                                         chunk_vocab=256)
+        (logp * case["g"] + ent * case["e"]).sum().backward()
+    assert mode.largest <= max(16 * 256, v * hdim) < n * v // 4
+    check(case, dict(logp=logp, entropy=ent, dh=h.grad, dw=w.grad), reference_grads(case),
+          TOL64[torch.bfloat16], "chunked bf16")
+
+
+def test_default_chunks_bound_memory():
+    """The default chunk on CPU: <= CHUNK_ELEMS logits, at most CHUNK_TOKENS tokens."""
+    tc, vc = fo.chunk_shape(16384, 151936, torch.device("cpu"))
+    assert tc == fo.CHUNK_TOKENS and tc * vc <= fo.CHUNK_ELEMS
+    assert fo.chunk_shape(5, 100, torch.device("cpu")) == (5, 100)
+
+
+def test_scoring_without_grad_and_bad_inputs():
+    case = LOGPROB["fp32_t08"]
+    with torch.no_grad():
+        logp = fused_output_logprob(case["h"], case["w"], case["target"],
+                                    ignore_mask=~case["mask"], temperature=0.8, impl="torch")
+    assert_near(logp, reference_grads(case)["logp"], 2e-5, "no-grad logp")
+    assert logp.grad_fn is None
+    with pytest.raises(ValueError, match=r"weight \[V_local, H\]"):
+        fused_output_logprob(case["h"], case["w"][:, :5], case["target"])
+    with pytest.raises(ValueError, match="share a dtype"):
+        fused_output_logprob(case["h"], case["w"].bfloat16(), case["target"])
+    with pytest.raises(ValueError, match="valid_vocab"):
+        fused_output_logprob(case["h"], case["w"], case["target"], valid_vocab=701)
+
+
+def test_dispatch_logs_the_fused_path_once(monkeypatch, caplog):
+    monkeypatch.setattr(dispatch, "_logged", set())
+    case = fused_case(4, 8, 64, 1, torch.float32, 9, kind="logprob")
+    with caplog.at_level(logging.INFO, logger="megagrpo.kernels"):
+        for _ in range(2):
+            for impl in ("torch", "triton"):
+                fused_output_logprob(case["h"], case["w"], case["target"], impl=impl)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("fused_output_logprob runs the" in m for m in lines), lines
+
+
+# ------------------------------------------------------------------------------ TP=2 over gloo
+TP2_TRITON = ("grpo_ppo_dual_clip", "logprob_bf16")
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fused_tp2")
+    cases = dict(grpo_cases(2))
+    cases["logprob_fp32"] = fused_case(17, 16, 600, 2, torch.float32, 31, kind="logprob",
+                                       temperature=0.7)
+    cases["logprob_bf16"] = fused_case(17, 16, 600, 2, torch.bfloat16, 32, kind="logprob")
+    # the last shard entirely padding (megatron pads to a multiple of 128 x tp)
+    cases["logprob_pad_shard"] = fused_case(11, 8, 512, 2, torch.float32, 33, kind="logprob",
+                                            pad=256)
+    impls = {name: ("torch", "triton") for name in TP2_TRITON}
+    torch.save(dict(cases=cases, impls=impls), tmp / "cases.pt")
+    mp.spawn(tp_worker, args=(2, str(tmp / "rdzv"), str(tmp / "cases.pt"), str(tmp)), nprocs=2)
+    return cases, impls, [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_tp2_matches_float64_and_logits_path(tp2):
+    cases, impls, ranks = tp2
+    for name, case in cases.items():
+        ref = reference_grads(case)
+        logits = [r[(name, "logits")] for r in ranks]
+        for impl in impls.get(name, ("torch",)):
+            outs = [r[(name, impl)] for r in ranks]
+            what = f"tp2/{name}/{impl}"
+            for k in ("logp", "entropy", "dh") + (("loss",) if case["kind"] == "grpo" else ()):
+                assert torch.equal(outs[0][k], outs[1][k]), f"{what}: ranks differ on {k}"
+            full = dict(outs[0], dw=torch.cat([o["dw"] for o in outs]))
+            check(case, full, ref, _tol(case, TOL64), f"{what} vs float64")
+            want = dict(logits[0], dw=torch.cat([o["dw"] for o in logits]))
+            check(case, full, want, _tol(case, TOL_LOGITS), f"{what} vs logits path")
+
+
+def test_tp2_collectives(tp2):
+    """One all_gather forward and one all_reduce backward per call: as the logits path's
+    kernel (all_gather) plus megatron's output layer (input-gradient all_reduce)."""
+    cases, impls, ranks = tp2
+    for r in ranks:
+        assert r["scoring_collectives"] == 1
+        for name in cases:
+            for impl in impls.get(name, ("torch",)):
+                assert r[(name, impl)]["collectives"] == 2, (name, impl)
