@@ -1,4 +1,4 @@
-"""Command line: `python -m megagrpo {train,demo,convert,plan,config}`.
+"""Command line: `python -m megagrpo {train,demo,convert,verify,plan,config}`.
 
 Commands that need several ranks relaunch themselves under torchrun when started as a single
 process (`convert --tp 2 --pp 2` spawns 4 local ranks), so the same line works in both cases.
@@ -153,6 +153,29 @@ def _complete_output(args: argparse.Namespace) -> str:
             "will need --tokenizer DIR|FILE.model to know its bos/eos ids")
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    """megatron's forward against transformers' on an HF checkpoint at a TP x PP layout; the
+    config, tensors and layout are checked before any process is started."""
+    from megagrpo.hf import check_hf_checkpoint, model_config_from_hf
+
+    model = model_config_from_hf(args.hf, dtype=args.dtype)
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp)
+    parallel.validate(model, int(os.environ.get("WORLD_SIZE", args.tp * args.pp)))
+    check_hf_checkpoint(args.hf, model)
+    if args.prompts < 1 or args.seq_len < 2:
+        raise ValueError(f"--prompts {args.prompts} --seq-len {args.seq_len}: need >= 1 prompt "
+                         "of >= 2 tokens")
+    if args.seq_len > model.max_position_embeddings:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings="
+                         f"{model.max_position_embeddings}")
+    if _needs_relaunch(args.tp * args.pp):
+        return _relaunch(args.tp * args.pp)
+    from megagrpo.verify import verify
+
+    return verify(args.hf, model, parallel, n_prompts=args.prompts, seq_len=args.seq_len,
+                  tolerance=args.tolerance)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Loads the recipe and, when started by hand (not under torchrun), runs the whole
     preflight here, before torchrun, a process group or vLLM exists; then trains."""
@@ -241,6 +264,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the weights written")
     c.set_defaults(func=cmd_convert)
+    v = sub.add_parser("verify", help="megatron's logits vs transformers' on an HF checkpoint at "
+                       "a TP/PP layout (exit 1 above tolerance)")
+    v.add_argument("--hf", required=True, metavar="DIR", help="HF checkpoint folder")
+    v.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    v.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of both models (default tolerance: 1e-5 float32, 5e-2 bfloat16)")
+    v.add_argument("--prompts", type=int, default=4,
+                   help="random-token prompts (after the tokenizer's sentences, if any)")
+    v.add_argument("--seq-len", type=int, default=64,
+                   help="length of the longest random prompt (long positions test RoPE scaling)")
+    v.add_argument("--tolerance", type=float, default=None,
+                   help="max relative logits error accepted (default by --dtype)")
+    v.set_defaults(func=cmd_verify)
     for name, fn, hlp in (("train", cmd_train, "iterative GRPO from a YAML recipe"),
                           ("demo", cmd_demo, "the embedded default run (examples/demo.yaml)")):
         t = sub.add_parser(name, help=hlp)

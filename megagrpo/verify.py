@@ -1,0 +1,190 @@
+"""`python -m megagrpo verify --hf DIR [--tp N --pp N] [--dtype ...]`: is megatron's model of an
+HF checkpoint the model transformers runs?
+
+On every rank of the layout: the GPTModel stage is loaded from the HF folder (as `run.init`
+does) and
+  1. its weights are streamed back to HF names (the exporter / vLLM feed) and compared with the
+     checkpoint's tensors, bitwise (in the model's dtype);
+  2. a few prompts go through megatron's schedule (PP stages pass activations, the vocab shards
+     are gathered over TP); one rank runs transformers' forward on the same prompts and reports
+     the max relative logits error (max |megatron - transformers| / max |transformers|, per
+     prompt) and the greedy agreement (share of positions whose argmax is the same).
+The exit status is 1 when the round trip is not exact or the logits error exceeds the tolerance:
+1e-5 in float32; in bfloat16 (both sides in bf16, rounded differently) 5e-2, about 5x the
+largest error measured on the test models (docs/usage.md).
+
+Prompts: the folder's tokenizer encodes a few fixed sentences when it has one; else (and in
+addition, with --seq-len) seeded random token ids, so long positions are covered too.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megagrpo.config.model import ModelConfig, ParallelConfig
+
+log = logging.getLogger("megagrpo")
+
+TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 5e-2}
+"""Default max relative logits error per --dtype."""
+TEXTS = ("The capital of France is",
+         "Question: what is 12 + 7? Answer step by step.",
+         "def fibonacci(n):\n    if n < 2:\n        return n\n",
+         "In 1905 Albert Einstein published four papers that")
+
+
+@dataclass
+class Report:
+    """What one verification found (complete on the reporting rank only)."""
+
+    tensors: int = 0
+    """HF tensors compared after the round trip."""
+    mismatched: list[str] = field(default_factory=list)
+    """HF names whose round-tripped tensor is not bitwise equal to the checkpoint's."""
+    max_rel_error: float = 0.0
+    """max over prompts of max |megatron - transformers| / max |transformers| (logits)."""
+    agree: int = 0
+    """Positions whose argmax (the greedy next token) is the same in both."""
+    positions: int = 0
+
+    def ok(self, tolerance: float) -> bool:
+        return not self.mismatched and self.max_rel_error <= tolerance
+
+
+def prompts(hf_dir: str | os.PathLike, vocab: int, *, n: int, seq_len: int,
+            seed: int = 0) -> list[torch.Tensor]:
+    """[S] token-id tensors: the fixed sentences through the folder's tokenizer (if any), then
+    `n` seeded random sequences of lengths spread up to `seq_len`."""
+    from megagrpo.export import has_hf_tokenizer
+
+    out: list[torch.Tensor] = []
+    if has_hf_tokenizer(hf_dir):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(hf_dir))
+        out += [torch.tensor(tok(t)["input_ids"]) for t in TEXTS]
+        out = [ids for ids in out if 0 < len(ids) and int(ids.max()) < vocab]
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(n):
+        length = max(2, seq_len * (i + 1) // n)
+        out.append(torch.randint(0, vocab, (length,), generator=gen))
+    return out
+
+
+def megatron_logits(gpt: torch.nn.Module, ids: torch.Tensor, vocab: int) -> torch.Tensor | None:
+    """[S, vocab] float32 logits of one sequence through megatron's schedule, TP-gathered, on
+    the last pipeline stage (None elsewhere). Collective over the model-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    from megagrpo.optim import forward_backward
+
+    def step(batch, model):
+        out = model(batch, torch.arange(batch.shape[1], device=batch.device)[None], None)
+        return out, lambda o: (o.sum() * 0, {"logits": o[0].detach()})
+
+    device = next(gpt.parameters()).device
+    got = forward_backward(gpt, step, [ids[None].to(device)], 1, seq_length=len(ids),
+                           micro_batch_size=1, forward_only=True)
+    if not got:
+        return None
+    local = got[0]["logits"].float()
+    group = ps.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) > 1:
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        local = torch.cat(parts, dim=-1)
+    return local[:, :vocab].cpu()
+
+
+def round_trip(gpt: torch.nn.Module, hf_dir: str | os.PathLike, model: ModelConfig,
+               parallel: ParallelConfig, report: Report, compare: bool) -> None:
+    """Streams the shards back to HF tensors and compares each with the checkpoint's (on the
+    `compare` rank; every rank of the model-parallel group drives the stream)."""
+    from megagrpo.hf import HFCheckpoint, hf_shapes
+    from megagrpo.model import DTYPE
+    from megagrpo.reshard import iter_hf_weights
+
+    ckpt, shapes, dtype = HFCheckpoint(hf_dir), hf_shapes(model), DTYPE[model.dtype]
+    seen = set()
+    for name, tensor in iter_hf_weights(gpt, model, parallel):
+        if not compare:
+            continue
+        seen.add(name)
+        src = ckpt.rows(name, 0, shapes[name][0], name).to(dtype)
+        report.tensors += 1
+        if not torch.equal(src, tensor.cpu()):
+            report.mismatched.append(name)
+    if compare:
+        report.mismatched += sorted(set(shapes) - seen)  # never streamed
+
+
+def hf_reference(hf_dir: str | os.PathLike, dtype: str, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    from megagrpo.model import DTYPE
+
+    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=DTYPE[dtype]).to(device).eval()
+
+
+def compare_logits(report: Report, ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """Adds one prompt's [S, V] logits pair to the report."""
+    err = (ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30)
+    report.max_rel_error = max(report.max_rel_error, float(err))
+    report.agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
+    report.positions += ours.shape[0]
+
+
+def verify(hf_dir: str | os.PathLike, model: ModelConfig, parallel: ParallelConfig, *,
+           n_prompts: int = 4, seq_len: int = 64, tolerance: float | None = None) -> int:
+    """Runs on every rank (after nothing else: it starts the process group); returns the exit
+    status, the same on all ranks, and prints the figures on one rank."""
+    from megagrpo.distributed import init_distributed, shutdown
+    from megagrpo.hf import load_hf_weights
+    from megagrpo.model import build_model
+
+    tol = TOLERANCE[model.dtype] if tolerance is None else tolerance
+    info = init_distributed(parallel, model)
+    reports = info.is_last_stage and info.tp_rank == 0 and info.dp_rank == 0
+    gpt = build_model(model, parallel).eval()
+    load_hf_weights(gpt, hf_dir, model, parallel, tp_rank=info.tp_rank, pp_rank=info.pp_rank)
+    report = Report()
+    round_trip(gpt, hf_dir, model, parallel, report, compare=reports)
+    ref = hf_reference(hf_dir, model.dtype, info.device) if reports else None
+    batch = prompts(hf_dir, model.vocab_size, n=n_prompts, seq_len=seq_len)
+    with torch.no_grad():
+        for ids in batch:
+            ours = megatron_logits(gpt, ids, model.vocab_size)
+            if ref is not None:
+                want = ref(ids[None].to(info.device)).logits[0].float().cpu()
+                compare_logits(report, ours, want)
+    status = torch.tensor([0 if report.ok(tol) else 1])
+    if reports:
+        print(summary(hf_dir, model, parallel, report, tol, len(batch)), flush=True)
+    else:
+        status.zero_()
+    dist.all_reduce(status, op=dist.ReduceOp.MAX)
+    shutdown()
+    return int(status.item())
+
+
+def summary(hf_dir: str | os.PathLike, model: ModelConfig, parallel: ParallelConfig,
+            r: Report, tol: float, n: int) -> str:
+    rope = "" if model.rope_type == "default" else f", {model.rope_type} RoPE"
+    trip = (f"bitwise equal ({r.tensors} tensors)" if not r.mismatched else
+            f"{len(r.mismatched)} of {r.tensors} tensors differ: {r.mismatched[:4]}")
+    share = r.agree / max(r.positions, 1)
+    lines = [
+        f"verify {Path(hf_dir)}: {model.architecture}{rope}, {model.num_layers} layers, "
+        f"tp={parallel.tp} pp={parallel.pp}, {model.dtype}, {n} prompts ({r.positions} tokens)",
+        f"  weights HF -> megatron -> HF: {trip}",
+        f"  logits vs transformers: max relative error {r.max_rel_error:.2e} (tolerance "
+        f"{tol:.0e}); greedy agreement {r.agree}/{r.positions} ({100 * share:.1f}%)",
+        "verify: ok" if r.ok(tol) else "verify: FAILED (megatron's model differs from the HF "
+        "checkpoint's; do not train on this layout)",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,266 @@
+"""Qwen3 (QK-norm, explicit head_dim) and Llama-3.1 (llama3 RoPE scaling) end to end, against
+transformers' own models built from their config classes (tests/hf_tiny.py):
+
+- config.json -> ModelConfig -> config.json, and every unsupported feature refused naming its
+  key before compute (CLI exit 2, no process group);
+- `megagrpo verify`: passes at TP=1 for both families and at a split (Qwen3 TP=2 on a trained
+  export, Llama-3.1 PP=2 over 512 positions), including the bitwise HF -> megatron -> HF round
+  trip at that layout; fails (exit 1) with a broken k/v mapping;
+- llama3 scaling matters where the test looks (transformers with and without it differ by
+  orders of magnitude more than verify's tolerance) and vLLM applies it;
+- a 2-step GRPO run with vLLM on Qwen3 (reference reset every step) whose export loads in
+  transformers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megagrpo.config.model import ModelConfig
+from megagrpo.config.train import load_config
+from megagrpo.hf import hf_config_dict, hf_shapes, model_config_from_hf, param_specs
+from megagrpo.plan import layer_params
+from tests.hf_tiny import LLAMA3_ROPE, load_dir, tiny_llama31, tiny_qwen3
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = str(ROOT / "examples" / "demo.yaml")
+LONG = "512"  # verify's longest prompt for Llama-3.1: well past where the scaling shows
+
+
+def _cli(*args, timeout=600):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run([sys.executable, "-m", "megagrpo", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    tiny_qwen3(root / "qwen3")
+    tiny_llama31(root / "llama31")
+    return root
+
+
+def _edited(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+# ------------------------------------------------------------------------------- configs
+def test_qwen3_config_read_and_written(hf_dirs):
+    m = model_config_from_hf(hf_dirs / "qwen3")
+    assert (m.architecture, m.qk_norm, m.qkv_bias, m.head_dim) == ("qwen3", True, False, 32)
+    assert m.head_dim != m.hidden_size // m.num_attention_heads
+    shapes = hf_shapes(m)
+    assert shapes["model.layers.1.self_attn.k_norm.weight"] == (32,)
+    assert set(shapes) == set(load_dir(hf_dirs / "qwen3"))  # exactly the checkpoint's tensors
+    names = {s.local for s in param_specs(m, _parallel(), 0)}
+    assert "decoder.layers.0.self_attention.q_layernorm.weight" in names
+    assert layer_params(m) == layer_params(ModelConfig(**{**vars(m), "architecture": "llama"})) \
+        + 2 * 32
+    out = hf_dirs / "written_qwen3"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(hf_config_dict(m)))
+    assert model_config_from_hf(out) == m
+
+
+def test_llama31_rope_read_and_written(hf_dirs):
+    from transformers import AutoConfig
+
+    m = model_config_from_hf(hf_dirs / "llama31")
+    assert (m.rope_type, m.rope_factor, m.rope_theta) == ("llama3", 8.0, 500000.0)
+    out = hf_dirs / "written_llama31"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(hf_config_dict(m)))
+    assert model_config_from_hf(out) == m
+    assert AutoConfig.from_pretrained(out).rope_parameters == LLAMA3_ROPE
+
+
+def _parallel():
+    from megagrpo.config.model import ParallelConfig
+
+    return ParallelConfig()
+
+
+REFUSED = [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+     r"rope_parameters\.rope_type='yarn' is not supported"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
+     r"rope_scaling\.rope_type='linear' is not supported"),
+    ({"rope_parameters": {**LLAMA3_ROPE, "low_freq_factor": 2.0}},
+     r"rope_parameters\.low_freq_factor=2\.0 is not supported: megatron-core's llama3"),
+    ({"rope_parameters": {**LLAMA3_ROPE, "original_max_position_embeddings": 4096}},
+     r"original_max_position_embeddings=4096"),
+    ({"use_sliding_window": True, "sliding_window": 64}, r"use_sliding_window=true is not"),
+    ({"sliding_window": 4096}, r"sliding_window=4096 is not supported"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, r"layer_types holds"),
+    ({"kv_lora_rank": 512}, r"kv_lora_rank=512 is not supported \(multi-head latent"),
+    ({"num_nextn_predict_layers": 1}, r"num_nextn_predict_layers=1 is not supported \(multi"),
+    ({"attention_sink_size": 4}, r"attention_sink_size=4 is not supported \(attention sinks"),
+    ({"num_experts": 8}, r"num_experts=8 is not supported \(mixture of experts"),
+    ({"model_type": "mistral"}, r"model_type='mistral' with architectures=\['LlamaForCausalLM'\]"),
+    ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
+]
+
+
+@pytest.mark.parametrize("change,match", REFUSED)
+def test_unsupported_features_refused_naming_the_key(hf_dirs, tmp_path, change, match):
+    d = _edited(hf_dirs / "llama31", tmp_path / "bad", **change)
+    with pytest.raises(ValueError, match=match):
+        model_config_from_hf(d)
+
+
+def test_model_section_refuses_what_megatron_does_not_implement():
+    for overrides, match in [(["model.rope_type=yarn"], r"model\.rope_type='yarn'"),
+                             (["model.rope_type=llama3", "model.rope_high_freq_factor=2.0"],
+                              r"model\.rope_high_freq_factor=2\.0: megatron-core's llama3"),
+                             (["model.architecture=qwen3", "model.qkv_bias=true"],
+                              r"model\.qkv_bias=true: Qwen3 has no QKV bias")]:
+        with pytest.raises(ValueError, match=match):
+            load_config(DEMO, overrides).validate(world_size=2)
+
+
+def test_verify_refuses_bad_configs_and_tensors_before_compute(hf_dirs, tmp_path):
+    rope = _edited(hf_dirs / "llama31", tmp_path / "rope",
+                   rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    window = _edited(hf_dirs / "qwen3", tmp_path / "window", use_sliding_window=True,
+                     sliding_window=16)
+    lacking = _edited(hf_dirs / "qwen3", tmp_path / "lacking")
+    from safetensors.torch import load_file, save_file
+
+    f = next(lacking.glob("*.safetensors"))
+    sd = load_file(f)
+    del sd["model.layers.1.self_attn.q_norm.weight"]  # a Qwen3 checkpoint without its q_norm
+    save_file(sd, f, metadata={"format": "pt"})
+    for d, needle in [(rope, "rope_parameters.rope_type='dynamic'"),
+                      (window, "use_sliding_window=true"),
+                      (lacking, "model.layers.1.self_attn.q_norm.weight")]:
+        p = _cli("verify", "--hf", str(d), "--tp", "2")
+        assert p.returncode == 2 and needle in p.stderr, p.stderr[-2000:]
+        assert "distributed:" not in p.stderr + p.stdout  # refused before any rank started
+
+
+# ------------------------------------------------------------------------------- verify
+@pytest.fixture(scope="module")
+def verify_tp1(hf_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("verify") / "res.json"
+    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "_verify_worker.py"), "--out",
+                        str(out), "--seq-len", LONG, str(hf_dirs / "qwen3"),
+                        str(hf_dirs / "llama31")], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(out.read_text()), p.stdout
+
+
+def test_verify_passes_at_tp1_and_fails_on_a_broken_mapping(verify_tp1, hf_dirs):
+    res, stdout = verify_tp1
+    for fam in ("qwen3", "llama31"):
+        assert res[str(hf_dirs / fam)] == {"ok": 0, "broken": 1}, stdout
+    assert stdout.count("verify: ok") == 2 and stdout.count("verify: FAILED") == 2
+    assert stdout.count("bitwise equal") == 2  # the broken runs' round trip differs too
+
+
+def test_verify_llama31_pp2_long_positions(hf_dirs):
+    p = _cli("verify", "--hf", str(hf_dirs / "llama31"), "--pp", "2", "--seq-len", LONG)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    assert "tp=1 pp=2" in p.stdout and "llama3 RoPE" in p.stdout
+    assert "bitwise equal (21 tensors)" in p.stdout and "verify: ok" in p.stdout
+
+
+def test_llama3_scaling_changes_the_logits_where_verify_looks(hf_dirs, tmp_path):
+    """verify (megatron vs transformers, both scaled) passes at 1e-5 over positions up to 512;
+    here transformers on the same weights without the scaling is >= 1e-3 away there, so a
+    megatron model that ignored the scaling could not pass."""
+    from transformers import AutoModelForCausalLM
+
+    plain = _edited(hf_dirs / "llama31", tmp_path / "plain",
+                    rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    ids = torch.randint(0, 100, (1, int(LONG)), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        scaled, unscaled = (AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+                            .eval()(ids).logits[0] for d in (hf_dirs / "llama31", plain))
+    rel = (scaled - unscaled).abs().amax(-1) / scaled.abs().max()
+    assert rel[:8].max() < rel[256:].max() and rel[256:].max() > 1e-2  # grows with position
+
+
+def test_vllm_applies_llama3_scaling(hf_dirs, tmp_path):
+    """vLLM from the config.json megagrpo writes for the engine (hf_config_dict), fed the HF
+    weights by name: greedy tokens and log-probs after a 400-token prompt equal transformers'."""
+    import vllm  # noqa: F401
+    from transformers import AutoModelForCausalLM
+
+    from megagrpo.config.rollout import RolloutConfig
+    from megagrpo.engine import SamplingSettings, VLLMEngine
+    from tests._rollout_model import hf_greedy
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dirs / "llama31", dtype=torch.float32).eval()
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(
+        model_config_from_hf(hf_dirs / "llama31"))))
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    engine = VLLMEngine(RolloutConfig(max_model_len=512, max_num_seqs=4, seed=0), tmp_path,
+                        dtype="float32")
+    try:
+        engine.update_weights(iter(model.state_dict().items()))
+        prompt = torch.randint(0, 100, (400,), generator=torch.Generator().manual_seed(1))
+        comp = engine.generate([prompt.tolist()], SamplingSettings(temperature=0.0,
+                                                                  max_tokens=8))[0]
+    finally:
+        engine.close()
+    ref, ref_lp = hf_greedy(model, prompt.tolist(), 8)
+    assert comp.token_ids == ref
+    assert max(abs(a - b) for a, b in zip(comp.logprobs, ref_lp)) < 1e-4
+
+
+# ------------------------------------------------------------------------------- GRPO
+@pytest.fixture(scope="module")
+def qwen3_run(hf_dirs):
+    """2 GRPO steps (vLLM rollouts, reference reset every step) from the Qwen3 folder, one
+    rank; the run directory exported to HF; verify at TP=2 on that export."""
+    run, out = hf_dirs / "run", hf_dirs / "export"
+    p = _cli("train", "--config", DEMO, "--nproc", "1", f"run.init={hf_dirs / 'qwen3'}",
+             "run.steps=2", f"run.out_dir={run}", "data.batch_size=4", "algo.group_size=4",
+             "algo.num_minibatches=1", "reference.sync_every_steps=1", "checkpoint.at_end=true",
+             "cold_start.steps=0", "eval.every=0", "log.tensorboard=false",
+             "log.progress=false", "compute.micro_batch_size=16")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    p = _cli("convert", "--from-megatron", str(run), "--to-hf", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    verify = _cli("verify", "--hf", str(out), "--tp", "2")
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return out, metrics, verify
+
+
+def test_qwen3_grpo_with_vllm_and_export(qwen3_run, hf_dirs):
+    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+
+    out, metrics, _ = qwen3_run
+    steps = [m for m in metrics if "logp_gap_vllm_mean" in m]
+    assert len(steps) == 2
+    # vLLM's Qwen3 (fed from megatron's shards) scores its samples as the trainer does
+    assert all(m["logp_gap_vllm_mean"] < 1e-5 for m in steps)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(model, Qwen3ForCausalLM)
+    src, got = load_dir(hf_dirs / "qwen3"), load_dir(out)
+    assert sorted(src) == sorted(got)
+    assert any(not torch.equal(src[k], got[k]) for k in src)  # training moved the weights
+    eos = model.generation_config.eos_token_id
+    assert eos is not None and eos == json.loads((out / "config.json").read_text())["eos_token_id"]
+
+
+def test_verify_qwen3_tp2_on_the_trained_export(qwen3_run):
+    _, _, p = qwen3_run
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    assert "tp=2 pp=1" in p.stdout and "bitwise equal (25 tensors)" in p.stdout
+    assert "verify: ok" in p.stdout
