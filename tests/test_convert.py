@@ -67,7 +67,8 @@ def test_world_size_checked_before_process_group(tmp_path):
 def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match=r"architectures=\['GPT2LMHeadModel'\] is not supported; "
-                                         r"supported: \['LlamaForCausalLM', 'Qwen2ForCausalLM'\]"):
+                                         r"supported: \['LlamaForCausalLM', 'Qwen2ForCausalLM', "
+                                         r"'Qwen3ForCausalLM'\]"):
         model_config_from_hf(tmp_path)
 
 

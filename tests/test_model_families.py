@@ -264,3 +264,16 @@ def test_verify_qwen3_tp2_on_the_trained_export(qwen3_run):
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     assert "tp=2 pp=1" in p.stdout and "bitwise equal (25 tensors)" in p.stdout
     assert "verify: ok" in p.stdout
+
+
+@pytest.mark.parametrize("recipe,arch,params_b", [("qwen3-8b-math.yaml", "qwen3", 8.19),
+                                                   ("llama3.1-8b-math.yaml", "llama", 8.03)])
+def test_recipes_validate_and_plan_without_weights(recipe, arch, params_b, capsys):
+    from megagrpo.plan import run_plan, total_params
+
+    cfg = load_config(str(ROOT / "examples" / recipe))
+    cfg.validate(world_size=8)
+    assert cfg.model.architecture == arch
+    assert round(total_params(cfg.model) / 1e9, 2) == params_b  # the published sizes
+    assert run_plan(str(ROOT / "examples" / recipe), [], gpus=8, gpu_mem_gib=80) == 0
+    assert "fits: yes" in capsys.readouterr().out
