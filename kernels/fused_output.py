@@ -67,11 +67,10 @@ CHUNK_ELEMS_CUDA = 1 << 25
 MIN_CHUNK_VOCAB = 256
 
 
-def chunk_shape(n_rows: int, n_cols: int, device: torch.device,
-                chunk_tokens: int | None = None, chunk_vocab: int | None = None
-                ) -> tuple[int, int]:
-    """(Tc, Vc) of the logits chunks for ``n_rows`` tokens and ``n_cols`` vocab columns."""
-    cuda = device.type == "cuda"
+def chunk_shape(n_rows: int, n_cols: int, cuda: bool, chunk_tokens: int | None = None,
+                chunk_vocab: int | None = None) -> tuple[int, int]:
+    """(Tc, Vc) of the logits chunks for ``n_rows`` tokens and ``n_cols`` vocab columns, on a
+    GPU (``cuda``) or the CPU (the planner reads it too)."""
     tc = chunk_tokens or min(max(n_rows, 1), CHUNK_TOKENS_CUDA if cuda else CHUNK_TOKENS)
     budget = CHUNK_ELEMS_CUDA if cuda else CHUNK_ELEMS
     vc = chunk_vocab or max(MIN_CHUNK_VOCAB, budget // tc)
@@ -251,7 +250,7 @@ def fused_output_logprob(
     dev = hidden.device
     if ignore_mask is None:
         ignore_mask = torch.zeros(target.shape, dtype=torch.bool, device=dev)
-    shape = chunk_shape(hidden.shape[0], valid, dev, chunk_tokens, chunk_vocab)
+    shape = chunk_shape(hidden.shape[0], valid, dev.type == "cuda", chunk_tokens, chunk_vocab)
     logp, entropy = FusedOutputLogProb.apply(
         hidden, weight, target.to(dev, torch.long).contiguous(), ignore_mask.to(dev, torch.bool),
         float(temperature), group, with_entropy, valid, shape, path,

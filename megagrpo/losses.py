@@ -1,9 +1,14 @@
 """The loss functions handed to megatron's schedule, one per kind of pass.
 
-Each runs on the last pipeline stage with this micro-batch's logits [b, S, V_local] and returns
-(loss, report) as megatron-core expects. Megatron divides a 2-tuple loss by the number of
-micro-batches and DDP averages grads over DP ranks; our losses are already each chunk's share
-of the global step loss (global normalisers), so they are multiplied back by both.
+Each runs on the last pipeline stage with this micro-batch's logits [b, S, V_local] (or
+[1, n, V_local] at loss positions), or - with the fused output layer (`weight` given) - the
+hidden states [n, h] at the loss positions and the output weight [V_local, h], and returns
+(loss, report) as megatron-core expects. Both reach the same per-token algebra
+(`grpo_loss_from_logp`); only the vocab pass differs (`vocab_pass`).
+
+Megatron divides a 2-tuple loss by the number of micro-batches and DDP averages grads over DP
+ranks; our losses are already each chunk's share of the global step loss (global normalisers),
+so they are multiplied back by both.
 """
 from __future__ import annotations
 
@@ -15,7 +20,12 @@ from torch import Tensor
 from megagrpo.algo import LossCounts, aggregate_loss, kl_clamp
 from megagrpo.batch import Batch
 from megagrpo.config.algo import AlgoConfig
-from megagrpo.kernels import grpo_token_loss, vocab_parallel_logprob
+from megagrpo.kernels import (
+    fused_output_logprob,
+    grpo_loss_from_logp,
+    grpo_token_loss,
+    vocab_parallel_logprob,
+)
 from megagrpo.positions import put, take
 
 PAD_LOGIT = -1e9
@@ -59,39 +69,62 @@ def _seq_ids(mb: Batch, positions: Tensor | None) -> Tensor:
     return torch.arange(b).repeat_interleave(S) if positions is None else positions // S
 
 
-def logprob_loss(ctx: LossContext, mb: Batch, logits: Tensor, positions: Tensor | None = None):
+def vocab_pass(ctx: LossContext, out: Tensor, weight: Tensor | None, target: Tensor,
+               mask: Tensor, *, with_entropy: bool, inplace: bool = False,
+               temperature: float | None = None):
+    """Per-token log-probs [n] (and entropy) of `target` from the logits `out` (weight None) or
+    through the fused output layer from the hidden states `out` [n, h] and `weight`.
+    `temperature`: None = the sampling temperature (ctx)."""
+    temperature = ctx.temperature if temperature is None else temperature
+    if weight is None:
+        return vocab_parallel_logprob(flat_logits(out, ctx), target, temperature=temperature,
+                                      group=ctx.tp_group, ignore_mask=~mask,
+                                      with_entropy=with_entropy, inplace_backward=inplace,
+                                      impl=ctx.impl)
+    return fused_output_logprob(out, weight, target, temperature=temperature,
+                                group=ctx.tp_group, ignore_mask=~mask, with_entropy=with_entropy,
+                                valid_vocab=ctx.valid_local_vocab, impl=ctx.impl)
+
+
+def logprob_loss(ctx: LossContext, mb: Batch, out: Tensor, positions: Tensor | None = None,
+                 weight: Tensor | None = None):
     """Scoring pass (no grad): per-token log-probs of the targets, [b, S]. `positions`: the
-    flat [b*S] indices the logits [1, n, V_local] cover (None: logits [b, S, V_local])."""
+    flat [b*S] indices the logits [1, n, V_local] cover (None: logits [b, S, V_local]);
+    `weight`: `out` is hidden states for the fused output layer (module doc)."""
     with torch.no_grad():
-        flat = flat_logits(logits, ctx)
-        logp = vocab_parallel_logprob(flat, take(mb.target, positions),
-                                      temperature=ctx.temperature, group=ctx.tp_group,
-                                      ignore_mask=~take(mb.mask, positions), impl=ctx.impl)
-    return logits.new_zeros(()), {"logp": put(logp, positions, tuple(mb.target.shape))}
+        logp = vocab_pass(ctx, out, weight, take(mb.target, positions), take(mb.mask, positions),
+                          with_entropy=False)
+    return out.new_zeros(()), {"logp": put(logp, positions, tuple(mb.target.shape))}
 
 
-def grpo_loss(ctx: LossContext, mb: Batch, logits: Tensor, positions: Tensor | None = None):
+def grpo_loss(ctx: LossContext, mb: Batch, out: Tensor, positions: Tensor | None = None,
+              weight: Tensor | None = None):
     """Training pass: fused per-token GRPO loss -> this chunk's share of the step loss.
-    `positions` as in `logprob_loss`."""
+    `positions` and `weight` as in `logprob_loss`."""
     a = ctx.algo
     b, S = mb.target.shape
     mask = take(mb.mask, positions)
     seq_ids = _seq_ids(mb, positions)
-    old, ref = take(mb.old_logp, positions), take(mb.ref_logp, positions)
     cispo = a.loss_agg == "cispo"
-    tok_loss, m = grpo_token_loss(
-        flat_logits(logits, ctx), take(mb.target, positions), old,
-        take(mb.advantages, positions), mask,
-        ref_logp=ref, group=ctx.tp_group, temperature=ctx.temperature,
+    target, old = take(mb.target, positions), take(mb.old_logp, positions)
+    options = dict(
+        ref_logp=take(mb.ref_logp, positions),
         eps_low=a.eps_low, eps_high=a.cispo_eps_high if cispo else a.eps_high,
         dual_clip_c=a.dual_clip_c or None, beta=0.0 if a.kl_in_reward else a.beta,
         kl_estimator=a.kl_estimator,
         kl_clamp=kl_clamp(a.kl_estimator, a.kl_clamp_input, a.kl_clamp_output),
         ratio_level="sequence" if a.loss_agg == "gspo" else "token", seq_ids=seq_ids,
-        is_weight=take(mb.is_weight, positions),
-        policy_loss="cispo" if cispo else "ppo", impl=ctx.impl,
-        inplace_backward=ctx.inplace_backward,
+        is_weight=take(mb.is_weight, positions), policy_loss="cispo" if cispo else "ppo",
     )
+    adv = take(mb.advantages, positions)
+    if weight is None:
+        tok_loss, m = grpo_token_loss(
+            flat_logits(out, ctx), target, old, adv, mask, group=ctx.tp_group,
+            temperature=ctx.temperature, impl=ctx.impl, inplace_backward=ctx.inplace_backward,
+            **options)
+    else:  # the same algebra as grpo_token_loss, on the fused layer's log-probs
+        logp, entropy = vocab_pass(ctx, out, weight, target, mask, with_entropy=True)
+        tok_loss, m = grpo_loss_from_logp(logp, old, adv, mask, entropy=entropy, **options)
     loss = aggregate_loss(tok_loss, mask.float(), seq_ids, mode=a.loss_agg, counts=ctx.counts,
                           num_local_seqs=b)
     f = mask.float()
@@ -109,12 +142,13 @@ def grpo_loss(ctx: LossContext, mb: Batch, logits: Tensor, positions: Tensor | N
     return loss * ctx.scale, report
 
 
-def sft_loss(ctx: LossContext, mb: Batch, logits: Tensor, positions: Tensor | None = None):
-    """Cold start: token-mean negative log-likelihood of the completion tokens."""
+def sft_loss(ctx: LossContext, mb: Batch, out: Tensor, positions: Tensor | None = None,
+             weight: Tensor | None = None):
+    """Cold start: token-mean negative log-likelihood of the completion tokens (temperature 1:
+    the data's likelihood, not the sampler's)."""
     mask = take(mb.mask, positions)
-    logp = vocab_parallel_logprob(flat_logits(logits, ctx), take(mb.target, positions),
-                                  group=ctx.tp_group, ignore_mask=~mask, impl=ctx.impl,
-                                  inplace_backward=ctx.inplace_backward)
+    logp = vocab_pass(ctx, out, weight, take(mb.target, positions), mask, with_entropy=False,
+                      inplace=ctx.inplace_backward, temperature=1.0)
     loss = -(logp * mask.float()).sum() / max(ctx.counts.num_tokens, 1.0)
     return loss * ctx.scale, {"nll_sum": -(logp.detach() * mask.float()).sum(),
                               "tokens": mask.float().sum()}

@@ -27,26 +27,42 @@ DEFAULT_MICRO_BATCH_TOKENS = 1024
 of varied lengths waste little on padding, large enough for efficient matrix multiplies."""
 
 
-def forward_step(mb: MicroBatch, model, *, loss_fn, at_loss_positions: bool = True):
+def forward_step(mb: MicroBatch, model, *, loss_fn, at_loss_positions: bool = True,
+                 fused_output: bool | str = False):
     """megatron forward_step: logits on the last stage, hidden states elsewhere. With
     `at_loss_positions` the last stage's output layer runs only where mb's mask is set
-    (`megagrpo.positions`), and the loss function is told which positions those are."""
+    (`megagrpo.positions`), and the loss function is told which positions those are. With
+    `fused_output` (compute.fused_output_layer) the last stage returns the hidden states
+    [n, h] at those positions instead of logits, and the loss gets the output weight
+    (`weight=`) to run the fused output layer on them."""
     b = mb.batch
+    gpt = unwrap(model)
+    hooked = mb.packed is not None or at_loss_positions or fused_output is not False
+    sel = OutputPositions.of(gpt) if hooked else None
+    fused = sel is not None and sel.use_fused(fused_output)
     if mb.packed is not None:  # rows end to end, loss positions only
-        p, flat, gpt = mb.packed, loss_positions(b.mask), unwrap(model)
+        p, flat = mb.packed, loss_positions(b.mask)
         rope = RotaryPositions.of(gpt)
-        with (OutputPositions.of(gpt).at(p.positions(flat, b.ids.shape[1]), p.ids.shape[1]),
+        with (sel.at(p.positions(flat, b.ids.shape[1]), p.ids.shape[1], fused),
               rope.at(p.position_ids[0]) if rope is not None else nullcontext()):
             out = model(p.ids, p.position_ids, None, packed_seq_params=p.seq_params())
-        return out, partial(loss_fn, b, positions=flat)
+        return _last_stage_output(out, sel, fused, partial(loss_fn, b, positions=flat))
     pos = torch.arange(b.ids.shape[1]).expand_as(b.ids)
-    sel = OutputPositions.of(unwrap(model)) if at_loss_positions else None
-    if sel is None:
+    if sel is None or not (at_loss_positions or fused):
         return model(b.ids, pos, None), partial(loss_fn, b)
-    flat = loss_positions(b.mask)
-    with sel.at(flat, b.ids.shape[1]):
+    flat = loss_positions(b.mask) if at_loss_positions else None
+    with sel.at(flat, b.ids.shape[1], fused):
         out = model(b.ids, pos, None)
-    return out, partial(loss_fn, b, positions=flat)
+    return _last_stage_output(out, sel, fused, partial(loss_fn, b, positions=flat))
+
+
+def _last_stage_output(out, sel: OutputPositions, fused: bool, loss_fn: Callable):
+    """(output, loss function) of the last stage: the logits, or with the fused output layer
+    the selected hidden states and a loss function that holds the output weight."""
+    if not fused:
+        return out, loss_fn
+    hidden, weight = sel.take_hidden()
+    return hidden, partial(loss_fn, weight=weight)
 
 
 def row_index(keep: torch.Tensor) -> torch.Tensor:
@@ -87,8 +103,10 @@ class Passes:
     def run(self, model, loss_fn, plan: list[MicroBatch], seq_length: int, m: int,
             forward_only: bool = False) -> list:
         """megatron's schedule over the planned micro-batches; the last stage's reports."""
+        c = self.cfg.compute
         fwd = partial(self.forward, loss_fn=loss_fn,
-                      at_loss_positions=self.cfg.compute.logits_at_loss_positions)
+                      at_loss_positions=c.logits_at_loss_positions,
+                      fused_output=c.fused_output_layer)
         return forward_backward(model, fwd, plan, len(plan), seq_length=seq_length,
                                 micro_batch_size=m, forward_only=forward_only)
 

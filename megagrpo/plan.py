@@ -13,10 +13,14 @@ What is counted, per rank, on the worst pipeline stage:
   bf16/fp16 (4 more); the distributed optimizer divides these by DP.
 - reference weights: same shard as the policy; 0 when algo.beta = 0 (no reference is built) or
   reference.offload (resident in CPU memory between scoring passes).
-- logits: the fused kernels read the vocab-parallel logits [T, V_pad/tp] in the model dtype and
-  write the gradient into the same buffer (compute.inplace_backward), plus fp32 per-row stats;
-  shown next to a naive path that all-gathers [T, V] and runs an fp32 log_softmax (upcast copy,
-  saved output and its gradient: 3 fp32 [T, V] tensors). T = compute.micro_batch_size x
+- logits: with the fused output layer (compute.fused_output_layer, on by default) no logits
+  tensor exists: one GPU chunk [Tc, Vc] of logits in the model dtype (kernels/fused_output.py's
+  `chunk_shape`; the gradient overwrites it), below fp32 the fp32 accumulators of dh [T, h] and
+  of one dW chunk [Vc, h], and the fp32 per-row stats. With it off, the fused kernels read the
+  vocab-parallel logits [T, V_pad/tp] in the model dtype and write the gradient into the same
+  buffer (compute.inplace_backward), plus the stats. Either is shown next to a naive path that
+  all-gathers [T, V] and runs an fp32 log_softmax (upcast copy, saved output and its gradient:
+  3 fp32 [T, V] tensors). T = compute.micro_batch_size x
   rollout.max_model_len (the longest padded micro-batch).
 - activations: a rough estimate only (Korthikanti et al. 2022, arXiv 2205.05198, no
   recomputation, no sequence parallelism): s*b*h*(10 + 24/tp) bytes at 2 bytes/value per layer,
@@ -103,7 +107,8 @@ class RankMemory:
     reference: int
     """Reference weights resident on the GPU."""
     logits_fused: int
-    """Logits working set of the fused vocab-parallel kernels."""
+    """Working set of the vocab pass: the fused output layer's chunks, or (with it off) the
+    logits the fused vocab-parallel kernels read."""
     logits_naive: int
     """What a gathered fp32 log_softmax over [T, V] would need instead (not in the total)."""
     activations: int
@@ -120,6 +125,8 @@ class RankMemory:
     """vLLM's weights on this rank (1/k of the model), inside its share."""
     kv_token_bytes: int = 0
     """KV cache bytes per token on this rank (all layers, K and V)."""
+    fused_output: bool = True
+    """The vocab pass runs in the fused output layer (compute.fused_output_layer)."""
 
     @property
     def kv_cache(self) -> int:
@@ -153,17 +160,30 @@ class RankMemory:
 
 def logits_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, tp_pad: ParallelConfig
                  ) -> tuple[int, int]:
-    """(fused, naive) logits working set in bytes for one micro-batch on one TP rank."""
+    """(vocab pass, naive) working set in bytes for one micro-batch on one TP rank: the fused
+    output layer's chunks, or the logits the fused kernels read (compute.fused_output_layer
+    false)."""
     t = cfg.compute.micro_batch_size * cfg.rollout.max_model_len
     b = DTYPE_BYTES[m.dtype]
     v_local = tp_pad.padded_vocab_size(m.vocab_size) // tp
-    buffers = 1 if cfg.compute.inplace_backward else 2  # logits (+ a separate gradient buffer)
     # per-row fp32 stats [T, 4], their all-gather [tp * T, 4], and three [T] fp32 rows saved for
     # backward (max, log-sum-exp, shift)
     stats = t * 4 * (4 + 4 * tp + 3)
-    fused = buffers * t * v_local * b + stats
     naive = t * m.vocab_size * (b + 3 * 4)
-    return fused, naive
+    if cfg.compute.fused_output_layer is not False:
+        return fused_output_bytes(t, m.hidden_size, v_local, b) + stats, naive
+    buffers = 1 if cfg.compute.inplace_backward else 2  # logits (+ a separate gradient buffer)
+    return buffers * t * v_local * b + stats, naive
+
+
+def fused_output_bytes(t: int, h: int, v_local: int, b: int) -> int:
+    """The fused output layer's chunk buffers on a GPU beyond its inputs and outputs (see the
+    module docstring); `b` bytes per value of the model dtype."""
+    from megagrpo.kernels.fused_output import chunk_shape  # torch + triton: only when planning
+
+    tc, vc = chunk_shape(t, v_local, cuda=True)
+    accumulators = (t * h + vc * h) * 4 if b < 4 else 0
+    return tc * vc * b + accumulators
 
 
 def activation_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int) -> int:
@@ -208,7 +228,8 @@ def rank_memory(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int, world: int,
                       vllm=int(cfg.rollout.gpu_memory_utilization * gpu_mem_gib * GIB),
                       vllm_sleeps=cfg.rollout.sleep_between_rollouts,
                       optimizer_sharded=cfg.optim.distributed_optimizer,
-                      vllm_tp=k, vllm_weights=vllm_weights, kv_token_bytes=kv_token)
+                      vllm_tp=k, vllm_weights=vllm_weights, kv_token_bytes=kv_token,
+                      fused_output=cfg.compute.fused_output_layer is not False)
 
 
 def recommend_vllm_tp(cfg: TrainConfig, m: ModelConfig, world: int, gpu_mem_gib: float
@@ -282,7 +303,8 @@ def format_breakdown(r: RankMemory, m: ModelConfig, gpu_mem_gib: float) -> str:
         ("grads (fp32 buffers)", r.grads),
         (f"Adam m, v{master}" + (" (/dp)" if r.optimizer_sharded else ""), r.optimizer),
         ("reference weights (resident)", r.reference),
-        ("logits, fused kernels [T, V/tp] (update)", r.logits_fused),
+        (("logits, fused output layer: chunks, no [T, V/tp] (update)" if r.fused_output else
+          "logits, fused kernels [T, V/tp] (update)"), r.logits_fused),
         ("activations, rough estimate (update)", r.activations),
         ("vLLM share (rollout" + ("" if r.vllm_sleeps else " and update") + ")", r.vllm),
         (f"  of which vLLM weights (1/{r.vllm_tp} of the model)", r.vllm_weights),

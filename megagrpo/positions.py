@@ -6,14 +6,25 @@ vocab, the biggest matmul of a small model's step) and the fused log-prob / loss
 run on the n selected positions instead of all b x S: `OutputPositions` is a forward pre-hook
 on megatron's `output_layer` that keeps the selected rows of its input [S, b, h] -> [n, 1, h],
 so the model returns logits [1, n, V_local] and backward scatters the gradient back (autograd).
+
+With the fused output layer (compute.fused_output_layer) the same hook goes one step further:
+it keeps the selected hidden states [n, h] and this stage's output weight (the tied embedding
+when the stage holds it) for the loss, and hands the output layer zero rows, so megatron's
+matmul and its [n, V_local] logits never happen; the loss runs `kernels/fused_output.py` on
+the hidden states. Backward reaches the decoder through those hidden states only (the output
+layer's zero-row branch is not on the loss's graph), and the weight's gradient comes from the
+fused op.
 """
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger("megagrpo")
 
 
 def loss_positions(mask: Tensor) -> Tensor:
@@ -25,9 +36,10 @@ def loss_positions(mask: Tensor) -> Tensor:
 
 
 class OutputPositions:
-    """Restricts a GPTModel stage's output layer to chosen positions while `at` is active."""
+    """Restricts a GPTModel stage's output layer to chosen positions while `at` is active, and
+    with `fused` takes its input (and weight) for the fused output layer instead."""
 
-    def __init__(self, output_layer: torch.nn.Module):
+    def __init__(self, output_layer: torch.nn.Module, gpt: torch.nn.Module | None = None):
         if getattr(output_layer, "sequence_parallel", False):
             raise ValueError("OutputPositions needs the full sequence at the output layer "
                              "(sequence_parallel=False)")
@@ -35,6 +47,15 @@ class OutputPositions:
         """[n] flat indices into [b, S] while active; None: every position."""
         self.width = 0
         """S of the active micro-batch."""
+        self.fused = False
+        """Keep the selected hidden states for the fused output layer (output layer skipped)."""
+        self.hidden: Tensor | None = None
+        """[n, h] the hidden states at the selected positions, after a fused forward."""
+        self.weight: Tensor | None = None
+        """[V_local, h] the weight the output layer would have used (tied: the embedding's)."""
+        self.blocker = fused_blocker(output_layer, gpt)
+        """Why the fused output layer cannot replace this output layer (None: it can)."""
+        self._said: str | None = None
         output_layer.register_forward_pre_hook(self._select, with_kwargs=True)
 
     @classmethod
@@ -45,24 +66,69 @@ class OutputPositions:
         if layer is None:
             return None
         if not hasattr(gpt, "_megagrpo_positions"):
-            gpt._megagrpo_positions = cls(layer)
+            gpt._megagrpo_positions = cls(layer, gpt)
         return gpt._megagrpo_positions
 
+    def use_fused(self, setting: bool | str) -> bool:
+        """compute.fused_output_layer (True / False / "auto") for this stage: "auto" runs the
+        fused layer unless `blocker` says why not; True where it cannot run is an error. Says
+        once per model which path its output layer takes."""
+        if setting is True and self.blocker:
+            raise ValueError(f"compute.fused_output_layer=true, but the fused output layer "
+                             f"cannot run here: {self.blocker}; set "
+                             "compute.fused_output_layer=auto or false")
+        fused = setting is True or (setting == "auto" and self.blocker is None)
+        why = ("fused with the loss: hidden states -> loss, no [tokens, vocab] logits" if fused
+               else f"logits path ({self.blocker})" if setting == "auto"
+               else "logits path (compute.fused_output_layer=false)")
+        if why != self._said:
+            self._said = why
+            log.info("megagrpo: output layer %s", why)
+        return fused
+
     def _select(self, module, args: tuple, kwargs: dict):
-        if self.flat is None:
+        if self.flat is None and not self.fused:
             return None
         hidden = args[0]  # [S, b, h]
-        rows, cols = self.flat // self.width, self.flat % self.width
-        return (hidden[cols, rows].unsqueeze(1), *args[1:]), kwargs
+        if self.flat is None:  # every position, row-major over [b, S] like `take`
+            picked = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])
+        else:
+            rows, cols = self.flat // self.width, self.flat % self.width
+            picked = hidden[cols, rows]
+        if not self.fused:
+            return (picked.unsqueeze(1), *args[1:]), kwargs
+        weight = kwargs.get("weight")
+        self.hidden, self.weight = picked, module.weight if weight is None else weight
+        # zero rows: megatron's matmul and logits vanish, the call itself stays megatron's
+        return (picked[:0].unsqueeze(1), *args[1:]), kwargs
 
     @contextmanager
-    def at(self, flat: Tensor, width: int) -> Iterator[None]:
-        """Within the block, the output layer computes only positions `flat` of [b, width]."""
-        self.flat, self.width = flat, width
+    def at(self, flat: Tensor | None, width: int, fused: bool = False) -> Iterator[None]:
+        """Within the block, the output layer computes only positions `flat` of [b, width]
+        (None: all); with `fused`, `take_hidden` returns their hidden states instead."""
+        self.flat, self.width, self.fused = flat, width, fused
         try:
             yield
         finally:
-            self.flat = None
+            self.flat, self.fused = None, False
+
+    def take_hidden(self) -> tuple[Tensor, Tensor]:
+        """([n, h] hidden states, [V_local, h] output weight) of the last fused forward."""
+        hidden, weight = self.hidden, self.weight
+        self.hidden = self.weight = None
+        if hidden is None:
+            raise RuntimeError("fused output layer: the model's forward never reached its "
+                               "output layer")
+        return hidden, weight
+
+
+def fused_blocker(output_layer: torch.nn.Module, gpt: torch.nn.Module | None) -> str | None:
+    """What keeps the fused output layer from replacing `output_layer` (None: nothing)."""
+    if getattr(output_layer, "bias", None) is not None:
+        return "the output layer has a bias"
+    if gpt is not None and getattr(getattr(gpt, "config", None), "mtp_num_layers", None):
+        return "multi-token prediction runs the output layer on its own hidden states"
+    return None
 
 
 class RotaryPositions:

@@ -35,6 +35,23 @@ def test_kernels_benchmark_smallest(tmp_path):
     assert cases and all(r["fwd_bwd_s"] > 0 and r["loss_max_abs_diff"] < 1e-3 for r in cases)
 
 
+def test_fused_output_benchmark_smallest(tmp_path):
+    """The fused output layer benchmark at a toy size (TP=1 and the 2-rank TP=2), one repeat:
+    its float64 check passes, every path gives the same loss, and a size over the memory budget
+    is a row that says so."""
+    rows = _run("fused_output.py", "--check", "--H", "32", "--V", "1024", "--T", "64",
+                "--tp", "1,2", "--iters", "1", "--out", str(tmp_path / "f.jsonl"))
+    assert [r["ok"] for r in rows if "check" in r] == [True]
+    done = [r for r in rows if "fwd_bwd_s" in r]
+    assert {(r["TP"], r["path"]) for r in done} == {(1, "logits"), (1, "fused"), (1, "naive"),
+                                                    (2, "logits"), (2, "fused")}
+    assert all(r["fwd_bwd_s"] > 0 and r["loss_max_abs_diff"] < 1e-4 for r in done)
+    big = _run("fused_output.py", "--H", "32", "--V", "1024", "--T", "4096", "--tp", "1",
+               "--paths", "naive,fused", "--mem-gib", "0.01", "--iters", "1")
+    assert {r["path"] for r in big} == {"naive", "fused"}
+    assert all("budget" in r["skipped"] for r in big)
+
+
 def test_hf_logits_benchmark(tmp_path):
     rows = _run("hf_logits.py", "--out", str(tmp_path / "h.jsonl"))
     assert {(r["model"], r["dtype"]) for r in rows} == {

@@ -68,14 +68,35 @@ def test_rank_bytes_by_hand():
     assert r.weights == 2 * n and r.grads == 4 * n
     assert r.optimizer == 12 * n // 2  # m, v, fp32 master; sharded over dp=2
     assert r.reference == 2 * n  # algo.beta > 0 by default
-    # T = 2 x 8 = 16 rows; local vocab 56 in bf16, gradient in place; fp32 stats [T, 4],
-    # their all-gather [2T, 4] and three [T] rows
-    assert r.logits_fused == 16 * 56 * 2 + 16 * 4 * (4 + 8 + 3) == 2752
+    # T = 2 x 8 = 16 rows, local vocab 56 in bf16. The fused output layer (default): one
+    # chunk of logits (all 16 x 56 here), fp32 accumulators of dh [T, h] and of a dW chunk
+    # [56, h]; fp32 stats [T, 4], their all-gather [2T, 4] and three [T] rows
+    stats = 16 * 4 * (4 + 8 + 3)
+    assert r.fused_output
+    assert r.logits_fused == 16 * 56 * 2 + (16 * 8 + 56 * 8) * 4 + stats == 5056
     assert r.logits_naive == 16 * 100 * (2 + 3 * 4) == 22400
     # s*b*h*(10 + 24/tp) at 2 bytes per value, 2 layers on the one stage
     assert r.activations == 8 * 2 * 8 * (10 + 12) * 2 == 5632
     assert r.vllm == GIB // 2 and not r.vllm_sleeps
-    assert r.total == r.update_peak == r.state + 2752 + 5632 + GIB // 2
+    assert r.total == r.update_peak == r.state + 5056 + 5632 + GIB // 2
+    # the logits path: the logits [T, V/tp] once (gradient in place) + the stats
+    cfg.compute.fused_output_layer = False
+    r = rank_memory(cfg, cfg.model, 2, 1, world=4, gpu_mem_gib=1.0)
+    assert not r.fused_output and r.logits_fused == 16 * 56 * 2 + stats == 2752
+
+
+def test_fused_output_layer_holds_a_chunk_not_the_logits():
+    """Qwen's vocab at 16k tokens per micro-batch (the issue's example): the logits path holds
+    [T, V] (4.6 GiB bf16 at TP=1); the fused layer one 32M-value chunk + fp32 accumulators."""
+    over = ["model.vocab_size=151936", "model.hidden_size=1024", "model.dtype=bfloat16",
+            "compute.micro_batch_size=16", "rollout.max_model_len=1024"]
+    cfg = load_config(None, TINY + over)
+    fused = rank_memory(cfg, cfg.model, 1, 1, world=1, gpu_mem_gib=80.0).logits_fused
+    cfg.compute.fused_output_layer = False
+    logits = rank_memory(cfg, cfg.model, 1, 1, world=1, gpu_mem_gib=80.0).logits_fused
+    t = 16 * 1024
+    assert logits > t * 151936 * 2
+    assert fused < 0.05 * logits
 
 
 @pytest.mark.parametrize("extra,field,expected", [
@@ -83,7 +104,8 @@ def test_rank_bytes_by_hand():
     (["optim.distributed_optimizer=false"], "optimizer", 8 * 1576),  # fp32: no master copy
     (["algo.beta=0"], "reference", 0),
     (["reference.offload=true"], "reference", 0),
-    (["compute.inplace_backward=false"], "logits_fused", 2 * 16 * 56 * 4 + 960),
+    (["compute.inplace_backward=false", "compute.fused_output_layer=false"], "logits_fused",
+     2 * 16 * 56 * 4 + 960),
     (["parallel.transformer_impl=local"], "activations",
      2 * 2 * (8 * 2 * 8 * 22 + 5 * 2 * 8 * 8 * 2 // 2)),  # fp32 doubles the 2-byte estimate
 ])

@@ -70,11 +70,19 @@ class ComputeConfig:
     """Fused-kernel path: 'auto' (Triton on CUDA, torch otherwise), 'triton' or 'torch'."""
     inplace_backward: bool = True
     """Let the loss kernel write the logits gradient into the logits buffer."""
+    fused_output_layer: bool | str = "auto"
+    """Compute log-probs, entropy and the loss straight from the final hidden states and the
+    output weight in chunks, so no [tokens, vocab] logits exist (scoring, update, cold start);
+    'auto': wherever it runs (not beside an output-layer bias or multi-token prediction);
+    false: megatron's output layer and the logits kernels."""
 
     def validate(self) -> None:
         if self.kernel_impl not in ("auto", "triton", "torch"):
             raise ValueError(f"compute.kernel_impl={self.kernel_impl!r}: use auto, triton or "
                              "torch")
+        if self.fused_output_layer not in ("auto", True, False):
+            raise ValueError(f"compute.fused_output_layer={self.fused_output_layer!r}: use auto, "
+                             "true or false")
         if self.micro_batch_size < 1:
             raise ValueError(f"compute.micro_batch_size={self.micro_batch_size} must be >= 1")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 0:

@@ -144,9 +144,11 @@ def test_no_tokens_by_vocab_tensor_exists():
 
 def test_default_chunks_bound_memory():
     """The default chunk on CPU: <= CHUNK_ELEMS logits, at most CHUNK_TOKENS tokens."""
-    tc, vc = fo.chunk_shape(16384, 151936, torch.device("cpu"))
+    tc, vc = fo.chunk_shape(16384, 151936, cuda=False)
     assert tc == fo.CHUNK_TOKENS and tc * vc <= fo.CHUNK_ELEMS
-    assert fo.chunk_shape(5, 100, torch.device("cpu")) == (5, 100)
+    assert fo.chunk_shape(5, 100, cuda=False) == (5, 100)
+    tc, vc = fo.chunk_shape(16384, 151936, cuda=True)
+    assert tc * vc <= fo.CHUNK_ELEMS_CUDA
 
 
 def test_scoring_without_grad_and_bad_inputs():

@@ -1,0 +1,251 @@
+"""Benchmark the fused output layer against the logits path: forward + backward of the GRPO loss
+from the final hidden states, time and peak extra memory.
+
+Usage (from the repo root; the same command runs on CUDA unchanged):
+
+    .venv/bin/python benchmarks/fused_output.py                  # H 1024, V 151936, TP 1 and 2
+    .venv/bin/python benchmarks/fused_output.py --T 1024,2048 --tp 1 --iters 1 --check
+    .venv/bin/python benchmarks/fused_output.py --out benchmarks/results/fused_output_cpu.jsonl
+
+One JSON line per (TP, T, dtype, path). Every path computes the same thing from ``h [T, H]``
+and this rank's output weight ``W [V/tp, H]``: per-token log-probs with grad, entropy, a clipped
+GRPO loss with a k3 KL term, summed, then the gradients w.r.t. ``h`` and ``W``
+(``torch.autograd.grad``).
+
+Paths:
+- ``logits`` (a): megatron's output-layer matmul (``h @ W^T``, as ColumnParallelLinear computes
+  it; under TP its input gradient is all-reduced, as megatron does) + today's fused logits
+  kernel (``grpo_token_loss``, gradient written into the logits buffer).
+- ``fused`` (b): ``fused_output_grpo_loss`` (kernels/fused_output.py): no [T, V/tp] logits.
+- ``naive`` (c): the full logits, ``log_softmax`` of an fp32 copy, gather (TP=1 only).
+
+TP=2 runs 2 ranks (spawned, gloo, the cores split between them); rank 0 measures and prints,
+collectives included. ``peak_extra_bytes`` (``_harness``): the highest allocation during the
+call beyond what existed before it; ``peak_beyond_outputs_bytes`` subtracts the outputs the
+call returns (dh, dW), and ``peak_pct_of_logits`` is that over the bytes of (a)'s logits
+``[T, V/tp]``. Before running a size, each path's need is estimated against the memory budget
+(``--mem-gib``, default 85% of MemAvailable shared by the ranks): a size a path cannot reach is
+a row with ``skipped`` saying why, never a crash (an allocation failure is caught the same way).
+On CPU each row carries the 1-minute load average and ``torch.backends.cpu`` capability.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import emit, peak_extra_bytes, time_samples  # noqa: E402
+
+from megagrpo.kernels import (  # noqa: E402
+    fused_output_grpo_loss, grpo_loss_from_logp, grpo_token_loss,
+)
+from megagrpo.kernels.fused_output import reference_output_logprob  # noqa: E402
+
+LOSS_OPTS = dict(eps_low=0.2, eps_high=0.28, beta=0.04, kl_estimator="k3")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PATHS = ("logits", "fused", "naive")
+TEMPERATURE = 0.9
+
+
+def make_inputs(t: int, h: int, v: int, tp: int, rank: int, dtype, device) -> dict:
+    """Hidden states, this rank's weight rows and the loss inputs (the same on every rank)."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(t, h, generator=g).to(device=device, dtype=dtype)
+    v_local = v // tp
+    g_w = torch.Generator().manual_seed(1 + rank)  # each rank's own shard of W
+    w = (torch.randn(v_local, h, generator=g_w) * (2.0 / h ** 0.5)).to(device=device,
+                                                                       dtype=dtype)
+    target = torch.randint(0, v, (t,), generator=g).to(device)
+    mask = (torch.rand(t, generator=g) > 0.1).to(device)
+    old = (-11 + torch.randn(t, generator=g)).to(device)
+    return dict(hidden=hidden, weight=w, target=target, mask=mask, old_logp=old,
+                advantages=torch.randn(t, generator=g).to(device),
+                ref_logp=old + 0.1 * torch.randn(t, generator=g).to(device))
+
+
+def loss_of(path: str, h, w, inp: dict, group) -> torch.Tensor:
+    args = (inp["target"], inp["old_logp"], inp["advantages"], inp["mask"])
+    if path == "fused":
+        return fused_output_grpo_loss(h, w, *args, ref_logp=inp["ref_logp"], group=group,
+                                      temperature=TEMPERATURE, **LOSS_OPTS)[0]
+    if path == "logits":
+        h_in = _AllReduceGrad.apply(h, group) if group is not None else h
+        return grpo_token_loss(h_in @ w.T, *args, ref_logp=inp["ref_logp"], group=group,
+                               temperature=TEMPERATURE, inplace_backward=True, **LOSS_OPTS)[0]
+    logp, entropy = reference_output_logprob(h, w, inp["target"], temperature=TEMPERATURE,
+                                             dtype=h.dtype)
+    return grpo_loss_from_logp(logp, inp["old_logp"], inp["advantages"], inp["mask"],
+                               entropy=entropy.detach(), ref_logp=inp["ref_logp"],
+                               **LOSS_OPTS)[0]
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity forward, all-reduce backward: megatron's copy_to_tensor_model_parallel_region
+    in front of a ColumnParallelLinear."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def need_bytes(path: str, t: int, h: int, v_local: int, b: int) -> int:
+    """Rough peak of one call beyond its inputs, to refuse sizes before allocating them."""
+    outputs = (t + v_local) * h * b  # dh, dW
+    logits = t * v_local
+    if path == "logits":  # logits (gradient in place) + the kernel's chunks + matmul temporaries
+        return outputs + int(logits * b * 1.25) + (64 << 20)
+    if path == "naive":  # logits, an fp32 copy, log_softmax, its exp, their gradients
+        return outputs + logits * (b + 4 * 4)
+    return outputs + (t * h + v_local * h) * 4 + (256 << 20)  # fp32 accumulators + chunks
+
+
+def mem_budget(arg_gib: float | None, tp: int) -> int:
+    if arg_gib is not None:
+        return int(arg_gib * (1 << 30))
+    with open("/proc/meminfo") as f:
+        avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable"))
+    return int(0.85 * avail / tp)
+
+
+def run_path(path: str, inp: dict, group, device, iters: int) -> dict:
+    h = inp["hidden"].clone().requires_grad_()
+    w = inp["weight"].clone().requires_grad_()
+
+    def step():
+        loss = loss_of(path, h, w, inp, group).sum()
+        return torch.autograd.grad(loss, [h, w])
+
+    peak = peak_extra_bytes(step, device)  # first call: also the warm-up
+    samples = time_samples(step, device, warmup=0, iters=iters)
+    with torch.no_grad():
+        loss = loss_of(path, h, w, inp, group).float()
+    out_bytes = (h.numel() + w.numel()) * h.element_size()
+    return dict(fwd_bwd_s=round(statistics.median(samples), 4),
+                fwd_bwd_min_s=round(min(samples), 4), peak_extra_bytes=peak,
+                peak_beyond_outputs_bytes=max(0, peak - out_bytes), loss=loss)
+
+
+def check(device) -> bool:
+    """Fused op vs the float64 reference on a small shape (both paths of dispatch)."""
+    worst = 0.0
+    inp = make_inputs(64, 32, 4096, 1, 0, torch.float32, device)
+    for impl in ("torch", "triton") if device.type == "cuda" else ("torch",):
+        from megagrpo.kernels import fused_output_logprob
+
+        lp, ent = fused_output_logprob(inp["hidden"], inp["weight"], inp["target"],
+                                       temperature=TEMPERATURE, with_entropy=True, impl=impl)
+        rl, re = reference_output_logprob(inp["hidden"].cpu(), inp["weight"].cpu(),
+                                          inp["target"].cpu(), temperature=TEMPERATURE)
+        worst = max(worst, float((lp.cpu() - rl).abs().max()), float((ent.cpu() - re).abs().max()))
+    ok = worst < 1e-4
+    emit(dict(check="fused_output vs float64", device=device.type, ok=ok, max_abs_err=worst))
+    return ok
+
+
+def bench(rank: int, tp: int, args, rdzv: str | None) -> None:
+    """One rank of one TP size: every (T, dtype, path) row; rank 0 prints."""
+    device = torch.device(args.device)
+    cpu = device.type == "cpu"
+    if cpu:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    group = None
+    if tp > 1:
+        dist.init_process_group("nccl" if not cpu else "gloo", init_method=f"file://{rdzv}",
+                                rank=rank, world_size=tp)
+        if not cpu:
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        group = dist.group.WORLD
+    budget = mem_budget(args.mem_gib, tp)
+    try:
+        for dname in args.dtypes.split(","):
+            dtype = DTYPES[dname]
+            for t in (int(s) for s in args.T.split(",")):
+                bench_size(rank, tp, t, dname, dtype, budget, group, device, args)
+    finally:
+        if group is not None:
+            dist.destroy_process_group()
+
+
+def bench_size(rank, tp, t, dname, dtype, budget, group, device, args) -> None:
+    v_local, b = args.V // tp, DTYPES[dname].itemsize
+    logits_bytes = t * v_local * b
+    ref = None
+    inp = None
+    for path in args.paths.split(","):
+        record = dict(path=path, T=t, H=args.H, V=args.V, V_local=v_local, dtype=dname, TP=tp,
+                      device=device.type, logits_bytes=logits_bytes)
+        if device.type == "cpu":
+            record.update(load_avg_1m=round(os.getloadavg()[0], 2),
+                          cpu=torch.backends.cpu.get_cpu_capability())
+        need = need_bytes(path, t, args.H, v_local, b)
+        inputs = (t * args.H + v_local * args.H) * b
+        if path == "naive" and tp > 1:
+            reason = "needs the full vocab on one rank (TP=1 only)"
+        elif need + inputs > budget:
+            reason = (f"needs ~{(need + inputs) / 2**30:.1f} GiB > the budget "
+                      f"{budget / 2**30:.1f} GiB per rank")
+        else:
+            reason = None
+        if reason is None:
+            try:
+                if inp is None:
+                    inp = make_inputs(t, args.H, args.V, tp, rank, dtype, device)
+                res = run_path(path, inp, group, device, args.iters)
+            except (RuntimeError, MemoryError) as e:  # an allocation failure: a row, no crash
+                reason = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if reason is not None:
+            if rank == 0:
+                emit(dict(record, skipped=reason), args.out)
+            continue
+        loss = res.pop("loss")
+        ref = loss if ref is None else ref
+        record.update(res, peak_pct_of_logits=round(
+            100 * res["peak_beyond_outputs_bytes"] / logits_bytes, 2),
+            loss_max_abs_diff=float((loss - ref).abs().max()))
+        if rank == 0:
+            emit(record, args.out)
+    del inp
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--H", type=int, default=1024)
+    ap.add_argument("--V", type=int, default=151936, help="full vocab (V/tp per rank)")
+    ap.add_argument("--T", default="1024,2048,4096,8192,16384,32768", help="tokens, comma list")
+    ap.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
+    ap.add_argument("--dtypes", default="fp32", help="fp32 and/or bf16 (bf16 where it is fast)")
+    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--iters", type=int, default=None, help="timed iterations (5 GPU, 1 CPU)")
+    ap.add_argument("--mem-gib", type=float, default=None, help="memory budget per rank")
+    ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
+    ap.add_argument("--check", action="store_true", help="float64 check first (exit 1 on error)")
+    args = ap.parse_args(argv)
+    args.iters = args.iters or (5 if args.device == "cuda" else 1)
+    if args.check and not check(torch.device(args.device)):
+        sys.exit(1)
+    for tp in (int(s) for s in args.tp.split(",")):
+        if tp == 1:
+            bench(0, 1, args, None)
+        else:
+            rdzv = os.path.join(tempfile.mkdtemp(), "rdzv")
+            mp.spawn(bench, args=(tp, args, rdzv), nprocs=tp)
+
+
+if __name__ == "__main__":
+    main()
