@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import emit, peak_extra_bytes, time_samples  # noqa: E402
 
 from megagrpo.kernels import (  # noqa: E402
-    fused_output_grpo_loss, grpo_loss_from_logp, grpo_token_loss,
+    fused_output_grpo_loss, fused_output_logprob, grpo_loss_from_logp, grpo_token_loss,
 )
 from megagrpo.kernels.fused_output import reference_output_logprob  # noqa: E402
 
@@ -54,7 +54,7 @@ PATHS = ("logits", "fused", "naive")
 TEMPERATURE = 0.9
 
 
-def make_inputs(t: int, h: int, v: int, tp: int, rank: int, dtype, device) -> dict:
+def make_inputs(t: int, h: int, v: int, tp: int, rank: int, dtype, device, group=None) -> dict:
     """Hidden states, this rank's weight rows and the loss inputs (the same on every rank)."""
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(t, h, generator=g).to(device=device, dtype=dtype)
@@ -64,10 +64,12 @@ def make_inputs(t: int, h: int, v: int, tp: int, rank: int, dtype, device) -> di
                                                                        dtype=dtype)
     target = torch.randint(0, v, (t,), generator=g).to(device)
     mask = (torch.rand(t, generator=g) > 0.1).to(device)
-    old = (-11 + torch.randn(t, generator=g)).to(device)
-    return dict(hidden=hidden, weight=w, target=target, mask=mask, old_logp=old,
+    with torch.no_grad():  # old / reference log-probs near the policy's: ratios near 1
+        logp = fused_output_logprob(hidden, w, target, temperature=TEMPERATURE, group=group)
+    return dict(hidden=hidden, weight=w, target=target, mask=mask,
+                old_logp=logp + 0.3 * torch.randn(t, generator=g).to(device),
                 advantages=torch.randn(t, generator=g).to(device),
-                ref_logp=old + 0.1 * torch.randn(t, generator=g).to(device))
+                ref_logp=logp + 0.3 * torch.randn(t, generator=g).to(device))
 
 
 def loss_of(path: str, h, w, inp: dict, group) -> torch.Tensor:
@@ -134,8 +136,8 @@ def run_path(path: str, inp: dict, group, device, iters: int) -> dict:
     with torch.no_grad():
         loss = loss_of(path, h, w, inp, group).float()
     out_bytes = (h.numel() + w.numel()) * h.element_size()
-    return dict(fwd_bwd_s=round(statistics.median(samples), 4),
-                fwd_bwd_min_s=round(min(samples), 4), peak_extra_bytes=peak,
+    return dict(fwd_bwd_s=round(statistics.median(samples), 6),
+                fwd_bwd_min_s=round(min(samples), 6), peak_extra_bytes=peak,
                 peak_beyond_outputs_bytes=max(0, peak - out_bytes), loss=loss)
 
 
@@ -144,8 +146,6 @@ def check(device) -> bool:
     worst = 0.0
     inp = make_inputs(64, 32, 4096, 1, 0, torch.float32, device)
     for impl in ("torch", "triton") if device.type == "cuda" else ("torch",):
-        from megagrpo.kernels import fused_output_logprob
-
         lp, ent = fused_output_logprob(inp["hidden"], inp["weight"], inp["target"],
                                        temperature=TEMPERATURE, with_entropy=True, impl=impl)
         rl, re = reference_output_logprob(inp["hidden"].cpu(), inp["weight"].cpu(),
@@ -204,7 +204,7 @@ def bench_size(rank, tp, t, dname, dtype, budget, group, device, args) -> None:
         if reason is None:
             try:
                 if inp is None:
-                    inp = make_inputs(t, args.H, args.V, tp, rank, dtype, device)
+                    inp = make_inputs(t, args.H, args.V, tp, rank, dtype, device, group)
                 res = run_path(path, inp, group, device, args.iters)
             except (RuntimeError, MemoryError) as e:  # an allocation failure: a row, no crash
                 reason = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -216,7 +216,8 @@ def bench_size(rank, tp, t, dname, dtype, budget, group, device, args) -> None:
         ref = loss if ref is None else ref
         record.update(res, peak_pct_of_logits=round(
             100 * res["peak_beyond_outputs_bytes"] / logits_bytes, 2),
-            loss_max_abs_diff=float((loss - ref).abs().max()))
+            loss_max_abs_diff=float((loss - ref).abs().max()),
+            loss_max_rel_diff=float((loss - ref).abs().max() / (1 + ref.abs().max())))
         if rank == 0:
             emit(record, args.out)
     del inp

@@ -41,11 +41,16 @@ float64 full-logits reference (tests, benchmark baseline).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
 from .dispatch import resolve_impl
 from .grpo_loss import _check_options, grpo_loss_from_logp
+from .logprob import (
+    CHUNK_ELEMS as ROW_CHUNK_ELEMS,
+)
 from .logprob import (
     NUM_STATS,
     _combine,
@@ -92,6 +97,15 @@ def _merge_stats(acc: torch.Tensor, new: torch.Tensor) -> None:
     acc[:, 0] = big_m
 
 
+def _row_fns(path: str, vc: int):
+    """(stats, backward) of one logits chunk: the Triton kernels, or logprob's torch path on
+    cache-sized slices of the chunk's rows (ROW_CHUNK_ELEMS fp32 values each)."""
+    if path == "triton":
+        return _triton_stats, _triton_backward
+    rows = max(1, ROW_CHUNK_ELEMS // max(vc, 1))
+    return partial(_torch_stats, chunk_rows=rows), partial(_torch_backward, chunk_rows=rows)
+
+
 def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b``; ``acc`` fp32, ``a``/``b`` in the inputs' dtype (product in it too)."""
     if a.dtype == acc.dtype:
@@ -107,7 +121,7 @@ def _forward_stats(hidden, weight, target, vocab_start, valid, inv_temp, with_en
     tc, vc = shape
     stats = torch.zeros((n, NUM_STATS), dtype=torch.float32, device=hidden.device)
     stats[:, 0] = -3.0e38  # finite "minus infinity": the first merge scales it by exactly 0
-    stats_fn = _triton_stats if path == "triton" else _torch_stats
+    stats_fn = _row_fns(path, vc)[0]
     for c0 in range(0, valid, vc):
         w_c = weight[c0:min(c0 + vc, valid)]
         for t0 in range(0, n, tc):
@@ -127,7 +141,7 @@ def _backward(hidden, weight, target, vocab_start, valid, inv_temp, big_m, log_s
     dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dh else None
     dw = torch.zeros_like(weight) if need_dw else None
     fp32_w = weight.dtype == torch.float32
-    bwd_fn = _triton_backward if path == "triton" else _torch_backward
+    bwd_fn = _row_fns(path, vc)[1]
     for c0 in range(0, valid, vc):
         c1 = min(c0 + vc, valid)
         w_c = weight[c0:c1]

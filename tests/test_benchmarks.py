@@ -45,7 +45,7 @@ def test_fused_output_benchmark_smallest(tmp_path):
     done = [r for r in rows if "fwd_bwd_s" in r]
     assert {(r["TP"], r["path"]) for r in done} == {(1, "logits"), (1, "fused"), (1, "naive"),
                                                     (2, "logits"), (2, "fused")}
-    assert all(r["fwd_bwd_s"] > 0 and r["loss_max_abs_diff"] < 1e-4 for r in done)
+    assert all(r["fwd_bwd_s"] > 0 and r["loss_max_rel_diff"] < 1e-5 for r in done), done
     big = _run("fused_output.py", "--H", "32", "--V", "1024", "--T", "4096", "--tp", "1",
                "--paths", "naive,fused", "--mem-gib", "0.01", "--iters", "1")
     assert {r["path"] for r in big} == {"naive", "fused"}
