@@ -24,8 +24,9 @@ collectives included. ``peak_extra_bytes`` (``_harness``): the highest allocatio
 call beyond what existed before it; ``peak_beyond_outputs_bytes`` subtracts the outputs the
 call returns (dh, dW), and ``peak_pct_of_logits`` is that over the bytes of (a)'s logits
 ``[T, V/tp]``. Before running a size, each path's need is estimated against the memory budget
-(``--mem-gib``, default 85% of MemAvailable shared by the ranks): a size a path cannot reach is
-a row with ``skipped`` saying why, never a crash (an allocation failure is caught the same way).
+(``--mem-gib``, default 85% of the free GPU memory, or of MemAvailable shared by the ranks):
+a size a path cannot reach is a row with ``skipped`` saying why, never a crash (an allocation
+failure is caught the same way).
 On CPU each row carries the 1-minute load average and ``torch.backends.cpu`` capability.
 """
 from __future__ import annotations
@@ -115,9 +116,13 @@ def need_bytes(path: str, t: int, h: int, v_local: int, b: int) -> int:
     return outputs + (t * h + v_local * h) * 4 + (256 << 20)  # fp32 accumulators + chunks
 
 
-def mem_budget(arg_gib: float | None, tp: int) -> int:
+def mem_budget(arg_gib: float | None, tp: int, device: torch.device) -> int:
+    """Bytes one rank may use: --mem-gib, else 85% of the free GPU memory or of MemAvailable
+    shared by the ranks."""
     if arg_gib is not None:
         return int(arg_gib * (1 << 30))
+    if device.type == "cuda":
+        return int(0.85 * torch.cuda.mem_get_info(device)[0])
     with open("/proc/meminfo") as f:
         avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable"))
     return int(0.85 * avail / tp)
@@ -170,7 +175,7 @@ def bench(rank: int, tp: int, args, rdzv: str | None) -> None:
             torch.cuda.set_device(rank)
             device = torch.device("cuda", rank)
         group = dist.group.WORLD
-    budget = mem_budget(args.mem_gib, tp)
+    budget = mem_budget(args.mem_gib, tp, device)
     try:
         for dname in args.dtypes.split(","):
             dtype = DTYPES[dname]
