@@ -170,10 +170,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
                          f"{model.max_position_embeddings}")
     if _needs_relaunch(args.tp * args.pp):
         return _relaunch(args.tp * args.pp)
+    from megagrpo.distributed import shutdown
     from megagrpo.verify import verify
 
-    return verify(args.hf, model, parallel, n_prompts=args.prompts, seq_len=args.seq_len,
-                  tolerance=args.tolerance)
+    rc = verify(args.hf, model, parallel, n_prompts=args.prompts, seq_len=args.seq_len,
+                tolerance=args.tolerance)
+    shutdown()
+    return rc
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
-"""One process, run by tests/test_model_families.py: `megagrpo verify` at TP=1 on each HF folder
-given, then again with a deliberately broken HF -> megatron mapping (k and v swapped in the
-fused QKV, a classic converter bug), so the test sees verify pass and fail on the same weights.
-Writes {folder: {"ok": exit status, "broken": exit status}} to --out."""
+"""Run under torchrun (2 ranks, gloo) by tests/test_model_families.py: `megagrpo verify` for
+each job `DIR:TP:PP[:broken]` in one launch (the process group stays up; each job sets up its
+own layout of the 2 ranks, TP=1 being DP=2). A `broken` job runs with a deliberately wrong HF ->
+megatron mapping (k and v swapped in the fused QKV, a classic converter bug), so the test sees
+verify fail on weights it passes otherwise. Rank 0 writes [exit status per job] to --out."""
 import argparse
 import json
 import sys
@@ -9,33 +10,36 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch.distributed as dist  # noqa: E402
+
 import megagrpo.hf as hf  # noqa: E402
-from megagrpo.cli import main  # noqa: E402
+from megagrpo.config.model import ParallelConfig  # noqa: E402
+from megagrpo.distributed import shutdown  # noqa: E402
+from megagrpo.verify import verify  # noqa: E402
 
 
-def status(argv: list[str]) -> int:
+def job(spec: str, seq_len: int) -> int:
+    d, tp, pp, *flags = spec.split(":")
+    model = hf.model_config_from_hf(d)
+    fuse = hf.fuse_qkv
+    if "broken" in flags:
+        hf.fuse_qkv = lambda q, k, v, groups: fuse(q, v, k, groups)
     try:
-        main(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-    return 0
+        return verify(d, model, ParallelConfig(tp=int(tp), pp=int(pp)), seq_len=seq_len)
+    finally:
+        hf.fuse_qkv = fuse
 
 
 def run() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--seq-len", default="64")
-    ap.add_argument("dirs", nargs="+")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("jobs", nargs="+")
     args = ap.parse_args()
-    fuse = hf.fuse_qkv
-    res = {}
-    for d in args.dirs:
-        argv = ["verify", "--hf", d, "--seq-len", args.seq_len]
-        res[d] = {"ok": status(argv)}
-        hf.fuse_qkv = lambda q, k, v, groups: fuse(q, v, k, groups)
-        res[d]["broken"] = status(argv)
-        hf.fuse_qkv = fuse
-    Path(args.out).write_text(json.dumps(res))
+    codes = [job(spec, args.seq_len) for spec in args.jobs]
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(codes))
+    shutdown()
 
 
 if __name__ == "__main__":

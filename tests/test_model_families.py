@@ -2,14 +2,15 @@
 transformers' own models built from their config classes (tests/hf_tiny.py):
 
 - config.json -> ModelConfig -> config.json, and every unsupported feature refused naming its
-  key before compute (CLI exit 2, no process group);
-- `megagrpo verify`: passes at TP=1 for both families and at a split (Qwen3 TP=2 on a trained
-  export, Llama-3.1 PP=2 over 512 positions), including the bitwise HF -> megatron -> HF round
-  trip at that layout; fails (exit 1) with a broken k/v mapping;
-- llama3 scaling matters where the test looks (transformers with and without it differ by
-  orders of magnitude more than verify's tolerance) and vLLM applies it;
-- a 2-step GRPO run with vLLM on Qwen3 (reference reset every step) whose export loads in
-  transformers.
+  key before compute (CLI exit 2, no process group), a Qwen3 checkpoint lacking a q_norm too;
+- `megagrpo verify` in one 2-rank launch: passes at TP=1 for both families and at a split
+  (Qwen3 TP=2 on a GRPO-trained export, Llama-3.1 PP=2), with prompts up to 512 positions and
+  the bitwise HF -> megatron -> HF round trip at that layout; fails (exit 1) with a broken k/v
+  mapping;
+- llama3 scaling matters where verify looks (transformers with and without it differ by orders
+  of magnitude more than verify's tolerance); vLLM applies it (heavy);
+- a 2-step GRPO run with vLLM on Qwen3 (reference reset every step, vLLM-vs-trainer log-prob
+  gap) whose export loads in transformers; HF -> megatron TP=2 -> HF via convert (heavy).
 """
 from __future__ import annotations
 
@@ -134,8 +135,6 @@ def test_model_section_refuses_what_megatron_does_not_implement():
 def test_verify_refuses_bad_configs_and_tensors_before_compute(hf_dirs, tmp_path):
     rope = _edited(hf_dirs / "llama31", tmp_path / "rope",
                    rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
-    window = _edited(hf_dirs / "qwen3", tmp_path / "window", use_sliding_window=True,
-                     sliding_window=16)
     lacking = _edited(hf_dirs / "qwen3", tmp_path / "lacking")
     from safetensors.torch import load_file, save_file
 
@@ -144,7 +143,6 @@ def test_verify_refuses_bad_configs_and_tensors_before_compute(hf_dirs, tmp_path
     del sd["model.layers.1.self_attn.q_norm.weight"]  # a Qwen3 checkpoint without its q_norm
     save_file(sd, f, metadata={"format": "pt"})
     for d, needle in [(rope, "rope_parameters.rope_type='dynamic'"),
-                      (window, "use_sliding_window=true"),
                       (lacking, "model.layers.1.self_attn.q_norm.weight")]:
         p = _cli("verify", "--hf", str(d), "--tp", "2")
         assert p.returncode == 2 and needle in p.stderr, p.stderr[-2000:]
@@ -153,30 +151,36 @@ def test_verify_refuses_bad_configs_and_tensors_before_compute(hf_dirs, tmp_path
 
 # ------------------------------------------------------------------------------- verify
 @pytest.fixture(scope="module")
-def verify_tp1(hf_dirs, tmp_path_factory):
-    out = tmp_path_factory.mktemp("verify") / "res.json"
-    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, str(ROOT / "tests" / "_verify_worker.py"), "--out",
-                        str(out), "--seq-len", LONG, str(hf_dirs / "qwen3"),
-                        str(hf_dirs / "llama31")], capture_output=True, text=True, env=env,
-                       timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(out.read_text()), p.stdout
+def verified(hf_dirs, qwen3_run, tmp_path_factory):
+    """One 2-rank launch: verify at TP=1 (DP=2) for both families, again with a broken k/v
+    mapping, Qwen3 at TP=2 on the trained export, Llama-3.1 at PP=2; prompts up to 512 tokens."""
+    from tests._launch import torchrun
+
+    out = tmp_path_factory.mktemp("verify") / "codes.json"
+    q, ll, export = hf_dirs / "qwen3", hf_dirs / "llama31", qwen3_run[0]
+    jobs = [f"{q}:1:1", f"{q}:1:1:broken", f"{ll}:1:1", f"{ll}:1:1:broken", f"{export}:2:1",
+            f"{ll}:1:2"]
+    text = torchrun(str(ROOT / "tests" / "_verify_worker.py"), 2, "--out", str(out),
+                    "--seq-len", LONG, *jobs)
+    return dict(zip(["qwen3", "qwen3_broken", "llama31", "llama31_broken", "export_tp2",
+                     "llama31_pp2"], json.loads(out.read_text()))), text
 
 
-def test_verify_passes_at_tp1_and_fails_on_a_broken_mapping(verify_tp1, hf_dirs):
-    res, stdout = verify_tp1
-    for fam in ("qwen3", "llama31"):
-        assert res[str(hf_dirs / fam)] == {"ok": 0, "broken": 1}, stdout
-    assert stdout.count("verify: ok") == 2 and stdout.count("verify: FAILED") == 2
-    assert stdout.count("bitwise equal") == 2  # the broken runs' round trip differs too
+def test_verify_passes_at_tp1_and_fails_on_a_broken_mapping(verified):
+    codes, text = verified
+    assert (codes["qwen3"], codes["llama31"]) == (0, 0), text[-6000:]
+    assert (codes["qwen3_broken"], codes["llama31_broken"]) == (1, 1), text[-6000:]
+    assert text.count("verify: FAILED") == 2 and text.count("tensors differ") == 2
+    # 4 random prompts of 128-512 tokens; the export (5th job) adds its tokenizer's sentences
+    assert text.count("4 prompts (1280 tokens)") == 5
 
 
-def test_verify_llama31_pp2_long_positions(hf_dirs):
-    p = _cli("verify", "--hf", str(hf_dirs / "llama31"), "--pp", "2", "--seq-len", LONG)
-    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
-    assert "tp=1 pp=2" in p.stdout and "llama3 RoPE" in p.stdout
-    assert "bitwise equal (21 tensors)" in p.stdout and "verify: ok" in p.stdout
+def test_verify_at_a_split_round_trips_bitwise(verified):
+    codes, text = verified
+    assert (codes["export_tp2"], codes["llama31_pp2"]) == (0, 0), text[-6000:]
+    assert "qwen3, 2 layers, tp=2 pp=1" in text and "bitwise equal (25 tensors)" in text
+    assert "llama, llama3 RoPE, 2 layers, tp=1 pp=2" in text
+    assert "bitwise equal (21 tensors)" in text and text.count("verify: ok") == 4
 
 
 def test_llama3_scaling_changes_the_logits_where_verify_looks(hf_dirs, tmp_path):
@@ -195,6 +199,7 @@ def test_llama3_scaling_changes_the_logits_where_verify_looks(hf_dirs, tmp_path)
     assert rel[:8].max() < rel[256:].max() and rel[256:].max() > 1e-2  # grows with position
 
 
+@pytest.mark.heavy  # ~30 s (a vLLM engine of its own); the default suite runs vLLM on Qwen3
 def test_vllm_applies_llama3_scaling(hf_dirs, tmp_path):
     """vLLM from the config.json megagrpo writes for the engine (hf_config_dict), fed the HF
     weights by name: greedy tokens and log-probs after a 400-token prompt equal transformers'."""
@@ -227,25 +232,27 @@ def test_vllm_applies_llama3_scaling(hf_dirs, tmp_path):
 @pytest.fixture(scope="module")
 def qwen3_run(hf_dirs):
     """2 GRPO steps (vLLM rollouts, reference reset every step) from the Qwen3 folder, one
-    rank; the run directory exported to HF; verify at TP=2 on that export."""
+    rank; the run directory exported to HF. A length term keeps a group's rewards apart, so a
+    random model's steps have a gradient."""
     run, out = hf_dirs / "run", hf_dirs / "export"
     p = _cli("train", "--config", DEMO, "--nproc", "1", f"run.init={hf_dirs / 'qwen3'}",
              "run.steps=2", f"run.out_dir={run}", "data.batch_size=4", "algo.group_size=4",
              "algo.num_minibatches=1", "reference.sync_every_steps=1", "checkpoint.at_end=true",
              "cold_start.steps=0", "eval.every=0", "log.tensorboard=false",
-             "log.progress=false", "compute.micro_batch_size=16")
+             "log.progress=false", "compute.micro_batch_size=16",
+             "reward.terms=[{name: arithmetic}, {name: 'tests._rewards:length_reward', "
+             "weight: 0.01}]")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     p = _cli("convert", "--from-megatron", str(run), "--to-hf", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
-    verify = _cli("verify", "--hf", str(out), "--tp", "2")
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return out, metrics, verify
+    return out, metrics
 
 
 def test_qwen3_grpo_with_vllm_and_export(qwen3_run, hf_dirs):
     from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
-    out, metrics, _ = qwen3_run
+    out, metrics = qwen3_run
     steps = [m for m in metrics if "logp_gap_vllm_mean" in m]
     assert len(steps) == 2
     # vLLM's Qwen3 (fed from megatron's shards) scores its samples as the trainer does
@@ -259,13 +266,6 @@ def test_qwen3_grpo_with_vllm_and_export(qwen3_run, hf_dirs):
     assert eos is not None and eos == json.loads((out / "config.json").read_text())["eos_token_id"]
 
 
-def test_verify_qwen3_tp2_on_the_trained_export(qwen3_run):
-    _, _, p = qwen3_run
-    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
-    assert "tp=2 pp=1" in p.stdout and "bitwise equal (25 tensors)" in p.stdout
-    assert "verify: ok" in p.stdout
-
-
 @pytest.mark.parametrize("recipe,arch,params_b", [("qwen3-8b-math.yaml", "qwen3", 8.19),
                                                    ("llama3.1-8b-math.yaml", "llama", 8.03)])
 def test_recipes_validate_and_plan_without_weights(recipe, arch, params_b, capsys):
@@ -277,3 +277,17 @@ def test_recipes_validate_and_plan_without_weights(recipe, arch, params_b, capsy
     assert round(total_params(cfg.model) / 1e9, 2) == params_b  # the published sizes
     assert run_plan(str(ROOT / "examples" / recipe), [], gpus=8, gpu_mem_gib=80) == 0
     assert "fits: yes" in capsys.readouterr().out
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("family", ["qwen3", "llama31"])
+def test_convert_round_trip_tp2_to_tp1_bitwise(hf_dirs, tmp_path, family):
+    """Through dist-checkpointing: HF -> megatron at TP=2 -> HF at TP=1, every tensor equal."""
+    src = hf_dirs / family
+    p = _cli("convert", "--from-hf", str(src), "--to-megatron", str(tmp_path / "m"), "--tp", "2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = _cli("convert", "--from-megatron", str(tmp_path / "m"), "--to-hf", str(tmp_path / "out"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = load_dir(src), load_dir(tmp_path / "out")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert model_config_from_hf(tmp_path / "out") == model_config_from_hf(src)
