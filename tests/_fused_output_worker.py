@@ -1,10 +1,11 @@
 """Run under torchrun (4 ranks, gloo) by tests/test_fused_output_layer.py. For each layout
 (TP=2 x PP=2 untied and tied; TP=2 x DP=2 tied, padded and packed micro-batches) it builds a
 tiny megatron policy and one GRPO batch, then runs the same scoring pass, GRPO update passes
-(grpo with k3 KL; gspo; cispo) and supervised pass with compute.fused_output_layer false and
-true from the same weights: per rank, the finalized (DP- and embedding-reduced) gradients of
-every parameter shard, the scored log-probs and the loss reports of both. Rank 0 writes
-WORK/results.json."""
+(grpo with k3 KL; gspo; cispo; at TP=2 x PP=2 also bnpo/k1, dr_grpo/k2, dapo; unpacked also
+with the output layer at every position) and supervised pass with
+compute.fused_output_layer false and true from the same weights: per rank, the finalized (DP-
+and embedding-reduced) gradients of every parameter shard, the scored log-probs and the loss
+reports of both. Rank 0 writes WORK/results.json."""
 import argparse
 import json
 import os
@@ -25,7 +26,12 @@ LAYOUTS = {  # tp, pp, tied, packed
     "tp1": (1, 1, False, False),  # a quick one-rank look (not in the test)
 }
 TESTED = ["tp2_pp2", "tp2_pp2_tied", "tp2_dp2_tied", "tp2_dp2_tied_packed"]
-LOSSES = {"grpo_k3": ("grpo", 0.05), "gspo": ("gspo", 0.0), "cispo": ("cispo", 0.1)}
+LOSSES = {"grpo_k3": ("grpo", 0.05, "k3"), "gspo": ("gspo", 0.0, "k3"),
+          "cispo": ("cispo", 0.1, "k3")}
+EXTRA = {  # every other loss_agg and KL estimator, at one layout
+    "bnpo_k1": ("bnpo", 0.05, "k1"), "dr_grpo_k2": ("dr_grpo", 0.05, "k2"),
+    "dapo": ("dapo", 0.0, "k3"),
+}
 
 
 def make_config(tp: int, pp: int, tied: bool):
@@ -132,10 +138,14 @@ def run_layout(name: str, results: list, calls: list[int]) -> None:
         res["logp_diff"] = float((logp[True] - logp[False])[batch.mask].abs().max())
         res["logp_offmask_zero"] = bool((logp[True][~batch.mask] == 0).all())
         res["rescored_equal"] = bool(torch.equal(logp[False], scored))
-    runs = {f"{k}": (grpo_loss, agg, beta) for k, (agg, beta) in LOSSES.items()}
-    runs["sft"] = (sft_loss, "grpo", 0.0)
-    for key, (fn, agg, beta) in runs.items():
-        cfg.algo.loss_agg, cfg.algo.beta = agg, beta
+    losses = dict(LOSSES, **(EXTRA if name == "tp2_pp2" else {}))
+    runs = {k: (grpo_loss, *v, True) for k, v in losses.items()}
+    runs["sft"] = (sft_loss, "grpo", 0.0, "k3", True)
+    if not packed:  # the output layer (and the fused op) at every position, not loss ones only
+        runs["grpo_k3_all_positions"] = (grpo_loss, "grpo", 0.05, "k3", False)
+    for key, (fn, agg, beta, est, at_loss) in runs.items():
+        cfg.algo.loss_agg, cfg.algo.beta, cfg.algo.kl_estimator = agg, beta, est
+        cfg.compute.logits_at_loss_positions = at_loss
         both = {}
         for fused in (False, True):
             cfg.compute.fused_output_layer = fused

@@ -96,7 +96,11 @@ def test_fused_equals_logits_path(results, layout):
             assert r["rescored_equal"], f"{where}: the logits path is not deterministic"
             assert r["logp_diff"] < 2e-5, f"{where}: scored log-probs {r['logp_diff']}"
             assert r["logp_offmask_zero"]
-        for loss in ("grpo_k3", "gspo", "cispo", "sft"):
+        want = {"grpo_k3", "gspo", "cispo", "sft"}
+        want |= {"bnpo_k1", "dr_grpo_k2", "dapo"} if layout == "tp2_pp2" else set()
+        want |= set() if layout.endswith("packed") else {"grpo_k3_all_positions"}
+        assert want <= set(r), sorted(r)
+        for loss in sorted(want):
             got = r[loss]
             assert got["grad_norm"] > 0, f"{where} {loss}: no gradient"
             assert got["grad_rel"] < 1e-5, f"{where} {loss}: gradients differ {got['grad_rel']}"
