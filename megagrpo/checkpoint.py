@@ -2,16 +2,21 @@
 parts, and the file formats beneath it.
 
 What a checkpoint of step N holds (`out_dir/checkpoints/step_N/`, layout in `megagrpo.run_dir`):
-policy/ and reference/ (dist-checkpoint), optimizer/rank*.safetensors and rng/rank*.safetensors
-(per rank, no pickle), trainer_state.json (`Trainer.state_dict()`: counters, loader position,
-reference schedule; plus the world size and the metrics history length), and last the manifest
+policy/, reference/ and optimizer/ (dist-checkpoints), rng/rank*.safetensors and
+rollout/rank*.safetensors (per rank, no pickle: every random stream; the async batch drawn for
+the next step), trainer_state.json (`Trainer.state_dict()`: counters, loader position,
+reference schedule; plus the layout and the metrics history length), and last the manifest
 that marks it complete.
 
-Models: megatron-core's `dist_checkpointing` format (resharding on load: save at one TP/PP,
-load at another), plus the model config beside them. Writes are atomic: everything goes to
-`DIR.tmp` and is renamed into place only when every rank has finished, so a crash mid-save
-never damages the last good checkpoint. Loading reads torch DCP's `.metadata`, a pickle: only
-load model checkpoints you trust (HF safetensors directories are the format for downloads).
+Models and optimizer: megatron-core's `dist_checkpointing` format, resharding on load (save at
+one TP x PP x DP, load at another), the model config beside them. The optimizer state is
+megatron's model-space format (`save_optimizer`), for the plain and the distributed optimizer.
+What is per rank (RNG streams, the async batch's samples) carries over only to the same layout;
+at another one the run continues from the same data position, not bitwise, and says so. Writes
+are atomic: everything goes to `DIR.tmp` and is renamed into place only when every rank has
+finished, so a crash mid-save never damages the last good checkpoint. Loading reads torch DCP's
+`.metadata`, a pickle: only load model checkpoints you trust (HF safetensors directories are the
+format for downloads).
 
 Per-rank state (optimizer, RNG streams): `save_tree` / `load_tree` write a nested structure of
 tensors and plain values as one safetensors file (tensors) whose metadata holds the structure as
@@ -97,11 +102,7 @@ def _fresh_dir(path: Path) -> None:
 def _publish(tmp: Path, final: Path, model: ModelConfig, extra: dict | None) -> None:
     meta = {"model": dataclasses.asdict(model), **(extra or {})}
     (tmp / MODEL_JSON).write_text(json.dumps(meta, indent=1))
-    old = final.with_name(final.name + ".old")
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    _swap_in(tmp, final)
 
 
 def read_model_config(ckpt_dir: str | os.PathLike) -> tuple[ModelConfig, dict]:
@@ -119,6 +120,85 @@ def load_model(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike) -> None:
     inner = unwrap(gpt)
     state = dist_checkpointing.load(inner.sharded_state_dict(), str(ckpt_dir))
     inner.load_state_dict(state, strict=False)
+
+
+# Optimizer state as megatron's model-space dist-checkpoint: each parameter's Adam moments (and
+# fp32 master copy) are saved as tensors shaped like the parameter and keyed by its name, so
+# the checkpoint reshards on load like the model does (any TP x PP x DP), for the plain and the
+# distributed optimizer alike ('fully_reshardable' gathers the distributed optimizer's shards
+# over DP to save and each rank slices its own on load).
+OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable",
+                    "chained_optim_avoid_prefix": True}
+
+
+def _optimizer_sharded(gpt: torch.nn.Module, optimizer, *, is_loading: bool) -> dict:
+    model_sd = unwrap(gpt).sharded_state_dict()
+    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                        metadata=dict(OPTIMIZER_FORMAT))
+
+
+def save_optimizer(gpt: torch.nn.Module, optimizer, ckpt_dir: str | os.PathLike) -> None:
+    """Collective: the optimizer state of `gpt` into `ckpt_dir` (atomically), reshardable."""
+    from megatron.core import dist_checkpointing
+
+    final = Path(ckpt_dir)
+    tmp = final.with_name(final.name + ".tmp")
+    on_every_rank(lambda: _fresh_dir(tmp) if _rank() == 0 else None, tmp)
+    with disk_errors(tmp):
+        dist_checkpointing.save(_optimizer_sharded(gpt, optimizer, is_loading=False), str(tmp))
+    _barrier()
+    on_every_rank(lambda: _swap_in(tmp, final) if _rank() == 0 else None, tmp)
+
+
+def load_optimizer(gpt: torch.nn.Module, optimizer, ckpt_dir: str | os.PathLike) -> None:
+    """Collective: loads optimizer state saved at any layout into this rank's optimizer.
+    `gpt` must already hold the checkpoint's weights (the distributed optimizer's fp32 master
+    copy is read from the checkpoint, the plain one's from the model)."""
+    from megatron.core import dist_checkpointing
+
+    inners = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    for inner in inners:
+        if hasattr(inner, "_init_optimizer_states_with_dummy_values"):
+            # the state tensors must exist before megatron builds the load state dict; the
+            # dummy step with zero grads is overwritten by the load (weights included)
+            inner._init_optimizer_states_with_dummy_values()
+    sharded = _optimizer_sharded(gpt, optimizer, is_loading=True)
+    state = dist_checkpointing.load(sharded, str(ckpt_dir))
+    states = state if isinstance(state, list) else [state] if len(inners) == 1 else \
+        [v for _, v in sorted(state.items())]
+    with torch.no_grad():
+        for inner, part in zip(inners, states, strict=True):
+            if "param_state" in part:
+                _load_distributed(inner, part)
+            else:
+                inner.load_state_dict(part)
+
+
+def _load_distributed(inner, part: dict) -> None:
+    """megatron's DistributedOptimizer.load_state_dict, in its two halves. With torch's Adam
+    (no Apex/TE: every CPU run) the second half fails on the per-parameter 'step' megatron
+    itself put into the state ('step' is not among the loaded tensors), and the first half
+    gives every parameter the same 'step' tensor, which torch's Adam then increments once per
+    parameter: so the steps are set aside around the tensors' load and given back one tensor
+    per parameter."""
+    param_state = part.pop("param_state")
+    kind = part.pop("param_state_sharding_type")
+    if kind != OPTIMIZER_FORMAT["distrib_optim_sharding_type"]:
+        raise ValueError(f"optimizer checkpoint in megatron's {kind!r} format; megagrpo writes "
+                         f"and reads {OPTIMIZER_FORMAT['distrib_optim_sharding_type']!r}")
+    inner.load_state_dict(part)
+    steps = {p: s.pop("step") for p, s in inner.optimizer.state.items() if "step" in s}
+    inner.load_parameter_state_from_fully_reshardable(param_state)
+    for p, step in steps.items():
+        inner.optimizer.state[p]["step"] = step.detach().clone()
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------- failures of a write
@@ -333,17 +413,17 @@ class CheckpointManager:
         save_model(tr.policy, final / "policy", tr.model_cfg)
         if tr.reference is not None:
             save_model(tr.reference.model, final / "reference", tr.model_cfg)
+        save_optimizer(tr.policy, tr.optimizer, final / "optimizer")
         on_every_rank(partial(self._save_rank_state, tr, final), final)
         on_every_rank(partial(self._finish, tr, final) if rank0 else _nothing, final)
         return final
 
     @staticmethod
     def _save_rank_state(tr: Trainer, final: Path) -> None:
-        """This rank's optimizer state and RNG streams, as safetensors (no pickle)."""
+        """This rank's RNG streams and pending async batch, as safetensors (no pickle)."""
         me = _rank_file()
-        if not tr.cfg.optim.distributed_optimizer:
-            save_tree(final / "optimizer" / me, tr.optimizer.state_dict())
         save_tree(final / "rng" / me, RankRng(tr.engine).state_dict())
+        save_tree(final / "rollout" / me, tr.rollouts.state_dict())
 
     def _clear_for_save(self, final: Path) -> None:
         """Removes a leftover of the same step (a save a crash interrupted) and checks that the
@@ -361,7 +441,8 @@ class CheckpointManager:
 
     def _finish(self, tr: Trainer, final: Path) -> None:
         """Rank 0, after every rank wrote its part: trainer state, manifest, pruning."""
-        state = dict(tr.state_dict(), world_size=dist.get_world_size(),
+        state = dict(tr.state_dict(), world_size=dist.get_world_size(), layout=layout_of(tr),
+                     pending_loader=tr.rollouts.pending_loader_state(),
                      metrics_bytes=history_size(self.out_dir))
         tmp = final / (TRAINER_STATE + ".tmp")
         tmp.write_text(json.dumps(state))
@@ -398,27 +479,55 @@ class CheckpointManager:
         if tr.reference is not None and (ckpt / "reference").exists():
             load_model(tr.reference.model, ckpt / "reference")
         me, rank0 = _rank_file(), dist.get_rank() == 0
-        same_world = state["world_size"] == dist.get_world_size()
-        opt = ckpt / "optimizer" / me
-        if opt.exists() and same_world:
-            tr.optimizer.load_state_dict(load_tree(opt))
+        saved_layout = state.get("layout") or {"world_size": state["world_size"]}
+        same = saved_layout == layout_of(tr) if "layout" in state else \
+            state["world_size"] == dist.get_world_size()
+        opt_dir, legacy = ckpt / "optimizer", ckpt / "optimizer" / me
+        if (opt_dir / "metadata.json").exists():
+            load_optimizer(tr.policy, tr.optimizer, opt_dir)
+        elif legacy.exists() and same:  # per rank, by an older megagrpo
+            tr.optimizer.load_state_dict(load_tree(legacy))
         elif rank0:
-            log.warning("resume: optimizer state not restored (saved with world size %d, with "
-                        "the distributed optimizer, or as a pickle by an older megagrpo, which "
-                        "is never loaded); Adam moments restart", state["world_size"])
-        rng_file = ckpt / "rng" / me
-        rng = load_tree(rng_file) if same_world and rng_file.exists() else None
+            log.warning("resume: optimizer state not restored (%s holds none this layout can "
+                        "read); Adam moments restart", opt_dir)
+        rng_file, rollout_file = ckpt / "rng" / me, ckpt / "rollout" / me
+        rng = load_tree(rng_file) if same and rng_file.exists() else None
         if rng is not None:
             RankRng(tr.engine).load_state_dict(rng)
-        elif rank0:
-            log.warning("resume: RNG streams not restored (world size changed): the run "
-                        "continues but not bitwise as it would have uninterrupted")
+        keep_pending = same and tr.cfg.run.async_rollout and rollout_file.exists()
+        if keep_pending:
+            tr.rollouts.load_state_dict(load_tree(rollout_file))
         tr.load_state_dict(state)
+        redraw = state.get("pending_loader") is not None and not keep_pending
+        if redraw:  # the loader goes back to the async batch, drawn again by this run
+            tr.rollouts.loader.load_state_dict(state["pending_loader"])
+        if rank0 and not same:
+            log.warning("resume at another layout (saved at %s, now %s): the weights and the "
+                        "optimizer state are resharded; the per-rank random streams%s do not "
+                        "carry over, so the run continues from the same data position but not "
+                        "bitwise as it would have uninterrupted", _describe(saved_layout),
+                        _describe(layout_of(tr)),
+                        " and the async batch drawn for the next step" if redraw else "")
+        elif rank0 and redraw:
+            log.info("resume: the async batch drawn for step %d is drawn again (run.async_rollout "
+                     "is off now)", tr.step_idx + 1)
         if rank0:
             dropped = rewind_history(self.out_dir, state.get("metrics_bytes", 1 << 62))
             log.info("resumed from %s at step %d%s", ckpt, tr.step_idx,
                      f"; dropped {dropped} metrics records written after it" if dropped else "")
         return rng
+
+
+def layout_of(tr: Trainer) -> dict:
+    """What the per-rank parts of a checkpoint depend on: world, TP, PP, DP, vLLM's TP."""
+    return {"world_size": dist.get_world_size(), "tp": tr.cfg.parallel.tp,
+            "pp": tr.cfg.parallel.pp, "dp": tr.ranks.dp,
+            "rollout_tp": tr.cfg.rollout.tensor_parallel_size}
+
+
+def _describe(layout: dict) -> str:
+    return " x ".join(f"{k}={v}" for k, v in layout.items() if k != "world_size") or \
+        f"world size {layout.get('world_size')}"
 
 
 def _rank_file() -> str:

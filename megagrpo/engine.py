@@ -21,7 +21,13 @@ vLLM's side effects on the process, and what this module does about them:
   generator. The engine restores the caller's RNG states after start and swaps in its own torch
   generator state around every `generate` called on the main thread, so rollouts neither consume
   nor reset the trainer's RNG streams, and every rank of a vLLM TP group samples the same tokens.
-  `generate` on another thread (async rollout, TP=1) samples from the global generator.
+  `generate` on another thread (async rollout) must not swap the process-global state (the
+  trainer's forward swaps it too: megatron's RNG tracker, redirected to the CPU generator by the
+  CPU shim), so there a thread-local `ThreadGenerator` mode hands the engine's second generator to
+  every random op the sampler calls without one: an async run samples reproducibly as well.
+- vLLM compiles two small helpers with torch.compile even with enforce_eager; tracing them on the
+  async thread would flip torch's process-global is-compiling flag under the trainer's Adam, so
+  they run eagerly (`_COMPILED_HELPERS`).
 - Never shut the engine down mid-run: vLLM's shutdown destroys the default process group
   (`close()` is for the end of a run or a test module).
 """
@@ -41,6 +47,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 from megagrpo.config.rollout import RolloutConfig, check_head_dim
 
@@ -285,6 +292,57 @@ def _remove_stale_shm(engine_ranks: list[int], engine_rank: int) -> None:
             log.warning("removed stale vLLM shared-memory file %s", f)
 
 
+class ThreadGenerator(TorchFunctionMode):
+    """Torch-function mode (thread-local, like every mode) that gives the random ops called
+    without a generator this thread's own, one per device type: vLLM's sampler on the async
+    rollout thread draws from it instead of the process-global generator."""
+
+    RANDOM_OPS = frozenset({
+        torch.rand, torch.randn, torch.randint, torch.randperm, torch.multinomial,
+        torch.bernoulli, torch.normal, torch.Tensor.exponential_, torch.Tensor.uniform_,
+        torch.Tensor.normal_, torch.Tensor.random_, torch.Tensor.bernoulli_,
+        torch.Tensor.geometric_, torch.Tensor.log_normal_, torch.Tensor.cauchy_})
+
+    def __init__(self, generators: Mapping[str, torch.Generator]) -> None:
+        super().__init__()
+        self.generators = generators
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in self.RANDOM_OPS and kwargs.get("generator") is None:
+            on = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            device = on.device if on is not None else torch.device(kwargs.get("device") or "cpu")
+            kwargs["generator"] = self.generators[device.type]
+        return func(*args, **kwargs)
+
+
+# vLLM helpers wrapped in torch.compile even with enforce_eager (module, name). They compile on
+# first use per shape, and while Dynamo traces, torch.compiler.is_compiling() is true in the
+# whole process: on another thread torch's Adam then takes its traced-graph path (the step as a
+# float32 tensor) and rounds the update differently, so an async run (sampling on the side
+# thread while the trainer steps) would not reproduce. They are tiny pointwise ops: run eagerly.
+_COMPILED_HELPERS = (("vllm.v1.sample.ops.logprobs", "batched_count_greater_than"),
+                     ("vllm.model_executor.layers.vocab_parallel_embedding",
+                      "get_masked_input_and_mask"))
+
+
+def _run_compiled_helpers_eagerly() -> None:
+    """Rebinds each helper of `_COMPILED_HELPERS`, wherever vLLM imported it, to its
+    uncompiled function."""
+    import importlib
+    import sys
+
+    for module, name in _COMPILED_HELPERS:
+        compiled = getattr(importlib.import_module(module), name)
+        eager = getattr(compiled, "_torchdynamo_orig_callable", None)
+        if eager is None:  # not (or no longer) compiled in this vLLM
+            continue
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "__name__", "").startswith("vllm") and \
+                    getattr(mod, name, None) is compiled:
+                setattr(mod, name, eager)
+
+
 @contextlib.contextmanager
 def _preserve_global_rng() -> Iterator[None]:
     state = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
@@ -325,6 +383,9 @@ class VLLMEngine:
         self._set_num_threads = torch.set_num_threads  # vLLM CPU replaces it with a no-op
         self.llm = self._start()
         self._rng = self._initial_rng_state()
+        self._thread_gens = {"cpu": torch.Generator().manual_seed(self.cfg.seed + 1)}
+        if torch.cuda.is_available():
+            self._thread_gens["cuda"] = torch.Generator("cuda").manual_seed(self.cfg.seed + 1)
         self._packed = self.llm.collective_rpc(_packed_modules_mapping)[0]
         self.asleep = False
 
@@ -366,6 +427,7 @@ class VLLMEngine:
             llm = LLM(**kwargs)
         log.info("vLLM engine started in %.1f s (tp=%d, dtype=%s)", time.perf_counter() - t0,
                  tp, self.dtype)
+        _run_compiled_helpers_eagerly()
         return llm
 
     def _initial_rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -379,9 +441,10 @@ class VLLMEngine:
         """Run vLLM's sampler on the engine's own torch generator state (identical on every rank
         of a vLLM TP group), leaving the caller's RNG where it was. Off the main thread (async
         rollout) swapping the process-global state would race with the trainer, so there the
-        sampler just draws from the global generator."""
+        sampler draws from the engine's thread generators (`ThreadGenerator`)."""
         if threading.current_thread() is not threading.main_thread():
-            yield
+            with ThreadGenerator(self._thread_gens):
+                yield
             return
         with _preserve_global_rng():
             torch.set_rng_state(self._rng[0])
@@ -397,6 +460,7 @@ class VLLMEngine:
         state = {"cpu": self._rng[0].clone()}
         if self._rng[1] is not None:
             state["cuda"] = self._rng[1].clone()
+        state.update({f"thread_{d}": g.get_state() for d, g in self._thread_gens.items()})
         return state
 
     def set_rng_state(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -406,6 +470,9 @@ class VLLMEngine:
                              f"{'GPU' if 'cuda' in state else 'CPU'}, this engine runs on "
                              f"{'GPU' if self._rng[1] is not None else 'CPU'}")
         self._rng = (state["cpu"].clone(), state["cuda"].clone() if "cuda" in state else None)
+        for d, g in self._thread_gens.items():
+            if f"thread_{d}" in state:  # absent in checkpoints of older megagrpo
+                g.set_state(state[f"thread_{d}"])
 
     # -- rollout -----------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]],

@@ -10,6 +10,7 @@ next batch on a side thread that runs no collective (gloo groups are not for con
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -63,6 +64,16 @@ class Drawn:
     """This rank's scored completions (empty off the engine's leader rank)."""
     rewards: list[float]
     metrics: dict
+    loader_state: dict = field(default_factory=dict)
+    """The loader's position before this batch was drawn: where a resume that cannot restore
+    the batch itself draws it again."""
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)  # completions included, as dicts
+
+    @classmethod
+    def from_state(cls, state: dict) -> Drawn:
+        return cls(**dict(state, completions=[Completion(**c) for c in state["completions"]]))
 
 
 @dataclass(kw_only=True)
@@ -121,6 +132,7 @@ class RolloutCollector:
     def draw(self, version: int) -> Drawn:
         """The next prompts, sampled on this rank's engine (which holds policy `version`). No
         collective unless the layout is pooled, so it may run on the async thread."""
+        before = self.loader.state_dict()
         examples = next(self.loader)
         prompts = [encode_prompt(self.tokenizer, e.prompt) for e in examples]
         answers = [e.answer for e in examples]
@@ -128,7 +140,8 @@ class RolloutCollector:
         pool = self._pool(prompts, answers) if self.layout.pooled else (prompts, answers)
         mine = self.layout.prompt_indices(len(pool[0]))  # this rank's engine's slice
         comps, rewards, metrics = self._generate(*pool, mine, self.sampling())
-        return Drawn(prompts, answers, epoch, version, comps, rewards.tolist(), metrics)
+        return Drawn(prompts, answers, epoch, version, comps, rewards.tolist(), metrics,
+                     loader_state=before)
 
     def gather(self, drawn: Drawn) -> Rollout:
         """All-gathers the slices over the replica (pooled layout: the world, then keeps this
@@ -226,6 +239,22 @@ class RolloutCollector:
                                    f"batch ({type(e).__name__}: {e})") from e
             raise RuntimeError("the async rollout thread failed on another rank while drawing "
                                "the next batch (that rank's error says why)")
+
+    # ------------------------------------------------------------------ run state
+    def state_dict(self) -> dict:
+        """Async mode: the batch drawn for the next step (this rank's samples of it), which the
+        loader is already past; call after `join`. Per rank: it holds this rank's samples."""
+        if self.thread is not None:
+            raise RuntimeError("RolloutCollector.state_dict while the async draw runs: join first")
+        return {"pending": self.pending.state_dict() if self.pending is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        pending = state.get("pending")
+        self.pending = Drawn.from_state(pending) if pending is not None else None
+
+    def pending_loader_state(self) -> dict | None:
+        """The loader position before the pending batch (the same on every rank)."""
+        return self.pending.loader_state if self.pending is not None else None
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, examples: list[Example]) -> float:

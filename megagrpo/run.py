@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
@@ -79,6 +80,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None) -> Trainer:
     # vLLM reseeds the global RNG: put megatron's tracker and torch's back on the run's seed
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed + rank)
+    np.random.seed(cfg.run.seed + rank)  # megagrpo draws none; a run's streams all reproduce
     ranks, groups = training_layout(cfg.parallel, model_cfg, info)
     tokens = TokenIds(pad_id=tok.pad_id, eos_id=tok.eos_id, stop_ids=(tok.eos_id,))
     loader = PromptLoader(task.train, cfg.data.batch_size, info.dp_rank, info.dp,

@@ -4,8 +4,8 @@ library only, so the launcher can check out_dir before any process group or engi
 Layout:
   out_dir/.megagrpo-run                  marks a directory megagrpo may clear (run.overwrite)
   out_dir/metrics.jsonl, summary.json, curves.png, tb/, engine/rank*/config.json
-  out_dir/checkpoints/step_000006/       policy/, reference/ (dist-checkpoint),
-      optimizer/rank*.safetensors, rng/rank*.safetensors, trainer_state.json, manifest.json
+  out_dir/checkpoints/step_000006/       policy/, reference/, optimizer/ (dist-checkpoints),
+      rng/rank*.safetensors, rollout/rank*.safetensors, trainer_state.json, manifest.json
 
 A checkpoint is complete when its manifest.json exists (written last, atomically). The manifest
 lists every file of the checkpoint with its size, and a sha256 for the small ones (JSON and

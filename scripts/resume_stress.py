@@ -1,16 +1,17 @@
 """Kill-and-resume stress test: is a resumed run bitwise the run that was never interrupted?
 
-    .venv/bin/python scripts/resume_stress.py --kills 5 [--steps 8] [--work /tmp/stress]
+    .venv/bin/python scripts/resume_stress.py --kills 5 [--steps 8] [--mode sync]
+        [--work /tmp/stress]
 
-Runs a tiny GRPO recipe (2 ranks, fp32, checkpoint every 2 steps, synchronous rollout) once
-uninterrupted, then N times: start the same run, SIGKILL its launcher, torchrun and ranks at
-once (as a crash or an OOM kill would) at a random moment after the first step,
-resume it, and compare the final policy and optimizer tensors and the metrics history
-(deterministic fields) with the uninterrupted run. Prints one line per kill and
-"k/N resumed bitwise equal". tests/test_resume.py drives the same functions.
+Runs a tiny GRPO recipe (2 ranks = DP 2, fp32, checkpoint every 2 steps) once uninterrupted,
+then N times: start the same run, SIGKILL its launcher, torchrun and ranks at once (as a crash
+or an OOM kill would) at a random moment after the first step, resume it, and compare the
+final policy and optimizer tensors and the metrics history (deterministic fields) with the
+uninterrupted run. Prints one line per kill and "k/N resumed bitwise equal".
+tests/test_resume.py drives the same functions.
 
-Async rollout (run.async_rollout) samples on a thread from the global torch generator and is
-not bitwise reproducible, interrupted or not; this script uses synchronous rollout.
+--mode: sync (plain optimizer, synchronous rollout), distopt (optim.distributed_optimizer),
+async (run.async_rollout), distopt+async (both).
 """
 from __future__ import annotations
 
@@ -48,6 +49,14 @@ def tiny_overrides(out_dir: Path, steps: int, checkpoint_every: int = 2) -> list
         f"checkpoint.every={checkpoint_every}", "checkpoint.at_end=true",
         "checkpoint.keep_last=3", "log.progress=true", "log.tensorboard=false",
     ]
+
+
+MODES = {
+    "sync": (),
+    "distopt": ("optim.distributed_optimizer=true",),
+    "async": ("run.async_rollout=true",),
+    "distopt+async": ("optim.distributed_optimizer=true", "run.async_rollout=true"),
+}
 
 
 def launch(out_dir: Path, steps: int, log: Path, *extra: str) -> subprocess.Popen:
@@ -139,29 +148,36 @@ def history(out_dir: Path) -> list[dict]:
 
 
 def final_state(out_dir: Path) -> dict[str, torch.Tensor]:
-    """The newest checkpoint's policy tensors (read with torch DCP, no process group) and
-    every rank's optimizer tensors (megagrpo's safetensors files)."""
+    """The newest checkpoint's policy and optimizer tensors (dist-checkpoints, read with torch
+    DCP, no process group) and every rank's random streams and pending async batch
+    (megagrpo's safetensors files)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     from megagrpo.checkpoint import load_tree
     from megagrpo.run_dir import checkpoint_root, step_dirs
 
     ckpt = step_dirs(checkpoint_root(out_dir))[-1]
-    policy = _load_state_dict_from_keys(checkpoint_id=str(ckpt / "policy"))
-    out = {f"policy.{k}": v for k, v in policy.items() if isinstance(v, torch.Tensor)}
-    for f in sorted((ckpt / "optimizer").glob("*.safetensors")):
-        out.update(_flatten(load_tree(f), f"{f.stem}."))
+    out = {}
+    for part in ("policy", "optimizer"):
+        tensors = _load_state_dict_from_keys(checkpoint_id=str(ckpt / part))
+        out.update({f"{part}.{k}": v for k, v in tensors.items() if isinstance(v, torch.Tensor)})
+    for part in ("rng", "rollout"):
+        for f in sorted((ckpt / part).glob("*.safetensors")):
+            out.update(_flatten(load_tree(f), f"{part}.{f.stem}."))
     return out
 
 
 def _flatten(tree, prefix: str) -> dict[str, torch.Tensor]:
     if isinstance(tree, torch.Tensor):
         return {prefix: tree}
+    if isinstance(tree, (int, float, str)):  # compared as 0-d tensors / bytes
+        return {prefix: torch.tensor(list(tree.encode()) if isinstance(tree, str) else tree)}
     items = tree.items() if isinstance(tree, dict) else enumerate(tree) \
         if isinstance(tree, (list, tuple)) else ()
     out: dict[str, torch.Tensor] = {}
     for k, v in items:
-        out.update(_flatten(v, f"{prefix}{k}."))
+        if not str(k).endswith(_TIMING_SUFFIXES):  # e.g. a pending batch's reward_time_s
+            out.update(_flatten(v, f"{prefix}{k}."))
     return out
 
 
@@ -181,19 +197,19 @@ def compare(reference: Path, resumed: Path) -> list[str]:
     return diffs
 
 
-def interrupted_run(out_dir: Path, steps: int, kill_after_step: int, *,
+def interrupted_run(out_dir: Path, steps: int, kill_after_step: int, *extra: str,
                     delay: float = 0.0) -> str:
     """Starts the run, SIGKILLs all of it `delay` s after step `kill_after_step` was
     logged, resumes it to the end. Returns the resumed run's log."""
     log = out_dir.parent / f"{out_dir.name}.log"
-    proc = launch(out_dir, steps, log)
+    proc = launch(out_dir, steps, log, *extra)
     try:
         wait_for_step(proc, out_dir, kill_after_step)
         time.sleep(delay)
     finally:
         kill_tree(proc)
     resumed_log = out_dir.parent / f"{out_dir.name}.resumed.log"
-    finish(launch(out_dir, steps, resumed_log), resumed_log)
+    finish(launch(out_dir, steps, resumed_log, *extra), resumed_log)
     return resumed_log.read_text()
 
 
@@ -203,13 +219,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--work", default="/tmp/megagrpo-resume-stress")
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill times")
+    ap.add_argument("--mode", choices=sorted(MODES), default="sync")
     args = ap.parse_args()
+    extra = MODES[args.mode]
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     pick = random.Random(args.seed)
     ref = work / "uninterrupted"
     t0 = time.monotonic()
-    finish(launch(ref, args.steps, work / "uninterrupted.log", "run.overwrite=true"),
+    finish(launch(ref, args.steps, work / "uninterrupted.log", "run.overwrite=true", *extra),
            work / "uninterrupted.log")
     print(f"uninterrupted run: {time.monotonic() - t0:.0f} s", flush=True)
     equal = 0
@@ -218,13 +236,13 @@ def main() -> int:
         step, delay = pick.randrange(1, args.steps), pick.uniform(0.0, 1.5)
         if out.exists():
             shutil.rmtree(out)
-        interrupted_run(out, args.steps, step, delay=delay)
+        interrupted_run(out, args.steps, step, *extra, delay=delay)
         diffs = compare(ref, out)
         equal += not diffs
         print(f"kill {i + 1}: after step {step} + {delay:.2f} s -> "
               f"{'bitwise equal' if not diffs else 'DIFFERS: ' + '; '.join(diffs[:3])}",
               flush=True)
-    print(f"{equal}/{args.kills} resumed bitwise equal")
+    print(f"{equal}/{args.kills} resumed bitwise equal ({args.mode})")
     return 0 if equal == args.kills else 1
 
 

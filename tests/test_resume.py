@@ -4,10 +4,14 @@ End to end (real `python -m megagrpo train` launches, 2 ranks, vLLM, see
 scripts/resume_stress.py): a run whose launcher is SIGKILLed mid-step takes torchrun and its
 ranks down with it; resumed (its newest checkpoint damaged, a crafted pickle planted) it falls
 back to the older intact checkpoint, never unpickles the plant, and ends bitwise equal to the
-uninterrupted run with one metrics history. A non-empty out_dir is refused before anything
-starts. Out of disk says so and leaves the earlier checkpoint intact (a simulated full disk,
-tests/_resume_worker.py). The rest are unit tests of the manifest, the pickle-free state files
-and the metrics rewind.
+uninterrupted run with one metrics history (with the distributed optimizer and async rollouts;
+`-m heavy` adds the plain synchronous run). Optimizer state reshards: saved at TP=2, PP=2 or
+DP=2 and loaded at another layout, the moments are the saved ones and the next step agrees with
+the uninterrupted run (tests/_layout_resume_worker.py). A non-empty out_dir is refused before
+anything starts. Out of disk says so and leaves the earlier checkpoint intact (a simulated full
+disk, tests/_resume_worker.py). The rest are unit tests of the manifest, the pickle-free state
+files and the metrics rewind.
+
 """
 import json
 import os
@@ -64,15 +68,21 @@ def damage(cut: Path, marker: Path) -> tuple[Path, Path]:
     return newest, older
 
 
-@pytest.fixture(scope="module")
-def e2e(tmp_path_factory):
-    """The uninterrupted run and the interrupted one run side by side. The latter's launcher
-    is SIGKILLed once step 4's checkpoint is complete (in step 5); its checkpoints are damaged
-    and it is resumed while the uninterrupted run finishes."""
+@pytest.fixture(scope="module", params=[
+    "distopt+async", pytest.param("sync", marks=pytest.mark.heavy)])
+def e2e(request, tmp_path_factory):
+    """The uninterrupted run and the interrupted one run side by side (DP=2; by default with
+    the distributed optimizer and async rollouts, the configuration with the most state: the
+    sharded Adam moments, the batch drawn ahead on the side thread and its generator; `-m
+    heavy` adds the plain synchronous run). The interrupted run's launcher is SIGKILLed once
+    step 4's checkpoint is complete (in step 5); its checkpoints are damaged and it is resumed
+    (from step 2: its checkpoint holds the async batch for step 3) while the uninterrupted run
+    finishes."""
+    extra = stress.MODES[request.param]
     work = tmp_path_factory.mktemp("resume")
     ref, cut, marker = work / "uninterrupted", work / "interrupted", work / "pickle_was_run"
-    ref_proc = stress.launch(ref, STEPS, work / "uninterrupted.log")
-    proc = stress.launch(cut, STEPS, work / "interrupted.log")
+    ref_proc = stress.launch(ref, STEPS, work / "uninterrupted.log", *extra)
+    proc = stress.launch(cut, STEPS, work / "interrupted.log", *extra)
     below: set[int] = set()
     try:
         stress.wait_for_step(proc, cut, 4, checkpoint=True)
@@ -84,7 +94,8 @@ def e2e(tmp_path_factory):
             time.sleep(0.2)
         orphans = [p for p in below if alive(p)]
         newest, older = damage(cut, marker)
-        stress.finish(stress.launch(cut, STEPS, work / "resumed.log"), work / "resumed.log")
+        stress.finish(stress.launch(cut, STEPS, work / "resumed.log", *extra),
+                      work / "resumed.log")
         stress.finish(ref_proc, work / "uninterrupted.log")
     finally:  # never leave processes behind, whatever failed
         for p in below:
@@ -93,7 +104,8 @@ def e2e(tmp_path_factory):
         if ref_proc.poll() is None:
             stress.kill_tree(ref_proc)
     return {"ref": ref, "cut": cut, "below": below, "orphans": orphans, "newest": newest,
-            "older": older, "marker": marker, "log": (work / "resumed.log").read_text()}
+            "older": older, "marker": marker, "log": (work / "resumed.log").read_text(),
+            "mode": request.param}
 
 
 def test_killed_launcher_takes_torchrun_and_ranks_down(e2e):
@@ -113,7 +125,11 @@ def test_resumed_run_is_bitwise_the_uninterrupted_run(e2e):
     assert stress.compare(ref, cut) == []
     steps = [r["step"] for r in stress.history(cut) if "reward_mean" in r]
     assert steps == list(range(1, STEPS + 1))  # one history, no repeated steps
-    assert len(stress.final_state(cut)) > 20  # policy and optimizer tensors were compared
+    state = stress.final_state(cut)
+    assert len(state) > 20  # policy and optimizer tensors were compared
+    assert any(".exp_avg_sq." in k for k in state) and any(k.startswith("rng.") for k in state)
+    if "run.async_rollout=true" in stress.MODES[e2e["mode"]]:  # the batch drawn ahead, too
+        assert any(k.startswith("rollout.") and ".token_ids." in k for k in state)
 
 
 def _train_cli(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -281,3 +297,62 @@ def test_resume_wins_over_overwrite_where_a_checkpoint_is_intact(tmp_path):
     (run / "metrics.jsonl").write_text('{"step": 1}\n')  # a run with no checkpoint at all
     assert prepare_out_dir(str(run), resume=True, overwrite=True, rank=0) == ""
     assert [p.name for p in run.iterdir()] == [".megagrpo-run"]
+
+
+LAYOUT_WORKER = os.path.join(os.path.dirname(__file__), "_layout_resume_worker.py")
+
+
+def _dcp_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a dist-checkpoint, whole (read with torch DCP, no process group)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    return {k: v for k, v in _load_state_dict_from_keys(checkpoint_id=str(path)).items()
+            if isinstance(v, torch.Tensor)}
+
+
+def _max_gap(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys() and a, sorted(a.keys() ^ b.keys())[:4]
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """One 2-rank launch (tests/_layout_resume_worker.py): the plain and the distributed
+    optimizer saved at TP=2, PP=2 and DP=2 and loaded at other layouts."""
+    work = tmp_path_factory.mktemp("layouts")
+    torchrun(LAYOUT_WORKER, 2, "--work", str(work), timeout=300)
+    return work, json.loads((work / "results.json").read_text())
+
+
+@pytest.mark.parametrize("case,dst", [("distopt_dp2", "dp2"), ("distopt_dp2", "tp2"),
+                                      ("distopt_tp2", "dp2"), ("distopt_pp2", "dp2"),
+                                      ("plain_tp2", "tp2"), ("plain_tp2", "dp2"),
+                                      ("plain_tp2", "pp2")])
+def test_optimizer_state_reshards_across_layouts(layouts, case, dst):
+    """The Adam moments (and fp32 master weights) a layout loads are the saved ones, exactly;
+    the next step's loss, grad norm and weights agree with the uninterrupted run: bitwise at
+    the same layout, to float tolerance at another one (TP=2 -> TP=1 x DP=2, PP=2 -> PP=1)."""
+    work, results = layouts
+    src = case.split("_")[1]
+    saved = _dcp_tensors(work / case / "ckpt" / "optimizer")
+    assert any(".exp_avg_sq." in k for k in saved) and len(saved) > 10, sorted(saved)[:4]
+    assert _max_gap(saved, _dcp_tensors(work / case / f"reloaded_{dst}" / "optimizer")) == 0.0
+    a, b = results[f"{case}/{src}"], results[f"{case}/{dst}"]
+    assert a["applied"] and b["applied"]
+    ref = _dcp_tensors(work / case / "continued" / "policy")
+    gap = _max_gap(ref, _dcp_tensors(work / case / f"continued_{dst}" / "policy"))
+    if src == dst:
+        assert a == b and gap == 0.0
+    else:
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
+        assert gap < 1e-6, gap
+
+
+def test_weights_without_the_optimizer_state_do_not_continue_the_run(layouts):
+    """The control for the test above: the same weights with Adam restarted take a step that
+    is far from the uninterrupted one (so the agreement above comes from the moments)."""
+    work, _ = layouts
+    ref = _dcp_tensors(work / "distopt_tp2" / "continued" / "policy")
+    assert _max_gap(ref, _dcp_tensors(work / "distopt_tp2" / "continued_fresh_adam" /
+                                      "policy")) > 1e-4
