@@ -291,3 +291,15 @@ def test_convert_round_trip_tp2_to_tp1_bitwise(hf_dirs, tmp_path, family):
     a, b = load_dir(src), load_dir(tmp_path / "out")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert model_config_from_hf(tmp_path / "out") == model_config_from_hf(src)
+
+
+@pytest.mark.heavy
+def test_verify_cli_relaunches_and_runs_bf16(hf_dirs):
+    """The command as a user runs it: one process relaunching itself under torchrun (PP=2),
+    both models in bf16: within the bf16 tolerance, and visibly not float32."""
+    import re
+
+    p = _cli("verify", "--hf", str(hf_dirs / "qwen3"), "--pp", "2", "--dtype", "bfloat16")
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    err = float(re.search(r"max relative error (\S+) \(tolerance 5e-02\)", p.stdout).group(1))
+    assert 1e-4 < err < 5e-2 and "tp=1 pp=2, bfloat16" in p.stdout
