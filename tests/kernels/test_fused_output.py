@@ -143,12 +143,14 @@ def test_no_tokens_by_vocab_tensor_exists():
 
 
 def test_default_chunks_bound_memory():
-    """The default chunk on CPU: <= CHUNK_ELEMS logits, at most CHUNK_TOKENS tokens."""
-    tc, vc = fo.chunk_shape(16384, 151936, cuda=False)
-    assert tc == fo.CHUNK_TOKENS and tc * vc <= fo.CHUNK_ELEMS
+    """Default chunks: <= CHUNK_ELEMS logits and <= 1/32 of the logits they replace."""
+    for t, v, cuda in ((16384, 151936, False), (1024, 151936, False), (256, 151936, False),
+                       (16384, 151936, True), (1024, 18992, True)):
+        tc, vc = fo.chunk_shape(t, v, cuda=cuda)
+        assert tc == min(t, fo.CHUNK_TOKENS_CUDA if cuda else fo.CHUNK_TOKENS)
+        assert tc * vc <= (fo.CHUNK_ELEMS_CUDA if cuda else fo.CHUNK_ELEMS)
+        assert tc * vc <= max(t * v / 32, fo.MIN_CHUNK_ELEMS), (t, v, cuda)  # <= 3% of logits
     assert fo.chunk_shape(5, 100, cuda=False) == (5, 100)
-    tc, vc = fo.chunk_shape(16384, 151936, cuda=True)
-    assert tc * vc <= fo.CHUNK_ELEMS_CUDA
 
 
 def test_scoring_without_grad_and_bad_inputs():
