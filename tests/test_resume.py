@@ -356,3 +356,28 @@ def test_weights_without_the_optimizer_state_do_not_continue_the_run(layouts):
     ref = _dcp_tensors(work / "distopt_tp2" / "continued" / "policy")
     assert _max_gap(ref, _dcp_tensors(work / "distopt_tp2" / "continued_fresh_adam" /
                                       "policy")) > 1e-4
+
+
+def test_resume_at_another_layout_from_the_command_line(tmp_path):
+    """As a user would: a run checkpointed at TP=2 (distributed optimizer, async rollouts)
+    resumes at TP=1 x DP=2 with its optimizer state, says once what does not carry over, and
+    draws the batch that was drawn ahead again rather than skipping its prompts (the numerics
+    of the reshard are tested above, at the level of the optimizer)."""
+    out = tmp_path / "run"
+    extra = ("model.num_query_groups=2", "optim.distributed_optimizer=true",
+             "run.async_rollout=true")
+    stress.finish(stress.launch(out, 2, tmp_path / "tp2.log", "parallel.tp=2", *extra),
+                  tmp_path / "tp2.log")
+    state = json.loads((out / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert state["layout"]["tp"] == 2 and state["pending_loader"] == {**state["loader"],
+                                                                      "index": 2}
+    stress.finish(stress.launch(out, 3, tmp_path / "dp2.log", "parallel.tp=1", *extra),
+                  tmp_path / "dp2.log")
+    log = (tmp_path / "dp2.log").read_text()
+    assert "resume at another layout (saved at tp=2 x pp=1 x dp=1 x rollout_tp=1, now tp=1 x " \
+           "pp=1 x dp=2 x rollout_tp=1)" in log, log[-3000:]
+    assert "and the async batch drawn for the next step" in log
+    assert log.count("resume at another layout") == 1 and "Adam moments restart" not in log
+    assert stress.logged_steps(out) == [1, 2, 3]
+    final = json.loads((out / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
+    assert final["loader"]["index"] == state["loader"]["index"] + 1  # no batch skipped

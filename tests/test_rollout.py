@@ -232,6 +232,64 @@ def test_generate_on_a_side_thread(engine, tiny):
     assert [c.token_ids for c in comps] == [hf_greedy(model, p, 16)[0] for p in PROMPTS]
 
 
+def _side_thread_draw(engine, prompts, sampling, trainer_work=None):
+    """generate() on a side thread (as the async rollout runs it) while the main thread does
+    `trainer_work` repeatedly, as the trainer does meanwhile."""
+    import threading
+
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(engine.generate(prompts, sampling)))
+    t.start()
+    results = []
+    while t.is_alive():
+        if trainer_work is not None:
+            results.append(trainer_work())
+    t.join()
+    return [(c.token_ids, c.logprobs) for c in out[0]], results
+
+
+def test_side_thread_sampling_reproduces_and_leaves_the_trainer_alone(engine, tiny):
+    """The async rollout's draw on a side thread: the same sampler state gives the same tokens
+    even while the main thread swaps the process-global generator (as megatron's RNG tracker
+    does in every forward under the CPU shim); it consumes nothing of the trainer's streams;
+    and torch's Adam on the main thread rounds exactly as it does alone (vLLM's torch.compile'd
+    helpers, traced on first use per shape, flipped torch's process-global is-compiling flag,
+    under which Adam computes its step as a float32 tensor)."""
+    _, model, _ = tiny
+    engine.update_weights(lazy(model))
+    sampling = SamplingSettings(temperature=1.0, max_tokens=12, n=4)
+    prompts = [[0, 40 + i, 41, 42 + i] for i in range(8)] + [[0, 9]]  # a fresh batch shape
+    torch.manual_seed(5)
+    p0, grad = torch.randn(4096) * 0.05, torch.randn(4096) * 1e-3
+
+    def adam():
+        p = torch.nn.Parameter(p0.clone())
+        opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01)
+        for i in range(5):
+            p.grad = grad * (1 + 0.1 * i)
+            opt.step()
+        return p.detach().clone()
+
+    def trainer():
+        torch.set_rng_state(torch.manual_seed(11).get_state())  # the tracker's swap
+        return adam()
+
+    alone = adam()
+    state = engine.rng_state()
+    torch.manual_seed(7)
+    first, updates = _side_thread_draw(engine, prompts, sampling, trainer)
+    assert updates and all(torch.equal(u, alone) for u in updates)
+    engine.set_rng_state(state)
+    again, _ = _side_thread_draw(engine, prompts, sampling)
+    assert again == first
+    assert len({tuple(t) for t, _ in first[:4]}) > 1  # it sampled
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    _side_thread_draw(engine, prompts, sampling)
+    assert torch.equal(torch.rand(3), expected)  # the global generator was not drawn from
+
+
 def test_sleep_wake_is_a_noop_on_cpu(engine, tiny):
     engine.sleep()
     engine.wake()
