@@ -228,6 +228,32 @@ def bench_size(rank, tp, t, dname, dtype, budget, group, device, args) -> None:
     del inp
 
 
+def fit_rows(args) -> None:
+    """The step-level effect on the vocab pass: the largest micro-batch (tokens) whose vocab
+    pass fits ``--fit-gib`` per rank, per path, on the SmolLM2-135M shapes (H 576, V 49,152,
+    TP=1): peak extra memory (beyond inputs and outputs) measured at two sizes, a line through
+    them (the pass is linear in T), solved for the budget. The fused op's chunk grows with T up
+    to its cap (``CHUNK_ELEMS``), which these small sizes do not reach: its fixed term is then
+    up to ~2 x 16 MiB larger than fitted (negligible against a GiB budget). The rest of the step
+    (weights, activations) is not in it: that is the planner's arithmetic (megagrpo plan)."""
+    device = torch.device(args.device)
+    h, v, sizes = 576, 49152, (128, 256)
+    for path in args.paths.split(","):
+        peaks = []
+        for t in sizes:
+            inp = make_inputs(t, h, v, 1, 0, DTYPES["fp32"], device)
+            peaks.append(run_path(path, inp, None, device, 1)["peak_beyond_outputs_bytes"])
+        per_token = (peaks[1] - peaks[0]) / (sizes[1] - sizes[0])
+        fixed = peaks[0] - per_token * sizes[0]
+        budget = args.fit_gib * (1 << 30)
+        out_per_token = h * 4  # dh is an output, but it is live memory too
+        max_t = int((budget - fixed) / (per_token + out_per_token)) if per_token > 0 else None
+        emit(dict(fit="smollm2-135m vocab pass", path=path, H=h, V=v, dtype="fp32",
+                  device=device.type, budget_gib=args.fit_gib, measured_T=list(sizes),
+                  bytes_per_token=round(per_token + out_per_token), fixed_bytes=round(fixed),
+                  max_tokens=max_t), args.out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -241,7 +267,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mem-gib", type=float, default=None, help="memory budget per rank")
     ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
     ap.add_argument("--check", action="store_true", help="float64 check first (exit 1 on error)")
+    ap.add_argument("--fit-gib", type=float, default=None,
+                    help="only the largest micro-batch whose vocab pass fits this budget "
+                         "(SmolLM2-135M shapes), see fit_rows")
     args = ap.parse_args(argv)
+    if args.fit_gib is not None:
+        args.iters = 1
+        fit_rows(args)
+        return
     args.iters = args.iters or (5 if args.device == "cuda" else 1)
     if args.check and not check(torch.device(args.device)):
         sys.exit(1)
