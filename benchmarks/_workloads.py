@@ -12,6 +12,11 @@ Only torch, transformers and megagrpo's config/data/task modules are imported, s
              lr 1e-6: a random model earns no reward, so the steps only drift its weights, and at
              the demo's 3e-4 that drift shortened megagrpo's completions (mean 21 -> 8.5) but
              not TRL's, i.e. unequal work; at 1e-6 both keep the init's length distribution
+    midsize  a 12.6M-parameter Llama (hidden 512, 4 layers, 8 heads x 64, 4 KV groups, FFN
+             1536, the arithmetic tokenizer's vocab), 16 prompts x G=8, completions of up to 64
+             tokens at temperature 1 (a random init stops at EOS at random, as in varlen, at
+             1/19 per token), beta 0.04 so the reference pass runs every step, lr 1e-6 (a
+             random model earns no reward; see varlen)
     smollm2  the real SmolLM2-135M (`models/smollm2-135m`, fp32 HF folder) with
              examples/smollm2-135m-math-cpu.yaml: chat template, word problems, math reward;
              8 prompts x G=4, max_tokens 48 pinned here (the rest: the recipe's)
@@ -22,13 +27,23 @@ architecture or seed changes) that megagrpo loads with `run.init=<folder>` and T
 `from_pretrained`; smollm2 uses the converted model folder itself. Every workload resets the
 reference every GRPO step when it has one (beta > 0), as the benchmarks always did.
 
-Useful model FLOPs (`forward_flops`, the numerator of every MFU figure): per real (non-pad) token
-2 x the matrix-multiply parameters of the transformer layers (q, k, v, output projection, gate,
-up, down; embeddings are lookups), plus causal attention: the token at position t (1-based)
-multiplies its query with t keys and its softmax row with t values, 4 x t x (heads x head_dim)
-per layer - half of the 4 x S x hidden full-attention figure on average - plus the output layer,
-2 x hidden x vocab, at the loss positions only (the completion tokens). A backward costs twice a
-forward, so an update pass is 3x these FLOPs; a scoring pass (old or reference log-probs) is 1x.
+Useful model FLOPs (`forward_flops`, the numerator of every floor fraction): per real (non-pad)
+token 2 x the matrix-multiply parameters of the transformer layers (q, k, v, output projection,
+gate, up, down; embeddings are lookups), plus causal attention: the token at position t
+(1-based) multiplies its query with t keys and its softmax row with t values, 4 x t x (heads x
+head_dim) per layer - half of the 4 x S x hidden full-attention figure on average - plus the
+output layer, 2 x hidden x vocab, at the loss positions only (the completion tokens). A backward
+costs twice a forward, so an update pass is 3x these FLOPs; a scoring pass (old or reference
+log-probs) is 1x.
+A rollout (`rollout_flops`) is one forward over each group's prompt (prefilled once, with the
+first token's logits, shared by its G samples) and over every sampled token but the last (the
+last needs no successor), each with its logits: decode counted as what it is, one token per forward
+whose attention reads the whole context, at the same GEMM rate (so the floor is a lower bound:
+decode is a matrix-vector product, below the matrix-multiply rate on every CPU).
+
+The FLOP floor of a phase is its useful FLOPs at torch.mm's best rate of the dtype measured in
+the same run (`machine.gemm_gflops`); the fraction achieved is floor / measured time (for the
+update and score phases the same number as their MFU).
 """
 from __future__ import annotations
 
@@ -58,7 +73,7 @@ class Workload:
     """One named benchmark workload: a recipe plus overrides."""
 
     name: str
-    """demo, varlen or smollm2."""
+    """demo, varlen, midsize or smollm2."""
     recipe: str
     """The YAML recipe, relative to the repository root."""
     overrides: tuple[str, ...]
@@ -70,7 +85,7 @@ class Workload:
 
 
 def workloads() -> dict[str, Workload]:
-    """The three named workloads (see the module docstring)."""
+    """The named workloads (see the module docstring)."""
     return {w.name: w for w in (
         Workload(name="demo", recipe="examples/demo.yaml",
                  overrides=("data.batch_size=32",),
@@ -83,6 +98,16 @@ def workloads() -> dict[str, Workload]:
                             "rollout.max_tokens=96", "rollout.temperature=1.0",
                             "data.batch_size=16", "optim.lr=1.0e-6", "optim.min_lr=0"),
                  summary="Llama hidden 256 x 6 layers, 16 prompts x G=8, max_tokens 96"),
+        Workload(name="midsize", recipe="examples/demo.yaml",
+                 overrides=("model.hidden_size=512", "model.num_layers=4",
+                            "model.num_attention_heads=8", "model.num_query_groups=4",
+                            "model.head_dim=64", "model.ffn_hidden_size=1536",
+                            "model.max_position_embeddings=128", "rollout.max_model_len=128",
+                            "rollout.max_tokens=64", "rollout.temperature=1.0",
+                            "data.batch_size=16", "algo.group_size=8", "algo.beta=0.04",
+                            "optim.lr=1.0e-6", "optim.min_lr=0"),
+                 summary="Llama 12.6M (hidden 512 x 4 layers), 16 prompts x G=8, "
+                         "max_tokens 64, beta 0.04"),
         # the batch shape is pinned here, so edits of the training recipe keep the benchmark
         Workload(name="smollm2", recipe="examples/smollm2-135m-math-cpu.yaml",
                  overrides=("data.batch_size=8", "algo.group_size=4", "rollout.max_tokens=48"),
@@ -201,6 +226,21 @@ def forward_flops(model, lengths: torch.Tensor, loss_tokens: int | float) -> flo
     dense = 2.0 * L * matmul_params_per_layer(model) * float(n.sum())
     attention = L * 2.0 * d * float((n * (n + 1)).sum())  # sum over t=1..n of 4 t d
     return dense + attention + 2.0 * model.hidden_size * model.vocab_size * float(loss_tokens)
+
+
+def rollout_flops(model, prompt_lengths: list[int], completion_lengths: list[list[int]]
+                  ) -> float:
+    """Useful FLOPs of sampling: per group, its prompt once with the first token's logits
+    (shared by the G samples), then each completion's sampled tokens but the last, one forward
+    each with its logits (module docstring)."""
+    total = 0.0
+    for p, comps in zip(prompt_lengths, completion_lengths):
+        prefill = forward_flops(model, torch.tensor([p]), 0)
+        total += prefill + forward_flops(model, torch.tensor([]), 1)  # + first-token logits
+        for c in comps:  # the sample's decode steps on top of the prompt's keys and values
+            steps = max(c - 1, 0)
+            total += forward_flops(model, torch.tensor([p + steps]), steps) - prefill
+    return total
 
 
 def length_stats(lengths: list[int]) -> dict:

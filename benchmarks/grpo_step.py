@@ -1,6 +1,6 @@
 """One whole GRPO step of megagrpo's trainer on a named workload, per phase, at 1 and 2 ranks.
 
-    .venv/bin/python benchmarks/grpo_step.py [--workload demo|varlen|smollm2]
+    .venv/bin/python benchmarks/grpo_step.py [--workload demo|varlen|midsize|smollm2]
         [--dtype float32|bfloat16] [--nprocs 1,2] [--warmup 2] [--steps 5] [--threads N]
         [--set KEY=VALUE ...] [--out benchmarks/results/grpo_step_cpu.jsonl [--append]]
         [--compare TRL_JSONL]
@@ -24,13 +24,17 @@ per rank); rank 0 reports the means over the measured steps, one JSON line per n
                       packed one's dense layers see its packed tokens only; its attention pads
                       each row to the micro-batch's longest, not counted here);
                       `padded_token_share_score` the same for the scoring passes
-  mfu_update, mfu_score  useful model FLOPs of the phase (`_workloads.forward_flops`: dense
+  floor_<phase>_s, floor_frac_<phase>  for rollout, score, update and the step: the FLOP
+                      floor, useful model FLOPs of the phase (`_workloads.forward_flops`: dense
                       layers and causal attention over the real tokens, the output layer at the
                       loss positions; an update pass is 3x a forward, a scoring pass 1x; each
-                      scoring pass that ran counts: old log-probs if computed, reference)
-                      / the phase's seconds / `gemm_gflops`, torch.mm's best rate measured by
-                      this script (before the launches and after each) at the same dtype and
-                      the run's total thread count (ranks x threads per rank)
+                      scoring pass that ran counts: old log-probs if computed, reference; a
+                      rollout `_workloads.rollout_flops`: each prompt prefilled once, one
+                      forward per sampled token) at `gemm_gflops`, torch.mm's best rate measured
+                      by this script (before the launches and after each) at the same dtype and
+                      the run's total thread count (ranks x threads per rank), and the fraction
+                      of it achieved (floor / time); the step's floor is the phases' sum
+  mfu_update, mfu_score  floor_frac_update, floor_frac_score under their older names
   completion_len_mean/_p50/_max  the sampled completion lengths over the measured steps
 --compare reads the TRL baseline's JSON lines and adds `vs_trl_gen_tokens_per_s`: megagrpo gen
 tokens/s divided by the best TRL line's of the same workload and dtype (the thread setting most
@@ -83,6 +87,7 @@ class StepCounter:
         self.phase = "other"
         self.sums: dict[str, torch.Tensor] = {}
         self.lengths: list[int] = []
+        self.rollout_flops = 0.0
 
     def install(self, tr) -> None:
         """Wraps the trainer's forward step (`tr.passes.forward`, its observation hook) and the
@@ -94,6 +99,7 @@ class StepCounter:
 
     def reset(self) -> None:
         self.sums = {}
+        self.rollout_flops = 0.0
 
     def step_counts(self, phase: str) -> torch.Tensor:
         return self.sums.get(phase, torch.zeros(len(COUNTS), dtype=torch.float64))
@@ -108,6 +114,11 @@ class StepCounter:
     def _build_batch(self, fn, ro):
         if self.count_lengths:
             self.lengths += [len(c.token_ids) for c in ro.completions]
+            per_prompt: list[list[int]] = [[] for _ in ro.prompts]
+            for c in ro.completions:
+                per_prompt[c.prompt_index].append(len(c.token_ids))
+            self.rollout_flops += W.rollout_flops(self.model_cfg, [len(p) for p in ro.prompts],
+                                                  per_prompt)
         return fn(ro)
 
     def _forward(self, fn, micro, *args, **kwargs):
@@ -141,10 +152,11 @@ def _measure(tr, counter: StepCounter, warmup: int, steps: int) -> list[dict]:
         cpu = time.process_time() - c
         gen = float(sum(counter.lengths[n_len:]))
         v = torch.cat([counter.step_counts("update"), counter.step_counts("score"),
-                       torch.tensor([cpu, gen], dtype=torch.float64)])
+                       torch.tensor([cpu, gen, counter.rollout_flops], dtype=torch.float64)])
         dist.all_reduce(v)
         v[:2 * len(COUNTS)] /= tr.ranks.mp_size
-        names = [f"{k}_{p}" for p in ("update", "score") for k in COUNTS] + ["cpu_s", "gen"]
+        names = [f"{k}_{p}" for p in ("update", "score") for k in COUNTS] + [
+            "cpu_s", "gen", "flops_rollout"]
         m.update(zip(names, v.tolist()))
         if i >= warmup:
             rows.append(m)
@@ -174,6 +186,7 @@ def _record(rows: list[dict], lengths: list[int]) -> dict:
         processed_tokens_update=round(mean["processed_update"], 1),
         real_tokens_update=round(mean["real_update"], 1),
         flops_update=mean["flops_update"], flops_score=mean["flops_score"],
+        flops_rollout=mean["flops_rollout"],
         **W.length_stats(lengths), reward_mean=round(mean.get("reward_mean", float("nan")), 4))
 
 
@@ -248,17 +261,31 @@ def measure_gemm(gemm: dict, dtype: str, threads: int) -> tuple[float, int]:
     return gemm[(dtype, threads)]
 
 
+FLOOR_PHASES = ("rollout", "score", "update")
+
+
 def add_mfu(rec: dict, dtype: str, gemm: dict) -> dict:
-    """mfu_update / mfu_score / achieved GFLOP/s against torch.mm at the run's total threads,
-    measured before the launches and again now (`measure_gemm`)."""
+    """Per phase (rollout, score, update) and for the step: the FLOP floor (the phase's useful
+    FLOPs at torch.mm's best rate at the run's total threads, measured before the launches and
+    again now, `measure_gemm`), the fraction of it achieved (floor / time), achieved GFLOP/s;
+    mfu_update / mfu_score are the same fractions under their older names. The step's floor
+    is the sum of the three (advantage, weight sync and the reference reset do no model FLOPs:
+    their time counts against the step's fraction)."""
     total = rec["nproc"] * rec["threads"]
     rate, n = measure_gemm(gemm, dtype, total)
     rec.update(gemm_gflops=round(rate, 1), gemm_n=n, gemm_threads=total)
-    for phase in ("update", "score"):
+    floor_step = 0.0
+    for phase in FLOOR_PHASES:
         t, flops = rec[f"time_{phase}_s"], rec[f"flops_{phase}"]
         ok = t > 0 and flops > 0
+        floor = flops / (rate * 1e9)
+        floor_step += floor
+        rec[f"floor_{phase}_s"] = floor
+        rec[f"floor_frac_{phase}"] = round(floor / t, 4) if ok else None
         rec[f"achieved_gflops_{phase}"] = round(flops / t / 1e9, 2) if ok else None
-        rec[f"mfu_{phase}"] = round(flops / t / 1e9 / rate, 4) if ok else None
+    rec["mfu_update"], rec["mfu_score"] = rec["floor_frac_update"], rec["floor_frac_score"]
+    rec["floor_step_s"] = floor_step
+    rec["floor_frac_step"] = round(floor_step / rec["step_s"], 4) if rec["step_s"] > 0 else None
     return rec
 
 
@@ -283,7 +310,7 @@ def compare(records: list[dict], trl_path: str) -> list[dict]:
 
 def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="demo", help="demo, varlen or smollm2")
+    ap.add_argument("--workload", default="demo", help="demo, varlen, midsize or smollm2")
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     ap.add_argument("--nprocs", default="1,2")
     ap.add_argument("--warmup", type=int, default=2)

@@ -138,6 +138,39 @@ def test_forward_flops_match_torch_flop_counter():
     assert W.forward_flops(mc, torch.tensor([n]), k) == expected
 
 
+def test_rollout_flops_match_torch_flop_counter_on_kv_cache_decode():
+    """The rollout's useful FLOPs (each prompt prefilled once, one forward per sampled token
+    but the last, logits at every sampled position) against FlopCounterMode on what a sampler
+    does: an HF Llama prefills the prompt (logits at its last position only), then decodes each
+    sample from a copy of that KV cache one token at a time. They differ exactly by the
+    prefill's non-causal half of attention, 2 L d p (p - 1)."""
+    import copy
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megagrpo.config.model import ModelConfig
+
+    W = _bench_module("_workloads")
+    mc = ModelConfig(vocab_size=40, hidden_size=64, ffn_hidden_size=96, num_layers=2,
+                     num_attention_heads=4, num_query_groups=2, head_dim=32)
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=40, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        attn_implementation="eager")).eval()
+    p, comps = 7, [5, 1, 3]
+    with FlopCounterMode(display=False) as fc, torch.no_grad():
+        cache = hf(torch.randint(0, 40, (1, p)), use_cache=True, logits_to_keep=1).past_key_values
+        for c in comps:
+            kv = copy.deepcopy(cache)
+            for _ in range(c - 1):
+                kv = hf(torch.tensor([[5]]), past_key_values=kv, use_cache=True).past_key_values
+    d = mc.num_attention_heads * mc.head_dim
+    expected = fc.get_total_flops() - 2 * mc.num_layers * d * p * (p - 1)
+    assert W.rollout_flops(mc, [p], [comps]) == expected
+
+
 def test_row_lengths_pad_equal_to_eos():
     """Real tokens per row when pad == EOS (SmolLM2): a completion's final EOS and an EOS id
     inside a chat prompt both count; trailing pad does not."""
@@ -175,6 +208,19 @@ def test_grpo_step_benchmark_one_rank_one_step(tmp_path):
     assert abs(row["loss_tokens_per_s"] - row["gen_tokens_per_s"]) <= 0.1
     assert row["flops_score"] == pytest.approx(row["flops_update"] / 3, rel=1e-12)
     assert 1 <= row["completion_len_p50"] <= row["completion_len_max"] <= row["max_tokens"]
+    # the floors: each phase's useful FLOPs at the measured GEMM rate, the step's their sum;
+    # sampling does less than one forward over the trained tokens (shared prefill, no last)
+    rate = row["gemm_gflops"] * 1e9
+    for phase in ("rollout", "score", "update"):
+        assert row[f"floor_{phase}_s"] == pytest.approx(row[f"flops_{phase}"] / rate, rel=1e-3)
+        assert row[f"floor_frac_{phase}"] == pytest.approx(
+            row[f"floor_{phase}_s"] / row[f"time_{phase}_s"], rel=1e-2, abs=1e-4)
+    assert row["floor_step_s"] == pytest.approx(sum(row[f"floor_{p}_s"] for p in (
+        "rollout", "score", "update")), abs=2e-4)
+    # the step's time holds the phases' and more: its fraction is below the best phase's
+    assert 0 < row["floor_frac_step"] < max(row[f"floor_frac_{p}"] for p in (
+        "rollout", "score", "update"))
+    assert 0.3 * row["flops_update"] / 3 < row["flops_rollout"] < row["flops_update"] / 3
 
 
 def test_grpo_step_benchmark_varlen_smallest(tmp_path):
@@ -216,7 +262,8 @@ def test_report_tables_from_synthetic_jsonl(tmp_path):
     recs = [_rec("megagrpo", "demo", 1000.0, 400.0, nproc=1, padded_token_share=0.3,
                  mfu_update=0.2, mfu_score=0.1),
             _rec("megagrpo", "demo", 1500.0, 500.0, nproc=2, padded_token_share=0.25,
-                 mfu_update=0.55, mfu_score=0.3),
+                 floor_frac_rollout=0.95, floor_frac_score=0.3, floor_frac_update=0.91,
+                 floor_frac_step=0.6, mfu_update=0.91, mfu_score=0.3),
             _rec("trl", "demo", 700.0, 600.0, threads=1),
             _rec("trl", "demo", 600.0, 350.0, threads=2),
             _rec("megagrpo", "varlen", 300.0, 200.0, nproc=1, padded_token_share=0.05,
@@ -232,14 +279,19 @@ def test_report_tables_from_synthetic_jsonl(tmp_path):
     assert (demo["megagrpo_nproc"], demo["trl_threads"]) == (2, 1)
     assert demo["ratio"] == pytest.approx(1500 / 700)
     assert demo["ratio_cpu"] == pytest.approx(500 / 600)
-    assert demo["met"] == dict(ratio=True, ratio_cpu=False, mfu_update=True, padded_share=None)
+    assert demo["met"] == dict(ratio=True, ratio_cpu=False, floor_rollout=True,
+                               floor_score=False, floor_update=True, padded_share=None)
+    assert demo["floor_step"] == 0.6
     assert varlen["ratio"] == pytest.approx(3.0) and varlen["ratio_cpu"] == pytest.approx(200 / 120)
-    assert varlen["met"] == dict(ratio=True, ratio_cpu=True, mfu_update=False, padded_share=True)
+    # a record from before the rollout floor: score and update from its MFU fields
+    assert varlen["met"] == dict(ratio=True, ratio_cpu=True, floor_rollout=None,
+                                 floor_score=False, floor_update=False, padded_share=True)
     assert smol["skipped"] == "absent"
     md = subprocess.run([sys.executable, str(BENCH / "report.py"), str(path)],
                         capture_output=True, text=True, timeout=60).stdout
     assert "| demo | float32 | 1500 tok/s (2 ranks) | 700 tok/s (1 thread) | 2.14x | 0.83x |" in md
-    assert f"not met (0.83x; {(1.5 - 500 / 600) / 1.5:.0%} short)" in md
+    assert f"not met (0.83x; {(1.0 - 500 / 600) / 1.0:.0%} short)" in md
+    assert "| 95.0% | 30.0% | 91.0% | 60.0% |" in md
     assert "skipped: absent" in md
 
 
