@@ -26,15 +26,17 @@ PairsFn = Callable[..., list[tuple[str, str]]]
 """(n, seed=...) -> n (prompt, completion) pairs."""
 
 
-def supervised_steps(tr: Trainer, pairs_fn: PairsFn, steps: int) -> list[float]:
-    """`steps` SFT steps on this rank's share of cold_start.batch_size pairs each; the global
-    NLL per completion token of every step."""
+def supervised_steps(tr: Trainer, pairs_fn: PairsFn, steps: int, *, start: int = 0,
+                     total: int | None = None) -> list[float]:
+    """SFT steps `start` .. `start + steps - 1` (of `total`) on this rank's share of
+    cold_start.batch_size pairs each; the global NLL per completion token of every step."""
+    total = total or start + steps
     c, dp = tr.cfg.cold_start, tr.ranks.dp
     P, tok = tr.passes, tr.tokenizer
     losses = []
-    for s in range(steps):
+    for s in range(start, start + steps):
         if tr.watchdog is not None:  # each SFT step is a phase of its own
-            tr.watchdog.set_phase(f"cold_start {s + 1}/{steps}", tr.step_idx)
+            tr.watchdog.set_phase(f"cold_start {s + 1}/{total}", tr.step_idx)
         pairs = pairs_fn(c.batch_size // dp,
                          seed=tr.cfg.run.seed * 100_003 + s * dp + tr.ranks.dp_rank)
         prompts = [encode_prompt(tok, p) for p, _ in pairs]
@@ -56,7 +58,7 @@ def supervised_steps(tr: Trainer, pairs_fn: PairsFn, steps: int) -> list[float]:
         dist.all_reduce(v, group=tr.groups.world)
         losses.append(float(v[0] / max(v[1], 1)))
         if tr.ranks.rank == 0 and tr.cfg.log.progress and (s + 1) % 50 == 0:
-            print(f"cold start {s + 1:4d}/{steps} | nll={losses[-1]:.3f}", flush=True)
+            print(f"cold start {s + 1:4d}/{total} | nll={losses[-1]:.3f}", flush=True)
     return losses
 
 
@@ -65,13 +67,30 @@ def cold_start(tr: Trainer, logger: MetricsLogger) -> dict:
     the cold-started weights with fresh Adam moments (the SFT gradients' second moments are far
     larger than policy-gradient ones and would damp the RL updates for hundreds of steps at
     beta2 = 0.999), and the reference is the cold-started model (DeepSeekMath)."""
-    cfg, t = tr.cfg, time.perf_counter()
-    losses = supervised_steps(tr, partial(sft_examples, cfg=cfg.arithmetic), cfg.cold_start.steps)
+    cfg, t, c = tr.cfg, time.perf_counter(), tr.cfg.cold_start
+    pairs = partial(sft_examples, cfg=cfg.arithmetic)
+    check = c.target_accuracy > 0 and bool(tr.task.eval)
+    losses: list[float] = []
+    accuracy = None
+    while len(losses) < c.steps:  # in chunks of check_every when it stops at an accuracy
+        n = min(c.check_every if check else c.steps, c.steps - len(losses))
+        losses += supervised_steps(tr, pairs, n, start=len(losses), total=c.steps)
+        if check:
+            tr.sync_weights()
+            accuracy = tr.evaluate(tr.task.eval)
+            if tr.ranks.rank == 0 and cfg.log.progress:
+                print(f"cold start {len(losses):4d}/{c.steps} | held-out {accuracy:.3f} "
+                      f"(stops at {c.target_accuracy:g})", flush=True)
+            if accuracy >= c.target_accuracy:
+                break
     for i in range(0, len(losses), max(1, len(losses) // 20)):
         logger.log({"sft_step": i + 1, "sft_loss": losses[i]})
     tr.optimizer = build_optimizer(tr.policy, cfg.optim)
     tr.sync_weights()
     if tr.reference is not None:
         sync_reference(tr.reference.model, tr.policy, 1.0)
-    return {"sft_steps": cfg.cold_start.steps, "sft_final_loss": losses[-1] if losses else None,
-            "sft_seconds": time.perf_counter() - t}
+    out = {"sft_steps": len(losses), "sft_final_loss": losses[-1] if losses else None,
+           "sft_seconds": time.perf_counter() - t}
+    if accuracy is not None:
+        out["sft_eval_accuracy"] = accuracy
+    return out

@@ -97,3 +97,49 @@ def test_build_task_from_files(tmp_path):
     assert task.tokenizer.vocab_size == 19
     with pytest.raises(ValueError, match="data.tokenizer"):
         build_task(DataConfig(task="file", path=str(tmp_path / "train.jsonl")))
+
+
+def test_cold_start_stops_at_the_target_accuracy(monkeypatch):
+    """cold_start.target_accuracy: SFT runs in chunks of check_every steps, each followed by a
+    held-out check on freshly synced weights, and stops at the first check that reaches the
+    target (steps is the most it runs); the SFT seeds continue across chunks (start offsets);
+    without a target it runs all steps with no check."""
+    from types import SimpleNamespace
+
+    import megagrpo.cold_start as cs
+    from megagrpo.config.train import TrainConfig
+
+    calls, accuracies = [], iter([0.1, 0.25, 0.31, 0.9])
+
+    def steps(tr, pairs, n, *, start=0, total=None):
+        calls.append((start, n, total))
+        tr.events.append("sft")
+        return [1.0] * n
+
+    monkeypatch.setattr(cs, "supervised_steps", steps)
+    monkeypatch.setattr(cs, "build_optimizer", lambda policy, cfg: "fresh optimizer")
+
+    def trainer(**cold):
+        cfg = TrainConfig()
+        for k, v in cold.items():
+            setattr(cfg.cold_start, k, v)
+        cfg.log.progress = False
+        tr = SimpleNamespace(cfg=cfg, task=SimpleNamespace(eval=["x"]), reference=None,
+                             policy=None, optimizer=None, ranks=SimpleNamespace(rank=0),
+                             events=[])
+        tr.sync_weights = lambda: tr.events.append("sync")
+        tr.evaluate = lambda ex: tr.events.append("eval") or next(accuracies)
+        return tr
+
+    logger = SimpleNamespace(log=lambda rec: None)
+    tr = trainer(steps=500, target_accuracy=0.3, check_every=50)
+    out = cs.cold_start(tr, logger)
+    assert calls == [(0, 50, 500), (50, 50, 500), (100, 50, 500)]
+    assert out["sft_steps"] == 150 and out["sft_eval_accuracy"] == 0.31
+    assert tr.events == ["sft", "sync", "eval"] * 3 + ["sync"]  # then the GRPO start's sync
+    assert tr.optimizer == "fresh optimizer"
+    calls.clear()
+    tr = trainer(steps=120, target_accuracy=0.0)
+    out = cs.cold_start(tr, logger)
+    assert calls == [(0, 120, 120)] and out["sft_steps"] == 120
+    assert "sft_eval_accuracy" not in out and tr.events == ["sft", "sync"]

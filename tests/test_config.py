@@ -168,6 +168,8 @@ def test_defaults_and_every_recipe_round_trip_through_yaml(tmp_path):
     (["eval.every=-1"], r"eval\.every=-1 must be >= 0"),
     (["checkpoint.every=-5"], r"checkpoint\.every=-5 must be >= 0"),
     (["cold_start.lr=-1e-3"], r"cold_start\.lr=-0\.001 must be > 0"),
+    (["cold_start.target_accuracy=1.5"], r"cold_start\.target_accuracy=1\.5 must be in \[0, 1\]"),
+    (["cold_start.check_every=0"], r"cold_start\.check_every=0 must be >= 1"),
     (["eval.max_tokens=0"], r"eval\.max_tokens=0 must be >= 1"),
     (["rollout.temperature=0"], r"rollout\.temperature=0 is greedy decoding.*> 0"),
     (["rollout.logprobs_mode=raw_logprobs", "rollout.temperature=0.7"],

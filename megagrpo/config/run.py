@@ -134,10 +134,22 @@ class ColdStartConfig:
     """Sequences per cold-start step (global)."""
     lr: float = 1e-3
     """Cold-start learning rate."""
+    target_accuracy: float = 0.0
+    """Stop the cold start once greedy held-out accuracy reaches this, checked every
+    `cold_start.check_every` steps (`cold_start.steps` is then the most it runs; 0 = always
+    run all of them). The cold start ends at a skill, not a step count: float rounding differs
+    between CPUs, and with it where a fixed number of steps ends."""
+    check_every: int = 50
+    """Cold-start steps between held-out checks when `cold_start.target_accuracy` > 0."""
 
     def validate(self) -> None:
         if self.steps < 0:
             raise ValueError(f"cold_start.steps={self.steps} must be >= 0 (0 = off)")
+        if not 0.0 <= self.target_accuracy <= 1.0:
+            raise ValueError(f"cold_start.target_accuracy={self.target_accuracy} must be in "
+                             "[0, 1] (0 = run all cold_start.steps)")
+        if self.check_every < 1:
+            raise ValueError(f"cold_start.check_every={self.check_every} must be >= 1")
         if self.batch_size < 1:
             raise ValueError(f"cold_start.batch_size={self.batch_size} must be >= 1")
         if self.lr <= 0:
