@@ -209,7 +209,9 @@ def interrupted_run(out_dir: Path, steps: int, kill_after_step: int, *extra: str
     finally:
         kill_tree(proc)
     resumed_log = out_dir.parent / f"{out_dir.name}.resumed.log"
-    finish(launch(out_dir, steps, resumed_log, *extra), resumed_log)
+    # killed before the first checkpoint was complete: nothing to resume, so start over (with
+    # an intact checkpoint, resume wins over run.overwrite)
+    finish(launch(out_dir, steps, resumed_log, *extra, "run.overwrite=true"), resumed_log)
     return resumed_log.read_text()
 
 
