@@ -355,7 +355,8 @@ def run_plan(config: str | None, overrides: list[str], *, gpus: int = 0,
     m.validate()
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     world = gpus or tp * pp
-    print(f"model from {source}: {m.architecture}, {total_params(m) / 1e6:.1f}M params; "
+    rope = "" if m.rope_type == "default" else f" ({m.rope_type} RoPE x{m.rope_factor:g})"
+    print(f"model from {source}: {m.architecture}{rope}, {total_params(m) / 1e6:.1f}M params; "
           f"L={m.num_layers} H={m.hidden_size} F={m.ffn_hidden_size} "
           f"heads={m.num_attention_heads}/{m.num_query_groups} V={m.vocab_size} "
           f"(padded {cfg.parallel.padded_vocab_size(m.vocab_size)} at tp={tp}), {m.dtype}")

@@ -276,7 +276,8 @@ def test_recipes_validate_and_plan_without_weights(recipe, arch, params_b, capsy
     assert cfg.model.architecture == arch
     assert round(total_params(cfg.model) / 1e9, 2) == params_b  # the published sizes
     assert run_plan(str(ROOT / "examples" / recipe), [], gpus=8, gpu_mem_gib=80) == 0
-    assert "fits: yes" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fits: yes" in out and ("(llama3 RoPE x8)" in out) == (arch == "llama")
 
 
 @pytest.mark.heavy
