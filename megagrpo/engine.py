@@ -383,6 +383,7 @@ class VLLMEngine:
         self._set_num_threads = torch.set_num_threads  # vLLM CPU replaces it with a no-op
         self.llm = self._start()
         self._rng = self._initial_rng_state()
+        self._threads = torch.get_num_threads()  # this (main) thread's, after vLLM's binding
         self._thread_gens = {"cpu": torch.Generator().manual_seed(self.cfg.seed + 1)}
         if torch.cuda.is_available():
             self._thread_gens["cuda"] = torch.Generator("cuda").manual_seed(self.cfg.seed + 1)
@@ -443,6 +444,11 @@ class VLLMEngine:
         rollout) swapping the process-global state would race with the trainer, so there the
         sampler draws from the engine's thread generators (`ThreadGenerator`)."""
         if threading.current_thread() is not threading.main_thread():
+            # A fresh thread's OpenMP count is the environment's until its first ATen parallel
+            # op, which then adopts the process's last torch.set_num_threads value: vLLM's CPU
+            # attention would build its schedule with one count and run with the other
+            # ("Check failed: input->metadata->thread_num == thread_num"). Set it up front.
+            self._set_num_threads(self._threads)
             with ThreadGenerator(self._thread_gens):
                 yield
             return

@@ -232,6 +232,27 @@ def test_generate_on_a_side_thread(engine, tiny):
     assert [c.token_ids for c in comps] == [hf_greedy(model, p, 16)[0] for p in PROMPTS]
 
 
+def test_side_thread_generate_after_the_process_thread_count_changed(engine, tiny):
+    """A fresh thread adopts the process's last torch.set_num_threads value at its first
+    ATen parallel op, after vLLM's CPU attention has read the environment's count for its
+    schedule: without the engine setting the side thread's count up front this failed with
+    "Check failed: input->metadata->thread_num == thread_num (1 vs. 2)"."""
+    import threading
+
+    _, model, _ = tiny
+    engine.update_weights(lazy(model))
+    before = torch.get_num_threads()
+    engine._set_num_threads(before + 1)  # the real one: vLLM replaced torch.set_num_threads
+    out: list = []
+    try:
+        t = threading.Thread(target=lambda: out.append(engine.generate(PROMPTS, GREEDY)))
+        t.start()
+        t.join()
+    finally:
+        engine._set_num_threads(before)
+    assert out and [c.token_ids for c in out[0]] == [hf_greedy(model, p, 16)[0] for p in PROMPTS]
+
+
 def _side_thread_draw(engine, prompts, sampling, trainer_work=None):
     """generate() on a side thread (as the async rollout runs it) while the main thread does
     `trainer_work` repeatedly, as the trainer does meanwhile."""
