@@ -14,6 +14,10 @@ What is filtered from the console, and why it is safe to (each is checked elsewh
 - vLLM CPU "Reset SSM cache type to float32 ...": a setting of hybrid (mamba) models, which
   megagrpo does not train; megatron-core's CUDA_DEVICE_MAX_CONNECTIONS warning at TP > 1 on CPU
   (a CUDA stream setting: there is no CUDA).
+- torch's "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed", raised
+  (through the CPU shim's torch-function mode) where megatron-core's distributed optimizer reads
+  the gradients of its fp32 shard views, as designed; its steps are checked against the plain
+  optimizer's and across resumes (tests/test_resume.py).
 - math-verify's "Timeout is disabled" (reward threads): megagrpo enforces reward.timeout_s.
 - torch C++ warnings (NUMA binding): TORCH_CPP_LOG_LEVEL=ERROR unless --verbose.
 """
@@ -48,6 +52,7 @@ QUIET = (
     ("py.warnings", "Apex is not installed"),
     ("py.warnings", "cuda_graph_scope"),
     ("py.warnings", "CUDA_DEVICE_MAX_CONNECTIONS"),
+    ("py.warnings", "attribute of a Tensor that is not a leaf Tensor is being accessed"),
     ("py.warnings", "DeprecationWarning"),
     ("py.warnings", "FutureWarning"),
     ("math_verify", "Timeout is disabled"),  # megagrpo enforces reward.timeout_s itself

@@ -79,6 +79,7 @@ CASES = [  # (distributed optimizer, source layout, target layouts)
     (True, "tp2", ("dp2",)),
     (True, "pp2", ("dp2",)),
     (False, "tp2", ("tp2", "dp2", "pp2")),
+    (False, "dp2", ()),  # the plain optimizer's steps, for the distributed one's to equal
 ]
 
 

@@ -349,6 +349,23 @@ def test_optimizer_state_reshards_across_layouts(layouts, case, dst):
         assert gap < 1e-6, gap
 
 
+def test_distributed_optimizer_steps_equal_the_plain_ones(layouts):
+    """Three steps at DP=2 (TP=2: DP=1) with the distributed optimizer (Adam state sharded over
+    DP, shards all-gathered) give the plain optimizer's weights and moments."""
+    work, results = layouts
+    for layout in ("dp2", "tp2"):
+        dist_ = _dcp_tensors(work / f"distopt_{layout}" / "continued" / "policy")
+        plain = _dcp_tensors(work / f"plain_{layout}" / "continued" / "policy")
+        assert _max_gap(dist_, plain) < 1e-6, layout
+        assert results[f"distopt_{layout}/{layout}"]["grad_norm"] == pytest.approx(
+            results[f"plain_{layout}/{layout}"]["grad_norm"], rel=1e-6)
+    dist_, plain = (_dcp_tensors(work / f"{o}_dp2" / "continued" / "optimizer")
+                    for o in ("distopt", "plain"))
+    moments = {k for k in plain if ".exp_avg" in k}  # the distributed one also keeps "param"
+    assert moments and moments <= dist_.keys()
+    assert _max_gap({k: dist_[k] for k in moments}, {k: plain[k] for k in moments}) < 1e-6
+
+
 def test_weights_without_the_optimizer_state_do_not_continue_the_run(layouts):
     """The control for the test above: the same weights with Adam restarted take a step that
     is far from the uninterrupted one (so the agreement above comes from the moments)."""
