@@ -54,5 +54,5 @@ def resolve_impl(impl: str, tensor: torch.Tensor, op: str) -> str:
         how = "interpreter" if path == "triton" and not tensor.is_cuda else str(tensor.device)
         # A CUDA tensor on the torch path means triton is missing: a real fallback, so warn.
         level = logging.WARNING if path == "torch" and tensor.is_cuda else logging.INFO
-        _log.log(level, "megagrpo.kernels: %s runs the %s path (%s, impl=%r)", op, path, how, impl)
+        _log.log(level, "%s runs the %s path (%s, impl=%r)", op, path, how, impl)
     return path

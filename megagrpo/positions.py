@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 log = logging.getLogger("megagrpo")
+_SAID: set[str] = set()  # output-layer paths already named on the console
 
 
 def loss_positions(mask: Tensor) -> Tensor:
@@ -55,7 +56,6 @@ class OutputPositions:
         """[V_local, h] the weight the output layer would have used (tied: the embedding's)."""
         self.blocker = fused_blocker(output_layer, gpt)
         """Why the fused output layer cannot replace this output layer (None: it can)."""
-        self._said: str | None = None
         output_layer.register_forward_pre_hook(self._select, with_kwargs=True)
 
     @classmethod
@@ -81,9 +81,9 @@ class OutputPositions:
         why = ("fused with the loss: hidden states -> loss, no [tokens, vocab] logits" if fused
                else f"logits path ({self.blocker})" if setting == "auto"
                else "logits path (compute.fused_output_layer=false)")
-        if why != self._said:
-            self._said = why
-            log.info("megagrpo: output layer %s", why)
+        if why not in _SAID:  # once per process: the policy and the reference say the same
+            _SAID.add(why)
+            log.info("output layer: %s", why)
         return fused
 
     def _select(self, module, args: tuple, kwargs: dict):
