@@ -111,6 +111,21 @@ def _bench_module(name: str):
         sys.path.remove(str(BENCH))
 
 
+def _flop_pair():
+    """The same tiny Llama as megagrpo's ModelConfig and as an eager-attention HF model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megagrpo.config.model import ModelConfig
+
+    mc = ModelConfig(vocab_size=40, hidden_size=64, ffn_hidden_size=96, num_layers=2,
+                     num_attention_heads=4, num_query_groups=2, head_dim=32)
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=40, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        attn_implementation="eager")).eval()
+    return mc, hf
+
+
 def test_forward_flops_match_torch_flop_counter():
     """The useful-FLOP model (dense layers, causal attention, output layer at the loss
     positions) against torch's FlopCounterMode on a real HF Llama forward (eager attention,
@@ -118,17 +133,9 @@ def test_forward_flops_match_torch_flop_counter():
     2 L d n (n - 1), and by the output layer at the n - k positions without a loss."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from megagrpo.config.model import ModelConfig
 
     W = _bench_module("_workloads")
-    mc = ModelConfig(vocab_size=40, hidden_size=64, ffn_hidden_size=96, num_layers=2,
-                     num_attention_heads=4, num_query_groups=2, head_dim=32)
-    hf = LlamaForCausalLM(LlamaConfig(
-        vocab_size=40, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        attn_implementation="eager")).eval()
+    mc, hf = _flop_pair()
     n, k = 11, 4
     with FlopCounterMode(display=False) as fc, torch.no_grad():
         hf(torch.randint(0, 40, (1, n)))
@@ -148,17 +155,9 @@ def test_rollout_flops_match_torch_flop_counter_on_kv_cache_decode():
 
     import torch
     from torch.utils.flop_counter import FlopCounterMode
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from megagrpo.config.model import ModelConfig
 
     W = _bench_module("_workloads")
-    mc = ModelConfig(vocab_size=40, hidden_size=64, ffn_hidden_size=96, num_layers=2,
-                     num_attention_heads=4, num_query_groups=2, head_dim=32)
-    hf = LlamaForCausalLM(LlamaConfig(
-        vocab_size=40, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        attn_implementation="eager")).eval()
+    mc, hf = _flop_pair()
     p, comps = 7, [5, 1, 3]
     with FlopCounterMode(display=False) as fc, torch.no_grad():
         cache = hf(torch.randint(0, 40, (1, p)), use_cache=True, logits_to_keep=1).past_key_values
