@@ -71,17 +71,22 @@ def cmd_convert(args: argparse.Namespace) -> int:
         from megagrpo.export import resolve_megatron_dir
 
         args.from_megatron = str(resolve_megatron_dir(args.from_megatron))
-    parallel = ParallelConfig(tp=args.tp, pp=args.pp)
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep)
     # validate before any process is started
     model = _model_config(args)
-    parallel.validate(model, int(os.environ.get("WORLD_SIZE", args.tp * args.pp)))
+    parallel.validate(model, int(os.environ.get("WORLD_SIZE", _ranks(args))))
     if args.from_hf:
         from megagrpo.hf import check_hf_checkpoint
 
         check_hf_checkpoint(args.from_hf, model)
-    if _needs_relaunch(args.tp * args.pp):
-        return _relaunch(args.tp * args.pp)
+    if _needs_relaunch(_ranks(args)):
+        return _relaunch(_ranks(args))
     return _convert_ranks(args, model, parallel)
+
+
+def _ranks(args: argparse.Namespace) -> int:
+    """Processes a --tp/--pp/--ep layout takes (EP ranks are data-parallel ranks)."""
+    return args.tp * args.pp * args.ep
 
 
 def _convert_gguf(args: argparse.Namespace) -> int:
@@ -91,7 +96,7 @@ def _convert_gguf(args: argparse.Namespace) -> int:
 
     if not args.to_hf:
         raise SystemExit("convert: --from-gguf needs --to-hf DIR")
-    if args.to_megatron or args.tp != 1 or args.pp != 1:
+    if args.to_megatron or args.tp != 1 or args.pp != 1 or args.ep != 1:
         raise SystemExit("convert: --from-gguf writes an HF folder only (--to-hf); convert that "
                          "folder with --from-hf DIR --to-megatron DIR --tp/--pp if needed")
     src = resolve_gguf(args.from_gguf)
@@ -129,7 +134,8 @@ def _convert_ranks(args: argparse.Namespace, model, parallel) -> int:
         export_hf(gpt, args.to_hf, model, parallel)
         out = args.to_hf
     if info.rank == 0:
-        print(f"converted -> {out} (tp={parallel.tp} pp={parallel.pp})")
+        ep = f" ep={parallel.ep}" if parallel.ep > 1 else ""
+        print(f"converted -> {out} (tp={parallel.tp} pp={parallel.pp}{ep})")
         print(_complete_output(args))
     shutdown()
     return 0
@@ -159,8 +165,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from megagrpo.hf import check_hf_checkpoint, model_config_from_hf
 
     model = model_config_from_hf(args.hf, dtype=args.dtype)
-    parallel = ParallelConfig(tp=args.tp, pp=args.pp)
-    parallel.validate(model, int(os.environ.get("WORLD_SIZE", args.tp * args.pp)))
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep)
+    parallel.validate(model, int(os.environ.get("WORLD_SIZE", _ranks(args))))
     check_hf_checkpoint(args.hf, model)
     if args.prompts < 1 or args.seq_len < 2:
         raise ValueError(f"--prompts {args.prompts} --seq-len {args.seq_len}: need >= 1 prompt "
@@ -168,8 +174,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.seq_len > model.max_position_embeddings:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings="
                          f"{model.max_position_embeddings}")
-    if _needs_relaunch(args.tp * args.pp):
-        return _relaunch(args.tp * args.pp)
+    if _needs_relaunch(_ranks(args)):
+        return _relaunch(_ranks(args))
     from megagrpo.distributed import shutdown
     from megagrpo.verify import verify
 
@@ -264,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--to-hf", metavar="DIR", help="output: HF checkpoint folder")
     c.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the conversion")
     c.add_argument("--pp", type=int, default=1, help="pipeline stages of the conversion")
+    c.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models; the "
+                   "conversion runs tp x pp x ep ranks)")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the weights written")
     c.set_defaults(func=cmd_convert)
@@ -272,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--hf", required=True, metavar="DIR", help="HF checkpoint folder")
     v.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     v.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    v.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models; "
+                   "tp x pp x ep ranks run)")
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of both models (default tolerance: 1e-5 float32, 5e-2 bfloat16)")
     v.add_argument("--prompts", type=int, default=4,

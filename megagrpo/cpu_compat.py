@@ -13,7 +13,12 @@ megatron-core hard-codes CUDA in places that are device-agnostic in spirit (see
 3. The model-parallel RNG tracker (``tensor_parallel/random.py``) reads and writes the CUDA RNG:
    ``torch.cuda.{get_rng_state, set_rng_state, manual_seed}`` and megatron's
    ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` are redirected to the CPU generator.
-4. ``Tensor.type()`` of a CPU float tensor reports the CUDA type string
+4. CUDA streams (the MoE alltoall token dispatcher copies its split sizes to the host on a side
+   stream, ``token_dispatcher.py``): ``torch.cuda.Stream`` / ``current_stream`` / ``stream``
+   become one do-nothing stream (CPU ops are synchronous) and ``Tensor.record_stream`` a no-op;
+   its ``maybe_move_tensor_to_cpu`` converts split sizes to numpy only for CUDA tensors, so on
+   CPU they reached ``all_to_all_single`` as tensors (a TypeError): converted here too.
+5. ``Tensor.type()`` of a CPU float tensor reports the CUDA type string
    (``clip_grads.py`` asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``, the
    float16/distributed optimizers check similar strings).
 
@@ -45,6 +50,8 @@ class _CudaToCpu(TorchFunctionMode):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.record_stream:
+            return None
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
@@ -53,6 +60,49 @@ class _CudaToCpu(TorchFunctionMode):
                 return name
             return name.replace("torch.", "torch.cuda.", 1)
         return func(*args, **kwargs)
+
+
+class _CpuStream:
+    """Stands in for torch.cuda.Stream / Event on CPU, where every op is synchronous."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> _CpuStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_STREAM = _CpuStream()
+
+
+class _NoStreamContext:
+    def __init__(self, stream=None):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _host_tensor(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """moe_utils.maybe_move_tensor_to_cpu for tensors that already are on the host."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
 
 
 def _get_rng_state(*args, **kwargs) -> torch.Tensor:
@@ -81,11 +131,18 @@ def apply() -> bool:
     torch.cuda.manual_seed = _manual_seed
     torch.cuda.random.get_rng_state = _get_rng_state
     torch.cuda.random.set_rng_state = _set_rng_state
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.current_stream = lambda *a, **k: _STREAM
+    torch.cuda.stream = _NoStreamContext
 
     from megatron.core.tensor_parallel import random as mp_random
 
     mp_random._get_cuda_rng_state = _get_rng_state
     mp_random._set_cuda_rng_state = _set_rng_state
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    moe_utils.maybe_move_tensor_to_cpu = _host_tensor
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_tensor
 
     mode = _CudaToCpu()
     mode.__enter__()

@@ -91,6 +91,8 @@ def init_distributed(
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
+        # experts: EP groups inside the DP ranks, each expert split over the TP ranks
+        expert_model_parallel_size=parallel.ep, expert_tensor_parallel_size=parallel.tp,
         distributed_timeout_minutes=parallel.collective_timeout_s / 60,  # timedelta(minutes=)
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -102,8 +104,9 @@ def init_distributed(
         device=device,
     )
     if rank == 0:
-        log.info("distributed: backend=%s world=%d tp=%d pp=%d dp=%d device=%s%s", backend, world,
-                 info.tp, info.pp, info.dp, device.type,
+        log.info("distributed: backend=%s world=%d tp=%d pp=%d dp=%d%s device=%s%s", backend,
+                 world, info.tp, info.pp, info.dp,
+                 f" ep={parallel.ep}" if parallel.ep > 1 else "", device.type,
                  " (megatron-core CPU shim active)" if not cuda else "")
     return info
 

@@ -25,6 +25,7 @@ import torch
 
 from megagrpo.config.model import (
     MEGATRON_LLAMA3_ROPE,
+    MOE_ARCHITECTURES,
     ROPE_TYPES,
     ModelConfig,
     ParallelConfig,
@@ -32,7 +33,8 @@ from megagrpo.config.model import (
 from megagrpo.model import unwrap
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                    "Qwen3ForCausalLM": "qwen3"}
+                    "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                    "Qwen2MoeForCausalLM": "qwen2_moe"}
 MODEL_TYPES = {arch: cls for cls, arch in HF_ARCHITECTURES.items()}
 """megagrpo architecture -> HF class; the architecture is also the HF model_type."""
 # config.json keys of features megagrpo does not implement, with what they mean; a truthy value
@@ -42,9 +44,12 @@ _REFUSED_KEYS = {
     "use_sliding_window": "sliding-window attention",
     "kv_lora_rank": "multi-head latent attention (MLA)", "q_lora_rank": "MLA query compression",
     "num_nextn_predict_layers": "multi-token prediction (MTP) layers",
-    "num_experts": "mixture of experts", "num_local_experts": "mixture of experts",
-    "n_routed_experts": "mixture of experts",
+    "n_routed_experts": "DeepSeek-style routed experts", "n_group": "group-limited routing",
+    "moe_latent_size": "latent MoE",
 }
+_DENSE_REFUSED_KEYS = {"num_experts": "mixture of experts",
+                       "num_local_experts": "mixture of experts"}
+"""Refused for the dense families only (a Llama or Qwen2/3 config that routes to experts)."""
 
 
 # ---------------------------------------------------------------- configs
@@ -77,12 +82,16 @@ def _architecture(cfg: dict, path: Path) -> str:
     return arch
 
 
-def _refuse_unsupported(cfg: dict, path: Path) -> None:
+def _refuse_unsupported(cfg: dict, path: Path, arch: str) -> None:
     """Features megagrpo lacks, named by their config.json key, before anything is built."""
-    for key, what in _REFUSED_KEYS.items():
+    refused = dict(_REFUSED_KEYS)
+    if arch not in MOE_ARCHITECTURES:
+        refused.update(_DENSE_REFUSED_KEYS)
+    for key, what in refused.items():
         if cfg.get(key):
             raise ValueError(f"{path}: {key}={json.dumps(cfg[key])} is not supported ({what}); "
-                             "megagrpo trains dense Llama/Qwen2/Qwen3 models without it")
+                             "megagrpo trains Llama/Qwen2/Qwen3 and Qwen2-MoE/Qwen3-MoE models "
+                             "without it")
     # Llama-like configs carry `sliding_window` only when it applies; Qwen2/3 carry a window
     # size that only use_sliding_window (checked above) switches on
     if cfg.get("sliding_window") and "use_sliding_window" not in cfg:
@@ -141,7 +150,7 @@ def model_config_from_hf(hf_dir: str | os.PathLike, *, dtype: str = "float32") -
     path = Path(hf_dir) / "config.json"
     cfg = _read_config_json(path)
     arch = _architecture(cfg, path)
-    _refuse_unsupported(cfg, path)
+    _refuse_unsupported(cfg, path, arch)
     heads = cfg["num_attention_heads"]
     mc = ModelConfig(
         architecture=arch,
@@ -153,14 +162,34 @@ def model_config_from_hf(hf_dir: str | os.PathLike, *, dtype: str = "float32") -
         num_query_groups=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        qkv_bias=arch == "qwen2",
+        qkv_bias=arch == "qwen2" or (arch == "qwen2_moe" and cfg.get("qkv_bias", True)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         dtype=dtype,
         **_rope_from_hf(cfg, path),
+        **_moe_from_hf(cfg, arch),
     )
     mc.validate()
     return mc
+
+
+def _moe_from_hf(cfg: dict, arch: str) -> dict:
+    """ModelConfig's MoE fields from a Qwen3-MoE / Qwen2-MoE config.json (transformers 5 writes
+    Qwen3-MoE's expert count as num_local_experts, the released checkpoints as num_experts)."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    out = dict(
+        num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
+        moe_topk=cfg.get("num_experts_per_tok", 2),
+        moe_ffn_hidden_size=cfg.get("moe_intermediate_size", 0),
+        moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        moe_sparse_step=cfg.get("decoder_sparse_step", 1),
+        moe_dense_layers=list(cfg.get("mlp_only_layers") or []),
+        moe_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)),
+    )
+    if arch == "qwen2_moe":
+        out["shared_expert_ffn_hidden_size"] = cfg.get("shared_expert_intermediate_size", 0)
+    return out
 
 
 def _rope_parameters(model: ModelConfig) -> dict:
@@ -199,8 +228,18 @@ def hf_config_dict(model: ModelConfig) -> dict:
         d.update(attention_bias=False, mlp_bias=False)
     else:
         d.update(use_sliding_window=False, sliding_window=None)
-    if model.architecture == "qwen3":
+    if model.architecture in ("qwen3", "qwen3_moe"):
         d.update(attention_bias=False, layer_types=["full_attention"] * model.num_layers)
+    if model.is_moe:
+        d.update(num_experts=model.num_experts, num_experts_per_tok=model.moe_topk,
+                 moe_intermediate_size=model.moe_ffn_hidden_size,
+                 norm_topk_prob=model.moe_norm_topk_prob,
+                 decoder_sparse_step=model.moe_sparse_step,
+                 mlp_only_layers=list(model.moe_dense_layers),
+                 router_aux_loss_coef=model.moe_aux_loss_coef, output_router_logits=False)
+    if model.architecture == "qwen2_moe":
+        d.update(shared_expert_intermediate_size=model.shared_expert_ffn_hidden_size,
+                 qkv_bias=model.qkv_bias, layer_types=["full_attention"] * model.num_layers)
     return d
 
 
@@ -217,6 +256,9 @@ class ParamSpec:
     """HF tensor names (global layer indices); qkv: (q, k, v), gate_up: (gate, up)."""
     full_shape: tuple[int, ...]
     """Unsharded megatron shape (vocab padded)."""
+    ep_owner: int | None = None
+    """Routed-expert parameters: the expert-parallel rank that holds it (`local` is its name
+    there); None for every other parameter (held by every EP rank)."""
 
     @property
     def split_dim(self) -> int | None:
@@ -230,9 +272,11 @@ class ParamSpec:
 
 
 def param_specs(model: ModelConfig, parallel: ParallelConfig, pp_rank: int,
-                impl: str = "local") -> list[ParamSpec]:
+                impl: str = "local", ep_rank: int | None = None) -> list[ParamSpec]:
     """The parameters stage `pp_rank` holds, in a fixed order every rank agrees on.
-    `impl` is the layer spec ('local' or 'transformer_engine': norms fused into linears)."""
+    `impl` is the layer spec ('local' or 'transformer_engine': norms fused into linears).
+    Routed experts: those of expert-parallel rank `ep_rank` only, or, with None, every EP
+    rank's (each spec's `ep_owner` says whose)."""
     H, F, hd = model.hidden_size, model.ffn_hidden_size, model.head_dim
     nh, ng = model.num_attention_heads, model.num_query_groups
     Vp = parallel.padded_vocab_size(model.vocab_size)
@@ -265,13 +309,13 @@ def param_specs(model: ModelConfig, parallel: ParallelConfig, pp_rank: int,
                                  (attn + "k_norm.weight",), (hd,)))
         out.append(ParamSpec(L + "self_attention.linear_proj.weight", "row",
                              (attn + "o_proj.weight",), (H, nh * hd)))
+        if model.is_moe_layer(g):
+            out += _moe_specs(model, parallel, L, hf, ep_rank)
+            continue
         out.append(ParamSpec(L + ("mlp.linear_fc1.layer_norm_weight" if te
                                   else "pre_mlp_layernorm.weight"),
                              "replicated", (hf + "post_attention_layernorm.weight",), (H,)))
-        out.append(ParamSpec(L + "mlp.linear_fc1.weight", "gate_up",
-                             (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), (2 * F, H)))
-        out.append(ParamSpec(L + "mlp.linear_fc2.weight", "row",
-                             (hf + "mlp.down_proj.weight",), (H, F)))
+        out += _mlp_specs(L + "mlp.", hf + "mlp.", H, F)
     if last:
         out.append(ParamSpec("decoder.final_layernorm.weight", "replicated",
                              ("model.norm.weight",), (H,)))
@@ -281,6 +325,38 @@ def param_specs(model: ModelConfig, parallel: ParallelConfig, pp_rank: int,
             # the last stage's copy of the tied embedding; exported once, from stage 0
             out.append(ParamSpec("output_layer.weight", "vocab",
                                  ("model.embed_tokens.weight",), (Vp, H)))
+    return out
+
+
+def _mlp_specs(local: str, hf: str, H: int, F: int, ep_owner: int | None = None
+               ) -> list[ParamSpec]:
+    """A SwiGLU MLP: megatron's fused gate/up fc1 and fc2 <-> HF gate/up/down_proj."""
+    return [ParamSpec(local + "linear_fc1.weight", "gate_up",
+                      (hf + "gate_proj.weight", hf + "up_proj.weight"), (2 * F, H), ep_owner),
+            ParamSpec(local + "linear_fc2.weight", "row", (hf + "down_proj.weight",), (H, F),
+                      ep_owner)]
+
+
+def _moe_specs(model: ModelConfig, parallel: ParallelConfig, L: str, hf: str,
+               ep_rank: int | None) -> list[ParamSpec]:
+    """An MoE layer's MLP part: the norm before it (never fused into a linear: the router reads
+    it too), the router <-> HF `mlp.gate`, routed expert x = local expert x % (E/ep) of EP rank
+    x // (E/ep), and Qwen2-MoE's shared expert with its sigmoid gate [1, H]."""
+    H, E = model.hidden_size, model.num_experts
+    per_rank = E // parallel.ep
+    out = [ParamSpec(L + "pre_mlp_layernorm.weight", "replicated",
+                     (hf + "post_attention_layernorm.weight",), (H,)),
+           ParamSpec(L + "mlp.router.weight", "replicated", (hf + "mlp.gate.weight",), (E, H))]
+    for x in range(E):
+        owner = x // per_rank
+        if ep_rank is None or owner == ep_rank:
+            out += _mlp_specs(f"{L}mlp.experts.local_experts.{x % per_rank}.",
+                              f"{hf}mlp.experts.{x}.", H, model.moe_ffn_hidden_size, owner)
+    if model.shared_expert_ffn_hidden_size:
+        out += _mlp_specs(L + "mlp.shared_experts.", hf + "mlp.shared_expert.", H,
+                          model.shared_expert_ffn_hidden_size)
+        out.append(ParamSpec(L + "mlp.shared_experts.gate_weight", "replicated",
+                             (hf + "mlp.shared_expert_gate.weight",), (1, H)))
     return out
 
 
@@ -299,9 +375,19 @@ def hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (ng * hd, H),
             p + "self_attn.v_proj.weight": (ng * hd, H),
             p + "self_attn.o_proj.weight": (H, nh * hd),
-            p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
-            p + "mlp.down_proj.weight": (H, F),
         })
+        if model.is_moe_layer(g):
+            shapes[p + "mlp.gate.weight"] = (model.num_experts, H)
+            mlps = [(f"{p}mlp.experts.{x}.", model.moe_ffn_hidden_size)
+                    for x in range(model.num_experts)]
+            if model.shared_expert_ffn_hidden_size:
+                mlps.append((p + "mlp.shared_expert.", model.shared_expert_ffn_hidden_size))
+                shapes[p + "mlp.shared_expert_gate.weight"] = (1, H)
+        else:
+            mlps = [(p + "mlp.", F)]
+        for q, f in mlps:
+            shapes.update({q + "gate_proj.weight": (f, H), q + "up_proj.weight": (f, H),
+                           q + "down_proj.weight": (H, f)})
         if model.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (hd,),
                            p + "self_attn.k_norm.weight": (hd,)})
@@ -447,14 +533,18 @@ def _dtype_of(ckpt: HFCheckpoint, spec: ParamSpec) -> torch.dtype:
 
 
 def load_hf_weights(gpt: torch.nn.Module, hf_dir: str | os.PathLike, model: ModelConfig,
-                    parallel: ParallelConfig, *, tp_rank: int, pp_rank: int) -> int:
-    """Copies this rank's shards of an HF checkpoint into `gpt` (a GPTModel stage) in place.
+                    parallel: ParallelConfig, *, tp_rank: int, pp_rank: int,
+                    ep_rank: int | None = None) -> int:
+    """Copies this rank's shards of an HF checkpoint into `gpt` (a GPTModel stage) in place
+    (routed experts: those of expert-parallel rank `ep_rank`, default megatron's).
     Every tensor is checked (present, right shape) before any parameter is written.
     Returns the number of bytes read."""
     gpt = unwrap(gpt)
     params = dict(gpt.named_parameters())
     impl = "transformer_engine" if any("layer_norm_weight" in n for n in params) else "local"
-    specs = param_specs(model, parallel, pp_rank, impl)
+    if ep_rank is None:
+        ep_rank = expert_parallel_rank(parallel)
+    specs = param_specs(model, parallel, pp_rank, impl, ep_rank)
     expected = hf_shapes(model)
     missing = sorted(set(params) - {s.local for s in specs})
     if missing:
@@ -471,6 +561,15 @@ def load_hf_weights(gpt: torch.nn.Module, hf_dir: str | os.PathLike, model: Mode
             p.copy_(t)
             nbytes += t.numel() * t.element_size()
     return nbytes
+
+
+def expert_parallel_rank(parallel: ParallelConfig) -> int:
+    """This rank's expert-parallel rank (megatron's parallel_state; 0 without EP)."""
+    if parallel.ep == 1:
+        return 0
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank()
 
 
 def save_hf_dir(out_dir: str | os.PathLike, model: ModelConfig,

@@ -74,20 +74,60 @@ def sequence_packing(compute, parallel: ParallelConfig) -> bool:
     return can if compute.pack_sequences is None else compute.pack_sequences
 
 
-def _layer_spec(model: ModelConfig, parallel: ParallelConfig):
+def _layer_spec(model: ModelConfig, parallel: ParallelConfig, config=None):
+    """The layer spec (dense) or the decoder block spec (MoE: one spec per layer of this
+    pipeline stage, dense or MoE as `model.moe_layer_pattern` says; megatron's own builder)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    if layer_spec_name(parallel) == "transformer_engine":
+    te = layer_spec_name(parallel) == "transformer_engine"
+    if model.is_moe:
+        block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te,
+                                                 normalization="RMSNorm")
+        layers = block.layer_specs
+    elif te:
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_norm)
-    # qk_layernorm: an RMSNorm of width head_dim on each query / key head, after the QKV split
-    # and before RoPE, as Qwen3's q_norm / k_norm
-    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model.qk_norm)
+    else:
+        # qk_layernorm: an RMSNorm of width head_dim on each query / key head, after the QKV
+        # split and before RoPE, as Qwen3's q_norm / k_norm
+        block = specs.get_gpt_layer_local_spec(normalization="RMSNorm",
+                                               qk_layernorm=model.qk_norm)
+        layers = [block]
     if attention_impl_name(parallel) == "sdpa":
         from megagrpo.attention import SdpaAttention
 
-        spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=SdpaAttention)
-    return spec
+        for spec in layers:
+            spec.submodules.self_attention.submodules.core_attention = \
+                ModuleSpec(module=SdpaAttention)
+    return block
+
+
+def _moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:
+    """TransformerConfig fields of the MoE families (empty for dense models)."""
+    if not model.is_moe:
+        return {}
+    aux = model.moe_aux_loss_coef > 0
+    return dict(
+        num_moe_experts=model.num_experts,
+        moe_router_topk=model.moe_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        # HF: softmax over all experts, top-k, renormalise if norm_topk_prob. megatron's default
+        # (top-k of the logits, softmax over those) is exactly the renormalised case;
+        # pre_softmax (softmax over all, top-k, no renormalisation) the other
+        moe_router_pre_softmax=not model.moe_norm_topk_prob,
+        moe_router_dtype="fp32",  # HF routes in fp32 whatever the model's dtype
+        moe_layer_freq=model.moe_layer_pattern,
+        moe_shared_expert_intermediate_size=model.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=model.shared_expert_ffn_hidden_size > 0,
+        moe_router_load_balancing_type="aux_loss" if aux else "none",
+        moe_aux_loss_coeff=model.moe_aux_loss_coef,
+        moe_z_loss_coeff=model.moe_z_loss_coef or None,
+        moe_token_dispatcher_type="alltoall" if parallel.ep > 1 else "allgather",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.tp,
+    )
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig):
@@ -127,6 +167,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        **_moe_fields(model, parallel),
     )
 
 
@@ -143,11 +184,14 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 123
 
     model.validate()
     parallel.validate(model)
+    if model.is_moe:
+        _moe_without_transformer_engine()
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
+    config = transformer_config(model, parallel)
     gpt = GPTModel(
-        config=transformer_config(model, parallel),
-        transformer_layer_spec=_layer_spec(model, parallel),
+        config=config,
+        transformer_layer_spec=_layer_spec(model, parallel, config),
         vocab_size=parallel.padded_vocab_size(model.vocab_size),
         max_sequence_length=model.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -165,6 +209,16 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 123
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     return gpt
+
+
+def _moe_without_transformer_engine() -> None:
+    """megatron-core 0.16's router GEMM (`moe_utils.RouterGatingLinearFunction`) tests
+    `te_general_gemm is not None`, a name bound only when Transformer Engine imports: without TE
+    it raises NameError. Bind it to None, which selects the function's own torch.mm branch."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _cast_params(gpt: torch.nn.Module, dtype: torch.dtype) -> None:

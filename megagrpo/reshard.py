@@ -105,6 +105,9 @@ class _Step:
     specs: list[ParamSpec]
     gather: bool
     """True: every TP shard is gathered (full tensors); False: this rank's shard only."""
+    ep_owner: int | None = None
+    """Routed experts of expert-parallel rank `ep_owner` (every spec's): with EP > 1 that rank
+    broadcasts its shards over its EP group before the TP gather; None: held by every EP rank."""
 
 
 def _fill_bucket(buf: torch.Tensor, step: _Step, params: dict, my_stage: int, tp: int,
@@ -114,17 +117,25 @@ def _fill_bucket(buf: torch.Tensor, step: _Step, params: dict, my_stage: int, tp
     `step.gather`); the stage then broadcasts over the PP group. Without gathering, a rank's PP
     group (same TP rank on every stage) moves just that rank's shards. Returns the per-rank
     element count of the bucket."""
-    tp_group, pp_group = groups
+    tp_group, pp_group, ep_group = groups
     parts = tp if step.gather else 1
     n_local = sum(_numel(s.local_shape(tp)) for s in step.specs)
     if step.stage == my_stage:
         r = dist.get_rank(tp_group) if parts > 1 else 0
         mine = buf[r * n_local:(r + 1) * n_local]
-        off = 0
-        for s in step.specs:
-            p = params[s.local].detach().reshape(-1)
-            mine[off:off + p.numel()].copy_(p)
-            off += p.numel()
+        ep = dist.get_world_size(ep_group) if ep_group is not None and step.ep_owner is not None \
+            else 1
+        if ep == 1 or dist.get_rank(ep_group) == step.ep_owner:
+            off = 0
+            for s in step.specs:
+                p = params[s.local].detach().reshape(-1)
+                mine[off:off + p.numel()].copy_(p)
+                off += p.numel()
+        if ep > 1:  # the owner's experts to its EP peers (same TP rank, same stage)
+            if dist.get_rank(ep_group) != step.ep_owner:
+                stats.received_bytes += n_local * buf.element_size()
+            dist.broadcast(mine, src=dist.get_global_rank(ep_group, step.ep_owner),
+                           group=ep_group)
         if parts > 1:
             _gather_in_place(buf, n_local, tp, tp_group, stats)
     if dist.get_world_size(pp_group) > 1:
@@ -145,13 +156,26 @@ def _plan(model: ModelConfig, parallel: ParallelConfig, impl: str, bucket_bytes:
     for stage in range(parallel.pp):
         specs = _exported(param_specs(model, parallel, stage, impl), model)
         if not slices:
-            steps += [_Step(stage, b, True) for b in _buckets(specs, bucket_bytes, esize)]
+            steps += [_Step(stage, b, True, owner) for owner, run in _owner_runs(specs)
+                      for b in _buckets(run, bucket_bytes, esize)]
             continue
         vocab = [s for s in specs if s.kind == "vocab"]
         rest = [s for s in specs if s.kind != "vocab"]
         steps += [_Step(stage, [s], True) for s in vocab]
-        steps += [_Step(stage, b, False) for b in _buckets(rest, bucket_bytes * tp, esize)]
+        steps += [_Step(stage, b, False, owner) for owner, run in _owner_runs(rest)
+                  for b in _buckets(run, bucket_bytes * tp, esize)]
     return steps
+
+
+def _owner_runs(specs: list[ParamSpec]) -> list[tuple[int | None, list[ParamSpec]]]:
+    """`specs` cut into runs of one expert-parallel owner (a bucket never mixes owners)."""
+    runs: list[tuple[int | None, list[ParamSpec]]] = []
+    for s in specs:
+        if runs and runs[-1][0] == s.ep_owner:
+            runs[-1][1].append(s)
+        else:
+            runs.append((s.ep_owner, [s]))
+    return runs
 
 
 def slice_pairs(shard: torch.Tensor, spec: ParamSpec, model: ModelConfig, tp_rank: int,
@@ -193,7 +217,8 @@ def _stream(gpt: torch.nn.Module, model: ModelConfig, parallel: ParallelConfig,
     params = dict(gpt.named_parameters())
     impl = "transformer_engine" if any("layer_norm_weight" in n for n in params) else "local"
     tp, pp = parallel.tp, parallel.pp
-    groups = (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group())
+    groups = (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+              ps.get_expert_model_parallel_group() if parallel.ep > 1 else None)
     my_stage = ps.get_pipeline_model_parallel_rank()
     tp_rank = ps.get_tensor_model_parallel_rank()
     dtype = DTYPE[model.dtype]
@@ -202,7 +227,8 @@ def _stream(gpt: torch.nn.Module, model: ModelConfig, parallel: ParallelConfig,
     plan = _plan(model, parallel, impl, bucket_bytes, esize, slices)
 
     def moves(step: _Step) -> bool:
-        return pp > 1 or (tp > 1 and step.gather)
+        return pp > 1 or (tp > 1 and step.gather) or (parallel.ep > 1
+                                                       and step.ep_owner is not None)
 
     # one receive buffer for the whole stream, reused bucket after bucket: a fresh one per
     # bucket would briefly coexist with the last (gloo frees a finished collective's tensors

@@ -178,9 +178,10 @@ def summary(hf_dir: str | os.PathLike, model: ModelConfig, parallel: ParallelCon
     trip = (f"bitwise equal ({r.tensors} tensors)" if not r.mismatched else
             f"{len(r.mismatched)} of {r.tensors} tensors differ: {r.mismatched[:4]}")
     share = r.agree / max(r.positions, 1)
+    ep = f" ep={parallel.ep}" if parallel.ep > 1 else ""
     lines = [
         f"verify {Path(hf_dir)}: {model.architecture}{rope}, {model.num_layers} layers, "
-        f"tp={parallel.tp} pp={parallel.pp}, {model.dtype}, {n} prompts ({r.positions} tokens)",
+        f"tp={parallel.tp} pp={parallel.pp}{ep}, {model.dtype}, {n} prompts ({r.positions} tokens)",
         f"  weights HF -> megatron -> HF: {trip}",
         f"  logits vs transformers: max relative error {r.max_rel_error:.2e} (tolerance "
         f"{tol:.0e}); greedy agreement {r.agree}/{r.positions} ({100 * share:.1f}%)",

@@ -1,10 +1,13 @@
 """Model architecture and parallel layout."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
-QK_NORM_ARCHITECTURES = ("qwen3",)
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe")
+"""Mixture-of-experts families: routed experts (megatron-core's MoE layer); qwen2_moe adds a
+shared expert behind a sigmoid gate."""
 """Families with an RMSNorm over each query and key head before RoPE (HF q_norm / k_norm)."""
 ROPE_TYPES = ("default", "llama3")
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -19,8 +22,9 @@ class ModelConfig:
     """A dense Llama/Qwen-style decoder: RMSNorm, SwiGLU, RoPE, GQA."""
 
     architecture: str = "llama"
-    """'llama', 'qwen2' (llama + QKV bias) or 'qwen3' (llama + per-head RMSNorm of queries and
-    keys, q_norm / k_norm; head_dim may differ from hidden_size / heads)."""
+    """'llama', 'qwen2' (llama + QKV bias), 'qwen3' (llama + per-head RMSNorm of queries and
+    keys, q_norm / k_norm; head_dim may differ from hidden_size / heads), 'qwen3_moe' (qwen3
+    with routed experts) or 'qwen2_moe' (qwen2 with routed experts and a gated shared expert)."""
     vocab_size: int = 128
     """Tokenizer vocabulary size (unpadded; padding for TP is derived)."""
     hidden_size: int = 128
@@ -53,6 +57,26 @@ class ModelConfig:
     """Bias on the QKV projection (Qwen2)."""
     tie_word_embeddings: bool = False
     """Share the input embedding with the output layer."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (HF num_experts); 0 for a dense model."""
+    moe_topk: int = 2
+    """Experts each token is routed to (HF num_experts_per_tok)."""
+    moe_ffn_hidden_size: int = 0
+    """SwiGLU inner width of one routed expert (HF moe_intermediate_size)."""
+    moe_norm_topk_prob: bool = True
+    """Renormalise the top-k routing probabilities to sum to 1 (HF norm_topk_prob; Qwen3-MoE:
+    true, Qwen2-MoE: false = softmax over all experts, top-k kept as they are)."""
+    moe_sparse_step: int = 1
+    """Every moe_sparse_step-th layer is an MoE layer (HF decoder_sparse_step)."""
+    moe_dense_layers: list[int] = field(default_factory=list)
+    """Layer indices with a dense MLP (ffn_hidden_size) instead of experts (HF mlp_only_layers)."""
+    shared_expert_ffn_hidden_size: int = 0
+    """qwen2_moe: width of the shared expert every token goes through, scaled by a sigmoid gate
+    (HF shared_expert_intermediate_size); 0: none."""
+    moe_aux_loss_coef: float = 0.001
+    """Load-balancing auxiliary loss coefficient (HF router_aux_loss_coef; 0 turns it off)."""
+    moe_z_loss_coef: float = 0.0
+    """Router z-loss coefficient (0: off)."""
     max_position_embeddings: int = 2048
     """Longest sequence the model is built for."""
     init_std: float = 0.02
@@ -65,15 +89,32 @@ class ModelConfig:
         """Whether queries and keys get a per-head RMSNorm before RoPE (the architecture's)."""
         return self.architecture in QK_NORM_ARCHITECTURES
 
+    @property
+    def is_moe(self) -> bool:
+        """A mixture-of-experts family (routed experts in the MoE layers)."""
+        return self.architecture in MOE_ARCHITECTURES
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` (0-based) routes to experts (HF's rule: not in
+        mlp_only_layers, and (layer + 1) divisible by decoder_sparse_step)."""
+        return (self.is_moe and layer not in self.moe_dense_layers
+                and (layer + 1) % self.moe_sparse_step == 0)
+
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """1 for an MoE layer, 0 for a dense one, per layer (megatron's moe_layer_freq list)."""
+        return [int(self.is_moe_layer(i)) for i in range(self.num_layers)]
+
     def validate(self) -> None:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(
                 f"model.architecture={self.architecture!r} is not supported; "
                 f"use one of {ARCHITECTURES}"
             )
-        if self.qkv_bias and self.architecture == "qwen3":
-            raise ValueError("model.qkv_bias=true: Qwen3 has no QKV bias (set it false, or "
-                             "model.architecture=qwen2)")
+        if self.qkv_bias and self.architecture in ("qwen3", "qwen3_moe"):
+            raise ValueError(f"model.qkv_bias=true: {self.architecture} has no QKV bias (set it "
+                             "false, or model.architecture=qwen2)")
+        self._validate_moe()
         self._validate_rope()
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype={self.dtype!r}: use one of {DTYPES}")
@@ -87,6 +128,38 @@ class ModelConfig:
                 f"model.num_attention_heads={self.num_attention_heads}"
             )
 
+
+    def _validate_moe(self) -> None:
+        if not self.is_moe:
+            if self.num_experts:
+                raise ValueError(f"model.num_experts={self.num_experts} with the dense "
+                                 f"architecture {self.architecture!r}: use one of "
+                                 f"{MOE_ARCHITECTURES} for experts, or num_experts=0")
+            return
+        if self.num_experts < 2:
+            raise ValueError(f"model.num_experts={self.num_experts}: model.architecture="
+                             f"{self.architecture!r} routes to experts; set num_experts >= 2")
+        if not 1 <= self.moe_topk <= self.num_experts:
+            raise ValueError(f"model.moe_topk={self.moe_topk} must be in 1..model.num_experts="
+                             f"{self.num_experts}")
+        if self.moe_ffn_hidden_size <= 0:
+            raise ValueError(f"model.moe_ffn_hidden_size={self.moe_ffn_hidden_size} must be "
+                             "positive (HF moe_intermediate_size)")
+        if self.moe_sparse_step < 1:
+            raise ValueError(f"model.moe_sparse_step={self.moe_sparse_step} must be >= 1")
+        bad = [i for i in self.moe_dense_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"model.moe_dense_layers holds {bad}: layer indices are "
+                             f"0..{self.num_layers - 1}")
+        if self.shared_expert_ffn_hidden_size and self.architecture != "qwen2_moe":
+            raise ValueError("model.shared_expert_ffn_hidden_size: only qwen2_moe has a shared "
+                             "expert; set it to 0")
+        if self.architecture == "qwen2_moe" and self.shared_expert_ffn_hidden_size <= 0:
+            raise ValueError("model.shared_expert_ffn_hidden_size must be positive for qwen2_moe "
+                             "(HF shared_expert_intermediate_size)")
+        for f in ("moe_aux_loss_coef", "moe_z_loss_coef"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"model.{f}={getattr(self, f)} must be >= 0")
 
     def _validate_rope(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -114,6 +187,11 @@ class ParallelConfig:
     """Tensor-parallel size: divides heads, KV groups and FFN width."""
     pp: int = 1
     """Pipeline-parallel size: divides the number of layers."""
+    ep: int = 1
+    """Expert-parallel size (MoE models): each rank holds num_experts / ep routed experts.
+    megatron's layout: the EP groups are carved out of the data-parallel ranks (DP x EP), so
+    ep divides the DP size; each expert is split over the TP ranks like a dense MLP (expert
+    tensor parallelism = tp)."""
     make_vocab_size_divisible_by: int = 128
     """The padded vocab is a multiple of this times tp (padding is stripped on export)."""
     transformer_impl: str = "auto"
@@ -136,6 +214,7 @@ class ParallelConfig:
             if n % tp:
                 ok = [d for d in range(1, n + 1) if n % d == 0]
                 raise ValueError(f"parallel.tp={tp} does not divide model.{f}={n}; valid tp: {ok}")
+        self._validate_ep(model)
         if model.num_layers % self.pp:
             ok = [d for d in range(1, model.num_layers + 1) if model.num_layers % d == 0]
             raise ValueError(
@@ -164,6 +243,33 @@ class ParallelConfig:
                 f"world size {world_size} is not divisible by parallel.tp x parallel.pp = "
                 f"{self.tp} x {self.pp}; launch a multiple of {self.tp * self.pp} processes"
             )
+        if world_size is not None and (world_size // (self.tp * self.pp)) % self.ep:
+            dp = world_size // (self.tp * self.pp)
+            raise ValueError(
+                f"parallel.ep={self.ep} does not divide the data-parallel size {dp} (world "
+                f"{world_size} / (tp {self.tp} x pp {self.pp})): megatron carves the expert-"
+                f"parallel groups out of the DP ranks; launch a multiple of "
+                f"{self.tp * self.pp * self.ep} processes, or lower parallel.ep")
+
+    def _validate_ep(self, model: ModelConfig) -> None:
+        if self.ep < 1:
+            raise ValueError(f"parallel.ep={self.ep} must be >= 1")
+        if not model.is_moe:
+            if self.ep > 1:
+                raise ValueError(f"parallel.ep={self.ep}: expert parallelism needs a mixture-"
+                                 f"of-experts model, and model.architecture="
+                                 f"{model.architecture!r} is dense; set parallel.ep=1")
+            return
+        if model.num_experts % self.ep:
+            ok = [d for d in range(1, model.num_experts + 1) if model.num_experts % d == 0]
+            raise ValueError(f"parallel.ep={self.ep} does not divide model.num_experts="
+                             f"{model.num_experts}; valid ep: {ok}")
+        for f in ("moe_ffn_hidden_size", "shared_expert_ffn_hidden_size"):
+            n = getattr(model, f)
+            if n % self.tp:
+                ok = [d for d in range(1, n + 1) if n % d == 0]
+                raise ValueError(f"parallel.tp={self.tp} does not divide model.{f}={n} (each "
+                                 f"expert is split over the TP ranks); valid tp: {ok}")
 
     def padded_vocab_size(self, vocab_size: int) -> int:
         """Vocab padded so that every TP rank holds an equal slice."""
