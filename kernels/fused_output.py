@@ -16,7 +16,8 @@ same combine ``logprob._combine`` applies across tensor-parallel ranks. After th
 ``[T, 4]`` stats go through exactly the logits path's TP combine (``_gather_stats`` and
 ``_combine``): log-prob, entropy and the normalisers ``M``, ``log S``, ``E_p[z] - M``.
 
-Backward recomputes every chunk's logits, turns them in place into their gradient with the
+Backward (of ``fused_output_logprob``: scoring and losses that are not token-separable)
+recomputes every chunk's logits, turns them in place into their gradient with the
 logits path's backward (``d logp / dz = onehot - p``, ``d H / dz = -p (z - mu)``, over
 ``temperature``) and accumulates ``dh_t += dz @ W_c`` and ``dW_c += dz^T @ h_t`` in fp32. The
 vocab-outer order finishes each ``dW_c`` before the next chunk starts, so the fp32 accumulators
@@ -33,6 +34,33 @@ the ``[T, 4]`` fp32 stats (the logits path's kernel does the same); backward, ON
 of ``dh`` ``[T, H]`` over the group (the logits path: megatron's ColumnParallelLinear all-reduces
 its input gradient). That all_reduce is in fp32 (the accumulator), twice the bytes of megatron's
 bf16 one in a bf16 model. Nothing else communicates; ``dW`` is local to the shard.
+
+Gradient in the forward (``fused_output_token_loss``, ``fused_output_grpo_weighted_loss``; the
+training path). The recomputing backward above runs four output-layer-sized matmuls (forward
+logits, recomputed logits, ``dh``, ``dW``) against the logits path's three. When the loss is
+``sum_t c_t * loss_t(logp_t, entropy_t)`` - token-separable, with weights ``c`` known up front
+(every megagrpo loss aggregation is linear in the per-token loss: ``algo.aggregation_weights``) -
+the gradient is known as soon as a token's statistics are, so (as Liger's fused-linear
+cross-entropy does) the forward computes it, token-outer: for each chunk of ``Tc`` tokens
+
+    z = (h_t @ W^T) / temperature      the chunk's logits over the shard's whole vocab slice
+    stats -> all_gather -> combine     logp, entropy, normalisers of these Tc tokens
+    d sum(c loss) / d (logp, entropy)  autograd on the small [Tc] graph of the per-token loss
+    z <- dz in place                   the logits path's row backward (torch or Triton)
+    dh_t = dz @ W;  dW += dz^T @ h_t   fp32 accumulators
+
+Three matmuls in all; backward only scales the saved ``dh``/``dW`` by the scalar grad_output
+(and all-reduces ``dh`` over TP), then frees them; a second backward raises. ``Tc`` keeps a
+chunk at <= 1/CHUNK_SHARE of the logits (``grad_chunk_tokens``). Costs: collectives trade
+count for the matmul - forward ONE all_gather of ``[Tc, 4]`` per token chunk (``ceil(T/Tc)``,
+~32 for large calls, instead of one of ``[T, 4]``; the same bytes in all), backward ONE
+all_reduce of ``dh`` as before. Memory: ``dh`` and ``dW`` live from forward to backward (on the
+last pipeline stage 1F1B runs a micro-batch's forward and backward back to back, so one set is
+in flight); for fp32 weights they are the outputs themselves, for bf16 ``dW``'s fp32 accumulator
+is ``4 V_local H`` bytes more than the bf16 output. Without grad (``torch.no_grad`` or inputs
+that do not require it) the op runs the forward statistics only (one matmul per chunk). Not
+token-separable, so kept on the recomputing path: GSPO (``ratio_level="sequence"``: a token's
+ratio is its sequence's mean log-ratio).
 
 Paths (``dispatch.resolve_impl``, logged once): "torch" runs the per-chunk statistics and
 gradient with the chunked torch code of ``logprob``; "triton" with its Triton kernels, each
@@ -87,6 +115,25 @@ def chunk_shape(n_rows: int, n_cols: int, cuda: bool, chunk_tokens: int | None =
                  max(MIN_CHUNK_ELEMS, n_rows * n_cols // CHUNK_SHARE))
     vc = chunk_vocab or max(MIN_CHUNK_VOCAB, budget // tc)
     return max(1, tc), max(1, min(vc, max(n_cols, 1)))
+
+
+GRAD_CHUNK_ELEMS = 1 << 25
+"""Cap of the gradient-in-forward path's chunks ``[Tc, V_local]`` (CPU and GPU; 128 MiB fp32):
+below it the chunk is 1/CHUNK_SHARE of the logits. The path streams the whole weight once per
+chunk for each of its three matmuls (and the fp32 ``dW`` accumulator once), so it wants the
+widest chunk the memory target allows: on the 2-core AVX-512 CPU, a [Tc, 151936] x [151936,
+1024] chunk ran its three matmuls at 5.0 / 4.3 / 3.3 ms per token at Tc = 32 / 64 / 128
+(fp32; the logits path's full-size matmuls ~4 ms per token)."""
+
+
+def grad_chunk_tokens(n_rows: int, n_cols: int, chunk_tokens: int | None = None) -> int:
+    """Tokens per chunk of the gradient-in-forward path, whose chunks span all ``n_cols`` vocab
+    columns of the shard: at most 1/CHUNK_SHARE of the logits (MIN_CHUNK_ELEMS for small calls)
+    and GRAD_CHUNK_ELEMS values."""
+    if chunk_tokens:
+        return max(1, chunk_tokens)
+    budget = min(GRAD_CHUNK_ELEMS, max(MIN_CHUNK_ELEMS, n_rows * n_cols // CHUNK_SHARE))
+    return max(1, min(max(n_rows, 1), budget // max(n_cols, 1)))
 
 
 def _merge_stats(acc: torch.Tensor, new: torch.Tensor) -> None:
@@ -216,6 +263,123 @@ class FusedOutputLogProb(torch.autograd.Function):
         return None if dh is None else dh.to(hidden.dtype), dw, *nones
 
 
+DW_BLOCK_ROWS = 2048
+"""Vocab rows per block of a low-precision ``dW`` product on its way into the fp32 accumulator
+(one reused ``[DW_BLOCK_ROWS, H]`` buffer; a fresh ``[V_local, H]`` product per chunk cost
+~0.2-0.5 s of page faults and memory traffic on the CPU)."""
+
+
+def _accumulate_dw(dw32: torch.Tensor, grad: torch.Tensor, h_t: torch.Tensor,
+                   buf: torch.Tensor | None) -> None:
+    """``dw32 [V, H] fp32 += grad^T @ h_t`` (grad ``[Tc, V]``, h_t ``[Tc, H]``): fp32 inputs in
+    place; otherwise each vocab block's product in the inputs' dtype (one GEMM rounding, as
+    megatron's dW), added in fp32."""
+    if buf is None:
+        dw32.addmm_(grad.T, h_t)
+        return
+    step = buf.shape[0]
+    for v0 in range(0, grad.shape[1], step):
+        v1 = min(v0 + step, grad.shape[1])
+        out = buf[:v1 - v0]
+        torch.mm(grad[:, v0:v1].T, h_t, out=out)
+        dw32[v0:v1].add_(out)
+
+
+def _token_grads(token_loss, logp, entropy, token_weight, rows):
+    """(per-token loss, d/d logp, d/d entropy or None) of ``sum(token_weight * token_loss)`` on
+    one chunk: autograd on the small ``[Tc]`` graph (None: the loss ignores the entropy)."""
+    with torch.enable_grad():
+        lp = logp.detach().requires_grad_()
+        ent = entropy.detach().requires_grad_()
+        tok = token_loss(lp, ent, rows)
+        g_lp, g_ent = torch.autograd.grad((tok * token_weight).sum(), (lp, ent),
+                                          allow_unused=True)
+    return tok.detach(), torch.zeros_like(logp) if g_lp is None else g_lp, g_ent
+
+
+_EMPTY_SHARD_STATS = (-3.0e38, 0.0, 0.0, 0.0)
+"""(m, s, zt, w) of a shard of padding only: weight exp(m - M) = 0 in every combine."""
+
+
+def _loss_and_grads(hidden, weight, target, token_weight, keep, vocab_start, valid, inv_temp,
+                    tc, path, group, tp, token_loss, need_dh, need_dw):
+    """One pass over token chunks: loss (fp32 scalar), logp, entropy ``[T]`` and the loss's
+    gradients dh ``[T, H]`` fp32 (this shard's part) and dW ``[V_local, H]`` (fp32, or the
+    output itself for fp32 weights), each chunk's logits turned into their gradient in place."""
+    n, dev = hidden.shape[0], hidden.device
+    stats_fn, bwd_fn = _row_fns(path, valid)
+    w = weight[:valid]
+    logp = torch.zeros(n, dtype=torch.float32, device=dev)
+    entropy = torch.zeros_like(logp)
+    loss = torch.zeros((), dtype=torch.float32, device=dev)
+    dh = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_dh else None
+    dw = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_dw else None
+    low = need_dw and valid > 0 and weight.dtype != torch.float32
+    buf = torch.empty((min(DW_BLOCK_ROWS, valid), weight.shape[1]), dtype=weight.dtype,
+                      device=dev) if low else None
+    for t0 in range(0, n, tc):
+        rows = slice(t0, min(t0 + tc, n))
+        h_t, tgt, k = hidden[rows], target[rows], keep[rows]
+        z = h_t @ w.T if valid else None  # matmul 1: the chunk's logits over the whole shard
+        local = (stats_fn(z, tgt, vocab_start, inv_temp, True) if valid else
+                 torch.tensor(_EMPTY_SHARD_STATS, device=dev).expand(h_t.shape[0], -1))
+        lp, ent, big_m, log_s, shift = _combine(_gather_stats(local, group, tp))
+        lp, ent = torch.where(k, lp, 0.0), torch.where(k, ent, 0.0)
+        tok, g_lp, g_ent = _token_grads(token_loss, lp, ent, token_weight[rows], rows)
+        logp[rows], entropy[rows] = lp, ent
+        loss += (tok * token_weight[rows]).sum()
+        if valid and (need_dh or need_dw):
+            g_ent = None if g_ent is None else torch.where(k, g_ent, 0.0).contiguous()
+            bwd_fn(z, z, tgt, big_m, log_s, shift, torch.where(k, g_lp, 0.0).contiguous(),
+                   g_ent, vocab_start, inv_temp)  # z <- d loss / d z, in place
+            if need_dh:  # matmul 2
+                _accumulate_mm(dh[rows], z, w)
+            if need_dw:  # matmul 3
+                _accumulate_dw(dw[:valid], z, h_t, buf)
+        del z
+    return loss, logp, entropy, dh, dw
+
+
+class FusedOutputLoss(torch.autograd.Function):
+    """``sum_t token_weight_t * token_loss(logp_t, entropy_t)`` with its gradient computed in the
+    forward (see the module docstring); ``path`` is "triton" or "torch" (already resolved)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, token_weight, ignore_mask, temperature, group,
+                valid, tc, path, token_loss):
+        tp, rank = _tp_info(group)
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.no_grad():
+            loss, logp, entropy, dh, dw = _loss_and_grads(
+                hidden, weight, target, token_weight, ~ignore_mask, rank * weight.shape[0],
+                valid, 1.0 / temperature, tc, path, group, tp, token_loss, need_dh, need_dw)
+        ctx.grads = (dh, dw)  # d loss / d (h, W) for grad_output 1; freed by backward
+        ctx.args = (group, tp, hidden.dtype, weight.dtype)
+        ctx.mark_non_differentiable(logp, entropy)
+        return loss, logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_logp, _g_entropy):
+        if ctx.grads is None:
+            raise RuntimeError("FusedOutputLoss: backward runs once (its gradients were "
+                               "computed in the forward and are freed by the first backward)")
+        dh, dw = ctx.grads
+        ctx.grads = None
+        group, tp, h_dtype, w_dtype = ctx.args
+        nones = (None,) * 9
+        if g_loss is None:
+            return None, None, *nones
+        with torch.no_grad():
+            if dh is not None:
+                dh.mul_(g_loss)
+                if tp > 1:
+                    dist.all_reduce(dh, group=group)  # the call's only backward collective
+                dh = dh.to(h_dtype)
+            if dw is not None:
+                dw = dw.mul_(g_loss).to(w_dtype)
+        return dh, dw, *nones
+
+
 def _prepare(hidden, weight, target, temperature, valid_vocab, impl, op):
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"{op}: want hidden [T, H] and weight [V_local, H], got "
@@ -325,6 +489,140 @@ def fused_output_grpo_loss(
         kl_clamp=kl_clamp, ratio_level=ratio_level, seq_ids=seq_ids, is_weight=is_weight,
         is_cap=is_cap, policy_loss=policy_loss,
     )
+
+
+def nll_token_loss(logp: torch.Tensor, entropy: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Negative log-likelihood per token: ``fused_output_token_loss``'s default."""
+    return -logp
+
+
+def fused_output_token_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    token_weight: torch.Tensor,
+    token_loss=nll_token_loss,
+    *,
+    temperature: float = 1.0,
+    group: "dist.ProcessGroup | None" = None,
+    ignore_mask: torch.Tensor | None = None,
+    valid_vocab: int | None = None,
+    impl: str = "auto",
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``loss = sum_t token_weight_t * token_loss(logp, entropy, rows)_t`` from hidden states,
+    its gradient computed in the forward (three output-layer matmuls, module docstring).
+
+    Args:
+        hidden, weight, target, temperature, group, ignore_mask, valid_vocab, impl: as
+            ``fused_output_logprob``.
+        token_weight: ``[T]`` fp32, the weight of each token's loss (e.g. the loss
+            aggregation's ``d loss / d token_loss``); no gradient flows into it.
+        token_loss: ``(logp [Tc], entropy [Tc], rows) -> [Tc]``, the per-token loss of the
+            tokens ``rows`` (a slice of ``[0, T)``) from their log-probs and entropies. It must
+            be token-separable (token t's loss depends on token t's logp and entropy only):
+            it runs chunk by chunk. Default: ``-logp``.
+        chunk_tokens: tokens per chunk (None = ``grad_chunk_tokens``).
+
+    Returns:
+        ``(loss, logp, entropy)``: loss an fp32 scalar, differentiable w.r.t. ``hidden`` and
+        ``weight``; logp, entropy ``[T]`` fp32, detached. Without grad (``torch.no_grad`` or
+        neither input requiring it) no gradient work is done: the forward statistics only.
+    """
+    op = "fused_output_token_loss"
+    hidden, weight, valid, path = _prepare(hidden, weight, target, temperature, valid_vocab,
+                                           impl, op)
+    dev = hidden.device
+    ignore_mask = (torch.zeros(target.shape, dtype=torch.bool, device=dev) if ignore_mask is None
+                   else ignore_mask.to(dev, torch.bool))
+    token_weight = token_weight.to(dev, torch.float32).detach()
+    target = target.to(dev, torch.long).contiguous()
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        logp, entropy = fused_output_logprob(
+            hidden, weight, target, temperature=temperature, group=group, ignore_mask=ignore_mask,
+            with_entropy=True, valid_vocab=valid, impl=path, chunk_tokens=chunk_tokens)
+        tok = token_loss(logp, entropy, slice(0, target.shape[0]))
+        return (tok * token_weight).sum(), logp, entropy
+    # the shard's padded width, not `valid`: every rank of the group must cut the same chunks
+    tc = grad_chunk_tokens(hidden.shape[0], weight.shape[0], chunk_tokens)
+    return FusedOutputLoss.apply(hidden, weight, target, token_weight, ignore_mask,
+                                 float(temperature), group, valid, tc, path, token_loss)
+
+
+def _grpo_chunk_loss(logp, entropy, rows, *, old_logp, advantages, mask, ref_logp, is_weight,
+                     options):
+    """``grpo_loss_from_logp``'s per-token loss for the tokens ``rows`` (token-level ratio)."""
+    def part(x):
+        return None if x is None else x[rows]
+    return grpo_loss_from_logp(logp, part(old_logp), advantages[rows], mask[rows],
+                               entropy=entropy, ref_logp=part(ref_logp),
+                               is_weight=part(is_weight), **options)[0]
+
+
+def fused_output_grpo_weighted_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    token_weight: torch.Tensor,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    group=None,
+    temperature: float = 1.0,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip_c: float | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    kl_clamp: tuple[float, float] | None = None,
+    ratio_level: str = "token",
+    seq_ids: torch.Tensor | None = None,
+    is_weight: torch.Tensor | None = None,
+    is_cap: float | None = None,
+    policy_loss: str = "ppo",
+    valid_vocab: int | None = None,
+    impl: str = "auto",
+    chunk_tokens: int | None = None,
+    chunk_vocab: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """``sum_t token_weight_t * loss_t`` of ``fused_output_grpo_loss``'s per-token loss: the
+    step loss of a micro-batch when ``token_weight`` is the aggregation's ``d loss / d loss_t``.
+
+    Token-level ratios (GRPO, DAPO, Dr. GRPO, BNPO, CISPO; any clip, KL, IS weight) run
+    ``fused_output_token_loss``: the gradient in the forward, three matmuls. GSPO
+    (``ratio_level="sequence"``) is not token-separable - a token's loss depends on its whole
+    sequence's log-probs - and runs the recomputing path (``fused_output_grpo_loss``, four
+    matmuls). Arguments as ``fused_output_grpo_loss``; ``chunk_vocab`` is used by GSPO only.
+
+    Returns:
+        ``(loss, token_loss, metrics)``: the fp32 scalar (differentiable), the detached
+        per-token loss ``[T]`` and the metrics of ``grpo_token_loss``.
+    """
+    _check_options(policy_loss, beta, ref_logp, dual_clip_c, ratio_level, seq_ids, kl_estimator)
+    options = dict(eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c, beta=beta,
+                   kl_estimator=kl_estimator, kl_clamp=kl_clamp, is_cap=is_cap,
+                   policy_loss=policy_loss)
+    common = dict(group=group, temperature=temperature, valid_vocab=valid_vocab, impl=impl,
+                  chunk_tokens=chunk_tokens)
+    token_weight = token_weight.detach().to(hidden.device, torch.float32)
+    if ratio_level == "sequence":
+        tok_loss, metrics = fused_output_grpo_loss(
+            hidden, weight, target, old_logp, advantages, mask, ref_logp=ref_logp,
+            ratio_level=ratio_level, seq_ids=seq_ids, is_weight=is_weight,
+            chunk_vocab=chunk_vocab, **options, **common)
+        return (tok_loss * token_weight).sum(), tok_loss.detach(), metrics
+    mask = mask.to(hidden.device, torch.bool)
+    chunk_loss = partial(_grpo_chunk_loss, old_logp=old_logp, advantages=advantages, mask=mask,
+                         ref_logp=ref_logp, is_weight=is_weight, options=options)
+    loss, logp, entropy = fused_output_token_loss(hidden, weight, target, token_weight,
+                                                  chunk_loss, ignore_mask=~mask, **common)
+    with torch.no_grad():  # O(T): the per-token loss and metrics from the op's log-probs
+        tok_loss, metrics = grpo_loss_from_logp(logp, old_logp, advantages, mask,
+                                                entropy=entropy, ref_logp=ref_logp,
+                                                is_weight=is_weight, **options)
+    return loss, tok_loss, metrics
 
 
 def reference_output_logprob(

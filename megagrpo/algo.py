@@ -185,6 +185,31 @@ def aggregate_loss(
     return LOSS_AGGREGATIONS[mode](token_loss, mask, seq_ids, counts, s)
 
 
+def aggregation_weights(
+    mask: Tensor,
+    seq_ids: Tensor,
+    *,
+    mode: str,
+    counts: LossCounts,
+    num_local_seqs: int | None = None,
+) -> Tensor:
+    """[T] fp32 weights c with `aggregate_loss(l) == (c * l).sum()` for every per-token loss l:
+    each registered aggregation is linear in l, so c is its gradient (what a fused loss that
+    computes its gradient in the forward needs up front). Checked on a random l (O(T)), so a
+    non-linear aggregation fails loudly instead of training on a wrong gradient."""
+    probe = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device, requires_grad=True)
+    with torch.enable_grad():
+        agg = aggregate_loss(probe, mask, seq_ids, mode=mode, counts=counts,
+                             num_local_seqs=num_local_seqs)
+        (c,) = torch.autograd.grad(agg, probe, allow_unused=True, materialize_grads=True)
+    test = torch.rand(mask.shape, dtype=torch.float64, device=mask.device)
+    want = aggregate_loss(test, mask, seq_ids, mode=mode, counts=counts,
+                          num_local_seqs=num_local_seqs)
+    if not torch.allclose((c * test).sum(), want, rtol=1e-9, atol=1e-12):
+        raise ValueError(f"loss_agg={mode!r} is not linear in the per-token loss")
+    return c.float()
+
+
 def local_counts(mask: Tensor, num_local_seqs: int) -> Tensor:
     """[valid tokens, sequences] of one chunk: a float64 [2] tensor on mask's device (no host
     sync), to sum over micro-batches and all-reduce over DP, then `LossCounts.from_totals`."""

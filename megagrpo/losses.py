@@ -4,7 +4,10 @@ Each runs on the last pipeline stage with this micro-batch's logits [b, S, V_loc
 [1, n, V_local] at loss positions), or - with the fused output layer (`weight` given) - the
 hidden states [n, h] at the loss positions and the output weight [V_local, h], and returns
 (loss, report) as megatron-core expects. Both reach the same per-token algebra
-(`grpo_loss_from_logp`); only the vocab pass differs (`vocab_pass`).
+(`grpo_loss_from_logp`); only the vocab pass differs (`vocab_pass`). With the fused layer the
+training losses hand the op their aggregation as per-token weights (`aggregation_weights`), so
+it computes the gradient during the forward (three output-layer matmuls, not four); GSPO's
+sequence-level ratio is not token-separable and takes the op's recomputing backward.
 
 Megatron divides a 2-tuple loss by the number of micro-batches and DDP averages grads over DP
 ranks; our losses are already each chunk's share of the global step loss (global normalisers),
@@ -17,12 +20,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megagrpo.algo import LossCounts, aggregate_loss, kl_clamp
+from megagrpo.algo import LossCounts, aggregate_loss, aggregation_weights, kl_clamp
 from megagrpo.batch import Batch
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.kernels import (
+    fused_output_grpo_weighted_loss,
     fused_output_logprob,
-    grpo_loss_from_logp,
+    fused_output_token_loss,
     grpo_token_loss,
     vocab_parallel_logprob,
 )
@@ -117,16 +121,19 @@ def grpo_loss(ctx: LossContext, mb: Batch, out: Tensor, positions: Tensor | None
         is_weight=take(mb.is_weight, positions), policy_loss="cispo" if cispo else "ppo",
     )
     adv = take(mb.advantages, positions)
+    agg = dict(mode=a.loss_agg, counts=ctx.counts, num_local_seqs=b)
     if weight is None:
         tok_loss, m = grpo_token_loss(
             flat_logits(out, ctx), target, old, adv, mask, group=ctx.tp_group,
             temperature=ctx.temperature, impl=ctx.impl, inplace_backward=ctx.inplace_backward,
             **options)
-    else:  # the same algebra as grpo_token_loss, on the fused layer's log-probs
-        logp, entropy = vocab_pass(ctx, out, weight, target, mask, with_entropy=True)
-        tok_loss, m = grpo_loss_from_logp(logp, old, adv, mask, entropy=entropy, **options)
-    loss = aggregate_loss(tok_loss, mask.float(), seq_ids, mode=a.loss_agg, counts=ctx.counts,
-                          num_local_seqs=b)
+        loss = aggregate_loss(tok_loss, mask.float(), seq_ids, **agg)
+    else:  # the same algebra, aggregated inside the fused op (its gradient in the forward)
+        loss, _, m = fused_output_grpo_weighted_loss(
+            out, weight, target, old, adv, mask,
+            aggregation_weights(mask.float(), seq_ids, **agg), group=ctx.tp_group,
+            temperature=ctx.temperature, valid_vocab=ctx.valid_local_vocab, impl=ctx.impl,
+            **options)
     f = mask.float()
     report = {
         "loss": loss.detach(),  # this chunk's share: chunks and DP ranks sum to the step loss
@@ -147,8 +154,14 @@ def sft_loss(ctx: LossContext, mb: Batch, out: Tensor, positions: Tensor | None 
     """Cold start: token-mean negative log-likelihood of the completion tokens (temperature 1:
     the data's likelihood, not the sampler's)."""
     mask = take(mb.mask, positions)
-    logp = vocab_pass(ctx, out, weight, take(mb.target, positions), mask, with_entropy=False,
-                      inplace=ctx.inplace_backward, temperature=1.0)
-    loss = -(logp * mask.float()).sum() / max(ctx.counts.num_tokens, 1.0)
+    target, norm = take(mb.target, positions), max(ctx.counts.num_tokens, 1.0)
+    if weight is None:
+        logp = vocab_pass(ctx, out, weight, target, mask, with_entropy=False,
+                          inplace=ctx.inplace_backward, temperature=1.0)
+        loss = -(logp * mask.float()).sum() / norm
+    else:  # -logp per token, weighted: the fused op's gradient-in-forward path
+        loss, logp, _ = fused_output_token_loss(
+            out, weight, target, mask.float() / norm, group=ctx.tp_group, ignore_mask=~mask,
+            valid_vocab=ctx.valid_local_vocab, impl=ctx.impl)
     return loss * ctx.scale, {"nll_sum": -(logp.detach() * mask.float()).sum(),
                               "tokens": mask.float().sum()}

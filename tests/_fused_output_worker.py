@@ -91,15 +91,33 @@ def count_fused_calls() -> list[int]:
     return calls
 
 
+def count_fused_paths() -> dict[str, int]:
+    """Count the fused op's two training paths: "forward_grads" (the gradient computed in the
+    forward, token-separable losses) and "recompute" (the recomputing backward: GSPO)."""
+    from megagrpo.kernels import fused_output as fo
+
+    counts = {"forward_grads": 0, "recompute": 0}
+    for key, name in (("forward_grads", "_loss_and_grads"), ("recompute", "_backward")):
+        fn = getattr(fo, name)
+
+        def counted(*args, _fn=fn, _key=key, **kwargs):
+            counts[_key] += 1
+            return _fn(*args, **kwargs)
+
+        setattr(fo, name, counted)
+    return counts
+
+
 def small_chunks() -> None:
     """Chunks of 16 tokens x 48 vocab rows: every micro-batch crosses chunk boundaries on both
     axes (V/tp = 64 or 128 here), as a real vocab does."""
     from megagrpo.kernels import fused_output as fo
 
     fo.CHUNK_TOKENS, fo.CHUNK_ELEMS, fo.MIN_CHUNK_VOCAB = 16, 16 * 48, 48
+    fo.GRAD_CHUNK_ELEMS = fo.MIN_CHUNK_ELEMS = 8 * 64  # 8 tokens at V/tp = 64, 4 at 128
 
 
-def run_layout(name: str, results: list, calls: list[int]) -> None:
+def run_layout(name: str, results: list, calls: list[int], paths: dict[str, int]) -> None:
     from megagrpo.distributed import init_distributed, training_layout
     from megagrpo.losses import grpo_loss, sft_loss
     from megagrpo.model import build_model
@@ -149,13 +167,16 @@ def run_layout(name: str, results: list, calls: list[int]) -> None:
         both = {}
         for fused in (False, True):
             cfg.compute.fused_output_layer = fused
+            before = dict(paths)
             both[fused] = grads(passes, ddp, opt, fn, batch, m, cfg.algo)
+        ran = {k: paths[k] - before[k] for k in paths}  # the fused run's training paths
         (g0, r0), (g1, r1) = both[False], both[True]
         res[key] = {
             "grad_rel": max(float((a - b).norm() / b.norm().clamp_min(1e-30))
                             for a, b in zip(g1, g0)),
             "grad_norm": float(sum(b.norm() ** 2 for b in g0) ** 0.5),
             "report_rel": {k: abs(r1[k] - r0[k]) / (1.0 + abs(r0[k])) for k in r0},
+            "paths": ran,
         }
     results.append(res)
     dist.barrier()
@@ -167,10 +188,10 @@ def main():
     ap.add_argument("--layouts", default=",".join(TESTED))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    results, calls = [], count_fused_calls()
+    results, calls, paths = [], count_fused_calls(), count_fused_paths()
     small_chunks()
     for name in args.layouts.split(","):
-        run_layout(name, results, calls)
+        run_layout(name, results, calls, paths)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     if dist.get_rank() == 0:

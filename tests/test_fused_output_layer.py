@@ -106,3 +106,8 @@ def test_fused_equals_logits_path(results, layout):
             assert got["grad_rel"] < 1e-5, f"{where} {loss}: gradients differ {got['grad_rel']}"
             worst = max(got["report_rel"].values(), default=0.0)
             assert worst < 1e-5, f"{where} {loss}: reports differ {got['report_rel']}"
+            if r["last_stage"]:  # GSPO recomputes; every token-separable loss: grads in forward
+                want_path = "recompute" if loss == "gspo" else "forward_grads"
+                other = "forward_grads" if loss == "gspo" else "recompute"
+                assert got["paths"][want_path] > 0 and got["paths"][other] == 0, (
+                    f"{where} {loss}: {got['paths']}")

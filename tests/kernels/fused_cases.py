@@ -141,6 +141,32 @@ def run_fused(case, impl: str, group=None, rank: int = 0, tp: int = 1, chunk=(8,
     return dict({k: v.detach() for k, v in out.items()}, dh=h.grad, dw=w.grad)
 
 
+GRAD_OUTPUT = 0.37
+"""Gradient reaching the weighted loss (megatron's loss scale / micro-batches): a backward that
+ignored it would be off by 1/0.37."""
+
+
+def run_weighted(case, impl: str, group=None, rank: int = 0, tp: int = 1, chunk_tokens: int = 5,
+                 token_weight: torch.Tensor | None = None) -> dict:
+    """``fused_output_grpo_weighted_loss`` with ``token_weight`` (default the case's ``g``),
+    backward from ``GRAD_OUTPUT``; dh, dW are divided by it again (comparable with
+    ``reference_grads``, the gradients of ``sum(g * loss)``)."""
+    from megagrpo.kernels import fused_output_grpo_weighted_loss
+
+    w_local, valid = shard(case, rank, tp)
+    h = case["h"].clone().requires_grad_()
+    w = w_local.clone().requires_grad_()
+    weight = case["g"] if token_weight is None else token_weight
+    loss, tok, metrics = fused_output_grpo_weighted_loss(
+        h, w, case["target"], case["old_logp"], case["advantages"], case["mask"], weight,
+        temperature=case["temperature"], group=group, valid_vocab=valid, impl=impl,
+        chunk_tokens=chunk_tokens, chunk_vocab=128, **case["kwargs"])
+    (loss * GRAD_OUTPUT).backward()
+    return dict(metrics, loss=tok, total=loss.detach(), dh=(h.grad.double() / GRAD_OUTPUT),
+                dw=(w.grad.double() / GRAD_OUTPUT), dh_dtype=h.grad.dtype,
+                dw_dtype=w.grad.dtype)
+
+
 def run_logits(case, impl: str, group=None, rank: int = 0, tp: int = 1) -> dict:
     """The logits path: output-layer matmul, padding masked, the logits kernel."""
     from megagrpo.kernels import grpo_token_loss, vocab_parallel_logprob
@@ -199,7 +225,8 @@ def check(case, out, ref, tol: tuple[float, float], what: str, grads: bool = Tru
     if case["kind"] == "grpo":
         assert (out["loss"][~case["mask"]] == 0).all(), f"{what}: masked tokens have a loss"
     if grads:
-        assert out["dh"].dtype == case["h"].dtype and out["dw"].dtype == case["w"].dtype
+        dtypes = out.get("dh_dtype", out["dh"].dtype), out.get("dw_dtype", out["dw"].dtype)
+        assert dtypes == (case["h"].dtype, case["w"].dtype), f"{what}: {dtypes}"
         assert_near(out["dh"], ref["dh"], tol[1], f"{what} dh")
         assert_near(out["dw"], ref["dw"], tol[1], f"{what} dW")
 
@@ -224,6 +251,12 @@ def tp_worker(rank: int, world: int, rdzv: str, cases_path: str, out_dir: str) -
                 out["collectives"] = calls[0] - before
                 results[(name, impl)] = out
             results[(name, "logits")] = run_logits(case, "torch", group, rank, world)
+            if case["kind"] == "grpo":  # the gradient-in-forward path (GSPO: its fallback)
+                for impl in spec["impls"].get(name, ("torch",)):
+                    before = calls[0]
+                    out = run_weighted(case, impl, group, rank, world)
+                    out["collectives"] = calls[0] - before
+                    results[(name, "weighted", impl)] = out
         case = next(iter(spec["cases"].values()))
         w_local, valid = shard(case, rank, world)
         before = calls[0]

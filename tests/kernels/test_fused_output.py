@@ -13,12 +13,13 @@ import torch
 import torch.multiprocessing as mp
 from fused_cases import (
     TOL64, TOL_LOGITS, assert_near, check, fused_case, grpo_cases, reference_grads, run_fused,
-    run_logits, tp_worker,
+    run_logits, run_weighted, tp_worker,
 )
 from kernels_oracle import GRPO_OPTIONS
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megagrpo.kernels import dispatch, fused_output_logprob
+from megagrpo.algo import LOSS_AGGREGATIONS, LossCounts, aggregation_weights
+from megagrpo.kernels import dispatch, fused_output_grpo_weighted_loss, fused_output_logprob
 from megagrpo.kernels import fused_output as fo
 
 TP1_GRPO = grpo_cases(1)
@@ -179,6 +180,122 @@ def test_dispatch_logs_the_fused_path_once(monkeypatch, caplog):
     assert len(lines) == 2 and all("fused_output_logprob runs the" in m for m in lines), lines
 
 
+# ------------------------------------------------------------ the gradient computed in the forward
+@pytest.fixture
+def paths(monkeypatch):
+    """Counts of the op's training paths: gradient in the forward, recomputing backward."""
+    counts = {"forward_grads": 0, "recompute": 0}
+    for key, name in (("forward_grads", "_loss_and_grads"), ("recompute", "_backward")):
+        fn = getattr(fo, name)
+
+        def counted(*args, _fn=fn, _key=key, **kwargs):
+            counts[_key] += 1
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(fo, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("name", list(TP1_GRPO))
+def test_weighted_loss_tp1_matches_float64(name, paths):
+    """sum(g * loss) with its gradient in the forward (GSPO: the recomputing fallback), grad
+    output 0.37, 4 token chunks: loss, per-token loss, logp, entropy, dh, dW vs float64."""
+    case = TP1_GRPO[name]
+    out, ref = run_weighted(case, "torch"), reference_grads(case)
+    check(case, out, ref, TOL64[case["h"].dtype], f"{name} weighted vs float64")
+    assert_near(out["total"], (ref["loss"] * case["g"].double()).sum(), 2e-5, f"{name} total")
+    gspo = case["kwargs"].get("ratio_level") == "sequence"
+    assert (paths["recompute"] > 0) == gspo and (paths["forward_grads"] > 0) != gspo, paths
+
+
+def _closed_form_weights(mode, mask, seq_ids, c: LossCounts) -> torch.Tensor:
+    """d aggregate_loss / d token_loss per mode, written out (float64)."""
+    m = mask.double()
+    if mode in ("grpo", "gspo"):
+        per_seq = torch.zeros(int(seq_ids.max()) + 1, dtype=torch.float64).index_add_(
+            0, seq_ids, m)
+        return m / per_seq[seq_ids].clamp(min=1) / c.num_seqs
+    if mode in ("dapo", "cispo"):
+        return m / c.num_tokens
+    if mode == "bnpo":
+        return m / m.sum() / c.num_chunks
+    assert mode == "dr_grpo", mode
+    return m / (c.num_seqs * c.max_len)
+
+
+AGG_CASE = {"gspo": "grpo_gspo_sequence", "cispo": "grpo_cispo"}
+
+
+@pytest.mark.parametrize("mode", sorted(LOSS_AGGREGATIONS))
+def test_weighted_loss_each_loss_agg_matches_float64(mode):
+    """Each loss_agg: `aggregation_weights` (what megagrpo.losses hands the op) against the
+    aggregation's closed form, and the op's loss, dh, dW against float64 with those weights."""
+    case = TP1_GRPO[AGG_CASE.get(mode, "grpo_kl_k3_clamped")]
+    n = case["h"].shape[0]
+    seq_ids = torch.arange(n) // 6
+    counts = LossCounts(num_tokens=40.0, num_seqs=7.0, max_len=9.0, num_chunks=3)
+    tw = aggregation_weights(case["mask"].float(), seq_ids, mode=mode, counts=counts,
+                             num_local_seqs=n // 6)
+    want = _closed_form_weights(mode, case["mask"], seq_ids, counts)
+    assert_near(tw, want, 1e-7, f"{mode} weights")
+    ref = reference_grads(dict(case, g=want))
+    out = run_weighted(case, "torch", token_weight=tw)
+    assert_near(out["total"], (ref["loss"] * want).sum(), 2e-5, f"{mode} loss")
+    tol = TOL64[case["h"].dtype][1]
+    assert_near(out["dh"], ref["dh"], tol, f"{mode} dh")
+    assert_near(out["dw"], ref["dw"], tol, f"{mode} dW")
+
+
+def test_aggregation_weights_rejects_a_nonlinear_aggregation(monkeypatch):
+    import megagrpo.algo as algo
+
+    monkeypatch.setitem(algo.LOSS_AGGREGATIONS, "square", lambda x, m, s, c, n: (x * x).sum())
+    with pytest.raises(ValueError, match="not linear"):
+        aggregation_weights(torch.ones(4), torch.zeros(4, dtype=torch.long), mode="square",
+                            counts=LossCounts(num_tokens=4.0, num_seqs=1.0))
+
+
+def test_triton_weighted_loss_under_interpreter():
+    case = TP1_GRPO["grpo_ppo_dual_clip"]
+    check(case, run_weighted(case, "triton"), reference_grads(case), TOL64[case["h"].dtype],
+          "triton weighted vs float64")
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_three_matmuls_with_grad_one_without_and_buffers_freed():
+    """4 token chunks: with grad, 3 matmuls per chunk in the forward and none in the backward
+    (which frees the saved dh, dW and refuses to run twice); under no_grad one matmul per chunk
+    of the forward statistics (no gradient work)."""
+    case = TP1_GRPO["grpo_kl_k2"]
+    h, w = case["h"].clone().requires_grad_(), case["w"].clone().requires_grad_()
+    args = (h, w, case["target"], case["old_logp"], case["advantages"], case["mask"], case["g"])
+    kw = dict(case["kwargs"], temperature=case["temperature"], impl="torch", chunk_tokens=5,
+              chunk_vocab=case["w"].shape[0])
+    with _CountMatmuls() as fwd:
+        loss = fused_output_grpo_weighted_loss(*args, **kw)[0]
+    assert fwd.n == 3 * 4
+    assert all(g is not None for g in loss.grad_fn.grads)
+    with _CountMatmuls() as bwd:
+        (loss * 0.37).backward(retain_graph=True)
+    assert bwd.n == 0 and loss.grad_fn.grads is None
+    with pytest.raises(RuntimeError, match="backward runs once"):
+        loss.backward()
+    with torch.no_grad(), _CountMatmuls() as scoring:
+        total = fused_output_grpo_weighted_loss(*args, **kw)[0]
+    assert scoring.n == 4 and total.grad_fn is None
+    assert_near(total, loss.detach(), 1e-6, "no-grad loss")
+
+
 # ------------------------------------------------------------------------------ TP=2 over gloo
 TP2_TRITON = ("grpo_ppo_dual_clip", "logprob_bf16")
 
@@ -213,6 +330,12 @@ def test_tp2_matches_float64_and_logits_path(tp2):
             check(case, full, ref, _tol(case, TOL64), f"{what} vs float64")
             want = dict(logits[0], dw=torch.cat([o["dw"] for o in logits]))
             check(case, full, want, _tol(case, TOL_LOGITS), f"{what} vs logits path")
+            if case["kind"] != "grpo":
+                continue
+            outs = [r[(name, "weighted", impl)] for r in ranks]
+            assert torch.equal(outs[0]["dh"], outs[1]["dh"]), f"{what}: weighted dh differs"
+            full = dict(outs[0], dw=torch.cat([o["dw"] for o in outs]))
+            check(case, full, ref, _tol(case, TOL64), f"{what} weighted vs float64")
 
 
 def test_tp2_collectives(tp2):
@@ -224,3 +347,9 @@ def test_tp2_collectives(tp2):
         for name in cases:
             for impl in impls.get(name, ("torch",)):
                 assert r[(name, impl)]["collectives"] == 2, (name, impl)
+                if cases[name]["kind"] != "grpo":
+                    continue
+                # gradient in the forward: one all_gather per token chunk (18 tokens in chunks
+                # of 5) + one all_reduce; GSPO's recomputing fallback: one + one
+                gspo = cases[name]["kwargs"].get("ratio_level") == "sequence"
+                assert r[(name, "weighted", impl)]["collectives"] == (2 if gspo else 4 + 1)
