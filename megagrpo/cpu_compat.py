@@ -7,7 +7,9 @@ megatron-core hard-codes CUDA in places that are device-agnostic in spirit (see
 1. Factory calls with ``device="cuda"`` / ``torch.cuda.current_device()`` (an int) /
    ``torch.device("cuda", i)``, and ``Tensor.cuda()`` / ``Tensor.to("cuda")``: a
    `TorchFunctionMode` maps them to CPU (tensor_parallel layers, mappings, rotary embedding,
-   p2p communication, schedules, clip_grads, ``get_default_causal_mask``).
+   p2p communication, schedules, clip_grads, ``get_default_causal_mask``). The autograd engine
+   runs backward without Python modes: megatron's all-to-all (``mappings._AllToAll``, which
+   applies itself in its backward) runs its forward under the mode explicitly.
 2. ``torch.cuda.current_device`` returns 0; ``torch.cuda.synchronize`` and
    ``torch.cuda.empty_cache`` are no-ops.
 3. The model-parallel RNG tracker (``tensor_parallel/random.py``) reads and writes the CUDA RNG:
@@ -44,6 +46,7 @@ def _is_cuda(device: object) -> bool:
 class _CudaToCpu(TorchFunctionMode):
     """Maps CUDA device arguments to CPU and reports CUDA type strings for CPU tensors."""
 
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if "device" in kwargs and _is_cuda(kwargs["device"]):
@@ -60,6 +63,16 @@ class _CudaToCpu(TorchFunctionMode):
                 return name
             return name.replace("torch.", "torch.cuda.", 1)
         return func(*args, **kwargs)
+
+
+def _in_mode(fn):
+    """`fn` (an autograd Function's static forward) run under the mode. The autograd engine
+    does not carry Python function modes into backward, and megatron's all-to-all applies its
+    own forward from its backward, allocating with device=torch.cuda.current_device()."""
+    def wrapped(*args, **kwargs):
+        with _CudaToCpu():
+            return fn(*args, **kwargs)
+    return wrapped
 
 
 class _CpuStream:
@@ -141,6 +154,9 @@ def apply() -> bool:
     mp_random._set_cuda_rng_state = _set_rng_state
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
+    from megatron.core.tensor_parallel import mappings
+
+    mappings._AllToAll.forward = staticmethod(_in_mode(mappings._AllToAll.forward))
     moe_utils.maybe_move_tensor_to_cpu = _host_tensor
     token_dispatcher.maybe_move_tensor_to_cpu = _host_tensor
 

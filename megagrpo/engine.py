@@ -132,7 +132,7 @@ def expected_hf_params(hf_config) -> tuple[dict[str, torch.Size], set[str]]:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    shapes = _checkpoint_shapes({name: t.shape for name, t in model.state_dict().items()})
     optional: set[str] = set()
     tied_keys = getattr(model, "_tied_weights_keys", None) or {}
     if getattr(hf_config, "tie_word_embeddings", False):
@@ -141,6 +141,27 @@ def expected_hf_params(hf_config) -> tuple[dict[str, torch.Size], set[str]]:
         if "lm_head.weight" in shapes:
             optional.add("lm_head.weight")
     return shapes, optional
+
+
+def _checkpoint_shapes(shapes: dict[str, torch.Size]) -> dict[str, torch.Size]:
+    """transformers 5 holds an MoE layer's routed experts as 3D tensors (`mlp.experts.gate_up_proj`
+    [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) but saves and loads checkpoints, and vLLM
+    reads them, per expert (`mlp.experts.{e}.gate_proj.weight` [I, H], ...): the per-expert
+    names."""
+    out: dict[str, torch.Size] = {}
+    for name, shape in shapes.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base, (E, two_i, H) = name[: -len("gate_up_proj")], shape
+            for e in range(E):
+                out[f"{base}{e}.gate_proj.weight"] = torch.Size((two_i // 2, H))
+                out[f"{base}{e}.up_proj.weight"] = torch.Size((two_i // 2, H))
+        elif name.endswith("mlp.experts.down_proj"):
+            base, (E, H, inter) = name[: -len("down_proj")], shape
+            for e in range(E):
+                out[f"{base}{e}.down_proj.weight"] = torch.Size((H, inter))
+        else:
+            out[name] = shape
+    return out
 
 
 class _WeightFeed:

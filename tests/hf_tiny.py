@@ -53,6 +53,57 @@ def tiny_qwen3(path, *, vocab=100, layers=2, tie=False, seed=2):
     return model
 
 
+def tiny_qwen3_moe(path, *, vocab=100, layers=2, seed=4, dense_layers=()):
+    """Qwen3-MoE: 4 experts, top-2 renormalised, expert width 32; a router initialised wide
+    enough that routing is decisive (HF's 0.02 init makes every token's top-2 a near tie)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                         norm_topk_prob=True, decoder_sparse_step=1,
+                         mlp_only_layers=list(dense_layers), num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         max_position_embeddings=512, use_sliding_window=False)
+    model = Qwen3MoeForCausalLM(cfg).float().eval()
+    _randomise_norms(model)
+    _spread_routers(model)
+    model.save_pretrained(path)
+    return model
+
+
+def tiny_qwen2_moe(path, *, vocab=100, layers=2, seed=5, dense_layers=(1,)):
+    """Qwen2-MoE: 4 experts, top-2 without renormalisation, a gated shared expert (width 48),
+    QKV biases, layer 1 dense (mlp_only_layers)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2MoeConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                         decoder_sparse_step=1, mlp_only_layers=list(dense_layers),
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         max_position_embeddings=512, use_sliding_window=False)
+    model = Qwen2MoeForCausalLM(cfg).float().eval()
+    _randomise_norms(model)
+    _spread_routers(model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+def _spread_routers(model) -> None:
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("mlp.gate.weight") or n.endswith("shared_expert_gate.weight"):
+                p.normal_(0, 0.5)
+
+
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
                "rope_theta": 500000.0}
