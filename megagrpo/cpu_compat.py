@@ -8,8 +8,8 @@ megatron-core hard-codes CUDA in places that are device-agnostic in spirit (see
    ``torch.device("cuda", i)``, and ``Tensor.cuda()`` / ``Tensor.to("cuda")``: a
    `TorchFunctionMode` maps them to CPU (tensor_parallel layers, mappings, rotary embedding,
    p2p communication, schedules, clip_grads, ``get_default_causal_mask``). The autograd engine
-   runs backward without Python modes: megatron's all-to-all (``mappings._AllToAll``, which
-   applies itself in its backward) runs its forward under the mode explicitly.
+   runs backward without Python modes: the backward of every autograd Function of megatron's
+   ``tensor_parallel.mappings`` and MoE modules runs under the mode explicitly.
 2. ``torch.cuda.current_device`` returns 0; ``torch.cuda.synchronize`` and
    ``torch.cuda.empty_cache`` are no-ops.
 3. The model-parallel RNG tracker (``tensor_parallel/random.py``) reads and writes the CUDA RNG:
@@ -66,13 +66,22 @@ class _CudaToCpu(TorchFunctionMode):
 
 
 def _in_mode(fn):
-    """`fn` (an autograd Function's static forward) run under the mode. The autograd engine
-    does not carry Python function modes into backward, and megatron's all-to-all applies its
-    own forward from its backward, allocating with device=torch.cuda.current_device()."""
+    """`fn` (an autograd Function's static backward) run under the mode: the autograd engine
+    does not carry Python function modes into backward, and megatron's communication
+    Functions allocate with device=torch.cuda.current_device() there (the MoE all-to-all, the
+    gather of the reduce-scatter's backward)."""
     def wrapped(*args, **kwargs):
         with _CudaToCpu():
             return fn(*args, **kwargs)
     return wrapped
+
+
+def _backward_in_mode(module) -> None:
+    """Wraps the backward of every autograd Function defined in `module`."""
+    for obj in list(vars(module).values()):
+        if (isinstance(obj, type) and issubclass(obj, torch.autograd.Function)
+                and obj.__module__ == module.__name__ and "backward" in vars(obj)):
+            obj.backward = staticmethod(_in_mode(obj.backward))
 
 
 class _CpuStream:
@@ -156,7 +165,8 @@ def apply() -> bool:
 
     from megatron.core.tensor_parallel import mappings
 
-    mappings._AllToAll.forward = staticmethod(_in_mode(mappings._AllToAll.forward))
+    for module in (mappings, moe_utils, token_dispatcher):
+        _backward_in_mode(module)
     moe_utils.maybe_move_tensor_to_cpu = _host_tensor
     token_dispatcher.maybe_move_tensor_to_cpu = _host_tensor
 

@@ -93,6 +93,10 @@ def _layer_spec(model: ModelConfig, parallel: ParallelConfig, config=None):
         block = specs.get_gpt_layer_local_spec(normalization="RMSNorm",
                                                qk_layernorm=model.qk_norm)
         layers = [block]
+    if model.is_moe and parallel.tp > 1:
+        for spec in layers:
+            if spec.submodules.mlp.module is _moe_layer_class():
+                spec.submodules.mlp.module = _moe_layer_without_sp()
     if attention_impl_name(parallel) == "sdpa":
         from megagrpo.attention import SdpaAttention
 
@@ -100,6 +104,36 @@ def _layer_spec(model: ModelConfig, parallel: ParallelConfig, config=None):
             spec.submodules.self_attention.submodules.core_attention = \
                 ModuleSpec(module=SdpaAttention)
     return block
+
+
+def _moe_layer_class():
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return MoELayer
+
+
+@functools.lru_cache(maxsize=1)
+def _moe_layer_without_sp():
+    """megatron's MoELayer, allowed to train at TP > 1 without sequence parallelism.
+
+    megatron-core 0.16 raises in `MoELayer.forward` when training with TP and no sequence
+    parallelism ("performance may degrade"): a performance guard, not a correctness one. With
+    replicated activations the token dispatcher gathers every TP rank's (identical) tokens, the
+    expert TP shards compute on them and the reduce-scatter hands each rank the full sum for
+    its copy: the same output and input gradient, at tp times the expert FLOPs. megagrpo does
+    not run sequence parallelism yet, so the guard is stepped over (the layer's own `training`
+    flag is read nowhere else in its forward; the router and experts keep theirs)."""
+    base = _moe_layer_class()
+
+    class MoELayerWithoutSequenceParallel(base):
+        def forward(self, *args, **kwargs):
+            training, self.training = self.training, False
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                self.training = training
+
+    return MoELayerWithoutSequenceParallel
 
 
 def _moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:

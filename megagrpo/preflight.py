@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megagrpo.config.model import ModelConfig
-from megagrpo.config.rollout import check_head_dim
+from megagrpo.config.rollout import check_cpu_moe_width, check_head_dim
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import Example, Tokenizer, encode_prompt
 from megagrpo.tasks import Task
@@ -163,6 +163,8 @@ def check_model(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer) -> N
                          f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size >= "
                          f"{tokenizer.vocab_size}")
     check_head_dim(model.head_dim, on_cpu=not torch.cuda.is_available())
+    check_cpu_moe_width(model.moe_ffn_hidden_size, cfg.rollout.tensor_parallel_size,
+                        on_cpu=not torch.cuda.is_available())
     interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if cfg.compute.kernel_impl == "triton" and not torch.cuda.is_available() and not interpreted:
         raise ValueError(

@@ -54,13 +54,14 @@ def tiny_qwen3(path, *, vocab=100, layers=2, tie=False, seed=2):
 
 
 def tiny_qwen3_moe(path, *, vocab=100, layers=2, seed=4, dense_layers=()):
-    """Qwen3-MoE: 4 experts, top-2 renormalised, expert width 32; a router initialised wide
+    """Qwen3-MoE: 4 experts, top-2 renormalised, expert width 64 (vLLM's CPU experts need a
+    multiple of 32 per vLLM TP rank); a router initialised wide
     enough that routing is decisive (HF's 0.02 init makes every token's top-2 a near tie)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                         moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
                          norm_topk_prob=True, decoder_sparse_step=1,
                          mlp_only_layers=list(dense_layers), num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -74,14 +75,15 @@ def tiny_qwen3_moe(path, *, vocab=100, layers=2, seed=4, dense_layers=()):
 
 
 def tiny_qwen2_moe(path, *, vocab=100, layers=2, seed=5, dense_layers=(1,)):
-    """Qwen2-MoE: 4 experts, top-2 without renormalisation, a gated shared expert (width 48),
+    """Qwen2-MoE: 4 experts of width 64, top-2 without renormalisation, a gated shared expert
+    (width 48),
     QKV biases, layer 1 dense (mlp_only_layers). Width 128 for head_dim 32 (Qwen2-MoE derives
     head_dim from hidden / heads; vLLM's CPU attention needs 32 or 64)."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen2MoeConfig(vocab_size=vocab, hidden_size=128, intermediate_size=128,
-                         moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                         moe_intermediate_size=64, shared_expert_intermediate_size=48,
                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
                          decoder_sparse_step=1, mlp_only_layers=list(dense_layers),
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,

@@ -102,6 +102,22 @@ class RolloutConfig:
         return self.max_num_batched_tokens or max(self.max_model_len, budget)
 
 
+CPU_MOE_ALIGNMENT = 32
+"""vLLM 0.32's CPU experts pad each expert's width per TP rank up to a multiple of 32 when the
+engine starts, and its in-place weight update then fails on the padded storage."""
+
+
+def check_cpu_moe_width(moe_ffn: int, engine_tp: int, *, on_cpu: bool) -> None:
+    """Raise ValueError if vLLM's CPU MoE cannot take weight updates at this expert width."""
+    if on_cpu and moe_ffn and (moe_ffn // engine_tp) % CPU_MOE_ALIGNMENT:
+        raise ValueError(
+            f"model.moe_ffn_hidden_size={moe_ffn} / rollout.tensor_parallel_size={engine_tp} = "
+            f"{moe_ffn // engine_tp} per vLLM rank is not a multiple of {CPU_MOE_ALIGNMENT}: "
+            "vLLM's CPU experts pad it and then cannot reload weights in place; use a width "
+            f"(per rank) that is a multiple of {CPU_MOE_ALIGNMENT}, or a smaller "
+            "rollout.tensor_parallel_size")
+
+
 def check_head_dim(head_dim: int, *, on_cpu: bool) -> None:
     """Raise ValueError if vLLM's CPU attention has no kernel for this head size."""
     if on_cpu and head_dim not in CPU_HEAD_DIMS:
