@@ -117,12 +117,14 @@ def _moe_layer_without_sp():
     """megatron's MoELayer, allowed to train at TP > 1 without sequence parallelism.
 
     megatron-core 0.16 raises in `MoELayer.forward` when training with TP and no sequence
-    parallelism ("performance may degrade"): a performance guard, not a correctness one. With
-    replicated activations the token dispatcher gathers every TP rank's (identical) tokens, the
-    expert TP shards compute on them and the reduce-scatter hands each rank the full sum for
-    its copy: the same output and input gradient, at tp times the expert FLOPs. megagrpo does
-    not run sequence parallelism yet, so the guard is stepped over (the layer's own `training`
-    flag is read nowhere else in its forward; the router and experts keep theirs)."""
+    parallelism ("performance may degrade"). With replicated activations the token dispatcher
+    gathers every TP rank's (identical) copy of the tokens, each expert TP shard computes on
+    all tp copies, and the reduce-scatter hands each rank the full sum for its own copy: the
+    output and the input gradient are right, but each routed expert's weight gradient sums tp
+    identical copies (measured: exactly 2x at TP=2), which `_divide_expert_grads_by_tp`
+    undoes; the experts do tp times their FLOPs. megagrpo does not run sequence parallelism
+    yet, so the guard is stepped over (the layer's own `training` flag is read nowhere else in
+    its forward; the router and experts keep theirs)."""
     base = _moe_layer_class()
 
     class MoELayerWithoutSequenceParallel(base):
@@ -134,6 +136,15 @@ def _moe_layer_without_sp():
                 self.training = training
 
     return MoELayerWithoutSequenceParallel
+
+
+def _divide_expert_grads_by_tp(gpt: torch.nn.Module, tp: int) -> None:
+    """Scales each routed expert's weight gradient by 1/tp before it is accumulated (see
+    `_moe_layer_without_sp`); the shared expert, the router and every dense weight see each
+    token once and are left alone."""
+    for name, p in gpt.named_parameters():
+        if ".mlp.experts." in name and p.requires_grad:
+            p.register_hook(functools.partial(torch.mul, other=1.0 / tp))
 
 
 def _moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:
@@ -240,6 +251,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 123
         parallel_output=True,
     )
     _cast_params(gpt, DTYPE[model.dtype])
+    if model.is_moe and parallel.tp > 1:
+        _divide_expert_grads_by_tp(gpt, parallel.tp)
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     return gpt

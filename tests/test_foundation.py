@@ -43,6 +43,8 @@ def reference_grads(model, ids, labels, padded_vocab=PADDED_VOCAB):
     (0) still enter the softmax: they are modelled by a zero weight `pad` whose gradient counts in
     the norm (its rows are stripped from the HF export). Returns (HF name -> grad, grad norm)."""
     m = copy.deepcopy(model).double()
+    if getattr(m.config, "_experts_implementation_internal", None):
+        m.config._experts_implementation_internal = "eager"  # grouped_mm has no float64
     m.zero_grad()
     h = m.model(ids).last_hidden_state
     pad = torch.zeros(padded_vocab - m.config.vocab_size, h.shape[-1], dtype=h.dtype,
