@@ -161,9 +161,8 @@ def apply() -> bool:
 
     mp_random._get_cuda_rng_state = _get_rng_state
     mp_random._set_cuda_rng_state = _set_rng_state
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
     from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     for module in (mappings, moe_utils, token_dispatcher):
         _backward_in_mode(module)

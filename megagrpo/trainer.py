@@ -34,6 +34,7 @@ from megagrpo.distributed import Groups, Ranks, any_rank
 from megagrpo.losses import grpo_loss
 from megagrpo.metrics import PhaseTimer
 from megagrpo.model import sequence_packing, unwrap
+from megagrpo.moe import RoutingMonitor, tracked_losses
 from megagrpo.optim import lr_at, optimizer_step, set_lr, zero_grad
 from megagrpo.passes import Passes
 from megagrpo.reshard import ReshardStats, iter_hf_weights, iter_vllm_slices
@@ -165,6 +166,16 @@ class Trainer:
         self.total_opt_steps = max(1, cfg.run.steps * cfg.algo.mu * cfg.algo.num_minibatches)
         self.engine_version = -1
         self.watchdog = None
+        self.routing = self._routing_monitor()
+
+    def _routing_monitor(self) -> RoutingMonitor | None:
+        """Tokens-per-expert and auxiliary-loss statistics of an MoE policy's update."""
+        m = self.model_cfg
+        if m is None or not m.is_moe or self.policy is None:
+            return None
+        return RoutingMonitor(self.policy, m.num_layers, m.num_experts,
+                              losses=tracked_losses(m), counts_here=self.ranks.tp_rank == 0,
+                              group=self.groups.world)
 
     @property
     def engine(self) -> RolloutEngine | None:
@@ -347,6 +358,8 @@ class Trainer:
         m = P.micro_size(batch.num_seqs)
         res = UpdateResult()
         reports, gnorms, gap = [], [], (0.0, 0.0)
+        if self.routing is not None:
+            self.routing.reset()
         for _ in range(0 if skip else a.mu):
             for k in range(n_mini):
                 mini = batch.rows(k * rows, (k + 1) * rows)
@@ -371,6 +384,8 @@ class Trainer:
                 gnorms.append(gnorm)
         res.applied = len(gnorms)
         res.metrics = self._update_metrics(reports, gnorms, gap, len(gnorms))
+        if self.routing is not None:
+            res.metrics.update(self.routing.metrics())
         res.kl = res.metrics["kl"]
         return res
 

@@ -1,8 +1,10 @@
 """Run under torchrun (2 ranks, gloo) by tests/test_model_families.py: `megagrpo verify` for
-each job `DIR:TP:PP[:broken]` in one launch (the process group stays up; each job sets up its
-own layout of the 2 ranks, TP=1 being DP=2). A `broken` job runs with a deliberately wrong HF ->
-megatron mapping (k and v swapped in the fused QKV, a classic converter bug), so the test sees
-verify fail on weights it passes otherwise. Rank 0 writes [exit status per job] to --out."""
+each job `DIR:TP:PP[:epN][:broken|:experts_swapped]` in one launch (the process group stays up;
+each job sets up its own layout of the 2 ranks, TP=1 being DP=2, EP inside DP). A `broken` job
+runs with a deliberately wrong HF -> megatron mapping (k and v swapped in the fused QKV, a
+classic converter bug), `experts_swapped` with routed experts 0 and 1 exchanged (the router
+then sends tokens to the wrong weights; the round trip stays bitwise), so the test sees verify
+fail on weights it passes otherwise. Rank 0 writes [exit status per job] to --out."""
 import argparse
 import json
 import sys
@@ -18,16 +20,33 @@ from megagrpo.distributed import shutdown  # noqa: E402
 from megagrpo.verify import verify  # noqa: E402
 
 
+def _swap_experts_0_1(moe_specs):
+    def specs(*args, **kwargs):
+        out = moe_specs(*args, **kwargs)
+        swap = {".experts.0.": ".experts.1.", ".experts.1.": ".experts.0."}
+        for i, s in enumerate(out):
+            for a, b in swap.items():
+                if a in s.hf[0]:
+                    out[i] = hf.ParamSpec(s.local, s.kind, tuple(h.replace(a, b) for h in s.hf),
+                                          s.full_shape, s.ep_owner)
+                    break
+        return out
+    return specs
+
+
 def job(spec: str, seq_len: int) -> int:
     d, tp, pp, *flags = spec.split(":")
+    ep = next((int(f[2:]) for f in flags if f.startswith("ep")), 1)
     model = hf.model_config_from_hf(d)
-    fuse = hf.fuse_qkv
+    fuse, moe_specs = hf.fuse_qkv, hf._moe_specs
     if "broken" in flags:
         hf.fuse_qkv = lambda q, k, v, groups: fuse(q, v, k, groups)
+    if "experts_swapped" in flags:
+        hf._moe_specs = _swap_experts_0_1(moe_specs)
     try:
-        return verify(d, model, ParallelConfig(tp=int(tp), pp=int(pp)), seq_len=seq_len)
+        return verify(d, model, ParallelConfig(tp=int(tp), pp=int(pp), ep=ep), seq_len=seq_len)
     finally:
-        hf.fuse_qkv = fuse
+        hf.fuse_qkv, hf._moe_specs = fuse, moe_specs
 
 
 def run() -> None:
