@@ -16,7 +16,11 @@ Paths:
 - ``logits`` (a): megatron's output-layer matmul (``h @ W^T``, as ColumnParallelLinear computes
   it; under TP its input gradient is all-reduced, as megatron does) + today's fused logits
   kernel (``grpo_token_loss``, gradient written into the logits buffer).
-- ``fused`` (b): ``fused_output_grpo_loss`` (kernels/fused_output.py): no [T, V/tp] logits.
+- ``fused_forward`` (b3): ``fused_output_grpo_weighted_loss`` (kernels/fused_output.py) forced
+  onto its gradient-in-forward path: no [T, V/tp] logits, 3 matmuls.
+- ``fused_recompute`` (b4): ``fused_output_grpo_loss``, the recomputing backward (4 matmuls).
+- ``fused`` (optional, ``--paths``): ``fused_output_grpo_weighted_loss`` as training calls it,
+  choosing (b3) or (b4) by ``use_grad_in_forward``.
 - ``naive`` (c): the full logits, ``log_softmax`` of an fp32 copy, gather (TP=1 only).
 
 TP=2 runs 2 ranks (spawned, gloo, the cores split between them); rank 0 measures and prints,
@@ -32,6 +36,7 @@ On CPU each row carries the 1-minute load average and ``torch.backends.cpu`` cap
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -45,13 +50,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import emit, peak_extra_bytes, time_samples  # noqa: E402
 
 from megagrpo.kernels import (  # noqa: E402
-    fused_output_grpo_loss, fused_output_logprob, grpo_loss_from_logp, grpo_token_loss,
+    fused_output_grpo_loss, fused_output_grpo_weighted_loss, fused_output_logprob,
+    grpo_loss_from_logp, grpo_token_loss,
 )
+from megagrpo.kernels import fused_output as fo  # noqa: E402
 from megagrpo.kernels.fused_output import reference_output_logprob  # noqa: E402
 
 LOSS_OPTS = dict(eps_low=0.2, eps_high=0.28, beta=0.04, kl_estimator="k3")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-PATHS = ("logits", "fused", "naive")
+PATHS = ("logits", "fused_forward", "fused_recompute", "naive")
+"""The default paths; "fused" (the automatic choice between the two fused ones) on request."""
 TEMPERATURE = 0.9
 
 
@@ -73,20 +81,29 @@ def make_inputs(t: int, h: int, v: int, tp: int, rank: int, dtype, device, group
                 ref_logp=logp + 0.3 * torch.randn(t, generator=g).to(device))
 
 
-def loss_of(path: str, h, w, inp: dict, group) -> torch.Tensor:
+def loss_of(path: str, h, w, inp: dict, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the summed loss to differentiate, the per-token loss [T] to compare)."""
     args = (inp["target"], inp["old_logp"], inp["advantages"], inp["mask"])
-    if path == "fused":
-        return fused_output_grpo_loss(h, w, *args, ref_logp=inp["ref_logp"], group=group,
-                                      temperature=TEMPERATURE, **LOSS_OPTS)[0]
-    if path == "logits":
+    if path in ("fused", "fused_forward"):
+        ones = torch.ones_like(inp["advantages"])
+        total, tok, _ = fused_output_grpo_weighted_loss(
+            h, w, *args, ones, ref_logp=inp["ref_logp"], group=group, temperature=TEMPERATURE,
+            grad_in_forward=True if path == "fused_forward" else None, **LOSS_OPTS)
+        return total, tok
+    if path == "fused_recompute":
+        tok = fused_output_grpo_loss(h, w, *args, ref_logp=inp["ref_logp"], group=group,
+                                     temperature=TEMPERATURE, **LOSS_OPTS)[0]
+    elif path == "logits":
         h_in = _AllReduceGrad.apply(h, group) if group is not None else h
-        return grpo_token_loss(h_in @ w.T, *args, ref_logp=inp["ref_logp"], group=group,
-                               temperature=TEMPERATURE, inplace_backward=True, **LOSS_OPTS)[0]
-    logp, entropy = reference_output_logprob(h, w, inp["target"], temperature=TEMPERATURE,
-                                             dtype=h.dtype)
-    return grpo_loss_from_logp(logp, inp["old_logp"], inp["advantages"], inp["mask"],
-                               entropy=entropy.detach(), ref_logp=inp["ref_logp"],
-                               **LOSS_OPTS)[0]
+        tok = grpo_token_loss(h_in @ w.T, *args, ref_logp=inp["ref_logp"], group=group,
+                              temperature=TEMPERATURE, inplace_backward=True, **LOSS_OPTS)[0]
+    else:
+        logp, entropy = reference_output_logprob(h, w, inp["target"], temperature=TEMPERATURE,
+                                                 dtype=h.dtype)
+        tok = grpo_loss_from_logp(logp, inp["old_logp"], inp["advantages"], inp["mask"],
+                                  entropy=entropy.detach(), ref_logp=inp["ref_logp"],
+                                  **LOSS_OPTS)[0]
+    return tok.sum(), tok
 
 
 class _AllReduceGrad(torch.autograd.Function):
@@ -113,7 +130,9 @@ def need_bytes(path: str, t: int, h: int, v_local: int, b: int) -> int:
         return outputs + int(logits * b * 1.25) + (64 << 20)
     if path == "naive":  # logits, an fp32 copy, log_softmax, its exp, their gradients
         return outputs + logits * (b + 4 * 4)
-    return outputs + (t * h + v_local * h) * 4 + (256 << 20)  # fp32 accumulators + chunks
+    # fp32 accumulators (dW's beside a bf16 output: the weighted path holds it to backward),
+    # chunks
+    return outputs + (t * h + v_local * h) * 4 + logits * 4 // 32 + (256 << 20)
 
 
 def mem_budget(arg_gib: float | None, tp: int, device: torch.device) -> int:
@@ -133,13 +152,12 @@ def run_path(path: str, inp: dict, group, device, iters: int) -> dict:
     w = inp["weight"].clone().requires_grad_()
 
     def step():
-        loss = loss_of(path, h, w, inp, group).sum()
-        return torch.autograd.grad(loss, [h, w])
+        return torch.autograd.grad(loss_of(path, h, w, inp, group)[0], [h, w])
 
     peak = peak_extra_bytes(step, device)  # first call: also the warm-up
     samples = time_samples(step, device, warmup=0, iters=iters)
     with torch.no_grad():
-        loss = loss_of(path, h, w, inp, group).float()
+        loss = loss_of(path, h, w, inp, group)[1].float()
     out_bytes = (h.numel() + w.numel()) * h.element_size()
     return dict(fwd_bwd_s=round(statistics.median(samples), 6),
                 fwd_bwd_min_s=round(min(samples), 6), peak_extra_bytes=peak,
@@ -194,6 +212,8 @@ def bench_size(rank, tp, t, dname, dtype, budget, group, device, args) -> None:
     for path in args.paths.split(","):
         record = dict(path=path, T=t, H=args.H, V=args.V, V_local=v_local, dtype=dname, TP=tp,
                       device=device.type, logits_bytes=logits_bytes)
+        if path.startswith("fused"):  # rows before the gradient-in-forward path carry none
+            record["fused_grad"] = _fused_grad(path, t, v_local)
         if device.type == "cpu":
             record.update(load_avg_1m=round(os.getloadavg()[0], 2),
                           cpu=torch.backends.cpu.get_cpu_capability())
@@ -254,6 +274,60 @@ def fit_rows(args) -> None:
                   max_tokens=max_t), args.out)
 
 
+def _fused_grad(path: str, t: int, v_local: int) -> str:
+    """Which backward a fused path runs at this size: "forward" (3 matmuls) or "recompute"."""
+    if path == "fused":
+        tc = fo.grad_chunk_tokens(t, v_local)
+        return "forward" if fo.use_grad_in_forward(t, tc) else "recompute"
+    return "forward" if path == "fused_forward" else "recompute"
+
+
+def _column(r: dict) -> str:
+    """The table column of a row: by the backward a fused row ran ("fused" rows without
+    ``fused_grad`` predate the gradient-in-forward path: the recomputing backward)."""
+    if r["path"].startswith("fused"):
+        return "fused_forward" if r.get("fused_grad") == "forward" else "fused_recompute"
+    return r["path"]
+
+
+def table(path: str) -> str:
+    """The markdown table of docs/performance.md from the JSON lines in ``path``: per (device,
+    TP, dtype, T) the newest row of each column, times in s and as a ratio to (a), peaks beyond
+    the outputs in % of (a)'s logits, which fused path training takes there (``use_grad_in_
+    forward``) and the 1-minute load average of the (b3) row."""
+    latest: dict[tuple, dict] = {}
+    for line in open(path):
+        r = json.loads(line) if line.strip() else None
+        if r and "path" in r:
+            latest[(r["device"], r["TP"], r["dtype"], r["T"], _column(r))] = r
+    sizes = sorted({k[:4] for k in latest}, key=lambda k: (k[0], k[2] != "fp32", k[1], k[3]))
+    head = ("| device | TP | dtype | T | (a) logits | (b3) fused, 3 matmuls | (b4) fused, "
+            "recompute | (b3) / (a) | (b4) / (a) | training runs | (b3) / (b4) peak, % of "
+            "logits | (c) naive | load |")
+    lines = [head, "|" + "---|" * 13]
+    for key in sizes:
+        a, b3, b4, c = (latest.get(key + (p,)) for p in PATHS)
+
+        def sec(r):
+            return "-" if r is None else (f"{r['fwd_bwd_s']:.2f} s" if "fwd_bwd_s" in r
+                                          else "n/a: " + r["skipped"].split(" (")[0])
+
+        def ratio(r):
+            ok = r and a and "fwd_bwd_s" in r and "fwd_bwd_s" in a
+            return f"{r['fwd_bwd_s'] / a['fwd_bwd_s']:.2f}x" if ok else "-"
+
+        def pct(r):
+            return f"{r['peak_pct_of_logits']:.1f}%" if r and "peak_pct_of_logits" in r else "-"
+
+        runs = "(b3)" if _fused_grad("fused", key[3], (a or b3 or b4)["V_local"]) == "forward" \
+            else "(b4)"
+        load = next((r.get("load_avg_1m") for r in (b3, b4, a) if r), None)
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {sec(a)} | {sec(b3)} | "
+                     f"{sec(b4)} | {ratio(b3)} | {ratio(b4)} | {runs} | {pct(b3)} / {pct(b4)} | "
+                     f"{sec(c)} | {'-' if load is None else load} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -270,7 +344,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fit-gib", type=float, default=None,
                     help="only the largest micro-batch whose vocab pass fits this budget "
                          "(SmolLM2-135M shapes), see fit_rows")
+    ap.add_argument("--table", default=None, metavar="JSONL",
+                    help="only print docs/performance.md's table from these result lines")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(args.table))
+        return
     if args.fit_gib is not None:
         args.iters = 1
         fit_rows(args)

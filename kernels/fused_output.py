@@ -126,6 +126,21 @@ widest chunk the memory target allows: on the 2-core AVX-512 CPU, a [Tc, 151936]
 (fp32; the logits path's full-size matmuls ~4 ms per token)."""
 
 
+GRAD_MIN_TOKENS = 128
+"""The gradient-in-forward path runs when its chunks hold at least this many tokens (or all of
+them): each chunk streams the whole weight shard through its three matmuls (and the ``dW``
+accumulator once), so thin chunks are bound by memory traffic, not FLOPs. On the 2-core AVX-512
+CPU (fp32, V_local 151,936, H 1024) the three chunk matmuls cost 5.5 / 4.5 / 3.4 / 2.7 ms per
+token at Tc = 32 / 64 / 128 / 256 against 2.5 for the logits path's full-size ones, so below 128
+tokens (T < 4096 at 1/32 of the logits) the recomputing path's four well-shaped matmuls win."""
+
+
+def use_grad_in_forward(n_rows: int, tc: int) -> bool:
+    """True when chunks of ``tc`` of ``n_rows`` tokens are wide enough for the three-matmul
+    path (GRAD_MIN_TOKENS, or one chunk holding every token)."""
+    return tc >= min(n_rows, GRAD_MIN_TOKENS)
+
+
 def grad_chunk_tokens(n_rows: int, n_cols: int, chunk_tokens: int | None = None) -> int:
     """Tokens per chunk of the gradient-in-forward path, whose chunks span all ``n_cols`` vocab
     columns of the shard: at most 1/CHUNK_SHARE of the logits (MIN_CHUNK_ELEMS for small calls)
@@ -509,9 +524,11 @@ def fused_output_token_loss(
     valid_vocab: int | None = None,
     impl: str = "auto",
     chunk_tokens: int | None = None,
+    grad_in_forward: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``loss = sum_t token_weight_t * token_loss(logp, entropy, rows)_t`` from hidden states,
-    its gradient computed in the forward (three output-layer matmuls, module docstring).
+    its gradient computed in the forward (three output-layer matmuls, module docstring) where
+    that is the faster path.
 
     Args:
         hidden, weight, target, temperature, group, ignore_mask, valid_vocab, impl: as
@@ -523,6 +540,8 @@ def fused_output_token_loss(
             be token-separable (token t's loss depends on token t's logp and entropy only):
             it runs chunk by chunk. Default: ``-logp``.
         chunk_tokens: tokens per chunk (None = ``grad_chunk_tokens``).
+        grad_in_forward: True / False force the gradient-in-forward / the recomputing path;
+            None = ``use_grad_in_forward`` (chunks of at least GRAD_MIN_TOKENS tokens).
 
     Returns:
         ``(loss, logp, entropy)``: loss an fp32 scalar, differentiable w.r.t. ``hidden`` and
@@ -545,6 +564,13 @@ def fused_output_token_loss(
         return (tok * token_weight).sum(), logp, entropy
     # the shard's padded width, not `valid`: every rank of the group must cut the same chunks
     tc = grad_chunk_tokens(hidden.shape[0], weight.shape[0], chunk_tokens)
+    if not (use_grad_in_forward(hidden.shape[0], tc) if grad_in_forward is None
+            else grad_in_forward):
+        logp, entropy = fused_output_logprob(
+            hidden, weight, target, temperature=temperature, group=group, ignore_mask=ignore_mask,
+            with_entropy=True, valid_vocab=valid, impl=path)
+        tok = token_loss(logp, entropy, slice(0, target.shape[0]))
+        return (tok * token_weight).sum(), logp.detach(), entropy.detach()
     return FusedOutputLoss.apply(hidden, weight, target, token_weight, ignore_mask,
                                  float(temperature), group, valid, tc, path, token_loss)
 
@@ -586,6 +612,7 @@ def fused_output_grpo_weighted_loss(
     impl: str = "auto",
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,
+    grad_in_forward: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """``sum_t token_weight_t * loss_t`` of ``fused_output_grpo_loss``'s per-token loss: the
     step loss of a micro-batch when ``token_weight`` is the aggregation's ``d loss / d loss_t``.
@@ -594,7 +621,8 @@ def fused_output_grpo_weighted_loss(
     ``fused_output_token_loss``: the gradient in the forward, three matmuls. GSPO
     (``ratio_level="sequence"``) is not token-separable - a token's loss depends on its whole
     sequence's log-probs - and runs the recomputing path (``fused_output_grpo_loss``, four
-    matmuls). Arguments as ``fused_output_grpo_loss``; ``chunk_vocab`` is used by GSPO only.
+    matmuls). Arguments as ``fused_output_grpo_loss``; ``chunk_vocab`` is used by GSPO only,
+    ``grad_in_forward`` as in ``fused_output_token_loss`` (ignored by GSPO).
 
     Returns:
         ``(loss, token_loss, metrics)``: the fp32 scalar (differentiable), the detached
@@ -617,7 +645,8 @@ def fused_output_grpo_weighted_loss(
     chunk_loss = partial(_grpo_chunk_loss, old_logp=old_logp, advantages=advantages, mask=mask,
                          ref_logp=ref_logp, is_weight=is_weight, options=options)
     loss, logp, entropy = fused_output_token_loss(hidden, weight, target, token_weight,
-                                                  chunk_loss, ignore_mask=~mask, **common)
+                                                  chunk_loss, ignore_mask=~mask,
+                                                  grad_in_forward=grad_in_forward, **common)
     with torch.no_grad():  # O(T): the per-token loss and metrics from the op's log-probs
         tok_loss, metrics = grpo_loss_from_logp(logp, old_logp, advantages, mask,
                                                 entropy=entropy, ref_logp=ref_logp,

@@ -115,6 +115,7 @@ def small_chunks() -> None:
 
     fo.CHUNK_TOKENS, fo.CHUNK_ELEMS, fo.MIN_CHUNK_VOCAB = 16, 16 * 48, 48
     fo.GRAD_CHUNK_ELEMS = fo.MIN_CHUNK_ELEMS = 8 * 64  # 8 tokens at V/tp = 64, 4 at 128
+    fo.GRAD_MIN_TOKENS = 1  # ... and the gradient computed in the forward even so
 
 
 def run_layout(name: str, results: list, calls: list[int], paths: dict[str, int]) -> None:

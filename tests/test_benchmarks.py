@@ -39,18 +39,25 @@ def test_fused_output_benchmark_smallest(tmp_path, capsys):
     """The fused output layer benchmark at a toy size (TP=1 and the 2-rank TP=2), one repeat:
     its float64 check passes, every path gives the same loss, and a size over the memory budget
     is a row that says so."""
+    out = tmp_path / "f.jsonl"
     rows = _run("fused_output.py", "--check", "--H", "32", "--V", "1024", "--T", "64",
-                "--tp", "1,2", "--iters", "1", "--out", str(tmp_path / "f.jsonl"))
+                "--tp", "1,2", "--iters", "1", "--out", str(out),
+                "--paths", "logits,fused_forward,fused_recompute,fused,naive")
     assert [r["ok"] for r in rows if "check" in r] == [True]
     done = [r for r in rows if "fwd_bwd_s" in r]
-    assert {(r["TP"], r["path"]) for r in done} == {(1, "logits"), (1, "fused"), (1, "naive"),
-                                                    (2, "logits"), (2, "fused")}
+    fused = ("fused_forward", "fused_recompute", "fused")
+    assert {(r["TP"], r["path"]) for r in done} == {
+        (tp, p) for tp in (1, 2) for p in ("logits",) + fused} | {(1, "naive")}
+    assert {r["fused_grad"] for r in done if r["path"] == "fused"} == {"forward"}  # one chunk
     assert all(r["fwd_bwd_s"] > 0 and r["loss_max_rel_diff"] < 1e-5 for r in done), done
+    table = _bench_module("fused_output").table(str(out)).splitlines()
+    assert len(table) == 2 + 2 and all(ln.count("|") == 14 for ln in table)  # TP 1 and 2
+    assert "x |" in table[2] and "n/a" in table[3]  # ratios; TP=2 has no naive row
     capsys.readouterr()  # in-process: only the refusal is exercised, nothing is allocated
     _bench_module("fused_output").main(["--H", "32", "--V", "1024", "--T", "4096", "--tp", "1",
-                                         "--paths", "naive,fused", "--mem-gib", "0.01"])
+                                         "--paths", "naive,fused_forward", "--mem-gib", "0.01"])
     big = [json.loads(ln) for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
-    assert {r["path"] for r in big} == {"naive", "fused"}
+    assert {r["path"] for r in big} == {"naive", "fused_forward"}
     assert all("budget" in r["skipped"] for r in big)
 
 

@@ -160,7 +160,7 @@ def run_weighted(case, impl: str, group=None, rank: int = 0, tp: int = 1, chunk_
     loss, tok, metrics = fused_output_grpo_weighted_loss(
         h, w, case["target"], case["old_logp"], case["advantages"], case["mask"], weight,
         temperature=case["temperature"], group=group, valid_vocab=valid, impl=impl,
-        chunk_tokens=chunk_tokens, chunk_vocab=128, **case["kwargs"])
+        chunk_tokens=chunk_tokens, chunk_vocab=128, grad_in_forward=True, **case["kwargs"])
     (loss * GRAD_OUTPUT).backward()
     return dict(metrics, loss=tok, total=loss.detach(), dh=(h.grad.double() / GRAD_OUTPUT),
                 dw=(w.grad.double() / GRAD_OUTPUT), dh_dtype=h.grad.dtype,

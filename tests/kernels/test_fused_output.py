@@ -261,6 +261,28 @@ def test_triton_weighted_loss_under_interpreter():
           "triton weighted vs float64")
 
 
+def test_thin_chunks_take_the_recomputing_path(paths, monkeypatch):
+    """Auto: chunks under GRAD_MIN_TOKENS tokens (of more tokens) recompute, wider ones (or a
+    single chunk) compute the gradient in the forward; both give the float64 gradients."""
+    case = fused_case(40, 8, 512, 1, torch.float32, 11, options=GRPO_OPTIONS["kl_k3_clamped"])
+    monkeypatch.setattr(fo, "MIN_CHUNK_ELEMS", 4 * 512)  # 40 * 512 / 32 < 4 * 512: Tc = 4
+    ref = reference_grads(case)
+    for min_tokens, want in ((8, "recompute"), (4, "forward_grads"), (64, "forward_grads")):
+        monkeypatch.setattr(fo, "GRAD_MIN_TOKENS", min_tokens)
+        if min_tokens == 64:  # min(T, 64) = 40 tokens > Tc = 4 ... but one chunk of all 40
+            monkeypatch.setattr(fo, "MIN_CHUNK_ELEMS", 40 * 512)
+        before = dict(paths)
+        h, w = case["h"].clone().requires_grad_(), case["w"].clone().requires_grad_()
+        loss = fused_output_grpo_weighted_loss(
+            h, w, case["target"], case["old_logp"], case["advantages"], case["mask"], case["g"],
+            temperature=case["temperature"], impl="torch", **case["kwargs"])[0]
+        loss.backward()
+        ran = {k: paths[k] - before[k] for k in paths}
+        assert ran[want] == 1 and sum(ran.values()) == 1, (min_tokens, ran)
+        assert_near(h.grad, ref["dh"], 2e-5, f"{want} dh")
+        assert_near(w.grad, ref["dw"], 2e-5, f"{want} dW")
+
+
 class _CountMatmuls(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -280,7 +302,7 @@ def test_three_matmuls_with_grad_one_without_and_buffers_freed():
     h, w = case["h"].clone().requires_grad_(), case["w"].clone().requires_grad_()
     args = (h, w, case["target"], case["old_logp"], case["advantages"], case["mask"], case["g"])
     kw = dict(case["kwargs"], temperature=case["temperature"], impl="torch", chunk_tokens=5,
-              chunk_vocab=case["w"].shape[0])
+              chunk_vocab=case["w"].shape[0], grad_in_forward=True)
     with _CountMatmuls() as fwd:
         loss = fused_output_grpo_weighted_loss(*args, **kw)[0]
     assert fwd.n == 3 * 4
