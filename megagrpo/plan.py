@@ -53,29 +53,51 @@ MAX_TP = 8  # tensor parallelism stays inside one node (NVLink); more GPUs go to
 
 
 # ------------------------------------------------------------------------ parameter counts
-def layer_params(m: ModelConfig, tp: int = 1) -> int:
-    """Parameters of one transformer layer on one TP rank (tp=1: the whole layer)."""
+def layer_params(m: ModelConfig, tp: int = 1, layer: int = 0, ep: int = 1, *,
+                 active: bool = False) -> int:
+    """Parameters of transformer layer `layer` on one TP x EP rank (tp=ep=1: the whole layer;
+    `active`: the parameters one token runs through, i.e. k of the E routed experts)."""
     qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * m.head_dim
     split = (qkv_out * m.hidden_size                              # linear_qkv
              + (qkv_out if m.qkv_bias else 0)                     # its bias (Qwen2)
-             + m.num_attention_heads * m.head_dim * m.hidden_size  # linear_proj
-             + 2 * m.ffn_hidden_size * m.hidden_size              # linear_fc1 = [gate; up]
-             + m.ffn_hidden_size * m.hidden_size)                 # linear_fc2
+             + m.num_attention_heads * m.head_dim * m.hidden_size)  # linear_proj
     norms = 2 * m.hidden_size + (2 * m.head_dim if m.qk_norm else 0)  # + Qwen3's q/k norms
-    return split // tp + norms                                    # norms are replicated
+    if not m.is_moe_layer(layer):
+        split += 3 * m.ffn_hidden_size * m.hidden_size           # fc1 = [gate; up], fc2
+        return split // tp + norms                                # norms are replicated
+    experts = m.moe_topk if active else m.num_experts // ep
+    split += (experts * 3 * m.moe_ffn_hidden_size * m.hidden_size  # routed experts
+              + 3 * m.shared_expert_ffn_hidden_size * m.hidden_size)  # shared expert
+    router = m.num_experts * m.hidden_size + (m.hidden_size if m.shared_expert_ffn_hidden_size
+                                              else 0)             # router (+ shared gate)
+    return split // tp + norms + router
 
 
-def total_params(m: ModelConfig) -> int:
-    """Parameter count as Hugging Face reports it (unpadded vocab, one tied embedding)."""
+def expert_params(m: ModelConfig, tp: int = 1, ep: int = 1, layers: range | None = None) -> int:
+    """Routed-expert parameters on one TP x EP rank over `layers` (default: all)."""
+    per_layer = m.num_experts // ep * 3 * m.moe_ffn_hidden_size * m.hidden_size // tp
+    return per_layer * sum(m.is_moe_layer(i) for i in (layers or range(m.num_layers)))
+
+
+def total_params(m: ModelConfig, *, active: bool = False) -> int:
+    """Parameter count as Hugging Face reports it (unpadded vocab, one tied embedding);
+    `active`: per token (k of the E routed experts)."""
     embed = m.vocab_size * m.hidden_size
     out = 0 if m.tie_word_embeddings else embed
-    return embed + m.num_layers * layer_params(m) + m.hidden_size + out
+    return (embed + sum(layer_params(m, layer=i, active=active) for i in range(m.num_layers))
+            + m.hidden_size + out)
+
+
+def stage_layers(m: ModelConfig, p: ParallelConfig, stage: int) -> range:
+    """Global indices of the layers pipeline stage `stage` holds (even split)."""
+    per = m.num_layers // p.pp
+    return range(stage * per, (stage + 1) * per)
 
 
 def stage_params(m: ModelConfig, p: ParallelConfig, stage: int) -> int:
-    """Parameters held by one rank of pipeline stage `stage` (0-based) at p.tp, p.pp."""
+    """Parameters held by one rank of pipeline stage `stage` (0-based) at p.tp, p.pp, p.ep."""
     vocab_local = p.padded_vocab_size(m.vocab_size) // p.tp * m.hidden_size
-    n = m.num_layers // p.pp * layer_params(m, p.tp)
+    n = sum(layer_params(m, p.tp, g, p.ep) for g in stage_layers(m, p, stage))
     if stage == 0:
         n += vocab_local                                # word embeddings
     if stage == p.pp - 1:
@@ -83,6 +105,19 @@ def stage_params(m: ModelConfig, p: ParallelConfig, stage: int) -> int:
         if not (m.tie_word_embeddings and p.pp == 1):
             n += vocab_local                            # output layer (or the tied copy)
     return n
+
+
+def moe_dispatch_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int) -> int:
+    """Rough per-rank bytes the MoE layers keep for backward on the first stage (on top of the
+    dense activation estimate): per MoE layer, the permuted tokens before and after the
+    all-to-all (2 x [T k, H]) and the experts' SwiGLU intermediates (3 x [T k, F_e / tp]),
+    for the pp micro-batches 1F1B holds. T is the micro-batch's tokens; routing balanced."""
+    if not m.is_moe:
+        return 0
+    t = cfg.compute.micro_batch_size * cfg.rollout.max_model_len
+    per_layer = t * m.moe_topk * (2 * m.hidden_size + 3 * m.moe_ffn_hidden_size // tp)
+    layers = sum(m.is_moe_layer(i) for i in range(m.num_layers)) // pp
+    return per_layer * layers * pp * DTYPE_BYTES[m.dtype]
 
 
 # ------------------------------------------------------------------------ per-rank bytes
@@ -127,6 +162,12 @@ class RankMemory:
     """KV cache bytes per token on this rank (all layers, K and V)."""
     fused_output: bool = True
     """The vocab pass runs in the fused output layer (compute.fused_output_layer)."""
+    ep: int = 1
+    """Expert-parallel size."""
+    expert_params: int = 0
+    """Routed-expert parameters on the most loaded stage's rank (part of `params`)."""
+    moe_dispatch: int = 0
+    """MoE all-to-all buffers and expert intermediates kept for backward (rough)."""
 
     @property
     def kv_cache(self) -> int:
@@ -145,7 +186,7 @@ class RankMemory:
 
     @property
     def update_peak(self) -> int:
-        return (self.state + self.logits_fused + self.activations
+        return (self.state + self.logits_fused + self.activations + self.moe_dispatch
                 + (0 if self.vllm_sleeps else self.vllm))
 
     @property
@@ -212,13 +253,17 @@ def rank_memory(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int, world: int,
     k = vllm_tp or cfg.rollout.tensor_parallel_size
     vllm_weights, kv_token = vllm_rank_bytes(m, k, cfg.rollout.dtype)
     layout = dataclasses.replace(cfg.parallel, tp=tp, pp=pp)
+    ep = layout.ep
     dp = max(1, world // (tp * pp))
-    n = max(stage_params(m, layout, s) for s in range(pp))
+    stage = max(range(pp), key=lambda s: stage_params(m, layout, s))
+    n = stage_params(m, layout, stage)
+    n_expert = expert_params(m, tp, ep, stage_layers(m, layout, stage)) if m.is_moe else 0
     b = DTYPE_BYTES[m.dtype]
     opt_per_param = 8 + (4 if b < 4 else 0)
     optimizer = n * opt_per_param
-    if cfg.optim.distributed_optimizer:
-        optimizer = -(-optimizer // dp)
+    if cfg.optim.distributed_optimizer:  # experts shard over their DP group (dp / ep ranks)
+        optimizer = (-(-(n - n_expert) * opt_per_param // dp)
+                     + -(-n_expert * opt_per_param // max(1, dp // ep)))
     with_ref = cfg.algo.beta > 0 and not cfg.reference.offload
     fused, naive = logits_bytes(cfg, m, tp, layout)
     return RankMemory(tp=tp, pp=pp, dp=dp, params=n, weights=n * b, grads=n * 4,
@@ -229,7 +274,9 @@ def rank_memory(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int, world: int,
                       vllm_sleeps=cfg.rollout.sleep_between_rollouts,
                       optimizer_sharded=cfg.optim.distributed_optimizer,
                       vllm_tp=k, vllm_weights=vllm_weights, kv_token_bytes=kv_token,
-                      fused_output=cfg.compute.fused_output_layer is not False)
+                      fused_output=cfg.compute.fused_output_layer is not False,
+                      ep=ep, expert_params=n_expert,
+                      moe_dispatch=moe_dispatch_bytes(cfg, m, tp, pp))
 
 
 def recommend_vllm_tp(cfg: TrainConfig, m: ModelConfig, world: int, gpu_mem_gib: float
@@ -306,12 +353,17 @@ def format_breakdown(r: RankMemory, m: ModelConfig, gpu_mem_gib: float) -> str:
         (("logits, fused output layer: chunks, no [T, V/tp] (update)" if r.fused_output else
           "logits, fused kernels [T, V/tp] (update)"), r.logits_fused),
         ("activations, rough estimate (update)", r.activations),
+        *([("MoE all-to-all buffers + expert intermediates (update)", r.moe_dispatch)]
+          if r.moe_dispatch else []),
         ("vLLM share (rollout" + ("" if r.vllm_sleeps else " and update") + ")", r.vllm),
         (f"  of which vLLM weights (1/{r.vllm_tp} of the model)", r.vllm_weights),
         ("  of which KV cache", r.kv_cache),
     ]
-    lines = [(f"per-rank memory at tp={r.tp} pp={r.pp} dp={r.dp} "
-             f"({r.params / 1e6:.1f}M params on the most loaded rank)"),
+    experts = (f", {r.expert_params / 1e6:.1f}M of them routed experts" if r.expert_params
+               else "")
+    lines = [(f"per-rank memory at tp={r.tp} pp={r.pp} dp={r.dp}"
+              + (f" ep={r.ep}" if r.ep > 1 else "")
+              + f" ({r.params / 1e6:.1f}M params on the most loaded rank{experts})"),
              f"  {'component':<56}{'GiB':>9}"]
     lines += [f"  {name:<56}{_gib(v)}" for name, v in rows]
     lines += [f"  {'peak during rollout':<56}{_gib(r.rollout_peak)}",
@@ -320,6 +372,27 @@ def format_breakdown(r: RankMemory, m: ModelConfig, gpu_mem_gib: float) -> str:
               (f"  {'(a naive fp32 log_softmax over [T, V] would need)':<56}"
               f"{_gib(r.logits_naive)}")]
     return "\n".join(lines)
+
+
+def format_experts(cfg: TrainConfig, m: ModelConfig, world: int) -> str:
+    """The MoE lines: routing, and routed-expert weights per rank at each valid EP."""
+    moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers))
+    shared = (f", a gated shared expert of width {m.shared_expert_ffn_hidden_size}"
+              if m.shared_expert_ffn_hidden_size else "")
+    lines = [f"experts: {m.num_experts} routed of width {m.moe_ffn_hidden_size}, top-"
+             f"{m.moe_topk}{'' if m.moe_norm_topk_prob else ' (not renormalised)'}, in "
+             f"{moe_layers} of {m.num_layers} layers{shared}; aux loss coef "
+             f"{m.moe_aux_loss_coef:g}"]
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    dp = max(1, world // (tp * pp))
+    b = DTYPE_BYTES[m.dtype]
+    per_stage = range(m.num_layers // pp)
+    for ep in (e for e in range(1, dp + 1) if dp % e == 0 and m.num_experts % e == 0):
+        n = expert_params(m, tp, ep, per_stage)
+        mark = "  <- parallel.ep" if ep == cfg.parallel.ep else ""
+        lines.append(f"  ep={ep:<3} {m.num_experts // ep:>4} experts per rank: routed-expert "
+                     f"weights {n * b / GIB:8.3f} GiB per rank (tp={tp}, pp={pp}){mark}")
+    return "\n".join(lines) + "\n"
 
 
 def format_candidates(cands: list[RankMemory]) -> str:
@@ -356,12 +429,17 @@ def run_plan(config: str | None, overrides: list[str], *, gpus: int = 0,
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     world = gpus or tp * pp
     rope = "" if m.rope_type == "default" else f" ({m.rope_type} RoPE x{m.rope_factor:g})"
-    print(f"model from {source}: {m.architecture}{rope}, {total_params(m) / 1e6:.1f}M params; "
+    active = (f" ({total_params(m, active=True) / 1e6:.1f}M active per token)" if m.is_moe
+              else "")
+    print(f"model from {source}: {m.architecture}{rope}, {total_params(m) / 1e6:.1f}M params"
+          f"{active}; "
           f"L={m.num_layers} H={m.hidden_size} F={m.ffn_hidden_size} "
           f"heads={m.num_attention_heads}/{m.num_query_groups} V={m.vocab_size} "
           f"(padded {cfg.parallel.padded_vocab_size(m.vocab_size)} at tp={tp}), {m.dtype}")
     print(f"world: {world} GPU(s) x {gpu_mem_gib:g} GiB; T = {cfg.compute.micro_batch_size} x "
           f"{cfg.rollout.max_model_len} tokens per micro-batch\n")
+    if m.is_moe:
+        print(format_experts(cfg, m, world))
     current = rank_memory(cfg, m, tp, pp, world, gpu_mem_gib)
     print(format_breakdown(current, m, gpu_mem_gib))
     try:

@@ -250,3 +250,25 @@ def test_moe_grpo_with_vllm_reference_reset_and_export(hf_dirs, tmp_path, family
     assert sorted(src) == sorted(got)
     moved = [k for k in src if ".experts." in k and not torch.equal(src[k], got[k])]
     assert any(".experts.0." in k for k in moved) and any(".experts.3." in k for k in moved)
+
+
+def test_qwen3_30b_a3b_recipe_validates_and_plans_without_weights(capsys):
+    """The two-node EP=4 recipe: the published sizes (30.5B, 3.3B active), the routed-expert
+    weights per rank at every EP the layout allows, and a plan that fits 80 GiB."""
+    from megagrpo.config.train import load_config
+    from megagrpo.plan import expert_params, run_plan, total_params
+
+    recipe = str(ROOT / "examples" / "qwen3-30b-a3b-math.yaml")
+    cfg = load_config(recipe)
+    cfg.validate(world_size=16)
+    m = cfg.model
+    assert (m.architecture, m.num_experts, m.moe_topk) == ("qwen3_moe", 128, 8)
+    assert round(total_params(m) / 1e9, 1) == 30.5
+    assert round(total_params(m, active=True) / 1e9, 1) == 3.4  # 3.35B: "A3B"
+    # 48 layers x 128 experts x 3 x 768 x 2048, split over tp=2 and ep=4, one pp stage of two
+    assert expert_params(m, 2, 4, range(24)) == 24 * 32 * 3 * 768 * 2048 // 2
+    assert run_plan(recipe, [], gpus=16, gpu_mem_gib=80) == 0
+    out = capsys.readouterr().out
+    assert "fits: yes" in out and "3353.0M active per token" in out
+    assert "ep=4      32 experts per rank" in out and "<- parallel.ep" in out
+    assert "MoE all-to-all buffers" in out
