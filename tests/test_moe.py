@@ -270,5 +270,5 @@ def test_qwen3_30b_a3b_recipe_validates_and_plans_without_weights(capsys):
     assert run_plan(recipe, [], gpus=16, gpu_mem_gib=80) == 0
     out = capsys.readouterr().out
     assert "fits: yes" in out and "3353.0M active per token" in out
-    assert "ep=4      32 experts per rank" in out and "<- parallel.ep" in out
+    assert "ep=4     32 experts per rank" in out and "<- parallel.ep" in out
     assert "MoE all-to-all buffers" in out
