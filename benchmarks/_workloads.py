@@ -17,6 +17,11 @@ Only torch, transformers and megagrpo's config/data/task modules are imported, s
              tokens at temperature 1 (a random init stops at EOS at random, as in varlen, at
              1/19 per token), beta 0.04 so the reference pass runs every step, lr 1e-6 (a
              random model earns no reward; see varlen)
+    moe      a small Qwen3-MoE of megagrpo's own design (hidden 256, 4 layers, 8 heads x 32, 4 KV
+             groups, 8 routed experts of width 512, top-2 renormalised, every layer MoE: 13.4M
+             parameters, 4.0M active per token; transformers' init, routers included), the
+             arithmetic tokenizer and prompts, 16 prompts x G=8, completions of up to 32 tokens
+             at temperature 1, beta 0.04, lr 1e-6 (as midsize); load-balancing loss at 0.001
     smollm2  the real SmolLM2-135M (`models/smollm2-135m`, fp32 HF folder) with
              examples/smollm2-135m-math-cpu.yaml: chat template, word problems, math reward;
              8 prompts x G=4, max_tokens 48 pinned here (the rest: the recipe's)
@@ -73,7 +78,7 @@ class Workload:
     """One named benchmark workload: a recipe plus overrides."""
 
     name: str
-    """demo, varlen, midsize or smollm2."""
+    """demo, varlen, midsize, moe or smollm2."""
     recipe: str
     """The YAML recipe, relative to the repository root."""
     overrides: tuple[str, ...]
@@ -108,6 +113,18 @@ def workloads() -> dict[str, Workload]:
                             "optim.lr=1.0e-6", "optim.min_lr=0"),
                  summary="Llama 12.6M (hidden 512 x 4 layers), 16 prompts x G=8, "
                          "max_tokens 64, beta 0.04"),
+        Workload(name="moe", recipe="examples/demo.yaml",
+                 overrides=("model.architecture=qwen3_moe", "model.hidden_size=256",
+                            "model.num_layers=4", "model.num_attention_heads=8",
+                            "model.num_query_groups=4", "model.head_dim=32",
+                            "model.ffn_hidden_size=704", "model.num_experts=8",
+                            "model.moe_topk=2", "model.moe_ffn_hidden_size=512",
+                            "model.max_position_embeddings=128", "rollout.max_model_len=128",
+                            "rollout.max_tokens=32", "rollout.temperature=1.0",
+                            "data.batch_size=16", "algo.group_size=8", "algo.beta=0.04",
+                            "optim.lr=1.0e-6", "optim.min_lr=0"),
+                 summary="Qwen3-MoE 13.4M (8 experts top-2, 4.0M active), 16 prompts x G=8, "
+                         "max_tokens 32, beta 0.04"),
         # the batch shape is pinned here, so edits of the training recipe keep the benchmark
         Workload(name="smollm2", recipe="examples/smollm2-135m-math-cpu.yaml",
                  overrides=("data.batch_size=8", "algo.group_size=4", "rollout.max_tokens=48"),
@@ -180,7 +197,7 @@ def ensure_init(w: Workload, dtype: str, extra: list[str] | tuple[str, ...] = ()
     torch.manual_seed(run.seed), transformers' own init (normal, std 0.02), cast to `dtype` (so
     the bf16 folder holds the fp32 folder's values, rounded). Rebuilt when the HF config or the
     seed it was made from changes."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = base_config(w, dtype, extra)
     hf = _hf_config(cfg)
@@ -188,14 +205,15 @@ def ensure_init(w: Workload, dtype: str, extra: list[str] | tuple[str, ...] = ()
     out = CACHE / f"{w.name}-{dtype}"
     if (out / "workload_key.json").exists() and (out / "workload_key.json").read_text() == key:
         return out
-    if hf.get("architectures") != ["LlamaForCausalLM"]:
-        raise SystemExit(f"workload {w.name}: only Llama random inits are supported, got "
-                         f"{hf.get('architectures')}")
+    if hf.get("architectures") not in (["LlamaForCausalLM"], ["Qwen3MoeForCausalLM"]):
+        raise SystemExit(f"workload {w.name}: only Llama and Qwen3-MoE random inits are "
+                         f"supported, got {hf.get('architectures')}")
     CACHE.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{w.name}-{dtype}-", dir=CACHE))
     kw = {k: v for k, v in hf.items() if k not in ("architectures", "model_type", "torch_dtype")}
     torch.manual_seed(cfg.run.seed)
-    model = LlamaForCausalLM(LlamaConfig(**kw)).float().to(getattr(torch, dtype))
+    config = AutoConfig.for_model(hf["model_type"], **kw)
+    model = AutoModelForCausalLM.from_config(config).float().to(getattr(torch, dtype))
     model.save_pretrained(tmp)
     (tmp / "workload_key.json").write_text(key)
     shutil.rmtree(out, ignore_errors=True)
@@ -210,11 +228,17 @@ def ensure_init(w: Workload, dtype: str, extra: list[str] | tuple[str, ...] = ()
 # figures shared by the benchmarks
 
 
-def matmul_params_per_layer(model) -> int:
-    """Matrix-multiply weights of one transformer layer (q, k, v, proj, gate, up, down)."""
+def matmul_params_per_layer(model, layer: int = 0) -> int:
+    """Matrix-multiply weights one token runs through in transformer layer `layer` (q, k, v,
+    proj, gate, up, down; an MoE layer: its router and the top-k routed experts, plus a shared
+    expert)."""
     H, hd = model.hidden_size, model.head_dim
     q, kv = model.num_attention_heads * hd, model.num_query_groups * hd
-    return H * (q + 2 * kv) + q * H + 3 * H * model.ffn_hidden_size
+    attention = H * (q + 2 * kv) + q * H
+    if not model.is_moe_layer(layer):
+        return attention + 3 * H * model.ffn_hidden_size
+    return (attention + H * model.num_experts + 3 * H * model.moe_topk * model.moe_ffn_hidden_size
+            + 3 * H * model.shared_expert_ffn_hidden_size)
 
 
 def forward_flops(model, lengths: torch.Tensor, loss_tokens: int | float) -> float:
@@ -223,7 +247,8 @@ def forward_flops(model, lengths: torch.Tensor, loss_tokens: int | float) -> flo
     at the loss positions)."""
     n = lengths.to(torch.float64)
     L, d = model.num_layers, model.num_attention_heads * model.head_dim
-    dense = 2.0 * L * matmul_params_per_layer(model) * float(n.sum())
+    per_token = sum(matmul_params_per_layer(model, i) for i in range(L))
+    dense = 2.0 * per_token * float(n.sum())
     attention = L * 2.0 * d * float((n * (n + 1)).sum())  # sum over t=1..n of 4 t d
     return dense + attention + 2.0 * model.hidden_size * model.vocab_size * float(loss_tokens)
 

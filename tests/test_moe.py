@@ -272,3 +272,20 @@ def test_qwen3_30b_a3b_recipe_validates_and_plans_without_weights(capsys):
     assert "fits: yes" in out and "3353.0M active per token" in out
     assert "ep=4     32 experts per rank" in out and "<- parallel.ep" in out
     assert "MoE all-to-all buffers" in out
+
+
+def test_moe_routing_benchmark_smallest(tmp_path):
+    """benchmarks/moe_routing.py at its smallest: every sampled token's vLLM routing is found
+    (the runner-layout hooks map each row to its request and position), and in fp32 vLLM and
+    megatron choose the same experts everywhere with a ~1e-7 log-prob gap (a row mapped to the
+    wrong token or position would show as a mismatch: the workload's routers are random)."""
+    out = tmp_path / "r.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_routing.py"), "--dtypes",
+                        "float32", "--prompts", "2", "--group", "2", "--max-tokens", "8",
+                        "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["tokens_compared"] == row["sampled_tokens"] > 0
+    assert row["routing_mismatch_pairs"] == 0.0 and row["logp_gap_max"] < 1e-5

@@ -1,0 +1,181 @@
+"""The train-inference routing mismatch of MoE: how often vLLM, while it samples, routes a token
+to other experts than megatron does when the trainer scores the same sequence.
+
+On the `moe` workload's model (benchmarks/_workloads.py; or --hf DIR), one process:
+1. vLLM (in-process, the engine megagrpo uses) samples G completions for each prompt. Hooks on
+   every MoE layer's router record the top-k experts of every token row of every forward, and
+   the model runner's batch layout (requests, query offsets, positions) at that forward maps the
+   row to (request, position): the routing vLLM actually used while decoding, no re-run.
+2. megatron (the trainer's GPTModel at TP=1, loaded from the same HF folder) runs each prompt +
+   completion once, as the scoring pass does; a hook on every router records its top-k.
+3. For every sampled token's input position (the last prompt token and every completion token
+   but the last) and every MoE layer, the two top-k sets are compared.
+
+Prints one JSON line per dtype: the share of (token, layer) pairs whose top-k sets differ, the
+share of tokens that differ in at least one layer, the mean and max |log-prob| gap between
+vLLM's sampling log-probs and the trainer's, and the same gap over the tokens whose routing
+agrees in every layer (what routing replay could at best reach).
+
+    python benchmarks/moe_routing.py [--dtypes float32,bfloat16] [--prompts 16] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _harness import emit  # noqa: E402
+from _workloads import base_config, ensure_init, get_workload  # noqa: E402
+
+
+class VllmRoutes:
+    """Records vLLM's routing while it generates: {request id: {position: [L_moe, k]}}."""
+
+    def __init__(self, llm, topk: int):
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        self.runner, self.topk = runner, topk
+        self.routes: dict[str, dict[int, list]] = {}
+        self._rows: list[tuple[str, int]] = []
+        model = runner.get_model()
+        self.gates = [m.mlp.gate for m in model.model.layers if hasattr(m.mlp, "gate")]
+        model.register_forward_pre_hook(self._layout, with_kwargs=True)
+        for i, gate in enumerate(self.gates):
+            gate.register_forward_hook(self._hook(i))
+
+    def _layout(self, module, args, kwargs) -> None:
+        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        batch = self.runner.input_batch
+        n = batch.num_reqs
+        starts = self.runner.query_start_loc.cpu[: n + 1].tolist()
+        # the engine's internal ids are the request's own id plus "-<random suffix>"
+        ids = [r.rsplit("-", 1)[0] for r in batch.req_ids[:n]]
+        pos = positions.tolist()
+        self._rows = [(ids[bisect.bisect_right(starts, r) - 1], pos[r])
+                      for r in range(starts[-1])]
+
+    def _hook(self, layer: int):
+        def record(module, args, output) -> None:
+            logits = output[0] if isinstance(output, tuple) else output
+            top = torch.topk(logits.float(), self.topk, dim=-1).indices.sort(-1).values
+            for r, (req, p) in enumerate(self._rows):
+                self.routes.setdefault(req, {}).setdefault(p, [None] * len(self.gates))[layer] = \
+                    top[r].tolist()
+        return record
+
+
+def megatron_routes(gpt, ids: torch.Tensor, topk: int, vocab: int) -> tuple[list, torch.Tensor]:
+    """([S][L_moe] top-k lists, [S, V] fp32 log-probs) of one sequence through the trainer's
+    model (eval mode, like a scoring pass)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    per_layer: list[torch.Tensor] = []
+
+    def record(module, args, output) -> None:
+        _, routing_map = output
+        per_layer.append(routing_map.nonzero()[:, 1].view(-1, topk))
+
+    hooks = [m.register_forward_hook(record) for m in gpt.modules() if isinstance(m, TopKRouter)]
+    try:
+        with torch.no_grad():
+            pos = torch.arange(ids.numel())[None]
+            logits = gpt(ids[None], pos, None)[0, :, :vocab].float()  # no TP padding rows
+    finally:
+        for h in hooks:
+            h.remove()
+    rows = [[layer[s].sort().values.tolist() for layer in per_layer] for s in range(ids.numel())]
+    return rows, torch.log_softmax(logits, dim=-1)
+
+
+def measure(hf_dir: Path, dtype: str, prompts: list[list[int]], group: int, max_tokens: int,
+            temperature: float, seed: int) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from megagrpo.config.model import ParallelConfig
+    from megagrpo.distributed import init_distributed
+    from megagrpo.hf import load_hf_weights, model_config_from_hf
+    from megagrpo.model import build_model
+
+    init_distributed(ParallelConfig())  # again: a closed vLLM engine takes the group down
+    model = model_config_from_hf(hf_dir, dtype=dtype)
+    parallel = ParallelConfig(make_vocab_size_divisible_by=8)
+    gpt = build_model(model, parallel).eval()
+    load_hf_weights(gpt, hf_dir, model, parallel, tp_rank=0, pp_rank=0)
+    llm = LLM(model=str(hf_dir), dtype=dtype, enforce_eager=True, seed=seed,
+              max_model_len=model.max_position_embeddings, skip_tokenizer_init=True,
+              enable_prefix_caching=True)
+    rec = VllmRoutes(llm, model.moe_topk)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=0)
+    reqs = [{"prompt_token_ids": p} for p in prompts for _ in range(group)]
+    outs = llm.generate(reqs, params, use_tqdm=False)
+    pairs = differ_pairs = tokens = differ_tokens = 0
+    gaps, agreeing_gaps = [], []
+    for out in outs:
+        prompt, comp = list(out.prompt_token_ids), out.outputs[0]
+        seq = prompt + list(comp.token_ids)
+        ours, logp = megatron_routes(gpt, torch.tensor(seq), model.moe_topk, model.vocab_size)
+        theirs = rec.routes.get(out.request_id, {})
+        for j, tok in enumerate(comp.token_ids):
+            p = len(prompt) - 1 + j  # the input position whose forward sampled `tok`
+            v = theirs.get(p)
+            gap = abs(comp.logprobs[j][tok].logprob - float(logp[p, tok]))
+            gaps.append(gap)
+            if v is None or any(x is None for x in v):
+                continue
+            diff = [a != b for a, b in zip(v, ours[p])]
+            pairs += len(diff)
+            differ_pairs += sum(diff)
+            tokens += 1
+            differ_tokens += int(any(diff))
+            if not any(diff):
+                agreeing_gaps.append(gap)
+    del llm
+    t = torch.tensor(gaps or [0.0])
+    a = torch.tensor(agreeing_gaps or [0.0])
+    return {"bench": "moe_routing", "model": str(hf_dir.name), "dtype": dtype,
+            "moe_layers": sum(model.is_moe_layer(i) for i in range(model.num_layers)),
+            "experts": model.num_experts, "topk": model.moe_topk, "sequences": len(outs),
+            "tokens_compared": tokens, "sampled_tokens": len(gaps),
+            "routing_mismatch_pairs": differ_pairs / max(pairs, 1),
+            "routing_mismatch_tokens": differ_tokens / max(tokens, 1),
+            "logp_gap_mean": float(t.mean()), "logp_gap_max": float(t.max()),
+            "logp_gap_mean_same_routing": float(a.mean()),
+            "cpu": torch.backends.cpu.get_cpu_capability()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hf", default=None, help="HF Qwen3-MoE / Qwen2-MoE folder (default: the "
+                    "moe workload's seeded init)")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from megagrpo.config.model import ParallelConfig
+    from megagrpo.data import encode_prompt
+    from megagrpo.distributed import init_distributed
+    from megagrpo.tasks import build_task
+
+    init_distributed(ParallelConfig())
+    w = get_workload("moe")
+    cfg = base_config(w, "float32")
+    task = build_task(cfg.data, cfg.arithmetic)
+    prompts = [encode_prompt(task.tokenizer, task.train[i].prompt) for i in range(args.prompts)]
+    for dtype in args.dtypes.split(","):
+        hf = Path(args.hf) if args.hf else ensure_init(w, dtype)
+        emit(measure(hf, dtype, prompts, args.group, args.max_tokens, 1.0, cfg.run.seed),
+             args.out)
+
+
+if __name__ == "__main__":
+    main()
