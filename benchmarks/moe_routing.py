@@ -2,10 +2,10 @@
 to other experts than megatron does when the trainer scores the same sequence.
 
 On the `moe` workload's model (benchmarks/_workloads.py; or --hf DIR), one process:
-1. vLLM (in-process, the engine megagrpo uses) samples G completions for each prompt. Hooks on
-   every MoE layer's router record the top-k experts of every token row of every forward, and
-   the model runner's batch layout (requests, query offsets, positions) at that forward maps the
-   row to (request, position): the routing vLLM actually used while decoding, no re-run.
+1. vLLM (in-process, the engine megagrpo uses) samples G completions for each prompt.
+   `megagrpo.moe.RouteCapture` (the capture routing replay uses) hooks every MoE layer's router
+   and the model runner's batch layout at each forward, so each token row maps to (request,
+   position): the routing vLLM actually used while decoding, no re-run.
 2. megatron (the trainer's GPTModel at TP=1, loaded from the same HF folder) runs each prompt +
    completion once, as the scoring pass does; a hook on every router records its top-k.
 3. For every sampled token's input position (the last prompt token and every completion token
@@ -13,16 +13,17 @@ On the `moe` workload's model (benchmarks/_workloads.py; or --hf DIR), one proce
 
 Prints one JSON line per dtype: the share of (token, layer) pairs whose top-k sets differ, the
 share of tokens that differ in at least one layer, the mean and max |log-prob| gap between
-vLLM's sampling log-probs and the trainer's, and the same gap over the tokens whose routing
-agrees in every layer (what routing replay could at best reach).
+vLLM's sampling log-probs and the trainer's, the same gap over the tokens whose routing agrees
+in every layer, and the gap when the trainer's forward replays vLLM's routes (routing replay,
+`algo.routing_replay`: `megagrpo.moe.replay`, megatron's RouterReplay).
 
     python benchmarks/moe_routing.py [--dtypes float32,bfloat16] [--prompts 16] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
-import bisect
 import os
+from contextlib import nullcontext
 import sys
 from pathlib import Path
 
@@ -35,44 +36,13 @@ from _harness import emit  # noqa: E402
 from _workloads import base_config, ensure_init, get_workload  # noqa: E402
 
 
-class VllmRoutes:
-    """Records vLLM's routing while it generates: {request id: {position: [L_moe, k]}}."""
-
-    def __init__(self, llm, topk: int):
-        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        self.runner, self.topk = runner, topk
-        self.routes: dict[str, dict[int, list]] = {}
-        self._rows: list[tuple[str, int]] = []
-        model = runner.get_model()
-        self.gates = [m.mlp.gate for m in model.model.layers if hasattr(m.mlp, "gate")]
-        model.register_forward_pre_hook(self._layout, with_kwargs=True)
-        for i, gate in enumerate(self.gates):
-            gate.register_forward_hook(self._hook(i))
-
-    def _layout(self, module, args, kwargs) -> None:
-        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
-        batch = self.runner.input_batch
-        n = batch.num_reqs
-        starts = self.runner.query_start_loc.cpu[: n + 1].tolist()
-        # the engine's internal ids are the request's own id plus "-<random suffix>"
-        ids = [r.rsplit("-", 1)[0] for r in batch.req_ids[:n]]
-        pos = positions.tolist()
-        self._rows = [(ids[bisect.bisect_right(starts, r) - 1], pos[r])
-                      for r in range(starts[-1])]
-
-    def _hook(self, layer: int):
-        def record(module, args, output) -> None:
-            logits = output[0] if isinstance(output, tuple) else output
-            top = torch.topk(logits.float(), self.topk, dim=-1).indices.sort(-1).values
-            for r, (req, p) in enumerate(self._rows):
-                self.routes.setdefault(req, {}).setdefault(p, [None] * len(self.gates))[layer] = \
-                    top[r].tolist()
-        return record
-
-
-def megatron_routes(gpt, ids: torch.Tensor, topk: int, vocab: int) -> tuple[list, torch.Tensor]:
+def megatron_routes(gpt, ids: torch.Tensor, topk: int, vocab: int,
+                    replayed: torch.Tensor | None = None) -> tuple[list, torch.Tensor]:
     """([S][L_moe] top-k lists, [S, V] fp32 log-probs) of one sequence through the trainer's
-    model (eval mode, like a scoring pass)."""
+    model (eval mode, like a scoring pass); `replayed` [S, L_moe, k]: routed as given
+    (`megagrpo.moe.replay`, the path of algo.routing_replay) instead of by its own routers."""
+    from megagrpo.moe import replay
+
     from megatron.core.transformer.moe.router import TopKRouter
 
     per_layer: list[torch.Tensor] = []
@@ -83,7 +53,7 @@ def megatron_routes(gpt, ids: torch.Tensor, topk: int, vocab: int) -> tuple[list
 
     hooks = [m.register_forward_hook(record) for m in gpt.modules() if isinstance(m, TopKRouter)]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), (replay(gpt, replayed) if replayed is not None else nullcontext()):
             pos = torch.arange(ids.numel())[None]
             logits = gpt(ids[None], pos, None)[0, :, :vocab].float()  # no TP padding rows
     finally:
@@ -101,6 +71,7 @@ def measure(hf_dir: Path, dtype: str, prompts: list[list[int]], group: int, max_
     from megagrpo.distributed import init_distributed
     from megagrpo.hf import load_hf_weights, model_config_from_hf
     from megagrpo.model import build_model
+    from megagrpo.moe import RouteCapture
 
     init_distributed(ParallelConfig())  # again: a closed vLLM engine takes the group down
     model = model_config_from_hf(hf_dir, dtype=dtype)
@@ -109,23 +80,27 @@ def measure(hf_dir: Path, dtype: str, prompts: list[list[int]], group: int, max_
     load_hf_weights(gpt, hf_dir, model, parallel, tp_rank=0, pp_rank=0)
     llm = LLM(model=str(hf_dir), dtype=dtype, enforce_eager=True, seed=seed,
               max_model_len=model.max_position_embeddings, skip_tokenizer_init=True,
-              enable_prefix_caching=True)
-    rec = VllmRoutes(llm, model.moe_topk)
+              enable_prefix_caching=False)  # every request computes (and routes) its prompt
+    rec = RouteCapture(llm, model.moe_topk)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=0)
     reqs = [{"prompt_token_ids": p} for p in prompts for _ in range(group)]
     outs = llm.generate(reqs, params, use_tqdm=False)
     pairs = differ_pairs = tokens = differ_tokens = 0
-    gaps, agreeing_gaps = [], []
+    gaps, agreeing_gaps, replay_gaps = [], [], []
     for out in outs:
         prompt, comp = list(out.prompt_token_ids), out.outputs[0]
         seq = prompt + list(comp.token_ids)
         ours, logp = megatron_routes(gpt, torch.tensor(seq), model.moe_topk, model.vocab_size)
         theirs = rec.routes.get(out.request_id, {})
+        _, logp_replayed = megatron_routes(gpt, torch.tensor(seq), model.moe_topk,
+                                           model.vocab_size, rec.sequence(out.request_id,
+                                                                          len(seq)))
         for j, tok in enumerate(comp.token_ids):
             p = len(prompt) - 1 + j  # the input position whose forward sampled `tok`
             v = theirs.get(p)
             gap = abs(comp.logprobs[j][tok].logprob - float(logp[p, tok]))
             gaps.append(gap)
+            replay_gaps.append(abs(comp.logprobs[j][tok].logprob - float(logp_replayed[p, tok])))
             if v is None or any(x is None for x in v):
                 continue
             diff = [a != b for a, b in zip(v, ours[p])]
@@ -138,6 +113,7 @@ def measure(hf_dir: Path, dtype: str, prompts: list[list[int]], group: int, max_
     del llm
     t = torch.tensor(gaps or [0.0])
     a = torch.tensor(agreeing_gaps or [0.0])
+    r = torch.tensor(replay_gaps or [0.0])
     return {"bench": "moe_routing", "model": str(hf_dir.name), "dtype": dtype,
             "moe_layers": sum(model.is_moe_layer(i) for i in range(model.num_layers)),
             "experts": model.num_experts, "topk": model.moe_topk, "sequences": len(outs),
@@ -146,6 +122,7 @@ def measure(hf_dir: Path, dtype: str, prompts: list[list[int]], group: int, max_
             "routing_mismatch_tokens": differ_tokens / max(tokens, 1),
             "logp_gap_mean": float(t.mean()), "logp_gap_max": float(t.max()),
             "logp_gap_mean_same_routing": float(a.mean()),
+            "logp_gap_mean_replayed": float(r.mean()), "logp_gap_max_replayed": float(r.max()),
             "cpu": torch.backends.cpu.get_cpu_capability()}
 
 

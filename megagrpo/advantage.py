@@ -56,7 +56,9 @@ def build_batch(ro: Rollout, cfg: TrainConfig, *, pad_id: int, multiple: int
     batch = pack(prompts, [c.token_ids for c in ro.completions],
                  [c.logprobs for c in ro.completions], torch.zeros(len(rewards)),
                  pad_id=pad_id, multiple=multiple, blocks=a.num_minibatches,
-                 completion_mask=keep, seq_rewards=rewards)
+                 completion_mask=keep, seq_rewards=rewards,
+                 routes=([c.routes for c in ro.completions]
+                         if ro.completions and ro.completions[0].routes is not None else None))
     correct = torch.tensor([bool(c.correct) for c in ro.completions])
     bad = int(algo.bad_rewards(rewards, a.max_abs_reward).sum())
     metrics = dict(algo.reward_metrics(ro.rewards.float(), a.group_size, correct), **ro.metrics)

@@ -40,6 +40,9 @@ class Batch:
     """[N] fp32 shaped reward of each row's sequence (0 on padding rows; None = not kept)."""
     lengths: Tensor | None = None
     """[N] int64 prompt + completion tokens of each row (0 on padding rows; None = S)."""
+    routes: Tensor | None = None
+    """[N, S, L_moe, k] int16 the experts vLLM routed each position to (-1: vLLM computed none,
+    -2: none needed, i.e. padding and each row's last token; routing replay only, else None)."""
 
     @property
     def num_seqs(self) -> int:
@@ -62,7 +65,7 @@ class Batch:
             v = getattr(self, f.name)
             if v is not None:
                 v = v[index]
-                kw[f.name] = v[:, :width] if v.dim() == 2 else v
+                kw[f.name] = v[:, :width] if v.dim() >= 2 else v  # per-token: [N, S, ...]
             else:
                 kw[f.name] = None
         return Batch(**kw)
@@ -220,7 +223,8 @@ def spread_rows(n: int, rows: int, blocks: int) -> Tensor:
 
 def pack(prompts: list[list[int]], completions: list[list[int]], rollout_logps: list[list[float]],
          seq_advantages: Tensor, *, pad_id: int, multiple: int = 1, blocks: int = 1,
-         completion_mask: Tensor | None = None, seq_rewards: Tensor | None = None) -> Batch:
+         completion_mask: Tensor | None = None, seq_rewards: Tensor | None = None,
+         routes: list[Tensor] | None = None) -> Batch:
     """Builds a `Batch` from n = len(completions) sequences (prompts[i] belongs to sequence i).
 
     `multiple`: the rows are padded with dummy rows (mask False) to a multiple of it, so every
@@ -228,7 +232,8 @@ def pack(prompts: list[list[int]], completions: list[list[int]], rollout_logps: 
     `multiple`): the rows are `blocks` equal minibatches and the padding is spread over them
     (`spread_rows`), so a minibatch never holds only padding while n >= blocks; real rows keep
     their order. `completion_mask` [n] False drops a sequence from the loss (e.g. truncated
-    completions). `seq_rewards` [n] are kept per row in `Batch.rewards`."""
+    completions). `seq_rewards` [n] are kept per row in `Batch.rewards`, `routes` (n tensors
+    [len(prompt) + len(completion), L_moe, k]) in `Batch.routes` (-1 on padding)."""
     n = len(completions)
     S = max(len(p) + len(c) for p, c in zip(prompts, completions))
     rows = -(-n // multiple) * multiple
@@ -259,6 +264,10 @@ def pack(prompts: list[list[int]], completions: list[list[int]], rollout_logps: 
     if seq_rewards is not None:
         batch.rewards = torch.zeros(rows, dtype=torch.float32)
         batch.rewards[where] = seq_rewards.to(torch.float32)
+    if routes is not None:  # padding: -2, "no route needed", like the last tokens
+        batch.routes = torch.full((rows, S, *routes[0].shape[1:]), -2, dtype=torch.int16)
+        for i, r in enumerate(routes):
+            batch.routes[int(where[i]), : r.shape[0]] = r
     return batch
 
 

@@ -93,6 +93,10 @@ class Completion:
     text: str = ""
     correct: bool | None = None
     """Set by the trainer's reward pass: the correctness term's verdict (None: not scored)."""
+    routes: torch.Tensor | None = None
+    """MoE with routing capture: [len(prompt) + len(token_ids), L_moe, k] int16, the experts
+    vLLM routed each position's token to in each MoE layer (-1 where it computed none: the
+    last token, which no forward reads)."""
 
 
 @dataclass(kw_only=True)
@@ -406,7 +410,9 @@ class VLLMEngine:
     """A colocated vLLM engine, started once per run and reused for every rollout."""
 
     def __init__(self, cfg: RolloutConfig, hf_config_dir: str | os.PathLike, *,
-                 dtype: str | None = None):
+                 dtype: str | None = None, capture_routing: bool = False):
+        """`capture_routing` (MoE): every completion carries the experts vLLM routed each of
+        its positions to (`Completion.routes`, for routing replay)."""
         cfg.validate()
         self.cfg = cfg
         self.model_dir = str(hf_config_dir)
@@ -434,6 +440,11 @@ class VLLMEngine:
             self._thread_gens["cuda"] = torch.Generator("cuda").manual_seed(self.cfg.seed + 1)
         self._packed = self.llm.collective_rpc(_packed_modules_mapping)[0]
         self.asleep = False
+        self.routes = None
+        if capture_routing:
+            from megagrpo.moe import RouteCapture
+
+            self.routes = RouteCapture(self.llm, self.hf_config.num_experts_per_tok)
 
     # -- start -------------------------------------------------------------------------------
     def _start(self):
@@ -552,10 +563,35 @@ class VLLMEngine:
             stop_token_ids=list(sampling.stop_token_ids) or None,
             detokenize=self.llm.llm_engine.tokenizer is not None)
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        if self.routes is not None:
+            self.routes.reset()
         with self._engine_rng():
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [self._completion(i, j, c) for i, out in enumerate(outputs)
+        done = [self._completion(i, j, c) for i, out in enumerate(outputs)
                 for j, c in enumerate(sorted(out.outputs, key=lambda c: c.index))]
+        if self.routes is not None:
+            self._attach_routes(outputs, done, prompt_token_ids, n)
+        return done
+
+    def _attach_routes(self, outputs, done: list[Completion], prompts: list[list[int]],
+                       n: int) -> None:
+        """Each completion's `routes` from the capture: a sample of an n > 1 request runs as
+        `{sample}_{request}`; prompt positions that prefix caching skipped for one request come
+        from another request of the same prompt tokens."""
+        ids = [(out.request_id, c.index) for out in outputs
+               for c in sorted(out.outputs, key=lambda c: c.index)]
+        by_prompt: dict[tuple, dict[int, list]] = {}
+        for (rid, j), comp in zip(ids, done):
+            key = f"{j}_{rid}" if n > 1 else rid
+            plen = len(prompts[comp.prompt_index])
+            mine = self.routes.routes.get(key, {})
+            shared = by_prompt.setdefault(tuple(prompts[comp.prompt_index]), {})
+            shared.update({p: r for p, r in mine.items() if p < plen and None not in r})
+        for (rid, j), comp in zip(ids, done):
+            key = f"{j}_{rid}" if n > 1 else rid
+            prompt = prompts[comp.prompt_index]
+            comp.routes = self.routes.sequence(key, len(prompt) + len(comp.token_ids),
+                                               by_prompt.get(tuple(prompt)))
 
     @staticmethod
     def _completion(prompt_index: int, sample_index: int, out) -> Completion:

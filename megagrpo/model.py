@@ -168,6 +168,8 @@ def _moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:
         moe_aux_loss_coeff=model.moe_aux_loss_coef,
         moe_z_loss_coeff=model.moe_z_loss_coef or None,
         moe_token_dispatcher_type="alltoall" if parallel.ep > 1 else "allgather",
+        # a RouterReplay per router: idle (routes itself) until routing replay arms it
+        moe_enable_routing_replay=True,
         moe_grouped_gemm=False,
         moe_permute_fusion=False,
         expert_model_parallel_size=parallel.ep,

@@ -19,6 +19,7 @@ from megagrpo.config.train import TrainConfig
 from megagrpo.distributed import Groups, Ranks
 from megagrpo.losses import LossContext, logprob_loss
 from megagrpo.model import unwrap
+from megagrpo.moe import replay, replay_state
 from megagrpo.optim import forward_backward
 from megagrpo.positions import OutputPositions, RotaryPositions, loss_positions
 
@@ -37,6 +38,25 @@ def forward_step(mb: MicroBatch, model, *, loss_fn, at_loss_positions: bool = Tr
     (`weight=`) to run the fused output layer on them."""
     b = mb.batch
     gpt = unwrap(model)
+    state = replay_state(gpt)
+    if b.routes is not None and state is not None:  # MoE routing replay: vLLM's experts
+        with replay(gpt, _router_rows(mb), state.monitor):
+            return _forward(mb, model, gpt, loss_fn, at_loss_positions, fused_output)
+    return _forward(mb, model, gpt, loss_fn, at_loss_positions, fused_output)
+
+
+def _router_rows(mb: MicroBatch) -> torch.Tensor:
+    """The micro-batch's routes [rows, L_moe, k] in the order megatron's routers see its
+    tokens: the packed tokens in order, else [S, B] flattened (sequence-major)."""
+    routes = mb.batch.routes
+    if mb.packed is not None:
+        b, width = mb.packed.grid
+        return routes[:, :width].reshape(b * width, *routes.shape[2:])[mb.packed.unpad_index]
+    return routes.transpose(0, 1).reshape(-1, *routes.shape[2:])
+
+
+def _forward(mb: MicroBatch, model, gpt, loss_fn, at_loss_positions, fused_output):
+    b = mb.batch
     hooked = mb.packed is not None or at_loss_positions or fused_output is not False
     sel = OutputPositions.of(gpt) if hooked else None
     fused = sel is not None and sel.use_fused(fused_output)

@@ -165,6 +165,12 @@ def check_model(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer) -> N
     check_head_dim(model.head_dim, on_cpu=not torch.cuda.is_available())
     check_cpu_moe_width(model.moe_ffn_hidden_size, cfg.rollout.tensor_parallel_size,
                         on_cpu=not torch.cuda.is_available())
+    if cfg.algo.routing_replay and not model.is_moe:
+        raise ValueError(f"algo.routing_replay=true: model.architecture={model.architecture!r} "
+                         "has no experts to route; set algo.routing_replay=false")
+    if cfg.algo.routing_replay and cfg.run.async_rollout:
+        raise ValueError("algo.routing_replay=true with run.async_rollout=true: the batch drawn "
+                         "for the next step is checkpointed without its routes; turn one off")
     interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if cfg.compute.kernel_impl == "triton" and not torch.cuda.is_available() and not interpreted:
         raise ValueError(

@@ -126,7 +126,7 @@ def _start_engine(cfg: TrainConfig, tokenizer, layout: RolloutLayout) -> VLLMEng
     (d / "config.json").write_text(json.dumps(hf, indent=1))
     r = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + layout.engine,
                             dtype=cfg.model.dtype)
-    return VLLMEngine(r, d, dtype=cfg.model.dtype)
+    return VLLMEngine(r, d, dtype=cfg.model.dtype, capture_routing=cfg.algo.routing_replay)
 
 
 def checkpoints(cfg: TrainConfig, watchdog: Watchdog | None = None) -> CheckpointManager:

@@ -34,7 +34,7 @@ from megagrpo.distributed import Groups, Ranks, any_rank
 from megagrpo.losses import grpo_loss
 from megagrpo.metrics import PhaseTimer
 from megagrpo.model import sequence_packing, unwrap
-from megagrpo.moe import RoutingMonitor, tracked_losses
+from megagrpo.moe import RoutingMonitor, enable_replay, tracked_losses
 from megagrpo.optim import lr_at, optimizer_step, set_lr, zero_grad
 from megagrpo.passes import Passes
 from megagrpo.reshard import ReshardStats, iter_hf_weights, iter_vllm_slices
@@ -173,9 +173,12 @@ class Trainer:
         m = self.model_cfg
         if m is None or not m.is_moe or self.policy is None:
             return None
-        return RoutingMonitor(self.policy, m.num_layers, m.num_experts,
-                              losses=tracked_losses(m), counts_here=self.ranks.tp_rank == 0,
-                              group=self.groups.world)
+        monitor = RoutingMonitor(self.policy, m.num_layers, m.num_experts,
+                                 losses=tracked_losses(m), counts_here=self.ranks.tp_rank == 0,
+                                 group=self.groups.world)
+        if self.cfg.algo.routing_replay:
+            enable_replay(self.policy, monitor)
+        return monitor
 
     @property
     def engine(self) -> RolloutEngine | None:

@@ -172,6 +172,11 @@ def test_moe_bad_layouts_refused_before_compute(hf_dirs, tmp_path):
          "rope_parameters.rope_type='yarn' is not supported"),
         (("verify", "--hf", str(_edited(hf_dirs / "qwen3_moe", tmp_path / "dsv3",
                                         n_group=8))), "n_group=8 is not supported"),
+        (("train", "--config", DEMO, "algo.routing_replay=true", f"run.out_dir={tmp_path}/r"),
+         "has no experts to route"),
+        (("train", "--config", DEMO, f"run.init={q3}", "algo.routing_replay=true",
+          "run.async_rollout=true", f"run.out_dir={tmp_path}/r"),
+         "checkpointed without its routes"),
     ]
     for args, want in cases:
         p = _cli(*args, timeout=120)
@@ -221,14 +226,18 @@ def _grpo(hf_dir: Path, run: Path, *overrides: str):
 
 
 @pytest.mark.parametrize("family,layout", [
-    ("qwen3_moe", ("parallel.ep=2",)),
-    ("qwen2_moe", ("parallel.tp=2", "rollout.tensor_parallel_size=2"))])
+    ("qwen3_moe", ("parallel.ep=2", "algo.routing_replay=true")),
+    ("qwen2_moe", ("parallel.tp=2", "rollout.tensor_parallel_size=2", "algo.routing_replay=true",
+                   "compute.pack_sequences=false"))])
 def test_moe_grpo_with_vllm_reference_reset_and_export(hf_dirs, tmp_path, family, layout):
-    """3 GRPO steps at 2 ranks (Qwen3-MoE: EP=2, a vLLM engine per rank fed full tensors;
-    Qwen2-MoE: TP=2 with a TP=2 vLLM engine fed shard to shard), the reference reset every
-    step. vLLM scores its samples as the trainer does before and after every update (a stale
-    expert repack after the in-place reload gave 1.7e-2), routing statistics are logged, and
-    the export loads in transformers with every expert trained."""
+    """3 GRPO steps at 2 ranks (Qwen3-MoE: EP=2, a vLLM engine per rank fed full tensors,
+    packed micro-batches; Qwen2-MoE: TP=2 with a TP=2 vLLM engine fed shard to shard, padded
+    micro-batches), the reference reset every step, routing replay on. vLLM scores its samples
+    as the trainer does before and after every update (a stale expert repack after the in-place
+    reload gave 1.7e-2); in fp32 the routes vLLM used, replayed in the trainer's order of tokens,
+    are the trainer's own everywhere (a transposed [S, B] order gave a 70% mismatch and a 7e-3
+    gap); routing statistics are logged, and the export loads in transformers with every
+    expert trained."""
     from transformers import AutoModelForCausalLM
 
     run, out = tmp_path / "run", tmp_path / "export"
@@ -239,6 +248,8 @@ def test_moe_grpo_with_vllm_reference_reset_and_export(hf_dirs, tmp_path, family
     # loads are expert tokens / mean over the experts: 1 is balanced, E / k = 2 the worst
     assert all(1.0 <= m["moe_max_load"] <= 2.0 and 0.0 <= m["moe_min_load"] <= 1.0
                and m["moe_tokens_per_expert"] > 0 and m["moe_load_balancing_loss"] > 0
+               for m in steps), steps
+    assert all(m["moe_routing_mismatch"] == 0.0 and m["moe_replay_missing"] == 0.0
                for m in steps), steps
     summary = json.loads((run / "summary.json").read_text())
     assert summary["reference_syncs"] == 3

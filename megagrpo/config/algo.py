@@ -70,6 +70,10 @@ class AlgoConfig:
     """token_mask/seq_mask: ratios below this are masked (seq_mask: per-sequence geometric mean)."""
     rollout_is_high: float = 2.0
     """token_mask/seq_mask: ratios above this are masked."""
+    routing_replay: bool = False
+    """MoE: the trainer's forwards (update and the policy's scoring) route every token to the
+    experts vLLM chose for it while sampling (rollout routing replay, megatron's RouterReplay);
+    the reference routes by itself. Needs an MoE model and a vLLM engine in this process."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field and what would be valid."""
