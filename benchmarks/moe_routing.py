@@ -18,10 +18,12 @@ in every layer, and the gap when the trainer's forward replays vLLM's routes (ro
 `algo.routing_replay`: `megagrpo.moe.replay`, megatron's RouterReplay).
 
     python benchmarks/moe_routing.py [--dtypes float32,bfloat16] [--prompts 16] [--out FILE]
+    python benchmarks/moe_routing.py --table benchmarks/results/moe_routing_cpu.jsonl  # markdown
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from contextlib import nullcontext
 import sys
@@ -126,6 +128,22 @@ def measure(hf_dir: Path, dtype: str, prompts: list[list[int]], group: int, max_
             "cpu": torch.backends.cpu.get_cpu_capability()}
 
 
+def table(path: str) -> str:
+    """docs/performance.md's table from the JSON lines this script wrote."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    out = ["| dtype | CPU | tokens | (token, layer) pairs routed differently | tokens routed "
+           "differently in >= 1 layer | log-prob gap mean / max | same routing: gap mean | "
+           "routing replay: gap mean / max |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['dtype']} | {r['cpu']} | {r['tokens_compared']} | "
+                   f"{100 * r['routing_mismatch_pairs']:.2f}% | "
+                   f"{100 * r['routing_mismatch_tokens']:.2f}% | "
+                   f"{r['logp_gap_mean']:.2e} / {r['logp_gap_max']:.2e} | "
+                   f"{r['logp_gap_mean_same_routing']:.2e} | "
+                   f"{r['logp_gap_mean_replayed']:.2e} / {r['logp_gap_max_replayed']:.2e} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hf", default=None, help="HF Qwen3-MoE / Qwen2-MoE folder (default: the "
@@ -135,7 +153,12 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--table", default=None, metavar="JSONL",
+                    help="print the markdown table of a results file and exit")
     args = ap.parse_args()
+    if args.table:
+        print(table(args.table))
+        return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from megagrpo.config.model import ParallelConfig

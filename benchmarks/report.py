@@ -21,7 +21,7 @@ import argparse
 import json
 from pathlib import Path
 
-ORDER = ("demo", "varlen", "midsize", "smollm2")
+ORDER = ("demo", "varlen", "midsize", "moe", "smollm2")
 FLOOR_PHASES = ("rollout", "score", "update")
 TARGETS = dict(ratio=1.0, ratio_cpu=1.0, floor_rollout=0.9, floor_score=0.9, floor_update=0.9,
                padded_share=0.10)

@@ -300,3 +300,18 @@ def test_moe_routing_benchmark_smallest(tmp_path):
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["tokens_compared"] == row["sampled_tokens"] > 0
     assert row["routing_mismatch_pairs"] == 0.0 and row["logp_gap_max"] < 1e-5
+
+
+def test_grpo_step_benchmark_moe_smallest():
+    """The moe workload through benchmarks/grpo_step.py at 2 prompts x G=8, one step: its
+    FLOPs count the top-k experts and the router, not every expert (useful FLOPs of a dense
+    model of the active width), so its floor fractions stay below 1."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "grpo_step.py"), "--workload",
+                        "moe", "--nprocs", "1", "--warmup", "0", "--steps", "1", "--set",
+                        "data.batch_size=2", "--out", ""], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    (row,) = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+    assert row["workload"] == "moe" and row["max_tokens"] == 32
+    assert 0 < row["floor_frac_update"] < 1 and 0 < row["floor_frac_rollout"] < 1
