@@ -302,6 +302,7 @@ def test_moe_routing_benchmark_smallest(tmp_path):
     assert row["routing_mismatch_pairs"] == 0.0 and row["logp_gap_max"] < 1e-5
 
 
+@pytest.mark.heavy  # grpo_step.py keeps its default-suite smoke tests in test_benchmarks.py
 def test_grpo_step_benchmark_moe_smallest():
     """The moe workload through benchmarks/grpo_step.py at 2 prompts x G=8, one step: its
     FLOPs count the top-k experts and the router, not every expert (useful FLOPs of a dense
@@ -315,3 +316,20 @@ def test_grpo_step_benchmark_moe_smallest():
     (row,) = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
     assert row["workload"] == "moe" and row["max_tokens"] == 32
     assert 0 < row["floor_frac_update"] < 1 and 0 < row["floor_frac_rollout"] < 1
+
+
+@pytest.mark.heavy
+def test_moe_convert_round_trip_tp2_ep2_to_pp2_bitwise(hf_dirs, tmp_path):
+    """Through dist-checkpointing: HF -> megatron at TP=2 x EP=2 (4 ranks) -> HF at PP=2,
+    every tensor equal, the config read back equal."""
+    src = hf_dirs / "qwen3_moe"
+    p = _cli("convert", "--from-hf", str(src), "--to-megatron", str(tmp_path / "m"), "--tp", "2",
+             "--ep", "2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "(tp=2 pp=1 ep=2)" in p.stdout
+    p = _cli("convert", "--from-megatron", str(tmp_path / "m"), "--to-hf", str(tmp_path / "out"),
+             "--pp", "2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = load_dir(src), load_dir(tmp_path / "out")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert model_config_from_hf(tmp_path / "out") == model_config_from_hf(src)

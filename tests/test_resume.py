@@ -375,6 +375,7 @@ def test_weights_without_the_optimizer_state_do_not_continue_the_run(layouts):
                                       "policy")) > 1e-4
 
 
+@pytest.mark.heavy  # ~80 s; tests/_layout_resume_worker.py covers every layout in the default run
 def test_resume_at_another_layout_from_the_command_line(tmp_path):
     """As a user would: a run checkpointed at TP=2 (distributed optimizer, async rollouts)
     resumes at TP=1 x DP=2 with its optimizer state, says once what does not carry over, and
