@@ -261,6 +261,15 @@ def test_moe_grpo_with_vllm_reference_reset_and_export(hf_dirs, tmp_path, family
     assert sorted(src) == sorted(got)
     moved = [k for k in src if ".experts." in k and not torch.equal(src[k], got[k])]
     assert any(".experts.0." in k for k in moved) and any(".experts.3." in k for k in moved)
+    # the export knows its EOS (the run's tokenizer), and transformers' generate stops there
+    eos = model.generation_config.eos_token_id
+    assert eos is not None and eos == json.loads((out / "config.json").read_text())["eos_token_id"]
+    prompt = torch.tensor([[1, 5, 7]])
+    with torch.no_grad():
+        first = int(model(prompt).logits[0, -1].argmax())
+        ids = model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=first,
+                             pad_token_id=eos)
+    assert ids[0, 3:].tolist() == [first]  # stopped right after the token it was told is EOS
 
 
 def test_qwen3_30b_a3b_recipe_validates_and_plans_without_weights(capsys):
@@ -283,6 +292,16 @@ def test_qwen3_30b_a3b_recipe_validates_and_plans_without_weights(capsys):
     assert "fits: yes" in out and "3353.0M active per token" in out
     assert "ep=4     32 experts per rank" in out and "<- parallel.ep" in out
     assert "MoE all-to-all buffers" in out
+
+
+def test_readme_routing_table_is_the_results_table():
+    """README's routing-mismatch table is the one moe_routing.py makes from the results file."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from moe_routing import table
+
+    got = table(str(ROOT / "benchmarks" / "results" / "moe_routing_cpu.jsonl"))
+    assert got in (ROOT / "README.md").read_text()
+    assert got in (ROOT / "docs" / "performance.md").read_text()
 
 
 def test_moe_routing_benchmark_smallest(tmp_path):
