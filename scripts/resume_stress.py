@@ -11,7 +11,8 @@ uninterrupted run. Prints one line per kill and "k/N resumed bitwise equal".
 tests/test_resume.py drives the same functions.
 
 --mode: sync (plain optimizer, synchronous rollout), distopt (optim.distributed_optimizer),
-async (run.async_rollout), distopt+async (both).
+async (run.async_rollout), distopt+async (both), moe (a Qwen3-MoE at EP=2 with the distributed
+optimizer).
 """
 from __future__ import annotations
 
@@ -56,6 +57,10 @@ MODES = {
     "distopt": ("optim.distributed_optimizer=true",),
     "async": ("run.async_rollout=true",),
     "distopt+async": ("optim.distributed_optimizer=true", "run.async_rollout=true"),
+    # a Qwen3-MoE of the same width (4 experts of 64, top-2) with its experts over EP=2 and
+    # the distributed optimizer (dense state sharded over DP, expert state over DP / EP)
+    "moe": ("model.architecture=qwen3_moe", "model.num_experts=4", "model.moe_topk=2",
+            "model.moe_ffn_hidden_size=64", "parallel.ep=2", "optim.distributed_optimizer=true"),
 }
 
 
