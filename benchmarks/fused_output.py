@@ -127,7 +127,9 @@ def need_bytes(path: str, t: int, h: int, v_local: int, b: int) -> int:
     outputs = (t + v_local) * h * b  # dh, dW
     logits = t * v_local
     if path == "logits":  # logits (gradient in place) + the kernel's chunks + matmul temporaries
-        return outputs + int(logits * b * 1.25) + (64 << 20)
+        # 2x: at T=16384 (fp32, TP=1) the OOM killer took the run at 24 GB RSS, 2.4x the logits
+        # (the dW GEMM on the transposed gradient may take a contiguous copy of it)
+        return outputs + logits * b * 2 + (64 << 20)
     if path == "naive":  # logits, an fp32 copy, log_softmax, its exp, their gradients
         return outputs + logits * (b + 4 * 4)
     # fp32 accumulators (dW's beside a bf16 output: the weighted path holds it to backward),
@@ -213,7 +215,7 @@ def bench_size(rank, tp, t, dname, dtype, budget, group, device, args) -> None:
         record = dict(path=path, T=t, H=args.H, V=args.V, V_local=v_local, dtype=dname, TP=tp,
                       device=device.type, logits_bytes=logits_bytes)
         if path.startswith("fused"):  # rows before the gradient-in-forward path carry none
-            record["fused_grad"] = _fused_grad(path, t, v_local)
+            record["fused_grad"] = _fused_grad(path, t, v_local, args.H, dname)
         if device.type == "cpu":
             record.update(load_avg_1m=round(os.getloadavg()[0], 2),
                           cpu=torch.backends.cpu.get_cpu_capability())
@@ -274,11 +276,12 @@ def fit_rows(args) -> None:
                   max_tokens=max_t), args.out)
 
 
-def _fused_grad(path: str, t: int, v_local: int) -> str:
+def _fused_grad(path: str, t: int, v_local: int, h: int = 1024, dtype: str = "fp32") -> str:
     """Which backward a fused path runs at this size: "forward" (3 matmuls) or "recompute"."""
     if path == "fused":
         tc = fo.grad_chunk_tokens(t, v_local)
-        return "forward" if fo.use_grad_in_forward(t, tc) else "recompute"
+        auto = fo.use_grad_in_forward(t, tc, h, DTYPES[dtype].itemsize)
+        return "forward" if auto else "recompute"
     return "forward" if path == "fused_forward" else "recompute"
 
 
@@ -319,8 +322,9 @@ def table(path: str) -> str:
         def pct(r):
             return f"{r['peak_pct_of_logits']:.1f}%" if r and "peak_pct_of_logits" in r else "-"
 
-        runs = "(b3)" if _fused_grad("fused", key[3], (a or b3 or b4)["V_local"]) == "forward" \
-            else "(b4)"
+        r0 = a or b3 or b4
+        auto = _fused_grad("fused", key[3], r0["V_local"], r0["H"], key[2])
+        runs = "(b3)" if auto == "forward" else "(b4)"
         load = next((r.get("load_avg_1m") for r in (b3, b4, a) if r), None)
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {sec(a)} | {sec(b3)} | "
                      f"{sec(b4)} | {ratio(b3)} | {ratio(b4)} | {runs} | {pct(b3)} / {pct(b4)} | "

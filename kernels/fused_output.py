@@ -126,18 +126,26 @@ widest chunk the memory target allows: on the 2-core AVX-512 CPU, a [Tc, 151936]
 (fp32; the logits path's full-size matmuls ~4 ms per token)."""
 
 
-GRAD_MIN_TOKENS = 128
+GRAD_MIN_TOKENS = 192
 """The gradient-in-forward path runs when its chunks hold at least this many tokens (or all of
 them): each chunk streams the whole weight shard through its three matmuls (and the ``dW``
 accumulator once), so thin chunks are bound by memory traffic, not FLOPs. On the 2-core AVX-512
 CPU (fp32, V_local 151,936, H 1024) the three chunk matmuls cost 5.5 / 4.5 / 3.4 / 2.7 ms per
-token at Tc = 32 / 64 / 128 / 256 against 2.5 for the logits path's full-size ones, so below 128
-tokens (T < 4096 at 1/32 of the logits) the recomputing path's four well-shaped matmuls win."""
+token at Tc = 32 / 64 / 128 / 256 against 2.5 for full-size ones; end to end (benchmarks/
+fused_output.py) the three-matmul path took 1.4-2.0x the recomputing one at Tc = 32-64, 1.15x
+at Tc = 128 (TP=2, T=4096) and 0.95x at Tc = 220 (TP=1, T=8192: the GRAD_CHUNK_ELEMS cap). At
+1/32 of the logits per chunk that is T >= ~6000 (GPU: not measured yet, the same rule)."""
 
 
-def use_grad_in_forward(n_rows: int, tc: int) -> bool:
+def use_grad_in_forward(n_rows: int, tc: int, hidden_size: int = 0, itemsize: int = 4) -> bool:
     """True when chunks of ``tc`` of ``n_rows`` tokens are wide enough for the three-matmul
-    path (GRAD_MIN_TOKENS, or one chunk holding every token)."""
+    path (GRAD_MIN_TOKENS, or one chunk holding every token) and, for weights below fp32
+    (``itemsize`` bytes), its fp32 ``dW`` accumulator (``4 V_local H`` bytes, held from forward
+    to backward) is within 1/CHUNK_SHARE of the logits (``n_rows V_local itemsize``): bf16 needs
+    T >= 64 H. (In bf16 on the CPU it was also 4x slower than recomputing at T=1024: adding each
+    chunk's product into the fp32 accumulator is bound by memory traffic.)"""
+    if itemsize < 4 and 4 * hidden_size * CHUNK_SHARE > n_rows * itemsize:
+        return False
     return tc >= min(n_rows, GRAD_MIN_TOKENS)
 
 
@@ -541,7 +549,8 @@ def fused_output_token_loss(
             it runs chunk by chunk. Default: ``-logp``.
         chunk_tokens: tokens per chunk (None = ``grad_chunk_tokens``).
         grad_in_forward: True / False force the gradient-in-forward / the recomputing path;
-            None = ``use_grad_in_forward`` (chunks of at least GRAD_MIN_TOKENS tokens).
+            None = ``use_grad_in_forward`` (chunks of at least GRAD_MIN_TOKENS tokens; for
+            bf16 weights also T >= 64 H).
 
     Returns:
         ``(loss, logp, entropy)``: loss an fp32 scalar, differentiable w.r.t. ``hidden`` and
@@ -564,8 +573,8 @@ def fused_output_token_loss(
         return (tok * token_weight).sum(), logp, entropy
     # the shard's padded width, not `valid`: every rank of the group must cut the same chunks
     tc = grad_chunk_tokens(hidden.shape[0], weight.shape[0], chunk_tokens)
-    if not (use_grad_in_forward(hidden.shape[0], tc) if grad_in_forward is None
-            else grad_in_forward):
+    auto = use_grad_in_forward(hidden.shape[0], tc, weight.shape[1], weight.element_size())
+    if not (auto if grad_in_forward is None else grad_in_forward):
         logp, entropy = fused_output_logprob(
             hidden, weight, target, temperature=temperature, group=group, ignore_mask=ignore_mask,
             with_entropy=True, valid_vocab=valid, impl=path)

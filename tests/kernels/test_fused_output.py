@@ -283,6 +283,17 @@ def test_thin_chunks_take_the_recomputing_path(paths, monkeypatch):
         assert_near(w.grad, ref["dw"], 2e-5, f"{want} dW")
 
 
+def test_when_the_gradient_is_computed_in_the_forward():
+    """fp32: chunks of >= GRAD_MIN_TOKENS tokens (T >= 8192 at 1/32 of a 152k-vocab's logits)
+    or one chunk; bf16 also needs its fp32 dW accumulator within 1/32 of the logits (T >= 64 H)."""
+    v = 151936
+    for t, fp32, bf16 in ((1024, False, False), (4096, False, False), (8192, True, False),
+                          (32768, True, False), (65536, True, True), (64, True, True)):
+        tc = fo.grad_chunk_tokens(t, v) if t > 64 else t
+        assert fo.use_grad_in_forward(t, tc, 1024 if t > 64 else 1, 4) == fp32, t
+        assert fo.use_grad_in_forward(t, tc, 1024 if t > 64 else 1, 2) == bf16, t
+
+
 class _CountMatmuls(TorchDispatchMode):
     def __init__(self):
         super().__init__()
