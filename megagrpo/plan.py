@@ -16,7 +16,9 @@ What is counted, per rank, on the worst pipeline stage:
 - logits: with the fused output layer (compute.fused_output_layer, on by default) no logits
   tensor exists: one GPU chunk [Tc, Vc] of logits in the model dtype (kernels/fused_output.py's
   `chunk_shape`; the gradient overwrites it), below fp32 the fp32 accumulators of dh [T, h] and
-  of one dW chunk [Vc, h], and the fp32 per-row stats. With it off, the fused kernels read the
+  of one dW chunk [Vc, h], and the fp32 per-row stats; where the update computes the gradient
+  in the forward (`use_grad_in_forward`: large T) one [Tc, V/tp] chunk instead, with dh and the
+  whole shard's dW held from forward to backward (fp32 below an fp32 model). With it off, the fused kernels read the
   vocab-parallel logits [T, V_pad/tp] in the model dtype and write the gradient into the same
   buffer (compute.inplace_backward), plus the stats. Either is shown next to a naive path that
   all-gathers [T, V] and runs an fp32 log_softmax (upcast copy, saved output and its gradient:
@@ -218,10 +220,22 @@ def logits_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, tp_pad: ParallelConf
 
 
 def fused_output_bytes(t: int, h: int, v_local: int, b: int) -> int:
-    """The fused output layer's chunk buffers on a GPU beyond its inputs and outputs (see the
-    module docstring); `b` bytes per value of the model dtype."""
-    from megagrpo.kernels.fused_output import chunk_shape  # torch + triton: only when planning
+    """The fused output layer's buffers on a GPU beyond its inputs and outputs (see the module
+    docstring), for the path the update takes at this size (`use_grad_in_forward`); `b` bytes
+    per value of the model dtype. Recomputing path: one [Tc, Vc] chunk, and below fp32 the fp32
+    dh [T, h] and dW-chunk [Vc, h] accumulators. Gradient-in-forward path: one [Tc, V/tp]
+    chunk, dh [T, h] and dW [V/tp, h] held from forward to backward (fp32 accumulators; for an
+    fp32 model they are the gradients themselves, which count once as outputs)."""
+    from megagrpo.kernels.fused_output import (  # torch + triton: only when planning
+        chunk_shape,
+        grad_chunk_tokens,
+        use_grad_in_forward,
+    )
 
+    tg = grad_chunk_tokens(t, v_local)
+    if use_grad_in_forward(t, tg, h, b):
+        held = (t * h + v_local * h) * 4 if b < 4 else 0
+        return tg * v_local * b + held
     tc, vc = chunk_shape(t, v_local, cuda=True)
     accumulators = (t * h + vc * h) * 4 if b < 4 else 0
     return tc * vc * b + accumulators
