@@ -112,8 +112,9 @@ class ModelConfig:
                 f"use one of {ARCHITECTURES}"
             )
         if self.qkv_bias and self.architecture in ("qwen3", "qwen3_moe"):
-            raise ValueError(f"model.qkv_bias=true: {self.architecture} has no QKV bias (set it "
-                             "false, or model.architecture=qwen2)")
+            family = "Qwen3" if self.architecture == "qwen3" else "Qwen3-MoE"
+            raise ValueError(f"model.qkv_bias=true: {family} has no QKV bias (set it false, or "
+                             "model.architecture=qwen2)")
         self._validate_moe()
         self._validate_rope()
         if self.dtype not in DTYPES:
