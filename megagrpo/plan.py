@@ -18,11 +18,11 @@ What is counted, per rank, on the worst pipeline stage:
   `chunk_shape`; the gradient overwrites it), below fp32 the fp32 accumulators of dh [T, h] and
   of one dW chunk [Vc, h], and the fp32 per-row stats; where the update computes the gradient
   in the forward (`use_grad_in_forward`: large T) one [Tc, V/tp] chunk instead, with dh and the
-  whole shard's dW held from forward to backward (fp32 below an fp32 model). With it off, the fused kernels read the
-  vocab-parallel logits [T, V_pad/tp] in the model dtype and write the gradient into the same
-  buffer (compute.inplace_backward), plus the stats. Either is shown next to a naive path that
-  all-gathers [T, V] and runs an fp32 log_softmax (upcast copy, saved output and its gradient:
-  3 fp32 [T, V] tensors). T = compute.micro_batch_size x
+  whole shard's dW held from forward to backward (fp32 below an fp32 model). With it off, the
+  fused kernels read the vocab-parallel logits [T, V_pad/tp] in the model dtype and write the
+  gradient into the same buffer (compute.inplace_backward), plus the stats. Either is shown
+  next to a naive path that all-gathers [T, V] and runs an fp32 log_softmax (upcast copy,
+  saved output and its gradient: 3 fp32 [T, V] tensors). T = compute.micro_batch_size x
   rollout.max_model_len (the longest padded micro-batch).
 - activations: a rough estimate only (Korthikanti et al. 2022, arXiv 2205.05198, no
   recomputation, no sequence parallelism): s*b*h*(10 + 24/tp) bytes at 2 bytes/value per layer,
