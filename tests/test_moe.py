@@ -304,6 +304,17 @@ def test_readme_routing_table_is_the_results_table():
     assert got in (ROOT / "docs" / "performance.md").read_text()
 
 
+def test_readme_moe_throughput_row_is_the_report_row():
+    """README's moe throughput row is the one benchmarks/report.py makes from the results."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from report import markdown, read_records, summarize
+
+    rows = markdown(summarize(read_records(ROOT / "benchmarks" / "results" /
+                                           "throughput_cpu.jsonl"))).splitlines()
+    (moe,) = [r for r in rows if r.startswith("| moe | float32 |") and "tok/s" in r]
+    assert moe in (ROOT / "README.md").read_text()
+
+
 def test_moe_routing_benchmark_smallest(tmp_path):
     """benchmarks/moe_routing.py at its smallest: every sampled token's vLLM routing is found
     (the runner-layout hooks map each row to its request and position), and in fp32 vLLM and
