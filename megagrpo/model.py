@@ -93,10 +93,6 @@ def _layer_spec(model: ModelConfig, parallel: ParallelConfig, config=None):
         block = specs.get_gpt_layer_local_spec(normalization="RMSNorm",
                                                qk_layernorm=model.qk_norm)
         layers = [block]
-    if model.is_moe and parallel.tp > 1:
-        for spec in layers:
-            if spec.submodules.mlp.module is _moe_layer_class():
-                spec.submodules.mlp.module = _moe_layer_without_sp()
     if attention_impl_name(parallel) == "sdpa":
         from megagrpo.attention import SdpaAttention
 
@@ -254,6 +250,11 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 123
     )
     _cast_params(gpt, DTYPE[model.dtype])
     if model.is_moe and parallel.tp > 1:
+        # built as megatron's MoELayer (its spec, so it gets its process groups), then given
+        # the subclass that trains without sequence parallelism
+        for m in gpt.modules():
+            if type(m) is _moe_layer_class():
+                m.__class__ = _moe_layer_without_sp()
         _divide_expert_grads_by_tp(gpt, parallel.tp)
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
