@@ -59,10 +59,13 @@ def export_grads(gpt, out_dir, model_cfg, parallel):
             p.copy_(w)
 
 
-def run_layout(tp, pp, work, results):
-    from megagrpo.config.model import ParallelConfig
+def check_and_step(name, mcfg, parallel, tag, work, ref, results):
+    """One model at one layout: load the HF folder `work/name`, record the logits error
+    against transformers' (ref), export right after loading (round trip), run one training
+    step on ref's batch and export its reduced gradients with the optimizer's grad norm.
+    Returns (gpt, info)."""
     from megagrpo.distributed import init_distributed
-    from megagrpo.hf import load_hf_weights, model_config_from_hf
+    from megagrpo.hf import load_hf_weights
     from megagrpo.model import build_model
     from megagrpo.optim import (
         OptimConfig,
@@ -74,39 +77,49 @@ def run_layout(tp, pp, work, results):
     )
     from megagrpo.reshard import export_hf
 
+    hf_dir = os.path.join(work, name)
+    info = init_distributed(parallel, mcfg)
+    gpt = build_model(mcfg, parallel, seed=7)
+    load_hf_weights(gpt, hf_dir, mcfg, parallel, tp_rank=info.tp_rank, pp_rank=info.pp_rank)
+    logits = logits_of(gpt, ref["ids"], mcfg, parallel)
+    if logits is not None and info.tp_rank == 0 and info.dp_rank == 0:
+        hf = ref[f"{name}_logits"]
+        err = ((logits - hf).abs().max() / hf.abs().max()).item()
+        results.append({"layout": tag, "model": name, "logits_rel_err": err})
+    export_hf(gpt, os.path.join(work, f"rt_{name}_{tag}"), mcfg, parallel)
+    ocfg = OptimConfig(lr=1e-3, clip_grad=1.0)
+    ddp = wrap_ddp(gpt, ocfg)
+    opt = build_optimizer(ddp, ocfg)
+    zero_grad(ddp, opt)
+    # every DP rank feeds the same batch, as 2 micro-batches of 1 row: the reduced gradient
+    # is the mean over both (and over DP), so a DP sum or a missing 1/num_microbatches
+    # scales it by DP or 2 and the parent's single-process reference no longer matches (with
+    # MoE the experts also see every DP rank's tokens through the all-to-all)
+    ids, labels = ref["ids"], ref["labels"]
+    mbs = [(ids[i:i + 1], labels[i:i + 1]) for i in range(ids.shape[0])]
+    forward_backward(ddp, ce_forward, mbs, len(mbs), seq_length=ids.shape[1],
+                     micro_batch_size=1)
+    # the finalized grads (DP all-reduce + tied-embedding all-reduce across stages), before
+    # the optimizer clips them in place, exported under HF names
+    export_grads(gpt, os.path.join(work, f"grad_{name}_{tag}"), mcfg, parallel)
+    ok, gnorm = optimizer_step(ddp, opt)
+    if info.rank == 0:
+        results.append({"layout": tag, "model": name, "step_ok": ok, "grad_norm": gnorm})
+    return gpt, info
+
+
+def run_layout(tp, pp, work, results):
+    from megagrpo.config.model import ParallelConfig
+    from megagrpo.hf import model_config_from_hf
+    from megagrpo.reshard import export_hf
+
     ref = torch.load(os.path.join(work, "ref.pt"))
     # 56: the padded vocab (112) is the same at TP=1 and TP=2, so the CE losses compare
     parallel = ParallelConfig(tp=tp, pp=pp, make_vocab_size_divisible_by=56)
     tag = f"tp{tp}_pp{pp}"
     for name in ("llama", "qwen2"):
-        hf_dir = os.path.join(work, name)
-        mcfg = model_config_from_hf(hf_dir)
-        info = init_distributed(parallel, mcfg)
-        gpt = build_model(mcfg, parallel, seed=7)
-        load_hf_weights(gpt, hf_dir, mcfg, parallel, tp_rank=info.tp_rank, pp_rank=info.pp_rank)
-        logits = logits_of(gpt, ref["ids"], mcfg, parallel)
-        if logits is not None and info.tp_rank == 0 and info.dp_rank == 0:
-            hf = ref[f"{name}_logits"]
-            err = ((logits - hf).abs().max() / hf.abs().max()).item()
-            results.append({"layout": tag, "model": name, "logits_rel_err": err})
-        export_hf(gpt, os.path.join(work, f"rt_{name}_{tag}"), mcfg, parallel)
-        ocfg = OptimConfig(lr=1e-3, clip_grad=1.0)
-        ddp = wrap_ddp(gpt, ocfg)
-        opt = build_optimizer(ddp, ocfg)
-        zero_grad(ddp, opt)
-        # every DP rank feeds the same batch, as 2 micro-batches of 1 row: the reduced gradient
-        # is the mean over both (and over DP), so a DP sum or a missing 1/num_microbatches
-        # scales it by DP or 2 and the parent's single-process reference no longer matches
-        ids, labels = ref["ids"], ref["labels"]
-        mbs = [(ids[i:i + 1], labels[i:i + 1]) for i in range(ids.shape[0])]
-        forward_backward(ddp, ce_forward, mbs, len(mbs), seq_length=ids.shape[1],
-                         micro_batch_size=1)
-        # the finalized grads (DP all-reduce + tied-embedding all-reduce across stages), before
-        # the optimizer clips them in place, exported under HF names
-        export_grads(gpt, os.path.join(work, f"grad_{name}_{tag}"), mcfg, parallel)
-        ok, gnorm = optimizer_step(ddp, opt)
-        if info.rank == 0:
-            results.append({"layout": tag, "model": name, "step_ok": ok, "grad_norm": gnorm})
+        mcfg = model_config_from_hf(os.path.join(work, name))
+        gpt, _ = check_and_step(name, mcfg, parallel, tag, work, ref, results)
         if name == "llama":
             export_hf(gpt, os.path.join(work, f"step_{name}_{tag}"), mcfg, parallel)
         dist.barrier()

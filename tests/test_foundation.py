@@ -99,7 +99,12 @@ def test_reduced_grads_match_single_process(run, layout, model):
     norm the optimizer reports equal the float64 single-process gradient. The layouts run DP=4,
     2, 2, 1 on the same batch, so a DP sum instead of a mean, a wrong micro-batch or PP factor, a
     missing tied-embedding reduce or a norm that double-counts TP-replicated norms would fail."""
-    work, results, ref = run
+    assert_grads_match(*run, layout, model)
+
+
+def assert_grads_match(work, results, ref, layout: str, model: str) -> None:
+    """The worker's exported reduced gradients and its grad norm equal the float64 reference
+    `ref[model]` = (HF name -> grad, norm), to 1e-5 relative."""
     want, want_norm = ref[model]
     got = load_dir(work / f"grad_{model}_{layout}")
     assert sorted(got) == sorted(want)

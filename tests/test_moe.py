@@ -5,7 +5,6 @@ gradients (routed experts, router, shared expert, dense) and grad norm against a
 float64 gradient. One torchrun launch; see tests/_moe_worker.py."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,8 @@ import torch
 from megagrpo.hf import hf_config_dict, hf_shapes, model_config_from_hf
 from tests._launch import torchrun
 from tests.hf_tiny import load_dir, tiny_qwen2_moe, tiny_qwen3_moe
-from tests.test_foundation import reference_grads
+from tests.test_foundation import assert_grads_match, reference_grads
+from tests.test_model_families import _cli, _edited
 
 LAYOUTS = ["tp1_pp1_ep1", "tp2_pp1_ep2", "tp1_pp2_ep2", "tp1_pp1_ep4"]
 MODELS = ["qwen3_moe", "qwen2_moe"]
@@ -90,30 +90,12 @@ def test_moe_reduced_grads_match_single_process(run, layout, model):
     ones over DP, and the experts receive every DP rank's tokens through the all-to-all: a
     wrong scale on either, a router whose top-k softmax differs from HF's, or a missing
     shared-expert gate gradient fails here."""
-    work, results, ref = run
-    want, want_norm = ref[model]
-    got = load_dir(work / f"grad_{model}_{layout}")
-    assert sorted(got) == sorted(want)
-    for name, g in want.items():
-        err = (got[name].double() - g).abs().max().item()
-        scale = g.abs().max().item()
-        assert scale > 0, f"{name}: zero reference gradient"
-        assert err <= 1e-5 * scale, f"{name}: max |grad - ref| {err:.3g} vs max |ref| {scale:.3g}"
-    norms = [r["grad_norm"] for r in results
-             if r["layout"] == layout and r["model"] == model and "grad_norm" in r]
-    assert len(norms) == 1 and norms[0] == pytest.approx(want_norm, rel=1e-5), norms
+    assert_grads_match(*run, layout, model)
 
 
 # ------------------------------------------------------------------------------- configs
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "examples" / "demo.yaml")
-
-
-def _cli(*args, timeout=600):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    env.pop("TRITON_INTERPRET", None)
-    return subprocess.run([sys.executable, "-m", "megagrpo", *args], capture_output=True,
-                          text=True, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -142,14 +124,6 @@ def test_moe_configs_read_and_written(hf_dirs):
     # a Qwen3-MoE expert count under either key transformers and the released checkpoints use
     cfg = json.loads((hf_dirs / "qwen3_moe" / "config.json").read_text())
     assert cfg.get("num_local_experts", cfg.get("num_experts")) == 4
-
-
-def _edited(src: Path, dst: Path, **changes) -> Path:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 def test_moe_bad_layouts_refused_before_compute(hf_dirs, tmp_path):
