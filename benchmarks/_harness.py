@@ -10,7 +10,13 @@ everything the call allocates and keeps - outputs, gradients - does).
   goes through torch's CPU allocator as a ``[memory]`` event (+bytes / -bytes). Sorting them by
   time and taking the running sum's maximum gives the peak. This counts tensor bytes only, is
   independent of glibc's allocator caching (unlike RSS), and misses memory that libraries
-  allocate behind torch's back (oneDNN scratch pads, Python objects).
+  allocate behind torch's back (oneDNN scratch pads, Python objects). The profiler also keeps
+  a record of every op, which grows with the op count (at T=32768, V=151,936 the fused output
+  layer's chunked loop grew it past 16 GB): calls with too many ops to profile pass
+  ``method="rss"``.
+- CPU, ``method="rss"``: the process's resident-set high-water mark (``VmHWM``, reset through
+  ``/proc/self/clear_refs``) minus the resident set before the call. Counts every byte touched
+  (torch's, oneDNN's, Python's), and glibc's cached free memory: an upper bound, O(1) to take.
 """
 from __future__ import annotations
 
@@ -64,8 +70,24 @@ def _cpu_peak_bytes(fn: Callable[[], object]) -> int:
     return peak
 
 
-def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
-    """Peak bytes allocated during ``fn()`` beyond those allocated before it (see module doc)."""
+def _rss_kib() -> tuple[int, int]:
+    with open("/proc/self/status") as f:
+        fields = dict(ln.split(":", 1) for ln in f if ln.startswith(("VmRSS", "VmHWM")))
+    return int(fields["VmRSS"].split()[0]), int(fields["VmHWM"].split()[0])
+
+
+def _cpu_rss_peak_bytes(fn: Callable[[], object]) -> int:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM <- VmRSS
+    base = _rss_kib()[0]
+    fn()
+    return max(0, _rss_kib()[1] - base) * 1024
+
+
+def peak_extra_bytes(fn: Callable[[], object], device: torch.device,
+                     method: str = "allocator") -> int:
+    """Peak bytes allocated during ``fn()`` beyond those allocated before it (see module doc);
+    ``method`` (CPU only): "allocator" (torch's allocations, exact) or "rss"."""
     if device.type == "cuda":
         sync(device)
         base = torch.cuda.memory_allocated(device)
@@ -73,6 +95,10 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
         fn()
         sync(device)
         return torch.cuda.max_memory_allocated(device) - base
+    if method == "rss":
+        return _cpu_rss_peak_bytes(fn)
+    if method != "allocator":
+        raise ValueError(f"peak_extra_bytes: method must be 'allocator' or 'rss', got {method!r}")
     return _cpu_peak_bytes(fn)
 
 

@@ -27,10 +27,12 @@ TP=2 runs 2 ranks (spawned, gloo, the cores split between them); rank 0 measures
 collectives included. ``peak_extra_bytes`` (``_harness``): the highest allocation during the
 call beyond what existed before it; ``peak_beyond_outputs_bytes`` subtracts the outputs the
 call returns (dh, dW), and ``peak_pct_of_logits`` is that over the bytes of (a)'s logits
-``[T, V/tp]``. Before running a size, each path's need is estimated against the memory budget
-(``--mem-gib``, default 85% of the free GPU memory, or of MemAvailable shared by the ranks):
-a size a path cannot reach is a row with ``skipped`` saying why, never a crash (an allocation
-failure is caught the same way).
+``[T, V/tp]``; on CPU the peak is torch's allocations (the profiler's record) up to
+PROFILE_MAX_LOGITS logits per rank and the RSS high-water mark beyond (``peak_method``; the
+table marks those "(RSS)"). Before running a size, each path's need is estimated against the
+memory budget (``--mem-gib``, default 85% of the free GPU memory, or of MemAvailable shared
+by the ranks): a size a path cannot reach is a row with ``skipped`` saying why, never a
+crash (an allocation failure is caught the same way).
 On CPU each row carries the 1-minute load average and ``torch.backends.cpu`` capability.
 """
 from __future__ import annotations
@@ -149,14 +151,27 @@ def mem_budget(arg_gib: float | None, tp: int, device: torch.device) -> int:
     return int(0.85 * avail / tp)
 
 
-def run_path(path: str, inp: dict, group, device, iters: int) -> dict:
+PROFILE_MAX_LOGITS = 1 << 31
+"""Above this many logits per rank the CPU peak is the RSS high-water mark, not the profiler's
+allocation record (which grows with the op count: >16 GB at T=32768, TP=1)."""
+
+
+def peak_method(t: int, v_local: int, device: torch.device, arg: str = "auto") -> str:
+    if device.type != "cpu":
+        return "allocator"
+    if arg != "auto":
+        return arg
+    return "rss" if t * v_local > PROFILE_MAX_LOGITS else "allocator"
+
+
+def run_path(path: str, inp: dict, group, device, iters: int, method: str = "allocator") -> dict:
     h = inp["hidden"].clone().requires_grad_()
     w = inp["weight"].clone().requires_grad_()
 
     def step():
         return torch.autograd.grad(loss_of(path, h, w, inp, group)[0], [h, w])
 
-    peak = peak_extra_bytes(step, device)  # first call: also the warm-up
+    peak = peak_extra_bytes(step, device, method)  # first call: also the warm-up
     samples = time_samples(step, device, warmup=0, iters=iters)
     with torch.no_grad():
         loss = loss_of(path, h, w, inp, group)[1].float()
@@ -219,6 +234,7 @@ def bench_size(rank, tp, t, dname, dtype, budget, group, device, args) -> None:
         if device.type == "cpu":
             record.update(load_avg_1m=round(os.getloadavg()[0], 2),
                           cpu=torch.backends.cpu.get_cpu_capability())
+        record["peak_method"] = peak_method(t, v_local, device, args.peak_method)
         need = need_bytes(path, t, args.H, v_local, b)
         inputs = (t * args.H + v_local * args.H) * b
         if path == "naive" and tp > 1:
@@ -232,7 +248,7 @@ def bench_size(rank, tp, t, dname, dtype, budget, group, device, args) -> None:
             try:
                 if inp is None:
                     inp = make_inputs(t, args.H, args.V, tp, rank, dtype, device, group)
-                res = run_path(path, inp, group, device, args.iters)
+                res = run_path(path, inp, group, device, args.iters, record["peak_method"])
             except (RuntimeError, MemoryError) as e:  # an allocation failure: a row, no crash
                 reason = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         if reason is not None:
@@ -250,30 +266,94 @@ def bench_size(rank, tp, t, dname, dtype, budget, group, device, args) -> None:
     del inp
 
 
+SMOLLM2_135M = ["model.vocab_size=49152", "model.hidden_size=576", "model.ffn_hidden_size=1536",
+                "model.num_layers=30", "model.num_attention_heads=9", "model.num_query_groups=3",
+                "model.head_dim=64", "model.max_position_embeddings=2048",
+                "model.tie_word_embeddings=true"]
+"""SmolLM2-135M-Instruct's shapes (the step-level rows use random weights: memory depends on
+shapes only)."""
+
+
+def _step_batch(n: int, prompt: int, completion: int, vocab: int):
+    from megagrpo.batch import pack
+
+    g = torch.Generator().manual_seed(n)
+    prompts = [torch.randint(1, vocab, (prompt,), generator=g).tolist() for _ in range(n)]
+    comps = [torch.randint(1, vocab, (completion,), generator=g).tolist() for _ in range(n)]
+    return pack(prompts, comps, [[-1.0] * completion] * n, torch.randn(n, generator=g), pad_id=0,
+                multiple=n)
+
+
 def fit_rows(args) -> None:
-    """The step-level effect on the vocab pass: the largest micro-batch (tokens) whose vocab
-    pass fits ``--fit-gib`` per rank, per path, on the SmolLM2-135M shapes (H 576, V 49,152,
-    TP=1): peak extra memory (beyond inputs and outputs) measured at two sizes, a line through
-    them (the pass is linear in T), solved for the budget. The fused op's chunk grows with T up
-    to its cap (``CHUNK_ELEMS``), which these small sizes do not reach: its fixed term is then
-    up to ~2 x 16 MiB larger than fitted (negligible against a GiB budget). The rest of the step
-    (weights, activations) is not in it: that is the planner's arithmetic (megagrpo plan)."""
-    device = torch.device(args.device)
-    h, v, sizes = 576, 49152, (128, 256)
-    for path in args.paths.split(","):
-        peaks = []
-        for t in sizes:
-            inp = make_inputs(t, h, v, 1, 0, DTYPES["fp32"], device)
-            peaks.append(run_path(path, inp, None, device, 1)["peak_beyond_outputs_bytes"])
-        per_token = (peaks[1] - peaks[0]) / (sizes[1] - sizes[0])
-        fixed = peaks[0] - per_token * sizes[0]
-        budget = args.fit_gib * (1 << 30)
-        out_per_token = h * 4  # dh is an output, but it is live memory too
-        max_t = int((budget - fixed) / (per_token + out_per_token)) if per_token > 0 else None
-        emit(dict(fit="smollm2-135m vocab pass", path=path, H=h, V=v, dtype="fp32",
-                  device=device.type, budget_gib=args.fit_gib, measured_T=list(sizes),
-                  bytes_per_token=round(per_token + out_per_token), fixed_bytes=round(fixed),
-                  max_tokens=max_t), args.out)
+    """The step-level effect: the largest micro-batch (tokens) whose GRPO update pass (one
+    micro-batch forward + backward through a megatron model of SmolLM2-135M's shapes, 1 rank,
+    fp32, beta 0.04 with k3, the output layer at loss positions) fits ``--fit-gib`` of extra
+    memory beyond the model, its gradients and the optimizer state, with the fused output layer
+    and without (the logits path). Peak extra memory (torch's allocations) is measured at two
+    micro-batch sizes (sequences of 64 prompt + ``--fit-completion`` completion tokens), a line
+    through them (the pass is linear in the sequence count) solved for the budget; with
+    ``--fit-verify`` the pass is then run at the fitted size and its peak printed too."""
+    from functools import partial
+
+    from megagrpo.config.train import load_config
+    from megagrpo.distributed import init_distributed, training_layout
+    from megagrpo.losses import grpo_loss
+    from megagrpo.model import build_model
+    from megagrpo.optim import build_optimizer, wrap_ddp, zero_grad
+    from megagrpo.passes import Passes
+
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(29500 + os.getpid() % 1000)).items():
+        os.environ.setdefault(k, v)
+    cfg = load_config(None, SMOLLM2_135M + [f"model.num_layers={args.fit_layers}",
+        "algo.beta=0.04", "algo.kl_estimator=k3", "compute.skip_zero_advantage=false",
+        "log.progress=false"])
+    device = torch.device("cpu")
+    info = init_distributed(cfg.parallel, cfg.model)
+    ranks, groups = training_layout(cfg.parallel, cfg.model, info)
+    ddp = wrap_ddp(build_model(cfg.model, cfg.parallel, seed=3), cfg.optim)
+    opt = build_optimizer(ddp, cfg.optim)
+    passes = Passes(cfg, ranks, groups)
+    prompt, completion = 64, args.fit_completion
+    seq = prompt + completion
+
+    def peak(n: int, fused: bool) -> int:
+        cfg.compute.micro_batch_size = n
+        cfg.compute.fused_output_layer = fused
+        batch = _step_batch(n, prompt, completion, cfg.model.vocab_size)
+        with torch.no_grad():
+            scored = passes.logprobs(ddp, batch)
+        batch.old_logp = torch.where(batch.mask, scored + 0.1, 0.0)
+        batch.ref_logp = torch.where(batch.mask, scored - 0.1, 0.0)
+        plan = passes.plan(batch, n)
+        ctx = passes.loss_context(scale=len(plan), counts=passes.counts(batch, len(plan)),
+                                  algo=cfg.algo, inplace_backward=True)
+        zero_grad(ddp, opt)
+        return peak_extra_bytes(lambda: passes.run(ddp, partial(grpo_loss, ctx), plan,
+                                                    batch.ids.shape[1], n), device)
+
+    sizes = (2, 4)
+    budget = args.fit_gib * (1 << 30)
+    rows = {}
+    for fused in (False, True):
+        peaks = [peak(n, fused) for n in sizes]
+        per_seq = (peaks[1] - peaks[0]) / (sizes[1] - sizes[0])
+        fixed = peaks[0] - per_seq * sizes[0]
+        max_seqs = int((budget - fixed) // per_seq)
+        row = dict(fit="smollm2-135m grpo update micro-batch", layers=args.fit_layers,
+                   path="fused" if fused else "logits", H=576, V=49152, dtype="fp32",
+                   device=device.type, cpu=torch.backends.cpu.get_cpu_capability(),
+                   budget_gib=args.fit_gib,
+                   seq_tokens=seq, measured_seqs=list(sizes), measured_peak_bytes=peaks,
+                   bytes_per_token=round(per_seq / seq), fixed_bytes=round(fixed),
+                   max_seqs=max_seqs, max_tokens=max_seqs * seq)
+        if args.fit_verify:
+            row["verified_peak_bytes"] = peak(max_seqs, fused)
+        rows[fused] = row
+    rows[True]["tokens_vs_logits_path"] = round(rows[True]["max_tokens"] /
+                                                max(1, rows[False]["max_tokens"]), 2)
+    for row in rows.values():
+        emit(row, args.out)
 
 
 def _fused_grad(path: str, t: int, v_local: int, h: int = 1024, dtype: str = "fp32") -> str:
@@ -320,7 +400,10 @@ def table(path: str) -> str:
             return f"{r['fwd_bwd_s'] / a['fwd_bwd_s']:.2f}x" if ok else "-"
 
         def pct(r):
-            return f"{r['peak_pct_of_logits']:.1f}%" if r and "peak_pct_of_logits" in r else "-"
+            if not (r and "peak_pct_of_logits" in r):
+                return "-"
+            rss = " (RSS)" if r.get("peak_method") == "rss" else ""
+            return f"{r['peak_pct_of_logits']:.1f}%{rss}"
 
         r0 = a or b3 or b4
         auto = _fused_grad("fused", key[3], r0["V_local"], r0["H"], key[2])
@@ -343,11 +426,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--iters", type=int, default=None, help="timed iterations (5 GPU, 1 CPU)")
     ap.add_argument("--mem-gib", type=float, default=None, help="memory budget per rank")
+    ap.add_argument("--peak-method", default="auto", choices=("auto", "allocator", "rss"),
+                    help="CPU peak memory: torch's allocations (profiler) or the RSS high-water "
+                         "mark; auto: rss above PROFILE_MAX_LOGITS logits per rank")
     ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
     ap.add_argument("--check", action="store_true", help="float64 check first (exit 1 on error)")
     ap.add_argument("--fit-gib", type=float, default=None,
-                    help="only the largest micro-batch whose vocab pass fits this budget "
-                         "(SmolLM2-135M shapes), see fit_rows")
+                    help="only the largest GRPO micro-batch (tokens) whose update pass fits this "
+                         "budget with and without the fused layer (SmolLM2-135M shapes), see "
+                         "fit_rows")
+    ap.add_argument("--fit-completion", type=int, default=448,
+                    help="completion tokens per sequence of the --fit-gib rows")
+    ap.add_argument("--fit-layers", type=int, default=30,
+                    help="decoder layers of the --fit-gib model (30: SmolLM2-135M's)")
+    ap.add_argument("--fit-verify", action="store_true",
+                    help="--fit-gib: also run the fitted size and print its measured peak")
     ap.add_argument("--table", default=None, metavar="JSONL",
                     help="only print docs/performance.md's table from these result lines")
     args = ap.parse_args(argv)

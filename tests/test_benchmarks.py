@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
@@ -59,6 +60,45 @@ def test_fused_output_benchmark_smallest(tmp_path, capsys):
     big = [json.loads(ln) for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
     assert {r["path"] for r in big} == {"naive", "fused_forward"}
     assert all("budget" in r["skipped"] for r in big)
+
+
+def test_fused_output_step_fit_smallest():
+    """--fit-gib at 2 layers of SmolLM2-135M's shapes: the logits path's extra bytes per token
+    exceed the fused layer's by about the fp32 logits row it holds (V x 4 bytes per completion
+    token), so the fused layer fits more tokens, and the pass run at the fitted size stays
+    within the budget."""
+    rows = _run("fused_output.py", "--fit-gib", "0.25", "--fit-layers", "2",
+                "--fit-completion", "32", "--fit-verify")
+    by = {r["path"]: r for r in rows if "fit" in r}
+    assert set(by) == {"logits", "fused"}, rows
+    logits_row = 49152 * 4 * 32 / (64 + 32)  # per token of the sequence
+    gap = by["logits"]["bytes_per_token"] - by["fused"]["bytes_per_token"]
+    assert 0.8 * logits_row < gap < 1.5 * logits_row, (gap, logits_row)
+    assert by["fused"]["max_tokens"] > by["logits"]["max_tokens"]
+    assert by["fused"]["tokens_vs_logits_path"] > 1
+    for r in by.values():
+        assert 0.7 * (0.25 * 2**30) < r["verified_peak_bytes"] <= 1.02 * (0.25 * 2**30), r
+
+
+@pytest.mark.parametrize("method", ["allocator", "rss"])
+def test_harness_cpu_peak_counts_a_temporary(method):
+    """The CPU peak of a call that fills and frees a 64 MiB temporary and returns a 16 MiB
+    tensor is about 80 MiB by either method (the rss one also counts glibc's slack); a wrong
+    baseline or an unreset high-water mark would be off by the 64 MiB or by what ran before."""
+    sys.path.insert(0, str(BENCH))
+    from _harness import peak_extra_bytes
+    mib = 1 << 20
+    ballast = torch.ones(256 * mib // 4)  # RSS before the call: must not count
+    del ballast
+
+    def call():
+        tmp = torch.ones(64 * mib // 4)
+        out = torch.full((16 * mib // 4,), float(tmp[0]))
+        del tmp
+        return out
+
+    peak = peak_extra_bytes(call, torch.device("cpu"), method=method)
+    assert 78 * mib <= peak <= (82 if method == "allocator" else 100) * mib, peak / mib
 
 
 def test_hf_logits_benchmark(tmp_path):
