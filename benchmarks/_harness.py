@@ -16,7 +16,8 @@ everything the call allocates and keeps - outputs, gradients - does).
   ``method="rss"``.
 - CPU, ``method="rss"``: the process's resident-set high-water mark (``VmHWM``, reset through
   ``/proc/self/clear_refs``) minus the resident set before the call. Counts every byte touched
-  (torch's, oneDNN's, Python's), and glibc's cached free memory: an upper bound, O(1) to take.
+  (torch's, oneDNN's, Python's; glibc's free memory is trimmed first, so memory freed by
+  earlier calls is not silently reused), O(1) to take.
 """
 from __future__ import annotations
 
@@ -77,6 +78,10 @@ def _rss_kib() -> tuple[int, int]:
 
 
 def _cpu_rss_peak_bytes(fn: Callable[[], object]) -> int:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc's cached free memory back to the OS: else
+    # the call could reuse it without raising the RSS (a peak of 0 after a larger call)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM <- VmRSS
     base = _rss_kib()[0]

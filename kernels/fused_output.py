@@ -184,7 +184,8 @@ def _row_fns(path: str, vc: int):
 
 
 def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b``; ``acc`` fp32, ``a``/``b`` in the inputs' dtype (product in it too)."""
+    """``acc += a @ b``; ``acc`` fp32 (or, zero and in the inputs' dtype, the product's
+    destination), ``a``/``b`` in the inputs' dtype (product in it too)."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
     else:
@@ -217,15 +218,17 @@ def _backward(hidden, weight, target, vocab_start, valid, inv_temp, big_m, log_s
     tc, vc = shape
     dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dh else None
     dw = torch.zeros_like(weight) if need_dw else None
-    fp32_w = weight.dtype == torch.float32
+    # dW's rows of a vocab chunk sum over the token chunks: in place for fp32 weights, in an
+    # fp32 accumulator otherwise, except with one token chunk (T <= Tc), where the one product
+    # is written straight into dW (one GEMM rounding, as megatron's dW; no [Vc, H] fp32 buffer)
+    direct = weight.dtype == torch.float32 or n <= tc
     bwd_fn = _row_fns(path, vc)[1]
     for c0 in range(0, valid, vc):
         c1 = min(c0 + vc, valid)
         w_c = weight[c0:c1]
         dw_c = None
-        if need_dw:
-            dw_c = dw[c0:c1] if fp32_w else torch.zeros(w_c.shape, dtype=torch.float32,
-                                                        device=w_c.device)
+        if need_dw and not direct:
+            dw_c = torch.zeros(w_c.shape, dtype=torch.float32, device=w_c.device)
         for t0 in range(0, n, tc):
             t1 = min(t0 + tc, n)
             h_t = hidden[t0:t1]
@@ -235,10 +238,12 @@ def _backward(hidden, weight, target, vocab_start, valid, inv_temp, big_m, log_s
                    inv_temp)
             if need_dh:
                 _accumulate_mm(dh[t0:t1], grad, w_c)
-            if need_dw:
+            if need_dw and direct:
+                _accumulate_mm(dw[c0:c1], grad.T, h_t)  # fp32: addmm_; else the one product
+            elif need_dw:
                 _accumulate_mm(dw_c, grad.T, h_t)
             del grad
-        if need_dw and not fp32_w:
+        if dw_c is not None:
             dw[c0:c1] = dw_c
     return dh, dw
 

@@ -26,6 +26,8 @@ TP1_GRPO = grpo_cases(1)
 LOGPROB = {
     "fp32_t08": fused_case(21, 16, 700, 1, torch.float32, 1, kind="logprob", temperature=0.8),
     "bf16": fused_case(21, 16, 700, 1, torch.bfloat16, 2, kind="logprob", temperature=1.3),
+    # one token chunk: bf16 dW written straight from its one product, no fp32 accumulator
+    "bf16_one_token_chunk": fused_case(7, 16, 700, 1, torch.bfloat16, 6, kind="logprob"),
     "large_logits": fused_case(12, 16, 500, 1, torch.float32, 3, kind="logprob",
                                logit_scale=300.0),
     "padded": fused_case(19, 8, 512, 1, torch.float32, 4, kind="logprob", pad=100),
