@@ -318,7 +318,8 @@ def fit_rows(args) -> None:
     seq = prompt + completion
 
     def peak(n: int, fused: bool) -> int:
-        cfg.compute.micro_batch_size = n
+        cfg.compute.micro_batch_size = n  # all n sequences in one (packed) micro-batch
+        cfg.compute.micro_batch_tokens = n * seq
         cfg.compute.fused_output_layer = fused
         batch = _step_batch(n, prompt, completion, cfg.model.vocab_size)
         with torch.no_grad():
@@ -346,13 +347,13 @@ def fit_rows(args) -> None:
                    budget_gib=args.fit_gib,
                    seq_tokens=seq, measured_seqs=list(sizes), measured_peak_bytes=peaks,
                    bytes_per_token=round(per_seq / seq), fixed_bytes=round(fixed),
-                   max_seqs=max_seqs, max_tokens=max_seqs * seq)
-        if args.fit_verify:
+                   max_seqs=max_seqs, max_tokens=int((budget - fixed) // (per_seq / seq)))
+        if fused:
+            row["tokens_vs_logits_path"] = round(row["max_tokens"] /
+                                                 max(1, rows[False]["max_tokens"]), 2)
+        if args.fit_verify and budget < 0.6 * mem_budget(None, 1, device):
             row["verified_peak_bytes"] = peak(max_seqs, fused)
         rows[fused] = row
-    rows[True]["tokens_vs_logits_path"] = round(rows[True]["max_tokens"] /
-                                                max(1, rows[False]["max_tokens"]), 2)
-    for row in rows.values():
         emit(row, args.out)
 
 
@@ -381,7 +382,7 @@ def table(path: str) -> str:
     latest: dict[tuple, dict] = {}
     for line in open(path):
         r = json.loads(line) if line.strip() else None
-        if r and "path" in r:
+        if r and "path" in r and "fit" not in r:  # --fit-gib rows have their own lines
             latest[(r["device"], r["TP"], r["dtype"], r["T"], _column(r))] = r
     sizes = sorted({k[:4] for k in latest}, key=lambda k: (k[0], k[2] != "fp32", k[1], k[3]))
     head = ("| device | TP | dtype | T | (a) logits | (b3) fused, 3 matmuls | (b4) fused, "
@@ -412,6 +413,24 @@ def table(path: str) -> str:
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {sec(a)} | {sec(b3)} | "
                      f"{sec(b4)} | {ratio(b3)} | {ratio(b4)} | {runs} | {pct(b3)} / {pct(b4)} | "
                      f"{sec(c)} | {'-' if load is None else load} |")
+    return "\n".join(lines)
+
+
+def fit_table(path: str) -> str:
+    """docs/performance.md's step-level rows from the --fit-gib lines in ``path`` (the newest
+    line per path and budget)."""
+    latest: dict[tuple, dict] = {}
+    for line in open(path):
+        r = json.loads(line) if line.strip() else None
+        if r and "fit" in r:
+            latest[(r["budget_gib"], r["path"])] = r
+    lines = []
+    for (gib, path_name), r in sorted(latest.items(), key=lambda kv: (kv[0][0],
+                                                                      kv[0][1] != "logits")):
+        name = "(a) logits" if path_name == "logits" else "(b) fused output layer"
+        more = (f" ({r['tokens_vs_logits_path']:.2f}x)" if "tokens_vs_logits_path" in r else "")
+        lines.append(f"| {name} | {r['bytes_per_token'] / 1e6:.3f} MB | "
+                     f"{r['fixed_bytes'] / 2**20:.0f} MiB | {r['max_tokens']} tokens{more} |")
     return "\n".join(lines)
 
 
@@ -446,6 +465,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.table:
         print(table(args.table))
+        fit = os.path.join(os.path.dirname(args.table), "fused_output_fit_cpu.jsonl")
+        if os.path.exists(fit):
+            print("\n" + fit_table(fit))
         return
     if args.fit_gib is not None:
         args.iters = 1

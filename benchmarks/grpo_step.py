@@ -187,7 +187,8 @@ def _record(rows: list[dict], lengths: list[int]) -> dict:
         real_tokens_update=round(mean["real_update"], 1),
         flops_update=mean["flops_update"], flops_score=mean["flops_score"],
         flops_rollout=mean["flops_rollout"],
-        **W.length_stats(lengths), reward_mean=round(mean.get("reward_mean", float("nan")), 4))
+        **W.length_stats(lengths), reward_mean=round(mean.get("reward_mean", float("nan")), 4),
+        logp_gap_vllm_mean=mean.get("logp_gap_vllm_mean"))
 
 
 def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) -> None:

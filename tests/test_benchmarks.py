@@ -62,22 +62,33 @@ def test_fused_output_benchmark_smallest(tmp_path, capsys):
     assert all("budget" in r["skipped"] for r in big)
 
 
+def test_performance_doc_fused_output_table_is_the_results_table():
+    """docs/performance.md's fused output table is the one fused_output.py --table makes from
+    benchmarks/results/fused_output_cpu.jsonl (figures are generated, never typed in)."""
+    mod, results = _bench_module("fused_output"), BENCH / "results"
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    assert mod.table(str(results / "fused_output_cpu.jsonl")) in doc
+    assert mod.fit_table(str(results / "fused_output_fit_cpu.jsonl")) in doc
+
+
 def test_fused_output_step_fit_smallest():
     """--fit-gib at 2 layers of SmolLM2-135M's shapes: the logits path's extra bytes per token
     exceed the fused layer's by about the fp32 logits row it holds (V x 4 bytes per completion
     token), so the fused layer fits more tokens, and the pass run at the fitted size stays
     within the budget."""
-    rows = _run("fused_output.py", "--fit-gib", "0.25", "--fit-layers", "2",
-                "--fit-completion", "32", "--fit-verify")
+    budget = 0.5 * 2**30
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the step: torch
+    rows = _run("fused_output.py", "--fit-gib", "0.5", "--fit-layers", "2", "--fit-verify",
+                env=env)
     by = {r["path"]: r for r in rows if "fit" in r}
     assert set(by) == {"logits", "fused"}, rows
-    logits_row = 49152 * 4 * 32 / (64 + 32)  # per token of the sequence
+    logits_row = 49152 * 4 * 448 / 512  # per token of a 64 + 448-token sequence
     gap = by["logits"]["bytes_per_token"] - by["fused"]["bytes_per_token"]
-    assert 0.8 * logits_row < gap < 1.5 * logits_row, (gap, logits_row)
-    assert by["fused"]["max_tokens"] > by["logits"]["max_tokens"]
-    assert by["fused"]["tokens_vs_logits_path"] > 1
+    assert 0.9 * logits_row < gap < 1.2 * logits_row, (gap, logits_row)
+    assert by["fused"]["max_tokens"] > 1.5 * by["logits"]["max_tokens"]
+    assert by["fused"]["tokens_vs_logits_path"] > 1.5
     for r in by.values():
-        assert 0.7 * (0.25 * 2**30) < r["verified_peak_bytes"] <= 1.02 * (0.25 * 2**30), r
+        assert 0.6 * budget < r["verified_peak_bytes"] <= 1.02 * budget, r
 
 
 @pytest.mark.parametrize("method", ["allocator", "rss"])
