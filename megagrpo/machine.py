@@ -57,15 +57,30 @@ def cpu_features() -> str:
         f"; {', '.join(have)}" if have else "")
 
 
-def dtype_advice(threads: int | None = None) -> str:
+SMALL_MODEL_PARAMS = 10_000_000
+"""Below this many parameters bf16 did not pay end to end even where its matmuls are 5.7x
+faster (Xeon with AMX, GRPO steps against fp32: 0.85M params 0.73x, hidden-256 x 6 layers
+0.74x, 12.6M 1.15x, SmolLM2-135M 1.66x; docs/performance.md): per-op overhead and casts
+dominate small matrices."""
+
+
+def dtype_advice(threads: int | None = None, params: int | None = None) -> str:
     """One line: fp32 vs bf16 torch.mm on this CPU (measured now, ~1 s) and which
-    model.dtype trains faster here."""
+    model.dtype trains faster here, for a model of `params` parameters when given."""
     threads = threads or torch.get_num_threads()
     fp32, n32 = gemm_gflops("float32", threads, size=1024, iters=3, budget_s=0.2)
     bf16, n16 = gemm_gflops("bfloat16", threads, size=1024, iters=3, budget_s=0.2)
     ratio = bf16 / max(fp32, 1e-9)
-    pick = ("bfloat16 (set model.dtype=bfloat16 rollout.dtype=bfloat16 algo.rollout_is=truncate)"
-            if ratio > 1.2 else "float32")
+    small = params is not None and params < SMALL_MODEL_PARAMS
+    if ratio > 1.2 and not small:
+        pick = ("bfloat16 (set model.dtype=bfloat16 rollout.dtype=bfloat16 "
+                "algo.rollout_is=truncate)")
+    elif ratio > 1.2:
+        pick = (f"float32 (bf16 matmuls are faster, but at {params / 1e6:.1f}M parameters, "
+                f"under {SMALL_MODEL_PARAMS // 10**6}M, per-op overhead and casts outweigh "
+                "them: measured slower end to end)")
+    else:
+        pick = "float32"
     return (f"this CPU ({cpu_features()}), torch.mm at {threads} threads: fp32 {fp32:.0f} "
             f"GFLOP/s (n={n32}), bf16 {bf16:.1f} GFLOP/s (n={n16}), bf16/fp32 = {ratio:.2f}x: "
             f"the faster training dtype here is {pick}")

@@ -478,5 +478,5 @@ def run_plan(config: str | None, overrides: list[str], *, gpus: int = 0,
         from megagrpo.machine import dtype_advice
 
         if not torch.cuda.is_available():
-            print("\n" + dtype_advice())
+            print("\n" + dtype_advice(params=total_params(m)))
     return 0 if current.total <= gpu_mem_gib * GIB else 1
