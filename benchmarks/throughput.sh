@@ -4,8 +4,8 @@
 # (benchmarks/report.py).
 #   bash benchmarks/throughput.sh            # on a quiet machine (smollm2 dominates the time)
 #   WARMUP=1 STEPS=3 bash benchmarks/throughput.sh
-# Runs: demo, varlen, midsize, moe and smollm2 in float32; demo, varlen, midsize and smollm2
-# in bfloat16; megagrpo at 1 and 2 ranks (grpo_step.py), TRL 1.16 at 1 and 2 threads (trl_grpo_baseline.py, .venv-trl); every
+# Runs: demo, varlen, midsize, moe and smollm2 in float32 and in bfloat16;
+# megagrpo at 1 and 2 ranks (grpo_step.py), TRL 1.16 at 1 and 2 threads (trl_grpo_baseline.py, .venv-trl); every
 # record carries the 1-minute load average it ran under. smollm2 is skipped (a "skipped" line)
 # when models/smollm2-135m is absent. bfloat16 is skipped when this CPU has no fast bf16 matrix
 # multiply (torch.mm bf16 under a fifth of fp32: no avx512_bf16/AMX, bf16 runs a slow fallback);
@@ -31,7 +31,7 @@ PY
 )
 runs="demo:float32 varlen:float32 midsize:float32 moe:float32 smollm2:float32"
 if [ "$fast_bf16" = 1 ] || [ "${FORCE_BF16:-0}" = 1 ]; then
-  runs="$runs demo:bfloat16 varlen:bfloat16 midsize:bfloat16 smollm2:bfloat16"
+  runs="$runs demo:bfloat16 varlen:bfloat16 midsize:bfloat16 moe:bfloat16 smollm2:bfloat16"
 else
   echo "[throughput] skipping bfloat16: torch.mm bf16 is under a fifth of fp32 on this CPU (FORCE_BF16=1 runs it)"
 fi
