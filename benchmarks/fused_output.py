@@ -302,14 +302,11 @@ def fit_rows(args) -> None:
     from megagrpo.optim import build_optimizer, wrap_ddp, zero_grad
     from megagrpo.passes import Passes
 
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(29500 + os.getpid() % 1000)).items():
-        os.environ.setdefault(k, v)
     cfg = load_config(None, SMOLLM2_135M + [f"model.num_layers={args.fit_layers}",
         "algo.beta=0.04", "algo.kl_estimator=k3", "compute.skip_zero_advantage=false",
         "log.progress=false"])
     device = torch.device("cpu")
-    info = init_distributed(cfg.parallel, cfg.model)
+    info = init_distributed(cfg.parallel, cfg.model)  # a bare process: rank 0 of 1
     ranks, groups = training_layout(cfg.parallel, cfg.model, info)
     ddp = wrap_ddp(build_model(cfg.model, cfg.parallel, seed=3), cfg.optim)
     opt = build_optimizer(ddp, cfg.optim)
@@ -470,7 +467,6 @@ def main(argv: list[str] | None = None) -> None:
             print("\n" + fit_table(fit))
         return
     if args.fit_gib is not None:
-        args.iters = 1
         fit_rows(args)
         return
     args.iters = args.iters or (5 if args.device == "cuda" else 1)
