@@ -16,7 +16,15 @@ record_function by wrapping what the trainer calls:
                fused log-prob / GRPO loss kernels), forward and backward as above
   optimizer    megagrpo.trainer.optimizer_step
   other        the rest of the phase (micro-batch slicing, zero_grad, metrics, reductions)
-forward and backward are reported without their attention and output+loss parts. Per phase
+forward and backward are reported without their attention and output+loss parts.
+
+The same phases split by what the CPU ran (`kernels`): the self time of torch's GEMM kernels
+(aten::mm, addmm, bmm, ...; their FLOPs from the profiler's `with_flops`, so `gemm_rate_frac` is
+the rate the GEMMs reached at these shapes over torch.mm's 2048^3 rate), of the SDPA attention
+kernels, of copies (copy_, cat, clone, index, fill), of every other aten op (element-wise: norm,
+activation, RoPE, softmax, adds, the loss), and the rest of the phase: Python, megatron-core's
+module code, autograd's bookkeeping and op dispatch (`overhead`). `top_gemms` lists the shapes
+that took the most GEMM time, with their rate. Per phase
 (update, score): seconds per step and share of the phase, the padded-token share (as
 grpo_step.py) and the achieved useful FLOP/s (`_workloads.forward_flops`) against torch.mm's
 measured rate at the same threads and dtype. The profiler's own overhead inflates the seconds a
@@ -120,6 +128,57 @@ def attribute(events) -> dict[str, dict[str, float]]:
     return out
 
 
+GEMM_OPS = frozenset(("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmv",
+                      "aten::mv", "aten::_addmm_activation"))
+COPY_OPS = frozenset(("aten::copy_", "aten::cat", "aten::clone", "aten::index",
+                      "aten::index_select", "aten::index_put_", "aten::fill_", "aten::zero_",
+                      "aten::contiguous", "aten::_to_copy", "aten::stack"))
+KERNEL_ROWS = ("gemm", "attention", "copy", "elementwise", "overhead")
+
+
+def kernel_row(name: str) -> str:
+    """The `kernels` row of one aten op's self time."""
+    if name in GEMM_OPS:
+        return "gemm"
+    if "scaled_dot_product" in name or "flash_attention" in name:
+        return "attention"
+    return "copy" if name in COPY_OPS else "elementwise"
+
+
+def kernel_breakdown(events, total_s: float, span: list[tuple[float, float]],
+                     rate_gflops: float, steps: int = 1, top: int = 6) -> dict:
+    """Seconds per step of one phase by what ran (KERNEL_ROWS), the GEMMs' achieved rate and
+    the shapes that took longest (see the module docstring). `total_s`: the phase's seconds
+    over all `steps` profiled steps."""
+    sec = {r: 0.0 for r in KERNEL_ROWS}
+    gemm_flops = 0.0
+    shapes: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+    for ev in events:
+        if not ev.name.startswith("aten::") or not _inside(ev, span):
+            continue
+        row = kernel_row(ev.name)
+        t = ev.self_cpu_time_total / 1e6
+        sec[row] += t
+        if row == "gemm":
+            gemm_flops += ev.flops or 0
+            key = (ev.name, tuple(tuple(x) for x in ev.input_shapes if x))
+            shapes[key][0] += t
+            shapes[key][1] += ev.flops or 0
+            shapes[key][2] += 1
+    sec["overhead"] = total_s - sum(sec[r] for r in KERNEL_ROWS if r != "overhead")
+    ranked = sorted(shapes.items(), key=lambda kv: -kv[1][0])[:top]
+    return dict(
+        seconds={k: round(v / steps, 4) for k, v in sec.items()},
+        share={k: round(v / total_s, 4) if total_s else None for k, v in sec.items()},
+        gemm_gflops=round(gemm_flops / sec["gemm"] / 1e9, 1) if sec["gemm"] else None,
+        gemm_rate_frac=round(gemm_flops / sec["gemm"] / 1e9 / rate_gflops, 4)
+        if sec["gemm"] else None,
+        top_gemms=[dict(op=k[0], shapes=[list(x) for x in k[1]], calls=v[2] // steps,
+                        seconds=round(v[0] / steps, 4),
+                        gflops=round(v[1] / v[0] / 1e9, 1) if v[0] else None)
+                   for k, v in ranked])
+
+
 def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) -> None:
     """One rank: warm-up steps, then `steps` profiled steps; prints `RESULT {json}`."""
     from torch.profiler import ProfilerActivity, profile
@@ -138,15 +197,21 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) 
     for _ in range(warmup):
         tr.step()
     totals = defaultdict(float)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                 with_flops=True) as prof:
         for _ in range(steps):
             counter.reset()
             tr.step()
             for phase in ("update", "score"):
                 for k, v in zip(grpo_step.COUNTS, counter.step_counts(phase).tolist()):
                     totals[f"{k}_{phase}"] += v
-    secs = attribute(prof.events())
+    events = prof.events()
+    secs = attribute(events)
     rate, n = max(before, W.gemm_gflops(cfg.model.dtype, torch.get_num_threads()))
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for ev in events:
+        if ev.name in ("mg::phase_update", "mg::phase_score"):
+            spans[ev.name[10:]].append((ev.time_range.start, ev.time_range.end))
     rec = dict(system="megagrpo", nproc=1, warmup=warmup, steps=steps,
                threads=torch.get_num_threads(), gemm_gflops=round(rate, 1), gemm_n=n)
     for phase, sec in secs.items():
@@ -159,7 +224,8 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) 
             padded_token_share=round(1 - totals[f"real_{phase}"] / proc, 4) if proc else None,
             achieved_gflops=round(flops / per_step["total"] / 1e9, 2) if per_step["total"]
             else None,
-            mfu=round(flops / per_step["total"] / 1e9 / rate, 4) if per_step["total"] else None)
+            mfu=round(flops / per_step["total"] / 1e9 / rate, 4) if per_step["total"] else None,
+            kernels=kernel_breakdown(events, sec["total"], spans[phase], rate, steps))
     rec.update(loadavg_1m=round(os.getloadavg()[0], 2))
     print("RESULT " + json.dumps(rec), flush=True)
     os._exit(0)  # skip vLLM's shutdown hooks
@@ -182,6 +248,21 @@ def table(rec: dict) -> str:
         vals = [rec[p][key] for p in ("update", "score")]
         lines.append(f"{key:14}" + "".join(
             f"{(fmt.format(v) if v is not None else '-'):>22}" for v in vals))
+    lines.append("by kernel")
+    for row in KERNEL_ROWS:
+        cells = []
+        for p in ("update", "score"):
+            k = rec[p].get("kernels", {})
+            s, sh = k.get("seconds", {}).get(row, 0.0), k.get("share", {}).get(row)
+            cells.append(f"{s:>10.3f} s" + (f" {100 * sh:>6.1f}%" if sh is not None else " " * 8))
+        lines.append(f"{row:14}" + "".join(f"{c:>22}" for c in cells))
+    vals = [rec[p].get("kernels", {}).get("gemm_rate_frac") for p in ("update", "score")]
+    lines.append(f"{'gemm rate':14}" + "".join(
+        f"{(f'{v:.1%} of mm' if v is not None else '-'):>22}" for v in vals))
+    for p in ("update", "score"):
+        for g in rec[p].get("kernels", {}).get("top_gemms", []):
+            lines.append(f"  {p:6} {g['op']:12} {str(g['shapes']):44} x{g['calls']:<5} "
+                         f"{g['seconds']:.3f} s {g['gflops']} GFLOP/s")
     return "\n".join(lines)
 
 
