@@ -24,8 +24,10 @@ the rate the GEMMs reached at these shapes over torch.mm's 2048^3 rate), of the 
 kernels, of copies (copy_, cat, clone, index, fill), of every other aten op (element-wise: norm,
 activation, RoPE, softmax, adds, the loss), and the rest of the phase: Python, megatron-core's
 module code, autograd's bookkeeping and op dispatch (`overhead`). `top_gemms` lists the shapes
-that took the most GEMM time, with their rate. Per phase
-(update, score): seconds per step and share of the phase, the padded-token share (as
+that took the most GEMM time, with their rate, `top_other` the other ops (with their input
+shapes; a list input such as cat's records none) that took longest.
+
+Per phase (update, score): seconds per step and share of the phase, the padded-token share (as
 grpo_step.py) and the achieved useful FLOP/s (`_workloads.forward_flops`) against torch.mm's
 measured rate at the same threads and dtype. The profiler's own overhead inflates the seconds a
 little (most on the smallest models); the shares are what to read. Prints a table, then one
@@ -153,13 +155,18 @@ def kernel_breakdown(events, total_s: float, span: list[tuple[float, float]],
     sec = {r: 0.0 for r in KERNEL_ROWS}
     gemm_flops = 0.0
     shapes: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+    ops: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for ev in events:
         if not ev.name.startswith("aten::") or not _inside(ev, span):
             continue
         row = kernel_row(ev.name)
         t = ev.self_cpu_time_total / 1e6
         sec[row] += t
-        if row == "gemm":
+        if row != "gemm":
+            key = f"{ev.name[6:]} {[list(x) for x in ev.input_shapes if x]}"
+            ops[key][0] += t
+            ops[key][1] += 1
+        else:
             gemm_flops += ev.flops or 0
             key = (ev.name, tuple(tuple(x) for x in ev.input_shapes if x))
             shapes[key][0] += t
@@ -167,6 +174,7 @@ def kernel_breakdown(events, total_s: float, span: list[tuple[float, float]],
             shapes[key][2] += 1
     sec["overhead"] = total_s - sum(sec[r] for r in KERNEL_ROWS if r != "overhead")
     ranked = sorted(shapes.items(), key=lambda kv: -kv[1][0])[:top]
+    other = sorted(ops.items(), key=lambda kv: -kv[1][0])[:2 * top]
     return dict(
         seconds={k: round(v / steps, 4) for k, v in sec.items()},
         share={k: round(v / total_s, 4) if total_s else None for k, v in sec.items()},
@@ -176,7 +184,9 @@ def kernel_breakdown(events, total_s: float, span: list[tuple[float, float]],
         top_gemms=[dict(op=k[0], shapes=[list(x) for x in k[1]], calls=v[2] // steps,
                         seconds=round(v[0] / steps, 4),
                         gflops=round(v[1] / v[0] / 1e9, 1) if v[0] else None)
-                   for k, v in ranked])
+                   for k, v in ranked],
+        top_other=[dict(op=k, calls=v[1] // steps, seconds=round(v[0] / steps, 4))
+                   for k, v in other])
 
 
 def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) -> None:
@@ -263,6 +273,9 @@ def table(rec: dict) -> str:
         for g in rec[p].get("kernels", {}).get("top_gemms", []):
             lines.append(f"  {p:6} {g['op']:12} {str(g['shapes']):44} x{g['calls']:<5} "
                          f"{g['seconds']:.3f} s {g['gflops']} GFLOP/s")
+        lines.append("  " + p + " other ops: " + ", ".join(
+            f"{g['op']} {g['seconds']:.3f} s x{g['calls']}"
+            for g in rec[p].get("kernels", {}).get("top_other", [])))
     return "\n".join(lines)
 
 

@@ -51,6 +51,7 @@ from megagrpo.config.model import ModelConfig
 from megagrpo.export import save_tokenizer
 from megagrpo.metrics import history_size, rewind_history
 from megagrpo.model import unwrap
+from megagrpo.optim import use_fused_adam
 from megagrpo.run_dir import (
     MANIFEST,
     MODEL_JSON,
@@ -172,6 +173,7 @@ def load_optimizer(gpt: torch.nn.Module, optimizer, ckpt_dir: str | os.PathLike)
                 _load_distributed(inner, part)
             else:
                 inner.load_state_dict(part)
+    use_fused_adam(optimizer)  # a checkpoint written before the switch saved the loop's flags
 
 
 def _load_distributed(inner, part: dict) -> None:
@@ -487,6 +489,7 @@ class CheckpointManager:
             load_optimizer(tr.policy, tr.optimizer, opt_dir)
         elif legacy.exists() and same:  # per rank, by an older megagrpo
             tr.optimizer.load_state_dict(load_tree(legacy))
+            use_fused_adam(tr.optimizer)
         elif rank0:
             log.warning("resume: optimizer state not restored (%s holds none this layout can "
                         "read); Adam moments restart", opt_dir)

@@ -141,14 +141,19 @@ def what_runs(layer_spec: str, kernel_impl: str, attention: str = "",
     cuda = torch.cuda.is_available()
     no_te = layer_spec == "local" and importlib.util.find_spec("transformer_engine") is None
     te = " (Transformer Engine not installed)" if no_te else ""
-    norms = "apex" if importlib.util.find_spec("apex") is not None else "torch (Apex not installed)"
+    apex = importlib.util.find_spec("apex") is not None
+    norms = "apex" if apex else "torch (Apex not installed)"
+    # megatron-core's choice (megatron/core/optimizer/__init__.py); torch's: megagrpo.optim
+    optimizer = ("Transformer Engine FusedAdam"
+                 if importlib.util.find_spec("transformer_engine") is not None
+                 else "Apex FusedAdam" if apex else "torch AdamW, fused kernel")
     kernels = kernel_impl if kernel_impl != "auto" else ("triton" if cuda else "torch (no CUDA)")
     # the local spec's core attention (Transformer Engine's spec brings its own)
     names = {"sdpa": "torch sdpa", "megatron": "megatron"}
     attn = f", attention: {names[attention]}" if attention in names else ""
     pack = ("" if packed is None else "; micro-batches: packed end to end" if packed
             else "; micro-batches: padded rows")
-    return (f"layer spec: {layer_spec}{te}{attn}; norms and optimizer: {norms}; "
+    return (f"layer spec: {layer_spec}{te}{attn}; norms: {norms}; optimizer: {optimizer}; "
             f"loss kernels: {kernels}{pack}")
 
 

@@ -2,6 +2,12 @@
 
 The step follows megatron-core's minimal loop: zero_grad -> forward_backward_func (1F1B under
 PP) -> finalize grads (DP all-reduce, tied-embedding all-reduce across stages) -> optimizer step.
+
+Without Transformer Engine or Apex (every CPU run) megatron-core steps torch's `AdamW` built with
+its defaults, which on CPU tensors is the per-parameter loop (about a dozen small ops per
+parameter); `use_fused_adam` switches it to torch's fused kernel (one pass per parameter, every
+moment update in registers): a 12.6M-parameter model's step 78 -> 6.5 ms on 2 cores. The same
+update rule, rounded differently (see tests/test_microbatch.py).
 """
 from __future__ import annotations
 
@@ -48,7 +54,37 @@ def build_optimizer(ddp_model: torch.nn.Module, cfg: OptimConfig):
         params_dtype=dtype, use_distributed_optimizer=cfg.distributed_optimizer,
     )
     ddp_model.module.config.finalize_model_grads_func = finalize_model_grads
-    return get_megatron_optimizer(ocfg, [ddp_model])
+    optimizer = get_megatron_optimizer(ocfg, [ddp_model])
+    use_fused_adam(optimizer)
+    return optimizer
+
+
+FUSED_ADAM_DEVICES = ("cpu", "cuda")
+
+
+def torch_adams(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch Adam/AdamW instances inside megatron's (chained) optimizer; [] when it steps
+    Transformer Engine's or Apex's fused Adam."""
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    found = [getattr(o, "optimizer", o) for o in inners]
+    return [o for o in found if type(o) in (torch.optim.Adam, torch.optim.AdamW)]
+
+
+def use_fused_adam(optimizer) -> bool:
+    """Makes every torch Adam(W) in `optimizer` step with torch's fused kernel where all its
+    parameters are floating point on a device that has one. Called after building and after
+    loading a checkpoint (`load_state_dict` takes the param groups' flags from the saved
+    groups). Returns whether any torch Adam steps fused now."""
+    fused = False
+    for opt in torch_adams(optimizer):
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if params and all(p.device.type in FUSED_ADAM_DEVICES and p.is_floating_point()
+                          for p in params):
+            for group in opt.param_groups:
+                group["fused"], group["foreach"] = True, False
+            opt.defaults.update(fused=True, foreach=False)
+            fused = True
+    return fused
 
 
 def set_lr(optimizer, lr: float) -> None:

@@ -104,11 +104,16 @@ def main():
     ap.add_argument("--work", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    from megagrpo.optim import torch_adams
     from megagrpo.reference import ReferenceState, sync_reference
     from megagrpo.run import checkpoints, setup
 
+    def fused_flags():
+        return [g["fused"] for o in torch_adams(tr.optimizer) for g in o.param_groups]
+
     res = {}
     tr = setup(make_config(args.work))
+    res["fused_adam"] = fused_flags()
     tr.sync_weights()
     res["greedy_initial"] = greedy_check(tr)
     bucket = 64 << 10
@@ -151,6 +156,7 @@ def main():
     tr.reference.state, tr.step_idx = ReferenceState(), 99
     checkpoints(tr.cfg).load(tr, tr_ckpt(args.work))
     restored = local_params(tr.policy)
+    res["fused_adam_after_resume"] = fused_flags()
     res["resume_policy_equal"] = all(torch.equal(saved[n], restored[n]) for n in saved)
     res["resume_state"] = [tr.step_idx, tr.reference.state.syncs, tr.reference.state.last_sync_step]
     tr.sync_weights()

@@ -68,6 +68,14 @@ def test_alpha_mixing_formula(results):
         assert r["alpha_moved"] and r["alpha_max_err"] < 1e-6
 
 
+def test_optimizer_steps_torch_fused_adamw_before_and_after_resume(results):
+    """Without TE/Apex megatron builds torch's AdamW; megagrpo switches it to the fused kernel
+    (tests/test_optim.py checks its arithmetic), also after loading a checkpoint."""
+    for r in results:
+        assert r["fused_adam"] and all(r["fused_adam"]), r["fused_adam"]
+        assert r["fused_adam_after_resume"] == r["fused_adam"]
+
+
 def test_resume_keeps_reference_schedule(results):
     for r in results:
         assert r["resume_policy_equal"]
