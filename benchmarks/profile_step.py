@@ -25,7 +25,8 @@ kernels, of copies (copy_, cat, clone, index, fill), of every other aten op (ele
 activation, RoPE, softmax, adds, the loss), and the rest of the phase: Python, megatron-core's
 module code, autograd's bookkeeping and op dispatch (`overhead`). `top_gemms` lists the shapes
 that took the most GEMM time, with their rate, `top_other` the other ops (with their input
-shapes; a list input such as cat's records none) that took longest.
+shapes; a list input such as cat's records none) that took longest, `top_level_ops` the number
+of aten ops called from outside another aten op (one dispatch each) per step.
 
 Per phase (update, score): seconds per step and share of the phase, the padded-token share (as
 grpo_step.py) and the achieved useful FLOP/s (`_workloads.forward_flops`) against torch.mm's
@@ -156,9 +157,12 @@ def kernel_breakdown(events, total_s: float, span: list[tuple[float, float]],
     gemm_flops = 0.0
     shapes: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
     ops: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    top_level = 0  # aten ops called from Python (not from inside another aten op)
     for ev in events:
         if not ev.name.startswith("aten::") or not _inside(ev, span):
             continue
+        parent = ev.cpu_parent
+        top_level += parent is None or not parent.name.startswith("aten::")
         row = kernel_row(ev.name)
         t = ev.self_cpu_time_total / 1e6
         sec[row] += t
@@ -178,6 +182,7 @@ def kernel_breakdown(events, total_s: float, span: list[tuple[float, float]],
     return dict(
         seconds={k: round(v / steps, 4) for k, v in sec.items()},
         share={k: round(v / total_s, 4) if total_s else None for k, v in sec.items()},
+        top_level_ops=top_level // steps,
         gemm_gflops=round(gemm_flops / sec["gemm"] / 1e9, 1) if sec["gemm"] else None,
         gemm_rate_frac=round(gemm_flops / sec["gemm"] / 1e9 / rate_gflops, 4)
         if sec["gemm"] else None,
@@ -189,7 +194,51 @@ def kernel_breakdown(events, total_s: float, span: list[tuple[float, float]],
                    for k, v in other])
 
 
-def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) -> None:
+def shim_cost(tr, steps: int = 1, reps: int = 20000) -> dict:
+    """The CPU shim's cost (`megagrpo.cpu_compat`, the torch function mode megatron-core needs
+    without CUDA): its calls per trainer step (counted over `steps` unprofiled steps) and the
+    microseconds one call adds (a small op timed with the mode on and with torch functions
+    disabled, best of 5 x `reps`). {} when the shim is not on (a CUDA machine)."""
+    import megagrpo.cpu_compat as cc
+
+    if "mode" not in cc._STATE:
+        return {}
+    cls, calls = cc._CudaToCpu, [0]
+    orig = cls.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        calls[0] += 1
+        return orig(self, func, types, args, kwargs)
+
+    cls.__torch_function__ = counting
+    try:
+        for _ in range(steps):
+            tr.step()
+    finally:
+        cls.__torch_function__ = orig
+    x = torch.ones(8)
+
+    def best(disabled: bool) -> float:
+        out = []
+        for _ in range(5):
+            t = time.perf_counter()
+            if disabled:
+                with torch._C.DisableTorchFunction():
+                    for _ in range(reps):
+                        torch.add(x, x)
+            else:
+                for _ in range(reps):
+                    torch.add(x, x)
+            out.append((time.perf_counter() - t) / reps)
+        return min(out)
+
+    per_call = max(best(False) - best(True), 0.0)
+    return dict(calls_per_step=calls[0] // steps, us_per_call=round(per_call * 1e6, 2),
+                seconds_per_step=round(calls[0] // steps * per_call, 4))
+
+
+def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str,
+           shim_steps: int = 1) -> None:
     """One rank: warm-up steps, then `steps` profiled steps; prints `RESULT {json}`."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -206,6 +255,7 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) 
     before = W.gemm_gflops(cfg.model.dtype, torch.get_num_threads())
     for _ in range(warmup):
         tr.step()
+    shim = shim_cost(tr) if shim_steps else {}
     totals = defaultdict(float)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
                  with_flops=True) as prof:
@@ -236,7 +286,7 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) 
             else None,
             mfu=round(flops / per_step["total"] / 1e9 / rate, 4) if per_step["total"] else None,
             kernels=kernel_breakdown(events, sec["total"], spans[phase], rate, steps))
-    rec.update(loadavg_1m=round(os.getloadavg()[0], 2))
+    rec.update(shim=shim, loadavg_1m=round(os.getloadavg()[0], 2))
     print("RESULT " + json.dumps(rec), flush=True)
     os._exit(0)  # skip vLLM's shutdown hooks
 
@@ -276,6 +326,35 @@ def table(rec: dict) -> str:
         lines.append("  " + p + " other ops: " + ", ".join(
             f"{g['op']} {g['seconds']:.3f} s x{g['calls']}"
             for g in rec[p].get("kernels", {}).get("top_other", [])))
+    if rec.get("shim"):
+        sh = rec["shim"]
+        lines.append(f"CPU shim (megagrpo.cpu_compat): {sh['calls_per_step']} calls a step x "
+                     f"{sh['us_per_call']} us = {sh['seconds_per_step']:.3f} s a step")
+    return "\n".join(lines)
+
+
+def markdown(recs: list[dict]) -> str:
+    """The docs table of saved profiles (`--table FILE ...`): per workload and phase the
+    share of each kernel row, the GEMMs' rate, the floor fraction under the profiler, and
+    the GEMM bound (the floor fraction if everything but the GEMMs took no time: mfu over the
+    GEMM share)."""
+    head = ("| workload | phase | seconds | GEMM | GEMM rate (of torch.mm) | attention | copy | "
+            "element-wise | overhead | floor fraction | GEMM bound |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for rec in recs:
+        for phase in ("score", "update"):
+            k, ph = rec[phase]["kernels"], rec[phase]
+            if not ph["seconds"]["total"] or k["gemm_rate_frac"] is None:
+                continue  # no such pass (smollm2 at beta 0 scores nothing)
+            sh = k["share"]
+            bound = ph["mfu"] / sh["gemm"] if sh["gemm"] else None
+            cells = [f"{rec['workload']} {rec['dtype']}", phase,
+                     f"{ph['seconds']['total']:.3f}",
+                     *(f"{100 * sh[r]:.0f}%" for r in ("gemm",)),
+                     f"{100 * k['gemm_rate_frac']:.0f}%",
+                     *(f"{100 * sh[r]:.0f}%" for r in KERNEL_ROWS[1:]),
+                     f"{100 * ph['mfu']:.0f}%", f"{100 * bound:.0f}%" if bound else "-"]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -288,10 +367,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS (default: all cores)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--out", default="", help="write the JSON line to this file")
+    ap.add_argument("--table", nargs="+", metavar="FILE",
+                    help="print the markdown table of saved profiles and exit")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--recipe", help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.table:
+        print(markdown([json.loads(Path(f).read_text()) for f in args.table]))
+        return
     if args.worker:
         worker(args.recipe, args.set, args.warmup, args.steps, args.out_dir)
         return

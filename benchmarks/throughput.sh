@@ -9,7 +9,7 @@
 # record carries the 1-minute load average it ran under. smollm2 is skipped (a "skipped" line)
 # when models/smollm2-135m is absent. bfloat16 is skipped when this CPU has no fast bf16 matrix
 # multiply (torch.mm bf16 under a fifth of fp32: no avx512_bf16/AMX, bf16 runs a slow fallback);
-# FORCE_BF16=1 runs it anyway.
+# FORCE_BF16=1 runs it anyway. RUNS="midsize:float32 smollm2:bfloat16 ..." runs only those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/throughput_cpu.jsonl}
@@ -35,6 +35,7 @@ if [ "$fast_bf16" = 1 ] || [ "${FORCE_BF16:-0}" = 1 ]; then
 else
   echo "[throughput] skipping bfloat16: torch.mm bf16 is under a fifth of fp32 on this CPU (FORCE_BF16=1 runs it)"
 fi
+runs=${RUNS:-$runs}
 for run in $runs; do
   wl=${run%%:*}; dt=${run##*:}
   echo "[throughput] $(date +%H:%M:%S) megagrpo $wl $dt (1 and 2 ranks)"
