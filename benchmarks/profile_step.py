@@ -25,8 +25,8 @@ kernels, of copies (copy_, cat, clone, index, fill), of every other aten op (ele
 activation, RoPE, softmax, adds, the loss), and the rest of the phase: Python, megatron-core's
 module code, autograd's bookkeeping and op dispatch (`overhead`). `top_gemms` lists the shapes
 that took the most GEMM time, with their rate, `top_other` the other ops (with their input
-shapes; a list input such as cat's records none) that took longest, `top_level_ops` the number
-of aten ops called from outside another aten op (one dispatch each) per step.
+shapes; a list input such as cat's records none) that took longest. `shim`: the CPU shim's
+calls a step (counted over one extra unprofiled step) and the cost of one call.
 
 Per phase (update, score): seconds per step and share of the phase, the padded-token share (as
 grpo_step.py) and the achieved useful FLOP/s (`_workloads.forward_flops`) against torch.mm's
@@ -90,12 +90,18 @@ def _inside(ev, ranges: list[tuple[float, float]]) -> bool:
     return any(a <= t < b for a, b in ranges)
 
 
-def attribute(events) -> dict[str, dict[str, float]]:
-    """Seconds per phase ('update', 'score') and row (ROWS) from the profiler's events."""
+def label_ranges(events) -> dict[str, list[tuple[float, float]]]:
+    """The time ranges of each `mg::<label>` record_function range, by label."""
     ranges: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for ev in events:
         if ev.name.startswith("mg::"):
             ranges[ev.name[4:]].append((ev.time_range.start, ev.time_range.end))
+    return ranges
+
+
+def attribute(events) -> dict[str, dict[str, float]]:
+    """Seconds per phase ('update', 'score') and row (ROWS) from the profiler's events."""
+    ranges = label_ranges(events)
     # forward ops run inside an attention / output_loss range: their autograd nodes' backward
     seq_label = {}
     for ev in events:
@@ -157,12 +163,9 @@ def kernel_breakdown(events, total_s: float, span: list[tuple[float, float]],
     gemm_flops = 0.0
     shapes: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
     ops: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    top_level = 0  # aten ops called from Python (not from inside another aten op)
     for ev in events:
         if not ev.name.startswith("aten::") or not _inside(ev, span):
             continue
-        parent = ev.cpu_parent
-        top_level += parent is None or not parent.name.startswith("aten::")
         row = kernel_row(ev.name)
         t = ev.self_cpu_time_total / 1e6
         sec[row] += t
@@ -182,7 +185,6 @@ def kernel_breakdown(events, total_s: float, span: list[tuple[float, float]],
     return dict(
         seconds={k: round(v / steps, 4) for k, v in sec.items()},
         share={k: round(v / total_s, 4) if total_s else None for k, v in sec.items()},
-        top_level_ops=top_level // steps,
         gemm_gflops=round(gemm_flops / sec["gemm"] / 1e9, 1) if sec["gemm"] else None,
         gemm_rate_frac=round(gemm_flops / sec["gemm"] / 1e9 / rate_gflops, 4)
         if sec["gemm"] else None,
@@ -237,8 +239,7 @@ def shim_cost(tr, steps: int = 1, reps: int = 20000) -> dict:
                 seconds_per_step=round(calls[0] // steps * per_call, 4))
 
 
-def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str,
-           shim_steps: int = 1) -> None:
+def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) -> None:
     """One rank: warm-up steps, then `steps` profiled steps; prints `RESULT {json}`."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -255,7 +256,7 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str,
     before = W.gemm_gflops(cfg.model.dtype, torch.get_num_threads())
     for _ in range(warmup):
         tr.step()
-    shim = shim_cost(tr) if shim_steps else {}
+    shim = shim_cost(tr)
     totals = defaultdict(float)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
                  with_flops=True) as prof:
@@ -268,10 +269,7 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str,
     events = prof.events()
     secs = attribute(events)
     rate, n = max(before, W.gemm_gflops(cfg.model.dtype, torch.get_num_threads()))
-    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for ev in events:
-        if ev.name in ("mg::phase_update", "mg::phase_score"):
-            spans[ev.name[10:]].append((ev.time_range.start, ev.time_range.end))
+    spans = label_ranges(events)
     rec = dict(system="megagrpo", nproc=1, warmup=warmup, steps=steps,
                threads=torch.get_num_threads(), gemm_gflops=round(rate, 1), gemm_n=n)
     for phase, sec in secs.items():
@@ -285,7 +283,8 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str,
             achieved_gflops=round(flops / per_step["total"] / 1e9, 2) if per_step["total"]
             else None,
             mfu=round(flops / per_step["total"] / 1e9 / rate, 4) if per_step["total"] else None,
-            kernels=kernel_breakdown(events, sec["total"], spans[phase], rate, steps))
+            kernels=kernel_breakdown(events, sec["total"], spans[f"phase_{phase}"], rate,
+                                     steps))
     rec.update(shim=shim, loadavg_1m=round(os.getloadavg()[0], 2))
     print("RESULT " + json.dumps(rec), flush=True)
     os._exit(0)  # skip vLLM's shutdown hooks
@@ -349,8 +348,7 @@ def markdown(recs: list[dict]) -> str:
             sh = k["share"]
             bound = ph["mfu"] / sh["gemm"] if sh["gemm"] else None
             cells = [f"{rec['workload']} {rec['dtype']}", phase,
-                     f"{ph['seconds']['total']:.3f}",
-                     *(f"{100 * sh[r]:.0f}%" for r in ("gemm",)),
+                     f"{ph['seconds']['total']:.3f}", f"{100 * sh['gemm']:.0f}%",
                      f"{100 * k['gemm_rate_frac']:.0f}%",
                      *(f"{100 * sh[r]:.0f}%" for r in KERNEL_ROWS[1:]),
                      f"{100 * ph['mfu']:.0f}%", f"{100 * bound:.0f}%" if bound else "-"]

@@ -139,13 +139,13 @@ def what_runs(layer_spec: str, kernel_impl: str, attention: str = "",
     import torch
 
     cuda = torch.cuda.is_available()
-    no_te = layer_spec == "local" and importlib.util.find_spec("transformer_engine") is None
-    te = " (Transformer Engine not installed)" if no_te else ""
+    te_installed = importlib.util.find_spec("transformer_engine") is not None
+    te = " (Transformer Engine not installed)" if layer_spec == "local" and not te_installed \
+        else ""
     apex = importlib.util.find_spec("apex") is not None
     norms = "apex" if apex else "torch (Apex not installed)"
     # megatron-core's choice (megatron/core/optimizer/__init__.py); torch's: megagrpo.optim
-    optimizer = ("Transformer Engine FusedAdam"
-                 if importlib.util.find_spec("transformer_engine") is not None
+    optimizer = ("Transformer Engine FusedAdam" if te_installed
                  else "Apex FusedAdam" if apex else "torch AdamW, fused kernel")
     kernels = kernel_impl if kernel_impl != "auto" else ("triton" if cuda else "torch (no CUDA)")
     # the local spec's core attention (Transformer Engine's spec brings its own)
