@@ -221,6 +221,18 @@ def bench(rank: int, tp: int, args, rdzv: str | None) -> None:
             dist.destroy_process_group()
 
 
+def spawned_bench(rank: int, tp: int, args, rdzv: str) -> None:
+    """`bench` in a spawned TP rank, ended by `os._exit` once it has returned (every row printed
+    and written). With torch 2.13, gloo collectives run under torch.profiler (the allocator peak)
+    leave the process group's worker threads alive after destroy_process_group; ~15-20% of
+    2-rank runs then died at interpreter exit ("terminate called without an active exception",
+    SIGABRT) after printing every row. An exception still exits non-zero through mp.spawn."""
+    bench(rank, tp, args, rdzv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def bench_size(rank, tp, t, dname, dtype, budget, group, device, args) -> None:
     v_local, b = args.V // tp, DTYPES[dname].itemsize
     logits_bytes = t * v_local * b
@@ -477,7 +489,7 @@ def main(argv: list[str] | None = None) -> None:
             bench(0, 1, args, None)
         else:
             rdzv = os.path.join(tempfile.mkdtemp(), "rdzv")
-            mp.spawn(bench, args=(tp, args, rdzv), nprocs=tp)
+            mp.spawn(spawned_bench, args=(tp, args, rdzv), nprocs=tp)
 
 
 if __name__ == "__main__":
