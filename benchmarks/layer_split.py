@@ -1,0 +1,213 @@
+"""Where a training pass's time goes, without a profiler: one megatron-core decoder forward +
+backward (megagrpo's model, 1 rank, the local layer spec with SDPA) timed whole, then its
+matrix multiplies and its attention timed alone at the same shapes; the rest is element-wise
+work (RMSNorm, RoPE, SwiGLU, residual adds, the QKV split), copies and per-module overhead.
+
+The profiler inflates small element-wise ops (it records each one; on a busy CPU an op's time
+includes waiting for a descheduled OpenMP thread), so `profile_step.py`'s kernel split says
+what runs but overstates its share; this script gives the unprofiled split. With
+`--neighbour` each setting is also timed beside a busy process (a torch.mm loop on every core,
+as a test suite or a second job would be): torch's OpenMP regions then wait for threads the OS
+has descheduled, and fewer threads can be faster.
+
+The vocabulary is tiny on purpose (the output layer is not part of the split), so the figures
+are the decoder layers'. FLOP floor: the layers' useful FLOPs (2 x matrix-multiply parameters
+per token, causal attention 4 x t x heads x head_dim per token at position t, backward 2x) at
+torch.mm's best 2048^3 rate of the dtype measured in the same run.
+
+    python benchmarks/layer_split.py --preset midsize --threads 1,2 --neighbour --out F.jsonl
+    python benchmarks/layer_split.py --table F.jsonl     # docs/performance.md's table
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import emit  # noqa: E402
+
+PRESETS = {
+    # the midsize workload's model and its update micro-batch (16 rows of ~64 tokens)
+    "midsize": dict(hidden=512, ffn=1536, layers=4, heads=8, kv=4, head_dim=64, batch=16, seq=64),
+    # SmolLM2-135M's layer shapes (6 of its 30 layers: the split is per layer), recipe-like rows
+    "smollm2": dict(hidden=576, ffn=1536, layers=6, heads=9, kv=3, head_dim=64, batch=8, seq=160),
+    "tiny": dict(hidden=64, ffn=128, layers=1, heads=2, kv=1, head_dim=32, batch=2, seq=16),
+}
+VOCAB = 256
+
+
+def median_s(fn, iters: int) -> float:
+    fn()  # warm-up: oneDNN primitives, allocator
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def mm_rate(dtype: torch.dtype, iters: int) -> float:
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+    torch.mm(a, b)
+    return 2 * 2048 ** 3 / min(median_s(lambda: torch.mm(a, b), 1) for _ in range(iters)) / 1e9
+
+
+def linear_shapes(p: dict) -> list[tuple[int, int]]:
+    """(in, out) of one layer's products: fused QKV, attention output, gate+up, down."""
+    q, kv = p["heads"] * p["head_dim"], p["kv"] * p["head_dim"]
+    return [(p["hidden"], q + 2 * kv), (q, p["hidden"]), (p["hidden"], 2 * p["ffn"]),
+            (p["ffn"], p["hidden"])]
+
+
+def build(p: dict, dtype: str):
+    from megagrpo.config.model import ModelConfig, ParallelConfig
+    from megagrpo.distributed import init_distributed
+    from megagrpo.model import build_model
+
+    m = ModelConfig(hidden_size=p["hidden"], ffn_hidden_size=p["ffn"], num_layers=p["layers"],
+                    num_attention_heads=p["heads"], num_query_groups=p["kv"],
+                    head_dim=p["head_dim"], vocab_size=VOCAB, dtype=dtype,
+                    max_position_embeddings=max(256, p["seq"]))
+    par = ParallelConfig()
+    init_distributed(par, m)
+    model = build_model(m, par)
+    # the products timed alone must be the model's: its decoder's matrix weights, counted
+    got = sum(w.numel() for n, w in model.decoder.named_parameters()
+              if w.dim() == 2 and "router" not in n)
+    want = p["layers"] * sum(i * o for i, o in linear_shapes(p))
+    if got != want:
+        raise SystemExit(f"layer_split: the model's matrix weights ({got}) are not the shapes "
+                         f"timed alone ({want}): update linear_shapes")
+    return model
+
+
+def measure(model, p: dict, dtype: torch.dtype, iters: int) -> dict:
+    b, s, layers = p["batch"], p["seq"], p["layers"]
+    t = b * s
+    ids = torch.randint(0, VOCAB, (b, s))
+    pos = torch.arange(s).expand(b, s)
+
+    def step():
+        model(ids, pos, None).float().sum().mul(1e-3).backward()
+
+    def fwd():
+        with torch.no_grad():
+            model(ids, pos, None)
+
+    full, forward = median_s(step, iters), median_s(fwd, iters)
+    gemm_f = gemm_b = 0.0
+    gemm_flops = 0
+    for i, o in linear_shapes(p):
+        x, w, dy = (torch.randn(*sh, dtype=dtype) for sh in ((t, i), (i, o), (t, o)))
+        gemm_f += layers * median_s(lambda: x @ w, iters)
+        gemm_b += layers * (median_s(lambda: dy @ w.t(), iters)
+                            + median_s(lambda: dy.t() @ x, iters))
+        gemm_flops += 3 * layers * 2 * t * i * o
+    q = torch.randn(b, p["heads"], s, p["head_dim"], dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, p["kv"], s, p["head_dim"], dtype=dtype, requires_grad=True)
+            for _ in range(2))
+
+    def attn():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+
+    def attn_fwd():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    att, att_f = layers * median_s(attn, iters), layers * median_s(attn_fwd, iters)
+    # causal: position j (1-based) attends to j keys: 4 j heads head_dim FLOPs, summed over j
+    attn_flops = 3 * layers * b * 4 * p["heads"] * p["head_dim"] * s * (s + 1) // 2
+    return dict(step_s=full, forward_s=forward, gemm_s=gemm_f + gemm_b, gemm_fwd_s=gemm_f,
+                attention_s=att, attention_fwd_s=att_f, gemm_flops=gemm_flops,
+                attention_flops=attn_flops)
+
+
+def start_neighbour(threads: int) -> subprocess.Popen:
+    code = (f"import torch; torch.set_num_threads({threads}); a = torch.randn(1024, 1024)\n"
+            "while True: a @ a")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    time.sleep(1.0)  # started and busy
+    return proc
+
+
+def row(p: dict, name: str, dtype: str, threads: int, neighbour: int, rate: float,
+        m: dict) -> dict:
+    step = m["step_s"]
+    rest = max(0.0, step - m["gemm_s"] - m["attention_s"])
+    floor = (m["gemm_flops"] + m["attention_flops"]) / (rate * 1e9)
+    r = lambda x: round(x, 4)  # noqa: E731
+    return dict(preset=name, shapes=p, tokens=p["batch"] * p["seq"], dtype=dtype,
+                threads=threads, neighbour_threads=neighbour,
+                cpu=torch.backends.cpu.get_cpu_capability(),
+                load_avg_1m=round(os.getloadavg()[0], 2), mm_gflops=round(rate, 1),
+                step_s=r(step), forward_s=r(m["forward_s"]), gemm_s=r(m["gemm_s"]),
+                attention_s=r(m["attention_s"]), rest_s=r(rest),
+                gemm_share=r(m["gemm_s"] / step), attention_share=r(m["attention_s"] / step),
+                rest_share=r(rest / step),
+                gemm_rate_frac=r(m["gemm_flops"] / m["gemm_s"] / 1e9 / rate),
+                attention_rate_frac=r(m["attention_flops"] / m["attention_s"] / 1e9 / rate),
+                floor_s=r(floor), floor_frac=r(floor / step))
+
+
+def table(path: str) -> str:
+    import json
+
+    rows = [json.loads(ln) for ln in open(path) if ln.strip()]
+    out = ["| shapes | threads | beside a busy process | fwd+bwd | GEMMs alone | attention "
+           "alone | the rest | GEMM / attention rate vs torch.mm | of the FLOP floor |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for x in rows:
+        busy = f"yes ({x['neighbour_threads']} threads)" if x["neighbour_threads"] else "no"
+        out.append(
+            f"| {x['preset']} ({x['tokens']} tokens, {x['dtype']}) | {x['threads']} | {busy} | "
+            f"{x['step_s'] * 1e3:.0f} ms | {x['gemm_s'] * 1e3:.0f} ms ({x['gemm_share']:.0%}) | "
+            f"{x['attention_s'] * 1e3:.0f} ms ({x['attention_share']:.0%}) | "
+            f"{x['rest_s'] * 1e3:.0f} ms ({x['rest_share']:.0%}) | "
+            f"{x['gemm_rate_frac']:.0%} / {x['attention_rate_frac']:.0%} | "
+            f"{x['floor_frac']:.1%} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="midsize", choices=sorted(PRESETS))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--threads", default="", help="comma-separated thread counts (default: "
+                    "every core)")
+    ap.add_argument("--neighbour", action="store_true",
+                    help="also time each setting beside a busy torch.mm process on every core")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
+    ap.add_argument("--table", default=None, metavar="JSONL",
+                    help="only print the markdown table of these result lines")
+    args = ap.parse_args(argv)
+    if args.table:
+        print(table(args.table))
+        return
+    cores = os.cpu_count() or 1
+    threads = [int(x) for x in args.threads.split(",")] if args.threads else [cores]
+    p, dtype = PRESETS[args.preset], getattr(torch, args.dtype)
+    model = build(p, args.dtype)
+    for n in threads:
+        torch.set_num_threads(n)
+        rate = mm_rate(dtype, 3)  # the floor's rate: this thread count, quiet
+        for busy in ([0, cores] if args.neighbour else [0]):
+            proc = start_neighbour(busy) if busy else None
+            try:
+                m = measure(model, p, dtype, args.iters)
+            finally:
+                if proc is not None:
+                    proc.kill()
+                    proc.wait()
+            emit(row(p, args.preset, args.dtype, n, busy, rate, m), args.out)
+
+
+if __name__ == "__main__":
+    main()
