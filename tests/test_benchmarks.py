@@ -460,3 +460,21 @@ def test_trl_baseline_one_step(tmp_path, trl_python):
     assert row["gen_tokens_per_s"] > 0 and row["workload"] == "demo" and row["threads"] == 1
     assert row["optimizer_steps_per_step"] == 4  # demo's 4 minibatches, as megagrpo
     assert 1 <= row["completion_len_max"] <= row["max_tokens"]
+
+
+def test_readme_layer_split_figures_are_the_results():
+    """The README's why-not-90% sentence quotes the quiet 2-thread rows of the layer split."""
+    rows = [json.loads(ln) for ln in
+            (BENCH / "results" / "layer_split_cpu.jsonl").read_text().splitlines()]
+    quiet = [r for r in rows if r["threads"] == 2 and not r["neighbour_threads"]]
+    assert len(quiet) == 2
+
+    def span(key: str) -> str:
+        lo, hi = (round(100 * f(r[key] for r in quiet)) for f in (min, max))
+        return f"{lo}-{hi}%"
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    for figure in (f"running at {span('gemm_rate_frac')} of `torch.mm`'s rate",
+                   f"{span('attention_share')} in attention",
+                   f"a layer reaches {span('floor_frac')} of its floor"):
+        assert figure in readme, figure
