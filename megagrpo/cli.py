@@ -188,6 +188,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     """Loads the recipe and, when started by hand (not under torchrun), runs the whole
     preflight here, before torchrun, a process group or vLLM exists; then trains."""
+    from megagrpo.machine import busy_cores, busy_note
     from megagrpo.preflight import preflight
 
     cfg = load_config(args.config, args.overrides)
@@ -199,7 +200,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     checked = None
     if "WORLD_SIZE" not in os.environ:  # under torchrun, setup() runs it on every rank
         checked = preflight(cfg, world)
-        logging.getLogger("megagrpo").info("%s", checked.summary())
+        log = logging.getLogger("megagrpo")
+        log.info("%s", checked.summary())
+        note = busy_note(busy_cores())
+        if note:
+            log.info("%s", note)
     check_out_dir(cfg.run)  # an earlier run in out_dir: refused or cleared, before any start
     if _needs_relaunch(nproc):
         return _relaunch(nproc)

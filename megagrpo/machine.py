@@ -4,6 +4,7 @@ an AVX-512 CPU with avx512_bf16 runs bf16 matmuls ~4x faster than fp32, an AVX2-
 slower, so the choice is measured, never assumed."""
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -84,3 +85,42 @@ def dtype_advice(threads: int | None = None, params: int | None = None) -> str:
     return (f"this CPU ({cpu_features()}), torch.mm at {threads} threads: fp32 {fp32:.0f} "
             f"GFLOP/s (n={n32}), bf16 {bf16:.1f} GFLOP/s (n={n16}), bf16/fp32 = {ratio:.2f}x: "
             f"the faster training dtype here is {pick}")
+
+
+def _cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs so far, from /proc/stat's first line."""
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    busy = user + nice + system + irq + softirq + steal
+    return busy, busy + idle + iowait
+
+
+def busy_cores(seconds: float = 0.25) -> float:
+    """Cores' worth of CPU that other processes use right now: every CPU's busy time over
+    `seconds` minus this process's own (it sleeps meanwhile). 0.0 where /proc/stat is missing."""
+    try:
+        mine, (b0, t0) = time.process_time(), _cpu_jiffies()
+        time.sleep(seconds)
+        b1, t1 = _cpu_jiffies()
+    except (OSError, ValueError):
+        return 0.0
+    mine = time.process_time() - mine
+    cores = os.cpu_count() or 1
+    return max(0.0, (b1 - b0) / max(t1 - t0, 1) * cores - mine / seconds)
+
+
+BUSY_NOTE_CORES = 0.5
+"""Other processes' load (cores' worth) above which the start-up console says the CPUs are
+busy: beside a busy process a training pass ran 1.4-2.1x slower, beside a second training job
+4x (docs/performance.md, "Without the profiler")."""
+
+
+def busy_note(busy: float, cores: int | None = None) -> str | None:
+    """The start-up line for `busy` cores' worth of other load; None below BUSY_NOTE_CORES."""
+    if busy < BUSY_NOTE_CORES:
+        return None
+    cores = cores or os.cpu_count() or 1
+    return (f"note: other processes use {busy:.1f} of this machine's {cores} cores as the run "
+            "starts; torch's threads wait behind them (a training pass ran 1.4-4x slower beside "
+            "another job, docs/performance.md#without-the-profiler), so step times and the ETA "
+            "reflect the load, not this run")

@@ -1,5 +1,6 @@
 """The memory planner's arithmetic against hand-computed numbers for a tiny config."""
 import json
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -181,6 +182,28 @@ def test_dtype_advice_follows_the_rate_for_a_large_model(capsys):
     ratio = float(re.search(r"bf16/fp32 = ([\d.]+)x", line).group(1))
     assert line.split("the faster training dtype here is ")[1].split()[0] == (
         "bfloat16" if ratio > 1.2 else "float32")
+
+
+def test_busy_cores_sees_a_busy_process_and_not_its_own_work():
+    """A process spinning on one core is seen as about one core's worth of other load (the
+    caller's own CPU time is not counted); the start-up note appears above BUSY_NOTE_CORES
+    only, naming the cores."""
+    import subprocess
+    import sys
+    import time
+
+    from megagrpo.machine import BUSY_NOTE_CORES, busy_cores, busy_note
+
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        busy = busy_cores(0.5)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert 0.7 < busy <= (os.cpu_count() or 1) + 0.05, busy
+    assert "of this machine's 2 cores" in busy_note(busy, cores=2)
+    assert busy_note(BUSY_NOTE_CORES - 0.01) is None
 
 
 def test_stage_params_match_megatron_at_tp2_pp2():
