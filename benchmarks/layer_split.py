@@ -8,14 +8,17 @@ includes waiting for a descheduled OpenMP thread), so `profile_step.py`'s kernel
 what runs but overstates its share; this script gives the unprofiled split. With
 `--neighbour` each setting is also timed beside a busy process (a torch.mm loop on every core,
 as a test suite or a second job would be): torch's OpenMP regions then wait for threads the OS
-has descheduled, and fewer threads can be faster.
+has descheduled. With `--compile` every setting is timed again with each decoder layer's
+forward `torch.compile`d (inductor, dynamic shapes) as megatron-core builds it, and its
+gradients checked against the eager pass.
 
 The vocabulary is tiny on purpose (the output layer is not part of the split), so the figures
 are the decoder layers'. FLOP floor: the layers' useful FLOPs (2 x matrix-multiply parameters
 per token, causal attention 4 x t x heads x head_dim per token at position t, backward 2x) at
 torch.mm's best 2048^3 rate of the dtype measured in the same run.
 
-    python benchmarks/layer_split.py --preset midsize --threads 1,2 --neighbour --out F.jsonl
+    python benchmarks/layer_split.py --preset midsize --threads 1,2 --neighbour --compile \
+        --out F.jsonl
     python benchmarks/layer_split.py --table F.jsonl     # docs/performance.md's table
 """
 from __future__ import annotations
@@ -91,10 +94,10 @@ def build(p: dict, dtype: str):
 def measure(model, p: dict, dtype: torch.dtype, iters: int) -> dict:
     b, s, layers = p["batch"], p["seq"], p["layers"]
     t = b * s
-    ids = torch.randint(0, VOCAB, (b, s))
-    pos = torch.arange(s).expand(b, s)
+    ids, pos = batch(p)
 
     def step():
+        model.zero_grad(set_to_none=True)
         model(ids, pos, None).float().sum().mul(1e-3).backward()
 
     def fwd():
@@ -129,6 +132,40 @@ def measure(model, p: dict, dtype: torch.dtype, iters: int) -> dict:
                 attention_flops=attn_flops)
 
 
+def batch(p: dict, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (p["batch"], p["seq"]), generator=g)
+    return ids, torch.arange(p["seq"]).expand(p["batch"], p["seq"])
+
+
+def grads(model, p: dict) -> list[torch.Tensor]:
+    """Every parameter's gradient of one pass on a fixed batch."""
+    ids, pos = batch(p)
+    model.zero_grad(set_to_none=True)
+    model(ids, pos, None).float().sum().mul(1e-3).backward()
+    return [w.grad.detach().clone() for w in model.parameters()]
+
+
+def compile_layers(model, p: dict) -> dict:
+    """torch.compile (inductor, dynamic shapes) of each decoder layer's forward, as megatron-core
+    builds it: the compile time of the first pass, the graphs dynamo made of one layer, and the
+    largest gradient difference against the eager pass relative to the gradient's scale."""
+    import torch._dynamo
+
+    eager = grads(model, p)
+    torch._dynamo.reset()
+    for layer in model.decoder.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+    t0 = time.perf_counter()
+    compiled = grads(model, p)
+    seconds = time.perf_counter() - t0
+    rel = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+              for a, b in zip(compiled, eager))
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return dict(compile_s=round(seconds, 1), graphs=frames // max(1, len(model.decoder.layers)),
+                grad_max_rel_diff=rel)
+
+
 def start_neighbour(threads: int) -> subprocess.Popen:
     code = (f"import torch; torch.set_num_threads({threads}); a = torch.randn(1024, 1024)\n"
             "while True: a @ a")
@@ -138,7 +175,7 @@ def start_neighbour(threads: int) -> subprocess.Popen:
 
 
 def row(p: dict, name: str, dtype: str, threads: int, neighbour: int, rate: float,
-        m: dict) -> dict:
+        m: dict, compiled: dict | None = None) -> dict:
     step = m["step_s"]
     rest = max(0.0, step - m["gemm_s"] - m["attention_s"])
     floor = (m["gemm_flops"] + m["attention_flops"]) / (rate * 1e9)
@@ -153,7 +190,7 @@ def row(p: dict, name: str, dtype: str, threads: int, neighbour: int, rate: floa
                 rest_share=r(rest / step),
                 gemm_rate_frac=r(m["gemm_flops"] / m["gemm_s"] / 1e9 / rate),
                 attention_rate_frac=r(m["attention_flops"] / m["attention_s"] / 1e9 / rate),
-                floor_s=r(floor), floor_frac=r(floor / step))
+                floor_s=r(floor), floor_frac=r(floor / step), compiled=compiled)
 
 
 def table(path: str) -> str:
@@ -163,10 +200,16 @@ def table(path: str) -> str:
     out = ["| shapes | threads | beside a busy process | fwd+bwd | GEMMs alone | attention "
            "alone | the rest | GEMM / attention rate vs torch.mm | of the FLOP floor |",
            "|---|---|---|---|---|---|---|---|---|"]
+    def comp(x: dict) -> str:
+        c = x.get("compiled")
+        return (f", layers compiled ({c['graphs']} graphs a layer, first pass {c['compile_s']}"
+                " s)") if c else ""
+
     for x in rows:
         busy = f"yes ({x['neighbour_threads']} threads)" if x["neighbour_threads"] else "no"
         out.append(
-            f"| {x['preset']} ({x['tokens']} tokens, {x['dtype']}) | {x['threads']} | {busy} | "
+            f"| {x['preset']} ({x['tokens']} tokens, {x['dtype']}){comp(x)} | {x['threads']} | "
+            f"{busy} | "
             f"{x['step_s'] * 1e3:.0f} ms | {x['gemm_s'] * 1e3:.0f} ms ({x['gemm_share']:.0%}) | "
             f"{x['attention_s'] * 1e3:.0f} ms ({x['attention_share']:.0%}) | "
             f"{x['rest_s'] * 1e3:.0f} ms ({x['rest_share']:.0%}) | "
@@ -183,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
                     "every core)")
     ap.add_argument("--neighbour", action="store_true",
                     help="also time each setting beside a busy torch.mm process on every core")
+    ap.add_argument("--compile", action="store_true",
+                    help="then every setting again with each decoder layer torch.compile'd")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
     ap.add_argument("--table", default=None, metavar="JSONL",
@@ -195,18 +240,22 @@ def main(argv: list[str] | None = None) -> None:
     threads = [int(x) for x in args.threads.split(",")] if args.threads else [cores]
     p, dtype = PRESETS[args.preset], getattr(torch, args.dtype)
     model = build(p, args.dtype)
-    for n in threads:
-        torch.set_num_threads(n)
-        rate = mm_rate(dtype, 3)  # the floor's rate: this thread count, quiet
-        for busy in ([0, cores] if args.neighbour else [0]):
-            proc = start_neighbour(busy) if busy else None
-            try:
-                m = measure(model, p, dtype, args.iters)
-            finally:
-                if proc is not None:
-                    proc.kill()
-                    proc.wait()
-            emit(row(p, args.preset, args.dtype, n, busy, rate, m), args.out)
+    rates = {}
+    for compiled in [None, *([compile_layers] if args.compile else [])]:
+        info = compiled(model, p) if compiled else None
+        for n in threads:
+            torch.set_num_threads(n)
+            if n not in rates:
+                rates[n] = mm_rate(dtype, 3)  # the floor's rate: this thread count, quiet
+            for busy in ([0, cores] if args.neighbour else [0]):
+                proc = start_neighbour(busy) if busy else None
+                try:
+                    m = measure(model, p, dtype, args.iters)
+                finally:
+                    if proc is not None:
+                        proc.kill()
+                        proc.wait()
+                emit(row(p, args.preset, args.dtype, n, busy, rates[n], m, info), args.out)
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ def busy_cores(seconds: float = 0.25) -> float:
 
 BUSY_NOTE_CORES = 0.5
 """Other processes' load (cores' worth) above which the start-up console says the CPUs are
-busy: beside a busy process a training pass ran 1.4-2.1x slower, beside a second training job
+busy: beside a busy process a training pass ran 1.5-1.8x slower, beside a second training job
 4x (docs/performance.md, "Without the profiler")."""
 
 
@@ -121,6 +121,6 @@ def busy_note(busy: float, cores: int | None = None) -> str | None:
         return None
     cores = cores or os.cpu_count() or 1
     return (f"note: other processes use {busy:.1f} of this machine's {cores} cores as the run "
-            "starts; torch's threads wait behind them (a training pass ran 1.4-4x slower beside "
+            "starts; torch's threads wait behind them (a training pass ran 1.5-4x slower beside "
             "another job, docs/performance.md#without-the-profiler), so step times and the ETA "
             "reflect the load, not this run")

@@ -121,19 +121,24 @@ def test_performance_doc_layer_split_table_is_the_results():
 
 
 def test_layer_split_smallest(tmp_path):
-    """One toy decoder pass, quiet and beside a busy process: the script's own check that the
-    products it times alone are the model's weights passed (it exits otherwise), every part
-    took time, the parts and the rest add up to the pass, and the floor fraction is sane."""
+    """One toy decoder pass, quiet and beside a busy process, eager and with the layers
+    torch.compile'd: the script's own check that the products it times alone are the model's
+    weights passed (it exits otherwise), every part took time, the parts and the rest add up to
+    the pass, the floor fraction is sane, and the compiled layers' gradients are the eager
+    ones."""
     out = tmp_path / "s.jsonl"
     rows = _run("layer_split.py", "--preset", "tiny", "--threads", "1", "--neighbour",
-                "--iters", "1", "--out", str(out))
-    assert [r["neighbour_threads"] for r in rows] == [0, os.cpu_count()]
+                "--compile", "--iters", "1", "--out", str(out))
+    assert [r["neighbour_threads"] for r in rows] == [0, os.cpu_count()] * 2
+    assert [bool(r["compiled"]) for r in rows] == [False, False, True, True]
     for r in rows:
         assert r["step_s"] > 0 and r["gemm_s"] > 0 and r["attention_s"] > 0
         parts = r["gemm_s"] + r["attention_s"] + r["rest_s"]
         assert parts == pytest.approx(r["step_s"], abs=2e-4) or r["rest_s"] == 0
         assert 0 < r["floor_frac"] < 1.5 and r["threads"] == 1
-    assert _bench_module("layer_split").table(str(out)).count("| tiny (32 tokens") == 2
+    c = rows[-1]["compiled"]
+    assert c["grad_max_rel_diff"] < 1e-4 and c["graphs"] >= 1 and c["compile_s"] > 0
+    assert _bench_module("layer_split").table(str(out)).count("| tiny (32 tokens") == 4
 
 
 def test_fused_output_step_fit_smallest():
@@ -463,18 +468,24 @@ def test_trl_baseline_one_step(tmp_path, trl_python):
 
 
 def test_readme_layer_split_figures_are_the_results():
-    """The README's why-not-90% sentence quotes the quiet 2-thread rows of the layer split."""
+    """The README's why-not-90% sentence quotes the quiet 2-thread rows of the layer split,
+    eager and compiled."""
     rows = [json.loads(ln) for ln in
             (BENCH / "results" / "layer_split_cpu.jsonl").read_text().splitlines()]
     quiet = [r for r in rows if r["threads"] == 2 and not r["neighbour_threads"]]
-    assert len(quiet) == 2
+    eager = [r for r in quiet if not r["compiled"]]
+    compiled = [r for r in quiet if r["compiled"]]
+    assert len(eager) == len(compiled) == 2
 
-    def span(key: str) -> str:
-        lo, hi = (round(100 * f(r[key] for r in quiet)) for f in (min, max))
-        return f"{lo}-{hi}%"
+    def span(rows: list[dict], key: str) -> str:
+        lo, hi = (round(100 * f(r[key] for r in rows)) for f in (min, max))
+        return f"{lo}%" if lo == hi else f"{lo}-{hi}%"
 
+    graphs = sorted({r["compiled"]["graphs"] for r in compiled})
     readme = " ".join((ROOT / "README.md").read_text().split())
-    for figure in (f"running at {span('gemm_rate_frac')} of `torch.mm`'s rate",
-                   f"{span('attention_share')} in attention",
-                   f"a layer reaches {span('floor_frac')} of its floor"):
+    for figure in (f"running at {span(eager, 'gemm_rate_frac')} of `torch.mm`'s rate",
+                   f"{span(eager, 'attention_share')} in attention",
+                   f"a layer reaches {span(eager, 'floor_frac')} of its floor",
+                   f"({graphs[0]}-{graphs[-1]} graphs a layer) brings that to "
+                   f"{span(compiled, 'floor_frac')}"):
         assert figure in readme, figure
