@@ -12,7 +12,9 @@ class RunConfig:
     steps: int = 20
     """GRPO steps (one rollout batch each)."""
     seed: int = 1234
-    """Seed of model init, sampling and data order."""
+    """Seed of a random model init, torch's and numpy's RNGs and the cold start's sampling.
+    vLLM's sampling is `rollout.seed` and the data order `data.seed`: a run from a real
+    checkpoint varies with those, not with this."""
     out_dir: str = "runs/default"
     """Metrics, checkpoints, summary and plots go here."""
     init: str = "random"
