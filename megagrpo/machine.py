@@ -75,7 +75,9 @@ def dtype_advice(threads: int | None = None, params: int | None = None) -> str:
     small = params is not None and params < SMALL_MODEL_PARAMS
     if ratio > 1.2 and not small:
         pick = ("bfloat16 (set model.dtype=bfloat16 rollout.dtype=bfloat16 "
-                "algo.rollout_is=truncate)")
+                "algo.rollout_is=truncate); faster per step, but bf16 weights drop updates "
+                "below their rounding step: at lr 5e-6 the SmolLM2 recipe learned far less in "
+                "30 steps than in fp32 (docs/performance.md, bf16 accuracy)")
     elif ratio > 1.2:
         pick = (f"float32 (bf16 matmuls are faster, but at {params / 1e6:.1f}M parameters, "
                 f"under {SMALL_MODEL_PARAMS // 10**6}M, per-op overhead and casts outweigh "

@@ -489,3 +489,52 @@ def test_readme_layer_split_figures_are_the_results():
                    f"({graphs[0]}-{graphs[-1]} graphs a layer) brings that to "
                    f"{span(compiled, 'floor_frac')}"):
         assert figure in readme, figure
+
+
+BF16_ACCURACY_RUNS = {  # docs/performance.md "bf16 accuracy": row label -> results folder
+    "fp32, 0 / 0": "smollm2_dtype_xeon_cpu/fp32_seed0",
+    "bf16, 0 / 0": "smollm2_recipe_bf16_cpu",
+    "fp32, 1 / 1": "smollm2_dtype_xeon_cpu/fp32_seed1",
+    "bf16, 1 / 1": "smollm2_dtype_xeon_cpu/bf16_seed1",
+}
+
+
+def bf16_accuracy_row(label: str, folder: str) -> str:
+    """One row of the bf16-accuracy table from a run's metrics.jsonl."""
+    rows = [json.loads(ln) for ln in
+            (BENCH / "results" / folder / "metrics.jsonl").read_text().splitlines()]
+    ev = {r["step"]: r["eval_accuracy"] for r in rows if "eval_accuracy" in r}
+    steps = [r for r in rows if "reward_mean" in r]
+
+    def mean(key: str, a: int, b: int) -> float:
+        xs = [r[key] for r in steps if a <= r["step"] <= b]
+        return sum(xs) / len(xs)
+
+    def early_late(key: str, fmt: str) -> str:
+        return f"{mean(key, 1, 5):{fmt}} / {mean(key, 26, 30):{fmt}}"
+
+    return (f"| {label} | {ev[0]:.3f} -> {ev[15]:.3f} -> {ev[30]:.3f} | "
+            f"{early_late('reward_mean', '.3f')} | {early_late('completion_len', '.1f')} | "
+            f"{early_late('entropy', '.3f')} | {mean('logp_gap_vllm_mean', 1, 30):.2g} |")
+
+
+def test_performance_doc_bf16_accuracy_rows_are_the_runs():
+    """docs/performance.md's bf16-vs-fp32 accuracy rows are the committed runs' metrics."""
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    block = doc[doc.index("<!-- bf16 accuracy rows -->"):doc.index("<!-- end of bf16 accuracy")]
+    for label, folder in BF16_ACCURACY_RUNS.items():
+        assert bf16_accuracy_row(label, folder) in block, label
+
+
+def test_readme_bf16_accuracy_figures_are_the_runs():
+    """The README's bf16 sentence quotes the runs' held-out accuracy after 30 steps."""
+    after = {}
+    for label, folder in BF16_ACCURACY_RUNS.items():
+        rows = (BENCH / "results" / folder / "metrics.jsonl").read_text().splitlines()
+        acc = [json.loads(ln)["eval_accuracy"] for ln in rows if '"eval_accuracy"' in ln]
+        after.setdefault(label.split(",")[0], []).append(acc[-1])
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    bf16, fp32 = sorted(after["bf16"]), sorted(set(after["fp32"]))
+    assert len(fp32) == 1, "one fp32 figure quoted: the seeds agreed"
+    assert (f"held-out {bf16[0]:.3f}-{bf16[-1]:.3f} after 30 steps against {fp32[0]:.3f} in "
+            "fp32") in readme
