@@ -1,7 +1,8 @@
 """This machine's arithmetic, measured: torch.mm rates per dtype (the FLOP floor of the
 benchmarks' MFU figures) and which training dtype is faster here. Machines of one kind differ:
 an AVX-512 CPU with avx512_bf16 runs bf16 matmuls ~4x faster than fp32, an AVX2-only one ~70x
-slower, so the choice is measured, never assumed."""
+slower, so the choice is measured, never assumed. And how busy the CPUs are as a run starts: on
+a 2-core machine a neighbour's load slows every step, which the start-up console says."""
 from __future__ import annotations
 
 import os
