@@ -126,19 +126,25 @@ def test_layer_split_smallest(tmp_path):
     weights passed (it exits otherwise), every part took time, the parts and the rest add up to
     the pass, the floor fraction is sane, and the compiled layers' gradients are the eager
     ones."""
+    import shutil
+
     out = tmp_path / "s.jsonl"
+    # inductor compiles C++: without a compiler the compiled half cannot run (said, not hidden)
+    compiler = shutil.which("g++") or shutil.which("c++")
     rows = _run("layer_split.py", "--preset", "tiny", "--threads", "1", "--neighbour",
-                "--compile", "--iters", "1", "--out", str(out))
-    assert [r["neighbour_threads"] for r in rows] == [0, os.cpu_count()] * 2
-    assert [bool(r["compiled"]) for r in rows] == [False, False, True, True]
+                *(["--compile"] if compiler else []), "--iters", "1", "--out", str(out))
+    assert [r["neighbour_threads"] for r in rows] == [0, os.cpu_count()] * (2 if compiler else 1)
+    assert [bool(r["compiled"]) for r in rows] == [False, False] + [True, True] * bool(compiler)
     for r in rows:
         assert r["step_s"] > 0 and r["gemm_s"] > 0 and r["attention_s"] > 0
         parts = r["gemm_s"] + r["attention_s"] + r["rest_s"]
         assert parts == pytest.approx(r["step_s"], abs=2e-4) or r["rest_s"] == 0
         assert 0 < r["floor_frac"] < 1.5 and r["threads"] == 1
+    assert _bench_module("layer_split").table(str(out)).count("| tiny (32 tokens") == len(rows)
+    if not compiler:
+        pytest.skip("no C++ compiler for inductor: the eager half ran, --compile did not")
     c = rows[-1]["compiled"]
     assert c["grad_max_rel_diff"] < 1e-4 and c["graphs"] >= 1 and c["compile_s"] > 0
-    assert _bench_module("layer_split").table(str(out)).count("| tiny (32 tokens") == 4
 
 
 def test_fused_output_step_fit_smallest():
