@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -34,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import emit  # noqa: E402
+from _harness import emit, time_fn  # noqa: E402
 
 PRESETS = {
     # the midsize workload's model and its update micro-batch (16 rows of ~64 tokens)
@@ -44,22 +43,7 @@ PRESETS = {
     "tiny": dict(hidden=64, ffn=128, layers=1, heads=2, kv=1, head_dim=32, batch=2, seq=16),
 }
 VOCAB = 256
-
-
-def median_s(fn, iters: int) -> float:
-    fn()  # warm-up: oneDNN primitives, allocator
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
-def mm_rate(dtype: torch.dtype, iters: int) -> float:
-    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-    torch.mm(a, b)
-    return 2 * 2048 ** 3 / min(median_s(lambda: torch.mm(a, b), 1) for _ in range(iters)) / 1e9
+CPU = torch.device("cpu")
 
 
 def linear_shapes(p: dict) -> list[tuple[int, int]]:
@@ -97,21 +81,20 @@ def measure(model, p: dict, dtype: torch.dtype, iters: int) -> dict:
     ids, pos = batch(p)
 
     def step():
-        model.zero_grad(set_to_none=True)
-        model(ids, pos, None).float().sum().mul(1e-3).backward()
+        train_pass(model, ids, pos)
 
     def fwd():
         with torch.no_grad():
             model(ids, pos, None)
 
-    full, forward = median_s(step, iters), median_s(fwd, iters)
+    full, forward = time_fn(step, CPU, iters=iters), time_fn(fwd, CPU, iters=iters)
     gemm_f = gemm_b = 0.0
     gemm_flops = 0
     for i, o in linear_shapes(p):
         x, w, dy = (torch.randn(*sh, dtype=dtype) for sh in ((t, i), (i, o), (t, o)))
-        gemm_f += layers * median_s(lambda: x @ w, iters)
-        gemm_b += layers * (median_s(lambda: dy @ w.t(), iters)
-                            + median_s(lambda: dy.t() @ x, iters))
+        gemm_f += layers * time_fn(lambda: x @ w, CPU, iters=iters)
+        gemm_b += layers * (time_fn(lambda: dy @ w.t(), CPU, iters=iters)
+                            + time_fn(lambda: dy.t() @ x, CPU, iters=iters))
         gemm_flops += 3 * layers * 2 * t * i * o
     q = torch.randn(b, p["heads"], s, p["head_dim"], dtype=dtype, requires_grad=True)
     k, v = (torch.randn(b, p["kv"], s, p["head_dim"], dtype=dtype, requires_grad=True)
@@ -124,7 +107,8 @@ def measure(model, p: dict, dtype: torch.dtype, iters: int) -> dict:
         with torch.no_grad():
             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-    att, att_f = layers * median_s(attn, iters), layers * median_s(attn_fwd, iters)
+    att = layers * time_fn(attn, CPU, iters=iters)
+    att_f = layers * time_fn(attn_fwd, CPU, iters=iters)
     # causal: position j (1-based) attends to j keys: 4 j heads head_dim FLOPs, summed over j
     attn_flops = 3 * layers * b * 4 * p["heads"] * p["head_dim"] * s * (s + 1) // 2
     return dict(step_s=full, forward_s=forward, gemm_s=gemm_f + gemm_b, gemm_fwd_s=gemm_f,
@@ -138,11 +122,15 @@ def batch(p: dict, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.arange(p["seq"]).expand(p["batch"], p["seq"])
 
 
-def grads(model, p: dict) -> list[torch.Tensor]:
-    """Every parameter's gradient of one pass on a fixed batch."""
-    ids, pos = batch(p)
+def train_pass(model, ids: torch.Tensor, pos: torch.Tensor) -> None:
+    """One forward + backward of a fixed scalar of the output."""
     model.zero_grad(set_to_none=True)
     model(ids, pos, None).float().sum().mul(1e-3).backward()
+
+
+def grads(model, p: dict) -> list[torch.Tensor]:
+    """Every parameter's gradient of one pass on a fixed batch."""
+    train_pass(model, *batch(p))
     return [w.grad.detach().clone() for w in model.parameters()]
 
 
@@ -240,13 +228,15 @@ def main(argv: list[str] | None = None) -> None:
     threads = [int(x) for x in args.threads.split(",")] if args.threads else [cores]
     p, dtype = PRESETS[args.preset], getattr(torch, args.dtype)
     model = build(p, args.dtype)
+    from megagrpo.machine import gemm_gflops
+
     rates = {}
     for compiled in [None, *([compile_layers] if args.compile else [])]:
         info = compiled(model, p) if compiled else None
         for n in threads:
             torch.set_num_threads(n)
-            if n not in rates:
-                rates[n] = mm_rate(dtype, 3)  # the floor's rate: this thread count, quiet
+            if n not in rates:  # the floor's rate: this thread count, quiet
+                rates[n] = gemm_gflops(args.dtype, n, size=2048, iters=3)[0]
             for busy in ([0, cores] if args.neighbour else [0]):
                 proc = start_neighbour(busy) if busy else None
                 try:
