@@ -188,7 +188,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     """Loads the recipe and, when started by hand (not under torchrun), runs the whole
     preflight here, before torchrun, a process group or vLLM exists; then trains."""
-    from megagrpo.machine import busy_cores, busy_note
+    from megagrpo.machine import busy_cores_since, busy_note, cpu_sample
     from megagrpo.preflight import preflight
 
     cfg = load_config(args.config, args.overrides)
@@ -199,10 +199,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     world = int(os.environ.get("WORLD_SIZE", nproc))
     checked = None
     if "WORLD_SIZE" not in os.environ:  # under torchrun, setup() runs it on every rank
+        start = cpu_sample()  # other processes' load is measured over the preflight
         checked = preflight(cfg, world)
         log = logging.getLogger("megagrpo")
         log.info("%s", checked.summary())
-        note = busy_note(busy_cores())
+        note = busy_note(busy_cores_since(start))
         if note:
             log.info("%s", note)
     check_out_dir(cfg.run)  # an earlier run in out_dir: refused or cleared, before any start

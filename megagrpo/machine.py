@@ -98,18 +98,34 @@ def _cpu_jiffies() -> tuple[int, int]:
     return busy, busy + idle + iowait
 
 
-def busy_cores(seconds: float = 0.25) -> float:
-    """Cores' worth of CPU that other processes use right now: every CPU's busy time over
-    `seconds` minus this process's own (it sleeps meanwhile). 0.0 where /proc/stat is missing."""
+def _own_cpu_seconds() -> float:
+    """CPU time of this process (all its threads) and of its children it has waited for."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def cpu_sample() -> tuple[float, float, int, int] | None:
+    """A starting point for `busy_cores_since`: (wall, own CPU seconds, busy, total jiffies);
+    None where /proc/stat is missing."""
     try:
-        mine, (b0, t0) = time.process_time(), _cpu_jiffies()
-        time.sleep(seconds)
-        b1, t1 = _cpu_jiffies()
+        return (time.monotonic(), _own_cpu_seconds(), *_cpu_jiffies())
     except (OSError, ValueError):
+        return None
+
+
+def busy_cores_since(start: tuple[float, float, int, int] | None,
+                     min_seconds: float = 0.25) -> float:
+    """Cores' worth of CPU that other processes used since `start` (at least `min_seconds` of
+    it: sleeps for the remainder): every CPU's busy time minus this process's own, so the work
+    done meanwhile (the preflight) is not counted. 0.0 without /proc/stat."""
+    if start is None:
         return 0.0
-    mine = time.process_time() - mine
+    wall0, mine0, b0, t0 = start
+    time.sleep(max(0.0, min_seconds - (time.monotonic() - wall0)))
+    b1, t1 = _cpu_jiffies()
+    wall, mine = time.monotonic() - wall0, _own_cpu_seconds() - mine0
     cores = os.cpu_count() or 1
-    return max(0.0, (b1 - b0) / max(t1 - t0, 1) * cores - mine / seconds)
+    return max(0.0, (b1 - b0) / max(t1 - t0, 1) * cores - mine / wall)
 
 
 BUSY_NOTE_CORES = 0.5
