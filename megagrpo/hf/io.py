@@ -1,15 +1,9 @@
 """HF checkpoint files <-> megatron shards: the lazy safetensors reader, loading each rank's
-slices (only the rows/columns its TP/PP/EP shard needs), the header check, writing a
-checkpoint directory, and the tensor conversions between HF tensors and fused megatron shards
-(the layout itself, names and shapes, is `megagrpo.hf.params`).
-
-Layouts (weights are [out, in]; see ../shared/FINDINGS.md):
-- ``linear_qkv`` is fused per KV group g: [q heads of g, k_g, v_g]; TP splits whole groups.
-- ``linear_fc1`` is cat(gate, up); TP rank r holds cat(gate_r, up_r).
-- ``linear_proj`` / ``linear_fc2`` split the input dim; embeddings / output layer split the
-  (padded) vocab; norms are replicated.
-
-Export goes through `megagrpo.reshard`, the same generator that feeds vLLM.
+slices (only the rows/columns its TP/PP/EP shard needs, safetensors' lazy slices), the header
+check, writing a checkpoint directory, and the tensor conversions between HF tensors and fused
+megatron shards. What is fused and split how (names, shapes, TP/EP/PP) is the layout in
+`megagrpo.hf.params`; this module only moves tensors in it. Export goes through
+`megagrpo.reshard`, the same generator that feeds vLLM.
 """
 from __future__ import annotations
 
