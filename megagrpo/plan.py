@@ -84,6 +84,7 @@ def expert_params(m: ModelConfig, tp: int = 1, ep: int = 1, layers: range | None
     moe = [g for g in (layers or range(m.num_layers)) if m.is_moe_layer(g)]
     if not moe:
         return 0
+    # every MoE layer holds the same routed experts: count one, times the MoE layers
     routed = [s for s in layer_specs(m, moe[0], 0, ep=ep, ep_rank=0) if s.ep_owner is not None]
     return rank_numel(routed, tp) * len(moe)
 
