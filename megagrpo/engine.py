@@ -129,43 +129,19 @@ class RolloutEngine(Protocol):
 
 
 def expected_hf_params(hf_config) -> tuple[dict[str, torch.Size], set[str]]:
-    """Names and shapes of the HF checkpoint tensors for `hf_config`, read from the HF model
-    built on the meta device (no memory). Returns (required, optional): tied output weights
-    (`lm_head.weight` when tie_word_embeddings) are optional, since vLLM reuses the embedding."""
-    from transformers import AutoModelForCausalLM
+    """Names and shapes of the HF checkpoint tensors for `hf_config` (a transformers config),
+    derived from megagrpo's parameter layout (`megagrpo.hf.params.vllm_feed_shapes`). Returns
+    (required, optional): tied output weights (`lm_head.weight` when tie_word_embeddings) are
+    optional, since vLLM reuses the embedding."""
+    from megagrpo.hf.config import MODEL_TYPES, model_config_from_hf_dict
+    from megagrpo.hf.params import vllm_feed_shapes
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    shapes = _checkpoint_shapes({name: t.shape for name, t in model.state_dict().items()})
-    optional: set[str] = set()
-    tied_keys = getattr(model, "_tied_weights_keys", None) or {}
-    if getattr(hf_config, "tie_word_embeddings", False):
-        optional |= {k for k in (tied_keys if isinstance(tied_keys, (list, dict, set)) else [])
-                     if k in shapes}
-        if "lm_head.weight" in shapes:
-            optional.add("lm_head.weight")
-    return shapes, optional
-
-
-def _checkpoint_shapes(shapes: dict[str, torch.Size]) -> dict[str, torch.Size]:
-    """transformers 5 holds an MoE layer's routed experts as 3D tensors (`mlp.experts.gate_up_proj`
-    [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) but saves and loads checkpoints, and vLLM
-    reads them, per expert (`mlp.experts.{e}.gate_proj.weight` [I, H], ...): the per-expert
-    names."""
-    out: dict[str, torch.Size] = {}
-    for name, shape in shapes.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base, (E, two_i, H) = name[: -len("gate_up_proj")], shape
-            for e in range(E):
-                out[f"{base}{e}.gate_proj.weight"] = torch.Size((two_i // 2, H))
-                out[f"{base}{e}.up_proj.weight"] = torch.Size((two_i // 2, H))
-        elif name.endswith("mlp.experts.down_proj"):
-            base, (E, H, inter) = name[: -len("down_proj")], shape
-            for e in range(E):
-                out[f"{base}{e}.down_proj.weight"] = torch.Size((H, inter))
-        else:
-            out[name] = shape
-    return out
+    cfg = hf_config.to_dict()
+    if not cfg.get("architectures") and cfg.get("model_type") in MODEL_TYPES:
+        cfg["architectures"] = [MODEL_TYPES[cfg["model_type"]]]  # a config built in memory
+    model = model_config_from_hf_dict(cfg, f"{type(hf_config).__name__}")
+    shapes, optional = vllm_feed_shapes(model)
+    return {name: torch.Size(shape) for name, shape in shapes.items()}, optional
 
 
 class _WeightFeed:

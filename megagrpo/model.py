@@ -282,11 +282,6 @@ def _cast_params(gpt: torch.nn.Module, dtype: torch.dtype) -> None:
                 p.data = p.data.to(dtype)
 
 
-def stage_layer_offset(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> int:
-    """Global index of the first layer held by pipeline stage `pp_rank` (even split)."""
-    return pp_rank * (model.num_layers // parallel.pp)
-
-
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     """The GPTModel inside DDP / Float16Module wrappers."""
     while hasattr(module, "module"):

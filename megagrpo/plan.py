@@ -42,12 +42,21 @@ What is counted, per rank, on the worst pipeline stage:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from megagrpo.config.layout import check_rollout_layout
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.train import TrainConfig, load_config
+from megagrpo.hf.params import (
+    embedding_specs,
+    head_specs,
+    layer_specs,
+    rank_numel,
+    split_numels,
+    stage_layers,
+)
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -55,58 +64,45 @@ MAX_TP = 8  # tensor parallelism stays inside one node (NVLink); more GPUs go to
 
 
 # ------------------------------------------------------------------------ parameter counts
+# Every count is derived from the one parameter layout (`megagrpo.hf.params`): the TP-split
+# parameters' total / tp plus the replicated ones, per layer as megatron holds them.
 def layer_params(m: ModelConfig, tp: int = 1, layer: int = 0, ep: int = 1, *,
                  active: bool = False) -> int:
     """Parameters of transformer layer `layer` on one TP x EP rank (tp=ep=1: the whole layer;
     `active`: the parameters one token runs through, i.e. k of the E routed experts)."""
-    qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * m.head_dim
-    split = (qkv_out * m.hidden_size                              # linear_qkv
-             + (qkv_out if m.qkv_bias else 0)                     # its bias (Qwen2)
-             + m.num_attention_heads * m.head_dim * m.hidden_size)  # linear_proj
-    norms = 2 * m.hidden_size + (2 * m.head_dim if m.qk_norm else 0)  # + Qwen3's q/k norms
-    if not m.is_moe_layer(layer):
-        split += 3 * m.ffn_hidden_size * m.hidden_size           # fc1 = [gate; up], fc2
-        return split // tp + norms                                # norms are replicated
-    experts = m.moe_topk if active else m.num_experts // ep
-    split += (experts * 3 * m.moe_ffn_hidden_size * m.hidden_size  # routed experts
-              + 3 * m.shared_expert_ffn_hidden_size * m.hidden_size)  # shared expert
-    router = m.num_experts * m.hidden_size + (m.hidden_size if m.shared_expert_ffn_hidden_size
-                                              else 0)             # router (+ shared gate)
-    return split // tp + norms + router
+    if not active:
+        return rank_numel(layer_specs(m, layer, 0, ep=ep, ep_rank=0), tp)
+    # one expert per EP rank: EP rank 0's specs hold exactly one routed expert
+    specs = layer_specs(m, layer, 0, ep=max(1, m.num_experts), ep_rank=0)
+    split, replicated = split_numels(s for s in specs if s.ep_owner is None)
+    expert, _ = split_numels(s for s in specs if s.ep_owner is not None)
+    return (split + m.moe_topk * expert) // tp + replicated
 
 
 def expert_params(m: ModelConfig, tp: int = 1, ep: int = 1, layers: range | None = None) -> int:
     """Routed-expert parameters on one TP x EP rank over `layers` (default: all)."""
-    per_layer = m.num_experts // ep * 3 * m.moe_ffn_hidden_size * m.hidden_size // tp
-    return per_layer * sum(m.is_moe_layer(i) for i in (layers or range(m.num_layers)))
+    moe = [g for g in (layers or range(m.num_layers)) if m.is_moe_layer(g)]
+    if not moe:
+        return 0
+    # every MoE layer holds the same routed experts: count one, times the MoE layers
+    routed = [s for s in layer_specs(m, moe[0], 0, ep=ep, ep_rank=0) if s.ep_owner is not None]
+    return rank_numel(routed, tp) * len(moe)
 
 
 def total_params(m: ModelConfig, *, active: bool = False) -> int:
     """Parameter count as Hugging Face reports it (unpadded vocab, one tied embedding);
     `active`: per token (k of the E routed experts)."""
-    embed = m.vocab_size * m.hidden_size
-    out = 0 if m.tie_word_embeddings else embed
-    return (embed + sum(layer_params(m, layer=i, active=active) for i in range(m.num_layers))
-            + m.hidden_size + out)
-
-
-def stage_layers(m: ModelConfig, p: ParallelConfig, stage: int) -> range:
-    """Global indices of the layers pipeline stage `stage` holds (even split)."""
-    per = m.num_layers // p.pp
-    return range(stage * per, (stage + 1) * per)
+    whole = ParallelConfig()  # one stage: the embedding, the final norm, an untied output layer
+    edges = embedding_specs(m, whole, 0) + head_specs(m, whole, 0)
+    return (sum(math.prod(shape) for s in edges for _, shape in s.hf_tensors(m))
+            + sum(layer_params(m, layer=i, active=active) for i in range(m.num_layers)))
 
 
 def stage_params(m: ModelConfig, p: ParallelConfig, stage: int) -> int:
     """Parameters held by one rank of pipeline stage `stage` (0-based) at p.tp, p.pp, p.ep."""
-    vocab_local = p.padded_vocab_size(m.vocab_size) // p.tp * m.hidden_size
-    n = sum(layer_params(m, p.tp, g, p.ep) for g in stage_layers(m, p, stage))
-    if stage == 0:
-        n += vocab_local                                # word embeddings
-    if stage == p.pp - 1:
-        n += m.hidden_size                              # final norm
-        if not (m.tie_word_embeddings and p.pp == 1):
-            n += vocab_local                            # output layer (or the tied copy)
-    return n
+    edges = embedding_specs(m, p, stage) + head_specs(m, p, stage)
+    return (rank_numel(edges, p.tp)
+            + sum(layer_params(m, p.tp, g, p.ep) for g in stage_layers(m, p, stage)))
 
 
 def moe_dispatch_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int) -> int:
@@ -248,7 +244,8 @@ def activation_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int) -> int:
     if cfg.parallel.transformer_impl == "local":
         per_layer += 5 * m.num_attention_heads * s * s * b / tp
     scale = DTYPE_BYTES[m.dtype] / 2
-    return int(per_layer * scale * (m.num_layers // pp) * pp)
+    layers = len(stage_layers(m, dataclasses.replace(cfg.parallel, pp=pp), 0))
+    return int(per_layer * scale * layers * pp)
 
 
 def vllm_rank_bytes(m: ModelConfig, k: int, dtype: str) -> tuple[int, int]:
@@ -400,9 +397,9 @@ def format_experts(cfg: TrainConfig, m: ModelConfig, world: int) -> str:
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     dp = max(1, world // (tp * pp))
     b = DTYPE_BYTES[m.dtype]
-    per_stage = range(m.num_layers // pp)
+    first_stage = stage_layers(m, cfg.parallel, 0)
     for ep in (e for e in range(1, dp + 1) if dp % e == 0 and m.num_experts % e == 0):
-        n = expert_params(m, tp, ep, per_stage)
+        n = expert_params(m, tp, ep, first_stage)
         mark = "  <- parallel.ep" if ep == cfg.parallel.ep else ""
         lines.append(f"  ep={ep:<3} {m.num_experts // ep:>4} experts per rank: routed-expert "
                      f"weights {n * b / GIB:8.3f} GiB per rank (tp={tp}, pp={pp}){mark}")

@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch.distributed as dist  # noqa: E402
 
 import megagrpo.hf as hf  # noqa: E402
+import megagrpo.hf.io as hf_io  # noqa: E402
+import megagrpo.hf.params as hf_params  # noqa: E402
 from megagrpo.config.model import ParallelConfig  # noqa: E402
 from megagrpo.distributed import shutdown  # noqa: E402
 from megagrpo.verify import verify  # noqa: E402
@@ -38,15 +40,16 @@ def job(spec: str, seq_len: int) -> int:
     d, tp, pp, *flags = spec.split(":")
     ep = next((int(f[2:]) for f in flags if f.startswith("ep")), 1)
     model = hf.model_config_from_hf(d)
-    fuse, moe_specs = hf.fuse_qkv, hf._moe_specs
+    # patched where they are looked up: the loader's fusion, the layout's MoE part
+    fuse, moe_specs = hf_io.fuse_qkv, hf_params._moe_specs
     if "broken" in flags:
-        hf.fuse_qkv = lambda q, k, v, groups: fuse(q, v, k, groups)
+        hf_io.fuse_qkv = lambda q, k, v, groups: fuse(q, v, k, groups)
     if "experts_swapped" in flags:
-        hf._moe_specs = _swap_experts_0_1(moe_specs)
+        hf_params._moe_specs = _swap_experts_0_1(moe_specs)
     try:
         return verify(d, model, ParallelConfig(tp=int(tp), pp=int(pp), ep=ep), seq_len=seq_len)
     finally:
-        hf.fuse_qkv, hf._moe_specs = fuse, moe_specs
+        hf_io.fuse_qkv, hf_params._moe_specs = fuse, moe_specs
 
 
 def run() -> None:

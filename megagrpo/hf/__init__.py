@@ -1,0 +1,34 @@
+"""Hugging Face interop, in three modules:
+- `config`: HF config.json <-> ModelConfig (reading with refusals, writing, RoPE);
+- `params`: the model's parameter layout, written once (HF tensor names <-> megatron
+  parameters, shapes, TP/EP splits, the pipeline split) and what derives from it;
+- `io`: checkpoint files <-> megatron shards (reading slices, loading, writing, checking).
+
+The names below are re-exported here and imported on first use (PEP 562), so that `config` and
+`params`, which need no torch, stay cheap for the launcher and the planner; `io` loads torch and
+safetensors only where tensors move.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "config": ("HF_ARCHITECTURES", "MODEL_TYPES", "hf_config_dict", "model_config_from_hf",
+               "model_config_from_hf_dict"),
+    "params": ("ParamSpec", "embedding_specs", "head_specs", "hf_shapes", "layer_specs",
+               "param_specs", "rank_numel", "split_numels", "stage_layers", "vllm_feed_shapes"),
+    "io": ("HFCheckpoint", "check_hf_checkpoint", "expert_parallel_rank", "fuse_qkv",
+           "load_hf_weights", "read_shard", "save_hf_dir", "unfuse_shards"),
+}
+_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

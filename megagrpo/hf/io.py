@@ -1,0 +1,238 @@
+"""HF checkpoint files <-> megatron shards: the lazy safetensors reader, loading each rank's
+slices (only the rows/columns its TP/PP/EP shard needs, safetensors' lazy slices), the header
+check, writing a checkpoint directory, and the tensor conversions between HF tensors and fused
+megatron shards. What is fused and split how (names, shapes, TP/EP/PP) is the layout in
+`megagrpo.hf.params`; this module only moves tensors in it. Export goes through
+`megagrpo.reshard`, the same generator that feeds vLLM.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.hf.config import hf_config_dict
+from megagrpo.hf.params import ParamSpec, hf_shapes, param_specs
+from megagrpo.model import unwrap
+
+
+# ---------------------------------------------------------------- layout conversions
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """HF q [nh*hd, ...], k/v [ng*hd, ...] -> megatron [ng*(nh/ng+2)*hd, ...] (per group)."""
+    rest = q.shape[1:]
+    parts = [t.reshape(groups, -1, *rest) for t in (q, k, v)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def unfuse_shards(shards: list[torch.Tensor], spec: ParamSpec, model: ModelConfig
+                  ) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors of `spec` from its TP shards (rank order): QKV split per group, gate/up
+    split, vocab padding stripped. Each HF tensor is built with one copy straight from the
+    shards (at TP=1 views where possible), so no full fused tensor is ever materialised."""
+    if spec.kind == "replicated":
+        return [(spec.hf[0], shards[0])]
+    if spec.kind == "row":
+        return [(spec.hf[0], _cat(shards, 1))]
+    if spec.kind == "vocab":
+        rows, parts = shards[0].shape[0], []
+        for r, sh in enumerate(shards):
+            if r * rows < model.vocab_size:
+                parts.append(sh[: model.vocab_size - r * rows])
+        return [(spec.hf[0], _cat(parts, 0))]
+    if spec.kind == "gate_up":  # rank r holds cat(gate_r, up_r)
+        half = shards[0].shape[0] // 2
+        return [(spec.hf[0], _cat([s[:half] for s in shards], 0)),
+                (spec.hf[1], _cat([s[half:] for s in shards], 0))]
+    hd = model.head_dim
+    qper = model.num_attention_heads // model.num_query_groups * hd
+    rest = shards[0].shape[1:]
+    grouped = [s.view(-1, qper + 2 * hd, *rest) for s in shards]  # [groups_r, q+k+v, ...]
+    out = []
+    for name, lo, hi in zip(spec.hf, (0, qper, qper + hd), (qper, qper + hd, qper + 2 * hd)):
+        part = torch.cat([g[:, lo:hi] for g in grouped]) if len(grouped) > 1 \
+            else grouped[0][:, lo:hi].contiguous()
+        out.append((name, part.view(-1, *rest)))
+    return out
+
+
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+class HFCheckpoint:
+    """Lazy reader of a local HF safetensors checkpoint (single file or sharded with index)."""
+
+    def __init__(self, hf_dir: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.dir = Path(hf_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.exists():
+            self.files = json.loads(index.read_text())["weight_map"]
+        elif (self.dir / "model.safetensors").exists():
+            with safe_open(self.dir / "model.safetensors", "pt") as f:
+                self.files = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise FileNotFoundError(
+                f"{self.dir}: no model.safetensors or model.safetensors.index.json")
+        self._open = safe_open
+        self._handles: dict[str, object] = {}
+
+    def _handle(self, name: str, needed_by: str):
+        if name not in self.files:
+            raise ValueError(
+                f"checkpoint {self.dir} lacks tensor {name!r} (needed for {needed_by})")
+        fname = self.files[name]
+        if fname not in self._handles:
+            self._handles[fname] = self._open(self.dir / fname, "pt")
+        return self._handles[fname]
+
+    def shape(self, name: str, needed_by: str) -> tuple[int, ...]:
+        return tuple(self._handle(name, needed_by).get_slice(name).get_shape())
+
+    def rows(self, name: str, start: int, stop: int, needed_by: str) -> torch.Tensor:
+        """Rows [start, stop) of dim 0, read without loading the rest."""
+        return self._handle(name, needed_by).get_slice(name)[start:stop]
+
+    def cols(self, name: str, start: int, stop: int, needed_by: str) -> torch.Tensor:
+        return self._handle(name, needed_by).get_slice(name)[:, start:stop]
+
+
+def check_hf_checkpoint(hf_dir: str | os.PathLike, model: ModelConfig) -> None:
+    """Every tensor the model needs is present with the right shape (reads headers only)."""
+    ckpt = HFCheckpoint(hf_dir)
+    expected = hf_shapes(model)
+    missing = sorted(n for n in expected if n not in ckpt.files)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint {ckpt.dir} lacks tensors {missing[:5]}{more}")
+    for name, shape in expected.items():
+        got = ckpt.shape(name, name)
+        if got != shape:
+            raise ValueError(f"checkpoint {ckpt.dir}: tensor {name!r} has shape {list(got)}, "
+                             f"expected {list(shape)} for this config")
+
+
+def read_shard(ckpt: HFCheckpoint, spec: ParamSpec, model: ModelConfig, tp_rank: int, tp: int,
+               expected: dict[str, tuple[int, ...]]) -> torch.Tensor:
+    """The TP shard `tp_rank` of `spec`, built from only the HF rows/columns it needs."""
+    for name in spec.hf:
+        got = ckpt.shape(name, spec.local)
+        if got != expected[name]:
+            raise ValueError(f"checkpoint {ckpt.dir}: tensor {name!r} has shape {list(got)}, "
+                             f"expected {list(expected[name])} for this config")
+    if spec.kind == "replicated":
+        return ckpt.rows(spec.hf[0], 0, spec.full_shape[0], spec.local)
+    if spec.kind == "row":
+        n = spec.full_shape[1] // tp
+        return ckpt.cols(spec.hf[0], tp_rank * n, (tp_rank + 1) * n, spec.local)
+    if spec.kind == "gate_up":
+        n = spec.full_shape[0] // 2 // tp
+        return torch.cat([ckpt.rows(h, tp_rank * n, (tp_rank + 1) * n, spec.local)
+                          for h in spec.hf])
+    if spec.kind == "qkv":
+        ng, hd = model.num_query_groups // tp, model.head_dim
+        qn = model.num_attention_heads // model.num_query_groups * hd * ng
+        q = ckpt.rows(spec.hf[0], tp_rank * qn, (tp_rank + 1) * qn, spec.local)
+        k = ckpt.rows(spec.hf[1], tp_rank * ng * hd, (tp_rank + 1) * ng * hd, spec.local)
+        v = ckpt.rows(spec.hf[2], tp_rank * ng * hd, (tp_rank + 1) * ng * hd, spec.local)
+        return fuse_qkv(q, k, v, ng)
+    # vocab: rows of this rank's padded slice that exist in HF, zero padding after
+    n = spec.full_shape[0] // tp
+    lo, hi = tp_rank * n, min((tp_rank + 1) * n, model.vocab_size)
+    shard = torch.zeros(n, *spec.full_shape[1:], dtype=_dtype_of(ckpt, spec))
+    if hi > lo:
+        shard[: hi - lo] = ckpt.rows(spec.hf[0], lo, hi, spec.local)
+    return shard
+
+
+def _dtype_of(ckpt: HFCheckpoint, spec: ParamSpec) -> torch.dtype:
+    return ckpt.rows(spec.hf[0], 0, 1, spec.local).dtype
+
+
+def load_hf_weights(gpt: torch.nn.Module, hf_dir: str | os.PathLike, model: ModelConfig,
+                    parallel: ParallelConfig, *, tp_rank: int, pp_rank: int,
+                    ep_rank: int | None = None) -> int:
+    """Copies this rank's shards of an HF checkpoint into `gpt` (a GPTModel stage) in place
+    (routed experts: those of expert-parallel rank `ep_rank`, default megatron's).
+    Every tensor is checked (present, right shape) before any parameter is written.
+    Returns the number of bytes read."""
+    gpt = unwrap(gpt)
+    params = dict(gpt.named_parameters())
+    impl = "transformer_engine" if any("layer_norm_weight" in n for n in params) else "local"
+    if ep_rank is None:
+        ep_rank = expert_parallel_rank(parallel)
+    specs = param_specs(model, parallel, pp_rank, impl, ep_rank)
+    expected = hf_shapes(model)
+    missing = sorted(set(params) - {s.local for s in specs})
+    if missing:
+        raise RuntimeError(f"megatron parameters without an HF source: {missing}")
+    ckpt = HFCheckpoint(hf_dir)
+    shards = {s.local: read_shard(ckpt, s, model, tp_rank, parallel.tp, expected) for s in specs}
+    nbytes = 0
+    with torch.no_grad():
+        for s in specs:
+            p, t = params[s.local], shards[s.local]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"{s.local}: shard shape {list(t.shape)} != parameter "
+                                 f"{list(p.shape)}")
+            p.copy_(t)
+            nbytes += t.numel() * t.element_size()
+    return nbytes
+
+
+def expert_parallel_rank(parallel: ParallelConfig) -> int:
+    """This rank's expert-parallel rank (megatron's parallel_state; 0 without EP)."""
+    if parallel.ep == 1:
+        return 0
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank()
+
+
+def save_hf_dir(out_dir: str | os.PathLike, model: ModelConfig,
+                pairs: Iterable[tuple[str, torch.Tensor]], *, write: bool = True,
+                shard_bytes: int = 2 << 30) -> None:
+    """Writes an HF checkpoint from a stream of (name, tensor) pairs: safetensors shards of at
+    most `shard_bytes` (one tensor if larger) plus the index and config.json, renamed into place
+    at the end. `write=False` only drains the stream (ranks other than the writer must still
+    take part in its collectives)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    files: list[list[str]] = []
+    cur: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(cur, str(out / f"shard-{len(files):05d}.tmp"), metadata={"format": "pt"})
+        files.append(list(cur))
+
+    for name, tensor in pairs:
+        if not write:
+            continue
+        n = tensor.numel() * tensor.element_size()
+        if cur and size + n > shard_bytes:
+            flush()
+            cur, size = {}, 0
+        cur[name] = tensor.contiguous()
+        size += n
+    if not write:
+        return
+    if cur:
+        flush()
+    total, weight_map, nbytes = len(files), {}, 0
+    for i, names in enumerate(files):
+        final = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        os.replace(out / f"shard-{i:05d}.tmp", out / final)
+        weight_map.update({n: final for n in names})
+        nbytes += (out / final).stat().st_size
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": nbytes}, "weight_map": dict(sorted(weight_map.items()))},
+        indent=1))
+    (out / "config.json").write_text(json.dumps(hf_config_dict(model), indent=1))
