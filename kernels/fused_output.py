@@ -12,9 +12,9 @@ Forward, for each vocab chunk ``c`` (outer) and token chunk ``t`` (inner)::
 
 ``local_stats`` is the per-row statistic of ``logprob`` (max m, sum-exp s relative to m, target
 logit zt, sum p*(z - m) as w) and ``merge`` rescales two such rows by ``exp(m_i - max)`` - the
-same combine ``logprob._combine`` applies across tensor-parallel ranks. After the loop the
-``[T, 4]`` stats go through exactly the logits path's TP combine (``_gather_stats`` and
-``_combine``): log-prob, entropy and the normalisers ``M``, ``log S``, ``E_p[z] - M``.
+same combine ``_vocab_stats.combine`` applies across tensor-parallel ranks. After the loop the
+``[T, 4]`` stats go through exactly the logits path's TP combine (``_vocab_stats.gather_stats``
+and ``combine``): log-prob, entropy and the normalisers ``M``, ``log S``, ``E_p[z] - M``.
 
 Backward (of ``fused_output_logprob``: scoring and losses that are not token-separable)
 recomputes every chunk's logits, turns them in place into their gradient with the
@@ -150,7 +150,7 @@ def grad_chunk_tokens(n_rows: int, n_cols: int, chunk_tokens: int | None = None)
 
 def _merge_stats(acc: torch.Tensor, new: torch.Tensor) -> None:
     """``acc <- merge(acc, new)`` for ``[n, 4]`` (m, s, zt, w) rows of two disjoint vocab
-    ranges: the chunk-to-chunk twin of ``logprob._combine``'s rank-to-rank rescaling."""
+    ranges: the chunk-to-chunk twin of ``_vocab_stats.combine``'s rank-to-rank rescaling."""
     m_a, s_a, zt_a, w_a = acc.unbind(dim=1)
     m_b, s_b, zt_b, w_b = new.unbind(dim=1)
     big_m = torch.maximum(m_a, m_b)

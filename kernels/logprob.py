@@ -10,7 +10,7 @@ and produces four fp32 statistics of ``z = logits / temperature``:
     w  = sum_i exp(z_i - m) * (z_i - m) (only with entropy; relative to m for accuracy)
 
 The ranks then exchange these ``[T, 4]`` stats in ONE all_gather and every rank combines them
-(``_combine``) by rescaling with ``exp(m_r - M)``, ``M = max_r m_r``:
+(``_vocab_stats.combine``) by rescaling with ``exp(m_r - M)``, ``M = max_r m_r``:
 
     S = sum_r s_r e^{m_r - M},  lse = M + log S,  logp = sum_r zt_r - lse
     W = sum_r e^{m_r - M} (w_r + s_r (m_r - M)),  H = log S - W / S,  mu = E_p[z] = M + W / S
@@ -25,6 +25,9 @@ pass over its logits. With ``inplace_backward=True`` that gradient overwrites th
 (the caller promises the logits are not used again); otherwise it goes to a new buffer of the
 logits' dtype. No fp32 ``[T, V]`` tensor is ever created: the Triton kernels stream blocks of a
 row, and the torch path (CPU fallback and test oracle) works on bounded chunks of rows.
+
+The row passes and the combine live in ``_vocab_stats`` (the fused output layer runs them too);
+this module holds the logits op: its chunking of rows, autograd Function and entry point.
 """
 from __future__ import annotations
 
