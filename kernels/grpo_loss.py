@@ -169,9 +169,10 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3",
 
 
 # ------------------------------------------------------------------------------ the spec
-def _positive(name: str, value: float | None, low: float = 0.0, *, strict: bool = True,
-              optional: bool = False) -> None:
-    """Raise ValueError naming ``LossSpec.<name>`` unless value > low (>= with not strict)."""
+def _check_number(name: str, value: float | None, low: float = 0.0, *, strict: bool = True,
+                  optional: bool = False) -> None:
+    """Raise ValueError naming ``LossSpec.<name>`` unless ``value`` is a number > ``low``
+    (>= with ``strict`` False; None allowed with ``optional``)."""
     if value is None and optional:
         return
     ok = isinstance(value, (int, float)) and (value > low if strict else value >= low)
@@ -216,13 +217,13 @@ class LossSpec:
                               ("kl_estimator", KL_ESTIMATORS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LossSpec.{name}={getattr(self, name)!r}: use one of {allowed}")
-        _positive("eps_low", self.eps_low, strict=False)
-        _positive("eps_high", self.eps_high, strict=False)
-        _positive("beta", self.beta, strict=False)
-        _positive("dual_clip_c", self.dual_clip_c, 1.0, optional=True)
-        _positive("is_cap", self.is_cap, optional=True)
+        _check_number("eps_low", self.eps_low, strict=False)
+        _check_number("eps_high", self.eps_high, strict=False)
+        _check_number("beta", self.beta, strict=False)
+        _check_number("dual_clip_c", self.dual_clip_c, 1.0, optional=True)
+        _check_number("is_cap", self.is_cap, optional=True)
         for name in ("sapo_tau_pos", "sapo_tau_neg", "temperature"):
-            _positive(name, getattr(self, name))
+            _check_number(name, getattr(self, name))
         c = self.kl_clamp
         if c is not None and not (len(c) == 2 and all(isinstance(x, (int, float)) and x > 0
                                                       and not math.isnan(x) for x in c)):

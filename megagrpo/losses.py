@@ -17,7 +17,7 @@ so they are multiplied back by both.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -61,7 +61,7 @@ class LossContext:
     """GRPO variant (training passes)."""
     inplace_backward: bool = False
     """Kernel may write the logits gradient into the logits buffer."""
-    spec: LossSpec | None = field(default=None)
+    spec: LossSpec | None = None
     """The GRPO loss options: built from `algo` (`loss_spec`) when not given; every
     micro-batch of this context reuses it."""
 
