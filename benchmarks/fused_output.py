@@ -15,11 +15,12 @@ GRPO loss with a k3 KL term, summed, then the gradients w.r.t. ``h`` and ``W``
 Paths:
 - ``logits`` (a): megatron's output-layer matmul (``h @ W^T``, as ColumnParallelLinear computes
   it; under TP its input gradient is all-reduced, as megatron does) + today's fused logits
-  kernel (``grpo_token_loss``, gradient written into the logits buffer).
-- ``fused_forward`` (b3): ``fused_output_grpo_weighted_loss`` (kernels/fused_output.py) forced
+  kernel (``token_loss`` on the logits, gradient written into the logits buffer).
+- ``fused_forward`` (b3): ``token_loss`` on the hidden states with token weights forced
   onto its gradient-in-forward path: no [T, V/tp] logits, 3 matmuls.
-- ``fused_recompute`` (b4): ``fused_output_grpo_loss``, the recomputing backward (4 matmuls).
-- ``fused`` (optional, ``--paths``): ``fused_output_grpo_weighted_loss`` as training calls it,
+- ``fused_recompute`` (b4): ``token_loss`` on the hidden states without token weights: the
+  recomputing backward (4 matmuls).
+- ``fused`` (optional, ``--paths``): ``token_loss`` with token weights as training calls it,
   choosing (b3) or (b4) by ``use_grad_in_forward``.
 - ``naive`` (c): the full logits, ``log_softmax`` of an fp32 copy, gather (TP=1 only).
 
@@ -52,17 +53,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import emit, peak_extra_bytes, time_samples  # noqa: E402
 
 from megagrpo.kernels import (  # noqa: E402
-    fused_output_grpo_loss, fused_output_grpo_weighted_loss, fused_output_logprob,
-    grpo_loss_from_logp, grpo_token_loss,
+    LossSpec, TokenInputs, VocabPass, fused_output_logprob, loss_from_logp, token_loss,
 )
 from megagrpo.kernels import fused_output as fo  # noqa: E402
 from megagrpo.kernels.fused_output import reference_output_logprob  # noqa: E402
 
-LOSS_OPTS = dict(eps_low=0.2, eps_high=0.28, beta=0.04, kl_estimator="k3")
+SPEC = LossSpec(eps_low=0.2, eps_high=0.28, beta=0.04, kl_estimator="k3", temperature=0.9)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PATHS = ("logits", "fused_forward", "fused_recompute", "naive")
 """The default paths; "fused" (the automatic choice between the two fused ones) on request."""
-TEMPERATURE = 0.9
+TEMPERATURE = SPEC.temperature
 
 
 def make_inputs(t: int, h: int, v: int, tp: int, rank: int, dtype, device, group=None) -> dict:
@@ -85,26 +85,25 @@ def make_inputs(t: int, h: int, v: int, tp: int, rank: int, dtype, device, group
 
 def loss_of(path: str, h, w, inp: dict, group) -> tuple[torch.Tensor, torch.Tensor]:
     """(the summed loss to differentiate, the per-token loss [T] to compare)."""
-    args = (inp["target"], inp["old_logp"], inp["advantages"], inp["mask"])
+    inputs = TokenInputs(inp["old_logp"], inp["advantages"], inp["mask"],
+                         ref_logp=inp["ref_logp"])
+    run = VocabPass(group=group)
     if path in ("fused", "fused_forward"):
         ones = torch.ones_like(inp["advantages"])
-        total, tok, _ = fused_output_grpo_weighted_loss(
-            h, w, *args, ones, ref_logp=inp["ref_logp"], group=group, temperature=TEMPERATURE,
-            grad_in_forward=True if path == "fused_forward" else None, **LOSS_OPTS)
+        run = run._replace(grad_in_forward=True if path == "fused_forward" else None)
+        total, tok, _ = token_loss(h, inp["target"], SPEC, inputs, weight=w, token_weight=ones,
+                                   run=run)
         return total, tok
     if path == "fused_recompute":
-        tok = fused_output_grpo_loss(h, w, *args, ref_logp=inp["ref_logp"], group=group,
-                                     temperature=TEMPERATURE, **LOSS_OPTS)[0]
+        tok = token_loss(h, inp["target"], SPEC, inputs, weight=w, run=run)[0]
     elif path == "logits":
         h_in = _AllReduceGrad.apply(h, group) if group is not None else h
-        tok = grpo_token_loss(h_in @ w.T, *args, ref_logp=inp["ref_logp"], group=group,
-                              temperature=TEMPERATURE, inplace_backward=True, **LOSS_OPTS)[0]
+        tok = token_loss(h_in @ w.T, inp["target"], SPEC, inputs,
+                         run=run._replace(inplace_backward=True))[0]
     else:
         logp, entropy = reference_output_logprob(h, w, inp["target"], temperature=TEMPERATURE,
                                                  dtype=h.dtype)
-        tok = grpo_loss_from_logp(logp, inp["old_logp"], inp["advantages"], inp["mask"],
-                                  entropy=entropy.detach(), ref_logp=inp["ref_logp"],
-                                  **LOSS_OPTS)[0]
+        tok = loss_from_logp(SPEC, inputs, logp, entropy.detach())[0]
     return tok.sum(), tok
 
 

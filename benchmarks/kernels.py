@@ -43,10 +43,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import copy_bandwidth, emit, peak_extra_bytes, time_samples  # noqa: E402
 
-from megagrpo.kernels import grpo_loss_from_logp, grpo_token_loss  # noqa: E402
+from megagrpo.kernels import (  # noqa: E402
+    LossSpec, TokenInputs, VocabPass, loss_from_logp, token_loss,
+)
 from megagrpo.kernels.dispatch import triton_can_run  # noqa: E402
 
-LOSS_OPTS = dict(eps_low=0.2, eps_high=0.28, beta=0.04, kl_estimator="k3")
+SPEC = LossSpec(eps_low=0.2, eps_high=0.28, beta=0.04, kl_estimator="k3")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -56,9 +58,9 @@ def make_inputs(t: int, v_local: int, tp: int, dtype: torch.dtype, device: torch
     target = torch.randint(0, v_local * tp, (t,), generator=g).to(device)
     mask = (torch.rand(t, generator=g) > 0.1).to(device)
     old = (-5 + torch.randn(t, generator=g)).to(device)
-    return dict(logits=logits, target=target, mask=mask, old_logp=old,
-                advantages=torch.randn(t, generator=g).to(device),
-                ref_logp=(old + 0.1 * torch.randn(t, generator=g).to(device)))
+    adv = torch.randn(t, generator=g).to(device)
+    ref = old + 0.1 * torch.randn(t, generator=g).to(device)
+    return dict(logits=logits, target=target, inputs=TokenInputs(old, adv, mask, ref_logp=ref))
 
 
 def naive_loss(x: torch.Tensor, inp: dict) -> torch.Tensor:
@@ -66,23 +68,20 @@ def naive_loss(x: torch.Tensor, inp: dict) -> torch.Tensor:
     logp = logsm.gather(1, inp["target"].clamp(0, x.shape[1] - 1)[:, None]).squeeze(1)
     with torch.no_grad():
         entropy = -(logsm.exp() * logsm).sum(dim=-1)
-    return grpo_loss_from_logp(logp, inp["old_logp"], inp["advantages"], inp["mask"],
-                               entropy=entropy, ref_logp=inp["ref_logp"], **LOSS_OPTS)[0]
+    return loss_from_logp(SPEC, inp["inputs"], logp, entropy)[0]
 
 
 def megatron_loss(x: torch.Tensor, inp: dict) -> torch.Tensor:
     from megatron.core import tensor_parallel
 
     logp = -tensor_parallel.vocab_parallel_cross_entropy(x, inp["target"])
-    return grpo_loss_from_logp(logp, inp["old_logp"], inp["advantages"], inp["mask"],
-                               ref_logp=inp["ref_logp"], **LOSS_OPTS)[0]
+    return loss_from_logp(SPEC, inp["inputs"], logp)[0]
 
 
 def fused_loss(impl: str, inplace: bool) -> Callable[[torch.Tensor, dict], torch.Tensor]:
     def loss(x: torch.Tensor, inp: dict) -> torch.Tensor:
-        return grpo_token_loss(x, inp["target"], inp["old_logp"], inp["advantages"], inp["mask"],
-                               ref_logp=inp["ref_logp"], impl=impl, inplace_backward=inplace,
-                               **LOSS_OPTS)[0]
+        run = VocabPass(impl=impl, inplace_backward=inplace)
+        return token_loss(x, inp["target"], SPEC, inp["inputs"], run=run)[0]
     return loss
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -56,3 +57,24 @@ def resolve_impl(impl: str, tensor: torch.Tensor, op: str) -> str:
         level = logging.WARNING if path == "torch" and tensor.is_cuda else logging.INFO
         _log.log(level, "%s runs the %s path (%s, impl=%r)", op, path, how, impl)
     return path
+
+
+class VocabPass(NamedTuple):
+    """How an op's pass over the vocabulary runs (not what it computes): its process group,
+    path and memory knobs. The defaults suit TP=1 and automatic choices."""
+
+    group: object = None
+    """Tensor-parallel process group of the vocab shards (None = TP 1)."""
+    impl: str = "auto"
+    """"auto" | "triton" | "torch" (``resolve_impl``)."""
+    valid_vocab: int | None = None
+    """Hidden-state form: rows of the weight shard that are real tokens (None = all)."""
+    inplace_backward: bool = False
+    """Logits form: the backward may overwrite the logits with their gradient."""
+    chunk_tokens: int | None = None
+    """Hidden-state form: tokens per chunk (None = automatic)."""
+    chunk_vocab: int | None = None
+    """Hidden-state form, recomputing path: vocab rows per chunk (None = automatic)."""
+    grad_in_forward: bool | None = None
+    """Hidden-state form with token weights: force (True / False) or choose (None) the path
+    that computes the gradient in the forward."""

@@ -12,9 +12,9 @@ Forward, for each vocab chunk ``c`` (outer) and token chunk ``t`` (inner)::
 
 ``local_stats`` is the per-row statistic of ``logprob`` (max m, sum-exp s relative to m, target
 logit zt, sum p*(z - m) as w) and ``merge`` rescales two such rows by ``exp(m_i - max)`` - the
-same combine ``logprob._combine`` applies across tensor-parallel ranks. After the loop the
-``[T, 4]`` stats go through exactly the logits path's TP combine (``_gather_stats`` and
-``_combine``): log-prob, entropy and the normalisers ``M``, ``log S``, ``E_p[z] - M``.
+same combine ``_vocab_stats.combine`` applies across tensor-parallel ranks. After the loop the
+``[T, 4]`` stats go through exactly the logits path's TP combine (``_vocab_stats.gather_stats``
+and ``combine``): log-prob, entropy and the normalisers ``M``, ``log S``, ``E_p[z] - M``.
 
 Backward (of ``fused_output_logprob``: scoring and losses that are not token-separable)
 recomputes every chunk's logits, turns them in place into their gradient with the
@@ -74,21 +74,10 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .dispatch import resolve_impl
-from .grpo_loss import _check_options, grpo_loss_from_logp
-from .logprob import (
-    CHUNK_ELEMS as ROW_CHUNK_ELEMS,
-)
-from .logprob import (
-    NUM_STATS,
-    _combine,
-    _gather_stats,
-    _torch_backward,
-    _torch_stats,
-    _tp_info,
-    _triton_backward,
-    _triton_stats,
-)
+from . import _vocab_stats as vs
+from .dispatch import VocabPass, resolve_impl
+from .grpo_loss import LossSpec, TokenInputs, from_keywords, loss_from_logp
+from .logprob import CHUNK_ELEMS as ROW_CHUNK_ELEMS
 
 CHUNK_TOKENS = 1024
 """Tokens per chunk (CPU): big enough for an efficient matmul."""
@@ -161,7 +150,7 @@ def grad_chunk_tokens(n_rows: int, n_cols: int, chunk_tokens: int | None = None)
 
 def _merge_stats(acc: torch.Tensor, new: torch.Tensor) -> None:
     """``acc <- merge(acc, new)`` for ``[n, 4]`` (m, s, zt, w) rows of two disjoint vocab
-    ranges: the chunk-to-chunk twin of ``logprob._combine``'s rank-to-rank rescaling."""
+    ranges: the chunk-to-chunk twin of ``_vocab_stats.combine``'s rank-to-rank rescaling."""
     m_a, s_a, zt_a, w_a = acc.unbind(dim=1)
     m_b, s_b, zt_b, w_b = new.unbind(dim=1)
     big_m = torch.maximum(m_a, m_b)
@@ -175,12 +164,9 @@ def _merge_stats(acc: torch.Tensor, new: torch.Tensor) -> None:
 
 
 def _row_fns(path: str, vc: int):
-    """(stats, backward) of one logits chunk: the Triton kernels, or logprob's torch path on
+    """(stats, backward) of one logits chunk: the Triton kernels, or the torch row passes on
     cache-sized slices of the chunk's rows (ROW_CHUNK_ELEMS fp32 values each)."""
-    if path == "triton":
-        return _triton_stats, _triton_backward
-    rows = max(1, ROW_CHUNK_ELEMS // max(vc, 1))
-    return partial(_torch_stats, chunk_rows=rows), partial(_torch_backward, chunk_rows=rows)
+    return vs.row_fns(path, max(1, ROW_CHUNK_ELEMS // max(vc, 1)))
 
 
 def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -197,7 +183,7 @@ def _forward_stats(hidden, weight, target, vocab_start, valid, inv_temp, with_en
     """This rank's ``[T, 4]`` stats over its ``valid`` vocab columns, chunk by chunk."""
     n = hidden.shape[0]
     tc, vc = shape
-    stats = torch.zeros((n, NUM_STATS), dtype=torch.float32, device=hidden.device)
+    stats = torch.zeros((n, vs.NUM_STATS), dtype=torch.float32, device=hidden.device)
     stats[:, 0] = -3.0e38  # finite "minus infinity": the first merge scales it by exactly 0
     stats_fn = _row_fns(path, vc)[0]
     for c0 in range(0, valid, vc):
@@ -254,16 +240,14 @@ class FusedOutputLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, ignore_mask, temperature, group, with_entropy,
                 valid, shape, path):
-        tp, rank = _tp_info(group)
+        tp, rank = vs.tp_info(group)
         vocab_start = rank * weight.shape[0]  # the padded shard width sets the global ids
         inv_temp = 1.0 / temperature
         with torch.no_grad():
             stats = _forward_stats(hidden, weight, target, vocab_start, valid, inv_temp,
                                    with_entropy, shape, path)
-        logp, entropy, big_m, log_s, shift = _combine(_gather_stats(stats, group, tp))
-        keep = ~ignore_mask
-        logp = torch.where(keep, logp, 0.0)
-        entropy = torch.where(keep, entropy, 0.0) if with_entropy else torch.zeros_like(logp)
+        logp, entropy, big_m, log_s, shift = vs.reduce_stats(stats, group, tp, ~ignore_mask,
+                                                             with_entropy)
         ctx.save_for_backward(hidden, weight, target, ignore_mask, big_m, log_s, shift)
         ctx.args = (group, tp, vocab_start, valid, inv_temp, with_entropy, shape, path)
         ctx.set_materialize_grads(False)
@@ -278,14 +262,10 @@ class FusedOutputLogProb(torch.autograd.Function):
         nones = (None,) * 8
         if (g_logp is None and g_ent is None) or not (need_dh or need_dw):
             return None, None, *nones
-        keep = ~ignore_mask
-        g_logp = torch.where(keep, g_logp, 0.0) if g_logp is not None else torch.zeros_like(log_s)
-        g_ent = torch.where(keep, g_ent, 0.0) if (g_ent is not None and with_entropy) else None
+        g_logp, g_ent = vs.masked_grads(~ignore_mask, g_logp, g_ent, with_entropy)
         with torch.no_grad():
             dh, dw = _backward(hidden, weight, target, vocab_start, valid, inv_temp, big_m, log_s,
-                               shift, g_logp.float().contiguous(),
-                               None if g_ent is None else g_ent.float().contiguous(), shape,
-                               path, need_dh, need_dw)
+                               shift, g_logp, g_ent, shape, path, need_dh, need_dw)
             if dh is not None and tp > 1:
                 dist.all_reduce(dh, group=group)  # the call's only backward collective
         return None if dh is None else dh.to(hidden.dtype), dw, *nones
@@ -325,10 +305,6 @@ def _token_grads(token_loss, logp, entropy, token_weight, rows):
     return tok.detach(), torch.zeros_like(logp) if g_lp is None else g_lp, g_ent
 
 
-_EMPTY_SHARD_STATS = (-3.0e38, 0.0, 0.0, 0.0)
-"""(m, s, zt, w) of a shard of padding only: weight exp(m - M) = 0 in every combine."""
-
-
 def _loss_and_grads(hidden, weight, target, token_weight, keep, vocab_start, valid, inv_temp,
                     tc, path, group, tp, token_loss, need_dh, need_dw):
     """One pass over token chunks: loss (fp32 scalar), logp, entropy ``[T]`` and the loss's
@@ -349,10 +325,9 @@ def _loss_and_grads(hidden, weight, target, token_weight, keep, vocab_start, val
         rows = slice(t0, min(t0 + tc, n))
         h_t, tgt, k = hidden[rows], target[rows], keep[rows]
         z = h_t @ w.T if valid else None  # matmul 1: the chunk's logits over the whole shard
-        local = (stats_fn(z, tgt, vocab_start, inv_temp, True) if valid else
-                 torch.tensor(_EMPTY_SHARD_STATS, device=dev).expand(h_t.shape[0], -1))
-        lp, ent, big_m, log_s, shift = _combine(_gather_stats(local, group, tp))
-        lp, ent = torch.where(k, lp, 0.0), torch.where(k, ent, 0.0)
+        local = (stats_fn(z, tgt, vocab_start, inv_temp, True) if valid else  # padding only
+                 torch.tensor(vs.EMPTY_STATS, device=dev).expand(h_t.shape[0], -1))
+        lp, ent, big_m, log_s, shift = vs.reduce_stats(local, group, tp, k, True)
         tok, g_lp, g_ent = _token_grads(token_loss, lp, ent, token_weight[rows], rows)
         logp[rows], entropy[rows] = lp, ent
         loss += (tok * token_weight[rows]).sum()
@@ -375,7 +350,7 @@ class FusedOutputLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, token_weight, ignore_mask, temperature, group,
                 valid, tc, path, token_loss):
-        tp, rank = _tp_info(group)
+        tp, rank = vs.tp_info(group)
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.no_grad():
             loss, logp, entropy, dh, dw = _loss_and_grads(
@@ -471,54 +446,6 @@ def fused_output_logprob(
     return (logp, entropy) if with_entropy else logp
 
 
-def fused_output_grpo_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    old_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    ref_logp: torch.Tensor | None = None,
-    group=None,
-    temperature: float = 1.0,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip_c: float | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    kl_clamp: tuple[float, float] | None = None,
-    ratio_level: str = "token",
-    seq_ids: torch.Tensor | None = None,
-    is_weight: torch.Tensor | None = None,
-    is_cap: float | None = None,
-    policy_loss: str = "ppo",
-    valid_vocab: int | None = None,
-    impl: str = "auto",
-    chunk_tokens: int | None = None,
-    chunk_vocab: int | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``grpo_token_loss`` from hidden states: per-token GRPO loss ``[T]`` fp32 and metrics.
-
-    ``hidden`` / ``weight`` / ``valid_vocab`` / ``chunk_*`` as in ``fused_output_logprob``;
-    every other argument and the return value exactly as ``grpo_loss.grpo_token_loss`` (the
-    same ``grpo_loss_from_logp`` algebra runs on the fused log-probs, so the two agree to the
-    log-probs' rounding).
-    """
-    _check_options(policy_loss, beta, ref_logp, dual_clip_c, ratio_level, seq_ids, kl_estimator)
-    logp, entropy = fused_output_logprob(
-        hidden, weight, target, temperature=temperature, group=group, ignore_mask=~mask.bool(),
-        with_entropy=True, valid_vocab=valid_vocab, impl=impl, chunk_tokens=chunk_tokens,
-        chunk_vocab=chunk_vocab,
-    )
-    return grpo_loss_from_logp(
-        logp, old_logp, advantages, mask, entropy=entropy, ref_logp=ref_logp, eps_low=eps_low,
-        eps_high=eps_high, dual_clip_c=dual_clip_c, beta=beta, kl_estimator=kl_estimator,
-        kl_clamp=kl_clamp, ratio_level=ratio_level, seq_ids=seq_ids, is_weight=is_weight,
-        is_cap=is_cap, policy_loss=policy_loss,
-    )
-
-
 def nll_token_loss(logp: torch.Tensor, entropy: torch.Tensor, rows: slice) -> torch.Tensor:
     """Negative log-likelihood per token: ``fused_output_token_loss``'s default."""
     return -logp
@@ -589,83 +516,81 @@ def fused_output_token_loss(
                                  float(temperature), group, valid, tc, path, token_loss)
 
 
-def _grpo_chunk_loss(logp, entropy, rows, *, old_logp, advantages, mask, ref_logp, is_weight,
-                     options):
-    """``grpo_loss_from_logp``'s per-token loss for the tokens ``rows`` (token-level ratio)."""
-    def part(x):
-        return None if x is None else x[rows]
-    return grpo_loss_from_logp(logp, part(old_logp), advantages[rows], mask[rows],
-                               entropy=entropy, ref_logp=part(ref_logp),
-                               is_weight=part(is_weight), **options)[0]
+def _grpo_chunk_loss(logp: torch.Tensor, entropy: torch.Tensor, rows: slice, *,
+                     spec: LossSpec, inputs: TokenInputs) -> torch.Tensor:
+    """``loss_from_logp``'s per-token loss ``[Tc]`` of the tokens ``rows`` (token-level ratio;
+    the inputs were checked once by the caller)."""
+    return loss_from_logp(spec, inputs.rows(rows), logp, entropy)[0]
 
 
-def fused_output_grpo_weighted_loss(
+def grpo_hidden_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    old_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    token_weight: torch.Tensor,
-    *,
-    ref_logp: torch.Tensor | None = None,
-    group=None,
-    temperature: float = 1.0,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip_c: float | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    kl_clamp: tuple[float, float] | None = None,
-    ratio_level: str = "token",
-    seq_ids: torch.Tensor | None = None,
-    is_weight: torch.Tensor | None = None,
-    is_cap: float | None = None,
-    policy_loss: str = "ppo",
-    valid_vocab: int | None = None,
-    impl: str = "auto",
-    chunk_tokens: int | None = None,
-    chunk_vocab: int | None = None,
-    grad_in_forward: bool | None = None,
+    spec: LossSpec,
+    inputs: TokenInputs,
+    token_weight: torch.Tensor | None = None,
+    run: VocabPass = VocabPass(),
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """``sum_t token_weight_t * loss_t`` of ``fused_output_grpo_loss``'s per-token loss: the
-    step loss of a micro-batch when ``token_weight`` is the aggregation's ``d loss / d loss_t``.
+    """The GRPO per-token loss (``grpo_loss.loss_from_logp``) from hidden states ``[T, H]``
+    and this rank's weight ``[V_local, H]`` (as in ``fused_output_logprob``; ``run`` says how:
+    group, path, padding rows, chunks).
 
-    Token-level ratios (GRPO, DAPO, Dr. GRPO, BNPO, CISPO; any clip, KL, IS weight) run
-    ``fused_output_token_loss``: the gradient in the forward, three matmuls. GSPO
-    (``ratio_level="sequence"``) is not token-separable - a token's loss depends on its whole
-    sequence's log-probs - and runs the recomputing path (``fused_output_grpo_loss``, four
-    matmuls). Arguments as ``fused_output_grpo_loss``; ``chunk_vocab`` is used by GSPO only,
-    ``grad_in_forward`` as in ``fused_output_token_loss`` (ignored by GSPO).
+    Without ``token_weight``: the loss ``[T]``, differentiable through the recomputing
+    backward (four output-layer matmuls). With ``token_weight`` ``[T]`` (the aggregation's
+    ``d loss / d loss_t``): the scalar ``sum_t token_weight_t loss_t``; token-level ratios
+    (GRPO, DAPO, Dr. GRPO, BNPO, CISPO, SAPO; any clip, KL, IS weight) run
+    ``fused_output_token_loss``, the gradient in the forward (three matmuls; ``run``'s
+    ``grad_in_forward`` as there); GSPO (``ratio_level="sequence"``) is not token-separable -
+    a token's loss depends on its whole sequence's log-probs - and recomputes.
 
     Returns:
-        ``(loss, token_loss, metrics)``: the fp32 scalar (differentiable), the detached
-        per-token loss ``[T]`` and the metrics of ``grpo_token_loss``.
+        ``(loss, token_loss, metrics)``: the loss above, the detached per-token loss ``[T]``
+        and the metrics of ``loss_from_logp``.
     """
-    _check_options(policy_loss, beta, ref_logp, dual_clip_c, ratio_level, seq_ids, kl_estimator)
-    options = dict(eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c, beta=beta,
-                   kl_estimator=kl_estimator, kl_clamp=kl_clamp, is_cap=is_cap,
-                   policy_loss=policy_loss)
-    common = dict(group=group, temperature=temperature, valid_vocab=valid_vocab, impl=impl,
-                  chunk_tokens=chunk_tokens)
-    token_weight = token_weight.detach().to(hidden.device, torch.float32)
-    if ratio_level == "sequence":
-        tok_loss, metrics = fused_output_grpo_loss(
-            hidden, weight, target, old_logp, advantages, mask, ref_logp=ref_logp,
-            ratio_level=ratio_level, seq_ids=seq_ids, is_weight=is_weight,
-            chunk_vocab=chunk_vocab, **options, **common)
-        return (tok_loss * token_weight).sum(), tok_loss.detach(), metrics
-    mask = mask.to(hidden.device, torch.bool)
-    chunk_loss = partial(_grpo_chunk_loss, old_logp=old_logp, advantages=advantages, mask=mask,
-                         ref_logp=ref_logp, is_weight=is_weight, options=options)
+    spec.check(inputs)
+    mask = inputs.mask.to(hidden.device, torch.bool)
+    inputs = inputs._replace(mask=mask)
+    common = dict(temperature=spec.temperature, group=run.group, valid_vocab=run.valid_vocab,
+                  impl=run.impl, chunk_tokens=run.chunk_tokens)
+    if token_weight is None or not spec.token_separable:
+        logp, entropy = fused_output_logprob(hidden, weight, target, ignore_mask=~mask,
+                                             with_entropy=True, chunk_vocab=run.chunk_vocab,
+                                             **common)
+        tok_loss, metrics = loss_from_logp(spec, inputs, logp, entropy)
+        if token_weight is None:
+            return tok_loss, tok_loss.detach(), metrics
+        w = token_weight.detach().to(hidden.device, torch.float32)
+        return (tok_loss * w).sum(), tok_loss.detach(), metrics
+    chunk_loss = partial(_grpo_chunk_loss, spec=spec, inputs=inputs)
     loss, logp, entropy = fused_output_token_loss(hidden, weight, target, token_weight,
                                                   chunk_loss, ignore_mask=~mask,
-                                                  grad_in_forward=grad_in_forward, **common)
+                                                  grad_in_forward=run.grad_in_forward, **common)
     with torch.no_grad():  # O(T): the per-token loss and metrics from the op's log-probs
-        tok_loss, metrics = grpo_loss_from_logp(logp, old_logp, advantages, mask,
-                                                entropy=entropy, ref_logp=ref_logp,
-                                                is_weight=is_weight, **options)
+        tok_loss, metrics = loss_from_logp(spec, inputs, logp, entropy)
     return loss, tok_loss, metrics
+
+
+def fused_output_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                           old_logp: torch.Tensor | None, advantages: torch.Tensor,
+                           mask: torch.Tensor, **keywords
+                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Thin keyword form of ``grpo_hidden_loss`` without token weights: ``(loss [T], metrics)``;
+    ``keywords`` as ``grpo_loss.from_keywords`` (the loss options, ``ref_logp`` ...)."""
+    spec, inputs, run = from_keywords(old_logp, advantages, mask, keywords)
+    loss, _, metrics = grpo_hidden_loss(hidden, weight, target, spec, inputs, None, run)
+    return loss, metrics
+
+
+def fused_output_grpo_weighted_loss(hidden: torch.Tensor, weight: torch.Tensor,
+                                    target: torch.Tensor, old_logp: torch.Tensor | None,
+                                    advantages: torch.Tensor, mask: torch.Tensor,
+                                    token_weight: torch.Tensor, **keywords
+                                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Thin keyword form of ``grpo_hidden_loss`` with ``token_weight``: ``(loss, token_loss,
+    metrics)``; ``keywords`` as ``grpo_loss.from_keywords``."""
+    spec, inputs, run = from_keywords(old_logp, advantages, mask, keywords)
+    return grpo_hidden_loss(hidden, weight, target, spec, inputs, token_weight, run)
 
 
 def reference_output_logprob(

@@ -1,71 +1,250 @@
-"""Fused GRPO per-token loss from the policy's vocab-parallel logits.
+"""The GRPO per-token loss: its options (``LossSpec``), its per-token inputs (``TokenInputs``)
+and its ``[T]`` algebra (``loss_from_logp``).
 
 The only expensive part of a GRPO loss is the pass over the vocabulary. It runs once forward and
 once backward in the fused log-prob kernel (``logprob.vocab_parallel_logprob``, with entropy
-for the metrics). Everything after it is algebra on ``[T]`` vectors - ratio, clipping, KL,
-importance weights - written as plain torch elementwise ops: autograd carries their gradient
-into the kernel's ``d loss / d logp``, which costs O(T), not O(T * V). No fp32 ``[T, V]`` tensor
-exists at any point.
+for the metrics) or the fused output layer (``fused_output``). Everything after it is algebra on
+``[T]`` vectors - ratio, policy term, KL, importance weights - written as plain torch
+elementwise ops: autograd carries their gradient into the kernel's ``d loss / d logp``, which
+costs O(T), not O(T * V). The public ops taking logits or hidden states are in ``ops``.
 
 Per valid token (``mask`` True), with ``A`` the advantage and ``r`` the policy ratio:
 
 - ``ratio_level="token"``: ``r = exp(logp - old_logp)``.
   ``ratio_level="sequence"`` (GSPO): ``r = exp(mean_{valid t in seq} (logp_t - old_logp_t))``,
   the same value for every token of a sequence, differentiable through every token's logp.
-- ``policy_loss="ppo"``: ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``; with dual clip
+- the policy term, one function per ``policy_loss`` (``POLICY_TERMS``):
+  ``"ppo"``: ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``; with dual clip
   (``dual_clip_c = c > 1``, Ye et al. 2020, arXiv:1912.09729) tokens with ``A < 0`` are capped
   at ``-c A``: the objective ``max(min(r A, clip(r) A), c A)``, i.e. the loss
   ``min(ppo_loss, c |A|)``.
-- ``policy_loss="cispo"`` (MiniMax-M1, arXiv:2506.13585): ``-sg(min(r, 1 + eps_high)) A logp``.
+  ``"cispo"`` (MiniMax-M1, arXiv:2506.13585): ``-sg(min(r, 1 + eps_high)) A logp``.
+  ``"sapo"`` (SAPO, Gao et al. 2025, arXiv:2511.20347): ``-f(r) A`` with the soft gate
+  ``f(r) = sigmoid(tau (r - 1)) 4 / tau`` instead of the hard clip (``_sapo``).
 - rollout importance weight (``is_weight``, e.g. pi_train/pi_rollout of the old policy),
   truncated at ``is_cap``, multiplies the policy term (no gradient through it).
-- KL to the reference, added as ``beta * kl``: with ``d = clamp(logp - ref_logp, -c_in, c_in)``,
-  k1 ``d``, k2 ``d^2 / 2``, k3 ``exp(-d) + d - 1`` (Schulman's estimators), then clamped to
-  ``[-c_out, c_out]``, ``(c_in, c_out) = kl_clamp``. A clamp zeroes the KL gradient wherever it
-  is active, so each estimator has its own default (``KL_CLAMPS``): k3 is clamped (20, 10)
-  because ``exp(-d)`` overflows fp32 beyond d < -88 and grows without bound; k1 (linear) and k2
+- KL to the reference, added as ``beta * kl``, one function per ``kl_estimator``
+  (``KL_TERMS``): with ``d = clamp(logp - ref_logp, -c_in, c_in)``, k1 ``d``, k2 ``d^2 / 2``,
+  k3 ``exp(-d) + d - 1`` (Schulman's estimators), k3_is ``r_t * k3`` (DeepSeek-V3.2's
+  bias-corrected k3, ``_k3_is``), then clamped to ``[-c_out, c_out]``,
+  ``(c_in, c_out) = kl_clamp``. A clamp zeroes the KL gradient wherever it is active, so each
+  estimator has its own default (``KL_CLAMPS``): k3 and k3_is are clamped (20, 10) because
+  ``exp(-d)`` overflows fp32 beyond d < -88 and grows without bound; k1 (linear) and k2
   (quadratic) cannot overflow and are not clamped. The trainer's KL-in-reward path calls
-  ``kl_penalty`` with the same clamp as the loss.
+  ``kl_penalty`` with the same clamp as the loss (and no ratio: k3_is is k3 there).
 
 Masked tokens get loss 0 and no gradient. The trainer aggregates the per-token losses.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
+from torch import Tensor
 
-from .logprob import vocab_parallel_logprob
+from .dispatch import VocabPass
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-POLICY_LOSSES = ("ppo", "cispo")
 RATIO_LEVELS = ("token", "sequence")
-KL_CLAMPS: dict[str, tuple[float, float] | None] = {"k1": None, "k2": None, "k3": (20.0, 10.0)}
+
+
+class TokenInputs(NamedTuple):
+    """The per-token ``[T]`` inputs of the loss besides the log-probs (and the targets)."""
+
+    old_logp: Tensor | None
+    """Log-probs under the behaviour/old policy (no grad); None = on-policy (``logp.detach()``:
+    ratio 1, the gradient of the plain policy-gradient term)."""
+    advantages: Tensor
+    """Per-token advantages (broadcast per sequence by the caller)."""
+    mask: Tensor
+    """bool, True = the token counts (response tokens)."""
+    ref_logp: Tensor | None = None
+    """Reference log-probs; needed when ``beta != 0``."""
+    is_weight: Tensor | None = None
+    """Rollout importance weights (truncated at ``LossSpec.is_cap`` when that is set)."""
+    seq_ids: Tensor | None = None
+    """int, each token's sequence in ``[0, T)``; needed by ``ratio_level="sequence"``."""
+
+    def rows(self, rows: slice) -> TokenInputs:
+        """The inputs of the tokens ``rows`` (views)."""
+        return TokenInputs(*(None if x is None else x[rows] for x in self))
+
+
+# ------------------------------------------------------------------------------ policy terms
+PolicyTerm = Callable[[Tensor, Tensor, Tensor, "LossSpec"], tuple[Tensor, ...]]
+"""``(ratio, adv, logp, spec) -> (loss, clipped_low, clipped_high, clipped_dual)``, all ``[T]``
+(the flags bool; the caller masks them)."""
+
+
+def _ppo(ratio: Tensor, adv: Tensor, logp: Tensor, spec: LossSpec) -> tuple[Tensor, ...]:
+    """PPO's clipped surrogate, with the optional dual clip (module docstring)."""
+    lo, hi = 1.0 - spec.eps_low, 1.0 + spec.eps_high
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(lo, hi))
+    dual = torch.zeros_like(adv, dtype=torch.bool)
+    if spec.dual_clip_c is not None:
+        cap = -spec.dual_clip_c * adv  # = c |A| where A < 0
+        dual = (adv < 0) & (pg > cap)
+        pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
+    return pg, (ratio < lo) & (adv < 0), (ratio > hi) & (adv > 0), dual
+
+
+def _cispo(ratio: Tensor, adv: Tensor, logp: Tensor, spec: LossSpec) -> tuple[Tensor, ...]:
+    """CISPO: REINFORCE weighted by the truncated, stop-gradient ratio (clips no token out)."""
+    hi = 1.0 + spec.eps_high
+    none = torch.zeros_like(adv, dtype=torch.bool)
+    return -ratio.clamp(max=hi).detach() * adv * logp, none, ratio > hi, none
+
+
+def _sapo(ratio: Tensor, adv: Tensor, logp: Tensor, spec: LossSpec) -> tuple[Tensor, ...]:
+    """SAPO (Soft Adaptive Policy Optimization, Gao et al., Qwen 2025, arXiv:2511.20347): the
+    hard clip replaced by a smooth gate of the ratio, ``loss = -f(r) A`` with
+    ``f(r) = sigmoid(tau (r - 1)) * 4 / tau``, ``tau = tau_pos`` where ``A > 0``, else
+    ``tau_neg``. Its gradient ``-A 4 s (1 - s) r dlogp`` (``s = sigmoid(tau (r - 1))``) is the
+    plain policy gradient at ``r = 1`` (``4 s (1 - s) = 1``) and decays smoothly as ``r``
+    leaves 1, faster for the larger temperature (the paper takes ``tau_neg > tau_pos``). No
+    token is clipped: the flags stay False."""
+    tau = torch.where(adv > 0, spec.sapo_tau_pos, spec.sapo_tau_neg).to(ratio.dtype)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    none = torch.zeros_like(adv, dtype=torch.bool)
+    return -gate * adv, none, none, none
+
+
+POLICY_TERMS: dict[str, PolicyTerm] = {"ppo": _ppo, "cispo": _cispo, "sapo": _sapo}
+"""The policy term of each ``LossSpec.policy_loss``: a new loss type is one function here."""
+
+
+# ------------------------------------------------------------------------------ KL estimators
+def _k1(d: Tensor, ratio: Tensor | None) -> Tensor:
+    return d
+
+
+def _k2(d: Tensor, ratio: Tensor | None) -> Tensor:
+    return 0.5 * d * d
+
+
+def _k3(d: Tensor, ratio: Tensor | None) -> Tensor:
+    return torch.exp(-d) + d - 1.0
+
+
+def _k3_is(d: Tensor, ratio: Tensor | None) -> Tensor:
+    """DeepSeek-V3.2's bias-corrected k3 (arXiv:2512.02556, Sec. 3.1 "Unbiased KL Estimate"):
+    ``(pi_theta / pi_old) (pi_ref / pi_theta - log(pi_ref / pi_theta) - 1)``, i.e. k3 times the
+    token's importance ratio ``r_t = exp(logp - old_logp)``, with its gradient: the samples come
+    from pi_old, and ``E_old[grad(r_t k3)] = E_theta[grad(logp) (logp - ref_logp)]``, the
+    gradient of KL(pi_theta || pi_ref), which k3's own gradient is not. Always the token ratio
+    (also under GSPO's sequence-level policy ratio); ``ratio`` None (the KL-in-reward path,
+    where pi_theta is pi_old) = 1."""
+    return _k3(d, None) if ratio is None else ratio * _k3(d, None)
+
+
+KL_TERMS: dict[str, Callable[[Tensor, Tensor | None], Tensor]] = {
+    "k1": _k1, "k2": _k2, "k3": _k3, "k3_is": _k3_is}
+"""``(d = logp - ref_logp clamped, token ratio or None) -> [T]`` of each ``kl_estimator``."""
+KL_ESTIMATORS = tuple(KL_TERMS)
+KL_CLAMPS: dict[str, tuple[float, float] | None] = {
+    "k1": None, "k2": None, "k3": (20.0, 10.0), "k3_is": (20.0, 10.0)}
 """Default (input, output) clamp per estimator (None = unclamped); see the module docstring."""
+POLICY_LOSSES = tuple(POLICY_TERMS)
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3",
-               clamp: tuple[float, float] | None = None) -> torch.Tensor:
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3",
+               clamp: tuple[float, float] | None = None, ratio: Tensor | None = None) -> Tensor:
     """Per-token KL(policy || ref) estimate ``[T]`` from log-probs of the sampled tokens ``[T]``.
 
     ``clamp`` (input, output): ``d = logp - ref_logp`` is clamped to ``[-input, input]`` and the
     estimate to ``[-output, output]`` (``inf`` = that side unclamped); None = the estimator's
-    default from ``KL_CLAMPS`` (k3 (20, 10); k1 and k2 unclamped).
+    default from ``KL_CLAMPS`` (k3, k3_is (20, 10); k1 and k2 unclamped). ``ratio`` ``[T]``:
+    the token importance ratio pi_theta / pi_old that k3_is weights by (None = 1).
     """
-    if estimator not in KL_ESTIMATORS:
+    if estimator not in KL_TERMS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
     clamp = KL_CLAMPS[estimator] if clamp is None else clamp
     d = logp - ref_logp
     if clamp is not None:
         d = d.clamp(-clamp[0], clamp[0])
-    if estimator == "k1":
-        kl = d
-    elif estimator == "k2":
-        kl = 0.5 * d * d
-    else:
-        kl = torch.exp(-d) + d - 1.0
+    kl = KL_TERMS[estimator](d, ratio)
     return kl if clamp is None else kl.clamp(-clamp[1], clamp[1])
 
 
-def sequence_mean(values: torch.Tensor, seq_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+# ------------------------------------------------------------------------------ the spec
+def _check_number(name: str, value: float | None, low: float = 0.0, *, strict: bool = True,
+                  optional: bool = False) -> None:
+    """Raise ValueError naming ``LossSpec.<name>`` unless ``value`` is a number > ``low``
+    (>= with ``strict`` False; None allowed with ``optional``)."""
+    if value is None and optional:
+        return
+    ok = isinstance(value, (int, float)) and (value > low if strict else value >= low)
+    if not ok:  # also NaN and non-numbers
+        rel = ">" if strict else ">="
+        extra = " or None" if optional else ""
+        raise ValueError(f"LossSpec.{name}={value!r}: need a number {rel} {low}{extra}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossSpec:
+    """The options of the GRPO per-token loss: built once (megagrpo builds it from the algo
+    config) and checked once, here; every op and every micro-batch reuses it."""
+
+    policy_loss: str = "ppo"
+    """The policy term: "ppo", "cispo" or "sapo" (``POLICY_TERMS``)."""
+    eps_low: float = 0.2
+    """PPO clip range ``[1 - eps_low, 1 + eps_high]``."""
+    eps_high: float = 0.2
+    """Upper clip (PPO) / truncation ``1 + eps_high`` of CISPO's stop-gradient weight."""
+    dual_clip_c: float | None = None
+    """Dual-clip constant c > 1 for A < 0 (PPO), or None."""
+    ratio_level: str = "token"
+    """"token" (GRPO/PPO) or "sequence" (GSPO; needs ``TokenInputs.seq_ids``)."""
+    beta: float = 0.0
+    """KL coefficient (>= 0; != 0 needs ``TokenInputs.ref_logp``)."""
+    kl_estimator: str = "k3"
+    """"k1", "k2", "k3" or "k3_is" (``KL_TERMS``)."""
+    kl_clamp: tuple[float, float] | None = None
+    """(input, output) clamp of ``kl_penalty``; None = the estimator's default (``KL_CLAMPS``)."""
+    is_cap: float | None = None
+    """Truncation of ``TokenInputs.is_weight`` (None = none)."""
+    sapo_tau_pos: float = 1.0
+    """SAPO gate temperature where A > 0 (the paper's default 1.0)."""
+    sapo_tau_neg: float = 1.05
+    """SAPO gate temperature where A <= 0 (the paper's default 1.05)."""
+    temperature: float = 1.0
+    """Sampling temperature: logits are divided by it."""
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("policy_loss", POLICY_LOSSES), ("ratio_level", RATIO_LEVELS),
+                              ("kl_estimator", KL_ESTIMATORS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"LossSpec.{name}={getattr(self, name)!r}: use one of {allowed}")
+        _check_number("eps_low", self.eps_low, strict=False)
+        _check_number("eps_high", self.eps_high, strict=False)
+        _check_number("beta", self.beta, strict=False)
+        _check_number("dual_clip_c", self.dual_clip_c, 1.0, optional=True)
+        _check_number("is_cap", self.is_cap, optional=True)
+        for name in ("sapo_tau_pos", "sapo_tau_neg", "temperature"):
+            _check_number(name, getattr(self, name))
+        c = self.kl_clamp
+        if c is not None and not (len(c) == 2 and all(isinstance(x, (int, float)) and x > 0
+                                                      and not math.isnan(x) for x in c)):
+            raise ValueError(f"LossSpec.kl_clamp={c!r}: need None or (input, output), both > 0 "
+                             "(inf = that side off)")
+
+    @property
+    def token_separable(self) -> bool:
+        """Each token's loss depends on its own log-prob only (not GSPO's sequence ratio)."""
+        return self.ratio_level == "token"
+
+    def check(self, inputs: TokenInputs) -> None:
+        """Raise ValueError where ``inputs`` lack what this spec needs (once per op call)."""
+        if self.beta != 0.0 and inputs.ref_logp is None:
+            raise ValueError(f"LossSpec.beta={self.beta} != 0 needs TokenInputs.ref_logp")
+        if self.ratio_level == "sequence" and inputs.seq_ids is None:
+            raise ValueError("LossSpec.ratio_level='sequence' needs TokenInputs.seq_ids [T]")
+
+
+# ------------------------------------------------------------------------------ the algebra
+def sequence_mean(values: Tensor, seq_ids: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``values`` over each sequence's valid tokens, broadcast back to ``[T]``.
 
     ``seq_ids`` ``[T]`` holds integers in ``[0, T)``; the buffers are sized T so no host sync
@@ -79,163 +258,58 @@ def sequence_mean(values: torch.Tensor, seq_ids: torch.Tensor, mask: torch.Tenso
     return (sums / counts)[ids]
 
 
-def _check_options(policy_loss, beta, ref_logp, dual_clip_c, ratio_level, seq_ids,
-                   kl_estimator) -> None:
-    """Reject bad option combinations before any vocab pass runs."""
-    if policy_loss not in POLICY_LOSSES:
-        raise ValueError(f"policy_loss must be one of {POLICY_LOSSES}, got {policy_loss!r}")
-    if beta != 0.0 and ref_logp is None:
-        raise ValueError("beta != 0 needs ref_logp")
-    if dual_clip_c is not None and dual_clip_c <= 1.0:
-        raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
-    if ratio_level not in RATIO_LEVELS:
-        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
-    if ratio_level == "sequence" and seq_ids is None:
-        raise ValueError("ratio_level='sequence' needs seq_ids [T]")
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-
-
-def _policy_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, ratio_level: str,
-                  seq_ids: torch.Tensor | None) -> torch.Tensor:
-    if ratio_level == "sequence":
-        log_ratio = sequence_mean(log_ratio, seq_ids, mask)
-    return torch.exp(log_ratio)
-
-
-def grpo_token_loss(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    old_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    ref_logp: torch.Tensor | None = None,
-    group=None,
-    temperature: float = 1.0,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip_c: float | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    kl_clamp: tuple[float, float] | None = None,
-    ratio_level: str = "token",
-    seq_ids: torch.Tensor | None = None,
-    is_weight: torch.Tensor | None = None,
-    is_cap: float | None = None,
-    policy_loss: str = "ppo",
-    impl: str = "auto",
-    inplace_backward: bool = False,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token GRPO loss ``[T]`` fp32 (0 where ``mask`` is False) and per-token metrics.
-
-    Args:
-        logits: ``[T, V_local]`` policy logits, this rank's vocab slice (as in
-            ``vocab_parallel_logprob``).
-        target: ``[T]`` int64 sampled token ids (global vocab ids).
-        old_logp: ``[T]`` log-probs under the behaviour/old policy (no grad); None = on-policy
-            (``logp.detach()``: ratio 1, gradient of the plain policy-gradient term).
-        advantages: ``[T]`` per-token advantages (broadcast per sequence by the caller).
-        mask: ``[T]`` bool, True = token counts (response tokens).
-        ref_logp: ``[T]`` reference log-probs; needed when ``beta != 0``.
-        group: tensor-parallel process group (None for TP=1).
-        temperature: sampling temperature (logits are divided by it).
-        eps_low, eps_high: PPO clip range ``[1 - eps_low, 1 + eps_high]`` (CISPO uses eps_high).
-        dual_clip_c: dual-clip constant c > 1 for A < 0, or None.
-        beta: KL coefficient; kl_estimator: "k1" | "k2" | "k3"; kl_clamp: (input, output) clamp
-            of ``kl_penalty`` (None = the estimator's default, ``KL_CLAMPS``).
-        ratio_level: "token" (GRPO/PPO) or "sequence" (GSPO; needs ``seq_ids`` ``[T]``).
-        is_weight: ``[T]`` rollout importance weights, truncated at ``is_cap`` when given.
-        policy_loss: "ppo" or "cispo".
-        impl: "auto" | "triton" | "torch" for the vocab pass.
-        inplace_backward: let the backward overwrite ``logits`` with its gradient.
+def loss_from_logp(spec: LossSpec, inputs: TokenInputs, logp: Tensor,
+                   entropy: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token loss ``[T]`` fp32 (0 where ``mask`` is False) and per-token metrics, from
+    differentiable ``logp`` ``[T]`` (``entropy`` ``[T]`` only feeds the metrics; zeros when
+    None). ``inputs`` must satisfy ``spec.check`` (the ops check once per call, not per chunk).
 
     Returns:
         ``(loss [T] fp32, metrics)``; metrics hold detached ``[T]`` tensors ``logp``, ``kl``
         (zeros without ``ref_logp``), ``ratio``, ``entropy`` and bool ``clipped_low``,
         ``clipped_high``, ``clipped_dual``.
     """
-    _check_options(policy_loss, beta, ref_logp, dual_clip_c, ratio_level, seq_ids, kl_estimator)
-    logp, entropy = vocab_parallel_logprob(
-        logits, target, temperature=temperature, group=group, ignore_mask=~mask.bool(),
-        with_entropy=True, inplace_backward=inplace_backward, impl=impl,
-    )
-    return grpo_loss_from_logp(
-        logp, old_logp, advantages, mask, entropy=entropy, ref_logp=ref_logp, eps_low=eps_low,
-        eps_high=eps_high, dual_clip_c=dual_clip_c, beta=beta, kl_estimator=kl_estimator,
-        kl_clamp=kl_clamp, ratio_level=ratio_level, seq_ids=seq_ids, is_weight=is_weight,
-        is_cap=is_cap, policy_loss=policy_loss,
-    )
-
-
-def grpo_loss_from_logp(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    entropy: torch.Tensor | None = None,
-    ref_logp: torch.Tensor | None = None,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip_c: float | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    kl_clamp: tuple[float, float] | None = None,
-    ratio_level: str = "token",
-    seq_ids: torch.Tensor | None = None,
-    is_weight: torch.Tensor | None = None,
-    is_cap: float | None = None,
-    policy_loss: str = "ppo",
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The ``[T]`` algebra of ``grpo_token_loss`` given differentiable ``logp`` ``[T]``.
-
-    Same arguments and return value as ``grpo_token_loss`` (``entropy`` only feeds the metrics;
-    zeros when None). Useful when the log-probs come from elsewhere (e.g. the naive baseline).
-    """
-    _check_options(policy_loss, beta, ref_logp, dual_clip_c, ratio_level, seq_ids, kl_estimator)
     dev = logp.device
-    mask = mask.to(dev, torch.bool)
+    mask = inputs.mask.to(dev, torch.bool)
     logp = logp.float()
     entropy = torch.zeros_like(logp) if entropy is None else entropy
     # Zero every input at masked positions first: garbage there (inf, NaN) must not reach the
     # gradient through 0 * inf.
     zero = logp.new_zeros(())
-    adv = torch.where(mask, advantages.to(dev, torch.float32), zero)
+    adv = torch.where(mask, inputs.advantages.to(dev, torch.float32), zero)
     # old_logp None = on-policy (one pass, one optimizer step): ratio is 1 with the gradient of
     # exp(logp - sg(logp)), which saves the trainer a forward pass for the old log-probs.
-    old = logp.detach() if old_logp is None else old_logp.to(dev, torch.float32)
+    old = logp.detach() if inputs.old_logp is None else inputs.old_logp.to(dev, torch.float32)
     log_ratio = torch.where(mask, logp - old, zero)
-    ratio = _policy_ratio(log_ratio, mask, ratio_level, seq_ids)
-
-    lo, hi = 1.0 - eps_low, 1.0 + eps_high
-    clipped_low = mask & (ratio < lo) & (adv < 0)
-    clipped_high = mask & (ratio > hi) & (adv > 0)
-    clipped_dual = torch.zeros_like(mask)
-    if policy_loss == "ppo":
-        pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(lo, hi))
-        if dual_clip_c is not None:
-            cap = -dual_clip_c * adv  # = c |A| where A < 0
-            clipped_dual = mask & (adv < 0) & (pg > cap)
-            pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
-    else:
-        clipped_low = torch.zeros_like(mask)
-        clipped_high = mask & (ratio > hi)
-        pg = -ratio.clamp(max=hi).detach() * adv * logp
-
-    if is_weight is not None:
-        w = torch.where(mask, is_weight.to(dev, torch.float32), zero).detach()
-        pg = pg * (w.clamp(max=is_cap) if is_cap is not None else w)
-
+    token_ratio = torch.exp(log_ratio)
+    ratio = token_ratio
+    if spec.ratio_level == "sequence":
+        ratio = torch.exp(sequence_mean(log_ratio, inputs.seq_ids, mask))
+    pg, low, high, dual = POLICY_TERMS[spec.policy_loss](ratio, adv, logp, spec)
+    if inputs.is_weight is not None:
+        w = torch.where(mask, inputs.is_weight.to(dev, torch.float32), zero).detach()
+        pg = pg * (w.clamp(max=spec.is_cap) if spec.is_cap is not None else w)
     kl = torch.zeros_like(logp)
-    if ref_logp is not None:
-        ref = torch.where(mask, ref_logp.to(dev, torch.float32), zero)
-        kl = kl_penalty(torch.where(mask, logp, zero), ref, kl_estimator, kl_clamp)
-    loss = pg + beta * kl if beta != 0.0 else pg
+    if inputs.ref_logp is not None:
+        ref = torch.where(mask, inputs.ref_logp.to(dev, torch.float32), zero)
+        kl = kl_penalty(torch.where(mask, logp, zero), ref, spec.kl_estimator, spec.kl_clamp,
+                        ratio=token_ratio)
+    loss = pg + spec.beta * kl if spec.beta != 0.0 else pg
     loss = torch.where(mask, loss, zero)
     metrics = {
         "logp": logp.detach(), "kl": kl.detach(), "ratio": ratio.detach(),
-        "entropy": entropy.detach(), "clipped_low": clipped_low, "clipped_high": clipped_high,
-        "clipped_dual": clipped_dual,
+        "entropy": entropy.detach(), "clipped_low": low & mask, "clipped_high": high & mask,
+        "clipped_dual": dual & mask,
     }
     return loss, metrics
+
+
+def from_keywords(old_logp: Tensor | None, advantages: Tensor, mask: Tensor, keywords: dict
+                  ) -> tuple[LossSpec, TokenInputs, VocabPass]:
+    """The loose-keyword form of the loss functions (their old signatures, kept as thin
+    wrappers for tests and scripts): ``keywords`` holds ``TokenInputs``' optional tensors,
+    ``LossSpec``'s fields and ``VocabPass``'s; an unknown name raises TypeError."""
+    kw = dict(keywords)
+    optional = {k: kw.pop(k) for k in ("ref_logp", "is_weight", "seq_ids") if k in kw}
+    spec = LossSpec(**{k: kw.pop(k) for k in list(kw) if k in LossSpec.__dataclass_fields__})
+    return spec, TokenInputs(old_logp, advantages, mask, **optional), VocabPass(**kw)

@@ -96,7 +96,11 @@ class LossCounts:
     num_tokens: float
     """Valid (mask=1) completion tokens in the whole step."""
     num_seqs: float
-    """Sequences (completions) in the whole step."""
+    """Real sequences (completions) in the whole step, those without a loss token included (a
+    completion masked out by mask_truncated or rollout_is=seq_mask, or an empty one): grpo /
+    gspo average over every sequence and dr_grpo divides by their number, as TRL's
+    `loss_type="grpo"` (`.mean()` over the batch) and `"dr_grpo"` (`size(0)`) do. Padding rows
+    (`Batch.seq_valid` False) are not sequences."""
     max_len: float = 1.0
     """Dr. GRPO constant per-sequence normaliser (e.g. max new tokens)."""
     num_chunks: int = 1
@@ -239,9 +243,9 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor
 
 def kl_clamp(estimator: str, clamp_input: float, clamp_output: float) -> tuple[float, float] | None:
     """The (input, output) clamp of the fused kernel's `kl_penalty`, for the loss and the
-    KL-in-reward path alike. Only k3 is clamped (its exp() overflows; 0 = that clamp off); k1
-    and k2 cannot overflow and a clamp would only zero their gradient: None."""
-    if estimator != "k3":
+    KL-in-reward path alike. Only k3 and k3_is are clamped (exp() overflows; 0 = that clamp
+    off); k1 and k2 cannot overflow and a clamp would only zero their gradient: None."""
+    if estimator not in ("k3", "k3_is"):
         return None
     return (clamp_input or math.inf, clamp_output or math.inf)
 

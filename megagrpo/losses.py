@@ -4,10 +4,12 @@ Each runs on the last pipeline stage with this micro-batch's logits [b, S, V_loc
 [1, n, V_local] at loss positions), or - with the fused output layer (`weight` given) - the
 hidden states [n, h] at the loss positions and the output weight [V_local, h], and returns
 (loss, report) as megatron-core expects. Both reach the same per-token algebra
-(`grpo_loss_from_logp`); only the vocab pass differs (`vocab_pass`). With the fused layer the
-training losses hand the op their aggregation as per-token weights (`aggregation_weights`), so
-it computes the gradient during the forward (three output-layer matmuls, not four); GSPO's
-sequence-level ratio is not token-separable and takes the op's recomputing backward.
+(`megagrpo.kernels.token_loss` with one `LossSpec`, built from the algo config once per
+`LossContext` by `loss_spec` and reused by every micro-batch); only the vocab pass differs
+(`vocab_pass`). With the fused layer the training losses hand the op their aggregation as
+per-token weights (`aggregation_weights`), so it computes the gradient during the forward
+(three output-layer matmuls, not four); GSPO's sequence-level ratio is not token-separable and
+takes the op's recomputing backward.
 
 Megatron divides a 2-tuple loss by the number of micro-batches and DDP averages grads over DP
 ranks; our losses are already each chunk's share of the global step loss (global normalisers),
@@ -24,10 +26,12 @@ from megagrpo.algo import LossCounts, aggregate_loss, aggregation_weights, kl_cl
 from megagrpo.batch import Batch
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.kernels import (
-    fused_output_grpo_weighted_loss,
+    LossSpec,
+    TokenInputs,
+    VocabPass,
     fused_output_logprob,
     fused_output_token_loss,
-    grpo_token_loss,
+    token_loss,
     vocab_parallel_logprob,
 )
 from megagrpo.positions import put, take
@@ -57,6 +61,27 @@ class LossContext:
     """GRPO variant (training passes)."""
     inplace_backward: bool = False
     """Kernel may write the logits gradient into the logits buffer."""
+    spec: LossSpec | None = None
+    """The GRPO loss options: built from `algo` (`loss_spec`) when not given; every
+    micro-batch of this context reuses it."""
+
+    def __post_init__(self) -> None:
+        if self.spec is None and self.algo is not None:
+            self.spec = loss_spec(self.algo, self.temperature)
+
+
+def loss_spec(a: AlgoConfig, temperature: float) -> LossSpec:
+    """The kernels' loss options for the algo config (checked by `LossSpec` itself): loss_agg
+    cispo selects CISPO's policy term and its own upper truncation, gspo the sequence-level
+    ratio; KL in the reward leaves none in the loss."""
+    cispo = a.loss_agg == "cispo"
+    return LossSpec(
+        policy_loss="cispo" if cispo else a.policy_loss, eps_low=a.eps_low,
+        eps_high=a.cispo_eps_high if cispo else a.eps_high, dual_clip_c=a.dual_clip_c or None,
+        ratio_level="sequence" if a.loss_agg == "gspo" else "token",
+        beta=0.0 if a.kl_in_reward else a.beta, kl_estimator=a.kl_estimator,
+        kl_clamp=kl_clamp(a.kl_estimator, a.kl_clamp_input, a.kl_clamp_output),
+        sapo_tau_pos=a.sapo_tau_pos, sapo_tau_neg=a.sapo_tau_neg, temperature=temperature)
 
 
 def flat_logits(logits: Tensor, ctx: LossContext) -> Tensor:
@@ -105,35 +130,22 @@ def grpo_loss(ctx: LossContext, mb: Batch, out: Tensor, positions: Tensor | None
               weight: Tensor | None = None):
     """Training pass: fused per-token GRPO loss -> this chunk's share of the step loss.
     `positions` and `weight` as in `logprob_loss`."""
-    a = ctx.algo
     b, S = mb.target.shape
     mask = take(mb.mask, positions)
     seq_ids = _seq_ids(mb, positions)
-    cispo = a.loss_agg == "cispo"
-    target, old = take(mb.target, positions), take(mb.old_logp, positions)
-    options = dict(
-        ref_logp=take(mb.ref_logp, positions),
-        eps_low=a.eps_low, eps_high=a.cispo_eps_high if cispo else a.eps_high,
-        dual_clip_c=a.dual_clip_c or None, beta=0.0 if a.kl_in_reward else a.beta,
-        kl_estimator=a.kl_estimator,
-        kl_clamp=kl_clamp(a.kl_estimator, a.kl_clamp_input, a.kl_clamp_output),
-        ratio_level="sequence" if a.loss_agg == "gspo" else "token", seq_ids=seq_ids,
-        is_weight=take(mb.is_weight, positions), policy_loss="cispo" if cispo else "ppo",
-    )
-    adv = take(mb.advantages, positions)
-    agg = dict(mode=a.loss_agg, counts=ctx.counts, num_local_seqs=b)
+    inputs = TokenInputs(take(mb.old_logp, positions), take(mb.advantages, positions), mask,
+                         ref_logp=take(mb.ref_logp, positions),
+                         is_weight=take(mb.is_weight, positions), seq_ids=seq_ids)
+    run = VocabPass(group=ctx.tp_group, impl=ctx.impl, valid_vocab=ctx.valid_local_vocab,
+                    inplace_backward=ctx.inplace_backward)
+    agg = dict(mode=ctx.algo.loss_agg, counts=ctx.counts, num_local_seqs=b)
+    target = take(mb.target, positions)
     if weight is None:
-        tok_loss, m = grpo_token_loss(
-            flat_logits(out, ctx), target, old, adv, mask, group=ctx.tp_group,
-            temperature=ctx.temperature, impl=ctx.impl, inplace_backward=ctx.inplace_backward,
-            **options)
+        tok_loss, _, m = token_loss(flat_logits(out, ctx), target, ctx.spec, inputs, run=run)
         loss = aggregate_loss(tok_loss, mask.float(), seq_ids, **agg)
     else:  # the same algebra, aggregated inside the fused op (its gradient in the forward)
-        loss, _, m = fused_output_grpo_weighted_loss(
-            out, weight, target, old, adv, mask,
-            aggregation_weights(mask.float(), seq_ids, **agg), group=ctx.tp_group,
-            temperature=ctx.temperature, valid_vocab=ctx.valid_local_vocab, impl=ctx.impl,
-            **options)
+        loss, _, m = token_loss(out, target, ctx.spec, inputs, weight=weight, run=run,
+                                token_weight=aggregation_weights(mask.float(), seq_ids, **agg))
     f = mask.float()
     report = {
         "loss": loss.detach(),  # this chunk's share: chunks and DP ranks sum to the step loss

@@ -158,8 +158,9 @@ class Passes:
 
     def counts(self, mb: Batch, num_chunks: int) -> algo.LossCounts:
         """Global normalisers; `num_chunks` is this replica's micro-batch count (replicas may
-        differ under compute.micro_batch_tokens), summed over DP."""
-        seqs = (mb.mask.any(dim=1) & mb.seq_valid).sum()
+        differ under compute.micro_batch_tokens), summed over DP. Every real sequence counts,
+        with or without loss tokens (`LossCounts.num_seqs`)."""
+        seqs = mb.seq_valid.sum()
         local = torch.tensor([float(mb.mask.sum()), float(seqs), float(num_chunks)],
                              dtype=torch.float64)
         dist.all_reduce(local, group=self.groups.dp)

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 STD_MODES = ("group", "batch", "none")
 LOSS_AGGS = ("grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3_is")
+POLICY_LOSSES = ("ppo", "sapo")
 ROLLOUT_IS_MODES = ("none", "truncate", "token_mask", "seq_mask")
 
 
@@ -37,14 +38,25 @@ class AlgoConfig:
     """Dual-clip bound c (> 1) on the loss of negative-advantage tokens; 0 disables it."""
     cispo_eps_high: float = 5.0
     """CISPO: upper truncation of the stop-gradient IS weight (1 + cispo_eps_high)."""
+    policy_loss: str = "ppo"
+    """Per-token policy term: 'ppo' (the clipped ratio above; CISPO's own term under
+    loss_agg=cispo) or 'sapo' (SAPO, arXiv:2511.20347: a soft sigmoid gate of the token ratio
+    instead of the hard clip; not with loss_agg gspo or cispo)."""
+    sapo_tau_pos: float = 1.0
+    """SAPO gate temperature for tokens with a positive advantage (> 0; the paper's 1.0)."""
+    sapo_tau_neg: float = 1.05
+    """SAPO gate temperature for the others (> 0; the paper's 1.05: a larger one decays the
+    gradient of off-policy tokens faster)."""
     beta: float = 0.04
     """KL coefficient towards the reference model; 0 disables the reference entirely."""
     kl_estimator: str = "k3"
-    """Per-token KL estimator: k1 (log-ratio), k2 (squared/2) or k3 (Schulman's unbiased, >= 0)."""
+    """Per-token KL estimator: k1 (log-ratio), k2 (squared/2), k3 (Schulman's unbiased, >= 0) or
+    k3_is (DeepSeek-V3.2: k3 times the token ratio pi/pi_old, whose gradient is the reverse-KL
+    gradient; k3 in the KL-in-reward path, where pi is pi_old)."""
     kl_clamp_input: float = 20.0
-    """k3 only: logp - ref_logp is clamped to +-this before exp(); k1/k2 never clamp; 0 = off."""
+    """k3, k3_is: logp - ref_logp is clamped to +-this before exp(); k1/k2 never clamp; 0 = off."""
     kl_clamp_output: float = 10.0
-    """k3 only: cap on each token's KL estimate (loss and KL-in-reward alike); 0 = off. verl's
+    """k3, k3_is: cap on each token's KL estimate (loss and KL-in-reward alike); 0 = off. verl's
     default 10 is reached at logp - ref_logp ~ -2.6, and from there on the token's KL gradient is
     0, exactly where the policy has drifted furthest below the reference: raise it (or 0) to
     keep pulling there."""
@@ -81,6 +93,14 @@ class AlgoConfig:
         _choice("loss_agg", self.loss_agg, LOSS_AGGS)
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _choice("rollout_is", self.rollout_is, ROLLOUT_IS_MODES)
+        _choice("policy_loss", self.policy_loss, POLICY_LOSSES)
+        if self.policy_loss == "sapo" and self.loss_agg in ("gspo", "cispo"):
+            raise ValueError(f"algo.policy_loss='sapo' with algo.loss_agg={self.loss_agg!r}: "
+                             f"{self.loss_agg} has its own policy term; use grpo, bnpo, dr_grpo "
+                             "or dapo")
+        for f in ("sapo_tau_pos", "sapo_tau_neg"):
+            if not getattr(self, f) > 0.0:  # also rejects NaN
+                raise ValueError(f"algo.{f}={getattr(self, f)}: need > 0")
         if self.group_size < 2:
             raise ValueError(f"algo.group_size={self.group_size}: need >= 2 for a group baseline")
         if self.mu < 1:
