@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megagrpo.config.section import Section
+
 
 @dataclass(kw_only=True)
-class RunConfig:
+class RunConfig(Section):
     """The loop: how long, from what, where to, and when to stop on bad steps."""
 
     steps: int = 20
@@ -38,7 +40,7 @@ class RunConfig:
 
 
 @dataclass(kw_only=True)
-class ComputeConfig:
+class ComputeConfig(Section):
     """How a step's forward and backward passes are laid out: micro-batches and the levers
     that change speed and memory, never the result (each is tested against the plain layout)."""
 
@@ -93,7 +95,7 @@ class ComputeConfig:
 
 
 @dataclass(kw_only=True)
-class CheckpointConfig:
+class CheckpointConfig(Section):
     """When checkpoints are written and how many are kept (resume: run.resume)."""
 
     every: int = 0
@@ -111,7 +113,7 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
-class EvalConfig:
+class EvalConfig(Section):
     """Greedy held-out accuracy on the task's evaluation examples."""
 
     every: int = 0
@@ -127,7 +129,7 @@ class EvalConfig:
 
 
 @dataclass(kw_only=True)
-class ColdStartConfig:
+class ColdStartConfig(Section):
     """Supervised fine-tuning before GRPO (built-in task only), as DeepSeek-R1's cold start."""
 
     steps: int = 0
@@ -159,7 +161,7 @@ class ColdStartConfig:
 
 
 @dataclass(kw_only=True)
-class LogConfig:
+class LogConfig(Section):
     """Where metrics go besides out_dir/metrics.jsonl."""
 
     tensorboard: bool = True
@@ -171,7 +173,7 @@ class LogConfig:
 
 
 @dataclass(kw_only=True)
-class WatchdogConfig:
+class WatchdogConfig(Section):
     """The stall watchdog: a frozen rank or a phase that never ends stops the run, named."""
 
     stall_timeout_s: float = 1800.0
