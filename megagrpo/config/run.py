@@ -63,7 +63,9 @@ class ComputeConfig(Section):
     reuse_equal_reference: bool = True
     """When the reference's weights are bitwise the policy's at scoring time (a reset with
     reference.alpha = 1 and no update since) and the policy's old log-probs are scored anyway,
-    take the reference log-probs from them instead of running the reference's forward pass."""
+    take the reference log-probs from them instead of running the reference's forward pass.
+    Never under algo.routing_replay: the policy's scoring routes by vLLM's experts, the
+    reference by itself."""
     pack_sequences: bool | None = None
     """Lay each micro-batch's sequences end to end (megatron's `thd` layout) so the dense layers
     process no padding; the micro-batch is then cut by its summed tokens
