@@ -533,11 +533,15 @@ class CheckpointManager:
     def path(self, step: int) -> Path:
         return self.root / f"step_{step:06d}"
 
-    def _parts(self, kind: type) -> list[tuple[str, Part]]:
-        if kind is PerRank or kind is Replicated:
-            return [(n, p) for n, p in self.states.items() if isinstance(p, kind)]
+    def _sharded(self) -> list[tuple[str, Sharded]]:
         return [(n, p) for n, p in self.states.items()
                 if not isinstance(p, (PerRank, Replicated))]
+
+    def _per_rank(self) -> list[tuple[str, PerRank]]:
+        return [(n, p) for n, p in self.states.items() if isinstance(p, PerRank)]
+
+    def _replicated(self) -> list[Replicated]:
+        return [p for p in self.states.values() if isinstance(p, Replicated)]
 
     def save(self, step: int) -> Path:
         """Writes checkpoint `step` of every part in `states`; returns its folder."""
@@ -545,7 +549,7 @@ class CheckpointManager:
             self.watchdog.set_phase("checkpoint", step)
         final, rank0 = self.path(step), _rank() == 0
         on_every_rank(partial(self._clear_for_save, final) if rank0 else _nothing, final)
-        for name, part in self._parts(Sharded):
+        for name, part in self._sharded():
             save_sharded(part, final / name)
         on_every_rank(partial(self._save_per_rank, final), final)
         on_every_rank(partial(self._finish, step, final) if rank0 else _nothing, final)
@@ -553,7 +557,7 @@ class CheckpointManager:
 
     def _save_per_rank(self, final: Path) -> None:
         me = _rank_file()
-        for name, entry in self._parts(PerRank):
+        for name, entry in self._per_rank():
             save_tree(final / name / me, entry.part.state_dict())
 
     def _clear_for_save(self, final: Path) -> None:
@@ -574,7 +578,7 @@ class CheckpointManager:
         """Rank 0, after every rank wrote its part: trainer_state.json (the replicated parts,
         the layout, the metrics history's length), manifest, pruning."""
         state: dict = {}
-        for _, entry in self._parts(Replicated):
+        for entry in self._replicated():
             state.update(entry.part.state_dict())
         state.update(world_size=dist.get_world_size(), layout=self.layout,
                      metrics_bytes=history_size(self.out_dir))
@@ -608,14 +612,14 @@ class CheckpointManager:
         except dist-checkpoint metadata."""
         state = json.loads((ckpt / TRAINER_STATE).read_text())
         rank0 = dist.get_rank() == 0
-        for name, part in self._parts(Sharded):
+        for name, part in self._sharded():
             self._load_sharded(name, part, ckpt / name)
         same = state["layout"] == self.layout
-        restored = self._load_per_rank(ckpt) if same else {}
-        for _, entry in self._parts(Replicated):
+        restored = self._load_per_rank(ckpt, same)
+        for entry in self._replicated():
             entry.part.load_state_dict(state)
         if rank0 and not same:
-            lost = [e.what for _, e in self._parts(PerRank) if e.restore]
+            lost = [e.what for _, e in self._per_rank() if e.restore]
             log.warning("resume at another layout (saved at %s, now %s): the weights and the "
                         "optimizer state are resharded; %s do not carry over, so the run "
                         "continues from the same data position but not bitwise as it would "
@@ -635,11 +639,13 @@ class CheckpointManager:
             log.warning("resume: %s state not restored (%s holds none this layout can read); "
                         "%s", name, folder, part.if_missing)
 
-    def _load_per_rank(self, ckpt: Path) -> dict[str, dict]:
+    def _load_per_rank(self, ckpt: Path, same_layout: bool) -> dict[str, dict]:
+        """The per-rank parts this rank saved, at the layout they were saved at (a part that
+        does not reshard means nothing on another rank of another layout)."""
         me, restored = _rank_file(), {}
-        for name, entry in self._parts(PerRank):
+        for name, entry in self._per_rank():
             path = ckpt / name / me
-            if entry.restore and path.exists():
+            if entry.restore and (same_layout or entry.reshards) and path.exists():
                 restored[name] = load_tree(path)
                 entry.part.load_state_dict(restored[name])
         return restored
