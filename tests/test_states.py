@@ -151,3 +151,35 @@ def test_config_frozen_after_the_checks_refuses_assignment():
     assert copy.seed == 6 and cfg.rollout.seed != 6
     cfg.validate(2)  # a frozen config still checks and compares like the loaded one
     assert cfg == freeze(load_config(DEMO, ["algo.mu=1"]))
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_setup_freezes_after_the_preflight_and_keeps_the_recipes_model(tmp_path, monkeypatch):
+    """`setup(frozen=True)` (what `run.train` calls): by the time the first process group would
+    start, the config is frozen, and the architecture the run is built with is run.init's
+    (here a tiny HF Llama), passed on as a value while cfg.model stays the recipe's."""
+    import megagrpo.run as run
+    from tests.hf_tiny import tiny_llama
+
+    tiny_llama(tmp_path / "hf", vocab=100, layers=2)
+    seen = {}
+
+    def stop(parallel, model, **kw):
+        seen.update(frozen=is_frozen(cfg), model=model)
+        raise _Stop
+
+    monkeypatch.setattr(run, "init_distributed", stop)
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(k, v)
+    cfg = load_config(DEMO, [f"run.init={tmp_path / 'hf'}", f"run.out_dir={tmp_path / 'run'}",
+                             "cold_start.steps=0", "data.batch_size=8"])
+    recipe_model = dataclasses.replace(cfg.model)
+    with pytest.raises(_Stop):
+        run.setup(cfg, frozen=True)
+    assert seen["frozen"] and seen["model"].vocab_size == 100 and seen["model"].num_layers == 2
+    assert cfg.model == recipe_model and cfg.model.vocab_size == 19
+    with pytest.raises(FrozenConfigError):
+        cfg.run.steps = 1
