@@ -198,11 +198,11 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
                            config=dataclasses.asdict(resolved), progress=cfg.log.progress,
                            total_steps=cfg.run.steps)
     ckpt = ckpts.latest() if cfg.run.resume else None
-    rng = ckpts.load(ckpt).get("rng") if ckpt is not None else None
+    restored = ckpts.load(ckpt) if ckpt is not None else {}  # per-rank states put back
     tr.sync_weights()
     summary = _evaluate_before(tr, logger, resumed=ckpt is not None)
-    if rng is not None:  # the streams as they were when the checkpoint was written
-        restore_rng(rng, tr.engine)
+    if "rng" in restored:  # the streams as they were when the checkpoint was written
+        restore_rng(restored["rng"], tr.engine)
     syncs_before = tr.reference.state.syncs if tr.reference else 0
     while tr.step_idx < cfg.run.steps:
         try:
