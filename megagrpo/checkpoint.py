@@ -1,26 +1,29 @@
-"""Checkpoints: `CheckpointManager` (save / newest intact / load) over the run's Stateful
-parts, and the file formats beneath it.
+"""Checkpoints: `CheckpointManager` (save / newest intact / load) over the run's `states`, a
+mapping of named Stateful parts, and the file formats beneath it.
 
-What a checkpoint of step N holds (`out_dir/checkpoints/step_N/`, layout in `megagrpo.run_dir`):
-policy/, reference/ and optimizer/ (dist-checkpoints), rng/rank*.safetensors and
-rollout/rank*.safetensors (per rank, no pickle: every random stream; the async batch drawn for
-the next step), trainer_state.json (`Trainer.state_dict()`: counters, loader position,
-reference schedule; plus the layout and the metrics history length), and last the manifest
-that marks it complete.
+Each part says how it is kept (`megagrpo.run.checkpoint_states` builds the run's mapping):
+- resharded (`ModelState`, `OptimizerState`): megatron ShardedTensors in a dist-checkpoint
+  folder `<name>/`, loadable at another TP x PP x DP: policy/, reference/, optimizer/;
+- per rank (`PerRank`): one pickle-free safetensors file per rank, `<name>/rank<R>.safetensors`,
+  restored only at the same layout: rng/ (every random stream), rollout/ (the async batch drawn
+  for the next step);
+- replicated (`Replicated`): JSON, the same on every rank: trainer_state.json holds
+  `Trainer.state_dict()` (counters, loader position, reference schedule) plus the manager's
+  own keys (the layout, the metrics history's length);
+and last the manifest that marks the checkpoint complete (layout in `megagrpo.run_dir`).
 
 Models and optimizer: megatron-core's `dist_checkpointing` format, resharding on load (save at
 one TP x PP x DP, load at another), the model config beside them. The optimizer state is
 megatron's model-space format (`save_optimizer`), for the plain and the distributed optimizer.
-What is per rank (RNG streams, the async batch's samples) carries over only to the same layout;
-at another one the run continues from the same data position, not bitwise, and says so. Writes
-are atomic: everything goes to `DIR.tmp` and is renamed into place only when every rank has
-finished, so a crash mid-save never damages the last good checkpoint. Loading reads torch DCP's
-`.metadata`, a pickle: only load model checkpoints you trust (HF safetensors directories are the
-format for downloads).
+At another layout the run continues from the same data position, not bitwise, and says so.
+Writes are atomic: everything goes to `DIR.tmp` and is renamed into place only when every rank
+has finished, so a crash mid-save never damages the last good checkpoint. Loading reads torch
+DCP's `.metadata`, a pickle: only load model checkpoints you trust (HF safetensors directories
+are the format for downloads).
 
-Per-rank state (optimizer, RNG streams): `save_tree` / `load_tree` write a nested structure of
-tensors and plain values as one safetensors file (tensors) whose metadata holds the structure as
-JSON. Nothing is pickled, so loading a crafted file cannot run code.
+Per-rank state (RNG streams, the async batch): `save_tree` / `load_tree` write a nested
+structure of tensors and plain values as one safetensors file (tensors) whose metadata holds
+the structure as JSON. Nothing is pickled, so loading a crafted file cannot run code.
 
 Writes that fail for lack of space raise `OSError(ENOSPC)` saying "no space left on device" and
 where, whatever layer (DCP, torch's C++ writer) saw the failure first.
@@ -35,10 +38,11 @@ import logging
 import os
 import random
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -47,7 +51,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megagrpo.config.model import ModelConfig
+from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.export import save_tokenizer
 from megagrpo.metrics import history_size, rewind_history
 from megagrpo.model import unwrap
@@ -64,9 +68,6 @@ from megagrpo.run_dir import (
     write_manifest,
 )
 
-if TYPE_CHECKING:
-    from megagrpo.trainer import Trainer
-
 log = logging.getLogger("megagrpo")
 # megatron-core is imported where it is used: the launcher's preflight and `plan` read model
 # configs through this module and must not pay megatron's ~7 s import.
@@ -81,46 +82,38 @@ def _barrier() -> None:
         dist.barrier(group=dist.group.WORLD)
 
 
-def save_model(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike, model: ModelConfig,
-               *, extra: dict | None = None) -> None:
-    """Collective: every rank saves its shards of `gpt` into `ckpt_dir` (atomically)."""
-    from megatron.core import dist_checkpointing
+# ---------------------------------------------------------------------- resharded parts
+class ModelState:
+    """A megatron model's weights (the policy, the reference) as a resharded part: its sharded
+    state dict goes into a dist-checkpoint folder that loads at any TP x PP, beside it the
+    ModelConfig (megagrpo_model.json, with `extra`) and, when given, the tokenizer (so that
+    `convert --to-hf` exports it)."""
 
-    final = Path(ckpt_dir)
-    tmp = final.with_name(final.name + ".tmp")
-    on_every_rank(lambda: _fresh_dir(tmp) if _rank() == 0 else None, tmp)
-    with disk_errors(tmp):  # DCP gathers the ranks' failures: every rank raises together
-        dist_checkpointing.save(unwrap(gpt).sharded_state_dict(), str(tmp))
-    _barrier()
-    on_every_rank(lambda: _publish(tmp, final, model, extra) if _rank() == 0 else None, tmp)
+    reshards: ClassVar[bool] = True
 
+    def __init__(self, model: torch.nn.Module, config: ModelConfig | None, *,
+                 tokenizer=None, extra: dict | None = None, if_missing: str | None = None):
+        self.model, self.config, self.tokenizer, self.extra = model, config, tokenizer, extra
+        self.if_missing = if_missing
+        """None: a checkpoint must hold it; '': skipped quietly when absent; else the warning's
+        last words when absent."""
 
-def _fresh_dir(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
+    def state_dict(self) -> dict:
+        """megatron ShardedTensors of this rank's shards."""
+        return unwrap(self.model).sharded_state_dict()
 
+    def load_template(self) -> dict:
+        return self.state_dict()
 
-def _publish(tmp: Path, final: Path, model: ModelConfig, extra: dict | None) -> None:
-    meta = {"model": dataclasses.asdict(model), **(extra or {})}
-    (tmp / MODEL_JSON).write_text(json.dumps(meta, indent=1))
-    _swap_in(tmp, final)
+    def load_state_dict(self, state: dict) -> None:
+        unwrap(self.model).load_state_dict(state, strict=False)
 
-
-def read_model_config(ckpt_dir: str | os.PathLike) -> tuple[ModelConfig, dict]:
-    path = Path(ckpt_dir) / MODEL_JSON
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: not a megagrpo model checkpoint")
-    meta = json.loads(path.read_text())
-    return ModelConfig(**meta.pop("model")), meta
-
-
-def load_model(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike) -> None:
-    """Collective: loads a checkpoint saved at any TP/PP into this rank's shards of `gpt`."""
-    from megatron.core import dist_checkpointing
-
-    inner = unwrap(gpt)
-    state = dist_checkpointing.load(inner.sharded_state_dict(), str(ckpt_dir))
-    inner.load_state_dict(state, strict=False)
+    def write_beside(self, folder: Path) -> None:
+        """Rank 0, before the folder is published: the config (and the tokenizer)."""
+        meta = {"model": dataclasses.asdict(self.config), **(self.extra or {})}
+        (folder / MODEL_JSON).write_text(json.dumps(meta, indent=1))
+        if self.tokenizer is not None:
+            save_tokenizer(folder, self.tokenizer)
 
 
 # Optimizer state as megatron's model-space dist-checkpoint: each parameter's Adam moments (and
@@ -132,48 +125,65 @@ OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable",
                     "chained_optim_avoid_prefix": True}
 
 
-def _optimizer_sharded(gpt: torch.nn.Module, optimizer, *, is_loading: bool) -> dict:
-    model_sd = unwrap(gpt).sharded_state_dict()
-    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                        metadata=dict(OPTIMIZER_FORMAT))
+class Optimized(Protocol):
+    """What holds the policy and its optimizer (`Trainer`: the cold start replaces the
+    optimizer, so the part reads the current one when it saves or loads)."""
+
+    policy: torch.nn.Module | list
+    optimizer: object
 
 
-def save_optimizer(gpt: torch.nn.Module, optimizer, ckpt_dir: str | os.PathLike) -> None:
-    """Collective: the optimizer state of `gpt` into `ckpt_dir` (atomically), reshardable."""
-    from megatron.core import dist_checkpointing
-
-    final = Path(ckpt_dir)
-    tmp = final.with_name(final.name + ".tmp")
-    on_every_rank(lambda: _fresh_dir(tmp) if _rank() == 0 else None, tmp)
-    with disk_errors(tmp):
-        dist_checkpointing.save(_optimizer_sharded(gpt, optimizer, is_loading=False), str(tmp))
-    _barrier()
-    on_every_rank(lambda: _swap_in(tmp, final) if _rank() == 0 else None, tmp)
+@dataclass
+class _Pair:
+    policy: torch.nn.Module | list
+    optimizer: object
 
 
-def load_optimizer(gpt: torch.nn.Module, optimizer, ckpt_dir: str | os.PathLike) -> None:
-    """Collective: loads optimizer state saved at any layout into this rank's optimizer.
-    `gpt` must already hold the checkpoint's weights (the distributed optimizer's fp32 master
-    copy is read from the checkpoint, the plain one's from the model)."""
-    from megatron.core import dist_checkpointing
+class OptimizerState:
+    """megatron's optimizer over the policy as a resharded part (model-space format, plain and
+    distributed optimizer alike). Loads after the policy: the distributed optimizer's fp32
+    master copy is read from the checkpoint, the plain one's from the model."""
 
-    inners = list(getattr(optimizer, "chained_optimizers", [optimizer]))
-    for inner in inners:
-        if hasattr(inner, "_init_optimizer_states_with_dummy_values"):
-            # the state tensors must exist before megatron builds the load state dict; the
-            # dummy step with zero grads is overwritten by the load (weights included)
-            inner._init_optimizer_states_with_dummy_values()
-    sharded = _optimizer_sharded(gpt, optimizer, is_loading=True)
-    state = dist_checkpointing.load(sharded, str(ckpt_dir))
-    states = state if isinstance(state, list) else [state] if len(inners) == 1 else \
-        [v for _, v in sorted(state.items())]
-    with torch.no_grad():
-        for inner, part in zip(inners, states, strict=True):
-            if "param_state" in part:
-                _load_distributed(inner, part)
-            else:
-                inner.load_state_dict(part)
-    use_fused_adam(optimizer)  # a checkpoint written before the switch saved the loop's flags
+    reshards: ClassVar[bool] = True
+    if_missing = "Adam moments restart"
+
+    def __init__(self, owner: Optimized):
+        self.owner = owner
+
+    def _sharded(self, *, is_loading: bool) -> dict:
+        model_sd = unwrap(self.owner.policy).sharded_state_dict()
+        return self.owner.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                       metadata=dict(OPTIMIZER_FORMAT))
+
+    def state_dict(self) -> dict:
+        return self._sharded(is_loading=False)
+
+    def load_template(self) -> dict:
+        for inner in _inner_optimizers(self.owner.optimizer):
+            if hasattr(inner, "_init_optimizer_states_with_dummy_values"):
+                # the state tensors must exist before megatron builds the load state dict; the
+                # dummy step with zero grads is overwritten by the load (weights included)
+                inner._init_optimizer_states_with_dummy_values()
+        return self._sharded(is_loading=True)
+
+    def load_state_dict(self, state: dict | list) -> None:
+        inners = _inner_optimizers(self.owner.optimizer)
+        states = state if isinstance(state, list) else [state] if len(inners) == 1 else \
+            [v for _, v in sorted(state.items())]
+        with torch.no_grad():
+            for inner, part in zip(inners, states, strict=True):
+                if "param_state" in part:
+                    _load_distributed(inner, part)
+                else:
+                    inner.load_state_dict(part)
+        use_fused_adam(self.owner.optimizer)  # the loaded param groups carry the saved flags
+
+    def write_beside(self, folder: Path) -> None:
+        """Nothing beside the shards."""
+
+
+def _inner_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _load_distributed(inner, part: dict) -> None:
@@ -193,6 +203,68 @@ def _load_distributed(inner, part: dict) -> None:
     inner.load_parameter_state_from_fully_reshardable(param_state)
     for p, step in steps.items():
         inner.optimizer.state[p]["step"] = step.detach().clone()
+
+
+def save_sharded(part: Sharded, folder: str | os.PathLike) -> None:
+    """Collective: every rank saves its shards of `part` into `folder` (atomically: a temp
+    folder renamed into place once every rank has written)."""
+    from megatron.core import dist_checkpointing
+
+    final = Path(folder)
+    tmp = final.with_name(final.name + ".tmp")
+    on_every_rank(partial(_fresh_dir, tmp) if _rank() == 0 else _nothing, tmp)
+    with disk_errors(tmp):  # DCP gathers the ranks' failures: every rank raises together
+        dist_checkpointing.save(part.state_dict(), str(tmp))
+    _barrier()
+    on_every_rank(partial(_publish, part, tmp, final) if _rank() == 0 else _nothing, tmp)
+
+
+def load_sharded(part: Sharded, folder: str | os.PathLike) -> None:
+    """Collective: loads a folder saved at any layout into this rank's shards of `part`."""
+    from megatron.core import dist_checkpointing
+
+    part.load_state_dict(dist_checkpointing.load(part.load_template(), str(folder)))
+
+
+def _fresh_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+
+
+def _publish(part: Sharded, tmp: Path, final: Path) -> None:
+    part.write_beside(tmp)
+    _swap_in(tmp, final)
+
+
+def save_model(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike, model: ModelConfig,
+               *, extra: dict | None = None) -> None:
+    """Collective: every rank saves its shards of `gpt` into `ckpt_dir` (atomically)."""
+    save_sharded(ModelState(gpt, model, extra=extra), ckpt_dir)
+
+
+def load_model(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike) -> None:
+    """Collective: loads a checkpoint saved at any TP/PP into this rank's shards of `gpt`."""
+    load_sharded(ModelState(gpt, None), ckpt_dir)
+
+
+def read_model_config(ckpt_dir: str | os.PathLike) -> tuple[ModelConfig, dict]:
+    path = Path(ckpt_dir) / MODEL_JSON
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: not a megagrpo model checkpoint")
+    meta = json.loads(path.read_text())
+    return ModelConfig(**meta.pop("model")), meta
+
+
+def save_optimizer(gpt: torch.nn.Module, optimizer, ckpt_dir: str | os.PathLike) -> None:
+    """Collective: the optimizer state of `gpt` into `ckpt_dir` (atomically), reshardable."""
+    save_sharded(OptimizerState(_Pair(gpt, optimizer)), ckpt_dir)
+
+
+def load_optimizer(gpt: torch.nn.Module, optimizer, ckpt_dir: str | os.PathLike) -> None:
+    """Collective: loads optimizer state saved at any layout into this rank's optimizer.
+    `gpt` must already hold the checkpoint's weights (the distributed optimizer's fp32 master
+    copy is read from the checkpoint, the plain one's from the model)."""
+    load_sharded(OptimizerState(_Pair(gpt, optimizer)), ckpt_dir)
 
 
 def _swap_in(tmp: Path, final: Path) -> None:
@@ -390,42 +462,103 @@ class RankRng:
 
 
 # ---------------------------------------------------------------------- the manager
-class CheckpointManager:
-    """Saves, finds and loads the run's checkpoints in run.out_dir/checkpoints (every method is
-    a collective). Writes are atomic per part and the manifest, written last, marks a
-    checkpoint complete; complete ones beyond checkpoint.keep_last are then removed. Out of
-    disk, every rank stops with an error that says so and where."""
+class Stateful(Protocol):
+    """What a checkpoint is made of: an object that gives and takes its state."""
 
-    def __init__(self, out_dir: str | os.PathLike, keep_last: int, watchdog=None) -> None:
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class Sharded(Stateful, Protocol):
+    """A resharded part (`ModelState`, `OptimizerState`): `state_dict()` holds megatron
+    ShardedTensors, saved as one dist-checkpoint folder `<name>/` that loads at any layout."""
+
+    reshards: ClassVar[bool]
+    if_missing: str | None
+
+    def load_template(self) -> dict: ...
+
+    def write_beside(self, folder: Path) -> None: ...
+
+
+@dataclass
+class PerRank:
+    """A part held per rank (random streams, the async batch drawn ahead): one pickle-free
+    safetensors file per rank, `<name>/rank<R>.safetensors`, restored only at the layout it
+    was saved at."""
+
+    part: Stateful
+    what: str
+    """What it holds, for the console (e.g. 'the random streams')."""
+    restore: bool = True
+    """False: saved, but not put back by this run (e.g. the async batch when run.async_rollout
+    is off now)."""
+    reshards: ClassVar[bool] = False
+
+
+@dataclass
+class Replicated:
+    """JSON-able state that is the same on every rank (counters, data position, schedules):
+    rank 0 writes it into trainer_state.json, keys at the top level, and every rank reads it.
+    Loaded after the per-rank parts (it may depend on what they restored)."""
+
+    part: Stateful
+    reshards: ClassVar[bool] = True
+
+
+Part = Sharded | PerRank | Replicated
+
+
+class CheckpointManager:
+    """Saves, finds and loads the run's checkpoints in run.out_dir/checkpoints over `states`,
+    a mapping of named Stateful parts (every method is a collective); the names are the parts'
+    places on disk. A save writes the resharded parts, in the mapping's order (a model before
+    its optimizer), then the per-rank ones, then trainer_state.json and last the manifest that
+    marks the checkpoint complete; complete ones beyond checkpoint.keep_last are then removed.
+    A load reads them in the same order. Writes are atomic per part. Out of disk, every rank
+    stops with an error that says so and where."""
+
+    def __init__(self, out_dir: str | os.PathLike, keep_last: int, states: Mapping[str, Part],
+                 *, layout: dict, watchdog=None) -> None:
+        """`layout`: what the per-rank parts depend on (`layout_of`); they are restored only
+        from a checkpoint saved at the same one."""
         self.root = checkpoint_root(out_dir)
         self.out_dir = str(out_dir)
         self.keep_last = keep_last
+        self.states = dict(states)
+        self.layout = layout
         self.watchdog = watchdog
 
     def path(self, step: int) -> Path:
         return self.root / f"step_{step:06d}"
 
-    def save(self, tr: Trainer) -> Path:
-        """Policy + reference (dist-checkpoint, reshardable), per rank the optimizer and every
-        RNG stream, the trainer state, and last the manifest."""
+    def _sharded(self) -> list[tuple[str, Sharded]]:
+        return [(n, p) for n, p in self.states.items()
+                if not isinstance(p, (PerRank, Replicated))]
+
+    def _per_rank(self) -> list[tuple[str, PerRank]]:
+        return [(n, p) for n, p in self.states.items() if isinstance(p, PerRank)]
+
+    def _replicated(self) -> list[Replicated]:
+        return [p for p in self.states.values() if isinstance(p, Replicated)]
+
+    def save(self, step: int) -> Path:
+        """Writes checkpoint `step` of every part in `states`; returns its folder."""
         if self.watchdog is not None:
-            self.watchdog.set_phase("checkpoint", tr.step_idx)
-        final, rank0 = self.path(tr.step_idx), dist.get_rank() == 0
+            self.watchdog.set_phase("checkpoint", step)
+        final, rank0 = self.path(step), _rank() == 0
         on_every_rank(partial(self._clear_for_save, final) if rank0 else _nothing, final)
-        save_model(tr.policy, final / "policy", tr.model_cfg)
-        if tr.reference is not None:
-            save_model(tr.reference.model, final / "reference", tr.model_cfg)
-        save_optimizer(tr.policy, tr.optimizer, final / "optimizer")
-        on_every_rank(partial(self._save_rank_state, tr, final), final)
-        on_every_rank(partial(self._finish, tr, final) if rank0 else _nothing, final)
+        for name, part in self._sharded():
+            save_sharded(part, final / name)
+        on_every_rank(partial(self._save_per_rank, final), final)
+        on_every_rank(partial(self._finish, step, final) if rank0 else _nothing, final)
         return final
 
-    @staticmethod
-    def _save_rank_state(tr: Trainer, final: Path) -> None:
-        """This rank's RNG streams and pending async batch, as safetensors (no pickle)."""
+    def _save_per_rank(self, final: Path) -> None:
         me = _rank_file()
-        save_tree(final / "rng" / me, RankRng(tr.engine).state_dict())
-        save_tree(final / "rollout" / me, tr.rollouts.state_dict())
+        for name, entry in self._per_rank():
+            save_tree(final / name / me, entry.part.state_dict())
 
     def _clear_for_save(self, final: Path) -> None:
         """Removes a leftover of the same step (a save a crash interrupted) and checks that the
@@ -441,18 +574,20 @@ class CheckpointManager:
                           "space, lower checkpoint.keep_last or point run.out_dir at a larger "
                           "disk")
 
-    def _finish(self, tr: Trainer, final: Path) -> None:
-        """Rank 0, after every rank wrote its part: trainer state, manifest, pruning."""
-        state = dict(tr.state_dict(), world_size=dist.get_world_size(), layout=layout_of(tr),
-                     pending_loader=tr.rollouts.pending_loader_state(),
+    def _finish(self, step: int, final: Path) -> None:
+        """Rank 0, after every rank wrote its part: trainer_state.json (the replicated parts,
+        the layout, the metrics history's length), manifest, pruning."""
+        state: dict = {}
+        for entry in self._replicated():
+            state.update(entry.part.state_dict())
+        state.update(world_size=dist.get_world_size(), layout=self.layout,
                      metrics_bytes=history_size(self.out_dir))
         tmp = final / (TRAINER_STATE + ".tmp")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, final / TRAINER_STATE)
-        save_tokenizer(final / "policy", tr.tokenizer)  # `convert --to-hf` exports it too
         write_manifest(final)  # from here on the checkpoint is complete
         dirs = step_dirs(final.parent)
-        kept = [p for p in dirs if (p / MANIFEST).exists() and step_of(p) <= tr.step_idx]
+        kept = [p for p in dirs if (p / MANIFEST).exists() and step_of(p) <= step]
         kept = kept[-self.keep_last:]
         for old in dirs:  # older than every kept one, complete or a broken leftover
             if step_of(old) < step_of(kept[0]):
@@ -470,62 +605,56 @@ class CheckpointManager:
         dist.broadcast(step, src=0, group=dist.group.WORLD)
         return self.path(int(step)) if int(step) >= 0 else None
 
-    def load(self, tr: Trainer, ckpt: Path) -> dict | None:
-        """Restores policy, reference, optimizer, trainer state (data position, schedule
-        counters) and every RNG stream from `ckpt`. Returns the RNG state (None when it could
-        not be restored): the caller puts it back once more right before the next step, after
-        the evaluation and the weight sync that come between. Reads no pickle except
-        dist-checkpoint metadata."""
+    def load(self, ckpt: Path) -> dict[str, dict]:
+        """Restores every part from `ckpt`: the resharded ones at any layout, the per-rank ones
+        at the same layout only (the console says what did not carry over), then the
+        replicated ones. Returns the per-rank states it restored, by name. Reads no pickle
+        except dist-checkpoint metadata."""
         state = json.loads((ckpt / TRAINER_STATE).read_text())
-        load_model(tr.policy, ckpt / "policy")
-        if tr.reference is not None and (ckpt / "reference").exists():
-            load_model(tr.reference.model, ckpt / "reference")
-        me, rank0 = _rank_file(), dist.get_rank() == 0
-        saved_layout = state.get("layout") or {"world_size": state["world_size"]}
-        same = saved_layout == layout_of(tr) if "layout" in state else \
-            state["world_size"] == dist.get_world_size()
-        opt_dir, legacy = ckpt / "optimizer", ckpt / "optimizer" / me
-        if (opt_dir / "metadata.json").exists():
-            load_optimizer(tr.policy, tr.optimizer, opt_dir)
-        elif legacy.exists() and same:  # per rank, by an older megagrpo
-            tr.optimizer.load_state_dict(load_tree(legacy))
-            use_fused_adam(tr.optimizer)
-        elif rank0:
-            log.warning("resume: optimizer state not restored (%s holds none this layout can "
-                        "read); Adam moments restart", opt_dir)
-        rng_file, rollout_file = ckpt / "rng" / me, ckpt / "rollout" / me
-        rng = load_tree(rng_file) if same and rng_file.exists() else None
-        if rng is not None:
-            RankRng(tr.engine).load_state_dict(rng)
-        keep_pending = same and tr.cfg.run.async_rollout and rollout_file.exists()
-        if keep_pending:
-            tr.rollouts.load_state_dict(load_tree(rollout_file))
-        tr.load_state_dict(state)
-        redraw = state.get("pending_loader") is not None and not keep_pending
-        if redraw:  # the loader goes back to the async batch, drawn again by this run
-            tr.rollouts.loader.load_state_dict(state["pending_loader"])
+        rank0 = dist.get_rank() == 0
+        for name, part in self._sharded():
+            self._load_sharded(name, part, ckpt / name)
+        same = state["layout"] == self.layout
+        restored = self._load_per_rank(ckpt, same)
+        for entry in self._replicated():
+            entry.part.load_state_dict(state)
         if rank0 and not same:
+            lost = [e.what for _, e in self._per_rank() if e.restore]
             log.warning("resume at another layout (saved at %s, now %s): the weights and the "
-                        "optimizer state are resharded; the per-rank random streams%s do not "
-                        "carry over, so the run continues from the same data position but not "
-                        "bitwise as it would have uninterrupted", _describe(saved_layout),
-                        _describe(layout_of(tr)),
-                        " and the async batch drawn for the next step" if redraw else "")
-        elif rank0 and redraw:
-            log.info("resume: the async batch drawn for step %d is drawn again (run.async_rollout "
-                     "is off now)", tr.step_idx + 1)
+                        "optimizer state are resharded; %s do not carry over, so the run "
+                        "continues from the same data position but not bitwise as it would "
+                        "have uninterrupted", _describe(state["layout"]),
+                        _describe(self.layout), " and ".join(lost) or "no per-rank parts")
         if rank0:
-            dropped = rewind_history(self.out_dir, state.get("metrics_bytes", 1 << 62))
-            log.info("resumed from %s at step %d%s", ckpt, tr.step_idx,
+            dropped = rewind_history(self.out_dir, state["metrics_bytes"])
+            log.info("resumed from %s at step %d%s", ckpt, step_of(ckpt),
                      f"; dropped {dropped} metrics records written after it" if dropped else "")
-        return rng
+        return restored
+
+    @staticmethod
+    def _load_sharded(name: str, part: Sharded, folder: Path) -> None:
+        if (folder / "metadata.json").exists() or part.if_missing is None:
+            load_sharded(part, folder)
+        elif part.if_missing and dist.get_rank() == 0:
+            log.warning("resume: %s state not restored (%s holds none this layout can read); "
+                        "%s", name, folder, part.if_missing)
+
+    def _load_per_rank(self, ckpt: Path, same_layout: bool) -> dict[str, dict]:
+        """The per-rank parts this rank saved, at the layout they were saved at (a part that
+        does not reshard means nothing on another rank of another layout)."""
+        me, restored = _rank_file(), {}
+        for name, entry in self._per_rank():
+            path = ckpt / name / me
+            if entry.restore and (same_layout or entry.reshards) and path.exists():
+                restored[name] = load_tree(path)
+                entry.part.load_state_dict(restored[name])
+        return restored
 
 
-def layout_of(tr: Trainer) -> dict:
+def layout_of(parallel: ParallelConfig, dp: int, rollout_tp: int) -> dict:
     """What the per-rank parts of a checkpoint depend on: world, TP, PP, DP, vLLM's TP."""
-    return {"world_size": dist.get_world_size(), "tp": tr.cfg.parallel.tp,
-            "pp": tr.cfg.parallel.pp, "dp": tr.ranks.dp,
-            "rollout_tp": tr.cfg.rollout.tensor_parallel_size}
+    return {"world_size": dist.get_world_size(), "tp": parallel.tp, "pp": parallel.pp, "dp": dp,
+            "rollout_tp": rollout_tp}
 
 
 def _describe(layout: dict) -> str:

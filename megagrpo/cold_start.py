@@ -1,94 +1,100 @@
 """The supervised cold start before GRPO (DeepSeek-R1's, on the built-in arithmetic task):
 NLL of the completion tokens of (prompt, answer) pairs, then a fresh optimizer and a reference
-equal to the cold-started policy."""
+equal to the cold-started policy. It drives the trainer through `ColdStartable` (`Trainer`
+provides it) and takes its settings as arguments: cold_start.*, arithmetic.*, the run's seed."""
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-import torch.distributed as dist
-
-from megagrpo.batch import sft_batch
-from megagrpo.data import encode_prompt
-from megagrpo.losses import sft_loss
-from megagrpo.optim import build_optimizer, optimizer_step, set_lr, zero_grad
-from megagrpo.reference import sync_reference
 from megagrpo.tasks.arithmetic import sft_examples
 
 if TYPE_CHECKING:
+    from megagrpo.config.data import ArithmeticConfig
+    from megagrpo.config.run import ColdStartConfig
+    from megagrpo.data import Example
+    from megagrpo.distributed import Ranks
     from megagrpo.metrics import MetricsLogger
-    from megagrpo.trainer import Trainer
 
 PairsFn = Callable[..., list[tuple[str, str]]]
 """(n, seed=...) -> n (prompt, completion) pairs."""
 
 
-def supervised_steps(tr: Trainer, pairs_fn: PairsFn, steps: int, *, start: int = 0,
+class ColdStartable(Protocol):
+    """What the cold start needs from the trainer."""
+
+    ranks: Ranks
+
+    def sft_step(self, pairs: list[tuple[str, str]], lr: float) -> float:
+        """One supervised step on this rank's pairs; the global NLL per completion token."""
+
+    def phase(self, name: str) -> None:
+        """Names the phase for the stall watchdog."""
+
+    def sync_weights(self) -> dict:
+        """The policy's weights into vLLM."""
+
+    def evaluate(self, examples: list[Example]) -> float:
+        """Greedy held-out accuracy with the weights vLLM holds."""
+
+    def restart_optimizer(self) -> None:
+        """A fresh optimizer over the policy."""
+
+    def reset_reference(self) -> None:
+        """The reference becomes the policy."""
+
+
+def supervised_steps(tr: ColdStartable, pairs_fn: PairsFn, steps: int, *, cfg: ColdStartConfig,
+                     seed: int, progress: bool, start: int = 0,
                      total: int | None = None) -> list[float]:
     """SFT steps `start` .. `start + steps - 1` (of `total`) on this rank's share of
-    cold_start.batch_size pairs each; the global NLL per completion token of every step."""
+    cfg.batch_size pairs each (drawn from `seed`, the step and the DP rank); the global NLL per
+    completion token of every step. `progress`: print every 50 steps (rank 0)."""
     total = total or start + steps
-    c, dp = tr.cfg.cold_start, tr.ranks.dp
-    P, tok = tr.passes, tr.tokenizer
+    dp, dp_rank = tr.ranks.dp, tr.ranks.dp_rank
     losses = []
     for s in range(start, start + steps):
-        if tr.watchdog is not None:  # each SFT step is a phase of its own
-            tr.watchdog.set_phase(f"cold_start {s + 1}/{total}", tr.step_idx)
-        pairs = pairs_fn(c.batch_size // dp,
-                         seed=tr.cfg.run.seed * 100_003 + s * dp + tr.ranks.dp_rank)
-        prompts = [encode_prompt(tok, p) for p, _ in pairs]
-        comps = [tok.encode(x) + [tr.tokens.eos_id] for _, x in pairs]
-        m = min(tr.cfg.compute.micro_batch_size, len(pairs))
-        batch = sft_batch(prompts, comps, pad_id=tr.tokens.pad_id, multiple=m)
-        plan = P.plan(batch, m)
-        ctx = P.loss_context(scale=len(plan) * dp, counts=P.counts(batch, len(plan)),
-                             inplace_backward=tr.cfg.compute.inplace_backward)
-        ctx.temperature = 1.0
-        set_lr(tr.optimizer, c.lr)
-        zero_grad(tr.policy, tr.optimizer)
-        out = P.run(tr.policy, partial(sft_loss, ctx), plan, batch.ids.shape[1], m)
-        optimizer_step(tr.policy, tr.optimizer)
-        mine = tr.ranks.tp_rank == 0
-        v = torch.tensor([sum(float(o["nll_sum"]) for o in out) if mine else 0.0,
-                          sum(float(o["tokens"]) for o in out) if mine else 0.0],
-                         dtype=torch.float64)
-        dist.all_reduce(v, group=tr.groups.world)
-        losses.append(float(v[0] / max(v[1], 1)))
-        if tr.ranks.rank == 0 and tr.cfg.log.progress and (s + 1) % 50 == 0:
+        tr.phase(f"cold_start {s + 1}/{total}")  # each SFT step is a phase of its own
+        pairs = pairs_fn(cfg.batch_size // dp, seed=seed * 100_003 + s * dp + dp_rank)
+        losses.append(tr.sft_step(pairs, cfg.lr))
+        if progress and (s + 1) % 50 == 0:
             print(f"cold start {s + 1:4d}/{total} | nll={losses[-1]:.3f}", flush=True)
     return losses
 
 
-def cold_start(tr: Trainer, logger: MetricsLogger) -> dict:
-    """The run's cold start on the arithmetic task; its summary fields. GRPO then starts from
-    the cold-started weights with fresh Adam moments (the SFT gradients' second moments are far
-    larger than policy-gradient ones and would damp the RL updates for hundreds of steps at
-    beta2 = 0.999), and the reference is the cold-started model (DeepSeekMath)."""
-    cfg, t, c = tr.cfg, time.perf_counter(), tr.cfg.cold_start
-    pairs = partial(sft_examples, cfg=cfg.arithmetic)
-    check = c.target_accuracy > 0 and bool(tr.task.eval)
+def cold_start(tr: ColdStartable, logger: MetricsLogger, cfg: ColdStartConfig,
+               arith: ArithmeticConfig, *, held_out: list[Example], seed: int,
+               progress: bool) -> dict:
+    """The run's cold start on the arithmetic task; its summary fields. With
+    cfg.target_accuracy > 0 it stops at the first held-out check (every cfg.check_every steps,
+    on `held_out`) that reaches it. GRPO then starts from the cold-started weights with fresh
+    Adam moments (the SFT gradients' second moments are far larger than policy-gradient ones
+    and would damp the RL updates for hundreds of steps at beta2 = 0.999), and the reference
+    is the cold-started model (DeepSeekMath). `progress`: console lines (rank 0)."""
+    t = time.perf_counter()
+    pairs = partial(sft_examples, cfg=arith)
+    check = cfg.target_accuracy > 0 and bool(held_out)
     losses: list[float] = []
     accuracy = None
-    while len(losses) < c.steps:  # in chunks of check_every when it stops at an accuracy
-        n = min(c.check_every if check else c.steps, c.steps - len(losses))
-        losses += supervised_steps(tr, pairs, n, start=len(losses), total=c.steps)
+    while len(losses) < cfg.steps:  # in chunks of check_every when it stops at an accuracy
+        n = min(cfg.check_every if check else cfg.steps, cfg.steps - len(losses))
+        losses += supervised_steps(tr, pairs, n, cfg=cfg, seed=seed, progress=progress,
+                                   start=len(losses), total=cfg.steps)
         if check:
             tr.sync_weights()
-            accuracy = tr.evaluate(tr.task.eval)
-            if tr.ranks.rank == 0 and cfg.log.progress:
-                print(f"cold start {len(losses):4d}/{c.steps} | held-out {accuracy:.3f} "
-                      f"(stops at {c.target_accuracy:g})", flush=True)
-            if accuracy >= c.target_accuracy:
+            accuracy = tr.evaluate(held_out)
+            if progress:
+                print(f"cold start {len(losses):4d}/{cfg.steps} | held-out {accuracy:.3f} "
+                      f"(stops at {cfg.target_accuracy:g})", flush=True)
+            if accuracy >= cfg.target_accuracy:
                 break
     for i in range(0, len(losses), max(1, len(losses) // 20)):
         logger.log({"sft_step": i + 1, "sft_loss": losses[i]})
-    tr.optimizer = build_optimizer(tr.policy, cfg.optim)
+    tr.restart_optimizer()
     tr.sync_weights()
-    if tr.reference is not None:
-        sync_reference(tr.reference.model, tr.policy, 1.0)
+    tr.reset_reference()
     out = {"sft_steps": len(losses), "sft_final_loss": losses[-1] if losses else None,
            "sft_seconds": time.perf_counter() - t}
     if accuracy is not None:

@@ -217,7 +217,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
 def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 1234):
     """Returns this rank's `GPTModel` stage (its TP shard of its PP stage's layers).
 
-    Needs `megagrpo.distributed.init_distributed` first. Weights are randomly initialised from
+    Needs `megagrpo.distributed.init_distributed` first (which checks `parallel` against
+    `model`; a run's preflight checked both before). Weights are randomly initialised from
     `seed` (identically to any other layout's shards of the same model); load real weights with
     `megagrpo.hf.load_hf_weights`.
     """
@@ -225,8 +226,6 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 123
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
 
-    model.validate()
-    parallel.validate(model)
     if model.is_moe:
         _moe_without_transformer_engine()
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

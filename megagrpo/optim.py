@@ -45,7 +45,6 @@ def build_optimizer(ddp_model: torch.nn.Module, cfg: OptimConfig):
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    cfg.validate()
     dtype = ddp_model.module.config.params_dtype
     ocfg = OptimizerConfig(
         optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,

@@ -4,8 +4,10 @@ the tokenizer, the data files and every prompt's length.
 
 `python -m megagrpo train` runs `preflight` in the launcher before it relaunches under torchrun,
 so a bad recipe fails within seconds; `megagrpo.run.setup` runs it again on every rank (cheap)
-and builds the run from what it returns, so nothing is loaded twice and a plain `torchrun ...`
-start gets the same checks.
+and builds the run from what it returns (the architecture included: `Preflight.model`, which
+`setup` passes on instead of rewriting cfg.model), so nothing is loaded twice and a plain
+`torchrun ...` start gets the same checks. Once they pass, `megagrpo.run.train` freezes the
+config: no setting changes during the run.
 
 Prompt length rule: a prompt, encoded exactly as the trainer encodes it (`encode_prompt`: the
 template or chat template, then BOS), plus `rollout.max_tokens` must fit
@@ -22,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megagrpo.config.data import ArithmeticConfig, DataConfig
 from megagrpo.config.model import ModelConfig
 from megagrpo.config.rollout import check_cpu_moe_width, check_head_dim
 from megagrpo.config.train import TrainConfig
@@ -67,11 +70,11 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> Preflight:
     model = model_config(cfg)
     cfg = dataclasses.replace(cfg, model=model)  # the layout is checked against the real model
     cfg.validate(world_size)
-    check_paths(cfg)
+    check_paths(cfg.data)
     from megagrpo.rewards import resolve_terms  # imports torch: after the config-only checks
 
     resolve_terms(cfg.reward)
-    task = load_task(cfg)
+    task = load_task(cfg.data, cfg.arithmetic)
     check_model(cfg, model, task.tokenizer)
     train, dropped_train, long_train = fit_prompts(
         task.train, task.tokenizer, cfg, ("rollout.max_tokens", cfg.rollout.max_tokens), "training")
@@ -124,10 +127,9 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
     return cfg.model
 
 
-def check_paths(cfg: TrainConfig) -> None:
+def check_paths(data: DataConfig) -> None:
     """The data files and a local tokenizer exist (cheap: before anything is imported or read).
     A tokenizer that is neither a .model file nor a local path may be a hub name."""
-    data = cfg.data
     names = ("path", "eval_path") if data.task == "file" else ()
     for name in names:
         value = getattr(data, name)
@@ -140,13 +142,12 @@ def check_paths(cfg: TrainConfig) -> None:
                          ".model file or an HF tokenizer folder)")
 
 
-def load_task(cfg: TrainConfig) -> Task:
+def load_task(data: DataConfig, arith: ArithmeticConfig) -> Task:
     """The tokenizer and the prompts, with file and field errors naming the data.* setting."""
     from megagrpo.tasks import build_task
 
-    data = cfg.data
     try:
-        return build_task(data, cfg.arithmetic)
+        return build_task(data, arith)
     except KeyError as e:  # a missing record field: get_field's message names it
         raise ValueError(f"data.prompt_field / data.answer_field: {e.args[0]}") from None
     except (OSError, ImportError) as e:

@@ -287,7 +287,8 @@ class RewardFn:
     """Weighted sum of reward terms built from a `RewardConfig`."""
 
     def __init__(self, cfg: RewardConfig) -> None:
-        cfg.validate()
+        """`cfg` is checked already (`RewardConfig.validate`, in the preflight); the terms are
+        resolved here (unknown names and keyword arguments raise, as in the preflight)."""
         self.cfg = cfg
         self.fns = resolve_terms(cfg)  # fail fast on bad names and keyword arguments
         self.labels = _unique_labels([t.name for t in cfg.terms])

@@ -17,9 +17,22 @@ import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
 
-from megagrpo.checkpoint import CheckpointManager, load_model, restore_rng
+from megagrpo.checkpoint import (
+    CheckpointManager,
+    ModelState,
+    OptimizerState,
+    Part,
+    PerRank,
+    RankRng,
+    Replicated,
+    layout_of,
+    load_model,
+    restore_rng,
+)
 from megagrpo.cold_start import cold_start
 from megagrpo.config.layout import RolloutLayout
+from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.section import freeze
 from megagrpo.config.train import TrainConfig
 from megagrpo.console import PREFLIGHT_SHOWN_ENV, attach_log_file, summary_table, what_runs
 from megagrpo.data import PromptLoader
@@ -41,16 +54,21 @@ from megagrpo.watchdog import Watchdog, start_watchdog
 log = logging.getLogger("megagrpo")
 
 
-def setup(cfg: TrainConfig, checked: Preflight | None = None) -> Trainer:
+def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = False
+          ) -> Trainer:
     """Validates everything (unless the launcher's `checked` preflight, in this very process,
-    already did), then starts distributed, models, optimizer, engine and data."""
+    already did), then starts distributed, models, optimizer, engine and data. `frozen`: the
+    config refuses changes from then on (`train`; tests and benchmarks that adjust settings
+    between steps leave it off). The architecture is the preflight's (run.init's checkpoint's
+    when it has one), passed on as `Trainer.model_cfg`; cfg.model stays as the recipe gave it."""
     rank, world, _ = torchrun_env()
     # the launcher ran these checks too; here they also cover a plain `torchrun` start, and
     # the run is built from what they loaded (prompts, tokenizer, architecture)
     fresh = checked is None
     checked = preflight(cfg, world) if fresh else checked
+    if frozen:
+        freeze(cfg)
     task, model_cfg = checked.task, checked.model
-    cfg.model = model_cfg
     if rank == 0 and fresh and not os.environ.get(PREFLIGHT_SHOWN_ENV):
         log.info("%s", checked.summary())
     torch.manual_seed(cfg.run.seed)
@@ -64,7 +82,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None) -> Trainer:
                                                attention_impl_name(cfg.parallel), packed),
                  log_file)
     gpt = build_model(model_cfg, cfg.parallel, seed=cfg.run.seed)
-    _load_init(gpt, cfg, info)
+    _load_init(gpt, cfg.run.init, model_cfg, cfg.parallel, info)
     policy = wrap_ddp(gpt, cfg.optim)
     optimizer = build_optimizer(policy, cfg.optim)
     reference = (Reference(policy, model_cfg, cfg.parallel, cfg.reference, seed=cfg.run.seed)
@@ -76,7 +94,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None) -> Trainer:
         if cfg.run.async_rollout:
             log.info("%s", async_note(cfg))
     tok = task.tokenizer
-    engine = _start_engine(cfg, tok, layout)
+    engine = _start_engine(cfg, model_cfg, tok, layout)
     # vLLM reseeds the global RNG: put megatron's tracker and torch's back on the run's seed
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed + rank)
@@ -103,35 +121,54 @@ def async_note(cfg: TrainConfig) -> str:
             f"that trains on it; that staleness is {how}")
 
 
-def _load_init(gpt, cfg: TrainConfig, info) -> None:
-    init = cfg.run.init
+def _load_init(gpt, init: str, model: ModelConfig, parallel: ParallelConfig, info) -> None:
+    """run.init's weights into this rank's shards (an HF or a megagrpo checkpoint)."""
     if init == "random":
         return
     if (Path(init) / "config.json").exists():
-        load_hf_weights(gpt, init, cfg.model, cfg.parallel, tp_rank=info.tp_rank,
-                        pp_rank=info.pp_rank)
+        load_hf_weights(gpt, init, model, parallel, tp_rank=info.tp_rank, pp_rank=info.pp_rank)
     else:
         load_model(gpt, init)
 
 
-def _start_engine(cfg: TrainConfig, tokenizer, layout: RolloutLayout) -> VLLMEngine:
-    """vLLM in this process, on an HF config written for this rank (weights come from the
-    policy by `sync_weights`, not from disk). The ranks of one engine share its seed: they
-    must sample the same tokens."""
+def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
+                  layout: RolloutLayout) -> VLLMEngine:
+    """vLLM in this process, on an HF config of `model` written for this rank (weights come
+    from the policy by `sync_weights`, not from disk). The ranks of one engine share its seed:
+    they must sample the same tokens."""
     d = Path(cfg.run.out_dir) / "engine" / f"rank{layout.rank}"
     d.mkdir(parents=True, exist_ok=True)
-    hf = hf_config_dict(cfg.model)
+    hf = hf_config_dict(model)
     hf.update(eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id,
               pad_token_id=tokenizer.pad_id)
     (d / "config.json").write_text(json.dumps(hf, indent=1))
     r = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + layout.engine,
-                            dtype=cfg.model.dtype)
-    return VLLMEngine(r, d, dtype=cfg.model.dtype, capture_routing=cfg.algo.routing_replay)
+                            dtype=model.dtype)
+    return VLLMEngine(r, d, dtype=model.dtype, capture_routing=cfg.algo.routing_replay)
 
 
-def checkpoints(cfg: TrainConfig, watchdog: Watchdog | None = None) -> CheckpointManager:
-    """The run's checkpoint manager (run.out_dir, checkpoint.keep_last)."""
-    return CheckpointManager(cfg.run.out_dir, cfg.checkpoint.keep_last, watchdog)
+def checkpoint_states(tr: Trainer) -> dict[str, Part]:
+    """What a checkpoint of the run holds, by its name on disk, in the order it is written and
+    read (the policy before the optimizer, whose load needs the weights)."""
+    states: dict[str, Part] = {
+        "policy": ModelState(tr.policy, tr.model_cfg, tokenizer=tr.tokenizer)}
+    if tr.reference is not None:
+        states["reference"] = ModelState(tr.reference.model, tr.model_cfg, if_missing="")
+    states["optimizer"] = OptimizerState(tr)  # the cold start replaces tr.optimizer
+    states["rng"] = PerRank(RankRng(tr.engine), what="the per-rank random streams")
+    states["rollout"] = PerRank(tr.rollouts, what="the async batch drawn for the next step",
+                                restore=tr.cfg.run.async_rollout)
+    states["train_state"] = Replicated(tr)
+    return states
+
+
+def checkpoints(tr: Trainer, watchdog: Watchdog | None = None) -> CheckpointManager:
+    """The run's checkpoint manager over `checkpoint_states(tr)` (run.out_dir,
+    checkpoint.keep_last; per-rank parts restored at this layout only)."""
+    cfg = tr.cfg
+    layout = layout_of(cfg.parallel, tr.ranks.dp, cfg.rollout.tensor_parallel_size)
+    return CheckpointManager(cfg.run.out_dir, cfg.checkpoint.keep_last, checkpoint_states(tr),
+                             layout=layout, watchdog=watchdog)
 
 
 # ---------------------------------------------------------------------- the run
@@ -150,21 +187,22 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
     t0 = time.perf_counter()
     follow_parent()  # under torchrun: a killed agent takes this rank down with it
     said = check_out_dir(cfg.run)  # an earlier run in out_dir: refused, resumed or cleared
-    tr = setup(cfg, checked)
+    tr = setup(cfg, checked, frozen=True)
     if said and tr.ranks.rank == 0:
         log.warning("%s", said)
     tr.watchdog = watchdog
-    ckpts = checkpoints(cfg, watchdog)
+    ckpts = checkpoints(tr, watchdog)
+    resolved = dataclasses.replace(cfg, model=tr.model_cfg)  # the architecture that runs
     logger = MetricsLogger(cfg.run.out_dir, enabled=tr.ranks.rank == 0,
                            tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
-                           config=dataclasses.asdict(cfg), progress=cfg.log.progress,
+                           config=dataclasses.asdict(resolved), progress=cfg.log.progress,
                            total_steps=cfg.run.steps)
     ckpt = ckpts.latest() if cfg.run.resume else None
-    rng = ckpts.load(tr, ckpt) if ckpt is not None else None
+    restored = ckpts.load(ckpt) if ckpt is not None else {}  # per-rank states put back
     tr.sync_weights()
     summary = _evaluate_before(tr, logger, resumed=ckpt is not None)
-    if rng is not None:  # the streams as they were when the checkpoint was written
-        restore_rng(rng, tr.engine)
+    if "rng" in restored:  # the streams as they were when the checkpoint was written
+        restore_rng(restored["rng"], tr.engine)
     syncs_before = tr.reference.state.syncs if tr.reference else 0
     while tr.step_idx < cfg.run.steps:
         try:
@@ -178,10 +216,10 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
             m["eval_accuracy"] = tr.evaluate(tr.task.eval)
         logger.log(m)
         if cfg.checkpoint.every and tr.step_idx % cfg.checkpoint.every == 0:
-            ckpts.save(tr)
+            ckpts.save(tr.step_idx)
     if cfg.checkpoint.at_end and (not cfg.checkpoint.every
                                   or tr.step_idx % cfg.checkpoint.every):
-        ckpts.save(tr)
+        ckpts.save(tr.step_idx)
     tr.rollouts.join()
     if tr.task.eval:
         summary["eval_accuracy_after"] = tr.evaluate(tr.task.eval)
@@ -210,7 +248,9 @@ def _evaluate_before(tr: Trainer, logger: MetricsLogger, resumed: bool) -> dict:
         if evals:
             summary["eval_accuracy_init"] = tr.evaluate(evals)
         if cfg.cold_start.steps and cfg.data.task == "arithmetic":
-            summary.update(cold_start(tr, logger))
+            summary.update(cold_start(tr, logger, cfg.cold_start, cfg.arithmetic,
+                                      held_out=evals, seed=cfg.run.seed,
+                                      progress=cfg.log.progress and tr.ranks.rank == 0))
     if evals:
         # greedy and the same weights unless a cold start ran: no second pass over the eval set
         fresh = resumed or "sft_steps" in summary
@@ -226,7 +266,7 @@ def stop_on_bad_steps(tr: Trainer, ckpts: CheckpointManager, err: BadStepsError)
     the last good step's, as bad steps apply no update), closes the engine and exits non-zero
     on every rank with the reason."""
     tr.rollouts.join()
-    where = ckpts.save(tr)
+    where = ckpts.save(tr.step_idx)
     if tr.ranks.rank == 0:
         log.error("stopping: %s; checkpoint saved to %s", err, where)
     dist.barrier(group=tr.groups.world)

@@ -8,8 +8,9 @@ Each stage returns a small typed result; control flow reads those (agreement acr
 explicit all-reduce), and the log record is built once, at the end. The stages live in their
 own modules: rollouts and evaluation (`megagrpo.rollout`), batch building and advantages
 (`megagrpo.advantage`), the forward/backward passes (`megagrpo.passes`), the reference
-(`megagrpo.reference`), the cold start (`megagrpo.cold_start`), checkpoints
-(`megagrpo.checkpoint`, over `Trainer.state_dict`).
+(`megagrpo.reference`), the cold start (`megagrpo.cold_start`, over `sft_step`), checkpoints
+(`megagrpo.checkpoint`: a manager over the run's Stateful parts, of which this trainer's
+`state_dict` is the replicated one, `train_state`).
 
 Nothing wrong is trained on silently: minibatches without a loss token are skipped, and so is
 the update of a step with non-finite / absurd rewards or a non-finite gradient norm;
@@ -28,15 +29,19 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.advantage import advantages, build_batch, kl_penalized_rewards, rollout_is
-from megagrpo.batch import Batch, MicroBatch
+from megagrpo.batch import Batch, MicroBatch, sft_batch
+from megagrpo.config.algo import AlgoConfig
+from megagrpo.config.run import ComputeConfig
 from megagrpo.config.train import TrainConfig
+from megagrpo.data import encode_prompt
 from megagrpo.distributed import Groups, Ranks, any_rank
-from megagrpo.losses import grpo_loss
+from megagrpo.losses import grpo_loss, sft_loss
 from megagrpo.metrics import PhaseTimer
 from megagrpo.model import sequence_packing, unwrap
 from megagrpo.moe import RoutingMonitor, enable_replay, tracked_losses
-from megagrpo.optim import lr_at, optimizer_step, set_lr, zero_grad
+from megagrpo.optim import build_optimizer, lr_at, optimizer_step, set_lr, zero_grad
 from megagrpo.passes import Passes
+from megagrpo.reference import sync_reference
 from megagrpo.reshard import ReshardStats, iter_hf_weights, iter_vllm_slices
 from megagrpo.rollout import Rollout, RolloutCollector
 
@@ -312,8 +317,8 @@ class Trainer:
             out.old_logp = self.passes.logprobs(self.policy, batch, rows)
         if self.reference is None:
             return out
-        out.reference_reused = (rows is None and need_old
-                                and self.cfg.compute.reuse_equal_reference
+        out.reference_reused = (may_reuse_reference(self.cfg.compute, a, all_rows=rows is None,
+                                                    old_scored=need_old)
                                 and self.reference.equals(unwrap(self.policy),
                                                           group=self.groups.world))
         if out.reference_reused:
@@ -444,21 +449,84 @@ class Trainer:
             self.watchdog.set_phase("eval", self.step_idx)
         return self.rollouts.evaluate(examples)
 
+    # ------------------------------------------------------------------ cold start
+    def sft_step(self, pairs: list[tuple[str, str]], lr: float) -> float:
+        """One supervised step (the cold start's) on this rank's (prompt, completion) pairs:
+        NLL of the completion tokens and EOS, at temperature 1. Returns the global NLL per
+        completion token (the same on every rank)."""
+        P, tok = self.passes, self.tokenizer
+        prompts = [encode_prompt(tok, p) for p, _ in pairs]
+        comps = [tok.encode(x) + [self.tokens.eos_id] for _, x in pairs]
+        m = min(self.cfg.compute.micro_batch_size, len(pairs))
+        batch = sft_batch(prompts, comps, pad_id=self.tokens.pad_id, multiple=m)
+        plan = P.plan(batch, m)
+        ctx = P.loss_context(scale=len(plan) * self.ranks.dp, counts=P.counts(batch, len(plan)),
+                             inplace_backward=self.cfg.compute.inplace_backward)
+        ctx.temperature = 1.0
+        set_lr(self.optimizer, lr)
+        zero_grad(self.policy, self.optimizer)
+        out = P.run(self.policy, partial(sft_loss, ctx), plan, batch.ids.shape[1], m)
+        optimizer_step(self.policy, self.optimizer)
+        mine = self.ranks.tp_rank == 0
+        v = torch.tensor([sum(float(o["nll_sum"]) for o in out) if mine else 0.0,
+                          sum(float(o["tokens"]) for o in out) if mine else 0.0],
+                         dtype=torch.float64)
+        dist.all_reduce(v, group=self.groups.world)
+        return float(v[0] / max(v[1], 1))
+
+    def restart_optimizer(self) -> None:
+        """A fresh optimizer over the policy (no Adam moments, LR schedule at its start)."""
+        self.optimizer = build_optimizer(self.policy, self.cfg.optim)
+
+    def reset_reference(self) -> None:
+        """The reference becomes an exact copy of the policy (its schedule is untouched)."""
+        if self.reference is not None:
+            sync_reference(self.reference.model, self.policy, 1.0)
+
+    def phase(self, name: str) -> None:
+        """Names what runs now for the stall watchdog."""
+        if self.watchdog is not None:
+            self.watchdog.set_phase(name, self.step_idx)
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """The loop's position: counters, the data loader, the reference schedule (JSON-able;
-        the weights, optimizer and RNG streams are saved by `megagrpo.checkpoint`)."""
+        """The loop's position (JSON-able, the same on every rank): counters, the data loader,
+        where it stood before the async batch drawn ahead, the reference schedule. The
+        checkpoint's `train_state` part; the weights, optimizer, RNG streams and the async
+        batch itself are parts of their own (`megagrpo.run.checkpoint_states`)."""
         return {"step": self.step_idx, "version": self.version, "opt_steps": self.opt_steps,
                 "bad_steps": self.bad_steps, "loader": self.rollouts.loader.state_dict(),
+                "pending_loader": self.rollouts.pending_loader_state(),
                 "reference": self.reference.state_dict() if self.reference else None}
 
     def load_state_dict(self, state: dict) -> None:
-        self.rollouts.loader.load_state_dict(state["loader"])
-        if self.reference is not None and state.get("reference") is not None:
+        """The counters, the schedule and the data position. Call after the async batch's own
+        part was (or was not) restored: a batch drawn ahead that was not (another layout, or
+        run.async_rollout off now) is drawn again from the same prompts."""
+        loader = self.rollouts.loader
+        loader.load_state_dict(state["loader"])
+        if self.reference is not None and state["reference"] is not None:
             self.reference.load_state_dict(state["reference"])
         self.step_idx, self.version, self.opt_steps = (state["step"], state["version"],
                                                        state["opt_steps"])
-        self.bad_steps = state.get("bad_steps", 0)
+        self.bad_steps = state["bad_steps"]
+        redraw = state.get("pending_loader") is not None and self.rollouts.pending is None
+        if redraw:  # the loader goes back to where it stood before that batch
+            loader.load_state_dict(state["pending_loader"])
+            if self.ranks.rank == 0:
+                log.info("resume: the async batch drawn for step %d is drawn again (it was not "
+                         "restored: another layout, or run.async_rollout is off now)",
+                         self.step_idx + 1)
+
+
+def may_reuse_reference(compute: ComputeConfig, algo: AlgoConfig, *, all_rows: bool,
+                        old_scored: bool) -> bool:
+    """Whether the reference pass may be taken from the old log-probs when the reference equals
+    the policy (compute.reuse_equal_reference): every row scored with old log-probs, and not
+    under routing replay, where the policy's scoring routes by vLLM's experts while the
+    reference routes by itself (their log-probs differ even with equal weights)."""
+    return (compute.reuse_equal_reference and all_rows and old_scored
+            and not algo.routing_replay)
 
 
 def _logp_gap(reports: list[dict], plan: list[MicroBatch]) -> tuple[float, float]:
@@ -471,4 +539,5 @@ def _logp_gap(reports: list[dict], plan: list[MicroBatch]) -> tuple[float, float
     return tokens, gap
 
 
-__all__ = ["BadStepsError", "ScoreResult", "TokenIds", "Trainer", "UpdateResult"]
+__all__ = ["BadStepsError", "ScoreResult", "TokenIds", "Trainer", "UpdateResult",
+           "may_reuse_reference"]

@@ -110,7 +110,7 @@ def trainer_checks(work: Path, hf: str):
     res["num_params"] = len(before)
     res["metrics"] = {k: v for k, v in m.items() if isinstance(v, (int, float))}
     res["eos_id"] = tr.tokens.eos_id
-    checkpoints(tr.cfg).save(tr)
+    checkpoints(tr).save(tr.step_idx)
     return tr, res
 
 

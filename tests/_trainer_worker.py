@@ -138,7 +138,7 @@ def main():
         res["post_sync_equal"] = bool(torch.equal(lp2[0], lp2[1]))
         res["post_sync_valid_tokens"] = int(batch.mask.sum())
 
-    checkpoints(tr.cfg).save(tr)  # step 2, reference just synced
+    checkpoints(tr).save(tr.step_idx)  # step 2, reference just synced
     saved = local_params(tr.policy)
     tr.step()  # step 3: policy moves on
     # alpha mixing: ref <- a * policy + (1 - a) * ref, against float64 math
@@ -154,7 +154,7 @@ def main():
         for p in tr.policy.parameters():
             p.add_(1.0)
     tr.reference.state, tr.step_idx = ReferenceState(), 99
-    checkpoints(tr.cfg).load(tr, tr_ckpt(args.work))
+    checkpoints(tr).load(tr_ckpt(args.work))
     restored = local_params(tr.policy)
     res["fused_adam_after_resume"] = fused_flags()
     res["resume_policy_equal"] = all(torch.equal(saved[n], restored[n]) for n in saved)
@@ -347,7 +347,7 @@ def stop_check(tr, err, work):
     from megagrpo.run import checkpoints, stop_on_bad_steps
 
     try:
-        stop_on_bad_steps(tr, checkpoints(tr.cfg), err)
+        stop_on_bad_steps(tr, checkpoints(tr), err)
         msg = "no SystemExit"
     except SystemExit as e:
         msg = str(e.code)

@@ -111,13 +111,12 @@ def test_cold_start_stops_at_the_target_accuracy(monkeypatch):
 
     calls, accuracies = [], iter([0.1, 0.25, 0.31, 0.9])
 
-    def steps(tr, pairs, n, *, start=0, total=None):
+    def steps(tr, pairs, n, *, start=0, total=None, **settings):
         calls.append((start, n, total))
         tr.events.append("sft")
         return [1.0] * n
 
     monkeypatch.setattr(cs, "supervised_steps", steps)
-    monkeypatch.setattr(cs, "build_optimizer", lambda policy, cfg: "fresh optimizer")
 
     def trainer(**cold):
         cfg = TrainConfig()
@@ -129,17 +128,23 @@ def test_cold_start_stops_at_the_target_accuracy(monkeypatch):
                              events=[])
         tr.sync_weights = lambda: tr.events.append("sync")
         tr.evaluate = lambda ex: tr.events.append("eval") or next(accuracies)
+        tr.restart_optimizer = lambda: setattr(tr, "optimizer", "fresh optimizer")
+        tr.reset_reference = lambda: None
         return tr
+
+    def run(tr):
+        return cs.cold_start(tr, logger, tr.cfg.cold_start, tr.cfg.arithmetic,
+                             held_out=tr.task.eval, seed=0, progress=False)
 
     logger = SimpleNamespace(log=lambda rec: None)
     tr = trainer(steps=500, target_accuracy=0.3, check_every=50)
-    out = cs.cold_start(tr, logger)
+    out = run(tr)
     assert calls == [(0, 50, 500), (50, 50, 500), (100, 50, 500)]
     assert out["sft_steps"] == 150 and out["sft_eval_accuracy"] == 0.31
     assert tr.events == ["sft", "sync", "eval"] * 3 + ["sync"]  # then the GRPO start's sync
     assert tr.optimizer == "fresh optimizer"
     calls.clear()
     tr = trainer(steps=120, target_accuracy=0.0)
-    out = cs.cold_start(tr, logger)
+    out = run(tr)
     assert calls == [(0, 120, 120)] and out["sft_steps"] == 120
     assert "sft_eval_accuracy" not in out and tr.events == ["sft", "sync"]

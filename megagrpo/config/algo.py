@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megagrpo.config.section import Section
+
 STD_MODES = ("group", "batch", "none")
 LOSS_AGGS = ("grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo")
 KL_ESTIMATORS = ("k1", "k2", "k3", "k3_is")
@@ -12,7 +14,7 @@ ROLLOUT_IS_MODES = ("none", "truncate", "token_mask", "seq_mask")
 
 
 @dataclass(kw_only=True)
-class AlgoConfig:
+class AlgoConfig(Section):
     """Iterative GRPO (DeepSeekMath Algorithm 1) plus the common DAPO / Dr. GRPO variants."""
 
     group_size: int = 8

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megagrpo.config.section import Section
+
 DATA_FORMATS = ("auto", "jsonl", "parquet", "datasets")
 TASKS = ("arithmetic", "file")
 REWARD_ISOLATION = ("thread", "process", "none")
@@ -10,7 +12,7 @@ OVERLONG_PROMPTS = ("error", "drop")
 
 
 @dataclass(kw_only=True)
-class DataConfig:
+class DataConfig(Section):
     """Where prompts come from, how they are templated and tokenised, and how they are batched."""
 
     task: str = "arithmetic"
@@ -68,7 +70,7 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
-class ArithmeticConfig:
+class ArithmeticConfig(Section):
     """The built-in synthetic task: 'a+b=' prompts, the completion is the number and EOS."""
 
     digits: int = 2
@@ -113,7 +115,7 @@ class ArithmeticConfig:
 
 
 @dataclass(kw_only=True)
-class RewardTermConfig:
+class RewardTermConfig(Section):
     """One reward function and its weight in the sum."""
 
     name: str
@@ -132,7 +134,7 @@ class RewardTermConfig:
 
 
 @dataclass(kw_only=True)
-class RewardConfig:
+class RewardConfig(Section):
     """Rule-based rewards: a weighted sum of terms, each call under a deadline."""
 
     terms: list[RewardTermConfig] = field(

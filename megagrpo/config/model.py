@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megagrpo.config.section import Section
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
 QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe")
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe")
@@ -18,7 +20,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
+class ModelConfig(Section):
     """A dense Llama/Qwen-style decoder: RMSNorm, SwiGLU, RoPE, GQA."""
 
     architecture: str = "llama"
@@ -181,7 +183,7 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
-class ParallelConfig:
+class ParallelConfig(Section):
     """How the policy (and the reference, which shares the layout) is sharded."""
 
     tp: int = 1

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megagrpo.config.section import Section
+
 
 @dataclass(kw_only=True)
-class OptimConfig:
+class OptimConfig(Section):
     """Optimizer and learning-rate schedule."""
 
     lr: float = 1e-5

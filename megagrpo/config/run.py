@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megagrpo.config.section import Section
+
 
 @dataclass(kw_only=True)
-class RunConfig:
+class RunConfig(Section):
     """The loop: how long, from what, where to, and when to stop on bad steps."""
 
     steps: int = 20
@@ -38,7 +40,7 @@ class RunConfig:
 
 
 @dataclass(kw_only=True)
-class ComputeConfig:
+class ComputeConfig(Section):
     """How a step's forward and backward passes are laid out: micro-batches and the levers
     that change speed and memory, never the result (each is tested against the plain layout)."""
 
@@ -61,7 +63,9 @@ class ComputeConfig:
     reuse_equal_reference: bool = True
     """When the reference's weights are bitwise the policy's at scoring time (a reset with
     reference.alpha = 1 and no update since) and the policy's old log-probs are scored anyway,
-    take the reference log-probs from them instead of running the reference's forward pass."""
+    take the reference log-probs from them instead of running the reference's forward pass.
+    Never under algo.routing_replay: the policy's scoring routes by vLLM's experts, the
+    reference by itself."""
     pack_sequences: bool | None = None
     """Lay each micro-batch's sequences end to end (megatron's `thd` layout) so the dense layers
     process no padding; the micro-batch is then cut by its summed tokens
@@ -93,7 +97,7 @@ class ComputeConfig:
 
 
 @dataclass(kw_only=True)
-class CheckpointConfig:
+class CheckpointConfig(Section):
     """When checkpoints are written and how many are kept (resume: run.resume)."""
 
     every: int = 0
@@ -111,7 +115,7 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
-class EvalConfig:
+class EvalConfig(Section):
     """Greedy held-out accuracy on the task's evaluation examples."""
 
     every: int = 0
@@ -127,7 +131,7 @@ class EvalConfig:
 
 
 @dataclass(kw_only=True)
-class ColdStartConfig:
+class ColdStartConfig(Section):
     """Supervised fine-tuning before GRPO (built-in task only), as DeepSeek-R1's cold start."""
 
     steps: int = 0
@@ -159,7 +163,7 @@ class ColdStartConfig:
 
 
 @dataclass(kw_only=True)
-class LogConfig:
+class LogConfig(Section):
     """Where metrics go besides out_dir/metrics.jsonl."""
 
     tensorboard: bool = True
@@ -171,7 +175,7 @@ class LogConfig:
 
 
 @dataclass(kw_only=True)
-class WatchdogConfig:
+class WatchdogConfig(Section):
     """The stall watchdog: a frozen rank or a phase that never ends stops the run, named."""
 
     stall_timeout_s: float = 1800.0

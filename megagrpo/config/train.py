@@ -24,10 +24,11 @@ from megagrpo.config.run import (
     WatchdogConfig,
 )
 from megagrpo.config.schema import build_dataclass, check_instance
+from megagrpo.config.section import Section
 
 
 @dataclass(kw_only=True)
-class ReferenceConfig:
+class ReferenceConfig(Section):
     """The KL reference and its iterative re-initialisation (DeepSeekMath Alg. 1, outer loop)."""
 
     sync_every_steps: int = 0
@@ -56,7 +57,7 @@ class ReferenceConfig:
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
+class TrainConfig(Section):
     """Everything a run needs."""
 
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -27,11 +27,10 @@ class Task:
 
 
 def build_task(data: DataConfig, arith: ArithmeticConfig | None = None) -> Task:
-    """The configured task: the built-in arithmetic one, or prompts read from files."""
-    data.validate()
+    """The configured task: the built-in arithmetic one, or prompts read from files. The
+    sections are checked already (`TrainConfig.validate`, in the preflight)."""
     if data.task == "arithmetic":
         arith = arith or ArithmeticConfig()
-        arith.validate()
         tokenizer = load_tokenizer(data.tokenizer) if data.tokenizer else (
             arithmetic.build_tokenizer(arith.tokenizer_dir))
         return Task(train=arithmetic.train_examples(arith), eval=arithmetic.eval_examples(arith),
