@@ -33,14 +33,12 @@ import errno
 import json
 import logging
 import os
-import random
 import shutil
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
@@ -48,10 +46,12 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megagrpo.config.model import ModelConfig
+from megagrpo.cpu_compat import megatron_scope
 from megagrpo.export import save_tokenizer
 from megagrpo.metrics import history_size, rewind_history
 from megagrpo.model import unwrap
 from megagrpo.optim import use_fused_adam
+from megagrpo.rng import RankRng
 from megagrpo.run_dir import (
     MANIFEST,
     MODEL_JSON,
@@ -81,6 +81,7 @@ def _barrier() -> None:
         dist.barrier(group=dist.group.WORLD)
 
 
+@megatron_scope()
 def save_model(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike, model: ModelConfig,
                *, extra: dict | None = None) -> None:
     """Collective: every rank saves its shards of `gpt` into `ckpt_dir` (atomically)."""
@@ -114,6 +115,7 @@ def read_model_config(ckpt_dir: str | os.PathLike) -> tuple[ModelConfig, dict]:
     return ModelConfig(**meta.pop("model")), meta
 
 
+@megatron_scope()
 def load_model(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike) -> None:
     """Collective: loads a checkpoint saved at any TP/PP into this rank's shards of `gpt`."""
     from megatron.core import dist_checkpointing
@@ -138,6 +140,7 @@ def _optimizer_sharded(gpt: torch.nn.Module, optimizer, *, is_loading: bool) -> 
                                         metadata=dict(OPTIMIZER_FORMAT))
 
 
+@megatron_scope()
 def save_optimizer(gpt: torch.nn.Module, optimizer, ckpt_dir: str | os.PathLike) -> None:
     """Collective: the optimizer state of `gpt` into `ckpt_dir` (atomically), reshardable."""
     from megatron.core import dist_checkpointing
@@ -151,6 +154,7 @@ def save_optimizer(gpt: torch.nn.Module, optimizer, ckpt_dir: str | os.PathLike)
     on_every_rank(lambda: _swap_in(tmp, final) if _rank() == 0 else None, tmp)
 
 
+@megatron_scope()
 def load_optimizer(gpt: torch.nn.Module, optimizer, ckpt_dir: str | os.PathLike) -> None:
     """Collective: loads optimizer state saved at any layout into this rank's optimizer.
     `gpt` must already hold the checkpoint's weights (the distributed optimizer's fp32 master
@@ -342,53 +346,6 @@ def load_tree(path: str | os.PathLike):
     return _decode(json.loads(meta[_TREE_KEY]), tensors)
 
 
-# ---------------------------------------------------------------------- RNG streams
-def capture_rng(engine=None) -> dict:
-    """Every random stream of this rank: python, numpy, torch (CPU and CUDA), megatron's
-    model-parallel tracker, and the vLLM engine's sampler (`engine.rng_state()`)."""
-    from megatron.core import tensor_parallel
-
-    version, mt, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": (version, torch.tensor(mt, dtype=torch.int64), gauss),
-        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": dict(tensor_parallel.get_cuda_rng_tracker().get_states()),
-        "engine": engine.rng_state() if engine is not None else None,
-    }
-
-
-def restore_rng(state: dict, engine=None) -> None:
-    """Puts every stream `capture_rng` recorded back."""
-    from megatron.core import tensor_parallel
-
-    version, mt, gauss = state["python"]
-    random.setstate((version, tuple(int(x) for x in mt.tolist()), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["tracker"]))
-    if engine is not None and state["engine"] is not None:
-        engine.set_rng_state(state["engine"])
-
-
-class RankRng:
-    """This rank's random streams as a Stateful object (`capture_rng` / `restore_rng`)."""
-
-    def __init__(self, engine=None) -> None:
-        self.engine = engine
-
-    def state_dict(self) -> dict:
-        return capture_rng(self.engine)
-
-    def load_state_dict(self, state: dict) -> None:
-        restore_rng(state, self.engine)
-
-
 # ---------------------------------------------------------------------- the manager
 class CheckpointManager:
     """Saves, finds and loads the run's checkpoints in run.out_dir/checkpoints (every method is
@@ -472,10 +429,8 @@ class CheckpointManager:
 
     def load(self, tr: Trainer, ckpt: Path) -> dict | None:
         """Restores policy, reference, optimizer, trainer state (data position, schedule
-        counters) and every RNG stream from `ckpt`. Returns the RNG state (None when it could
-        not be restored): the caller puts it back once more right before the next step, after
-        the evaluation and the weight sync that come between. Reads no pickle except
-        dist-checkpoint metadata."""
+        counters) and every RNG stream from `ckpt`. Returns the RNG state it restored (None when
+        it could not be: another layout). Reads no pickle except dist-checkpoint metadata."""
         state = json.loads((ckpt / TRAINER_STATE).read_text())
         load_model(tr.policy, ckpt / "policy")
         if tr.reference is not None and (ckpt / "reference").exists():
