@@ -203,7 +203,7 @@ def shim_cost(tr, steps: int = 1, reps: int = 20000) -> dict:
     disabled, best of 5 x `reps`). {} when the shim is not on (a CUDA machine)."""
     import megagrpo.cpu_compat as cc
 
-    if "mode" not in cc._STATE:
+    if not cc.active():
         return {}
     cls, calls = cc._CudaToCpu, [0]
     orig = cls.__torch_function__
@@ -229,8 +229,9 @@ def shim_cost(tr, steps: int = 1, reps: int = 20000) -> dict:
                     for _ in range(reps):
                         torch.add(x, x)
             else:
-                for _ in range(reps):
-                    torch.add(x, x)
+                with cc.megatron_scope():  # the mode is on only inside megatron-core calls
+                    for _ in range(reps):
+                        torch.add(x, x)
             out.append((time.perf_counter() - t) / reps)
         return min(out)
 

@@ -36,7 +36,6 @@ import errno
 import json
 import logging
 import os
-import random
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -44,7 +43,6 @@ from functools import partial
 from pathlib import Path
 from typing import ClassVar, Protocol
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
@@ -52,6 +50,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.cpu_compat import megatron_scope
 from megagrpo.export import save_tokenizer
 from megagrpo.metrics import history_size, rewind_history
 from megagrpo.model import unwrap
@@ -205,6 +204,7 @@ def _load_distributed(inner, part: dict) -> None:
         inner.optimizer.state[p]["step"] = step.detach().clone()
 
 
+@megatron_scope()
 def save_sharded(part: Sharded, folder: str | os.PathLike) -> None:
     """Collective: every rank saves its shards of `part` into `folder` (atomically: a temp
     folder renamed into place once every rank has written)."""
@@ -219,6 +219,7 @@ def save_sharded(part: Sharded, folder: str | os.PathLike) -> None:
     on_every_rank(partial(_publish, part, tmp, final) if _rank() == 0 else _nothing, tmp)
 
 
+@megatron_scope()
 def load_sharded(part: Sharded, folder: str | os.PathLike) -> None:
     """Collective: loads a folder saved at any layout into this rank's shards of `part`."""
     from megatron.core import dist_checkpointing
@@ -412,53 +413,6 @@ def load_tree(path: str | os.PathLike):
             raise ValueError(f"{path} was not written by megagrpo's save_tree")
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     return _decode(json.loads(meta[_TREE_KEY]), tensors)
-
-
-# ---------------------------------------------------------------------- RNG streams
-def capture_rng(engine=None) -> dict:
-    """Every random stream of this rank: python, numpy, torch (CPU and CUDA), megatron's
-    model-parallel tracker, and the vLLM engine's sampler (`engine.rng_state()`)."""
-    from megatron.core import tensor_parallel
-
-    version, mt, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": (version, torch.tensor(mt, dtype=torch.int64), gauss),
-        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": dict(tensor_parallel.get_cuda_rng_tracker().get_states()),
-        "engine": engine.rng_state() if engine is not None else None,
-    }
-
-
-def restore_rng(state: dict, engine=None) -> None:
-    """Puts every stream `capture_rng` recorded back."""
-    from megatron.core import tensor_parallel
-
-    version, mt, gauss = state["python"]
-    random.setstate((version, tuple(int(x) for x in mt.tolist()), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["tracker"]))
-    if engine is not None and state["engine"] is not None:
-        engine.set_rng_state(state["engine"])
-
-
-class RankRng:
-    """This rank's random streams as a Stateful object (`capture_rng` / `restore_rng`)."""
-
-    def __init__(self, engine=None) -> None:
-        self.engine = engine
-
-    def state_dict(self) -> dict:
-        return capture_rng(self.engine)
-
-    def load_state_dict(self, state: dict) -> None:
-        restore_rng(state, self.engine)
 
 
 # ---------------------------------------------------------------------- the manager

@@ -1,5 +1,6 @@
-"""Runs megatron-core on machines without CUDA. Applied by `megagrpo.distributed` only when
-`torch.cuda.is_available()` is False; nothing else in megagrpo knows about it.
+"""Runs megatron-core on machines without CUDA. Installed by `megagrpo.distributed` only when
+`torch.cuda.is_available()` is False; the megagrpo functions that call megatron-core enter its
+scope (`megatron_scope`), which does nothing where CUDA is present.
 
 megatron-core hard-codes CUDA in places that are device-agnostic in spirit (see
 ../shared/FINDINGS.md). This module neutralises exactly these, and no more:
@@ -24,15 +25,23 @@ megatron-core hard-codes CUDA in places that are device-agnostic in spirit (see
    (``clip_grads.py`` asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``, the
    float16/distributed optimizers check similar strings).
 
-The mode is entered once per process and stays on; it costs a Python call per torch op, which
-on CPU is small next to the ops themselves.
+The mode of 1. is scoped: `megatron_scope()` (a context manager and decorator) enters it on the
+calling thread around the megagrpo functions that call megatron-core (parallel_state start-up,
+the model build, DDP, the optimizer, the forward/backward schedule, dist-checkpointing) and
+around every call of a megatron-core module (`MegatronModule.__call__`), and `unscoped` leaves
+it for megagrpo's own code that megatron calls back (the loss kernels). vLLM, the kernels, the
+weight feed and the async rollout thread run on plain torch: no Python call per op there, and
+a ``device="cuda"`` outside megatron fails on a CPU machine as it would without the shim. The
+patches of 2.-5. are plain function replacements and stay process-wide.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import torch
 from torch.overrides import TorchFunctionMode
-
-_STATE: dict[str, object] = {}
 
 
 def _is_cuda(device: object) -> bool:
@@ -139,15 +148,59 @@ def _manual_seed(seed: int) -> None:
     torch.default_generator.manual_seed(int(seed))
 
 
+def _empty_cache() -> None:
+    """torch.cuda.empty_cache: nothing is cached on the host."""
+
+
+def active() -> bool:
+    """Whether the shim is installed in this process (`apply` ran on a machine without CUDA)."""
+    return torch.cuda.empty_cache is _empty_cache
+
+
+def _entered() -> bool:
+    """Whether this thread runs inside a `megatron_scope` already."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    return any(isinstance(mode, _CudaToCpu) for mode in stack)
+
+
+@contextlib.contextmanager
+def megatron_scope() -> Iterator[None]:
+    """The block (or, as a decorator, the function) runs megatron-core code: with the shim
+    installed, the device mapping of 1. is on for it on this thread; otherwise (a CUDA machine,
+    or already inside a scope) this does nothing."""
+    if not active() or _entered():
+        yield
+        return
+    with _CudaToCpu():
+        yield
+
+
+def unscoped(fn: Callable[..., Any], *args, **kwargs) -> Any:
+    """`fn(*args, **kwargs)` with the scope's mode left while it runs: megagrpo code that
+    megatron-core calls back (the loss and its kernels, called by the schedule) runs on plain
+    torch. Only the innermost mode is left, and only when it is the shim's."""
+    if not isinstance(torch.overrides._get_current_function_mode(), _CudaToCpu):
+        return fn(*args, **kwargs)
+    with torch.overrides._pop_mode_temporarily():
+        return fn(*args, **kwargs)
+
+
+def _scoped_module_call(self, *args, **kwargs):
+    """`MegatronModule.__call__`: every megatron-core module (the model, its layers, DDP, a
+    DotProductAttention called on its own) runs its forward inside `megatron_scope`."""
+    with megatron_scope():
+        return torch.nn.Module.__call__(self, *args, **kwargs)
+
+
 def apply() -> bool:
-    """Installs the shim once per process. Returns True if it was (or already is) active."""
+    """Installs the shim once per process (the mode itself is entered by `megatron_scope`).
+    Returns True if it was (or already is) installed."""
     if torch.cuda.is_available():
         return False
-    if "mode" in _STATE:
+    if active():
         return True
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.empty_cache = lambda: None
     torch.cuda.get_rng_state = _get_rng_state
     torch.cuda.set_rng_state = _set_rng_state
     torch.cuda.manual_seed = _manual_seed
@@ -162,18 +215,13 @@ def apply() -> bool:
     mp_random._get_cuda_rng_state = _get_rng_state
     mp_random._set_cuda_rng_state = _set_rng_state
     from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     for module in (mappings, moe_utils, token_dispatcher):
         _backward_in_mode(module)
     moe_utils.maybe_move_tensor_to_cpu = _host_tensor
     token_dispatcher.maybe_move_tensor_to_cpu = _host_tensor
-
-    mode = _CudaToCpu()
-    mode.__enter__()
-    _STATE["mode"] = mode
+    MegatronModule.__call__ = _scoped_module_call
+    torch.cuda.empty_cache = _empty_cache  # last: `active()` reads it
     return True
-
-
-def active() -> bool:
-    return "mode" in _STATE

@@ -1,7 +1,8 @@
 """Process start-up: torchrun environment -> torch.distributed -> megatron parallel_state.
 
 The only module that decides devices. On a machine without CUDA it installs the megatron-core
-compatibility shim (`megagrpo.cpu_compat`) before megatron builds anything.
+compatibility shim (`megagrpo.cpu_compat`) before megatron builds anything; parallel_state
+starts inside the shim's scope.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megagrpo import cpu_compat, rng
 from megagrpo.config.model import ModelConfig, ParallelConfig
 
 log = logging.getLogger("megagrpo")
@@ -75,8 +77,6 @@ def init_distributed(
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:
-        from megagrpo import cpu_compat
-
         cpu_compat.apply()
         device = torch.device("cpu")
     # One timeout for every group: the default one here, megatron's below (its own default
@@ -85,17 +85,17 @@ def init_distributed(
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
-        # experts: EP groups inside the DP ranks, each expert split over the TP ranks
-        expert_model_parallel_size=parallel.ep, expert_tensor_parallel_size=parallel.tp,
-        distributed_timeout_minutes=parallel.collective_timeout_s / 60,  # timedelta(minutes=)
-    )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    with cpu_compat.megatron_scope():
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
+            # experts: EP groups inside the DP ranks, each expert split over the TP ranks
+            expert_model_parallel_size=parallel.ep, expert_tensor_parallel_size=parallel.tp,
+            distributed_timeout_minutes=parallel.collective_timeout_s / 60,  # timedelta(minutes=)
+        )
+    rng.seed_tracker(seed)
     info = DistInfo(
         rank=rank, world_size=world, local_rank=local,
         tp_rank=ps.get_tensor_model_parallel_rank(), tp=parallel.tp,

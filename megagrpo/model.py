@@ -13,8 +13,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from megagrpo import rng
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.train import packing_blocker
+from megagrpo.cpu_compat import megatron_scope
 
 log = logging.getLogger("megagrpo")
 
@@ -214,6 +216,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
     )
 
 
+@megatron_scope()
 def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 1234):
     """Returns this rank's `GPTModel` stage (its TP shard of its PP stage's layers).
 
@@ -223,13 +226,11 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 123
     `megagrpo.hf.load_hf_weights`.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
 
     if model.is_moe:
         _moe_without_transformer_engine()
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    torch.manual_seed(seed)
+    rng.seed_model_init(seed)
     config = transformer_config(model, parallel)
     gpt = GPTModel(
         config=config,

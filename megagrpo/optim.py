@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 import torch
 
 from megagrpo.config.optim import OptimConfig
+from megagrpo.cpu_compat import megatron_scope
 
 
 def lr_at(cfg: OptimConfig, step: int, total_steps: int) -> float:
@@ -30,6 +31,7 @@ def lr_at(cfg: OptimConfig, step: int, total_steps: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
 
 
+@megatron_scope()
 def wrap_ddp(gpt: torch.nn.Module, cfg: OptimConfig) -> torch.nn.Module:
     """megatron DDP around one model stage (grad buffers, DP reduce)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -41,6 +43,7 @@ def wrap_ddp(gpt: torch.nn.Module, cfg: OptimConfig) -> torch.nn.Module:
     return DistributedDataParallel(config=gpt.config, ddp_config=ddp_cfg, module=gpt)
 
 
+@megatron_scope()
 def build_optimizer(ddp_model: torch.nn.Module, cfg: OptimConfig):
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -91,6 +94,7 @@ def set_lr(optimizer, lr: float) -> None:
         g["lr"] = lr
 
 
+@megatron_scope()
 def forward_backward(
     ddp_model: torch.nn.Module,
     forward_step: Callable,
@@ -119,6 +123,7 @@ def forward_backward(
     )
 
 
+@megatron_scope()
 def optimizer_step(ddp_model: torch.nn.Module, optimizer) -> tuple[bool, float]:
     """Applies the accumulated grads unless their norm is not finite. Returns (applied,
     grad_norm).
@@ -138,6 +143,7 @@ def optimizer_step(ddp_model: torch.nn.Module, optimizer) -> tuple[bool, float]:
     return bool(ok), float(grad_norm) if grad_norm is not None else norm
 
 
+@megatron_scope()
 def zero_grad(ddp_model: torch.nn.Module, optimizer) -> None:
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()

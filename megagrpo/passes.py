@@ -13,7 +13,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megagrpo import algo
+from megagrpo import algo, cpu_compat
 from megagrpo.batch import Batch, MicroBatch, plan_micro_batches, unplan
 from megagrpo.config.train import TrainConfig
 from megagrpo.distributed import Groups, Ranks
@@ -124,7 +124,8 @@ class Passes:
             forward_only: bool = False) -> list:
         """megatron's schedule over the planned micro-batches; the last stage's reports."""
         c = self.cfg.compute
-        fwd = partial(self.forward, loss_fn=loss_fn,
+        # the schedule runs inside the CPU shim's scope; the loss and its kernels do not need it
+        fwd = partial(self.forward, loss_fn=partial(cpu_compat.unscoped, loss_fn),
                       at_loss_positions=c.logits_at_loss_positions,
                       fused_output=c.fused_output_layer)
         return forward_backward(model, fwd, plan, len(plan), seq_length=seq_length,

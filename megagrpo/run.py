@@ -3,31 +3,27 @@ loop, evaluation, checkpoints, summary. `train(cfg)` is what `python -m megagrpo
 every rank (this module imports megatron-core and vLLM: the launcher imports it only then)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
-import random
 import time
 from pathlib import Path
 from typing import NoReturn
 
-import numpy as np
-import torch
 import torch.distributed as dist
-from megatron.core import tensor_parallel
 
+from megagrpo import rng
 from megagrpo.checkpoint import (
     CheckpointManager,
     ModelState,
     OptimizerState,
     Part,
     PerRank,
-    RankRng,
     Replicated,
     layout_of,
     load_model,
-    restore_rng,
 )
 from megagrpo.cold_start import cold_start
 from megagrpo.config.layout import RolloutLayout
@@ -46,6 +42,7 @@ from megagrpo.preflight import Preflight, preflight
 from megagrpo.procs import follow_parent
 from megagrpo.reference import Reference
 from megagrpo.rewards import RewardFn
+from megagrpo.rng import RankRng
 from megagrpo.rollout import RolloutCollector
 from megagrpo.run_dir import check_out_dir
 from megagrpo.trainer import BadStepsError, TokenIds, Trainer
@@ -71,8 +68,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     task, model_cfg = checked.task, checked.model
     if rank == 0 and fresh and not os.environ.get(PREFLIGHT_SHOWN_ENV):
         log.info("%s", checked.summary())
-    torch.manual_seed(cfg.run.seed)
-    random.seed(cfg.run.seed)
+    rng.seed_process(cfg.run.seed)
     info = init_distributed(cfg.parallel, model_cfg, seed=cfg.run.seed)
     log_file = attach_log_file(cfg.run.out_dir, rank)  # out_dir is ready once all ranks met
     packed = sequence_packing(cfg.compute, cfg.parallel)
@@ -95,10 +91,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
             log.info("%s", async_note(cfg))
     tok = task.tokenizer
     engine = _start_engine(cfg, model_cfg, tok, layout)
-    # vLLM reseeds the global RNG: put megatron's tracker and torch's back on the run's seed
-    tensor_parallel.model_parallel_cuda_manual_seed(cfg.run.seed)
-    torch.manual_seed(cfg.run.seed + rank)
-    np.random.seed(cfg.run.seed + rank)  # megagrpo draws none; a run's streams all reproduce
+    rng.seed_rank(cfg.run.seed, rank)  # vLLM reseeded the global streams
     ranks, groups = training_layout(cfg.parallel, model_cfg, info)
     tokens = TokenIds(pad_id=tok.pad_id, eos_id=tok.eos_id, stop_ids=(tok.eos_id,))
     loader = PromptLoader(task.train, cfg.data.batch_size, info.dp_rank, info.dp,
@@ -198,11 +191,12 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
                            config=dataclasses.asdict(resolved), progress=cfg.log.progress,
                            total_steps=cfg.run.steps)
     ckpt = ckpts.latest() if cfg.run.resume else None
-    restored = ckpts.load(ckpt) if ckpt is not None else {}  # per-rank states put back
-    tr.sync_weights()
-    summary = _evaluate_before(tr, logger, resumed=ckpt is not None)
-    if "rng" in restored:  # the streams as they were when the checkpoint was written
-        restore_rng(restored["rng"], tr.engine)
+    restored = ckpts.load(ckpt) if ckpt is not None else None  # per-rank states put back
+    # a resumed run's weight sync and evaluation are work the run it continues never did: they
+    # leave the streams the checkpoint restored (once, by the manager) as they found them
+    with rng.kept(tr.engine) if restored is not None else contextlib.nullcontext():
+        tr.sync_weights()
+        summary = _evaluate_before(tr, logger, resumed=ckpt is not None)
     syncs_before = tr.reference.state.syncs if tr.reference else 0
     while tr.step_idx < cfg.run.steps:
         try:

@@ -14,8 +14,9 @@ import pytest
 import torch
 import vllm  # noqa: F401  (a CPU requirement: a broken install fails here, never skips)
 
+from megagrpo.algo import rollout_is_correction
 from megagrpo.config.rollout import RolloutConfig, check_head_dim
-from megagrpo.engine import SamplingSettings, VLLMEngine, expected_hf_params, logprob_gap
+from megagrpo.engine import SamplingSettings, VLLMEngine, expected_hf_params
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _rollout_model import build_tiny_llama, hf_greedy, hf_token_logprobs  # noqa: E402
@@ -89,6 +90,13 @@ def test_expected_params_tied(tiny):
     shapes, optional = expected_hf_params(cfg)
     assert optional == {"lm_head.weight"}
     assert shapes["model.embed_tokens.weight"] == (128, 128)
+
+
+def logprob_gap(vllm_logprobs, trainer_logprobs, mask) -> dict[str, float]:
+    """The trainer's sampler-vs-trainer gap metrics (`algo.rollout_is_correction`, mode none)."""
+    seq_ids = torch.arange(mask.shape[0])[:, None].expand_as(mask)
+    _, _, m = rollout_is_correction(trainer_logprobs, vllm_logprobs, mask, seq_ids, mode="none")
+    return {"mean_abs": m["rollout_logp_gap_mean"], "max_abs": m["rollout_logp_gap_max"]}
 
 
 def test_logprob_gap():

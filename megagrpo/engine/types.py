@@ -1,0 +1,83 @@
+"""What the trainer and the rollout stage exchange with a rollout engine: the per-call sampling
+knobs, one sampled completion, what a weight update moved, and the engine protocol itself."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from megagrpo.config.rollout import RolloutConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingSettings:
+    """Per-call sampling knobs (the engine-level seed lives in RolloutConfig)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a completion (e.g. the tokenizer's EOS when the engine has no
+    tokenizer of its own)."""
+
+    @classmethod
+    def from_config(cls, cfg: RolloutConfig, n: int = 1) -> SamplingSettings:
+        """The config's sampling knobs; `n` completions per prompt (the trainer passes
+        algo.group_size, the one setting for G)."""
+        return cls(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                   max_tokens=cfg.max_tokens, stop=tuple(cfg.stop), n=n)
+
+
+@dataclass(kw_only=True)
+class Completion:
+    """One sampled completion. `logprobs[i]` is the log-prob vLLM sampled `token_ids[i]` with."""
+
+    prompt_index: int
+    """Index of the prompt in the `generate` call."""
+    sample_index: int
+    """0..n-1 within the prompt's group."""
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    """'stop' (EOS or a stop string) or 'length' (hit max_tokens)."""
+    text: str = ""
+    correct: bool | None = None
+    """Set by the trainer's reward pass: the correctness term's verdict (None: not scored)."""
+    routes: torch.Tensor | None = None
+    """MoE with routing capture: [len(prompt) + len(token_ids), L_moe, k] int16, the experts
+    vLLM routed each position's token to in each MoE layer (-1 where it computed none: the
+    last token, which no forward reads)."""
+
+
+@dataclass(kw_only=True)
+class WeightSyncStats:
+    """What one `update_weights` moved and where the time went."""
+
+    tensors: int
+    bytes: int
+    seconds: float
+    """Wall time of the whole update (including pulling from the source iterator)."""
+    source_seconds: float
+    """Time spent inside the source iterator (gather / convert on the trainer side)."""
+    load_seconds: float
+    """seconds - source_seconds: vLLM's load, repack and prefix-cache reset."""
+
+
+class RolloutEngine(Protocol):
+    """What the trainer needs from a rollout backend."""
+
+    def generate(self, prompt_token_ids: list[list[int]],
+                 sampling: SamplingSettings | None = None, *,
+                 n: int | None = None) -> list[Completion]: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                       partial: bool = False) -> WeightSyncStats: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
