@@ -3,15 +3,12 @@ precision on CPU (bf16 policy and vLLM engine, fp32 main parameters in the optim
 rollout IS). Rank 0 writes WORK/results.json."""
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests._trainer_worker import local_params, make_config  # noqa: E402
+from tests._trainer_worker import local_params, make_config
 
 CAP = 1.0005  # low enough that bf16 rounding gaps (mean |log ratio| ~7e-4) reach it
 

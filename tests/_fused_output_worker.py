@@ -9,14 +9,11 @@ reports of both. Rank 0 writes WORK/results.json."""
 import argparse
 import json
 import os
-import sys
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 LAYOUTS = {  # tp, pp, tied, packed
     "tp2_pp2": (2, 2, False, False),

@@ -5,16 +5,13 @@ token-budget micro-batches, logits at loss positions only). Rank 0 writes WORK/r
 import argparse
 import copy
 import json
-import sys
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests._trainer_worker import make_config  # noqa: E402
+from tests._trainer_worker import make_config
 
 VARIANTS = {  # trim, logits at loss positions only, token budget, packed end to end
     "baseline": (False, False, 0, False),

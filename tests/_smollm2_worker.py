@@ -11,15 +11,12 @@ HF folder. One launch:
 import argparse
 import gc
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests._trainer_worker import local_params, megatron_greedy, vllm_greedy  # noqa: E402
+from tests._trainer_worker import local_params, megatron_greedy, vllm_greedy
 
 
 def _all_logits(batch, model):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from tests._launch import torchrun
-from tests.hf_tiny import tiny_llama
+from tests.support.launch import torchrun
+from tests.support.tiny import tiny_llama
 
 WORKER = os.path.join(os.path.dirname(__file__), "_attention_worker.py")
 IMPLS = ("SdpaAttention", "DotProductAttention")

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests._launch import torchrun
+from tests.support.launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "_bf16_worker.py")
 # mean |vLLM - trainer| log-prob gap that bf16 rounding alone opens on this model: measured

@@ -13,7 +13,7 @@ import torch
 
 from megagrpo.config.train import load_config
 from megagrpo.positions import OutputPositions
-from tests._launch import torchrun
+from tests.support.launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "_fused_output_worker.py")
 

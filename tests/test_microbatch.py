@@ -13,7 +13,7 @@ import torch
 
 from megagrpo.batch import pack, plan_micro_batches, unplan
 from megagrpo.positions import loss_positions, put, take
-from tests._launch import torchrun
+from tests.support.launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "_microbatch_worker.py")
 

@@ -28,7 +28,8 @@ import torch
 from megagrpo.checkpoint import load_tree, save_tree
 from megagrpo.metrics import rewind_history
 from megagrpo.run_dir import newest_intact, prepare_out_dir, verify, write_manifest
-from tests._launch import torchrun
+from tests.support.cli import run_cli
+from tests.support.launch import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -133,10 +134,8 @@ def test_resumed_run_is_bitwise_the_uninterrupted_run(e2e):
 
 
 def _train_cli(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "megagrpo", "train", "--nproc", "2",
-                           *stress.tiny_overrides(Path("unused"), 2), *overrides],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_cli("train", "--nproc", "2", *stress.tiny_overrides(Path("unused"), 2),
+                   *overrides, cwd=ROOT, timeout=timeout)
 
 
 def test_non_empty_out_dir_refused_before_anything_starts(tmp_path):

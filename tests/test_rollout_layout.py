@@ -17,7 +17,7 @@ import pytest
 
 from megagrpo.config.layout import RolloutLayout, check_rollout_layout
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from tests._launch import torchrun
+from tests.support.launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "_rollout_layout_worker.py")
 
