@@ -129,8 +129,10 @@ def test_layer_split_smallest(tmp_path):
     import shutil
 
     out = tmp_path / "s.jsonl"
-    # inductor compiles C++: without a compiler the compiled half cannot run (said, not hidden)
+    # inductor compiles C++: without a compiler the compiled half cannot run (said, not hidden;
+    # CI must have one: scripts/setup_venv.sh refuses to set up without it when CI is set)
     compiler = shutil.which("g++") or shutil.which("c++")
+    assert compiler or not os.environ.get("CI"), "CI without a C++ compiler: install g++"
     rows = _run("layer_split.py", "--preset", "tiny", "--threads", "1", "--neighbour",
                 *(["--compile"] if compiler else []), "--iters", "1", "--out", str(out))
     assert [r["neighbour_threads"] for r in rows] == [0, os.cpu_count()] * (2 if compiler else 1)
@@ -138,7 +140,9 @@ def test_layer_split_smallest(tmp_path):
     for r in rows:
         assert r["step_s"] > 0 and r["gemm_s"] > 0 and r["attention_s"] > 0
         parts = r["gemm_s"] + r["attention_s"] + r["rest_s"]
-        assert parts == pytest.approx(r["step_s"], abs=2e-4) or r["rest_s"] == 0
+        assert parts == pytest.approx(r["step_s"], abs=2e-4)  # three values rounded to 1e-4
+        # the products timed alone are part of the pass: not (much) longer than all of it
+        assert r["gemm_s"] + r["attention_s"] <= 1.1 * r["step_s"], r
         assert 0 < r["floor_frac"] < 1.5 and r["threads"] == 1
     assert _bench_module("layer_split").table(str(out)).count("| tiny (32 tokens") == len(rows)
     if not compiler:
