@@ -127,7 +127,9 @@ def test_resumed_run_is_bitwise_the_uninterrupted_run(e2e):
     steps = [r["step"] for r in stress.history(cut) if "reward_mean" in r]
     assert steps == list(range(1, STEPS + 1))  # one history, no repeated steps
     state = stress.final_state(cut)
-    assert len(state) > 20  # policy and optimizer tensors were compared
+    assert len(state) > 20  # policy, reference and optimizer tensors were compared
+    assert any(k.startswith("reference.") for k in state)
+    assert stress.trainer_state(cut)["step"] == STEPS  # and the trainer state
     assert any(".exp_avg_sq." in k for k in state) and any(k.startswith("rng.") for k in state)
     if "run.async_rollout=true" in stress.MODES[e2e["mode"]]:  # the batch drawn ahead, too
         assert any(k.startswith("rollout.") and ".token_ids." in k for k in state)
