@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from tests._trainer_worker import local_params, make_config
+from tests.support.launch import write_results
 
 CAP = 1.0005  # low enough that bf16 rounding gaps (mean |log ratio| ~7e-4) reach it
 
@@ -95,11 +95,7 @@ def main():
     res["moved_main"] = sum(not torch.equal(a, b) for a, b in zip(main_before, main_after)) / len(
         main_before)
     res["dtypes_after"] = optimizer_dtypes(tr)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, res)
-    if dist.get_rank() == 0:
-        (Path(args.work) / "results.json").write_text(json.dumps(gathered))
-    dist.barrier()
+    write_results(res, args.work)
     tr.engine.close()
 
 

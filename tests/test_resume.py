@@ -29,7 +29,7 @@ from megagrpo.checkpoint import load_tree, save_tree
 from megagrpo.metrics import rewind_history
 from megagrpo.run_dir import newest_intact, prepare_out_dir, verify, write_manifest
 from tests.support.cli import run_cli
-from tests.support.launch import torchrun
+from tests.support.launch import torchrun_results
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -235,8 +235,7 @@ def test_out_of_disk_and_optimizer_state_on_real_megatron(tmp_path):
     the disk filled up loads bitwise, a per-rank write failing on one rank fails on both."""
     full = tmp_path / "full"
     full.mkdir()
-    torchrun(WORKER, 2, "--work", str(tmp_path), "--full", str(full), timeout=300)
-    ranks = json.loads((tmp_path / "results.json").read_text())
+    ranks = torchrun_results(WORKER, 2, tmp_path, "--full", str(full), timeout=300)
     for r in ranks:
         assert r["optimizer_bitwise"]
         e = r["save_model"]
@@ -321,8 +320,7 @@ def layouts(tmp_path_factory):
     """One 2-rank launch (tests/_layout_resume_worker.py): the plain and the distributed
     optimizer saved at TP=2, PP=2 and DP=2 and loaded at other layouts."""
     work = tmp_path_factory.mktemp("layouts")
-    torchrun(LAYOUT_WORKER, 2, "--work", str(work), timeout=300)
-    return work, json.loads((work / "results.json").read_text())
+    return work, torchrun_results(LAYOUT_WORKER, 2, work, timeout=300)
 
 
 @pytest.mark.parametrize("case,dst", [("distopt_dp2", "dp2"), ("distopt_dp2", "tp2"),

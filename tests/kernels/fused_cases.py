@@ -11,6 +11,7 @@ gradient all-reduced as megatron's ColumnParallelLinear does.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -257,6 +258,23 @@ def check(case, out, ref, tol: tuple[float, GradTol], what: str, grads: bool = T
         assert dtypes == (case["h"].dtype, case["w"].dtype), f"{what}: {dtypes}"
         assert_grad_near(out["dh"], ref["dh"], tol[1], f"{what} dh")
         assert_grad_near(out["dw"], ref["dw"], tol[1], f"{what} dW")
+
+
+def _counted(*args, _fn, _counts: dict[str, int], _key: str, **kwargs):
+    _counts[_key] += 1
+    return _fn(*args, **kwargs)
+
+
+def count_fused_paths(set_attr=setattr) -> dict[str, int]:
+    """Counts the fused op's two training paths: "forward_grads" (the gradient computed in the
+    forward, token-separable losses) and "recompute" (the recomputing backward: GSPO).
+    `set_attr` puts the counting wrappers in place (pytest's monkeypatch.setattr in a test)."""
+    from megagrpo.kernels import fused_output as fo
+
+    counts = {"forward_grads": 0, "recompute": 0}
+    for key, name in (("forward_grads", "_loss_and_grads"), ("recompute", "_backward")):
+        set_attr(fo, name, partial(_counted, _fn=getattr(fo, name), _counts=counts, _key=key))
+    return counts
 
 
 # ------------------------------------------------------------------------------ TP worker

@@ -21,6 +21,7 @@ from tests.kernels.fused_cases import (
     assert_grad_near,
     assert_near,
     check,
+    count_fused_paths,
     fused_case,
     grpo_cases,
     reference_grads,
@@ -186,16 +187,7 @@ def test_dispatch_logs_the_fused_path_once(monkeypatch, caplog):
 @pytest.fixture
 def paths(monkeypatch):
     """Counts of the op's training paths: gradient in the forward, recomputing backward."""
-    counts = {"forward_grads": 0, "recompute": 0}
-    for key, name in (("forward_grads", "_loss_and_grads"), ("recompute", "_backward")):
-        fn = getattr(fo, name)
-
-        def counted(*args, _fn=fn, _key=key, **kwargs):
-            counts[_key] += 1
-            return _fn(*args, **kwargs)
-
-        monkeypatch.setattr(fo, name, counted)
-    return counts
+    return count_fused_paths(monkeypatch.setattr)
 
 
 @pytest.mark.parametrize("name", list(TP1_GRPO))

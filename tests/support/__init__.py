@@ -11,7 +11,24 @@ repository root first on PYTHONPATH so that they import `tests.support` the same
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository root (the folder holding megagrpo/, kernels/ and tests/)."""
+
+
+def child_env(**changes: str | None) -> dict[str, str]:
+    """This environment for a child process: the repository root first on PYTHONPATH and no
+    TRITON_INTERPRET (the test session's setting for in-process kernels; a child picks its
+    kernel path itself and the interpreter would only slow vLLM down); `changes` set
+    variables, None removes one."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)
+    for key, value in changes.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env

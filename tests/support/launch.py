@@ -2,6 +2,7 @@
 and torch.multiprocessing spawns of an importable worker function."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Callable, Iterator
@@ -15,27 +16,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megagrpo.cli import free_port, torchrun_command
-from tests.support import ROOT
+from tests.support import child_env
 
 __all__ = ["count_collectives", "free_port", "gloo_rank", "save_rank", "spawn_ranks",
-           "torchrun", "torchrun_command", "worker_env"]
+           "torchrun", "torchrun_command", "torchrun_results", "worker_env", "write_results"]
 
 
 def worker_env(**changes: str | None) -> dict[str, str]:
-    """This environment for a launched worker: one OpenMP thread per rank, unbuffered output,
-    the repository root first on PYTHONPATH (a worker runs as a `__main__` file and imports
-    `tests.support` from there) and no TRITON_INTERPRET (workers pick their kernel path
-    explicitly; the interpreter would only slow vLLM down). `changes` set variables; None
-    removes one."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.pop("TRITON_INTERPRET", None)
-    for key, value in changes.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    return env
+    """`child_env` for a launched worker: one OpenMP thread per rank and unbuffered output (a
+    worker runs as a `__main__` file and imports `tests.support` from the root on
+    PYTHONPATH)."""
+    return child_env(**{"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **changes})
 
 
 def torchrun(script: str | Path, nproc: int, *args: str, timeout: int = 600,
@@ -49,6 +40,26 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: int = 600,
     if p.returncode != 0:
         raise RuntimeError(f"torchrun {script} failed (rc={p.returncode}):\n{out[-8000:]}")
     return out
+
+
+def torchrun_results(script: str | Path, nproc: int, work: Path, *args: str,
+                     timeout: int = 600) -> Any:
+    """`torchrun` of a worker that takes `--work WORK` and ends with `write_results`; returns
+    what it wrote (WORK/results.json)."""
+    torchrun(script, nproc, "--work", str(work), *args, timeout=timeout)
+    return json.loads((work / "results.json").read_text())
+
+
+def write_results(results: Any, work: str | Path, *, flat: bool = False) -> None:
+    """In a torchrun worker, on every rank: the ranks' `results` gathered, and rank 0 writes
+    them to WORK/results.json (a list in rank order; with `flat`, the ranks' lists joined);
+    every rank returns once the file is there."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        out = [r for rs in gathered for r in rs] if flat else gathered
+        Path(work, "results.json").write_text(json.dumps(out))
+    dist.barrier()
 
 
 # ------------------------------------------------------------------ spawned gloo groups
