@@ -1,13 +1,16 @@
 """Test support, one copy each, imported as `from tests.support.<module> import ...`:
 
-- `launch`: torchrun launches of a worker script, spawned gloo groups, free ports (the command
-  line and port picker are megagrpo.cli's, so the launcher, tests and benchmarks share them);
+- `launch`: torchrun launches of a worker script (`torchrun`, `torchrun_results`, and in the
+  worker `write_results`), spawned gloo groups (`spawn_ranks`, `gloo_rank`), collective
+  counting, free ports (the command line and port picker are megagrpo.cli's, so the launcher,
+  tests and benchmarks share them: no fixed ports);
 - `tiny`: tiny random HF checkpoints (Llama, Qwen2/3, MoE) built from config classes;
 - `cli`: `python -m megagrpo ...` as a subprocess;
-- `dispatch`: TorchDispatchModes that watch the ops a call runs (tensor sizes, matmul counts).
+- `dispatch`: TorchDispatchModes that watch the ops a call runs (tensor sizes, matmul counts);
+- `docs`: generated tables in the docs compared between their markers.
 
-Worker scripts that torchrun starts run as `__main__` files: `launch.worker_env` puts the
-repository root first on PYTHONPATH so that they import `tests.support` the same way.
+Worker scripts that torchrun starts run as `__main__` files: `child_env` puts the repository
+root first on PYTHONPATH so that they import `tests.support` the same way.
 """
 from __future__ import annotations
 
