@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -58,6 +57,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _workloads as W  # noqa: E402
+
+from megagrpo.cli import torchrun_command  # noqa: E402
 
 ROOT = W.ROOT
 PHASES = ("rollout", "advantage", "score", "update", "weight_sync", "reference_sync")
@@ -221,21 +222,14 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) 
     os._exit(0)  # skip vLLM's shutdown hooks (they tear down the process group)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(nproc: int, recipe: str, sets: list[str], warmup: int, steps: int,
            threads: int = 0, script: str = __file__) -> dict:
     """One torchrun launch of `script --worker` (this file's `worker` by default); its RESULT
     record."""
     out_dir = tempfile.mkdtemp(prefix=f"grpo_step_{nproc}_")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", script, "--worker",
-           "--recipe", recipe, "--warmup", str(warmup), "--steps", str(steps),
-           "--out-dir", out_dir, *(a for kv in sets for a in ("--set", kv))]
+    cmd = torchrun_command(nproc, script, "--worker", "--recipe", recipe, "--warmup", str(warmup),
+                           "--steps", str(steps), "--out-dir", out_dir,
+                           *(a for kv in sets for a in ("--set", kv)))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)

@@ -21,7 +21,7 @@ def run(model_name: str, dtype: str, work: str) -> dict:
     from megagrpo.config.model import ParallelConfig
     from megagrpo.hf import load_hf_weights, model_config_from_hf
     from megagrpo.model import DTYPE, build_model
-    from tests.hf_tiny import tiny_llama, tiny_qwen2
+    from tests.support.tiny import tiny_llama, tiny_qwen2
 
     path = os.path.join(work, model_name)
     hf = (tiny_llama if model_name == "llama" else tiny_qwen2)(path)

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import MODEL_SIZES as SIZES  # noqa: E402
+
+from megagrpo.cli import torchrun_command  # noqa: E402
 
 
 def _ptrs(model) -> list[int]:
@@ -148,16 +149,9 @@ def run_one(size: str, tp: int, repeats: int) -> dict | None:
     return rec
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(size: str, tp: int, repeats: int) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp}",
-           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", __file__,
-           "--one", size, "--tp", str(tp), "--repeats", str(repeats)]
+    cmd = torchrun_command(tp, __file__, "--one", size, "--tp", str(tp), "--repeats",
+                           str(repeats))
     proc = subprocess.run(cmd, capture_output=True, text=True)
     found = [ln[7:] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not found:

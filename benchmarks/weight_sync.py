@@ -41,6 +41,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import MODEL_SIZES as SIZES  # noqa: E402
 
+from megagrpo.cli import torchrun_command  # noqa: E402
+
 
 def _timed(fn) -> float:
     t0 = time.perf_counter()
@@ -211,9 +213,7 @@ def run_tp(size: str, repeats: int, k: int) -> dict | None:
 def _launch(size: str, repeats: int, vllm_tp: int, env: dict) -> str:
     """Runs one size in its own process (torchrun with vllm_tp ranks for the TP rows)."""
     one = [__file__, "--one", size, "--repeats", str(repeats), "--vllm-tp", str(vllm_tp)]
-    cmd = [sys.executable, *one] if vllm_tp == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={vllm_tp}",
-        "--master-addr=127.0.0.1", f"--master-port={29600 + os.getpid() % 300}", *one]
+    cmd = [sys.executable, *one] if vllm_tp == 1 else torchrun_command(vllm_tp, *one)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     found = [ln[7:] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not found:

@@ -20,14 +20,24 @@ from megagrpo.procs import run_child
 from megagrpo.run_dir import check_out_dir
 
 
-def _relaunch(nproc: int) -> int:
-    """Re-runs this command under torchrun with `nproc` local ranks."""
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no one listens on now (the OS picks it: never a fixed one)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "megagrpo",
-           *_drop_nproc(sys.argv[1:])]
+        return s.getsockname()[1]
+
+
+def torchrun_command(nproc: int, *target: str) -> list[str]:
+    """The one torchrun command line: `nproc` local ranks on a free port of this host, each
+    running `target` (a script and its arguments, or `-m module ...`). Tests and benchmarks
+    build theirs here too."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1", f"--master-port={free_port()}", *target]
+
+
+def _relaunch(nproc: int) -> int:
+    """Re-runs this command under torchrun with `nproc` local ranks."""
+    cmd = torchrun_command(nproc, "-m", "megagrpo", *_drop_nproc(sys.argv[1:]))
     env = dict(os.environ)
     # torchrun defaults every rank to one OpenMP thread; more ranks x threads than cores makes
     # CPU ops spin against each other (measured: a 4-minute demo did not finish its cold start)
@@ -321,8 +331,22 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with `key.sub=value` overrides anywhere after the command: argparse
+    alone takes only the first run of them (`train run.steps=1 --nproc 2 run.out_dir=x` left
+    `run.out_dir=x` unrecognized); later ones are appended in order, so the last one wins."""
+    ap = build_parser()
+    args, extra = ap.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-")]  # load_config checks the overrides
+    if stray or (extra and not hasattr(args, "overrides")):
+        ap.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if getattr(args, "verbose", False):  # the ranks a relaunch starts inherit it
         os.environ[VERBOSE_ENV] = "1"
     configure()

@@ -6,7 +6,8 @@
 Runs a tiny GRPO recipe (2 ranks = DP 2, fp32, checkpoint every 2 steps) once uninterrupted,
 then N times: start the same run, SIGKILL its launcher, torchrun and ranks at once (as a crash
 or an OOM kill would) at a random moment after the first step, resume it, and compare the
-final policy and optimizer tensors and the metrics history (deterministic fields) with the
+final policy, reference and optimizer tensors, every rank's random streams and pending batch,
+the trainer state (trainer_state.json) and the metrics history (deterministic fields) with the
 uninterrupted run. Prints one line per kill and "k/N resumed bitwise equal".
 tests/test_resume.py drives the same functions.
 
@@ -153,9 +154,9 @@ def history(out_dir: Path) -> list[dict]:
 
 
 def final_state(out_dir: Path) -> dict[str, torch.Tensor]:
-    """The newest checkpoint's policy and optimizer tensors (dist-checkpoints, read with torch
-    DCP, no process group) and every rank's random streams and pending async batch
-    (megagrpo's safetensors files)."""
+    """The newest checkpoint's policy, reference (where the run has one) and optimizer tensors
+    (dist-checkpoints, read with torch DCP, no process group) and every rank's random streams
+    and pending async batch (megagrpo's safetensors files)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     from megagrpo.checkpoint import load_tree
@@ -163,13 +164,26 @@ def final_state(out_dir: Path) -> dict[str, torch.Tensor]:
 
     ckpt = step_dirs(checkpoint_root(out_dir))[-1]
     out = {}
-    for part in ("policy", "optimizer"):
+    for part in ("policy", "reference", "optimizer"):
+        if part == "reference" and not (ckpt / part).exists():  # algo.beta = 0: none saved
+            continue
         tensors = _load_state_dict_from_keys(checkpoint_id=str(ckpt / part))
         out.update({f"{part}.{k}": v for k, v in tensors.items() if isinstance(v, torch.Tensor)})
     for part in ("rng", "rollout"):
         for f in sorted((ckpt / part).glob("*.safetensors")):
             out.update(_flatten(load_tree(f), f"{part}.{f.stem}."))
     return out
+
+
+def trainer_state(out_dir: Path) -> dict:
+    """The newest checkpoint's trainer_state.json (counters, data position, reference
+    schedule, layout) less `metrics_bytes`: the size of a log whose timing fields differ."""
+    from megagrpo.run_dir import TRAINER_STATE, checkpoint_root, step_dirs
+
+    ckpt = step_dirs(checkpoint_root(out_dir))[-1]
+    state = json.loads((ckpt / TRAINER_STATE).read_text())
+    state.pop("metrics_bytes", None)
+    return state
 
 
 def _flatten(tree, prefix: str) -> dict[str, torch.Tensor]:
@@ -195,6 +209,9 @@ def compare(reference: Path, resumed: Path) -> list[str]:
         if not torch.equal(a[k], b[k]):
             gap = float((a[k].double() - b[k].double()).abs().max())
             diffs.append(f"{k}: max |diff| {gap:.3g}")
+    sa, sb = trainer_state(reference), trainer_state(resumed)
+    diffs += [f"trainer_state.json {k}: {sa.get(k)} != {sb.get(k)}"
+              for k in sorted(sa.keys() | sb.keys()) if sa.get(k) != sb.get(k)]
     ha, hb = history(reference), history(resumed)
     if len(ha) != len(hb):
         diffs.append(f"metrics.jsonl: {len(ha)} records vs {len(hb)}")

@@ -10,6 +10,13 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
   flavour=cpu; req=requirements-cpu.txt
 fi
+# torch.compile on CPU (inductor) builds C++: without a compiler the check that compiled
+# layers' gradients equal eager ones cannot run (tests/test_benchmarks.py fails under CI=1)
+if ! command -v g++ >/dev/null 2>&1 && ! command -v c++ >/dev/null 2>&1; then
+  echo "[setup] no C++ compiler (g++ or c++) on PATH: torch.compile on CPU needs one" \
+       "(apt-get install g++)" >&2
+  if [ -n "${CI:-}" ]; then exit 1; fi
+fi
 key=$(cat "$req" pyproject.toml scripts/setup_venv.sh | sha1sum | cut -c1-12)
 stamp=.venv/.megagrpo-$flavour-$key
 if [ -f "$stamp" ]; then exit 0; fi

@@ -11,11 +11,12 @@
 Rank 0 writes WORK/results.json (module figures) and WORK/tensors.pt (logits and gradients).
 """
 import argparse
-import json
 import os
 
 import torch
 import torch.distributed as dist
+
+from tests.support.launch import write_results
 
 SHAPES = [(4, 2), (4, 4), (4, 1)]  # (query heads, KV groups) at head_dim 32
 LENGTHS = [12, 7, 3]  # right-padded rows, S = 12
@@ -137,13 +138,9 @@ def main():
     tensors = {}
     for tp, impl in ((1, "megatron"), (1, "sdpa"), (2, "sdpa")):
         model_pass(args.work, ref, tp, impl, tensors)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
     if info.rank == 0:
-        with open(os.path.join(args.work, "results.json"), "w") as f:
-            json.dump([r for rs in gathered for r in rs], f)
         torch.save(tensors, os.path.join(args.work, "tensors.pt"))
-    dist.barrier()
+    write_results(results, args.work, flat=True)
     dist.destroy_process_group()
 
 

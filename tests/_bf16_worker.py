@@ -3,15 +3,12 @@ precision on CPU (bf16 policy and vLLM engine, fp32 main parameters in the optim
 rollout IS). Rank 0 writes WORK/results.json."""
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests._trainer_worker import local_params, make_config  # noqa: E402
+from tests._trainer_worker import local_params, make_config
+from tests.support.launch import write_results
 
 CAP = 1.0005  # low enough that bf16 rounding gaps (mean |log ratio| ~7e-4) reach it
 
@@ -98,11 +95,7 @@ def main():
     res["moved_main"] = sum(not torch.equal(a, b) for a, b in zip(main_before, main_after)) / len(
         main_before)
     res["dtypes_after"] = optimizer_dtypes(tr)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, res)
-    if dist.get_rank() == 0:
-        (Path(args.work) / "results.json").write_text(json.dumps(gathered))
-    dist.barrier()
+    write_results(res, args.work)
     tr.engine.close()
 
 

@@ -5,11 +5,12 @@ trip), the reduced gradients of one training step (exported as an HF checkpoint)
 optimizer's grad norm, and (llama) an HF export after that step. Results go to
 WORK/results.json (rank 0)."""
 import argparse
-import json
 import os
 
 import torch
 import torch.distributed as dist
+
+from tests.support.launch import write_results
 
 
 def logits_of(gpt, ids, model_cfg, parallel):
@@ -135,13 +136,7 @@ def main():
     for lay in args.layouts.split(","):
         tp, pp = map(int, lay.split("x"))
         run_layout(tp, pp, args.work, results)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if dist.get_rank() == 0:
-        flat = [r for rs in gathered for r in rs]
-        with open(os.path.join(args.work, "results.json"), "w") as f:
-            json.dump(flat, f)
-    dist.barrier()
+    write_results(results, args.work, flat=True)
     dist.destroy_process_group()
 
 

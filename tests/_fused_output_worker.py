@@ -7,16 +7,14 @@ compute.fused_output_layer false and true from the same weights: per rank, the f
 and embedding-reduced) gradients of every parameter shard, the scored log-probs and the loss
 reports of both. Rank 0 writes WORK/results.json."""
 import argparse
-import json
 import os
-import sys
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.kernels.fused_cases import count_fused_paths
+from tests.support.launch import write_results
 
 LAYOUTS = {  # tp, pp, tied, packed
     "tp2_pp2": (2, 2, False, False),
@@ -89,23 +87,6 @@ def count_fused_calls() -> list[int]:
 
     losses.fused_output_logprob = counted
     return calls
-
-
-def count_fused_paths() -> dict[str, int]:
-    """Count the fused op's two training paths: "forward_grads" (the gradient computed in the
-    forward, token-separable losses) and "recompute" (the recomputing backward: GSPO)."""
-    from megagrpo.kernels import fused_output as fo
-
-    counts = {"forward_grads": 0, "recompute": 0}
-    for key, name in (("forward_grads", "_loss_and_grads"), ("recompute", "_backward")):
-        fn = getattr(fo, name)
-
-        def counted(*args, _fn=fn, _key=key, **kwargs):
-            counts[_key] += 1
-            return _fn(*args, **kwargs)
-
-        setattr(fo, name, counted)
-    return counts
 
 
 def small_chunks() -> None:
@@ -193,12 +174,7 @@ def main():
     small_chunks()
     for name in args.layouts.split(","):
         run_layout(name, results, calls, paths)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if dist.get_rank() == 0:
-        flat = [r for rs in gathered for r in rs]
-        Path(args.work, "results.json").write_text(json.dumps(flat))
-    dist.barrier()
+    write_results(results, args.work, flat=True)
     dist.destroy_process_group()
 
 

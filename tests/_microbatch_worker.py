@@ -4,17 +4,12 @@ rows at full width, logits at every position) and on (length-sorted trimmed micr
 token-budget micro-batches, logits at loss positions only). Rank 0 writes WORK/results.json."""
 import argparse
 import copy
-import json
-import sys
 from functools import partial
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests._trainer_worker import make_config  # noqa: E402
+from tests._trainer_worker import make_config
+from tests.support.launch import write_results
 
 VARIANTS = {  # trim, logits at loss positions only, token budget, packed end to end
     "baseline": (False, False, 0, False),
@@ -190,11 +185,7 @@ def main():
     res["skip"] = skip_check(tr, batch)
     res["epoch_sync"] = epoch_check(tr, async_rollout=False)
     res["epoch_async"] = epoch_check(tr, async_rollout=True)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, res)
-    if dist.get_rank() == 0:
-        (Path(args.work) / "results.json").write_text(json.dumps(gathered))
-    dist.barrier()
+    write_results(res, args.work)
     tr.engine.close()
 
 

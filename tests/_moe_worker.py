@@ -6,13 +6,13 @@ under HF names with the optimizer's grad norm (tests/_foundation_worker.check_an
 dense families' steps). WORK/results.json."""
 import argparse
 import dataclasses
-import json
 import os
 
 import torch
 import torch.distributed as dist
 
 from tests._foundation_worker import check_and_step
+from tests.support.launch import write_results
 
 
 def run_layout(tp, pp, ep, work, results):
@@ -40,13 +40,7 @@ def main():
     for lay in args.layouts.split(","):
         tp, pp, ep = map(int, lay.split("x"))
         run_layout(tp, pp, ep, args.work, results)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if dist.get_rank() == 0:
-        flat = [r for rs in gathered for r in rs]
-        with open(os.path.join(args.work, "results.json"), "w") as f:
-            json.dump(flat, f)
-    dist.barrier()
+    write_results(results, args.work, flat=True)
     dist.destroy_process_group()
 
 

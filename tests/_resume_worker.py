@@ -14,7 +14,6 @@ import argparse
 import builtins
 import errno
 import io
-import json
 import os
 import shutil
 from pathlib import Path
@@ -22,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+
+from tests.support.launch import write_results
 
 
 def build(seed: int = 0):
@@ -186,11 +187,7 @@ def main() -> None:
     res["per_rank"] = error_of(lambda: on_every_rank(
         lambda: save_tree(target, opt.state_dict()), target))
     disk.full = False
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, res)
-    if dist.get_rank() == 0:
-        (work / "results.json").write_text(json.dumps(gathered))
-    dist.barrier()
+    write_results(res, work)
 
 
 if __name__ == "__main__":

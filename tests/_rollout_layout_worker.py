@@ -7,11 +7,12 @@ trainer's log-probs vs vLLM's on a sampled batch (fp32), which prompts each engi
 bytes each rank received for a full-tensor feed (what vLLM TP=1 engines need) and for the
 shard-to-shard feed, and the peak memory of both. Rank 0 writes WORK/results.json."""
 import argparse
-import json
 import os
 
 import torch
 import torch.distributed as dist
+
+from tests.support.launch import write_results
 
 
 def feed_bytes(tr, feed) -> dict:
@@ -86,12 +87,7 @@ def main():
     res["logprob_gap"] = logprob_gap(tr)
     res["eval_accuracy"] = known_share_eval(tr, RewardFn(RewardConfig(
         terms=[RewardTermConfig(name="arithmetic")])))
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, res)
-    if dist.get_rank() == 0:
-        with open(os.path.join(args.work, "results.json"), "w") as f:
-            json.dump(gathered, f)
-    dist.barrier()
+    write_results(res, args.work)
 
 
 if __name__ == "__main__":

@@ -15,17 +15,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 
 def main(model_dir: str, out_dir: str, tp: int = 2) -> None:
     torch.set_num_threads(1)  # before vLLM turns set_num_threads into a no-op
     dist.init_process_group("gloo")  # before the engine: vLLM reuses the world group
-    from _rollout_model import hf_greedy
     from transformers import AutoConfig, LlamaForCausalLM
 
     from megagrpo.config.rollout import RolloutConfig
     from megagrpo.engine import SamplingSettings, VLLMEngine
+    from tests._rollout_model import hf_greedy
 
     model = LlamaForCausalLM(AutoConfig.from_pretrained(model_dir)).eval()
     model.load_state_dict(torch.load(Path(model_dir) / "weights.pt"))

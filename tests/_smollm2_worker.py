@@ -10,16 +10,13 @@ HF folder. One launch:
      parameters it moved, then a training checkpoint. Rank 0 writes WORK/results.json."""
 import argparse
 import gc
-import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests._trainer_worker import local_params, megatron_greedy, vllm_greedy  # noqa: E402
+from tests._trainer_worker import local_params, megatron_greedy, vllm_greedy
+from tests.support.launch import write_results
 
 
 def _all_logits(batch, model):
@@ -125,11 +122,7 @@ def main():
     logits_checks(work, args.hf, ids)
     tr, res = trainer_checks(work, args.hf)
     res["rank"] = dist.get_rank()
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, res)
-    if dist.get_rank() == 0:
-        (work / "results.json").write_text(json.dumps(gathered))
-    dist.barrier()
+    write_results(res, work)
     tr.engine.close()  # last: vLLM's shutdown destroys the process groups
 
 

@@ -9,6 +9,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from tests.support.launch import write_results
+
 
 def make_config(work):
     from megagrpo.config.train import load_config
@@ -196,12 +198,7 @@ def main():
     bad = bad_steps_check(tr)
     err = bad.pop("error", None)
     res["bad_steps"] = bad
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, res)
-    if dist.get_rank() == 0:
-        with open(os.path.join(args.work, "results.json"), "w") as f:
-            json.dump(gathered, f)
-    dist.barrier()
+    write_results(res, args.work)
     if err is not None:
         stop_check(tr, err, args.work)  # closes the engine (and the default process group)
     else:

@@ -7,19 +7,16 @@ then sends tokens to the wrong weights; the round trip stays bitwise), so the te
 fail on weights it passes otherwise. Rank 0 writes [exit status per job] to --out."""
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch.distributed as dist
 
-import torch.distributed as dist  # noqa: E402
-
-import megagrpo.hf as hf  # noqa: E402
-import megagrpo.hf.io as hf_io  # noqa: E402
-import megagrpo.hf.params as hf_params  # noqa: E402
-from megagrpo.config.model import ParallelConfig  # noqa: E402
-from megagrpo.distributed import shutdown  # noqa: E402
-from megagrpo.verify import verify  # noqa: E402
+import megagrpo.hf as hf
+import megagrpo.hf.io as hf_io
+import megagrpo.hf.params as hf_params
+from megagrpo.config.model import ParallelConfig
+from megagrpo.distributed import shutdown
+from megagrpo.verify import verify
 
 
 def _swap_experts_0_1(moe_specs):

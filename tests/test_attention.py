@@ -3,15 +3,14 @@ attention and megatron's DotProductAttention (module level, fp32 and bf16, GQA, 
 transformers' LlamaForCausalLM (whole model, TP=1), and the TP=1 result at TP=2 in real
 processes. One torchrun launch (2 ranks) covers the multi-process part; see
 tests/_attention_worker.py."""
-import json
 import os
 
 import pytest
 import torch
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from tests._launch import torchrun
-from tests.hf_tiny import tiny_llama
+from tests.support.launch import torchrun_results
+from tests.support.tiny import tiny_llama
 
 WORKER = os.path.join(os.path.dirname(__file__), "_attention_worker.py")
 IMPLS = ("SdpaAttention", "DotProductAttention")
@@ -28,9 +27,7 @@ def run(tmp_path_factory):
     with torch.no_grad():
         ref = {"ids": ids, "labels": torch.roll(ids, -1, dims=1), "hf_logits": llama(ids).logits}
     torch.save(ref, work / "ref.pt")
-    torchrun(WORKER, 2, "--work", str(work))
-    return (json.loads((work / "results.json").read_text()), torch.load(work / "tensors.pt"),
-            ref)
+    return torchrun_results(WORKER, 2, work), torch.load(work / "tensors.pt"), ref
 
 
 def _cases(results, dtype):

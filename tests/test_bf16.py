@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests._launch import torchrun
+from tests.support.launch import torchrun_results
 
 WORKER = os.path.join(os.path.dirname(__file__), "_bf16_worker.py")
 # mean |vLLM - trainer| log-prob gap that bf16 rounding alone opens on this model: measured
@@ -27,8 +27,7 @@ BF16_GAP_MAX = 7e-3
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     work = tmp_path_factory.mktemp("bf16")
-    torchrun(WORKER, 2, "--work", str(work), timeout=900)
-    return json.loads((work / "results.json").read_text())
+    return torchrun_results(WORKER, 2, work, timeout=900)
 
 
 def test_optimizer_keeps_fp32_main_params(results):

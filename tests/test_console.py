@@ -4,15 +4,13 @@ view prints a line every ~5% with an ETA and a line per evaluation; a short real
 console has no traceback, fits on a screen and names what runs, and --verbose shows the rest."""
 import io
 import logging
-import os
 import re
-import subprocess
-import sys
 from contextlib import redirect_stdout
 
 import pytest
 
 from megagrpo.console import ConsoleFilter, Progress, attach_log_file
+from tests.support.cli import run_cli
 
 
 def _record(name: str, level: int, msg: str) -> logging.LogRecord:
@@ -74,13 +72,10 @@ def test_progress_lines_every_five_percent_with_eta_and_evaluations():
 
 
 def _demo(tmp_path, *extra):
-    e = dict(os.environ)
-    e.pop("OMP_NUM_THREADS", None)  # the launcher picks threads per rank
-    return subprocess.run(
-        [sys.executable, "-m", "megagrpo", "demo", *extra, "run.steps=2", "cold_start.steps=2",
-         "eval.every=0", "arithmetic.num_eval=16", f"run.out_dir={tmp_path}/run",
-         "checkpoint.at_end=true"],
-        capture_output=True, text=True, env=e, timeout=900)
+    return run_cli("demo", *extra, "run.steps=2", "cold_start.steps=2", "eval.every=0",
+                   "arithmetic.num_eval=16", f"run.out_dir={tmp_path}/run",
+                   "checkpoint.at_end=true", timeout=900,
+                   OMP_NUM_THREADS=None)  # the launcher picks threads per rank
 
 
 def test_demo_console_is_short_and_has_no_traceback(tmp_path):

@@ -11,21 +11,16 @@ from safetensors.torch import load_file, save_file
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.hf import check_hf_checkpoint, model_config_from_hf
-from tests.hf_tiny import load_dir, tiny_llama, tiny_qwen2
-
-
-def _cli(*args, env=None, timeout=300):
-    e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "megagrpo", *args], capture_output=True,
-                          text=True, env=e, timeout=timeout)
+from tests.support.cli import run_cli
+from tests.support.tiny import load_dir, tiny_llama, tiny_qwen2
 
 
 def test_convert_round_trip_tp2_pp2_to_tp1(tmp_path):
     tiny_qwen2(tmp_path / "hf", tie=True)
-    p = _cli("convert", "--from-hf", str(tmp_path / "hf"), "--to-megatron", str(tmp_path / "m"),
+    p = run_cli("convert", "--from-hf", str(tmp_path / "hf"), "--to-megatron", str(tmp_path / "m"),
              "--tp", "2", "--pp", "2")
     assert p.returncode == 0, p.stderr[-3000:]
-    p = _cli("convert", "--from-megatron", str(tmp_path / "m"), "--to-hf", str(tmp_path / "out"))
+    p = run_cli("convert", "--from-megatron", str(tmp_path / "m"), "--to-hf", str(tmp_path / "out"))
     assert p.returncode == 0, p.stderr[-3000:]
     src, out = load_dir(tmp_path / "hf"), load_dir(tmp_path / "out")
     src.pop("lm_head.weight", None)
@@ -86,7 +81,7 @@ def test_missing_tensor_named_and_cli_stops_before_compute(tmp_path):
     model = model_config_from_hf(tmp_path / "hf")
     with pytest.raises(ValueError, match=r"lacks tensors \['model.layers.1.mlp.up_proj.weight'\]"):
         check_hf_checkpoint(tmp_path / "hf", model)
-    p = _cli("convert", "--from-hf", str(tmp_path / "hf"), "--to-megatron", str(tmp_path / "m"),
+    p = run_cli("convert", "--from-hf", str(tmp_path / "hf"), "--to-megatron", str(tmp_path / "m"),
              "--tp", "2")
     assert p.returncode == 2 and "model.layers.1.mlp.up_proj.weight" in p.stderr
     assert "distributed:" not in p.stderr + p.stdout  # no process group was started

@@ -3,9 +3,6 @@ config.json, a generation_config.json (the source's when it had one), the tokeni
 the chat template; it accepts a training checkpoint's step directory or a run directory; a
 checkpoint without a tokenizer snapshot says what is missing and takes --tokenizer."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,16 +10,11 @@ import torch
 from megagrpo.checkpoint import MODEL_JSON
 from megagrpo.export import finish_hf_export, resolve_megatron_dir, save_tokenizer
 from megagrpo.run_dir import TRAINER_STATE, write_manifest
-from tests.hf_tiny import load_dir, tiny_llama
+from tests.support.cli import run_cli
+from tests.support.tiny import load_dir, tiny_llama
 
 TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
             "{% if add_generation_prompt %}<s>assistant:{% endif %}")
-
-
-def _cli(*args):
-    e = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "megagrpo", *args], capture_output=True,
-                          text=True, env=e, timeout=300)
 
 
 def _word_tokenizer(path):
@@ -50,10 +42,10 @@ def step_export(tmp_path_factory):
     (root / "hf" / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.7, "do_sample": True, "eos_token_id": 2}))
     step = root / "run" / "checkpoints" / "step_000003"
-    p = _cli("convert", "--from-hf", str(root / "hf"), "--to-megatron", str(step / "policy"))
+    p = run_cli("convert", "--from-hf", str(root / "hf"), "--to-megatron", str(step / "policy"))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "tokenizer of" in p.stdout
-    p = _cli("convert", "--from-megatron", str(step), "--to-hf", str(root / "out"))
+    p = run_cli("convert", "--from-megatron", str(step), "--to-hf", str(root / "out"))
     assert p.returncode == 0, p.stderr[-3000:]
     return root, p.stdout
 

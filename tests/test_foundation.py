@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests._launch import torchrun
-from tests.hf_tiny import load_dir, tiny_llama, tiny_qwen2
+from tests.support.launch import torchrun
+from tests.support.tiny import load_dir, tiny_llama, tiny_qwen2
 
 LAYOUTS = ["tp1_pp1", "tp2_pp1", "tp1_pp2", "tp2_pp2"]
 PADDED_VOCAB = 112  # the worker pads vocab 100 to a multiple of 56 * TP: 112 at TP 1 and 2

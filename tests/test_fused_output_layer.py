@@ -5,7 +5,6 @@ variants and the supervised loss give the same log-probs, loss reports and final
 with the fused layer as with the logits path at TP=2 x PP=2 (tied and untied embeddings) and
 TP=2 x DP=2 (tied; padded and packed micro-batches). The op's own numerics against float64 are
 tests/kernels/test_fused_output.py."""
-import json
 import os
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 from megagrpo.config.train import load_config
 from megagrpo.positions import OutputPositions
-from tests._launch import torchrun
+from tests.support.launch import torchrun_results
 
 WORKER = os.path.join(os.path.dirname(__file__), "_fused_output_worker.py")
 
@@ -78,8 +77,7 @@ def test_config_values():
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     work = tmp_path_factory.mktemp("fused_output")
-    torchrun(WORKER, 4, "--work", str(work), timeout=900)
-    return json.loads((work / "results.json").read_text())
+    return torchrun_results(WORKER, 4, work, timeout=900)
 
 
 LAYOUTS = ["tp2_pp2", "tp2_pp2_tied", "tp2_dp2_tied", "tp2_dp2_tied_packed"]

@@ -3,12 +3,11 @@ folder it writes is complete (weights, config without the GGUF quantization entr
 its chat template, generation config with bos/eos/pad), transformers loads it to exactly the
 logits of the GGUF file itself, and `generate` on it stops at the end of the turn."""
 import json
-import subprocess
-import sys
 
 import pytest
 
 from tests._smollm2 import require_packages
+from tests.support.cli import run_cli
 
 require_packages()  # scripts/setup_venv.sh installs them: a missing one fails, never skips
 PROMPT = [{"role": "user", "content": "What is 12 + 7?"}]
@@ -17,8 +16,7 @@ PROMPT = [{"role": "user", "content": "What is 12 + 7?"}]
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2") / "hf"
-    p = subprocess.run([sys.executable, "-m", "megagrpo", "convert", "--from-gguf", "smollm2",
-                        "--to-hf", str(out)], capture_output=True, text=True, timeout=600)
+    p = run_cli("convert", "--from-gguf", "smollm2", "--to-hf", str(out), timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return out
 

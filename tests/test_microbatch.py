@@ -5,7 +5,6 @@ plan, then one torchrun launch (tests/_microbatch_worker.py, DP=2) comparing eac
 against the plain layout on the same batch: scored log-probs, reference log-probs, DP-reduced
 gradients and loss reports, for the token-level (grpo) and sequence-level (gspo) ratio; the
 reference pass reused while the reference equals the policy."""
-import json
 import os
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 from megagrpo.batch import pack, plan_micro_batches, unplan
 from megagrpo.positions import loss_positions, put, take
-from tests._launch import torchrun
+from tests.support.launch import torchrun_results
 
 WORKER = os.path.join(os.path.dirname(__file__), "_microbatch_worker.py")
 
@@ -72,8 +71,7 @@ def test_positions_take_and_put_round_trip():
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     work = tmp_path_factory.mktemp("microbatch")
-    torchrun(WORKER, 2, "--work", str(work), timeout=900)
-    return json.loads((work / "results.json").read_text())
+    return torchrun_results(WORKER, 2, work, timeout=900)
 
 
 @pytest.mark.parametrize("agg", ["grpo", "gspo"])

@@ -1,5 +1,5 @@
 """Qwen3 (QK-norm, explicit head_dim) and Llama-3.1 (llama3 RoPE scaling) end to end, against
-transformers' own models built from their config classes (tests/hf_tiny.py):
+transformers' own models built from their config classes (tests/support/tiny.py):
 
 - config.json -> ModelConfig -> config.json, and every unsupported feature refused naming its
   key before compute (CLI exit 2, no process group), a Qwen3 checkpoint lacking a q_norm too;
@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,34 +25,17 @@ from megagrpo.config.model import ModelConfig
 from megagrpo.config.train import load_config
 from megagrpo.hf import hf_config_dict, hf_shapes, model_config_from_hf, param_specs
 from megagrpo.plan import layer_params
-from tests.hf_tiny import LLAMA3_ROPE, load_dir, tiny_llama31, tiny_qwen3
+from tests.support.cli import run_cli
+from tests.support.tiny import LLAMA3_ROPE, edited_copy, load_dir, tiny_dirs
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "examples" / "demo.yaml")
 LONG = "512"  # verify's longest prompt for Llama-3.1: well past where the scaling shows
 
 
-def _cli(*args, timeout=600):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    env.pop("TRITON_INTERPRET", None)
-    return subprocess.run([sys.executable, "-m", "megagrpo", *args], capture_output=True,
-                          text=True, env=env, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    tiny_qwen3(root / "qwen3")
-    tiny_llama31(root / "llama31")
-    return root
-
-
-def _edited(src: Path, dst: Path, **changes) -> Path:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
+    return tiny_dirs(tmp_path_factory.mktemp("families"), "qwen3", "llama31")
 
 
 # ------------------------------------------------------------------------------- configs
@@ -117,7 +97,7 @@ REFUSED = [
 
 @pytest.mark.parametrize("change,match", REFUSED)
 def test_unsupported_features_refused_naming_the_key(hf_dirs, tmp_path, change, match):
-    d = _edited(hf_dirs / "llama31", tmp_path / "bad", **change)
+    d = edited_copy(hf_dirs / "llama31", tmp_path / "bad", **change)
     with pytest.raises(ValueError, match=match):
         model_config_from_hf(d)
 
@@ -133,9 +113,9 @@ def test_model_section_refuses_what_megatron_does_not_implement():
 
 
 def test_verify_refuses_bad_configs_and_tensors_before_compute(hf_dirs, tmp_path):
-    rope = _edited(hf_dirs / "llama31", tmp_path / "rope",
+    rope = edited_copy(hf_dirs / "llama31", tmp_path / "rope",
                    rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
-    lacking = _edited(hf_dirs / "qwen3", tmp_path / "lacking")
+    lacking = edited_copy(hf_dirs / "qwen3", tmp_path / "lacking")
     from safetensors.torch import load_file, save_file
 
     f = next(lacking.glob("*.safetensors"))
@@ -144,7 +124,7 @@ def test_verify_refuses_bad_configs_and_tensors_before_compute(hf_dirs, tmp_path
     save_file(sd, f, metadata={"format": "pt"})
     for d, needle in [(rope, "rope_parameters.rope_type='dynamic'"),
                       (lacking, "model.layers.1.self_attn.q_norm.weight")]:
-        p = _cli("verify", "--hf", str(d), "--tp", "2")
+        p = run_cli("verify", "--hf", str(d), "--tp", "2")
         assert p.returncode == 2 and needle in p.stderr, p.stderr[-2000:]
         assert "distributed:" not in p.stderr + p.stdout  # refused before any rank started
 
@@ -154,7 +134,7 @@ def test_verify_refuses_bad_configs_and_tensors_before_compute(hf_dirs, tmp_path
 def verified(hf_dirs, qwen3_run, tmp_path_factory):
     """One 2-rank launch: verify at TP=1 (DP=2) for both families, again with a broken k/v
     mapping, Qwen3 at TP=2 on the trained export, Llama-3.1 at PP=2; prompts up to 512 tokens."""
-    from tests._launch import torchrun
+    from tests.support.launch import torchrun
 
     out = tmp_path_factory.mktemp("verify") / "codes.json"
     q, ll, export = hf_dirs / "qwen3", hf_dirs / "llama31", qwen3_run[0]
@@ -189,7 +169,7 @@ def test_llama3_scaling_changes_the_logits_where_verify_looks(hf_dirs, tmp_path)
     megatron model that ignored the scaling could not pass."""
     from transformers import AutoModelForCausalLM
 
-    plain = _edited(hf_dirs / "llama31", tmp_path / "plain",
+    plain = edited_copy(hf_dirs / "llama31", tmp_path / "plain",
                     rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
     ids = torch.randint(0, 100, (1, int(LONG)), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -235,7 +215,7 @@ def qwen3_run(hf_dirs):
     rank; the run directory exported to HF. A length term keeps a group's rewards apart, so a
     random model's steps have a gradient."""
     run, out = hf_dirs / "run", hf_dirs / "export"
-    p = _cli("train", "--config", DEMO, "--nproc", "1", f"run.init={hf_dirs / 'qwen3'}",
+    p = run_cli("train", "--config", DEMO, "--nproc", "1", f"run.init={hf_dirs / 'qwen3'}",
              "run.steps=2", f"run.out_dir={run}", "data.batch_size=4", "algo.group_size=4",
              "algo.num_minibatches=1", "reference.sync_every_steps=1", "checkpoint.at_end=true",
              "cold_start.steps=0", "eval.every=0", "log.tensorboard=false",
@@ -243,7 +223,7 @@ def qwen3_run(hf_dirs):
              "reward.terms=[{name: arithmetic}, {name: 'tests._rewards:length_reward', "
              "weight: 0.01}]")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    p = _cli("convert", "--from-megatron", str(run), "--to-hf", str(out))
+    p = run_cli("convert", "--from-megatron", str(run), "--to-hf", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return out, metrics
@@ -285,9 +265,9 @@ def test_recipes_validate_and_plan_without_weights(recipe, arch, params_b, capsy
 def test_convert_round_trip_tp2_to_tp1_bitwise(hf_dirs, tmp_path, family):
     """Through dist-checkpointing: HF -> megatron at TP=2 -> HF at TP=1, every tensor equal."""
     src = hf_dirs / family
-    p = _cli("convert", "--from-hf", str(src), "--to-megatron", str(tmp_path / "m"), "--tp", "2")
+    p = run_cli("convert", "--from-hf", str(src), "--to-megatron", str(tmp_path / "m"), "--tp", "2")
     assert p.returncode == 0, p.stderr[-3000:]
-    p = _cli("convert", "--from-megatron", str(tmp_path / "m"), "--to-hf", str(tmp_path / "out"))
+    p = run_cli("convert", "--from-megatron", str(tmp_path / "m"), "--to-hf", str(tmp_path / "out"))
     assert p.returncode == 0, p.stderr[-3000:]
     a, b = load_dir(src), load_dir(tmp_path / "out")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -300,7 +280,7 @@ def test_verify_cli_relaunches_and_runs_bf16(hf_dirs):
     both models in bf16: within the bf16 tolerance, and visibly not float32."""
     import re
 
-    p = _cli("verify", "--hf", str(hf_dirs / "qwen3"), "--pp", "2", "--dtype", "bfloat16")
+    p = run_cli("verify", "--hf", str(hf_dirs / "qwen3"), "--pp", "2", "--dtype", "bfloat16")
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     err = float(re.search(r"max relative error (\S+) \(tolerance 5e-02\)", p.stdout).group(1))
     assert 1e-4 < err < 5e-2 and "tp=1 pp=2, bfloat16" in p.stdout

@@ -1,5 +1,5 @@
 """Mixture of experts (Qwen3-MoE, Qwen2-MoE with a gated shared expert and a dense layer) at
-every TP x PP x EP layout of 4 ranks, against transformers' own models (tests/hf_tiny.py):
+every TP x PP x EP layout of 4 ranks, against transformers' own models (tests/support/tiny.py):
 logits, the bitwise HF -> megatron -> HF round trip, and one training step's reduced
 gradients (routed experts, router, shared expert, dense) and grad norm against a single-process
 float64 gradient. One torchrun launch; see tests/_moe_worker.py."""
@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from megagrpo.hf import hf_config_dict, hf_shapes, model_config_from_hf
-from tests._launch import torchrun
-from tests.hf_tiny import load_dir, tiny_qwen2_moe, tiny_qwen3_moe
+from tests.support.cli import run_cli
+from tests.support.docs import assert_generated_table
+from tests.support.launch import torchrun
+from tests.support.tiny import edited_copy, load_dir, tiny_dirs, tiny_qwen2_moe, tiny_qwen3_moe
 from tests.test_foundation import assert_grads_match, reference_grads
-from tests.test_model_families import _cli, _edited
 
 LAYOUTS = ["tp1_pp1_ep1", "tp2_pp1_ep2", "tp1_pp2_ep2", "tp1_pp1_ep4"]
 MODELS = ["qwen3_moe", "qwen2_moe"]
@@ -100,10 +101,7 @@ DEMO = str(ROOT / "examples" / "demo.yaml")
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_families")
-    tiny_qwen3_moe(root / "qwen3_moe")
-    tiny_qwen2_moe(root / "qwen2_moe")
-    return root
+    return tiny_dirs(tmp_path_factory.mktemp("moe_families"), "qwen3_moe", "qwen2_moe")
 
 
 def test_moe_configs_read_and_written(hf_dirs):
@@ -140,11 +138,11 @@ def test_moe_bad_layouts_refused_before_compute(hf_dirs, tmp_path):
         (("train", "--config", DEMO, "model.architecture=qwen3_moe", "model.num_experts=4",
           "model.moe_ffn_hidden_size=96", "parallel.tp=2", "rollout.tensor_parallel_size=2",
           f"run.out_dir={tmp_path}/r"), "96 / rollout.tensor_parallel_size=2 = 48 per vLLM rank"),
-        (("verify", "--hf", str(_edited(hf_dirs / "qwen3_moe", tmp_path / "yarn",
+        (("verify", "--hf", str(edited_copy(hf_dirs / "qwen3_moe", tmp_path / "yarn",
                                         rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                                          "rope_theta": 1e6}))),
          "rope_parameters.rope_type='yarn' is not supported"),
-        (("verify", "--hf", str(_edited(hf_dirs / "qwen3_moe", tmp_path / "dsv3",
+        (("verify", "--hf", str(edited_copy(hf_dirs / "qwen3_moe", tmp_path / "dsv3",
                                         n_group=8))), "n_group=8 is not supported"),
         (("train", "--config", DEMO, "algo.routing_replay=true", f"run.out_dir={tmp_path}/r"),
          "has no experts to route"),
@@ -153,7 +151,7 @@ def test_moe_bad_layouts_refused_before_compute(hf_dirs, tmp_path):
          "checkpointed without its routes"),
     ]
     for args, want in cases:
-        p = _cli(*args, timeout=120)
+        p = run_cli(*args, timeout=120)
         assert p.returncode == 2, (args, p.stdout[-1000:], p.stderr[-2000:])
         assert want in p.stderr and "Traceback" not in p.stderr, (want, p.stderr[-2000:])
         assert not (tmp_path / "r").exists()
@@ -187,7 +185,7 @@ def test_moe_verify_passes_at_every_layout_and_fails_on_swapped_experts(verified
 
 # ------------------------------------------------------------------------------- GRPO
 def _grpo(hf_dir: Path, run: Path, *overrides: str):
-    p = _cli("train", "--config", DEMO, "--nproc", "2", f"run.init={hf_dir}", "run.steps=3",
+    p = run_cli("train", "--config", DEMO, "--nproc", "2", f"run.init={hf_dir}", "run.steps=3",
              f"run.out_dir={run}", "data.batch_size=4", "algo.group_size=4",
              "algo.num_minibatches=1", "reference.sync_every_steps=1", "checkpoint.at_end=true",
              "cold_start.steps=0", "eval.every=0", "log.tensorboard=false", "log.progress=false",
@@ -227,7 +225,7 @@ def test_moe_grpo_with_vllm_reference_reset_and_export(hf_dirs, tmp_path, family
                for m in steps), steps
     summary = json.loads((run / "summary.json").read_text())
     assert summary["reference_syncs"] == 3
-    p = _cli("convert", "--from-megatron", str(run), "--to-hf", str(out))
+    p = run_cli("convert", "--from-megatron", str(run), "--to-hf", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.model_type == family
@@ -274,8 +272,9 @@ def test_readme_routing_table_is_the_results_table():
     from moe_routing import table
 
     got = table(str(ROOT / "benchmarks" / "results" / "moe_routing_cpu.jsonl"))
-    assert got in (ROOT / "README.md").read_text()
-    assert got in (ROOT / "docs" / "performance.md").read_text()
+    for doc in (ROOT / "README.md", ROOT / "docs" / "performance.md"):
+        assert_generated_table(doc, "<!-- moe routing table: generated by",
+                               "<!-- end of moe routing table -->", got)
 
 
 def test_readme_moe_throughput_row_is_the_report_row():
@@ -327,11 +326,11 @@ def test_moe_convert_round_trip_tp2_ep2_to_pp2_bitwise(hf_dirs, tmp_path):
     """Through dist-checkpointing: HF -> megatron at TP=2 x EP=2 (4 ranks) -> HF at PP=2,
     every tensor equal, the config read back equal."""
     src = hf_dirs / "qwen3_moe"
-    p = _cli("convert", "--from-hf", str(src), "--to-megatron", str(tmp_path / "m"), "--tp", "2",
+    p = run_cli("convert", "--from-hf", str(src), "--to-megatron", str(tmp_path / "m"), "--tp", "2",
              "--ep", "2")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "(tp=2 pp=1 ep=2)" in p.stdout
-    p = _cli("convert", "--from-megatron", str(tmp_path / "m"), "--to-hf", str(tmp_path / "out"),
+    p = run_cli("convert", "--from-megatron", str(tmp_path / "m"), "--to-hf", str(tmp_path / "out"),
              "--pp", "2")
     assert p.returncode == 0, p.stderr[-3000:]
     a, b = load_dir(src), load_dir(tmp_path / "out")

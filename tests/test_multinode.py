@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._launch import free_port
+from tests.support.launch import free_port, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = """\
@@ -39,11 +39,8 @@ def run_dir(tmp_path_factory):
     work = tmp_path_factory.mktemp("multinode")
     recipe = work / "recipe.yaml"
     recipe.write_text(RECIPE.replace("TOK", str(work / "tok")).replace("OUT", str(work / "run")))
-    env = dict(os.environ, NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               GPUS_PER_NODE="2", PYTHON=sys.executable, OMP_NUM_THREADS="1",
-               RDZV_ID=f"test{os.getpid()}", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.pop("TRITON_INTERPRET", None)
+    env = worker_env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                     GPUS_PER_NODE="2", PYTHON=sys.executable, RDZV_ID=f"test{os.getpid()}")
     nodes = [subprocess.Popen(["bash", str(ROOT / "examples" / "launch_multinode.sh"),
                                str(recipe)], cwd=ROOT, env=dict(env, NODE_RANK=str(n)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,10 +1,7 @@
 """Preflight: every check that needs files or imports fails before any process group, model or
 engine exists, naming the field, the value and the fix; the CLI returns rc 2 within seconds."""
 import json
-import os
 import resource
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -15,6 +12,7 @@ import torch
 from megagrpo.config.train import load_config
 from megagrpo.preflight import preflight
 from megagrpo.tasks import arithmetic
+from tests.support.cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = str(ROOT / "examples" / "demo.yaml")
@@ -198,7 +196,7 @@ def test_head_dim_unsupported_by_vllm_cpu():
 def test_layout_and_lengths_are_checked_against_run_init(tmp_path):
     """The recipe's model section is ignored with an HF run.init: TP and max_model_len are
     checked against the checkpoint's architecture (4 heads, 2 KV groups, 256 positions)."""
-    from tests.hf_tiny import tiny_llama
+    from tests.support.tiny import tiny_llama
 
     tiny_llama(tmp_path)
     ok = ["model.num_attention_heads=8", "model.num_query_groups=8", "model.hidden_size=256",
@@ -242,12 +240,9 @@ def _train(tmp_path: Path, *args: str) -> tuple[int, str, float]:
     """`python -m megagrpo train --nproc 2 ...` (so a passing preflight would start torchrun).
     Returns (rc, output, CPU seconds of the command: wall time on a shared 2-core machine
     says more about the neighbours than about the command)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH",
-                                                                                  "")]))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    p = subprocess.run([sys.executable, "-m", "megagrpo", "train", "--nproc", "2", *args,
-                        f"run.out_dir={tmp_path / 'out'}"], capture_output=True, text=True,
-                       env=env, timeout=300, cwd=tmp_path)
+    p = run_cli("train", "--nproc", "2", *args, f"run.out_dir={tmp_path / 'out'}", timeout=300,
+                cwd=tmp_path)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return p.returncode, p.stdout + p.stderr, cpu

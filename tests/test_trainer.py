@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tests._launch import torchrun
+from tests.support.launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "_trainer_worker.py")
 

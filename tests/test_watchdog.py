@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.run import WatchdogConfig
 from megagrpo.watchdog import EXIT_STALLED, Watchdog, WatchdogSettings
-from tests._launch import free_port
+from tests.support.launch import torchrun_command, worker_env
 
 WORKER = os.path.join(os.path.dirname(__file__), "_watchdog_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,12 +128,8 @@ def launch(work: Path, scenario: str, timeout: float) -> tuple[int, str, float]:
     """torchrun, 2 ranks of the worker: (return code, output, seconds from the stall to the
     end of torchrun). Whatever happens, no rank is left behind: a stopped one is continued
     and every one is killed."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", WORKER,
-           "--work", str(work), "--scenario", scenario]
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    cmd = torchrun_command(2, WORKER, "--work", str(work), "--scenario", scenario)
+    p = subprocess.Popen(cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, start_new_session=True)
     try:
         out, _ = p.communicate(timeout=timeout)

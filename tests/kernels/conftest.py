@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from kernels_oracle import GRPO_OPTIONS, grpo_case, logprob_case, tp_worker
+
+from tests.kernels.kernels_oracle import GRPO_OPTIONS, grpo_case, logprob_case, tp_worker
+from tests.support.launch import spawn_ranks
 
 
 def tp_cases(tp: int) -> dict:
@@ -28,11 +29,7 @@ def tp_cases(tp: int) -> dict:
 
 def spawn_tp(tp: int, tmp_path) -> tuple[dict, list[dict]]:
     cases = tp_cases(tp)
-    cases_path = str(tmp_path / "cases.pt")
-    torch.save(cases, cases_path)
-    mp.spawn(tp_worker, args=(tp, str(tmp_path / "rdzv"), cases_path, str(tmp_path)), nprocs=tp)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(tp)]
-    return cases, ranks
+    return cases, spawn_ranks(tp_worker, tp, cases, tmp_path)
 
 
 @pytest.fixture(scope="session", params=[2, 4], ids=["tp2", "tp4"])

@@ -11,11 +11,14 @@ gradient all-reduced as megatron's ColumnParallelLinear does.
 from __future__ import annotations
 
 import math
-import os
+from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from kernels_oracle import GRPO_OPTIONS, _count_collectives, edge_targets, oracle_grpo
+
+from tests.kernels.kernels_oracle import GRPO_OPTIONS, edge_targets, oracle_grpo
+from tests.support.launch import count_collectives, gloo_rank, save_rank
 
 PAD_LOGIT = -1e9  # megagrpo.losses.PAD_LOGIT (not imported: that module pulls in megatron)
 
@@ -209,16 +212,42 @@ def assert_near(actual, ref, tol: float, what: str) -> None:
     assert err <= tol * scale, f"{what}: max err {err:.3g} > {tol:.3g} x {scale:.3g}"
 
 
-TOL64 = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-5, 1.5e-2)}
+class GradTol(NamedTuple):
+    """A gradient entry passes at |actual - ref| <= rtol |ref| + atol max(1, max |ref|)."""
+
+    rtol: float
+    atol: float
+
+
+def assert_grad_near(actual, ref, tol: GradTol, what: str) -> None:
+    """Per element: a relative part (bf16 rounds each entry by its own size) and a small
+    absolute floor against the largest entry (sums of terms of mixed signs cancel)."""
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    if not ref.numel():
+        return
+    ref64 = ref.double()
+    scale = max(1.0, float(ref64.abs().max()))
+    err = (actual.double() - ref64).abs()
+    excess = err - (tol.rtol * ref64.abs() + tol.atol * scale)
+    worst = int(excess.argmax())
+    assert float(excess.flatten()[worst]) <= 0, (
+        f"{what}: entry {worst}: err {float(err.flatten()[worst]):.3g} > {tol.rtol:.3g} x "
+        f"|{float(ref64.flatten()[worst]):.3g}| + {tol.atol:.3g} x {scale:.3g}")
+
+
+BF16_GRAD = GradTol(rtol=1.6e-2, atol=4e-3)
+"""bf16 gradients: two bf16 ulps (2^-6) of each entry, plus 4e-3 of the largest one (measured
+on these cases: <= 2e-3 beyond the relative part, the 256-token, H=96 case the largest)."""
+TOL64 = {torch.float32: (2e-5, GradTol(0.0, 2e-5)), torch.bfloat16: (2e-5, BF16_GRAD)}
 """(outputs, gradients) against float64 (on the bf16 logits for bf16, see `_logits64`): fp32
 rounding; bf16 gradients are rounded to bf16 once per chunk GEMM (a bf16 ulp or two)."""
-TOL_LOGITS = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-5, 1.5e-2)}
+TOL_LOGITS = {torch.float32: (2e-5, GradTol(0.0, 2e-5)), torch.bfloat16: (2e-5, BF16_GRAD)}
 """Against the logits path: the same bf16 logits (outputs agree to ~1e-8), but the bf16
 gradient GEMMs are rounded per chunk (fused, summed in fp32) vs once over the whole vocab
-(megatron): a bf16 ulp or two (measured <= 4e-3)."""
+(megatron): a bf16 ulp or two."""
 
 
-def check(case, out, ref, tol: tuple[float, float], what: str, grads: bool = True) -> None:
+def check(case, out, ref, tol: tuple[float, GradTol], what: str, grads: bool = True) -> None:
     keys = ["logp", "entropy"] + (["loss"] if case["kind"] == "grpo" else [])
     for k in keys:
         assert_near(out[k], ref[k], tol[0], f"{what} {k}")
@@ -227,8 +256,25 @@ def check(case, out, ref, tol: tuple[float, float], what: str, grads: bool = Tru
     if grads:
         dtypes = out.get("dh_dtype", out["dh"].dtype), out.get("dw_dtype", out["dw"].dtype)
         assert dtypes == (case["h"].dtype, case["w"].dtype), f"{what}: {dtypes}"
-        assert_near(out["dh"], ref["dh"], tol[1], f"{what} dh")
-        assert_near(out["dw"], ref["dw"], tol[1], f"{what} dW")
+        assert_grad_near(out["dh"], ref["dh"], tol[1], f"{what} dh")
+        assert_grad_near(out["dw"], ref["dw"], tol[1], f"{what} dW")
+
+
+def _counted(*args, _fn, _counts: dict[str, int], _key: str, **kwargs):
+    _counts[_key] += 1
+    return _fn(*args, **kwargs)
+
+
+def count_fused_paths(set_attr=setattr) -> dict[str, int]:
+    """Counts the fused op's two training paths: "forward_grads" (the gradient computed in the
+    forward, token-separable losses) and "recompute" (the recomputing backward: GSPO).
+    `set_attr` puts the counting wrappers in place (pytest's monkeypatch.setattr in a test)."""
+    from megagrpo.kernels import fused_output as fo
+
+    counts = {"forward_grads": 0, "recompute": 0}
+    for key, name in (("forward_grads", "_loss_and_grads"), ("recompute", "_backward")):
+        set_attr(fo, name, partial(_counted, _fn=getattr(fo, name), _counts=counts, _key=key))
+    return counts
 
 
 # ------------------------------------------------------------------------------ TP worker
@@ -237,22 +283,20 @@ def tp_worker(rank: int, world: int, rdzv: str, cases_path: str, out_dir: str) -
     path; counts the collectives of each fused call (forward, backward) and of scoring."""
     from megagrpo.kernels import fused_output_logprob
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world)
-    calls = _count_collectives()
-    group = dist.group.WORLD
-    results = {}
-    try:
+    with gloo_rank(rank, world, rdzv) as group:
+        calls = count_collectives()
         spec = torch.load(cases_path, weights_only=False)
+        results = {}
         for name, case in spec["cases"].items():
-            for impl in spec["impls"].get(name, ("torch",)):
+            impls = spec["impls"].get(name, ("torch",))
+            for impl in impls:
                 before = calls[0]
                 out = run_fused(case, impl, group, rank, world)
                 out["collectives"] = calls[0] - before
                 results[(name, impl)] = out
             results[(name, "logits")] = run_logits(case, "torch", group, rank, world)
             if case["kind"] == "grpo":  # the gradient-in-forward path (GSPO: its fallback)
-                for impl in spec["impls"].get(name, ("torch",)):
+                for impl in impls:
                     before = calls[0]
                     out = run_weighted(case, impl, group, rank, world)
                     out["collectives"] = calls[0] - before
@@ -264,6 +308,4 @@ def tp_worker(rank: int, world: int, rdzv: str, cases_path: str, out_dir: str) -
             fused_output_logprob(case["h"], w_local, case["target"], group=group,
                                  valid_vocab=valid, impl="torch")
         results["scoring_collectives"] = calls[0] - before
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+        save_rank(results, out_dir, rank)

@@ -2,15 +2,14 @@
 
 The oracles work on the UNSHARDED logits with a full float64 log_softmax: they share no code
 with megagrpo.kernels, so they check both the Triton and the chunked torch path independently.
-The TP worker runs in spawned gloo processes; it must live in an importable module (not a test
-file) so that torch.multiprocessing can pickle it.
+The TP worker runs in spawned gloo processes (tests.support.launch.spawn_ranks); it must live
+in an importable module (not a test file) so that torch.multiprocessing can pickle it.
 """
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.distributed as dist
+
+from tests.support.launch import count_collectives, gloo_rank, save_rank
 
 GRPO_OPTIONS: dict[str, dict] = {
     "ppo_clip": dict(eps_low=0.2, eps_high=0.28),
@@ -208,35 +207,15 @@ def run_case(case, impl: str, group=None, rank: int = 0, tp: int = 1, inplace=Fa
     return dict(loss=loss.detach(), grad=leaf.grad, **metrics)
 
 
-def _count_collectives() -> list[int]:
-    """Wrap the collectives the kernels could use; returns a one-element call counter."""
-    calls = [0]
-    for name in ("all_gather_single", "all_gather_into_tensor", "all_reduce", "all_gather"):
-        fn = getattr(dist, name, None)
-        if fn is None:
-            continue
-
-        def counted(*args, _fn=fn, **kwargs):
-            calls[0] += 1
-            return _fn(*args, **kwargs)
-
-        setattr(dist, name, counted)
-    return calls
-
-
 def tp_worker(rank: int, world: int, rdzv: str, cases_path: str, out_dir: str) -> None:
     """Spawned gloo rank: run every case with both impls, save the results for the parent."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world)
-    calls = _count_collectives()
-    results = {}
-    try:
+    with gloo_rank(rank, world, rdzv) as group:
+        calls = count_collectives()
+        results = {}
         for name, case in torch.load(cases_path, weights_only=False).items():
             for impl in ("triton", "torch"):
                 before = calls[0]
-                out = run_case(case, impl, dist.group.WORLD, rank, world, inplace=impl == "torch")
+                out = run_case(case, impl, group, rank, world, inplace=impl == "torch")
                 out["collectives"] = calls[0] - before
                 results[(name, impl)] = out
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+        save_rank(results, out_dir, rank)

@@ -10,17 +10,29 @@ import logging
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from fused_cases import (
-    TOL64, TOL_LOGITS, assert_near, check, fused_case, grpo_cases, reference_grads, run_fused,
-    run_logits, run_weighted, tp_worker,
-)
-from kernels_oracle import GRPO_OPTIONS
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megagrpo.algo import LOSS_AGGREGATIONS, LossCounts, aggregation_weights
 from megagrpo.kernels import dispatch, fused_output_grpo_weighted_loss, fused_output_logprob
 from megagrpo.kernels import fused_output as fo
+from tests.kernels.fused_cases import (
+    TOL64,
+    TOL_LOGITS,
+    GradTol,
+    assert_grad_near,
+    assert_near,
+    check,
+    count_fused_paths,
+    fused_case,
+    grpo_cases,
+    reference_grads,
+    run_fused,
+    run_logits,
+    run_weighted,
+    tp_worker,
+)
+from tests.kernels.kernels_oracle import GRPO_OPTIONS
+from tests.support.dispatch import CountOps, OpOutputs
+from tests.support.launch import spawn_ranks
 
 TP1_GRPO = grpo_cases(1)
 LOGPROB = {
@@ -37,8 +49,9 @@ LOGPROB = {
 def _tol(case, table):
     """The table's tolerance; x30 for the large-logit case (|z| ~ 1e3: fp32 rounding of the
     logits themselves is ~1e-4 absolute)."""
-    big = float(case["h"].abs().max() * case["w"].abs().max()) > 50
-    return tuple(t * (30 if big else 1) for t in table[case["h"].dtype])
+    k = 30 if float(case["h"].abs().max() * case["w"].abs().max()) > 50 else 1
+    out, grad = table[case["h"].dtype]
+    return out * k, GradTol(grad.rtol, grad.atol * k)
 
 
 @pytest.mark.parametrize("name", list(TP1_GRPO))
@@ -112,35 +125,23 @@ def _grpo64_loss(case, logits64):
     return torch.where(m, loss, 0.0)
 
 
-class _LargestFloat(TorchDispatchMode):
-    """Records the largest floating tensor any op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_no_tokens_by_vocab_tensor_exists():
-    """Forward and backward create nothing bigger than a chunk or the weight: T x V logits
-    never exist (here T*V = 8 x any chunk and 4 x W)."""
-    n, hdim, v = 64, 8, 2048
+    """Forward and backward create no logits-like tensor (one without the hidden size H among
+    its sizes) bigger than one chunk, chunk_tokens x chunk_vocab, and nothing bigger than the
+    weight: neither the T x V logits nor every token against one vocab chunk (T x chunk_vocab,
+    16x a chunk here) exist. H = 96 keeps the weight (V x H) 2.7x smaller than the logits."""
+    n, hdim, v, tc, vc = 256, 96, 2048, 16, 256
     case = fused_case(n, hdim, v, 1, torch.bfloat16, 8, kind="logprob")
     h = case["h"].clone().requires_grad_()
     w = case["w"].clone().requires_grad_()
-    with _LargestFloat() as mode:
+    with OpOutputs() as mode:
         logp, ent = fused_output_logprob(h, w, case["target"], ignore_mask=~case["mask"],
                                          with_entropy=True, temperature=case["temperature"],
-                                         impl="torch", chunk_tokens=16,
-                                         chunk_vocab=256)
+                                         impl="torch", chunk_tokens=tc, chunk_vocab=vc)
         (logp * case["g"] + ent * case["e"]).sum().backward()
-    assert mode.largest <= max(16 * 256, v * hdim) < n * v // 4
+    logits_like = mode.largest(lambda shape, dtype: dtype.is_floating_point and hdim not in shape)
+    assert logits_like <= tc * vc < n * vc
+    assert mode.largest() <= v * hdim < n * v
     check(case, dict(logp=logp, entropy=ent, dh=h.grad, dw=w.grad), reference_grads(case),
           TOL64[torch.bfloat16], "chunked bf16")
 
@@ -186,16 +187,7 @@ def test_dispatch_logs_the_fused_path_once(monkeypatch, caplog):
 @pytest.fixture
 def paths(monkeypatch):
     """Counts of the op's training paths: gradient in the forward, recomputing backward."""
-    counts = {"forward_grads": 0, "recompute": 0}
-    for key, name in (("forward_grads", "_loss_and_grads"), ("recompute", "_backward")):
-        fn = getattr(fo, name)
-
-        def counted(*args, _fn=fn, _key=key, **kwargs):
-            counts[_key] += 1
-            return _fn(*args, **kwargs)
-
-        monkeypatch.setattr(fo, name, counted)
-    return counts
+    return count_fused_paths(monkeypatch.setattr)
 
 
 @pytest.mark.parametrize("name", list(TP1_GRPO))
@@ -244,8 +236,8 @@ def test_weighted_loss_each_loss_agg_matches_float64(mode):
     out = run_weighted(case, "torch", token_weight=tw)
     assert_near(out["total"], (ref["loss"] * want).sum(), 2e-5, f"{mode} loss")
     tol = TOL64[case["h"].dtype][1]
-    assert_near(out["dh"], ref["dh"], tol, f"{mode} dh")
-    assert_near(out["dw"], ref["dw"], tol, f"{mode} dW")
+    assert_grad_near(out["dh"], ref["dh"], tol, f"{mode} dh")
+    assert_grad_near(out["dw"], ref["dw"], tol, f"{mode} dW")
 
 
 def test_aggregation_weights_rejects_a_nonlinear_aggregation(monkeypatch):
@@ -296,17 +288,6 @@ def test_when_the_gradient_is_computed_in_the_forward():
         assert fo.use_grad_in_forward(t, tc, 1024 if t > 64 else 1, 2) == bf16, t
 
 
-class _CountMatmuls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
-            self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_three_matmuls_with_grad_one_without_and_buffers_freed():
     """4 token chunks: with grad, 3 matmuls per chunk in the forward and none in the backward
     (which frees the saved dh, dW and refuses to run twice); under no_grad one matmul per chunk
@@ -316,16 +297,16 @@ def test_three_matmuls_with_grad_one_without_and_buffers_freed():
     args = (h, w, case["target"], case["old_logp"], case["advantages"], case["mask"], case["g"])
     kw = dict(case["kwargs"], temperature=case["temperature"], impl="torch", chunk_tokens=5,
               chunk_vocab=case["w"].shape[0], grad_in_forward=True)
-    with _CountMatmuls() as fwd:
+    with CountOps() as fwd:
         loss = fused_output_grpo_weighted_loss(*args, **kw)[0]
     assert fwd.n == 3 * 4
     assert all(g is not None for g in loss.grad_fn.grads)
-    with _CountMatmuls() as bwd:
+    with CountOps() as bwd:
         (loss * 0.37).backward(retain_graph=True)
     assert bwd.n == 0 and loss.grad_fn.grads is None
     with pytest.raises(RuntimeError, match="backward runs once"):
         loss.backward()
-    with torch.no_grad(), _CountMatmuls() as scoring:
+    with torch.no_grad(), CountOps() as scoring:
         total = fused_output_grpo_weighted_loss(*args, **kw)[0]
     assert scoring.n == 4 and total.grad_fn is None
     assert_near(total, loss.detach(), 1e-6, "no-grad loss")
@@ -346,9 +327,7 @@ def tp2(tmp_path_factory):
     cases["logprob_pad_shard"] = fused_case(11, 8, 512, 2, torch.float32, 33, kind="logprob",
                                             pad=256)
     impls = {name: ("torch", "triton") for name in TP2_TRITON}
-    torch.save(dict(cases=cases, impls=impls), tmp / "cases.pt")
-    mp.spawn(tp_worker, args=(2, str(tmp / "rdzv"), str(tmp / "cases.pt"), str(tmp)), nprocs=2)
-    return cases, impls, [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return cases, impls, spawn_ranks(tp_worker, 2, dict(cases=cases, impls=impls), tmp)
 
 
 def test_tp2_matches_float64_and_logits_path(tp2):

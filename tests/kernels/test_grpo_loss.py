@@ -7,11 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_oracle import (
-    GRPO_OPTIONS, assert_close, grpo_case, oracle_grpo, oracle_logprob, row_scale, run_case,
-)
 
 from megagrpo.kernels import grpo_token_loss, kl_penalty
+from tests.kernels.kernels_oracle import (
+    GRPO_OPTIONS,
+    assert_close,
+    grpo_case,
+    oracle_grpo,
+    oracle_logprob,
+    row_scale,
+    run_case,
+)
 
 IMPLS = ["triton", "torch"]
 

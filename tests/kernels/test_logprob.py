@@ -14,12 +14,18 @@ import textwrap
 
 import pytest
 import torch
-from kernels_oracle import assert_close, logprob_case, oracle_logprob, row_scale, run_case
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import megagrpo.kernels.dispatch as dispatch
 import megagrpo.kernels.logprob as lp_mod
 from megagrpo.kernels import active_path, vocab_parallel_logprob
+from tests.kernels.kernels_oracle import (
+    assert_close,
+    logprob_case,
+    oracle_logprob,
+    row_scale,
+    run_case,
+)
+from tests.support.dispatch import OpOutputs
 
 IMPLS = ["triton", "torch"]
 
@@ -122,31 +128,16 @@ def test_inplace_backward_refuses_second_backward():
         logp.sum().backward()
 
 
-class _LargestFloat(TorchDispatchMode):
-    """Records the largest fp32 tensor any op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_torch_path_is_chunked(monkeypatch):
     """The torch path never creates an fp32 tensor bigger than one chunk of rows."""
     monkeypatch.setattr(lp_mod, "CHUNK_ELEMS", 4 * 256)
     case = logprob_case(32, 256, 1, torch.bfloat16, seed=7, temperature=0.9)
     x = case["logits"].clone().requires_grad_()
-    with _LargestFloat() as mode:
+    with OpOutputs() as mode:
         logp, ent = vocab_parallel_logprob(x, case["target"], temperature=0.9, with_entropy=True,
                                            ignore_mask=case["mask"], impl="torch")
         (logp * case["g"] + ent * case["h"]).sum().backward()
-    assert mode.largest <= 4 * 256
+    assert mode.largest(lambda shape, dtype: dtype == torch.float32) <= 4 * 256
     check_logprob(case, dict(logp=logp, entropy=ent, grad=x.grad), "chunked")
 
 

@@ -1,0 +1,37 @@
+"""Test support, one copy each, imported as `from tests.support.<module> import ...`:
+
+- `launch`: torchrun launches of a worker script (`torchrun`, `torchrun_results`, and in the
+  worker `write_results`), spawned gloo groups (`spawn_ranks`, `gloo_rank`), collective
+  counting, free ports (the command line and port picker are megagrpo.cli's, so the launcher,
+  tests and benchmarks share them: no fixed ports);
+- `tiny`: tiny random HF checkpoints (Llama, Qwen2/3, MoE) built from config classes;
+- `cli`: `python -m megagrpo ...` as a subprocess;
+- `dispatch`: TorchDispatchModes that watch the ops a call runs (tensor sizes, matmul counts);
+- `docs`: generated tables in the docs compared between their markers.
+
+Worker scripts that torchrun starts run as `__main__` files: `child_env` puts the repository
+root first on PYTHONPATH so that they import `tests.support` the same way.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository root (the folder holding megagrpo/, kernels/ and tests/)."""
+
+
+def child_env(**changes: str | None) -> dict[str, str]:
+    """This environment for a child process: the repository root first on PYTHONPATH and no
+    TRITON_INTERPRET (the test session's setting for in-process kernels; a child picks its
+    kernel path itself and the interpreter would only slow vLLM down); `changes` set
+    variables, None removes one."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)
+    for key, value in changes.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
