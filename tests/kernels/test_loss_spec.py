@@ -15,10 +15,10 @@ import math
 import pytest
 import torch
 import torch.multiprocessing as mp
-from fused_cases import fused_case, shard
-from kernels_oracle import assert_close, grpo_case, row_scale, tp_worker
 
 from megagrpo.kernels import LossSpec, TokenInputs, VocabPass, kl_penalty, token_loss
+from tests.kernels.fused_cases import fused_case, shard
+from tests.kernels.kernels_oracle import assert_close, grpo_case, row_scale, tp_worker
 
 IMPLS = ["triton", "torch"]
 SAPO = dict(policy_loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05)
