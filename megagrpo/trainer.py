@@ -391,16 +391,16 @@ class Trainer:
                 reports += out
                 gnorms.append(gnorm)
         res.applied = len(gnorms)
-        res.metrics = self._update_metrics(reports, gnorms, gap, len(gnorms))
+        res.kl, res.metrics = self._update_metrics(reports, gnorms, gap, len(gnorms))
         if self.routing is not None:
             res.metrics.update(self.routing.metrics())
-        res.kl = res.metrics["kl"]
         return res
 
     def _update_metrics(self, reports: list[dict], gnorms: list[float],
-                        gap: tuple[float, float], opt_steps: int) -> dict:
+                        gap: tuple[float, float], opt_steps: int) -> tuple[float, dict]:
         """Reduces the last stage's per-micro-batch reports over the world (TP rank 0 of the
-        last stage of each replica contributes once); zeros when no step was applied."""
+        last stage of each replica contributes once); zeros when no step was applied. Returns
+        the mean KL (the reference schedule's input, a value of its own) and the metrics."""
         keys = ["loss", "tokens", "kl_sum", "entropy_sum", "clip_low_sum", "clip_high_sum",
                 "clip_dual_sum", "ratio_sum"]
         v = torch.zeros(len(keys) + 2, dtype=torch.float64)
@@ -410,12 +410,14 @@ class Trainer:
             v[-2], v[-1] = gap
         dist.all_reduce(v, group=self.groups.world)
         tok = max(float(v[1]), 1.0)
-        return {"loss": float(v[0]) / max(opt_steps, 1),  # chunk shares sum to a step's loss
-                "kl": float(v[2]) / tok, "entropy": float(v[3]) / tok,
-                "clip_frac_low": float(v[4]) / tok, "clip_frac_high": float(v[5]) / tok,
-                "clip_frac_dual": float(v[6]) / tok, "ratio_mean": float(v[7]) / tok,
-                "logp_gap_vllm_mean": float(v[-1]) / max(float(v[-2]), 1.0),
-                "grad_norm": sum(gnorms) / max(len(gnorms), 1)}
+        kl = float(v[2]) / tok
+        metrics = {"loss": float(v[0]) / max(opt_steps, 1),  # chunk shares sum to a step's loss
+                   "kl": kl, "entropy": float(v[3]) / tok,
+                   "clip_frac_low": float(v[4]) / tok, "clip_frac_high": float(v[5]) / tok,
+                   "clip_frac_dual": float(v[6]) / tok, "ratio_mean": float(v[7]) / tok,
+                   "logp_gap_vllm_mean": float(v[-1]) / max(float(v[-2]), 1.0),
+                   "grad_norm": sum(gnorms) / max(len(gnorms), 1)}
+        return kl, metrics
 
     # ------------------------------------------------------------------ sync, reference
     def sync_weights(self) -> dict:
