@@ -17,7 +17,7 @@ from tests.support.cli import run_cli
 from tests.support.docs import assert_generated_table
 from tests.support.launch import torchrun
 from tests.support.tiny import edited_copy, load_dir, tiny_dirs, tiny_qwen2_moe, tiny_qwen3_moe
-from tests.test_foundation import assert_grads_match, reference_grads
+from tests.test_foundation import assert_grads_match, assert_logits_match, reference_grads
 
 LAYOUTS = ["tp1_pp1_ep1", "tp2_pp1_ep2", "tp1_pp2_ep2", "tp1_pp1_ep4"]
 MODELS = ["qwen3_moe", "qwen2_moe"]
@@ -66,11 +66,7 @@ def per_expert(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("model", MODELS)
 def test_moe_logits_match_transformers(run, layout, model):
-    _, results, _ = run
-    errs = [r["logits_rel_err"] for r in results
-            if r["layout"] == layout and r["model"] == model and "logits_rel_err" in r]
-    assert errs, f"no logits recorded for {model} at {layout}"
-    assert max(errs) <= 1e-5, errs
+    assert_logits_match(run[1], layout, model)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
