@@ -191,10 +191,10 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
                            config=dataclasses.asdict(resolved), progress=cfg.log.progress,
                            total_steps=cfg.run.steps)
     ckpt = ckpts.latest() if cfg.run.resume else None
-    restored = ckpts.load(ckpt) if ckpt is not None else None  # per-rank states put back
+    restored = ckpts.load(ckpt) if ckpt is not None else {}  # per-rank states put back
     # a resumed run's weight sync and evaluation are work the run it continues never did: they
     # leave the streams the checkpoint restored (once, by the manager) as they found them
-    with rng.kept(tr.engine) if restored is not None else contextlib.nullcontext():
+    with rng.kept(tr.engine) if "rng" in restored else contextlib.nullcontext():
         tr.sync_weights()
         summary = _evaluate_before(tr, logger, resumed=ckpt is not None)
     syncs_before = tr.reference.state.syncs if tr.reference else 0
