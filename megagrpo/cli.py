@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 
 import yaml
@@ -16,15 +15,8 @@ import yaml
 from megagrpo.config.model import ParallelConfig
 from megagrpo.config.train import load_config, to_dict
 from megagrpo.console import PREFLIGHT_SHOWN_ENV, VERBOSE_ENV, configure
-from megagrpo.procs import run_child
+from megagrpo.procs import free_port, run_child
 from megagrpo.run_dir import check_out_dir
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that no one listens on now (the OS picks it: never a fixed one)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_command(nproc: int, *target: str) -> list[str]:

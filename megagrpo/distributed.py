@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megagrpo import cpu_compat, rng
 from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.procs import free_port
 
 log = logging.getLogger("megagrpo")
 
@@ -51,7 +52,8 @@ def torchrun_env() -> tuple[int, int, int]:
     world = int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + (os.getpid() % 1000)))
+    if "MASTER_PORT" not in os.environ:  # a bare process: a port no one uses, never a fixed one
+        os.environ["MASTER_PORT"] = str(free_port())
     return rank, world, local
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 from functools import partial
@@ -59,3 +60,10 @@ def run_child(cmd: list[str], env: dict[str, str]) -> int:
 def _forward(child: subprocess.Popen, signum: int, _frame) -> None:
     if child.poll() is None:
         child.send_signal(signum)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no one listens on now (the OS picks it: never a fixed one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
