@@ -2,7 +2,14 @@
 reads it when @triton.jit decorates), so it is set here, at the very top of the session.
 Subprocess launches (torchrun, multiprocessing) inherit it."""
 import os
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# every child process (a worker run as a __main__ file, a CLI run) imports `tests.support` and
+# this checkout's `megagrpo` from the repository root, installed or not
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH"))
+                                               if p)

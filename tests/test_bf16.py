@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.support.launch import torchrun_results
+from tests.support.launch import torchrun_results, worker_env
 
 WORKER = os.path.join(os.path.dirname(__file__), "_bf16_worker.py")
 # mean |vLLM - trainer| log-prob gap that bf16 rounding alone opens on this model: measured
@@ -63,9 +63,8 @@ def test_bf16_step_moves_every_main_parameter(results):
 def test_weight_stream_is_in_the_model_dtype_at_tp1(tmp_path):
     """megatron's local RMSNorm creates fp32 weights in a bf16 model; the stream to vLLM and to an
     HF export carries every tensor in bf16 (vLLM warned once per norm and sync)."""
-    e = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, WORKER, "--work", str(tmp_path), "--stream-dtypes"],
-                       capture_output=True, text=True, env=e, timeout=300)
+                       capture_output=True, text=True, env=worker_env(), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     seen = json.loads((tmp_path / "stream_dtypes.json").read_text())
     assert list(seen) == ["torch.bfloat16"], {k: v[:3] for k, v in seen.items()}
