@@ -17,7 +17,7 @@ import torch
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.hf import hf_shapes, model_config_from_hf, param_specs
 from megagrpo.plan import expert_params, layer_params, stage_params, total_params
-from tests.hf_tiny import tiny_llama, tiny_qwen2, tiny_qwen2_moe, tiny_qwen3, tiny_qwen3_moe
+from tests.support.tiny import tiny_llama, tiny_qwen2, tiny_qwen2_moe, tiny_qwen3, tiny_qwen3_moe
 
 BUILDERS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3,
             "qwen3_moe": tiny_qwen3_moe, "qwen2_moe": tiny_qwen2_moe}
@@ -144,7 +144,7 @@ def test_planner_counts_are_the_specs_local_sizes(family):
 def test_specs_are_the_megatron_parameters_at_each_layout(tmp_path):
     """Each of 2 real ranks builds every family at tp=2, pp=2 and (MoE) ep=2: its parameters'
     names and shapes are the specs of its stage and EP rank, their count the planner's."""
-    from tests._launch import torchrun
+    from tests.support.launch import torchrun
 
     jobs = [f"{family}:{tp}:{pp}:{ep}" for family, layouts in LAYOUTS.items()
             for tp, pp, ep in layouts]

@@ -162,7 +162,7 @@ def test_setup_freezes_after_the_preflight_and_keeps_the_recipes_model(tmp_path,
     start, the config is frozen, and the architecture the run is built with is run.init's
     (here a tiny HF Llama), passed on as a value while cfg.model stays the recipe's."""
     import megagrpo.run as run
-    from tests.hf_tiny import tiny_llama
+    from tests.support.tiny import tiny_llama
 
     tiny_llama(tmp_path / "hf", vocab=100, layers=2)
     seen = {}
