@@ -29,10 +29,9 @@ from megagrpo.kernels import (
     LossSpec,
     TokenInputs,
     VocabPass,
-    fused_output_logprob,
     fused_output_token_loss,
+    token_logprob,
     token_loss,
-    vocab_parallel_logprob,
 )
 from megagrpo.positions import put, take
 
@@ -104,15 +103,13 @@ def vocab_pass(ctx: LossContext, out: Tensor, weight: Tensor | None, target: Ten
     """Per-token log-probs [n] (and entropy) of `target` from the logits `out` (weight None) or
     through the fused output layer from the hidden states `out` [n, h] and `weight`.
     `temperature`: None = the sampling temperature (ctx)."""
-    temperature = ctx.temperature if temperature is None else temperature
-    if weight is None:
-        return vocab_parallel_logprob(flat_logits(out, ctx), target, temperature=temperature,
-                                      group=ctx.tp_group, ignore_mask=~mask,
-                                      with_entropy=with_entropy, inplace_backward=inplace,
-                                      impl=ctx.impl)
-    return fused_output_logprob(out, weight, target, temperature=temperature,
-                                group=ctx.tp_group, ignore_mask=~mask, with_entropy=with_entropy,
-                                valid_vocab=ctx.valid_local_vocab, impl=ctx.impl)
+    x = out if weight is not None else flat_logits(out, ctx)
+    return token_logprob(x, target, weight=weight,
+                         temperature=ctx.temperature if temperature is None else temperature,
+                         ignore_mask=~mask, with_entropy=with_entropy,
+                         run=VocabPass(group=ctx.tp_group, impl=ctx.impl,
+                                       valid_vocab=ctx.valid_local_vocab,
+                                       inplace_backward=inplace))
 
 
 def logprob_loss(ctx: LossContext, mb: Batch, out: Tensor, positions: Tensor | None = None,

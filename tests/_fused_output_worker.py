@@ -76,16 +76,17 @@ def grads(passes, ddp, opt, loss_fn, batch, m, algo):
 
 
 def count_fused_calls() -> list[int]:
-    """Wrap the fused op where the loss functions look it up; returns a call counter."""
-    import megagrpo.losses as losses
+    """Wrap the fused op where the scoring op (`kernels.ops.token_logprob`) looks it up;
+    returns a call counter."""
+    from megagrpo.kernels import ops
 
-    calls, op = [0], losses.fused_output_logprob
+    calls, op = [0], ops.fused_output_logprob
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return op(*args, **kwargs)
 
-    losses.fused_output_logprob = counted
+    ops.fused_output_logprob = counted
     return calls
 
 
