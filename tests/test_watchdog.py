@@ -226,8 +226,8 @@ def test_frozen_rank_in_a_real_run_is_named(tmp_path):
     assert rc != 0, text[-4000:]
     assert seconds < 40, (seconds, text[-4000:])
     assert "megagrpo watchdog on rank 0: rank 1 (pid" in text, text[-4000:]
-    assert "its last: phase 'rollout' of step " in text
-    assert "sent SIGKILL to stopped rank 1" in text
+    assert "its last: phase 'rollout' of step " in text, text[-4000:]
+    assert "sent SIGKILL to stopped rank 1" in text, text[-4000:]
     assert len(below) >= 3 and not left, (below, left)  # torchrun + 2 ranks, all gone
 
 
