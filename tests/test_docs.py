@@ -68,7 +68,7 @@ def test_every_field_has_a_docstring():
     hints = typing.get_type_hints(TrainConfig)
     names = [f.name for f in dataclasses.fields(TrainConfig)]
     assert names == ["model", "parallel", "optim", "rollout", "algo", "data", "arithmetic",
-                     "reward", "reference", "run", "compute", "checkpoint", "eval",
+                     "reward", "agent", "reference", "run", "compute", "checkpoint", "eval",
                      "cold_start", "log", "watchdog"]
     for name, cls, rows in docs.sections():
         intro, _ = docs.field_docstrings(cls)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from megagrpo.config.agent import AgentConfig
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.config.data import ArithmeticConfig, DataConfig, RewardConfig
 from megagrpo.config.layout import check_rollout_layout
@@ -76,6 +77,8 @@ class TrainConfig(Section):
     """The built-in task (data.task=arithmetic)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward terms."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn rollouts: environment, tools, turn and token budgets."""
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     """Reference model and its reset schedule."""
     run: RunConfig = field(default_factory=RunConfig)
@@ -105,6 +108,7 @@ class TrainConfig(Section):
         if self.data.task == "arithmetic":
             self.arithmetic.validate()
         self.reward.validate()
+        self.agent.validate()
         self.reference.validate(self.algo.beta)
         for section in (self.run, self.compute, self.checkpoint, self.eval, self.cold_start,
                         self.watchdog):

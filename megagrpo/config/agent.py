@@ -1,0 +1,66 @@
+"""Multi-turn (agentic) rollouts: the environment a trajectory talks to, its tools and budgets."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megagrpo.config.section import Section
+
+REWARD_MODES = ("sum", "last", "none")
+
+
+@dataclass(kw_only=True)
+class AgentConfig(Section):
+    """Off (environment empty): one completion per prompt. On: each sample is a trajectory of
+    assistant turns and environment observations, one token sequence, the observations masked
+    out of the loss (megagrpo.agent)."""
+
+    environment: str = ""
+    """`module:Class` of an `megagrpo.agent.Environment`, or 'tools' for the built-in
+    tool-calling environment; '' = single-turn rollouts."""
+    kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor."""
+    tools: list[str] = field(default_factory=list)
+    """Tools of the 'tools' environment: built-in names ('calculator', 'python') or
+    `module:function` (typed parameters, a docstring; the JSON schema comes from the hints)."""
+    max_turns: int = 4
+    """Most assistant turns per trajectory (rollout.max_tokens bounds each turn)."""
+    max_total_tokens: int = 0
+    """Most tokens after the prompt (assistant + environment) per trajectory; 0 =
+    rollout.max_model_len minus the prompt."""
+    env_reward: str = "sum"
+    """How the environment's per-turn rewards join the reward terms' score: 'sum' adds them all,
+    'last' adds the final turn's, 'none' ignores them."""
+    tool_timeout_s: float = 10.0
+    """Wall-clock limit of one tool call (the child process is killed after it)."""
+    tool_cpu_s: float = 5.0
+    """CPU-time limit of one tool call (RLIMIT_CPU)."""
+    tool_memory_mb: int = 512
+    """Address-space limit of a tool's child process (RLIMIT_AS)."""
+    tool_output_bytes: int = 4096
+    """A tool's result is truncated to this many bytes (the model sees a marker)."""
+
+    def validate(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"agent.max_turns={self.max_turns} must be >= 1")
+        if self.max_total_tokens < 0:
+            raise ValueError(f"agent.max_total_tokens={self.max_total_tokens} must be >= 0 "
+                             "(0 = rollout.max_model_len minus the prompt)")
+        if self.env_reward not in REWARD_MODES:
+            raise ValueError(f"agent.env_reward={self.env_reward!r}: use one of {REWARD_MODES}")
+        if self.environment and self.environment != "tools" and ":" not in self.environment:
+            raise ValueError(f"agent.environment={self.environment!r}: name a class as "
+                             "'module:Class' or use 'tools' (the built-in tool environment)")
+        if self.tools and self.environment != "tools":
+            raise ValueError(f"agent.tools={self.tools} needs agent.environment=tools")
+        if self.environment == "tools" and not self.tools:
+            raise ValueError("agent.environment=tools needs agent.tools, e.g. [calculator]")
+        for name, value in (("tool_timeout_s", self.tool_timeout_s),
+                            ("tool_cpu_s", self.tool_cpu_s),
+                            ("tool_memory_mb", self.tool_memory_mb),
+                            ("tool_output_bytes", self.tool_output_bytes)):
+            if value <= 0:
+                raise ValueError(f"agent.{name}={value} must be > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.environment)
