@@ -1,0 +1,99 @@
+"""agent.environment resolved to a factory of per-trajectory environments, checked before compute.
+
+    factory = load_environment(cfg.agent, tokenizer)   # ValueError on bad input, no compute
+    prompt = factory.render_prompt(messages)           # with the tool list for 'tools'
+    env = factory(record)                              # one per trajectory
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+
+from megagrpo.agent.env import Environment
+from megagrpo.agent.sandbox import Limits, network_isolation
+from megagrpo.agent.tool_env import (
+    ToolEnvironment,
+    check_tool_template,
+    hf_tokenizer,
+    system_tools_prompt,
+)
+from megagrpo.agent.tools import Tool, load_tools
+from megagrpo.config.agent import AgentConfig
+
+TOOL_ENV_KWARGS = ("max_calls_per_turn",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvironmentFactory:
+    """Creates the environment of one trajectory: `cls(record, tokenizer, **kwargs)`."""
+
+    cls: type[Environment]
+    tokenizer: object
+    kwargs: dict = field(default_factory=dict)
+    tools: tuple[Tool, ...] = ()
+    """The loaded tools of the 'tools' environment (their schemas go into the prompt)."""
+
+    def __call__(self, record: dict) -> Environment:
+        return self.cls(record, self.tokenizer, **self.kwargs)
+
+    def render_prompt(self, messages: list[dict]) -> str:
+        """The prompt text: the chat template over `messages` with the generation prompt, and
+        the tool list when the environment has tools."""
+        if self.tools:
+            return system_tools_prompt(self.tokenizer, messages, self.tools)
+        return hf_tokenizer(self.tokenizer).apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True)
+
+
+def load_environment(cfg: AgentConfig, tokenizer: object) -> EnvironmentFactory:
+    """agent.environment ('tools' or 'module:Class') checked and ready: modules imported, tools
+    typed, the chat template's tool support and the constructor's kwargs checked. Raises
+    ValueError naming the agent.* field otherwise."""
+    if cfg.environment == "tools":
+        unknown = sorted(set(cfg.kwargs) - set(TOOL_ENV_KWARGS))
+        if unknown:
+            raise ValueError(f"agent.kwargs {unknown}: the 'tools' environment accepts "
+                             f"{list(TOOL_ENV_KWARGS)}")
+        most = cfg.kwargs.get("max_calls_per_turn", 1)
+        if isinstance(most, bool) or not isinstance(most, int) or most < 1:
+            raise ValueError(f"agent.kwargs max_calls_per_turn={most!r} must be an int >= 1")
+        tools = load_tools(cfg.tools, Limits.from_config(cfg))
+        template = check_tool_template(tokenizer, tools)
+        if any(t.target not in ("calculator",) for t in tools):
+            network_isolation()  # says once which isolation the sandbox runs with
+        return EnvironmentFactory(cls=ToolEnvironment, tokenizer=tokenizer, tools=tools,
+                                  kwargs={"tools": tools, "template": template, **cfg.kwargs})
+    cls = import_environment(cfg.environment)
+    try:
+        inspect.signature(cls).bind({}, tokenizer, **cfg.kwargs)
+    except TypeError as e:
+        raise ValueError(f"agent.kwargs {cfg.kwargs} do not fit {cfg.environment}"
+                         f"(record, tokenizer, **kwargs): {e}") from None
+    return EnvironmentFactory(cls=cls, tokenizer=tokenizer, kwargs=dict(cfg.kwargs))
+
+
+def import_environment(spec: str) -> type[Environment]:
+    """The class `module:Class` names; ValueError naming agent.environment if it cannot be
+    imported or is not an Environment subclass."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"agent.environment={spec!r}: name a class as 'module:Class' or use "
+                         "'tools'")
+    try:
+        target = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"agent.environment={spec!r}: cannot import module {module_name!r} "
+                         f"({e}); run from its folder or put that folder on PYTHONPATH") from e
+    except Exception as e:  # a syntax error or a failing top-level statement in user code
+        raise ValueError(f"agent.environment={spec!r}: importing {module_name!r} raised "
+                         f"{type(e).__name__}: {e}") from e
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"agent.environment={spec!r}: {module_name} has no attribute "
+                             f"{attr!r}")
+        target = getattr(target, part)
+    if not (isinstance(target, type) and issubclass(target, Environment)):
+        raise ValueError(f"agent.environment={spec!r} is not a subclass of "
+                         "megagrpo.agent.Environment (subclass it and implement step)")
+    return target

@@ -1,0 +1,138 @@
+"""The child side of megagrpo.agent.sandbox: run as `python -I sandbox_child.py` in a fresh
+scratch directory, standard library only (it must not import megagrpo or torch).
+
+In order: read the job file the parent wrote into the scratch directory (and delete it), enter a
+new user + network namespace when the parent asks (the parent probed that it works), set the
+resource limits, install an audit hook that refuses sockets, process creation and ctypes
+loading, then run the job: a code string (`mode: code`) or `module:function(**arguments)`
+(`mode: call`, the result written to stdout as text or JSON, the function's own prints to
+stderr). With `--probe` it only tries the namespace and exits 0 when it works.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import linecache
+import os
+import resource
+import sys
+import traceback
+
+JOB_FILE = ".megagrpo-job.json"
+EXIT_MEMORY = 86
+"""Exit status of a child whose code hit the memory limit (MemoryError under RLIMIT_AS)."""
+EXIT_SANDBOX = 87
+"""Exit status of a child that could not set up its isolation (the code did not run)."""
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+REFUSED_EVENTS = ("socket.", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn",
+                  "os.fork", "os.forkpty", "pty.spawn", "ctypes.dlopen", "ctypes.dlsym",
+                  "ctypes.call_function")
+"""Audit events refused once the hook is in: any socket operation; creating a process (a new
+interpreter would run without the hook); loading or calling C functions through ctypes (a
+direct socket syscall)."""
+SOURCE_NAME = "<tool>"
+
+
+def enter_network_namespace() -> int:
+    """unshare(CLONE_NEWUSER | CLONE_NEWNET): the process sees only a loopback device that is
+    down, so no connection can leave it. Returns 0 or the errno. Must run while the process is
+    single-threaded (a fresh interpreter is)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
+        return ctypes.get_errno() or -1
+    return 0
+
+
+def set_limits(limits: dict) -> None:
+    """RLIMIT_CPU (SIGXCPU at the soft limit, SIGKILL a second later), RLIMIT_AS (allocations
+    fail with MemoryError), RLIMIT_FSIZE (a bigger file write is killed by SIGXFSZ), no core
+    files. RLIMIT_NPROC is not used: it counts every process of the real user (and root
+    ignores it); the audit hook refuses process creation instead."""
+    cpu = max(1, int(-(-limits["cpu_s"] // 1)))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    memory = int(limits["memory_mb"]) * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    size = int(limits["file_mb"]) * 2**20
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def refuse(event: str, args: tuple) -> None:
+    """The audit hook: raises PermissionError at the call site of a refused operation."""
+    if event.startswith(REFUSED_EVENTS):
+        raise PermissionError(f"{event} is not allowed in the tool sandbox (no network, "
+                              "no processes, no ctypes)")
+
+
+def print_user_traceback(exc: BaseException) -> None:
+    """The exception's traceback without this file's frames (the model sees its own code and
+    the library frames it called, not the sandbox's)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
+    text = "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames),
+                    *traceback.format_exception_only(type(exc), exc)])
+    sys.stderr.write(text)
+
+
+def run_code(code: str) -> None:
+    """Runs `code` as a script named <tool> (its lines appear in tracebacks)."""
+    linecache.cache[SOURCE_NAME] = (len(code), None, code.splitlines(True), SOURCE_NAME)
+    compiled = compile(code, SOURCE_NAME, "exec")
+    exec(compiled, {"__name__": "__main__", "__builtins__": __builtins__})
+
+
+def call_function(job: dict) -> None:
+    """Imports `module`, calls `function(**arguments)` and writes its result (a str as is,
+    anything else as JSON) to the original stdout; the function's prints go to stderr."""
+    sys.path[:0] = job["sys_path"]
+    target = importlib.import_module(job["module"])
+    for part in job["function"].split("."):
+        target = getattr(target, part)
+    result_fd = os.dup(1)
+    os.dup2(2, 1)
+    result = target(**job["arguments"])
+    text = result if isinstance(result, str) else json.dumps(result, default=str)
+    sys.stdout.flush()
+    with os.fdopen(result_fd, "w", encoding="utf-8") as out:
+        out.write(text)
+
+
+def main() -> int:
+    if sys.argv[1:] == ["--probe"]:
+        err = enter_network_namespace()
+        if err:
+            print(os.strerror(err) if err > 0 else "unshare failed", file=sys.stderr)
+        return 1 if err else 0
+    with open(JOB_FILE, encoding="utf-8") as f:
+        job = json.load(f)
+    os.remove(JOB_FILE)
+    if job["netns"]:
+        err = enter_network_namespace()
+        if err:
+            print(f"sandbox: cannot enter a network namespace ({os.strerror(err)})",
+                  file=sys.stderr)
+            return EXIT_SANDBOX
+    set_limits(job["limits"])
+    sys.addaudithook(refuse)
+    try:
+        if job["mode"] == "code":
+            run_code(job["code"])
+        else:
+            call_function(job)
+    except MemoryError:
+        os.write(2, b"MemoryError: the tool exceeded its memory limit\n")
+        return EXIT_MEMORY
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the model sees any failure as a traceback
+        print_user_traceback(exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)

@@ -1,0 +1,158 @@
+"""The built-in tool-calling environment (`agent.environment: tools`).
+
+Each assistant turn is parsed for `<tool_call>` JSON (megagrpo.agent.toolcall); no call ends the
+trajectory. Otherwise every call runs (megagrpo.agent.tools) and the observation is the text the
+model's chat template puts after the assistant turn: the rest of the assistant turn's closing
+that the model did not sample itself (e.g. the newline after `<|im_end|>`), the tool turn(s)
+with the results, and the start of the next assistant turn (the generation prompt). It is
+obtained from the template itself: the conversation [user, assistant, tool...] is rendered with
+`apply_chat_template(tools=..., add_generation_prompt=True)` and the text after the assistant's
+content is taken, so the observation is exactly what the template produces, whatever its
+format. The assistant's content is a placeholder in that rendering: the trajectory keeps the
+sampled ids as they are (token in, token out); only the template's text after them is used.
+
+`check_tool_template` runs before compute: a tokenizer without a chat template, or a template
+that ignores `tools=` or role 'tool' messages, is a ValueError naming agent.environment.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megagrpo.agent.env import Environment, Observation, Turn
+from megagrpo.agent.toolcall import ToolCall, parse_tool_calls
+from megagrpo.agent.tools import Tool, ToolResult
+
+FIELD = "agent.environment"
+_QUESTION = "\ue000megagrpo-question\ue001"
+_ASSISTANT = "\ue000megagrpo-assistant\ue001"
+_RESULT = "\ue000megagrpo-result\ue001"
+"""Placeholders (private-use characters) the template renders verbatim, found again in its
+output."""
+TAIL_TOKENS = 32
+"""How many of a turn's last ids are decoded (with special tokens) to see how much of the
+template's closing the model sampled itself."""
+
+
+def hf_tokenizer(tokenizer: object) -> object:
+    """The Hugging Face tokenizer inside megagrpo's `HFTokenizer` wrapper, or `tokenizer`."""
+    return getattr(tokenizer, "tok", tokenizer)
+
+
+@dataclass(frozen=True)
+class ToolTemplate:
+    """A tokenizer's chat template checked for tool support, with the run's tool schemas."""
+
+    tokenizer: object
+    """The Hugging Face tokenizer."""
+    schemas: list[dict]
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.schemas or None,
+                                                  tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def observation(self, results: list[ToolResult], sampled_tail: str) -> str:
+        """The template's text after an assistant turn answered by `results`, minus the part of
+        the turn's closing that `sampled_tail` (the turn's last text, special tokens included)
+        already ends with."""
+        messages = [{"role": "user", "content": _QUESTION},
+                    {"role": "assistant", "content": _ASSISTANT},
+                    *({"role": "tool", "name": r.name, "content": r.text} for r in results)]
+        full = self.render(messages, add_generation_prompt=True)
+        after = full[full.index(_ASSISTANT) + len(_ASSISTANT):]
+        first = after.find(results[0].text) if results and results[0].text else -1
+        return after[_overlap(sampled_tail, after, len(after) if first < 0 else first):]
+
+
+def _overlap(sampled: str, after: str, most: int) -> int:
+    """Largest k <= most with sampled.endswith(after[:k])."""
+    for k in range(min(most, len(sampled)), 0, -1):
+        if sampled.endswith(after[:k]):
+            return k
+    return 0
+
+
+def check_tool_template(tokenizer: object, tools: tuple[Tool, ...] | list[Tool]) -> ToolTemplate:
+    """The tokenizer's chat template, checked to render the tool list (`tools=`) and role 'tool'
+    messages after an assistant turn; ValueError naming agent.environment otherwise."""
+    hf = hf_tokenizer(tokenizer)
+    name = getattr(hf, "name_or_path", "") or type(hf).__name__
+    if not hasattr(hf, "apply_chat_template") or not getattr(hf, "chat_template", None):
+        raise ValueError(f"{FIELD}=tools needs a Hugging Face tokenizer with a chat template; "
+                         f"tokenizer {name!r} has none (give data.tokenizer a model folder "
+                         "whose tokenizer_config.json or chat_template.jinja has one)")
+    template = ToolTemplate(hf, [t.schema() for t in tools])
+    try:
+        prompt = template.render([{"role": "user", "content": _QUESTION}], True)
+        turns = template.render([{"role": "user", "content": _QUESTION},
+                                 {"role": "assistant", "content": _ASSISTANT},
+                                 {"role": "tool", "name": tools[0].name if tools else "tool",
+                                  "content": _RESULT}], True)
+    except Exception as e:  # noqa: BLE001 - jinja's TemplateError, a raise_exception(...)
+        raise ValueError(f"{FIELD}=tools: the chat template of tokenizer {name!r} fails on a "
+                         f"conversation with tools and a tool message ({type(e).__name__}: "
+                         f"{e}); use a model whose template supports tool calling") from None
+    missing = [t.name for t in tools if t.name not in prompt]
+    if missing:
+        raise ValueError(f"{FIELD}=tools: the chat template of tokenizer {name!r} ignores "
+                         f"apply_chat_template(tools=...): the tools {missing} do not appear in "
+                         "the prompt, so the model cannot know them; use a model whose template "
+                         "supports tool calling (e.g. Qwen2.5/Qwen3, Hermes format)")
+    if not (_ASSISTANT in turns and _RESULT in turns[turns.index(_ASSISTANT):]):
+        raise ValueError(f"{FIELD}=tools: the chat template of tokenizer {name!r} does not "
+                         "render role 'tool' messages after an assistant turn; use a model "
+                         "whose template supports tool calling")
+    return template
+
+
+def system_tools_prompt(tokenizer: object, messages: list[dict], tools: tuple[Tool, ...]) -> str:
+    """A prompt rendered with the tool list: apply_chat_template(messages, tools=[schemas],
+    add_generation_prompt=True) as text."""
+    return ToolTemplate(hf_tokenizer(tokenizer), [t.schema() for t in tools]).render(messages, True)
+
+
+class ToolEnvironment(Environment):
+    """Runs the tool calls of each assistant turn; a turn without a call ends the trajectory.
+
+    kwargs (agent.kwargs): max_calls_per_turn (default 8: calls beyond it are answered with an
+    error and counted as tool errors)."""
+
+    def __init__(self, record: dict, tokenizer: object = None, *, tools: tuple[Tool, ...],
+                 template: ToolTemplate | None = None, max_calls_per_turn: int = 8) -> None:
+        super().__init__(record, tokenizer)
+        self.tools = {t.name: t for t in tools}
+        self.template = template or check_tool_template(tokenizer, tools)
+        self.max_calls_per_turn = max_calls_per_turn
+
+    def step(self, turn: Turn) -> Observation:
+        calls = parse_tool_calls(turn.text)
+        if not calls:
+            return Observation(done=True)
+        results = [self.run_call(call, i) for i, call in enumerate(calls)]
+        text = self.template.observation(results, self._sampled_tail(turn))
+        return Observation(text=text, tool_calls=len(results),
+                           tool_errors=sum(r.error for r in results),
+                           tool_seconds=sum(r.seconds for r in results))
+
+    def run_call(self, call: ToolCall, index: int) -> ToolResult:
+        """The result of one parsed call (an error result for a bad call; never raises)."""
+        name = call.name or "invalid"
+        if call.error:
+            return ToolResult(name=name, text=f"error: {call.error}", error=True, seconds=0.0)
+        if index >= self.max_calls_per_turn:
+            return ToolResult(name=name, error=True, seconds=0.0,
+                              text=f"error: more than {self.max_calls_per_turn} tool calls in "
+                                   "one turn; this one was not run")
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return ToolResult(name=name, error=True, seconds=0.0,
+                              text=f"error: unknown tool {call.name!r}; the tools are "
+                                   f"{sorted(self.tools)}")
+        return tool.call(call.arguments)
+
+    def _sampled_tail(self, turn: Turn) -> str:
+        """The turn's last text with special tokens (an EOS like <|im_end|> included)."""
+        if not turn.token_ids:
+            return turn.text
+        return self.template.tokenizer.decode(list(turn.token_ids[-TAIL_TOKENS:]),
+                                              skip_special_tokens=False)
