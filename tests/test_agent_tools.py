@@ -246,18 +246,26 @@ def test_network_namespace_alone_blocks_connections(listener):
     assert result.stdout.startswith("refused"), result
 
 
-def test_python_tool_turns_failures_into_text():
-    (tool,) = load_tools(["python"], Limits(wall_s=1.0, cpu_s=1.0, memory_mb=256,
-                                            output_bytes=300))
+def test_failing_python_calls_become_error_observations(tokenizer):
+    """A tool that sleeps past its limit, prints 10 MB, raises or opens a socket: one error
+    tool message each, and the step returns."""
+    limits = Limits(wall_s=1.0, cpu_s=1.0, memory_mb=256, output_bytes=300)
+    (tool,) = load_tools(["python"], limits)
     ok = tool.call({"code": "print(sum(range(10)))"})
     assert (ok.text, ok.error) == ("45\n", False)
-    for code, marker in (("import time\ntime.sleep(30)", "[error: timed out after 1 s"),
-                         ("print('y' * 10**7)", "[error: output truncated at 300 bytes"),
-                         ("raise KeyError('k')", "KeyError: 'k'"),
-                         ("import socket\nsocket.socket()", "PermissionError")):
-        result = tool.call({"code": code})
-        assert result.error and marker in result.text, (code, result.text)
-        assert len(result.text.encode()) < 300 + 200
+    failing = {"import time\ntime.sleep(30)": "[error: timed out after 1 s",
+               "print('y' * 10**7)": "[error: output truncated at 300 bytes",
+               "raise KeyError('k')": "KeyError: 'k'",
+               "import socket\nsocket.socket()": "PermissionError"}
+    calls = "".join('<tool_call>' + json.dumps({"name": "python", "arguments": {"code": c}})
+                    + '</tool_call>' for c in failing)
+    env = ToolEnvironment({}, tokenizer, tools=(tool,))
+    obs = env.step(Turn(index=0, text=calls, token_ids=(), finish_reason="stop"))
+    assert (obs.done, obs.tool_calls, obs.tool_errors) == (False, 4, 4)
+    responses = obs.text.split("<tool_response>")[1:]
+    assert len(responses) == 4
+    for response, marker in zip(responses, failing.values()):
+        assert marker in response and len(response.encode()) < 300 + 200, response
 
 
 USER_TOOLS = '''

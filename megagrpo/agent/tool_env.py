@@ -45,6 +45,10 @@ class ToolTemplate:
     tokenizer: object
     """The Hugging Face tokenizer."""
     schemas: list[dict]
+    lead: int = 0
+    """Characters the template puts between an assistant turn's content and a following tool
+    result (the turn's closing and the tool turn's opening): at most this much of the
+    observation can be text the model sampled itself."""
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.schemas or None,
@@ -60,8 +64,7 @@ class ToolTemplate:
                     *({"role": "tool", "name": r.name, "content": r.text} for r in results)]
         full = self.render(messages, add_generation_prompt=True)
         after = full[full.index(_ASSISTANT) + len(_ASSISTANT):]
-        first = after.find(results[0].text) if results and results[0].text else -1
-        return after[_overlap(sampled_tail, after, len(after) if first < 0 else first):]
+        return after[_overlap(sampled_tail, after, self.lead):]
 
 
 def _overlap(sampled: str, after: str, most: int) -> int:
@@ -102,7 +105,8 @@ def check_tool_template(tokenizer: object, tools: tuple[Tool, ...] | list[Tool])
         raise ValueError(f"{FIELD}=tools: the chat template of tokenizer {name!r} does not "
                          "render role 'tool' messages after an assistant turn; use a model "
                          "whose template supports tool calling")
-    return template
+    start = turns.index(_ASSISTANT) + len(_ASSISTANT)
+    return ToolTemplate(hf, template.schemas, turns.index(_RESULT, start) - start)
 
 
 def system_tools_prompt(tokenizer: object, messages: list[dict], tools: tuple[Tool, ...]) -> str:
@@ -152,7 +156,6 @@ class ToolEnvironment(Environment):
 
     def _sampled_tail(self, turn: Turn) -> str:
         """The turn's last text with special tokens (an EOS like <|im_end|> included)."""
-        if not turn.token_ids:
-            return turn.text
-        return self.template.tokenizer.decode(list(turn.token_ids[-TAIL_TOKENS:]),
-                                              skip_special_tokens=False)
+        hf = self.template.tokenizer
+        ids = [i for i in turn.token_ids[-TAIL_TOKENS:] if 0 <= i < len(hf)]  # no TP padding
+        return hf.decode(ids, skip_special_tokens=False) if ids else turn.text
