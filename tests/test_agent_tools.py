@@ -182,6 +182,22 @@ def test_sandbox_runs_code_in_a_scratch_dir_that_is_deleted():
     assert "PYTHONPATH" not in env and "http_proxy" not in env.lower()
 
 
+def test_sandbox_writes_only_inside_its_scratch_dir(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    for code in (f"open({str(victim)!r}, 'w').write('x')",
+                 f"import os\nos.remove({str(victim)!r})",
+                 f"import os\nos.symlink({str(victim)!r}, 'link')\nopen('link', 'a').write('x')",
+                 f"import shutil\nshutil.rmtree({str(tmp_path)!r})"):
+        result = sandbox.run_code(code, FAST)
+        assert result.exit_code == 1 and "PermissionError: writing" in result.stderr, code
+    assert victim.read_text() == "keep"
+    inside = sandbox.run_code("import os, shutil\nos.makedirs('a/b')\nopen('a/b/f', 'w').write('1')"
+                              "\nshutil.copytree('a', 'c')\nos.rename('c/b/f', 'g')\n"
+                              "shutil.rmtree('a')\nprint(sorted(os.listdir('.')))", FAST)
+    assert inside.stdout == "['c', 'g']\n", inside
+
+
 def test_sandbox_wall_clock_limit_kills_the_process_group():
     limits = Limits(wall_s=1.0, cpu_s=2.0, memory_mb=256, output_bytes=2000)
     result = sandbox.run_code("import time\nprint('start', flush=True)\ntime.sleep(60)", limits)

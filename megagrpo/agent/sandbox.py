@@ -11,7 +11,10 @@ of a rank that holds torch, CUDA or vLLM) in its own session, with:
 - no network: a new user + network namespace when the kernel allows one (probed once per
   process: `network_isolation`), and in any case an audit hook in the child that refuses
   sockets, process creation and ctypes before the code runs. The hook alone is not a security
-  boundary (Python documents audit hooks as such); the namespace is.
+  boundary (Python documents audit hooks as such); the namespace is;
+- writes only inside the scratch directory: the same audit hook refuses opening a file for
+  writing, removing, renaming, chmod-ing (...) a path outside it. This is best effort (the
+  hook, no kernel boundary): the child runs as the trainer's user and can read what it can.
 
 Nothing the code does makes these functions raise: a crash, a timeout, a limit or a failure to
 start becomes a `SandboxResult` saying so.
@@ -132,7 +135,7 @@ def _run(job: dict, limits: Limits) -> SandboxResult:
                "limits": {"cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
                           "file_mb": limits.file_mb}}
         Path(scratch, child.JOB_FILE).write_text(json.dumps(job), encoding="utf-8")
-        proc = subprocess.Popen([sys.executable, "-I", str(CHILD_SCRIPT)], cwd=scratch,
+        proc = subprocess.Popen([sys.executable, "-I", "-B", str(CHILD_SCRIPT)], cwd=scratch,
                                 env=_child_env(scratch), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True)

@@ -59,11 +59,56 @@ def set_limits(limits: dict) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def refuse(event: str, args: tuple) -> None:
-    """The audit hook: raises PermissionError at the call site of a refused operation."""
-    if event.startswith(REFUSED_EVENTS):
-        raise PermissionError(f"{event} is not allowed in the tool sandbox (no network, "
-                              "no processes, no ctypes)")
+WRITE_EVENTS: dict[str, tuple[tuple[int, int | None], ...]] = {
+    "os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),),
+    "os.chmod": ((0, 2),), "os.chown": ((0, 3),), "os.utime": ((0, 3),),
+    "os.symlink": ((1, 2),), "os.rename": ((0, 2), (1, 3)), "os.link": ((0, 2), (1, 3)),
+    "os.truncate": ((0, None),), "os.chflags": ((0, None),), "os.lchflags": ((0, None),),
+    "os.setxattr": ((0, None),), "os.removexattr": ((0, None),), "shutil.rmtree": ((0, 1),),
+    "shutil.copyfile": ((1, None),), "shutil.copymode": ((1, None),),
+    "shutil.copystat": ((1, None),), "shutil.copytree": ((1, None),),
+    "shutil.chown": ((0, None),), "shutil.make_archive": ((0, None),),
+    "shutil.unpack_archive": ((1, None),)}
+"""Audit events that change the filesystem, with the (path, dir_fd) positions of their
+arguments: allowed only on paths inside the scratch dir."""
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+DEVICES = ("/dev/null",)
+
+
+class Guard:
+    """The audit hook: raises PermissionError at the call site of a refused operation: a
+    REFUSED_EVENTS one, or a filesystem change (an open for writing, a WRITE_EVENTS one) on a
+    path outside `root` (the scratch dir). Best effort: CPython documents audit hooks as no
+    security boundary; the network namespace is the kernel's."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.realpath(root)
+
+    def __call__(self, event: str, args: tuple) -> None:
+        if event.startswith(REFUSED_EVENTS):
+            raise PermissionError(f"{event} is not allowed in the tool sandbox (no network, "
+                                  "no processes, no ctypes)")
+        if event == "open":
+            path, mode, flags = args
+            writes = (any(c in mode for c in "wax+") if isinstance(mode, str)
+                      else bool((flags or 0) & WRITE_FLAGS))
+            if writes and not isinstance(path, int):
+                self.check(path, None)
+        elif event in WRITE_EVENTS:
+            for path_at, fd_at in WRITE_EVENTS[event]:
+                path = args[path_at] if path_at < len(args) else None
+                dir_fd = args[fd_at] if fd_at is not None and fd_at < len(args) else None
+                if isinstance(path, (str, bytes, os.PathLike)):
+                    self.check(path, dir_fd if isinstance(dir_fd, int) and dir_fd >= 0 else None)
+
+    def check(self, path: object, dir_fd: int | None) -> None:
+        path = os.fsdecode(path)
+        if dir_fd is not None and not os.path.isabs(path):
+            path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+        real = os.path.realpath(path)
+        if real not in DEVICES and os.path.commonpath([real, self.root]) != self.root:
+            raise PermissionError(f"writing {path!r} is not allowed in the tool sandbox (only "
+                                  "its working directory is writable)")
 
 
 def print_user_traceback(exc: BaseException) -> None:
@@ -114,7 +159,8 @@ def main() -> int:
                   file=sys.stderr)
             return EXIT_SANDBOX
     set_limits(job["limits"])
-    sys.addaudithook(refuse)
+    sys.dont_write_bytecode = True
+    sys.addaudithook(Guard(os.getcwd()))
     try:
         if job["mode"] == "code":
             run_code(job["code"])
