@@ -36,6 +36,7 @@ from megagrpo.agent import (
 from megagrpo.agent.calculator import CalculatorError, evaluate, format_number
 from megagrpo.agent.tools import function_schema
 from megagrpo.config.agent import AgentConfig
+from megagrpo.data import HFTokenizer
 
 FAST = Limits(wall_s=5.0, cpu_s=2.0, memory_mb=256, output_bytes=2000)
 
@@ -199,7 +200,8 @@ def test_sandbox_writes_only_inside_its_scratch_dir(tmp_path):
 
 
 def test_sandbox_wall_clock_limit_kills_the_process_group():
-    limits = Limits(wall_s=1.0, cpu_s=2.0, memory_mb=256, output_bytes=2000)
+    limits = Limits(wall_s=3.0, cpu_s=2.0, memory_mb=256, output_bytes=2000)  # 3 s: a loaded
+    # machine may take a second to start the interpreter
     result = sandbox.run_code("import time\nprint('start', flush=True)\ntime.sleep(60)", limits)
     assert result.timed_out and result.limit == "wall" and result.stdout == "start\n"
     assert result.seconds < 30  # returned at the limit, not after the sleep
@@ -265,11 +267,11 @@ def test_network_namespace_alone_blocks_connections(listener):
 def test_failing_python_calls_become_error_observations(tokenizer):
     """A tool that sleeps past its limit, prints 10 MB, raises or opens a socket: one error
     tool message each, and the step returns."""
-    limits = Limits(wall_s=1.0, cpu_s=1.0, memory_mb=256, output_bytes=300)
+    limits = Limits(wall_s=3.0, cpu_s=1.0, memory_mb=256, output_bytes=300)
     (tool,) = load_tools(["python"], limits)
     ok = tool.call({"code": "print(sum(range(10)))"})
     assert (ok.text, ok.error) == ("45\n", False)
-    failing = {"import time\ntime.sleep(30)": "[error: timed out after 1 s",
+    failing = {"import time\ntime.sleep(30)": "[error: timed out after 3 s",
                "print('y' * 10**7)": "[error: output truncated at 300 bytes",
                "raise KeyError('k')": "KeyError: 'k'",
                "import socket\nsocket.socket()": "PermissionError"}
@@ -357,8 +359,8 @@ HERMES_STYLE = (
     "{% endif %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
-    "\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user\n"
+    "{% endif %}<tool_response>\n{{ m.content }}\n</tool_response>{{ '\\n' }}"
     "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
     "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
     "{%- endfor %}"
@@ -467,6 +469,12 @@ def test_load_environment(tokenizer, tmp_path, monkeypatch):
     env = factory({"question": "q"})
     assert isinstance(env, ToolEnvironment) and list(env.tools) == ["calculator"]
     assert '"name": "calculator"' in factory.render_prompt([{"role": "user", "content": "hi"}])
+    tokenizer.save_pretrained(tmp_path / "tok")  # the run's tokenizer: megagrpo's HF wrapper
+    wrapped = load_environment(AgentConfig(environment="tools", tools=["calculator"]),
+                               HFTokenizer(str(tmp_path / "tok")))({})
+    ids = tokenizer.encode(_call("6*7") + "<|im_end|>", add_special_tokens=False)
+    obs = wrapped.step(Turn(index=0, text=_call("6*7"), token_ids=tuple(ids), finish_reason="stop"))
+    assert obs.text.startswith("\n<|im_start|>user\n<tool_response>\n42\n</tool_response>")
     (tmp_path / "my_env_mod.py").write_text(USER_ENV)
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = AgentConfig(environment="my_env_mod:Countdown", kwargs={"turns": 1})
