@@ -58,13 +58,27 @@ class ToolTemplate:
     def observation(self, results: list[ToolResult], sampled_tail: str) -> str:
         """The template's text after an assistant turn answered by `results`, minus the part of
         the turn's closing that `sampled_tail` (the turn's last text, special tokens included)
-        already ends with."""
+        already ends with. Special-token strings inside a result are defused (`defuse`)."""
         messages = [{"role": "user", "content": _QUESTION},
                     {"role": "assistant", "content": _ASSISTANT},
-                    *({"role": "tool", "name": r.name, "content": r.text} for r in results)]
+                    *({"role": "tool", "name": r.name, "content": defuse(self.tokenizer, r.text)}
+                      for r in results)]
         full = self.render(messages, add_generation_prompt=True)
         after = full[full.index(_ASSISTANT) + len(_ASSISTANT):]
         return after[_overlap(sampled_tail, after, self.lead):]
+
+
+def defuse(tokenizer: object, text: str) -> str:
+    """`text` with every special-token string (e.g. '<|im_end|>', '<|im_start|>') broken by a
+    zero-width space after its first character. A tool's output is untrusted: code the model
+    wrote can print '<|im_end|>' and '<|im_start|>assistant', which the observation's single
+    tokenization would turn into real control tokens, forging turns; defused, it is plain text."""
+    specials = getattr(tokenizer, "all_special_tokens", None) or []
+    added = getattr(tokenizer, "get_added_vocab", lambda: {})()
+    for tok in sorted({*specials, *added}, key=len, reverse=True):
+        if len(tok) > 1 and tok in text:
+            text = text.replace(tok, tok[0] + "\u200b" + tok[1:])
+    return text
 
 
 def _overlap(sampled: str, after: str, most: int) -> int:
