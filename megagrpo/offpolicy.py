@@ -51,11 +51,10 @@ def correction_mode(rollout_is: str, *, stale: bool) -> str:
 def async_note(a: AlgoConfig) -> str:
     """The start-up line of an async run: which correction its stale batches train with."""
     if a.rollout_is == "none":
-        how = ("corrected by the decoupled objective: algo.rollout_is=none runs truncate on "
-               "stale batches, the clipped ratio to the trainer's recomputed old log-probs "
-               "times the importance weight min(old/vLLM, algo.rollout_is_cap="
-               f"{a.rollout_is_cap:g}); set algo.rollout_is=truncate to choose it explicitly "
-               "(or token_mask / seq_mask)")
+        how = ("corrected by the decoupled objective (algo.rollout_is=none runs truncate on "
+               "stale batches: the clipped ratio to the recomputed old log-probs times "
+               f"min(old/vLLM, algo.rollout_is_cap={a.rollout_is_cap:g})); set "
+               "algo.rollout_is=truncate to choose it explicitly")
     else:
         how = f"weighted by algo.rollout_is={a.rollout_is} (trainer old log-probs vs vLLM's)"
     return ("async rollouts: each batch is sampled by the policy one update behind the one "
