@@ -91,28 +91,32 @@ def kl_penalized_rewards(batch: Batch, a: AlgoConfig) -> tuple[torch.Tensor, dic
         mask.reshape(-1), torch.arange(n).repeat_interleave(S), a.beta)
 
 
-def rollout_is(batch: Batch, scored_rows: torch.Tensor | None, a: AlgoConfig) -> Correction:
+def rollout_is(batch: Batch, scored_rows: torch.Tensor | None, a: AlgoConfig,
+               mode: str | None = None) -> Correction:
     """Rollout-IS weights / masks from old vs rollout log-probs over the scored rows
-    (`scored_rows` [N] bool, None = all); the other rows keep their mask and weight 1."""
+    (`scored_rows` [N] bool, None = all); the other rows keep their mask and weight 1.
+    `mode`: the mode to run (None = algo.rollout_is; a stale batch's is
+    `megagrpo.offpolicy.correction_mode`)."""
+    mode = a.rollout_is if mode is None else mode
     mask = batch.mask if scored_rows is None else batch.mask & scored_rows[:, None]
     old, rollout = batch.old_logp.reshape(-1), batch.rollout_logp.reshape(-1)
-    if a.rollout_is == "seq_mask":
+    if mode == "seq_mask":
         n, S = mask.shape
         w, new_mask, metrics = algo.rollout_is_correction(
             old, rollout, mask.reshape(-1).float(), torch.arange(n).repeat_interleave(S),
             mode="seq_mask", low=a.rollout_is_low, high=a.rollout_is_high, num_local_seqs=n)
     else:
         w, new_mask, metrics = algo.rollout_is_correction(
-            old, rollout, mask.reshape(-1).float(), torch.zeros(0), mode=a.rollout_is,
+            old, rollout, mask.reshape(-1).float(), torch.zeros(0), mode=mode,
             cap=a.rollout_is_cap, low=a.rollout_is_low, high=a.rollout_is_high,
             num_local_seqs=1)
-    if a.rollout_is == "none":
+    if mode == "none":
         return Correction(mask=batch.mask, weight=batch.is_weight, metrics=metrics)
     new_mask, w = new_mask.view_as(batch.mask).bool(), w.view_as(batch.mask)
     if scored_rows is not None:
         new_mask = torch.where(scored_rows[:, None], new_mask, batch.mask)
         w = torch.where(scored_rows[:, None], w, torch.ones_like(w))
-    return Correction(mask=new_mask, weight=w if a.rollout_is == "truncate" else None,
+    return Correction(mask=new_mask, weight=w if mode == "truncate" else None,
                       metrics=metrics)
 
 

@@ -25,8 +25,14 @@ class ReferenceState:
     """What the schedule remembers (saved in checkpoints so a resumed run keeps it)."""
 
     syncs: int = 0
+    """Re-initialisations that mixed the policy in."""
     last_sync_step: int = 0
+    """GRPO step of the last reset (mixed or not)."""
     last_epoch: int = 0
+    """Data epoch of the last reset."""
+    last_sync_version: int = -1
+    """Policy version (optimizer updates) the reference was last mixed with; -1 = none since
+    the start (checkpoints written before this field load with it)."""
 
 
 def _pairs(ref: torch.nn.Module, policy: torch.nn.Module):
@@ -86,12 +92,19 @@ class Reference:
             return "kl"
         return None
 
-    def sync(self, policy: torch.nn.Module, step: int, epoch: int) -> None:
-        self.onload()
-        sync_reference(self.model, policy, self.cfg.alpha)
-        self.offload()
-        self.state = ReferenceState(syncs=self.state.syncs + 1, last_sync_step=step,
-                                    last_epoch=epoch)
+    def sync(self, policy: torch.nn.Module, step: int, epoch: int, *, version: int) -> bool:
+        """A reset of the schedule after GRPO step `step` (epoch `epoch`) with the policy at
+        `version`: mixes ref <- alpha * policy + (1 - alpha) * ref unless the reference was
+        already mixed with this version (two schedules firing with no update between: a
+        second mix would be alpha applied twice). Returns whether it mixed."""
+        mix = version != self.state.last_sync_version
+        if mix:
+            self.onload()
+            sync_reference(self.model, policy, self.cfg.alpha)
+            self.offload()
+        self.state = ReferenceState(syncs=self.state.syncs + int(mix), last_sync_step=step,
+                                    last_epoch=epoch, last_sync_version=version)
+        return mix
 
     def equals(self, policy: torch.nn.Module, group=None) -> bool:
         """Whether every rank's reference shard is bitwise its policy shard (a reset with alpha

@@ -14,7 +14,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from megagrpo import rng
+from megagrpo import offpolicy, rng
 from megagrpo.checkpoint import (
     CheckpointManager,
     ModelState,
@@ -105,13 +105,9 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
 
 
 def async_note(cfg: TrainConfig) -> str:
-    """What one-step-off-policy sampling means for this run, and which correction runs."""
-    mode = cfg.algo.rollout_is
-    how = (f"weighted by algo.rollout_is={mode} (trainer old log-probs vs vLLM's)"
-           if mode != "none" else
-           "not corrected (algo.rollout_is=none; set truncate for truncated IS weights)")
-    return ("async rollouts: each batch is sampled by the policy one update behind the one "
-            f"that trains on it; that staleness is {how}")
+    """What one-step-off-policy sampling means for this run, and which correction runs
+    (`megagrpo.offpolicy`)."""
+    return offpolicy.async_note(cfg.algo)
 
 
 def _load_init(gpt, init: str, model: ModelConfig, parallel: ParallelConfig, info) -> None:

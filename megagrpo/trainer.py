@@ -16,7 +16,8 @@ Nothing wrong is trained on silently: minibatches without a loss token are skipp
 the update of a step with non-finite / absurd rewards or a non-finite gradient norm;
 run.max_bad_steps such steps in a row raise `BadStepsError`. Departures from the paper:
 process supervision is not implemented (outcome rewards only); the reference can be mixed
-(alpha < 1) as well as reset; async mode trains one step off-policy.
+(alpha < 1) as well as reset, at most once per policy version; async mode trains one step
+off-policy, a stale batch with the decoupled correction (`megagrpo.offpolicy`).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from megagrpo.losses import grpo_loss, sft_loss
 from megagrpo.metrics import PhaseTimer
 from megagrpo.model import sequence_packing, unwrap
 from megagrpo.moe import RoutingMonitor, enable_replay, tracked_losses
+from megagrpo.offpolicy import correction_mode, is_stale
 from megagrpo.optim import build_optimizer, lr_at, optimizer_step, set_lr, zero_grad
 from megagrpo.passes import Passes
 from megagrpo.reference import sync_reference
@@ -209,7 +211,8 @@ class Trainer:
                 self.reference.due_before(ro.epoch) if self.reference else None, ro.epoch)
         batch, prep = self.prepare(ro, t)
         with t("update"):
-            upd = self.update(batch, skip=prep.bad_rewards)
+            upd = self.update(batch, skip=prep.bad_rewards,
+                              stale=is_stale(ro.version, self.version))
         self.version += int(upd.applied > 0)
         with t("rollout_wait"):
             self.rollouts.join()
@@ -236,18 +239,23 @@ class Trainer:
             batch, shaped = self.build_batch(ro)
             bad_rewards = any_rank(shaped.bad > 0, self.groups.world)
             replica = dict(shaped.metrics)
+            stale = is_stale(ro.version, self.version)
+            mode = correction_mode(a.rollout_is, stale=stale)
+            # updates between sampling and training; the decoupled default ran (offpolicy)
+            replica.update(policy_lag=float(self.version - ro.version),
+                           offpolicy_corrected=float(mode != a.rollout_is))
             if not self.kl_in_reward:
                 replica.update(self._set_advantages(batch, shaped.rewards))
             replica = self._dp_mean(replica)  # each replica saw its own prompts
         with t("score"):
-            scored = self.score(batch, async_batch=ro.version != self.version)
+            scored = self.score(batch, async_batch=stale)
             batch.old_logp, batch.ref_logp = scored.old_logp, scored.ref_logp
             last = self._score_metrics(scored)  # computed where the log-probs live
             if self.kl_in_reward and batch.old_logp is not None:
                 rewards, kl_metrics = kl_penalized_rewards(batch, a)
                 last.update(self._set_advantages(batch, rewards), **kl_metrics)
             if batch.old_logp is not None:
-                corr = rollout_is(batch, scored.rows, a)
+                corr = rollout_is(batch, scored.rows, a, mode=mode)
                 batch.mask, batch.is_weight = corr.mask, corr.weight
                 last.update(corr.metrics)
             if scored.needed:
@@ -354,12 +362,14 @@ class Trainer:
         return self._dp_mean(obj[0])
 
     # ------------------------------------------------------------------ update
-    def update(self, batch: Batch, skip: bool = False) -> UpdateResult:
+    def update(self, batch: Batch, skip: bool = False, stale: bool = False) -> UpdateResult:
         """mu passes over the batch, each split into minibatches (one optimizer step each).
 
         A minibatch without a loss token in any replica is skipped (no optimizer step, no LR
         advance); so is a step whose gradient norm is not finite (`optimizer_step`), and the
-        whole update when `skip` (bad rewards). Metrics cover the applied steps only."""
+        whole update when `skip` (bad rewards). Metrics cover the applied steps only. `stale`:
+        the batch was sampled by another policy version (its vLLM gap is reported as
+        logp_gap_stale_mean, not logp_gap_vllm_mean: docs/metrics.md)."""
         a, P = self.cfg.algo, self.passes
         n_mini = a.num_minibatches
         rows = batch.num_seqs // n_mini
@@ -385,22 +395,25 @@ class Trainer:
                 if not applied:
                     res.nonfinite_grad += 1
                     continue
-                if not gnorms and out:  # before any update: the weights vLLM sampled with
+                if not gnorms and out:  # before any update: vLLM's weights unless stale
                     gap = _logp_gap(out, plan)
                 self.opt_steps += 1
                 reports += out
                 gnorms.append(gnorm)
         res.applied = len(gnorms)
-        res.kl, res.metrics = self._update_metrics(reports, gnorms, gap, len(gnorms))
+        res.kl, res.metrics = self._update_metrics(reports, gnorms, gap, len(gnorms), stale)
         if self.routing is not None:
             res.metrics.update(self.routing.metrics())
         return res
 
     def _update_metrics(self, reports: list[dict], gnorms: list[float],
-                        gap: tuple[float, float], opt_steps: int) -> tuple[float, dict]:
+                        gap: tuple[float, float], opt_steps: int,
+                        stale: bool = False) -> tuple[float, dict]:
         """Reduces the last stage's per-micro-batch reports over the world (TP rank 0 of the
         last stage of each replica contributes once); zeros when no step was applied. Returns
-        the mean KL (the reference schedule's input, a value of its own) and the metrics."""
+        the mean KL (the reference schedule's input, a value of its own) and the metrics. The
+        first minibatch's trainer-vs-vLLM gap is the same-version gap (logp_gap_vllm_mean) on
+        a fresh batch; on a stale one it adds the policy lag (logp_gap_stale_mean)."""
         keys = ["loss", "tokens", "kl_sum", "entropy_sum", "clip_low_sum", "clip_high_sum",
                 "clip_dual_sum", "ratio_sum"]
         v = torch.zeros(len(keys) + 2, dtype=torch.float64)
@@ -415,7 +428,8 @@ class Trainer:
                    "kl": kl, "entropy": float(v[3]) / tok,
                    "clip_frac_low": float(v[4]) / tok, "clip_frac_high": float(v[5]) / tok,
                    "clip_frac_dual": float(v[6]) / tok, "ratio_mean": float(v[7]) / tok,
-                   "logp_gap_vllm_mean": float(v[-1]) / max(float(v[-2]), 1.0),
+                   ("logp_gap_stale_mean" if stale else "logp_gap_vllm_mean"):
+                       float(v[-1]) / max(float(v[-2]), 1.0),
                    "grad_norm": sum(gnorms) / max(len(gnorms), 1)}
         return kl, metrics
 
@@ -436,12 +450,17 @@ class Trainer:
 
     def _reset_reference(self, reason: str | None, epoch: int) -> str:
         """Re-initialises the reference in place when its schedule gave a `reason`; the reason,
-        or ''."""
+        or ''. A reset at a policy version the reference was already mixed with (a steps reset
+        after step k, an epoch reset before step k + 1, no update between) moves the schedule
+        but does not mix again: with alpha < 1 a second mix would make the effective alpha
+        1 - (1 - alpha)^2."""
         if reason:
-            self.reference.sync(self.policy, self.step_idx, epoch)
+            mixed = self.reference.sync(self.policy, self.step_idx, epoch, version=self.version)
             if self.ranks.rank == 0:
-                log.info("step %d: reference re-initialised (%s, alpha=%.2f)", self.step_idx,
-                         reason, self.cfg.reference.alpha)
+                log.info("step %d: reference re-initialised (%s, alpha=%.2f)%s", self.step_idx,
+                         reason, self.cfg.reference.alpha,
+                         "" if mixed else f": already mixed at policy version {self.version}, "
+                         "not mixed again")
         return reason or ""
 
     # ------------------------------------------------------------------ evaluation

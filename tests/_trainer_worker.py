@@ -166,8 +166,13 @@ def main():
 
     res["sync_versions"] = [[tr.step_idx + 1, tr.step()["policy_version_of_batch"]]]
     tr.cfg.run.async_rollout = True
-    res["async_versions"] = [[tr.step_idx + 1, tr.step()["policy_version_of_batch"]]
-                             for _ in range(3)]
+    recs = [tr.step() for _ in range(3)]
+    res["async_versions"] = [[r["step"], r["policy_version_of_batch"]] for r in recs]
+    # issue 30: stale batches train with the decoupled correction under rollout_is=none
+    res["async_offpolicy"] = [[r["policy_lag"], r["offpolicy_corrected"],
+                               "logp_gap_vllm_mean" in r, "logp_gap_stale_mean" in r,
+                               r.get("rollout_is_weight_mean"), r.get("rollout_logp_gap_mean")]
+                              for r in recs]
     # off-policy machinery: mu=2 passes x 2 minibatches, old log-probs, truncated rollout IS,
     # token-level (dapo) aggregation, dual clip, GSPO-free
     tr.cfg.run.async_rollout = False

@@ -117,5 +117,8 @@ def test_async_runs_name_their_staleness_correction():
 
     on = async_note(load_config(None, ["run.async_rollout=true", "algo.rollout_is=truncate"]))
     assert "one update behind" in on and "algo.rollout_is=truncate" in on
+    # the default (rollout_is=none) is not left uncorrected (issue 30): it runs the decoupled
+    # objective on stale batches and names the cap and how to choose it explicitly
     off = async_note(load_config(None, ["run.async_rollout=true"]))
-    assert "not corrected (algo.rollout_is=none" in off
+    assert "decoupled objective" in off and "algo.rollout_is_cap=2" in off
+    assert "set algo.rollout_is=truncate to choose it explicitly" in off

@@ -93,6 +93,18 @@ def test_async_is_one_step_off_policy(results):
     assert versions == [steps[0] - 1, steps[0] - 1, steps[0]]
 
 
+def test_async_stale_batches_are_importance_corrected(results):
+    """Issue 30: with the default algo.rollout_is=none, the stale async batches (lag 1) train
+    with the decoupled correction (weights min(pi_old / vLLM, cap), not all 1: the policy moved)
+    and their vLLM gap is reported as the stale one; the fresh first batch is uncorrected and
+    reports the same-weights gap."""
+    rows = results[0]["async_offpolicy"]
+    assert [r[:4] for r in rows] == [[0, 0, True, False], [1, 1, False, True],
+                                     [1, 1, False, True]], rows
+    for lag, _, _, _, weight, gap in rows[1:]:
+        assert gap > 1e-4 and weight != 1.0 and 0.5 < weight < 2.0, rows
+
+
 def test_mu_passes_minibatches_and_rollout_is(results):
     r = results[0]["offpolicy"]
     assert r["opt_steps"] == 4  # mu=2 passes x 2 minibatches

@@ -77,9 +77,12 @@ class AlgoConfig(Section):
     max_abs_reward: float = 1e6
     """A non-finite reward, or one with |reward| > this, skips the step's update; 0 = no bound."""
     rollout_is: str = "none"
-    """vLLM-vs-trainer mismatch correction: none, truncate (TIS), token_mask or seq_mask."""
+    """vLLM-vs-trainer mismatch correction: none, truncate (TIS), token_mask or seq_mask. A
+    stale batch (async: sampled one update behind) trains with truncate under none: the
+    decoupled objective (megagrpo.offpolicy)."""
     rollout_is_cap: float = 2.0
-    """truncate: per-token weight min(exp(logp_old - logp_vllm), cap)."""
+    """truncate (and stale batches under none): per-token weight
+    min(exp(logp_old - logp_vllm), cap)."""
     rollout_is_low: float = 0.5
     """token_mask/seq_mask: ratios below this are masked (seq_mask: per-sequence geometric mean)."""
     rollout_is_high: float = 2.0

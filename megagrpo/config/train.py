@@ -159,6 +159,14 @@ class TrainConfig(Section):
                 "the truncated, renormalised distribution while the trainer scores the full "
                 "softmax, so every IS weight would be off by the nucleus mass; sample with "
                 "top_p=1 and top_k=-1 (or 0), or set algo.rollout_is=none")
+        if truncated and mode == "processed_logprobs" and self.run.async_rollout:
+            raise ValueError(
+                f"rollout.top_p={self.rollout.top_p} / rollout.top_k={self.rollout.top_k} with "
+                "run.async_rollout=true: the stale batches of async rollouts train with the "
+                "decoupled correction (importance weights old/vLLM; algo.rollout_is=none runs "
+                "truncate on them), and vLLM's processed log-probs are of the truncated, "
+                "renormalised distribution while the trainer scores the full softmax; sample "
+                "with top_p=1 and top_k=-1 (or 0), or set run.async_rollout=false")
         if mode == "raw_logprobs" and temperature != 1.0:
             raise ValueError(
                 f"rollout.logprobs_mode=raw_logprobs with rollout.temperature={temperature}: "

@@ -1,0 +1,64 @@
+"""Stale batches: which off-policy correction trains them, decided from the batch's version.
+
+A batch is *stale* when the policy version that sampled it (`Rollout.version`, the optimizer
+updates vLLM's weights had taken) differs from the trainer's when it trains on it: async
+rollouts (`run.async_rollout`) sample the next batch while the current one trains, so it is one
+update behind. Three policies then meet in the loss (decoupled PPO; Fu et al., AReaL,
+arXiv:2505.24298, Sec. 5.1):
+
+- behaviour mu: the policy that sampled the tokens; its per-token log-probs are vLLM's
+  (`Batch.rollout_logp`);
+- proximal pi_prox: the trainer's policy at training time, before this batch's first update;
+  its log-probs are the scoring pass's (`Batch.old_logp`);
+- pi_theta: the policy being optimised.
+
+Per token, with advantage A:
+
+    loss_t = min(pi_prox / mu, cap) * max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)),
+    r = pi_theta / pi_prox
+
+The clip keeps each update in a trust region around the proximal policy (the trainer's own,
+as on-policy PPO), and the truncated importance weight pi_prox / mu (no gradient) moves the
+expectation over mu's samples to one over pi_prox's: E_mu[(pi_prox / mu) g] = E_pi_prox[g].
+Without it (the PPO ratio is 1 at the first pass, as old log-probs are recomputed under the
+trainer's weights) a stale batch follows mu's gradient, not the policy's: biased, by as much
+as the one-update lag moved the policy.
+
+That objective is exactly `algo.rollout_is=truncate` (weights min(exp(old_logp -
+rollout_logp), algo.rollout_is_cap) times the clipped ratio to old_logp), which on a fresh
+batch corrects only the vLLM-vs-trainer numerical mismatch. So `algo.rollout_is=none` (the
+default: no correction of that mismatch) runs `truncate` on every stale batch, and says so once
+at start (`async_note`); token_mask / seq_mask / truncate chosen explicitly run as chosen on
+every batch. The decision is per batch, from the versions, not from the async flag: the first
+async batch (sampled before any update) is fresh and trains uncorrected.
+"""
+from __future__ import annotations
+
+from megagrpo.config.algo import AlgoConfig
+
+
+def is_stale(batch_version: int, trainer_version: int) -> bool:
+    """Whether a batch sampled by policy `batch_version` trains on another policy version."""
+    return batch_version != trainer_version
+
+
+def correction_mode(rollout_is: str, *, stale: bool) -> str:
+    """The rollout-IS mode a batch trains with: `algo.rollout_is`, except that 'none' on a
+    stale batch is 'truncate' (the decoupled objective, module docstring)."""
+    return "truncate" if stale and rollout_is == "none" else rollout_is
+
+
+def async_note(a: AlgoConfig) -> str:
+    """The start-up line of an async run: which correction its stale batches train with."""
+    if a.rollout_is == "none":
+        how = ("corrected by the decoupled objective (algo.rollout_is=none runs truncate on "
+               "stale batches: the clipped ratio to the recomputed old log-probs times "
+               f"min(old/vLLM, algo.rollout_is_cap={a.rollout_is_cap:g})); set "
+               "algo.rollout_is=truncate to choose it explicitly")
+    else:
+        how = f"weighted by algo.rollout_is={a.rollout_is} (trainer old log-probs vs vLLM's)"
+    return ("async rollouts: each batch is sampled by the policy one update behind the one "
+            f"that trains on it; that staleness is {how}")
+
+
+__all__ = ["async_note", "correction_mode", "is_stale"]
