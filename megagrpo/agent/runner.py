@@ -207,7 +207,7 @@ class TrajectoryRunner:
 
     def _append(self, t: _Trajectory, obs: Observation) -> None:
         ids = (list(obs.token_ids) if obs.token_ids is not None
-               else self.tokenizer.encode(obs.text, add_special_tokens=False) if obs.text
+               else self.tokenizer.encode(obs.text) if obs.text
                else [])
         if len(t.ids) + len(ids) >= t.budget:  # no room left for a model token after it
             t.done, t.finish, t.truncation = True, "length", "token_budget"
