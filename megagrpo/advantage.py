@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo import algo
+from megagrpo.agent.runner import agent_metrics
 from megagrpo.batch import Batch, pack
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.config.train import TrainConfig
@@ -47,24 +48,43 @@ def build_batch(ro: Rollout, cfg: TrainConfig, *, pad_id: int, multiple: int
     a = cfg.algo
     prompts = [ro.prompts[c.prompt_index] for c in ro.completions]
     lengths = torch.tensor([len(c.token_ids) for c in ro.completions])
+    model_lengths = torch.tensor([len(c.token_ids) if c.loss_mask is None else sum(c.loss_mask)
+                                  for c in ro.completions])
     truncated = torch.tensor([c.finish_reason == "length" for c in ro.completions])
     rewards = ro.rewards.float()
     if a.overlong_buffer:
-        rewards = rewards + algo.overlong_penalty(lengths, cfg.rollout.max_tokens,
-                                                  a.overlong_buffer, a.overlong_penalty)
+        rewards = rewards + _overlong(lengths, prompts, cfg)
     keep = ~truncated if a.mask_truncated else None
     batch = pack(prompts, [c.token_ids for c in ro.completions],
                  [c.logprobs for c in ro.completions], torch.zeros(len(rewards)),
                  pad_id=pad_id, multiple=multiple, blocks=a.num_minibatches,
                  completion_mask=keep, seq_rewards=rewards,
                  routes=([c.routes for c in ro.completions]
-                         if ro.completions and ro.completions[0].routes is not None else None))
+                         if ro.completions and ro.completions[0].routes is not None else None),
+                 loss_masks=[c.loss_mask for c in ro.completions])
     correct = torch.tensor([bool(c.correct) for c in ro.completions])
     bad = int(algo.bad_rewards(rewards, a.max_abs_reward).sum())
     metrics = dict(algo.reward_metrics(ro.rewards.float(), a.group_size, correct), **ro.metrics)
-    metrics.update(completion_len=float(lengths.float().mean()),
+    metrics.update(completion_len=float(model_lengths.float().mean()),
                    truncated_frac=float(truncated.float().mean()), nonfinite_rewards=float(bad))
+    if cfg.agent.enabled:
+        metrics.update(agent_metrics(ro.completions),
+                       trajectory_len=float(lengths.float().mean()))
     return batch, ShapedRewards(rewards=rewards, bad=bad, metrics=metrics)
+
+
+def _overlong(lengths: torch.Tensor, prompts: list[list[int]], cfg: TrainConfig) -> torch.Tensor:
+    """DAPO's overlong penalty [n]. Single-turn: completion tokens against rollout.max_tokens.
+    Multi-turn: every token after the prompt (model and environment: what fills the budget)
+    against the trajectory's budget (agent.max_total_tokens, or rollout.max_model_len minus the
+    prompt), the limit that truncates it (the penalty depends on length - limit only)."""
+    a = cfg.algo
+    if not cfg.agent.enabled:
+        return algo.overlong_penalty(lengths, cfg.rollout.max_tokens, a.overlong_buffer,
+                                     a.overlong_penalty)
+    room = torch.tensor([cfg.rollout.max_model_len - len(p) for p in prompts])
+    budget = room.clamp(max=cfg.agent.max_total_tokens) if cfg.agent.max_total_tokens else room
+    return algo.overlong_penalty(lengths - budget, 0, a.overlong_buffer, a.overlong_penalty)
 
 
 def advantages(rewards: torch.Tensor, a: AlgoConfig, dp_group=None) -> torch.Tensor:

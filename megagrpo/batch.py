@@ -224,7 +224,8 @@ def spread_rows(n: int, rows: int, blocks: int) -> Tensor:
 def pack(prompts: list[list[int]], completions: list[list[int]], rollout_logps: list[list[float]],
          seq_advantages: Tensor, *, pad_id: int, multiple: int = 1, blocks: int = 1,
          completion_mask: Tensor | None = None, seq_rewards: Tensor | None = None,
-         routes: list[Tensor] | None = None) -> Batch:
+         routes: list[Tensor] | None = None,
+         loss_masks: list[list[bool] | None] | None = None) -> Batch:
     """Builds a `Batch` from n = len(completions) sequences (prompts[i] belongs to sequence i).
 
     `multiple`: the rows are padded with dummy rows (mask False) to a multiple of it, so every
@@ -233,7 +234,10 @@ def pack(prompts: list[list[int]], completions: list[list[int]], rollout_logps: 
     (`spread_rows`), so a minibatch never holds only padding while n >= blocks; real rows keep
     their order. `completion_mask` [n] False drops a sequence from the loss (e.g. truncated
     completions). `seq_rewards` [n] are kept per row in `Batch.rewards`, `routes` (n tensors
-    [len(prompt) + len(completion), L_moe, k]) in `Batch.routes` (-1 on padding)."""
+    [len(prompt) + len(completion), L_moe, k]) in `Batch.routes` (-1 on padding).
+    `loss_masks` (n lists, one bool per completion token, or None = all True): multi-turn
+    trajectories, False on the environment's tokens, which then carry no loss, KL or vLLM-gap
+    weight (every later stage reads `Batch.mask`); their `rollout_logps` entries must be 0."""
     n = len(completions)
     S = max(len(p) + len(c) for p, c in zip(prompts, completions))
     rows = -(-n // multiple) * multiple
@@ -250,6 +254,8 @@ def pack(prompts: list[list[int]], completions: list[list[int]], rollout_logps: 
             ids[r, L:L + len(c)] = torch.tensor(c, dtype=torch.long)
             keep = completion_mask is None or bool(completion_mask[i])
             mask[r, L - 1:L - 1 + len(c)] = keep
+            if keep and loss_masks is not None and loss_masks[i] is not None:
+                mask[r, L - 1:L - 1 + len(c)] = torch.tensor(loss_masks[i], dtype=torch.bool)
             rlogp[r, L - 1:L - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
     target = torch.roll(ids, -1, dims=1)
     target[:, -1] = pad_id

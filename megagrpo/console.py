@@ -188,8 +188,9 @@ class Progress:
     a plain line every ~5% of the run otherwise (logs, CI). Evaluations get a line each."""
 
     # the vLLM-vs-trainer log-prob gap: ~1e-7 in fp32, ~1e-3 in bf16 (rollout IS corrects it)
+    # multi-turn runs (agent on) add turns per trajectory and tool calls per trajectory
     KEYS = (("reward_mean", "reward"), ("kl", "kl"), ("completion_len", "len"),
-            ("logp_gap_vllm_mean", "gap"))
+            ("logp_gap_vllm_mean", "gap"), ("turns", "turns"), ("tool_calls", "tools"))
 
     def __init__(self, total: int, *, enabled: bool = True) -> None:
         self.total, self.done, self.enabled = total, 0, enabled

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -193,6 +193,8 @@ class Example:
 
     prompt: str
     answer: str
+    record: dict = field(default_factory=dict, compare=False)
+    """The data record it came from (what a multi-turn environment is built from)."""
 
 
 def format_prompt(
@@ -233,7 +235,7 @@ def build_examples(
             raise ValueError(f"{source}, record {i + 1}: data.answer_field {answer_field!r} is "
                              "null; give every record an answer (fix or remove the record)")
         prompt = format_prompt(str(question), template, tokenizer, system_prompt)
-        out.append(Example(prompt=prompt, answer=str(answer)))
+        out.append(Example(prompt=prompt, answer=str(answer), record=dict(r)))
     return out
 
 

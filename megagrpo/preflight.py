@@ -74,6 +74,7 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> Preflight:
     from megagrpo.rewards import resolve_terms  # imports torch: after the config-only checks
 
     resolve_terms(cfg.reward)
+    check_environment(cfg)
     task = load_task(cfg.data, cfg.arithmetic)
     check_model(cfg, model, task.tokenizer)
     train, dropped_train, long_train = fit_prompts(
@@ -87,10 +88,36 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> Preflight:
             f"data.batch_size={cfg.data.batch_size} needs at least that many training prompts; "
             f"{source} gives {len(train)}" + (f" ({dropped_train} dropped as too long)"
                                               if dropped_train else ""))
+    check_agent_budget(cfg, max(long_train, long_eval))
     task = dataclasses.replace(task, train=train, eval=evals)
     return Preflight(task=task, model=model, dropped_train=dropped_train,
                      dropped_eval=dropped_eval, longest_prompt=max(long_train, long_eval),
                      seconds=time.perf_counter() - t0)
+
+
+def check_environment(cfg: TrainConfig) -> None:
+    """agent.environment imports and names an Environment subclass; multi-turn runs without
+    routing replay (vLLM's routes would cover one turn's call, not the trajectory)."""
+    if not cfg.agent.enabled:
+        return
+    from megagrpo.agent.runner import environment_class
+
+    environment_class(cfg.agent.environment)
+    if cfg.algo.routing_replay:
+        raise ValueError("algo.routing_replay=true is not supported with multi-turn rollouts "
+                         f"(agent.environment={cfg.agent.environment!r}): turn it off")
+
+
+def check_agent_budget(cfg: TrainConfig, longest_prompt: int) -> None:
+    """agent.max_total_tokens (when set) fits rollout.max_model_len after the longest prompt
+    (each turn's rollout.max_tokens already does: `fit_prompts`)."""
+    budget, max_len = cfg.agent.max_total_tokens, cfg.rollout.max_model_len
+    if cfg.agent.enabled and budget and longest_prompt + budget > max_len:
+        raise ValueError(
+            f"agent.max_total_tokens={budget} does not fit rollout.max_model_len={max_len} "
+            f"after the longest prompt ({longest_prompt} tokens): lower it to <= "
+            f"{max_len - longest_prompt}, raise rollout.max_model_len, or set it to 0 "
+            "(rollout.max_model_len minus each prompt)")
 
 
 def check_init(init: str) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo import algo
+from megagrpo.agent.runner import TrajectoryRunner, environment_factory
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import encode_prompt
@@ -98,6 +99,15 @@ class RolloutCollector:
     thread: threading.Thread | None = None
     failure: BaseException | None = None
     """What the side thread raised; `join` re-raises it on the main thread."""
+    runner: TrajectoryRunner | None = None
+    """Multi-turn rollouts (cfg.agent enabled; built from agent.environment when None)."""
+
+    def __post_init__(self) -> None:
+        if self.cfg.agent.enabled and self.runner is None:
+            self.runner = TrajectoryRunner(
+                engine=self.engine, tokenizer=self.tokenizer,
+                factory=environment_factory(self.cfg.agent, self.tokenizer),
+                agent=self.cfg.agent, max_model_len=self.cfg.rollout.max_model_len)
 
     # ------------------------------------------------------------------ shared
     def score(self, comps: list[Completion], answers: list[str]
@@ -110,14 +120,25 @@ class RolloutCollector:
         return rewards, self.reward_fn.correct(per_term).bool(), metrics
 
     def _generate(self, prompts: list[list[int]], answers: list[str], mine: list[int],
-                  sampling: SamplingSettings) -> tuple[list[Completion], torch.Tensor, dict]:
-        """Generates the `mine` prompts on this rank's engine; the engine's leader (its TP
-        rank 0) scores and reports them, the other ranks report nothing."""
-        comps = self.engine.generate([prompts[i] for i in mine], sampling) if mine else []
+                  sampling: SamplingSettings, records: list[dict] | None = None
+                  ) -> tuple[list[Completion], torch.Tensor, dict]:
+        """Generates the `mine` prompts on this rank's engine (multi-turn trajectories through
+        `runner` when the agent is on: `records` are the prompts' data records); the engine's
+        leader (its TP rank 0) scores and reports them, the other ranks report nothing."""
+        if not mine:
+            comps = []
+        elif self.runner is not None:
+            recs = records if records is not None else [{}] * len(prompts)
+            comps = self.runner.run([prompts[i] for i in mine], [recs[i] for i in mine],
+                                    sampling)
+        else:
+            comps = self.engine.generate([prompts[i] for i in mine], sampling)
         if not self.layout.is_leader:
             comps = []
         rewards, correct, metrics = self.score(comps, [answers[mine[c.prompt_index]]
                                                         for c in comps])
+        if self.runner is not None and comps:  # agent.env_reward joined them per trajectory
+            rewards = rewards + torch.tensor([c.env_reward for c in comps], dtype=rewards.dtype)
         for c, ok in zip(comps, correct.tolist()):
             c.prompt_index, c.correct = mine[c.prompt_index], bool(ok)
         return comps, rewards, metrics
@@ -136,10 +157,13 @@ class RolloutCollector:
         examples = next(self.loader)
         prompts = [encode_prompt(self.tokenizer, e.prompt) for e in examples]
         answers = [e.answer for e in examples]
+        records = [e.record for e in examples]
         epoch = self.loader.epoch
-        pool = self._pool(prompts, answers) if self.layout.pooled else (prompts, answers)
+        pool = (self._pool(prompts, answers, records) if self.layout.pooled
+                else (prompts, answers, records))
         mine = self.layout.prompt_indices(len(pool[0]))  # this rank's engine's slice
-        comps, rewards, metrics = self._generate(*pool, mine, self.sampling())
+        comps, rewards, metrics = self._generate(pool[0], pool[1], mine, self.sampling(),
+                                                 pool[2])
         return Drawn(prompts, answers, epoch, version, comps, rewards.tolist(), metrics,
                      loader_state=before)
 
@@ -167,15 +191,16 @@ class RolloutCollector:
                        rewards=torch.tensor([rw for _, rw in merged]), version=drawn.version,
                        epoch=drawn.epoch, metrics=metrics)
 
-    def _pool(self, prompts: list[list[int]], answers: list[str]) -> tuple[list, list]:
-        """Pooled layout: every replica's prompts and answers, replica-major [dp * B]."""
+    def _pool(self, prompts: list[list[int]], answers: list[str], records: list[dict]
+              ) -> tuple[list, list, list]:
+        """Pooled layout: every replica's prompts, answers and records, replica-major
+        [dp * B]."""
         parts = [None] * dist.get_world_size(group=self.groups.world)
-        dist.all_gather_object(parts, (self.ranks.dp_rank, prompts, answers),
+        dist.all_gather_object(parts, (self.ranks.dp_rank, prompts, answers, records),
                                group=self.groups.world)
-        by_replica = {d: (p, a) for d, p, a in parts}
+        by_replica = {d: (p, a, r) for d, p, a, r in parts}
         dp = self.ranks.dp
-        return ([p for d in range(dp) for p in by_replica[d][0]],
-                [a for d in range(dp) for a in by_replica[d][1]])
+        return tuple([x for d in range(dp) for x in by_replica[d][k]] for k in range(3))
 
     def rollout(self, version: int, drawn: Drawn | None = None) -> Rollout:
         """Samples G completions for a batch of prompts; with dynamic sampling, tops the batch
@@ -263,9 +288,11 @@ class RolloutCollector:
         lay = self.layout  # each engine evaluates its slice; its TP rank 0 counts it
         mine = list(range(lay.engine, len(examples), lay.num_engines))
         s = SamplingSettings(temperature=0.0, max_tokens=self.cfg.eval.max_tokens, n=1,
+                             stop=tuple(self.cfg.rollout.stop) if self.runner else (),
                              stop_token_ids=self.stop_ids)
         prompts = [encode_prompt(self.tokenizer, e.prompt) for e in examples]
-        comps, _, _ = self._generate(prompts, [e.answer for e in examples], mine, s)
+        comps, _, _ = self._generate(prompts, [e.answer for e in examples], mine, s,
+                                     [e.record for e in examples])
         counted = float(len(mine)) if lay.is_leader else 0.0
         v = torch.tensor([float(sum(c.correct for c in comps)), counted], dtype=torch.float64)
         if dist.is_initialized():

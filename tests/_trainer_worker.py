@@ -195,6 +195,7 @@ def main():
     res["kl_in_reward"] = kl_in_reward_check(tr)
     res["empty_minibatches"] = empty_minibatch_check(tr)
     res["eval_accuracy"] = eval_accuracy_check(tr)
+    res["multi_turn"] = multi_turn_check(tr)
     bad = bad_steps_check(tr)
     err = bad.pop("error", None)
     res["bad_steps"] = bad
@@ -307,6 +308,83 @@ def eval_accuracy_check(tr):
     return known_share_eval(tr, RewardFn(RewardConfig(terms=[
         RewardTermConfig(name="arithmetic"),
         RewardTermConfig(name="format", kwargs={"pattern": ".*"})])))
+
+
+class Recorder:
+    """The engine, recording what each generate call sampled: turn 1 (n = G) by prompt, later
+    turns (n = 1) by their token prefix; lists of (ids, log-probs)."""
+
+    def __init__(self, engine):
+        self.engine, self.first, self.later = engine, {}, {}
+
+    def generate(self, prompts, sampling, **kw):
+        out = self.engine.generate(prompts, sampling, **kw)
+        n = sampling.n
+        for i, p in enumerate(prompts):
+            group = [(c.token_ids, c.logprobs) for c in out[i * n:(i + 1) * n]]
+            if n > 1:
+                self.first.setdefault(tuple(p), []).append(group)
+            else:
+                self.later.setdefault(tuple(p), []).append(group[0])
+        return out
+
+
+def scored_equals_sampled(rec, batch, ro):
+    """Per trajectory this rank sampled: each model segment of the batch row (ids at mask
+    True, rollout log-probs) equals what vLLM returned for that turn's exact prefix.
+    Returns (trajectories checked, mismatches, most turns)."""
+    checked = bad = most = 0
+    ids, mask, lps = (batch.real(x) for x in (batch.ids, batch.mask, batch.rollout_logp))
+    for i, c in enumerate(ro.completions):
+        L = len(ro.prompts[c.prompt_index])
+        n = len(c.token_ids)
+        row, m, lp = ids[i, :L + n].tolist(), mask[i, L - 1:L - 1 + n], lps[i, L - 1:L - 1 + n]
+        if tuple(row[:L]) not in rec.first:
+            continue  # another rank's engine sampled it
+        checked += 1
+        starts = [j for j in range(n) if m[j] and (j == 0 or not m[j - 1])]
+        most = max(most, len(starts))
+        for k, s in enumerate(starts):
+            e = s
+            while e < n and m[e]:
+                e += 1
+            seg = (row[L + s:L + e], lp[s:e].tolist())
+            options = ([g[c.sample_index] for g in rec.first[tuple(row[:L])]] if k == 0
+                       else rec.later.get(tuple(row[:L + s]), []))
+            bad += seg not in options
+    return checked, bad, most
+
+
+def multi_turn_check(tr):
+    """agent on (tests._agent_env:Digits, 3 turns; about half the ids end a turn, so most
+    trajectories run all 3): the ids and rollout log-probs the trainer scores are vLLM's per
+    turn; then a step trains on multi-turn trajectories (vLLM gap over model tokens, loss)."""
+    from megagrpo.agent.runner import TrajectoryRunner, environment_factory
+
+    cfg, c = tr.cfg, tr.rollouts
+    for key, value in (("loss_agg", "grpo"), ("mu", 1), ("num_minibatches", 1),
+                       ("dynamic_sampling", False), ("kl_in_reward", False),
+                       ("rollout_is", "none"), ("mask_truncated", False)):
+        setattr(cfg.algo, key, value)
+    saved = (cfg.agent.environment, c.stop_ids)
+    cfg.agent.environment, cfg.agent.max_turns = "tests._agent_env:Digits", 3
+    rec = Recorder(tr.engine)
+    c.runner = TrajectoryRunner(engine=rec, tokenizer=tr.tokenizer, agent=cfg.agent,
+                                factory=environment_factory(cfg.agent, tr.tokenizer),
+                                max_model_len=cfg.rollout.max_model_len)
+    c.stop_ids = (3, *range(4, 19, 2))
+    tr.sync_weights()  # empty_minibatch_check updated the policy without a sync
+    try:
+        ro = tr.rollout()
+        batch, _ = tr.build_batch(ro)
+        checked, bad, most = scored_equals_sampled(rec, batch, ro)
+        m = tr.step()
+    finally:
+        cfg.agent.environment, c.stop_ids = saved
+        c.runner = None
+    return {"checked": checked, "mismatches": bad, "most_turns": most,
+            "gap": m["logp_gap_vllm_mean"], "loss": m["loss"], "turns": m["turns"],
+            "env_token_share": m["env_token_share"], "tool_calls": m["tool_calls"]}
 
 
 def bad_steps_check(tr):

@@ -159,3 +159,16 @@ def test_stop_after_bad_steps_saves_a_checkpoint_and_exits(results, trainer_work
         assert s["step"] == step and "run.max_bad_steps" in s["message"], s
         assert f"step_{step:06d}" in s["message"]
     assert (trainer_work / "run" / "checkpoints" / f"step_{step:06d}").is_dir()
+
+
+def test_multi_turn_trains_on_vllm_ids_with_env_tokens_masked(results):
+    """Issue 29: 3-turn trajectories (tests/_agent_env.py): every model segment the trainer
+    scores is bitwise what vLLM sampled for that turn's prefix (ids and log-probs); the
+    vLLM-vs-trainer gap over model tokens is as small as single-turn's; the step's loss is
+    finite."""
+    for r in results:
+        mt = r["multi_turn"]
+        assert mt["checked"] > 0 and mt["mismatches"] == 0, mt
+    mt = results[0]["multi_turn"]
+    assert mt["most_turns"] == 3 and mt["turns"] > 1.5 and mt["env_token_share"] > 0, mt
+    assert mt["gap"] < 1e-4 and math.isfinite(mt["loss"]), mt

@@ -23,10 +23,16 @@ class AgentConfig(Section):
     """Tools of the 'tools' environment: built-in names ('calculator', 'python') or
     `module:function` (typed parameters, a docstring; the JSON schema comes from the hints)."""
     max_turns: int = 4
-    """Most assistant turns per trajectory (rollout.max_tokens bounds each turn)."""
+    """Most assistant turns per trajectory (rollout.max_tokens bounds each turn; a turn that
+    hits it ends the trajectory, truncation 'turn_length'). An environment not done after the
+    last turn: truncation 'max_turns'. Both count as truncated (finish 'length') for
+    algo.mask_truncated."""
     max_total_tokens: int = 0
     """Most tokens after the prompt (assistant + environment) per trajectory; 0 =
-    rollout.max_model_len minus the prompt."""
+    rollout.max_model_len minus the prompt. Each turn samples at most what is left; a turn cut
+    there, or an observation that would leave no room, ends the trajectory (truncation
+    'token_budget'). It is also the limit of algo.overlong_buffer's shaping in multi-turn runs.
+    Preflight: the longest prompt plus it must fit rollout.max_model_len."""
     env_reward: str = "sum"
     """How the environment's per-turn rewards join the reward terms' score: 'sum' adds them all,
     'last' adds the final turn's, 'none' ignores them."""

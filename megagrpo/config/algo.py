@@ -69,11 +69,14 @@ class AlgoConfig(Section):
     max_resample_rounds: int = 4
     """Dynamic sampling: most extra generation rounds per step before training on what is kept."""
     overlong_buffer: int = 0
-    """DAPO soft overlong punishment: length of the penalty ramp before max length; 0 = off."""
+    """DAPO soft overlong punishment: length of the penalty ramp before max length
+    (rollout.max_tokens; multi-turn: every token after the prompt against the trajectory's
+    budget, agent.max_total_tokens); 0 = off."""
     overlong_penalty: float = 1.0
     """Reward penalty at max length (linear from 0 at max_len - overlong_buffer)."""
     mask_truncated: bool = False
-    """Exclude completions that hit max length without EOS from the loss (DAPO overlong filter)."""
+    """Exclude completions that hit max length without EOS from the loss (DAPO overlong filter;
+    multi-turn: trajectories cut by a turn's length, agent.max_turns or the token budget)."""
     max_abs_reward: float = 1e6
     """A non-finite reward, or one with |reward| > this, skips the step's update; 0 = no bound."""
     rollout_is: str = "none"

@@ -35,7 +35,10 @@ class SamplingSettings:
 
 @dataclass(kw_only=True)
 class Completion:
-    """One sampled completion. `logprobs[i]` is the log-prob vLLM sampled `token_ids[i]` with."""
+    """One sampled completion, or a multi-turn trajectory (all ids after the prompt: the
+    model's and the environment's, `loss_mask` telling them apart; `text` is then the last
+    assistant turn's). `logprobs[i]` is the log-prob vLLM sampled `token_ids[i]` with (0.0 on
+    environment tokens)."""
 
     prompt_index: int
     """Index of the prompt in the `generate` call."""
@@ -52,6 +55,25 @@ class Completion:
     """MoE with routing capture: [len(prompt) + len(token_ids), L_moe, k] int16, the experts
     vLLM routed each position's token to in each MoE layer (-1 where it computed none: the
     last token, which no forward reads)."""
+    # multi-turn trajectories (megagrpo.agent.runner); the defaults are a single-turn sample
+    loss_mask: list[bool] | None = None
+    """Per token of `token_ids`: True = sampled by the model (trained), False = the
+    environment's (masked out of the loss, the KL and the vLLM gap; its `logprobs` entry is
+    0.0). None: every token is the model's."""
+    turns: int = 1
+    """Assistant turns in the trajectory."""
+    tool_calls: int = 0
+    """Tool calls over the trajectory (the environment's count)."""
+    tool_errors: int = 0
+    """Of those, the failed ones."""
+    tool_seconds: float = 0.0
+    """Wall time the environment spent in tools."""
+    env_reward: float = 0.0
+    """The environment's rewards, joined as agent.env_reward says (added to the reward terms')."""
+    truncation: str = ""
+    """Why the trajectory was cut short: '' (it ended: done, or a single-turn sample),
+    'turn_length' (a turn hit rollout.max_tokens: not continued), 'max_turns', 'token_budget'
+    or 'env_error' (the environment raised). finish_reason is 'length' for the first three."""
 
 
 @dataclass(kw_only=True)

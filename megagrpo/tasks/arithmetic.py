@@ -72,7 +72,9 @@ def _draw(cfg: ArithmeticConfig, split: str, n: int, seed: int, distinct: bool) 
         if is_eval_problem(prompt, cfg.eval_fraction) != want_eval or (distinct and prompt in seen):
             continue
         seen.add(prompt)
-        out.append(Example(prompt=prompt, answer=answer_text(solve(a, op, b), cfg)))
+        answer = answer_text(solve(a, op, b), cfg)
+        out.append(Example(prompt=prompt, answer=answer,
+                           record={"prompt": prompt, "answer": answer, "a": a, "op": op, "b": b}))
     return out
 
 

@@ -1,0 +1,265 @@
+"""Multi-turn rollouts, token in / token out: each sample is a trajectory of assistant turns
+and environment observations, kept as one token sequence.
+
+Turn 1 samples G completions per prompt (one `generate` call, n=G). Every later turn continues
+each live trajectory from its whole token prefix (prompt + every id so far; n=1, the engine's
+prefix cache makes the repeated prefix cheap), all live trajectories of the turn in ONE
+`generate` call. Between turns each trajectory's environment answers the turn; its observation
+ids (`Observation.token_ids`, or the text encoded once without special tokens) are appended.
+Nothing the model sampled is ever decoded and re-encoded: decoding is for the environment's
+parsing and the reward terms only.
+
+Budgets: a trajectory holds at most B tokens after its prompt, B = agent.max_total_tokens, or
+rollout.max_model_len minus the prompt when that is 0. Each turn samples at most
+min(rollout.max_tokens, what is left of B) tokens: the turn's call asks for the largest such
+limit among the live trajectories and each trajectory keeps the first ids up to its own (a
+prefix of a sample is a sample with the shorter limit). Ends (`Completion.truncation`):
+  ''            the environment said done;
+  'turn_length' a turn hit rollout.max_tokens (finish 'length'). It is not continued and the
+                environment does not see it: a cut-off turn usually holds half a tool call;
+  'max_turns'   agent.max_turns turns and the environment not done (its last observation is
+                not appended: nothing would read it);
+  'token_budget' a turn was cut at B, or an observation would leave no room for a model token
+                (the observation is not appended);
+  'env_error'   the environment raised (counted, reported once per runner; not the rank's end).
+The first three set finish_reason 'length' (algo.mask_truncated and overlong shaping read it);
+the others 'stop'.
+
+With rollout.tensor_parallel_size > 1 every rank of an engine runs its own environments from
+the same records and must get the same observations (the next call's prompts must agree across
+the engine's ranks): environments must be deterministic given the record and the turns.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from megagrpo.agent.env import Environment, Observation, Turn
+from megagrpo.config.agent import AgentConfig
+from megagrpo.engine.types import Completion, SamplingSettings
+
+log = logging.getLogger("megagrpo")
+
+EnvFactory = Callable[[dict], Environment]
+"""A prompt's data record -> a fresh environment for one trajectory."""
+
+
+def environment_class(name: str) -> type[Environment]:
+    """The `module:Class` named by agent.environment, checked to be an Environment subclass;
+    ValueError naming the field otherwise."""
+    if name == "tools":
+        raise ValueError("agent.environment=tools: the built-in tool environment is not "
+                         "available on this branch; name a class as 'module:Class'")
+    mod, _, attr = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"agent.environment={name!r} cannot be imported ({type(e).__name__}: "
+                         f"{e}): name an Environment subclass as 'module:Class' on the "
+                         "PYTHONPATH") from e
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ValueError(f"agent.environment={name!r} is {cls!r}, not a subclass of "
+                         "megagrpo.agent.Environment")
+    return cls
+
+
+def environment_factory(agent: AgentConfig, tokenizer: object) -> EnvFactory:
+    """record -> agent.environment's class built with (record, tokenizer, **agent.kwargs)."""
+    cls = environment_class(agent.environment)
+    return lambda record: cls(record, tokenizer, **agent.kwargs)
+
+
+@dataclass
+class _Trajectory:
+    """One trajectory while it runs."""
+
+    prompt_index: int
+    sample_index: int
+    prompt: list[int]
+    budget: int
+    """Most tokens after the prompt."""
+    env: Environment | None = None
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    turns: int = 0
+    text: str = ""
+    """The last turn's text."""
+    turn_ids: tuple[int, ...] = ()
+    """The last turn's ids."""
+    finish: str = "stop"
+    truncation: str = ""
+    rewards: list[float] = field(default_factory=list)
+    calls: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    done: bool = False
+
+    def limit(self, max_tokens: int) -> int:
+        """This turn's token limit."""
+        return min(max_tokens, self.budget - len(self.ids))
+
+
+@dataclass
+class TrajectoryRunner:
+    """Runs multi-turn trajectories on one rollout engine (see the module docstring)."""
+
+    engine: object
+    """The `RolloutEngine` (its `generate` only)."""
+    tokenizer: object
+    """Decodes turns for the environment and the reward terms; encodes text observations."""
+    factory: EnvFactory
+    agent: AgentConfig
+    max_model_len: int
+    reported: bool = False
+    """An environment error was reported (the first one only is)."""
+
+    def run(self, prompts: list[list[int]], records: list[dict],
+            sampling: SamplingSettings) -> list[Completion]:
+        """G = sampling.n trajectories per prompt, prompt-major (`Completion.prompt_index`
+        indexes `prompts`)."""
+        G = sampling.n
+        live = [_Trajectory(i, j, list(p), self._budget(p)) for i, p in enumerate(prompts)
+                for j in range(G)]
+        for t in live:
+            if t.budget < 1:  # preflight keeps prompts shorter than rollout.max_model_len
+                t.done, t.finish, t.truncation = True, "length", "token_budget"
+            else:
+                t.env = self._make_env(t, records[t.prompt_index])
+        active = [t for t in live if not t.done]
+        while active:
+            first = active[0].turns == 0 and len(active) == len(live)
+            self._turn(active, prompts, sampling, first)
+            active = [t for t in active if not t.done]
+        return [self._completion(t) for t in live]
+
+    def _budget(self, prompt: list[int]) -> int:
+        room = self.max_model_len - len(prompt)
+        return min(self.agent.max_total_tokens, room) if self.agent.max_total_tokens else room
+
+    def _make_env(self, t: _Trajectory, record: dict) -> Environment | None:
+        try:
+            return self.factory(record)
+        except Exception as e:  # noqa: BLE001 - one trajectory fails, not the rank
+            self._env_error(t, e, "creating")
+            return None
+
+    def _turn(self, active: list[_Trajectory], prompts: list[list[int]],
+              sampling: SamplingSettings, first: bool) -> None:
+        """One assistant turn of every active trajectory (one generate call), then the
+        environments' answers."""
+        limit = max(t.limit(sampling.max_tokens) for t in active)
+        s = replace(sampling, max_tokens=limit, n=sampling.n if first else 1)
+        if first:  # n = G samples per prompt, prompt-major like `active`
+            outs = self.engine.generate(prompts, s)
+        else:
+            outs = self.engine.generate([t.prompt + t.ids for t in active], s)
+        for t, out in zip(active, outs, strict=True):
+            self._take(t, out, sampling.max_tokens)
+            if not t.done:
+                self._observe(t)
+            if t.done and t.env is not None:
+                self._close(t)
+
+    def _take(self, t: _Trajectory, out: Completion, max_tokens: int) -> None:
+        """Appends the turn's sampled ids (cut to this trajectory's own limit)."""
+        own = t.limit(max_tokens)
+        ids, lps, finish, text = list(out.token_ids), list(out.logprobs), out.finish_reason, \
+            out.text
+        if len(ids) > own:
+            ids, lps, finish, text = ids[:own], lps[:own], "length", ""
+        if ids and not text:  # for parsing and the reward terms only, never re-encoded
+            text = self.tokenizer.decode(ids)
+        t.ids += ids
+        t.logprobs += lps
+        t.mask += [True] * len(ids)
+        t.turns += 1
+        t.text, t.finish = text, finish
+        t.turn_ids = tuple(ids)
+        if finish == "length":
+            t.done = True
+            t.truncation = "token_budget" if len(t.ids) >= t.budget else "turn_length"
+
+    def _observe(self, t: _Trajectory) -> None:
+        """The environment's answer to the trajectory's last turn."""
+        if t.env is None:
+            t.done = True
+            return
+        turn = Turn(index=t.turns - 1, text=t.text, token_ids=t.turn_ids,
+                    finish_reason=t.finish)
+        try:
+            obs = t.env.step(turn)
+        except Exception as e:  # noqa: BLE001 - one trajectory fails, not the rank
+            self._env_error(t, e, "stepping")
+            return
+        t.rewards.append(float(obs.reward))
+        t.calls += obs.tool_calls
+        t.errors += obs.tool_errors
+        t.seconds += obs.tool_seconds
+        if obs.done:
+            t.done = True
+        elif t.turns >= self.agent.max_turns:
+            t.done, t.finish, t.truncation = True, "length", "max_turns"
+        else:
+            self._append(t, obs)
+
+    def _append(self, t: _Trajectory, obs: Observation) -> None:
+        ids = (list(obs.token_ids) if obs.token_ids is not None
+               else self.tokenizer.encode(obs.text) if obs.text
+               else [])
+        if len(t.ids) + len(ids) >= t.budget:  # no room left for a model token after it
+            t.done, t.finish, t.truncation = True, "length", "token_budget"
+            return
+        t.ids += ids
+        t.logprobs += [0.0] * len(ids)
+        t.mask += [False] * len(ids)
+
+    def _env_error(self, t: _Trajectory, e: Exception, doing: str) -> None:
+        t.done, t.finish, t.truncation = True, "stop", "env_error"
+        if not self.reported:
+            self.reported = True
+            log.warning("agent.environment=%s raised while %s a trajectory (%s: %s); that "
+                        "trajectory ends (truncation 'env_error', counted in the step's "
+                        "metrics); later errors are counted only", self.agent.environment,
+                        doing, type(e).__name__, e)
+
+    def _close(self, t: _Trajectory) -> None:
+        env, t.env = t.env, None
+        try:
+            env.close()
+        except Exception as e:  # noqa: BLE001
+            self._env_error(t, e, "closing")
+
+    def _completion(self, t: _Trajectory) -> Completion:
+        mode = self.agent.env_reward
+        env_reward = (sum(t.rewards) if mode == "sum"
+                      else (t.rewards[-1] if t.rewards else 0.0) if mode == "last" else 0.0)
+        return Completion(prompt_index=t.prompt_index, sample_index=t.sample_index,
+                          token_ids=t.ids, logprobs=t.logprobs, finish_reason=t.finish,
+                          text=t.text, loss_mask=t.mask, turns=t.turns, tool_calls=t.calls,
+                          tool_errors=t.errors, tool_seconds=t.seconds,
+                          env_reward=float(env_reward), truncation=t.truncation)
+
+
+def agent_metrics(comps: list[Completion]) -> dict[str, float]:
+    """Per-trajectory means of a batch of trajectories: turns, tool calls / errors, tool
+    seconds, the environment tokens' share of all tokens after the prompts, truncations by
+    cause (a share each)."""
+    n = max(len(comps), 1)
+    env = sum(len(c.loss_mask) - sum(c.loss_mask) for c in comps if c.loss_mask is not None)
+    total = sum(len(c.token_ids) for c in comps)
+    out = {"turns": sum(c.turns for c in comps) / n,
+           "tool_calls": sum(c.tool_calls for c in comps) / n,
+           "tool_errors": sum(c.tool_errors for c in comps) / n,
+           "tool_seconds": sum(c.tool_seconds for c in comps) / n,
+           "env_reward": sum(c.env_reward for c in comps) / n,
+           "env_token_share": env / max(total, 1)}
+    for cause in TRUNCATIONS:
+        out[f"truncated/{cause}"] = sum(c.truncation == cause for c in comps) / n
+    return out
+
+
+TRUNCATIONS = ("turn_length", "max_turns", "token_budget", "env_error")
+"""`Completion.truncation` causes (besides '')."""
