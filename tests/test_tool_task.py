@@ -174,3 +174,18 @@ def test_tools_demo_runs(tmp_path):
         assert s["logp_gap_vllm_mean"] < 1e-5
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["sft_steps"] == 30 and "eval_accuracy_after" in summary
+
+
+def test_readme_tool_demo_table_is_generated():
+    """The README's tool-demo figures are benchmarks/tools_demo_report.py's table of the kept
+    run (benchmarks/results/tools_demo_cpu), none typed by hand."""
+    import importlib.util
+
+    from tests.support.docs import assert_generated_table
+
+    spec = importlib.util.spec_from_file_location(
+        "tools_demo_report", ROOT / "benchmarks" / "tools_demo_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    assert_generated_table(ROOT / "README.md", "<!-- tools-demo:start", "<!-- tools-demo:end",
+                           report.table())
