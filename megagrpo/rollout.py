@@ -7,6 +7,9 @@ slice of their DP replica's prompts and the replica's TP x PP ranks all-gather t
 Evaluation splits the held-out set over the engines the same way and scores greedy completions
 with the same generate -> decode -> score path (`RolloutCollector.score`). Async mode draws the
 next batch on a side thread that runs no collective (gloo groups are not for concurrent use).
+With the agent on (cfg.agent), sampling and evaluation run multi-turn trajectories through
+`megagrpo.agent.runner.TrajectoryRunner` (the prompts' data records build the environments) and
+the environments' rewards join the reward terms'.
 """
 from __future__ import annotations
 
@@ -157,7 +160,8 @@ class RolloutCollector:
         examples = next(self.loader)
         prompts = [encode_prompt(self.tokenizer, e.prompt) for e in examples]
         answers = [e.answer for e in examples]
-        records = [e.record for e in examples]
+        # the environments' inputs; not gathered (pooled layout) when no environment reads them
+        records = [e.record if self.runner else {} for e in examples]
         epoch = self.loader.epoch
         pool = (self._pool(prompts, answers, records) if self.layout.pooled
                 else (prompts, answers, records))
@@ -284,7 +288,8 @@ class RolloutCollector:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, examples: list[Example]) -> float:
         """Greedy accuracy on held-out examples, split over the vLLM engines: the share whose
-        correctness term (`RewardFn.correct`) scores >= 1, whatever the other terms add."""
+        correctness term (`RewardFn.correct`) scores >= 1, whatever the other terms add.
+        With the agent on: greedy multi-turn trajectories, turns ending at rollout.stop too."""
         lay = self.layout  # each engine evaluates its slice; its TP rank 0 counts it
         mine = list(range(lay.engine, len(examples), lay.num_engines))
         s = SamplingSettings(temperature=0.0, max_tokens=self.cfg.eval.max_tokens, n=1,

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,60 @@ def main(model_dir: str, out_dir: str, tp: int = 2) -> None:
             gap = max((abs(a - b) for a, b in zip(comp.logprobs, ref_lp)), default=0.0)
             rows.append({"vllm": comp.token_ids, "hf": ref, "max_gap": gap})
         result["rounds"].append({"tensors": stats.tensors, "rows": rows})
+    result["multi_turn"] = multi_turn(engine, model, prompts)
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     dist.barrier()
+
+
+STOP = tuple(range(2, 128, 2))
+"""Greedy turns end at the first even id (or after 5 tokens): several short turns."""
+
+
+def multi_turn(engine, model, prompts):
+    """Greedy 3-turn trajectories on the TP=2 engine (issue 29) and their transformers replay:
+    per turn the argmax continuation of the exact token prefix (ids, log-probs), the
+    environment's ids (tests._agent_env.Ids) between turns."""
+    from megagrpo.agent.runner import TrajectoryRunner
+    from megagrpo.config.agent import AgentConfig
+    from megagrpo.engine import SamplingSettings
+    from tests._agent_env import Ids
+    from tests._rollout_model import EOS
+
+    agent = AgentConfig(environment="tests._agent_env:Ids", max_turns=3)
+    # text is for the environment's parsing only, and Ids does not parse
+    untext = SimpleNamespace(decode=lambda ids: "")
+    runner = TrajectoryRunner(engine=engine, tokenizer=untext, agent=agent, max_model_len=128,
+                              factory=lambda record: Ids(record))
+    s = SamplingSettings(temperature=0.0, max_tokens=5, stop_token_ids=STOP)
+    comps = runner.run(prompts, [{"k": i} for i in range(len(prompts))], s)
+    rows = []
+    for i, (p, c) in enumerate(zip(prompts, comps)):
+        seq, mask, lps, env = list(p), [], [], Ids({"k": i})
+        for turn in range(3):
+            ids, lp = hf_turn(model, seq, 5)
+            seq, mask, lps = seq + ids, mask + [True] * len(ids), lps + lp
+            if turn == 2 or len(ids) == 5 and ids[-1] not in (*STOP, EOS):
+                break
+            obs = list(env.step_ids(turn))
+            seq, mask, lps = seq + obs, mask + [False] * len(obs), lps + [0.0] * len(obs)
+        gap = max(abs(a - b) for a, b, m in zip(c.logprobs, lps, c.loss_mask) if m)
+        rows.append({"vllm": list(p) + c.token_ids, "hf": seq, "mask": c.loss_mask,
+                     "hf_mask": mask, "turns": c.turns, "max_gap": gap,
+                     "env_logprobs": [x for x, m in zip(c.logprobs, c.loss_mask) if not m]})
+    return rows
+
+
+def hf_turn(model, prefix, max_tokens):
+    """transformers argmax from `prefix` until EOS or an id of STOP (kept) or max_tokens."""
+    from tests._rollout_model import EOS, hf_greedy
+
+    ids, lps = [], []
+    for _ in range(max_tokens):
+        tok, lp = hf_greedy(model, prefix + ids, 1)
+        ids, lps = ids + tok, lps + lp
+        if tok[0] in STOP or tok[0] == EOS:
+            break
+    return ids, lps
 
 
 if __name__ == "__main__":

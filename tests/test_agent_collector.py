@@ -83,3 +83,12 @@ def test_evaluation_runs_multi_turn(tmp_path):
     calls = c.engine.calls
     assert len(calls) == 3 and all(s.temperature == 0.0 and s.n == 1 for _, s in calls)
     assert 0.0 <= acc <= 1.0
+
+
+def test_console_line_shows_turns_and_tool_calls_when_the_agent_is_on():
+    from megagrpo.console import Progress
+
+    p = Progress(10, enabled=False)
+    assert p.figures({"reward_mean": 1.0, "turns": 2.5, "tool_calls": 1.25}) == (
+        "reward=1 turns=2.5 tools=1.25")
+    assert "turns" not in p.figures({"reward_mean": 1.0})  # single-turn runs: unchanged

@@ -339,3 +339,9 @@ def test_tp2_external_launcher_matches_transformers(tmp_path):
                 assert row["vllm"] == row["hf"]
                 assert row["max_gap"] < TOL
         assert result["rounds"][0]["rows"] != result["rounds"][1]["rows"]
+        # issue 29: greedy multi-turn on the TP=2 engine = transformers per turn from the
+        # exact token prefix; environment ids masked, log-prob 0
+        for row in result["multi_turn"]:
+            assert row["vllm"] == row["hf"] and row["mask"] == row["hf_mask"], row
+            assert row["max_gap"] < TOL and set(row["env_logprobs"]) <= {0.0}
+        assert max(row["turns"] for row in result["multi_turn"]) == 3
