@@ -29,6 +29,7 @@ from megagrpo.tasks.arithmetic_tools import (
     parse_call,
 )
 from tests.support.cli import run_cli
+from tests.test_agent_tools import tokenizer  # noqa: F401 - the Hermes-style tool tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "tools-demo.yaml"
@@ -155,6 +156,29 @@ def test_tools_environment_through_the_one_resolver(tmp_path):
     with pytest.raises(ValueError, match="agent.environment=tools needs a Hugging Face "
                                          "tokenizer with a chat template"):
         preflight(cfg, 2)
+
+
+def test_tools_environment_prompts_carry_the_tool_list(tmp_path, tokenizer):  # noqa: F811
+    """agent.environment=tools through the preflight: the prompts are the chat template's with
+    the tools' schemas (what the model must see to call them), the records kept."""
+    tokenizer.save_pretrained(tmp_path / "tok")
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"q": f"What is {k}*7?", "a": str(7 * k)}) + "\n"
+                            for k in range(3)))
+    overrides = [
+        "data.task=file", f"data.path={path}", f"data.tokenizer={tmp_path / 'tok'}",
+        "data.prompt_field=q", "data.answer_field=a",
+        "data.batch_size=2", "model.vocab_size=512", "model.max_position_embeddings=1024",
+        "rollout.max_model_len=1024", "agent.environment=tools", "agent.tools=[calculator]",
+        "reward.terms=[{name: exact_match}]", f"run.out_dir={tmp_path / 'out'}"]
+    ok = preflight(load_config(None, [*overrides, "data.template=chat"]))
+    for k, e in enumerate(ok.task.train):
+        assert '"name": "calculator"' in e.prompt and e.prompt.endswith(
+            f"What is {k}*7?<|im_end|>\n<|im_start|>assistant\n")
+        assert e.record == {"q": f"What is {k}*7?", "a": str(7 * k)}
+    with pytest.raises(ValueError, match="agent.environment=tools renders the tool list through "
+                                         "the chat template: set data.template=chat"):
+        preflight(load_config(None, [*overrides, "data.template='{prompt}'"]))
 
 
 @pytest.mark.heavy
