@@ -278,8 +278,9 @@ def pack(prompts: list[list[int]], completions: list[list[int]], rollout_logps: 
 
 
 def sft_batch(prompts: list[list[int]], completions: list[list[int]], *, pad_id: int,
-              multiple: int = 1) -> Batch:
-    """A supervised batch (cold start): same layout, advantages 1, no rollout log-probs."""
+              multiple: int = 1, loss_masks: list[list[bool] | None] | None = None) -> Batch:
+    """A supervised batch (cold start): same layout, advantages 1, no rollout log-probs.
+    `loss_masks` as in `pack` (multi-turn trajectories: the environment's tokens untrained)."""
     zeros = [[0.0] * len(c) for c in completions]
     return pack(prompts, completions, zeros, torch.ones(len(completions)), pad_id=pad_id,
-                multiple=multiple)
+                multiple=multiple, loss_masks=loss_masks)

@@ -18,8 +18,25 @@ if TYPE_CHECKING:
     from megagrpo.distributed import Ranks
     from megagrpo.metrics import MetricsLogger
 
-PairsFn = Callable[..., list[tuple[str, str]]]
+Completion = str | tuple[tuple[str, bool], ...]
+"""A supervised completion: text, or a multi-turn trajectory as (text, trained) segments."""
+PairsFn = Callable[..., list[tuple[str, Completion]]]
 """(n, seed=...) -> n (prompt, completion) pairs."""
+
+
+def encode_completion(tokenizer: object, completion: Completion, eos_id: int
+                      ) -> tuple[list[int], list[bool] | None]:
+    """The completion's ids with EOS, and the loss mask of a multi-turn trajectory (None: all
+    trained). Each segment is encoded on its own, as the rollout encodes an observation and
+    samples a turn: the ids the model would see and produce."""
+    if isinstance(completion, str):
+        return tokenizer.encode(completion) + [eos_id], None
+    ids, mask = [], []
+    for text, trained in completion:
+        part = tokenizer.encode(text)
+        ids += part
+        mask += [trained] * len(part)
+    return ids + [eos_id], mask + [True]
 
 
 class ColdStartable(Protocol):
@@ -27,7 +44,7 @@ class ColdStartable(Protocol):
 
     ranks: Ranks
 
-    def sft_step(self, pairs: list[tuple[str, str]], lr: float) -> float:
+    def sft_step(self, pairs: list[tuple[str, Completion]], lr: float) -> float:
         """One supervised step on this rank's pairs; the global NLL per completion token."""
 
     def phase(self, name: str) -> None:

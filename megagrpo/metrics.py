@@ -119,7 +119,8 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def plot_curves(records: list[dict], out_png: str | Path) -> None:
-    """Reward, eval accuracy and KL against step, reference resets marked."""
+    """Reward, eval accuracy and KL against step, reference resets marked; multi-turn runs with
+    tool calls add well-formed tool calls per trajectory (tool_calls - tool_errors)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -127,9 +128,13 @@ def plot_curves(records: list[dict], out_png: str | Path) -> None:
 
     steps = [r for r in records if "reward_mean" in r]
     evals = [r for r in records if "eval_accuracy" in r]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    panels = (("reward_mean", steps, "train reward"), ("eval_accuracy", evals, "held-out accuracy"),
-              ("kl", steps, "KL to reference"))
+    panels = [("reward_mean", steps, "train reward"), ("eval_accuracy", evals, "held-out accuracy"),
+              ("kl", steps, "KL to reference")]
+    if any(r.get("tool_calls") for r in steps):
+        for r in steps:
+            r["well_formed_calls"] = r.get("tool_calls", 0.0) - r.get("tool_errors", 0.0)
+        panels.insert(2, ("well_formed_calls", steps, "well-formed tool calls / trajectory"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6))
     resets = [r["step"] for r in steps if r.get("reference_sync")]
     for ax, (key, rows, title) in zip(axes, panels):
         ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker="." if rows else None)
@@ -139,8 +144,8 @@ def plot_curves(records: list[dict], out_png: str | Path) -> None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     if resets:
-        axes[2].plot([], [], color="tab:red", alpha=0.5, label="reference reset")
-        axes[2].legend(loc="upper right")
+        axes[-1].plot([], [], color="tab:red", alpha=0.5, label="reference reset")
+        axes[-1].legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)

@@ -76,6 +76,7 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> Preflight:
     resolve_terms(cfg.reward)
     check_environment(cfg)
     task = load_task(cfg.data, cfg.arithmetic)
+    task = check_tool_environment(cfg, task)
     check_model(cfg, model, task.tokenizer)
     train, dropped_train, long_train = fit_prompts(
         task.train, task.tokenizer, cfg, ("rollout.max_tokens", cfg.rollout.max_tokens), "training")
@@ -99,13 +100,39 @@ def check_environment(cfg: TrainConfig) -> None:
     """agent.environment imports and names an Environment subclass; multi-turn runs without
     routing replay (vLLM's routes would cover one turn's call, not the trajectory)."""
     if not cfg.agent.enabled:
+        check_tool_task(cfg)
         return
     from megagrpo.agent.runner import environment_class
 
-    environment_class(cfg.agent.environment)
+    if cfg.agent.environment != "tools":  # 'tools' needs the tokenizer: check_tool_environment
+        environment_class(cfg.agent.environment)
+    check_tool_task(cfg)
     if cfg.algo.routing_replay:
         raise ValueError("algo.routing_replay=true is not supported with multi-turn rollouts "
                          f"(agent.environment={cfg.agent.environment!r}): turn it off")
+
+
+def check_tool_task(cfg: TrainConfig) -> None:
+    """arithmetic.tools=true (the built-in calculator task) runs with its environment."""
+    from megagrpo.tasks.arithmetic_tools import ENVIRONMENT
+
+    if cfg.data.task == "arithmetic" and cfg.arithmetic.tools \
+            and cfg.agent.environment != ENVIRONMENT:
+        raise ValueError(f"arithmetic.tools=true needs agent.environment={ENVIRONMENT} (the "
+                         "model calls the calculator between turns); it is "
+                         f"{cfg.agent.environment!r}")
+
+
+def check_tool_environment(cfg: TrainConfig, task: Task) -> Task:
+    """agent.environment=tools: the tools load, the tokenizer's chat template renders them
+    (`megagrpo.agent.registry.load_environment`), and the prompts carry the tool list."""
+    if cfg.agent.environment != "tools":
+        return task
+    from megagrpo.agent.registry import load_environment, with_tool_prompts
+
+    factory = load_environment(cfg.agent, task.tokenizer)
+    return dataclasses.replace(task, train=with_tool_prompts(task.train, factory, cfg.data),
+                               eval=with_tool_prompts(task.eval, factory, cfg.data))
 
 
 def check_agent_budget(cfg: TrainConfig, longest_prompt: int) -> None:

@@ -93,7 +93,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     engine = _start_engine(cfg, model_cfg, tok, layout)
     rng.seed_rank(cfg.run.seed, rank)  # vLLM reseeded the global streams
     ranks, groups = training_layout(cfg.parallel, model_cfg, info)
-    tokens = TokenIds(pad_id=tok.pad_id, eos_id=tok.eos_id, stop_ids=(tok.eos_id,))
+    tokens = TokenIds(pad_id=tok.pad_id, eos_id=tok.eos_id, stop_ids=(tok.eos_id, *task.stop_ids))
     loader = PromptLoader(task.train, cfg.data.batch_size, info.dp_rank, info.dp,
                           seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     rollouts = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megagrpo.advantage import advantages, build_batch, kl_penalized_rewards, rollout_is
 from megagrpo.batch import Batch, MicroBatch, sft_batch
+from megagrpo.cold_start import Completion, encode_completion
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.config.run import ComputeConfig
 from megagrpo.config.train import TrainConfig
@@ -471,15 +472,16 @@ class Trainer:
         return self.rollouts.evaluate(examples)
 
     # ------------------------------------------------------------------ cold start
-    def sft_step(self, pairs: list[tuple[str, str]], lr: float) -> float:
+    def sft_step(self, pairs: list[tuple[str, Completion]], lr: float) -> float:
         """One supervised step (the cold start's) on this rank's (prompt, completion) pairs:
-        NLL of the completion tokens and EOS, at temperature 1. Returns the global NLL per
-        completion token (the same on every rank)."""
+        NLL of the completion tokens (a trajectory's: the model's segments) and EOS, at
+        temperature 1. Returns the global NLL per trained token (the same on every rank)."""
         P, tok = self.passes, self.tokenizer
         prompts = [encode_prompt(tok, p) for p, _ in pairs]
-        comps = [tok.encode(x) + [self.tokens.eos_id] for _, x in pairs]
+        comps, masks = zip(*(encode_completion(tok, x, self.tokens.eos_id) for _, x in pairs))
         m = min(self.cfg.compute.micro_batch_size, len(pairs))
-        batch = sft_batch(prompts, comps, pad_id=self.tokens.pad_id, multiple=m)
+        batch = sft_batch(prompts, list(comps), pad_id=self.tokens.pad_id, multiple=m,
+                          loss_masks=list(masks))
         plan = P.plan(batch, m)
         ctx = P.loss_context(scale=len(plan) * self.ranks.dp, counts=P.counts(batch, len(plan)),
                              inplace_backward=self.cfg.compute.inplace_backward)

@@ -20,6 +20,8 @@ from megagrpo.agent.tool_env import (
 )
 from megagrpo.agent.tools import Tool, load_tools
 from megagrpo.config.agent import AgentConfig
+from megagrpo.config.data import DataConfig
+from megagrpo.data import Example, get_field
 
 TOOL_ENV_KWARGS = ("max_calls_per_turn",)
 
@@ -71,6 +73,26 @@ def load_environment(cfg: AgentConfig, tokenizer: object) -> EnvironmentFactory:
         raise ValueError(f"agent.kwargs {cfg.kwargs} do not fit {cfg.environment}"
                          f"(record, tokenizer, **kwargs): {e}") from None
     return EnvironmentFactory(cls=cls, tokenizer=tokenizer, kwargs=dict(cfg.kwargs))
+
+
+def with_tool_prompts(examples: list[Example], factory: EnvironmentFactory,
+                      data: DataConfig) -> list[Example]:
+    """The examples' prompts rendered again with the tool list (`render_prompt`): the 'tools'
+    environment's model must see the tools' schemas. Needs data.template=chat (the prompt is
+    the chat template's, which is where the tool list goes); ValueError otherwise."""
+    if not factory.tools:
+        return examples
+    if data.template != "chat":
+        raise ValueError(f"agent.environment=tools renders the tool list through the chat "
+                         f"template: set data.template=chat (it is {data.template!r})")
+    out = []
+    for e in examples:
+        messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt \
+            else []
+        messages.append({"role": "user", "content": str(get_field(e.record, data.prompt_field))})
+        out.append(Example(prompt=factory.render_prompt(messages), answer=e.answer,
+                           record=e.record))
+    return out
 
 
 def import_environment(spec: str) -> type[Environment]:

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from megagrpo.agent.env import Environment, Observation, Turn
+from megagrpo.agent.registry import load_environment
 from megagrpo.config.agent import AgentConfig
 from megagrpo.engine.types import Completion, SamplingSettings
 
@@ -50,8 +51,9 @@ def environment_class(name: str) -> type[Environment]:
     """The `module:Class` named by agent.environment, checked to be an Environment subclass;
     ValueError naming the field otherwise."""
     if name == "tools":
-        raise ValueError("agent.environment=tools: the built-in tool environment is not "
-                         "available on this branch; name a class as 'module:Class'")
+        raise ValueError("agent.environment=tools is the built-in tool environment, not a "
+                         "class: megagrpo.agent.registry.load_environment resolves it (it needs "
+                         "the tokenizer's chat template)")
     mod, _, attr = name.partition(":")
     try:
         cls = getattr(importlib.import_module(mod), attr)
@@ -66,9 +68,10 @@ def environment_class(name: str) -> type[Environment]:
 
 
 def environment_factory(agent: AgentConfig, tokenizer: object) -> EnvFactory:
-    """record -> agent.environment's class built with (record, tokenizer, **agent.kwargs)."""
-    cls = environment_class(agent.environment)
-    return lambda record: cls(record, tokenizer, **agent.kwargs)
+    """record -> agent.environment's environment ('tools' or `module:Class`, built with
+    (record, tokenizer, **agent.kwargs)): `megagrpo.agent.registry.load_environment`, the one
+    resolver."""
+    return load_environment(agent, tokenizer)
 
 
 @dataclass

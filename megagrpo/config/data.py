@@ -92,6 +92,11 @@ class ArithmeticConfig(Section):
     reverse_answer: bool = False
     """Write answers least-significant digit first ('12+79=' -> '19', i.e. 91 reversed): carries
     then flow left to right, which a tiny model learns far faster (Lee et al., 2023)."""
+    tools: bool = False
+    """The tool task (megagrpo.tasks.arithmetic_tools): the model calls a calculator,
+    `<calc>a*b</calc>`, the environment answers `<result>v</result>`, the model writes v. Needs
+    agent.environment=megagrpo.tasks.arithmetic_tools:CalculatorEnvironment and
+    model.vocab_size >= 23 (the tags are pieces of the task's tokenizer)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field and what would be valid."""
@@ -99,6 +104,10 @@ class ArithmeticConfig(Section):
             raise ValueError(f"arithmetic.digits={self.digits}: use 1..6")
         if not self.operators or set(self.operators) - set("+-*"):
             raise ValueError(f"arithmetic.operators={self.operators!r}: use characters of '+-*'")
+        if self.tools and self.reverse_answer:
+            raise ValueError("arithmetic.tools=true with arithmetic.reverse_answer=true: the "
+                             "answer is copied from the calculator's result, in its order; "
+                             "set reverse_answer=false")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"arithmetic.eval_fraction={self.eval_fraction}: need 0 < f < 1")
         if self.num_eval < 1 or self.num_train < 1:

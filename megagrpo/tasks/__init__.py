@@ -12,6 +12,7 @@ from megagrpo.data import (
     read_records,
 )
 from megagrpo.tasks import arithmetic
+from megagrpo.tasks.arithmetic_tools import TOOL_STOP
 
 
 @dataclass(kw_only=True)
@@ -24,6 +25,8 @@ class Task:
     """Held-out prompts (may be empty)."""
     tokenizer: Tokenizer
     """The tokenizer shared by trainer, rollout and rewards."""
+    stop_ids: tuple[int, ...] = ()
+    """Token ids besides EOS that end a turn (arithmetic.tools: the call's closing tag)."""
 
 
 def build_task(data: DataConfig, arith: ArithmeticConfig | None = None) -> Task:
@@ -32,9 +35,10 @@ def build_task(data: DataConfig, arith: ArithmeticConfig | None = None) -> Task:
     if data.task == "arithmetic":
         arith = arith or ArithmeticConfig()
         tokenizer = load_tokenizer(data.tokenizer) if data.tokenizer else (
-            arithmetic.build_tokenizer(arith.tokenizer_dir))
+            arithmetic.build_tokenizer(arith.tokenizer_dir, tools=arith.tools))
+        stop = tuple(tokenizer.encode(TOOL_STOP)) if arith.tools else ()
         return Task(train=arithmetic.train_examples(arith), eval=arithmetic.eval_examples(arith),
-                    tokenizer=tokenizer)
+                    tokenizer=tokenizer, stop_ids=stop)
     if not data.tokenizer:
         raise ValueError("data.tokenizer is empty: task=file needs a .model file or HF tokenizer")
     tokenizer = load_tokenizer(data.tokenizer)

@@ -19,11 +19,15 @@ from pathlib import Path
 
 from megagrpo.config.data import ArithmeticConfig
 from megagrpo.data import Example, SentencePieceTokenizer
+from megagrpo.tasks.arithmetic_tools import SYMBOLS, trajectory
 
 # Fixed alphabet in id order after the 4 specials (<pad>=0, <unk>=1, <s>=2, </s>=3), so digit d
 # is id 4 + d, independent of any sampled text.
 ALPHABET = "0123456789+-*= "
 TOKENIZER_FILE = "arithmetic-char-v1.model"
+TOOLS_TOKENIZER_FILE = "arithmetic-tools-char-v1.model"
+"""arithmetic.tools: the same characters plus the tool tags (`arithmetic_tools.SYMBOLS`, ids
+4-7, the characters after them)."""
 _HASH_BUCKETS = 1_000_000
 
 
@@ -90,11 +94,18 @@ def eval_examples(cfg: ArithmeticConfig) -> list[Example]:
 
 def sft_examples(
     n: int, seed: int, cfg: ArithmeticConfig | None = None
-) -> list[tuple[str, str]]:
+) -> list[tuple[str, str | tuple[tuple[str, bool], ...]]]:
     """(prompt, completion) pairs for a supervised cold start, from the train split only.
 
-    The completion is the answer text; append the tokenizer's EOS id after encoding it."""
-    examples = _draw(cfg or ArithmeticConfig(), "sft", n, seed, distinct=False)
+    The completion is the answer text; with cfg.tools the tool-using trajectory as (text,
+    trained) segments (`arithmetic_tools.trajectory`). Append the tokenizer's EOS id after
+    encoding it."""
+    cfg = cfg or ArithmeticConfig()
+    examples = _draw(cfg, "sft", n, seed, distinct=False)
+    if cfg.tools:
+        return [(e.prompt, trajectory(e.record["a"], e.record["op"], e.record["b"],
+                                      solve(e.record["a"], e.record["op"], e.record["b"])))
+                for e in examples]
     return [(e.prompt, e.answer) for e in examples]
 
 
@@ -109,20 +120,21 @@ def reward(completion: str, answer: str, strict: bool = True) -> float:
     return float(match is not None and match.group(1) == answer.strip())
 
 
-def build_tokenizer(directory: str | Path) -> SentencePieceTokenizer:
-    """The task's character-level sentencepiece tokenizer (19 pieces), trained on first use and
-    cached as `directory/arithmetic-char-v1.model`. Deterministic; safe with concurrent ranks
-    (each writes a private temp file, then renames it into place atomically)."""
-    path = Path(directory).expanduser() / TOKENIZER_FILE
+def build_tokenizer(directory: str | Path, tools: bool = False) -> SentencePieceTokenizer:
+    """The task's character-level sentencepiece tokenizer (19 pieces; 23 with `tools`, the tool
+    tags as single pieces), trained on first use and cached as `directory/TOKENIZER_FILE`
+    (TOOLS_TOKENIZER_FILE). Deterministic; safe with concurrent ranks (each writes a private
+    temp file, then renames it into place atomically)."""
+    path = Path(directory).expanduser() / (TOOLS_TOKENIZER_FILE if tools else TOKENIZER_FILE)
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(_train_sentencepiece())
+        tmp.write_bytes(_train_sentencepiece(SYMBOLS if tools else ()))
         os.replace(tmp, path)
     return SentencePieceTokenizer(path)
 
 
-def _train_sentencepiece() -> bytes:
+def _train_sentencepiece(symbols: tuple[str, ...] = ()) -> bytes:
     import sentencepiece as spm  # optional dependency of the HF-only stack
 
     # Character k appears len(ALPHABET) - k times, so frequency order = ALPHABET order = ids.
@@ -130,7 +142,8 @@ def _train_sentencepiece() -> bytes:
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines), model_writer=model, model_type="char",
-        vocab_size=len(ALPHABET) + 4, hard_vocab_limit=False, character_coverage=1.0,
+        vocab_size=len(ALPHABET) + 4 + len(symbols), hard_vocab_limit=False,
+        character_coverage=1.0, user_defined_symbols=list(symbols),
         add_dummy_prefix=False, remove_extra_whitespaces=False,
         normalization_rule_name="identity", pad_id=0, unk_id=1, bos_id=2, eos_id=3,
         num_threads=1, minloglevel=2,
