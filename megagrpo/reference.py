@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -55,6 +56,9 @@ def sync_reference(ref: torch.nn.Module, policy: torch.nn.Module, alpha: float =
 class Reference:
     """Owns the reference model, its offload and its re-initialisation schedule."""
 
+    separate_model: ClassVar[bool] = True
+    """A model of its own (`megagrpo.lora.LoRAReference` has none: the adapters off)."""
+
     def __init__(self, policy: torch.nn.Module, model: ModelConfig, parallel: ParallelConfig,
                  cfg: ReferenceConfig, *, seed: int):
         self.cfg = cfg
@@ -86,10 +90,14 @@ class Reference:
             return "kl"
         return None
 
-    def sync(self, policy: torch.nn.Module, step: int, epoch: int) -> None:
+    def reinit(self, policy: torch.nn.Module, alpha: float = 1.0) -> None:
+        """ref <- alpha * policy + (1 - alpha) * ref (the schedule is untouched)."""
         self.onload()
-        sync_reference(self.model, policy, self.cfg.alpha)
+        sync_reference(self.model, policy, alpha)
         self.offload()
+
+    def sync(self, policy: torch.nn.Module, step: int, epoch: int) -> None:
+        self.reinit(policy, self.cfg.alpha)
         self.state = ReferenceState(syncs=self.state.syncs + 1, last_sync_step=step,
                                     last_epoch=epoch)
 
