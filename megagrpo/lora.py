@@ -98,9 +98,18 @@ def _adapted_sharded_state_dict(self, prefix: str = "", sharded_offsets=(), meta
 
     axes = {"weight": 1, "lora_A": 1} if self.lora_row else {"weight": 0, "bias": 0,
                                                               "lora_B": 0}
-    return make_sharded_tensors_for_checkpoint(
+    sd = make_sharded_tensors_for_checkpoint(
         self.state_dict(prefix="", keep_vars=True), prefix, axes, sharded_offsets,
         tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+    if self.lora_glu:
+        # fc1's B rows are cat(gate_r, up_r) per rank like its weight: saved as the two halves
+        # (megatron's MLP does the same for the weight), so they reshard to another TP
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+        key = f"{prefix}lora_B"
+        sd[key] = apply_swiglu_sharded_factory(
+            sd[key], sharded_offsets, (metadata or {}).get("singleton_local_shards", False))
+    return sd
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,7 +131,7 @@ def _init_a(shape: tuple[int, int], seed: int, layer: int, target: int) -> torch
 
 
 def _attach(linear: torch.nn.Module, cfg: LoRAConfig, row: bool, tp: int, tp_rank: int,
-            seed: int, layer: int, target: int) -> None:
+            seed: int, layer: int, target: int, glu: bool = False) -> None:
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     w = linear.weight
@@ -137,6 +146,7 @@ def _attach(linear: torch.nn.Module, cfg: LoRAConfig, row: bool, tp: int, tp_ran
     split = linear.lora_A if row else linear.lora_B
     set_tensor_model_parallel_attributes(split, True, 1 if row else 0, 1)
     linear.lora_row, linear.lora_scale, linear.lora_dropout = row, cfg.scale, cfg.dropout
+    linear.lora_glu = glu
     linear.lora_enabled = True
     linear.__class__ = _adapted_class(type(linear))
 
@@ -158,7 +168,7 @@ def add_adapters(gpt: torch.nn.Module, cfg: LoRAConfig, *, seed: int) -> int:
             if getattr(linear, "gather_output", False):
                 raise RuntimeError(f"lora: {name} gathers its output; not supported")
             _attach(linear, cfg, name in ROW_TARGETS, tp, tp_rank, seed, layer.layer_number,
-                    t)
+                    t, glu=name == "fc1")
             n += linear.lora_A.numel() + linear.lora_B.numel()
     return n
 

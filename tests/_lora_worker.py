@@ -3,8 +3,8 @@ TP=2, PP=2 and DP=2 (plain and distributed optimizer): the parent's tiny Llama i
 added (B set to seeded random values so that A's gradient is not zero), one forward/backward of
 a token-mean cross-entropy runs through megatron's schedule and DDP, and each adapter's values
 and reduced gradients are saved as full tensors under HF projection names (WORK/<tag>_rank<r>.pt)
-for the parent's float64 transformers reference. At TP=2 the merge (reference reset) is checked
-too. Scalars go to WORK/results.json."""
+for the parent's float64 transformers reference. At TP=2 the merge (reference reset) is checked,
+then the model saved and loaded at PP=2 (the adapters reshard). Scalars go to WORK/results.json."""
 import argparse
 import os
 
@@ -94,7 +94,7 @@ def randomize_b(gpt, seed: int) -> None:
             m.lora_B.copy_(full if m.lora_row else full[r * n:(r + 1) * n])
 
 
-def run_layout(tag, tp, pp, dist_opt, work, results):
+def run_layout(tag, tp, pp, dist_opt, work, results, load_from=None):
     from megatron.core import parallel_state as ps
 
     from megagrpo.config.lora import LoRAConfig
@@ -122,6 +122,13 @@ def run_layout(tag, tp, pp, dist_opt, work, results):
                     pp_rank=info.pp_rank)
     lcfg = LoRAConfig(rank=4, alpha=8.0)
     n_adapter = add_adapters(gpt, lcfg, seed=3)
+    if load_from:  # a checkpoint of another layout: the adapters reshard like their weights
+        from megagrpo.checkpoint import load_model
+
+        load_model(gpt, load_from)
+        torch.save(adapter_tensors(gpt, mcfg, parallel, grads=False),
+                   os.path.join(work, f"{tag}_rank{dist.get_rank()}.pt"))
+        return None, mcfg, parallel
     randomize_b(gpt, seed=5)
     values = adapter_tensors(gpt, mcfg, parallel, grads=False)
     ocfg = OptimConfig(lr=1e-3, clip_grad=0.0, distributed_optimizer=dist_opt)
@@ -210,16 +217,24 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
     args = ap.parse_args()
+    from megagrpo.checkpoint import save_model
+
     torch.set_num_threads(1)
     results = []
     ref = torch.load(os.path.join(args.work, "ref.pt"))
     # the distributed optimizer reduce-scatters: each DP rank's main grads are reduced in its
     # own shard only, so its layout checks the optimizer's contents, not the gradients
+    saved = os.path.join(args.work, "ckpt_tp2")
     for tag, tp, pp, dist_opt in (("tp2", 2, 1, False), ("pp2", 1, 2, False),
-                                  ("dp2", 1, 1, False), ("dp2_distopt", 1, 1, True)):
-        ddp, mcfg, parallel = run_layout(tag, tp, pp, dist_opt, args.work, results)
+                                  ("dp2", 1, 1, False), ("dp2_distopt", 1, 1, True),
+                                  ("pp2_loaded", 1, 2, False)):
+        ddp, mcfg, parallel = run_layout(tag, tp, pp, dist_opt, args.work, results,
+                                         load_from=saved if tag == "pp2_loaded" else None)
         if tag == "tp2":
             merge_checks(ddp, mcfg, parallel, ref["ids"], results)
+            save_model(ddp, saved, mcfg)
+            torch.save(adapter_tensors(ddp.module, mcfg, parallel, grads=False),
+                       os.path.join(args.work, f"saved_rank{dist.get_rank()}.pt"))
         dist.barrier()
     write_results(results, args.work, flat=True)
     dist.destroy_process_group()

@@ -152,3 +152,16 @@ def test_lora_off_by_default_and_scale():
     assert not cfg.lora.enabled
     cfg.validate()
     assert LoRAConfig(rank=8, alpha=16).scale == 2.0
+
+
+def test_adapters_reshard_through_a_checkpoint(run):
+    """Saved at TP=2 (after the merge checks), loaded at PP=2: every adapter's full A and B."""
+    work = run[0]
+    saved, loaded = {}, {}
+    for r in range(2):
+        saved.update(torch.load(work / f"saved_rank{r}.pt"))
+        loaded.update(torch.load(work / f"pp2_loaded_rank{r}.pt"))
+    assert saved.keys() == loaded.keys() and len(saved) == 14
+    for name in saved:
+        for which in ("A", "B"):
+            assert torch.equal(saved[name][which], loaded[name][which]), (name, which)
