@@ -159,8 +159,9 @@ def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
 def checkpoint_states(tr: Trainer) -> dict[str, Part]:
     """What a checkpoint of the run holds, by its name on disk, in the order it is written and
     read (the policy before the optimizer, whose load needs the weights)."""
-    states: dict[str, Part] = {
-        "policy": ModelState(tr.policy, tr.model_cfg, tokenizer=tr.tokenizer)}
+    lora = {"lora": dataclasses.asdict(tr.cfg.lora)} if tr.cfg.lora.enabled else None
+    states: dict[str, Part] = {  # a LoRA policy's shards include its adapters (lora_A, lora_B)
+        "policy": ModelState(tr.policy, tr.model_cfg, tokenizer=tr.tokenizer, extra=lora)}
     if tr.reference is not None and tr.reference.separate_model:
         states["reference"] = ModelState(tr.reference.model, tr.model_cfg, if_missing="")
     states["optimizer"] = OptimizerState(tr)  # the cold start replaces tr.optimizer

@@ -218,6 +218,7 @@ def main():
     ap.add_argument("--work", required=True)
     args = ap.parse_args()
     from megagrpo.checkpoint import save_model
+    from megagrpo.reshard import export_hf
 
     torch.set_num_threads(1)
     results = []
@@ -232,7 +233,8 @@ def main():
                                          load_from=saved if tag == "pp2_loaded" else None)
         if tag == "tp2":
             merge_checks(ddp, mcfg, parallel, ref["ids"], results)
-            save_model(ddp, saved, mcfg)
+            save_model(ddp, saved, mcfg, extra={"lora": {"rank": 4, "alpha": 8.0}})
+            export_hf(ddp, os.path.join(args.work, "export_tp2"), mcfg, parallel)  # merged
             torch.save(adapter_tensors(ddp.module, mcfg, parallel, grads=False),
                        os.path.join(args.work, f"saved_rank{dist.get_rank()}.pt"))
         dist.barrier()

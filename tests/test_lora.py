@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.train import TrainConfig
+from tests.support.cli import run_cli
 from tests.support.launch import torchrun
-from tests.support.tiny import tiny_llama
+from tests.support.tiny import load_dir, tiny_llama
 
 WORKER = os.path.join(os.path.dirname(__file__), "_lora_worker.py")
 TAGS = ("tp2", "pp2", "dp2")
@@ -165,3 +166,31 @@ def test_adapters_reshard_through_a_checkpoint(run):
     for name in saved:
         for which in ("A", "B"):
             assert torch.equal(saved[name][which], loaded[name][which]), (name, which)
+
+
+def test_convert_merges_a_lora_checkpoint(run, tmp_path):
+    """`convert --from-megatron` of a checkpoint with adapters (TP=2, B not zero) at TP=1
+    writes the merged weights: those of the live model's merged export, and not the base's."""
+    work = run[0]
+    p = run_cli("convert", "--from-megatron", str(work / "ckpt_tp2"), "--to-hf",
+                str(tmp_path / "hf"))
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert "lora: the checkpoint's adapters (rank 4 on qkv,proj,fc1,fc2) are merged" in p.stdout
+    got, want = load_dir(tmp_path / "hf"), load_dir(work / "export_tp2")
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.allclose(got[k], want[k], rtol=0, atol=1e-6), k
+    saved = {}
+    for r in range(2):
+        saved.update(torch.load(work / f"saved_rank{r}.pt"))
+    b = saved["model.layers.0.self_attn.q_proj"]["B"]
+    assert b.abs().max() > 0  # the adapters were live: a base-only export would differ
+
+
+def test_preflight_refuses_a_lora_checkpoint_as_init(tmp_path):
+    from megagrpo.checkpoint import MODEL_JSON
+    from megagrpo.preflight import check_init
+
+    (tmp_path / MODEL_JSON).write_text(json.dumps({"model": {}, "lora": {"rank": 4}}))
+    with pytest.raises(ValueError, match=r"run\.init=.*LoRA run's checkpoint"):
+        check_init(str(tmp_path))
