@@ -322,4 +322,5 @@ def describe(n_adapter: int, n_total: int, cfg: LoRAConfig) -> str:
     return (f"lora: rank {cfg.rank}, alpha {cfg.alpha:g} on {','.join(cfg.targets)}: "
             f"{n_adapter:,} trainable of {n_total:,} parameters on this rank "
             f"({100 * n_adapter / max(n_total, 1):.2f}%); the reference is the adapters off; "
-            "vLLM is refit with the merged weights (W + s B A) after each update")
+            "vLLM is refit with the merged weights (W + s B A) after each update (an "
+            "adapter-only refit through vLLM's LoRA support is not built yet)")
