@@ -194,3 +194,22 @@ def test_preflight_refuses_a_lora_checkpoint_as_init(tmp_path):
     (tmp_path / MODEL_JSON).write_text(json.dumps({"model": {}, "lora": {"rank": 4}}))
     with pytest.raises(ValueError, match=r"run\.init=.*LoRA run's checkpoint"):
         check_init(str(tmp_path))
+
+
+def test_planner_counts_adapters_only():
+    """`megagrpo plan` with LoRA: grads and Adam state of the adapters only, no reference; the
+    adapter count equals the model's (`add_adapters` on the midsize shape, counted by hand)."""
+    from megagrpo.plan import rank_memory
+
+    cfg = TrainConfig()
+    m = ModelConfig(hidden_size=512, ffn_hidden_size=1536, num_layers=4, num_attention_heads=8,
+                    num_query_groups=4, head_dim=64)
+    full = rank_memory(cfg, m, 2, 1, 2, 80.0)
+    cfg.lora = LoRAConfig(rank=16)
+    lora = rank_memory(cfg, m, 2, 1, 2, 80.0)
+    # per layer at TP=2: qkv A 16x512 + B 512x16, proj A 16x256 + B 512x16, fc1 A 16x512 +
+    # B 1536x16, fc2 A 16x768 + B 512x16
+    adapters = 4 * 16 * (512 + 512 + 256 + 512 + 512 + 1536 + 768 + 512)
+    assert lora.optimizer == 8 * adapters and lora.grads == 4 * adapters
+    assert lora.reference == 0 < full.reference
+    assert lora.weights == full.weights + 4 * adapters

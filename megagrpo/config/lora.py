@@ -83,6 +83,18 @@ class LoRAConfig(Section):
                 f"lora.targets holds {mlp} with model.architecture={model.architecture!r}: "
                 "adapters on MoE experts are not implemented; use lora.targets=[qkv, proj]")
 
+    def rank_numel(self, model: ModelConfig, tp: int, layers: int) -> int:
+        """Adapter elements one TP rank holds for `layers` layers: per column-parallel target
+        (qkv, fc1) r * in + out / tp * r, per row-parallel one (proj, fc2) r * in / tp + out * r
+        (see megagrpo.lora); 0 when off. No experts (refused by validate)."""
+        if not self.enabled:
+            return 0
+        r, H, F = self.rank, model.hidden_size, model.ffn_hidden_size
+        q, kv = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim
+        per = {"qkv": r * H + (q + 2 * kv) // tp * r, "proj": r * q // tp + H * r,
+               "fc1": r * H + 2 * F // tp * r, "fc2": r * F // tp + H * r}
+        return layers * sum(per[t] for t in self.targets)
+
     def _smallest_dim(self, model: ModelConfig) -> int:
         H, F = model.hidden_size, model.ffn_hidden_size
         q, kv = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim
