@@ -132,8 +132,11 @@ def _convert_ranks(args: argparse.Namespace, model, parallel) -> int:
         save_model(gpt, args.to_megatron, model, extra={"source": str(args.from_hf)})
         out = args.to_megatron
     else:
+        merged = _add_checkpoint_adapters(gpt, args.from_megatron)
         load_model(gpt, args.from_megatron)
-        export_hf(gpt, args.to_hf, model, parallel)
+        export_hf(gpt, args.to_hf, model, parallel)  # adapted weights export merged
+        if merged and info.rank == 0:
+            print(f"lora: the checkpoint's adapters ({merged}) are merged into the export")
         out = args.to_hf
     if info.rank == 0:
         ep = f" ep={parallel.ep}" if parallel.ep > 1 else ""
@@ -141,6 +144,21 @@ def _convert_ranks(args: argparse.Namespace, model, parallel) -> int:
         print(_complete_output(args))
     shutdown()
     return 0
+
+
+def _add_checkpoint_adapters(gpt, ckpt: str) -> str:
+    """A LoRA run's checkpoint holds adapters beside the base: the model gets the same ones
+    before loading (else they would not be read). Returns what was added ('' for none)."""
+    from megagrpo.checkpoint import read_model_config
+    from megagrpo.config.lora import LoRAConfig
+    from megagrpo.lora import add_adapters
+
+    meta = read_model_config(ckpt)[1].get("lora")
+    if not meta:
+        return ""
+    cfg = LoRAConfig(**meta)
+    add_adapters(gpt, cfg, seed=0)
+    return f"rank {cfg.rank} on {','.join(cfg.targets)}"
 
 
 def _complete_output(args: argparse.Namespace) -> str:

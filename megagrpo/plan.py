@@ -13,6 +13,8 @@ What is counted, per rank, on the worst pipeline stage:
   bf16/fp16 (4 more); the distributed optimizer divides these by DP.
 - reference weights: same shard as the policy; 0 when algo.beta = 0 (no reference is built) or
   reference.offload (resident in CPU memory between scoring passes).
+- LoRA (lora.rank > 0): weights + the adapters; grads and optimizer for the adapters only
+  (`LoRAConfig.rank_numel`); no reference weights (the reference is the adapters off).
 - logits: with the fused output layer (compute.fused_output_layer, on by default) no logits
   tensor exists: one GPU chunk [Tc, Vc] of logits in the model dtype (kernels/fused_output.py's
   `chunk_shape`; the gradient overwrites it), below fp32 the fp32 accumulators of dh [T, h] and
@@ -276,8 +278,16 @@ def rank_memory(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int, world: int,
         optimizer = (-(-(n - n_expert) * opt_per_param // dp)
                      + -(-n_expert * opt_per_param // max(1, dp // ep)))
     with_ref = cfg.algo.beta > 0 and not cfg.reference.offload
+    grads, weights = n * 4, n * b
+    if cfg.lora.enabled:  # the base is frozen: grads and Adam for the adapters only, and the
+        # reference is the adapters off (no copy)
+        adapters = cfg.lora.rank_numel(m, tp, len(stage_layers(m, layout, stage)))
+        optimizer = adapters * opt_per_param
+        if cfg.optim.distributed_optimizer:
+            optimizer = -(-optimizer // dp)
+        grads, weights, with_ref = adapters * 4, (n + adapters) * b, False
     fused, naive = logits_bytes(cfg, m, tp, layout)
-    return RankMemory(tp=tp, pp=pp, dp=dp, params=n, weights=n * b, grads=n * 4,
+    return RankMemory(tp=tp, pp=pp, dp=dp, params=n, weights=weights, grads=grads,
                       optimizer=optimizer, reference=n * b if with_ref else 0,
                       logits_fused=fused, logits_naive=naive,
                       activations=activation_bytes(cfg, m, tp, pp),

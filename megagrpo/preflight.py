@@ -19,6 +19,7 @@ max_model_len tokens or more, on one rank, which leaves the others waiting in a 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -160,6 +161,11 @@ def check_init(init: str) -> None:
 
     if not (path / "config.json").is_file() and not (path / MODEL_JSON).is_file():
         raise ValueError(f"run.init={init!r} holds neither config.json nor {MODEL_JSON}; {what}")
+    if (path / MODEL_JSON).is_file() and json.loads((path / MODEL_JSON).read_text()).get("lora"):
+        raise ValueError(
+            f"run.init={init!r} is a LoRA run's checkpoint (base + adapters), which a new run "
+            "does not load; export it merged (megagrpo convert --from-megatron "
+            f"{init} --to-hf DIR) and set run.init=DIR, or resume that run (run.resume)")
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:

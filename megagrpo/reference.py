@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -58,22 +59,16 @@ def sync_reference(ref: torch.nn.Module, policy: torch.nn.Module, alpha: float =
             r.lerp_(src.to(r.dtype), alpha)
 
 
-class Reference:
-    """Owns the reference model, its offload and its re-initialisation schedule."""
+class ReferenceSchedule:
+    """When the reference is re-initialised (the schedule every reference shares); a subclass
+    says how (`reinit`): `Reference` copies into a model of its own, `megagrpo.lora.
+    LoRAReference` merges the adapters into the base."""
 
-    def __init__(self, policy: torch.nn.Module, model: ModelConfig, parallel: ParallelConfig,
-                 cfg: ReferenceConfig, *, seed: int):
-        self.cfg = cfg
-        self.state = ReferenceState()
-        self.model = build_model(model, parallel, seed=seed)
-        for p in self.model.parameters():
-            p.requires_grad_(False)
-        self.model.eval()
-        sync_reference(self.model, policy, 1.0)
-        self._offloaded = False
-        if cfg.offload and not torch.cuda.is_available():
-            log.info("reference.offload: no-op on CPU (the reference already lives in host memory)")
-        self.offload()
+    cfg: ReferenceConfig
+    state: ReferenceState
+
+    def reinit(self, policy: torch.nn.Module, alpha: float = 1.0) -> None:
+        raise NotImplementedError
 
     def due_before(self, epoch: int) -> str | None:
         """'epoch' when a batch of data epoch `epoch` is about to be scored and the reference
@@ -99,12 +94,44 @@ class Reference:
         second mix would be alpha applied twice). Returns whether it mixed."""
         mix = version != self.state.last_sync_version
         if mix:
-            self.onload()
-            sync_reference(self.model, policy, self.cfg.alpha)
-            self.offload()
+            self.reinit(policy, self.cfg.alpha)
         self.state = ReferenceState(syncs=self.state.syncs + int(mix), last_sync_step=step,
                                     last_epoch=epoch, last_sync_version=version)
         return mix
+
+    def state_dict(self) -> dict:
+        """The schedule's state (the weights are saved as a model checkpoint)."""
+        return dataclasses.asdict(self.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = ReferenceState(**state)
+
+
+class Reference(ReferenceSchedule):
+    """Owns the reference model, its offload and its re-initialisation schedule."""
+
+    separate_model: ClassVar[bool] = True
+    """A model of its own (`megagrpo.lora.LoRAReference` has none: the adapters off)."""
+
+    def __init__(self, policy: torch.nn.Module, model: ModelConfig, parallel: ParallelConfig,
+                 cfg: ReferenceConfig, *, seed: int):
+        self.cfg = cfg
+        self.state = ReferenceState()
+        self.model = build_model(model, parallel, seed=seed)
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.model.eval()
+        sync_reference(self.model, policy, 1.0)
+        self._offloaded = False
+        if cfg.offload and not torch.cuda.is_available():
+            log.info("reference.offload: no-op on CPU (the reference already lives in host memory)")
+        self.offload()
+
+    def reinit(self, policy: torch.nn.Module, alpha: float = 1.0) -> None:
+        """ref <- alpha * policy + (1 - alpha) * ref (the schedule is untouched)."""
+        self.onload()
+        sync_reference(self.model, policy, alpha)
+        self.offload()
 
     def equals(self, policy: torch.nn.Module, group=None) -> bool:
         """Whether every rank's reference shard is bitwise its policy shard (a reset with alpha
@@ -117,13 +144,6 @@ class Reference:
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
         return bool(flag.item())
-
-    def state_dict(self) -> dict:
-        """The schedule's state (the weights are saved as a model checkpoint)."""
-        return dataclasses.asdict(self.state)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.state = ReferenceState(**state)
 
     def onload(self) -> None:
         """Moves an offloaded reference back to the accelerator (before scoring)."""

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.hf import ParamSpec, hf_shapes, param_specs, save_hf_dir, unfuse_shards
+from megagrpo.lora import parameters_for_refit
 from megagrpo.model import DTYPE, unwrap
 
 
@@ -214,7 +215,7 @@ def _stream(gpt: torch.nn.Module, model: ModelConfig, parallel: ParallelConfig,
     from megatron.core import parallel_state as ps
 
     gpt = unwrap(gpt)
-    params = dict(gpt.named_parameters())
+    params = parameters_for_refit(gpt)  # adapted weights merged: W + s B A
     impl = "transformer_engine" if any("layer_norm_weight" in n for n in params) else "local"
     tp, pp = parallel.tp, parallel.pp
     groups = (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),

@@ -35,6 +35,8 @@ from megagrpo.data import PromptLoader
 from megagrpo.distributed import init_distributed, torchrun_env, training_layout
 from megagrpo.engine import VLLMEngine
 from megagrpo.hf import hf_config_dict, load_hf_weights
+from megagrpo.lora import LoRAReference, add_adapters
+from megagrpo.lora import describe as describe_lora
 from megagrpo.metrics import MetricsLogger, plot_curves, read_jsonl
 from megagrpo.model import attention_impl_name, build_model, layer_spec_name, sequence_packing
 from megagrpo.optim import build_optimizer, wrap_ddp
@@ -79,10 +81,14 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                  log_file)
     gpt = build_model(model_cfg, cfg.parallel, seed=cfg.run.seed)
     _load_init(gpt, cfg.run.init, model_cfg, cfg.parallel, info)
+    if cfg.lora.enabled:  # the base frozen before DDP: grad buffers and Adam for adapters only
+        n_adapters = add_adapters(gpt, cfg.lora, seed=cfg.run.seed)
+        if rank == 0:
+            log.info("%s", describe_lora(n_adapters, sum(p.numel() for p in gpt.parameters()),
+                                         cfg.lora))
     policy = wrap_ddp(gpt, cfg.optim)
     optimizer = build_optimizer(policy, cfg.optim)
-    reference = (Reference(policy, model_cfg, cfg.parallel, cfg.reference, seed=cfg.run.seed)
-                 if cfg.algo.beta > 0 else None)
+    reference = _reference(cfg, policy, model_cfg)
     layout = RolloutLayout(rank=rank, world_size=world, engine_tp=cfg.rollout.tensor_parallel_size,
                            train_tp=cfg.parallel.tp, train_pp=cfg.parallel.pp)
     if rank == 0:
@@ -102,6 +108,16 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     return Trainer(cfg, model_cfg=model_cfg, policy=policy, optimizer=optimizer,
                    reference=reference, rollouts=rollouts, task=task, ranks=ranks,
                    groups=groups, tokens=tokens)
+
+
+def _reference(cfg: TrainConfig, policy, model_cfg: ModelConfig):
+    """The KL reference (None at algo.beta = 0): the policy with its adapters off under LoRA,
+    else a second model of the policy's layout."""
+    if cfg.algo.beta == 0:
+        return None
+    if cfg.lora.enabled:
+        return LoRAReference(policy, cfg.reference)
+    return Reference(policy, model_cfg, cfg.parallel, cfg.reference, seed=cfg.run.seed)
 
 
 def async_note(cfg: TrainConfig) -> str:
@@ -139,9 +155,10 @@ def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
 def checkpoint_states(tr: Trainer) -> dict[str, Part]:
     """What a checkpoint of the run holds, by its name on disk, in the order it is written and
     read (the policy before the optimizer, whose load needs the weights)."""
-    states: dict[str, Part] = {
-        "policy": ModelState(tr.policy, tr.model_cfg, tokenizer=tr.tokenizer)}
-    if tr.reference is not None:
+    lora = {"lora": dataclasses.asdict(tr.cfg.lora)} if tr.cfg.lora.enabled else None
+    states: dict[str, Part] = {  # a LoRA policy's shards include its adapters (lora_A, lora_B)
+        "policy": ModelState(tr.policy, tr.model_cfg, tokenizer=tr.tokenizer, extra=lora)}
+    if tr.reference is not None and tr.reference.separate_model:
         states["reference"] = ModelState(tr.reference.model, tr.model_cfg, if_missing="")
     states["optimizer"] = OptimizerState(tr)  # the cold start replaces tr.optimizer
     states["rng"] = PerRank(RankRng(tr.engine), what="the per-rank random streams")

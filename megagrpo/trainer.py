@@ -44,7 +44,6 @@ from megagrpo.moe import RoutingMonitor, enable_replay, tracked_losses
 from megagrpo.offpolicy import correction_mode, is_stale
 from megagrpo.optim import build_optimizer, lr_at, optimizer_step, set_lr, zero_grad
 from megagrpo.passes import Passes
-from megagrpo.reference import sync_reference
 from megagrpo.reshard import ReshardStats, iter_hf_weights, iter_vllm_slices
 from megagrpo.rollout import Rollout, RolloutCollector
 
@@ -457,6 +456,8 @@ class Trainer:
         1 - (1 - alpha)^2."""
         if reason:
             mixed = self.reference.sync(self.policy, self.step_idx, epoch, version=self.version)
+            if mixed:
+                self._after_policy_edit()
             if self.ranks.rank == 0:
                 log.info("step %d: reference re-initialised (%s, alpha=%.2f)%s", self.step_idx,
                          reason, self.cfg.reference.alpha,
@@ -504,7 +505,14 @@ class Trainer:
     def reset_reference(self) -> None:
         """The reference becomes an exact copy of the policy (its schedule is untouched)."""
         if self.reference is not None:
-            sync_reference(self.reference.model, self.policy, 1.0)
+            self.reference.reinit(self.policy, 1.0)
+            self._after_policy_edit()
+
+    def _after_policy_edit(self) -> None:
+        """A LoRA reference reset edits the policy's parameters in place (merge, B scaled):
+        the optimizer's fp32 main copies (bf16/fp16, distributed optimizer) are re-read."""
+        if not getattr(self.reference, "separate_model", True) and self.optimizer is not None:
+            self.optimizer.reload_model_params()
 
     def phase(self, name: str) -> None:
         """Names what runs now for the stall watchdog."""

@@ -68,8 +68,8 @@ def test_every_field_has_a_docstring():
     hints = typing.get_type_hints(TrainConfig)
     names = [f.name for f in dataclasses.fields(TrainConfig)]
     assert names == ["model", "parallel", "optim", "rollout", "algo", "data", "arithmetic",
-                     "reward", "agent", "reference", "run", "compute", "checkpoint", "eval",
-                     "cold_start", "log", "watchdog"]
+                     "reward", "agent", "reference", "lora", "run", "compute", "checkpoint",
+                     "eval", "cold_start", "log", "watchdog"]
     for name, cls, rows in docs.sections():
         intro, _ = docs.field_docstrings(cls)
         assert intro, f"{cls.__name__} has no class docstring"

@@ -12,6 +12,7 @@ from megagrpo.config.agent import AgentConfig
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.config.data import ArithmeticConfig, DataConfig, RewardConfig
 from megagrpo.config.layout import check_rollout_layout
+from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.optim import OptimConfig
 from megagrpo.config.rollout import RolloutConfig
@@ -81,6 +82,8 @@ class TrainConfig(Section):
     """Multi-turn rollouts: environment, tools, turn and token budgets."""
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     """Reference model and its reset schedule."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters (rank 0: full fine-tuning); the reference is then the adapters off."""
     run: RunConfig = field(default_factory=RunConfig)
     """The loop: steps, seed, out_dir, init, resume."""
     compute: ComputeConfig = field(default_factory=ComputeConfig)
@@ -110,6 +113,7 @@ class TrainConfig(Section):
         self.reward.validate()
         self.agent.validate()
         self.reference.validate(self.algo.beta)
+        self.lora.validate(self.model, self.parallel, reference_offload=self.reference.offload)
         for section in (self.run, self.compute, self.checkpoint, self.eval, self.cold_start,
                         self.watchdog):
             section.validate()

@@ -1,0 +1,102 @@
+"""LoRA adapters on the policy's linear layers (megagrpo.lora)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.section import Section
+
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+"""The linears an adapter can sit beside: the fused QKV projection, the attention output
+projection, the fused gate/up projection and the down projection of a dense MLP."""
+
+
+@dataclass(kw_only=True)
+class LoRAConfig(Section):
+    """Low-rank adapters: W x + (alpha / rank) * B A x, base weights frozen; the reference is
+    the network with the adapters off, and a reference reset merges them into the base."""
+
+    rank: int = 0
+    """Adapter rank r (0: off, full fine-tuning)."""
+    alpha: float = 16.0
+    """Adapter scale numerator: the update is (alpha / rank) * B A."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (parallel.tp = 1 only)."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Linears that get an adapter, among qkv, proj, fc1, fc2 (fc1/fc2: dense MLPs only)."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether adapters are built (rank > 0)."""
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """s = alpha / rank, the factor of B A."""
+        return self.alpha / self.rank if self.rank else 0.0
+
+    def validate(self, model: ModelConfig, parallel: ParallelConfig, *,
+                 reference_offload: bool = False) -> None:
+        """Raise ValueError naming the first invalid field and what would be valid."""
+        if self.rank < 0:
+            raise ValueError(f"lora.rank={self.rank}: need rank >= 1 (or 0: LoRA off)")
+        if not self.enabled:
+            return
+        if not self.alpha > 0:
+            raise ValueError(f"lora.alpha={self.alpha} must be > 0 (the scale is alpha / rank)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout={self.dropout}: need 0 <= dropout < 1")
+        if self.dropout > 0 and parallel.tp > 1:
+            raise ValueError(
+                f"lora.dropout={self.dropout} at parallel.tp={parallel.tp}: a column-parallel "
+                "layer's input is replicated over the TP ranks and its dropout mask would have "
+                "to agree between them, which is not arranged; set lora.dropout=0 or "
+                "parallel.tp=1")
+        self._validate_targets(model)
+        if self.rank > (smallest := self._smallest_dim(model)):
+            raise ValueError(
+                f"lora.rank={self.rank} exceeds the smallest dimension ({smallest}) of a "
+                f"targeted weight ({self.targets}): B A could not have that rank; use "
+                f"lora.rank <= {smallest}")
+        if reference_offload:
+            raise ValueError(
+                "reference.offload=true with lora.rank > 0: the reference is the policy with "
+                "its adapters off, so there is no reference model to offload; set "
+                "reference.offload=false")
+        if parallel.transformer_impl == "transformer_engine":
+            raise ValueError(
+                "lora.rank > 0 with parallel.transformer_impl='transformer_engine': adapters sit "
+                "beside megatron-core's local linears; set parallel.transformer_impl=local")
+
+    def _validate_targets(self, model: ModelConfig) -> None:
+        if not self.targets:
+            raise ValueError(f"lora.targets is empty; use some of {LORA_TARGETS}")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown:
+            raise ValueError(f"lora.targets holds {unknown}: unknown; use some of "
+                             f"{LORA_TARGETS}")
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"lora.targets={self.targets} names a target twice")
+        mlp = [t for t in self.targets if t in ("fc1", "fc2")]
+        if model.is_moe and mlp:
+            raise ValueError(
+                f"lora.targets holds {mlp} with model.architecture={model.architecture!r}: "
+                "adapters on MoE experts are not implemented; use lora.targets=[qkv, proj]")
+
+    def rank_numel(self, model: ModelConfig, tp: int, layers: int) -> int:
+        """Adapter elements one TP rank holds for `layers` layers: per column-parallel target
+        (qkv, fc1) r * in + out / tp * r, per row-parallel one (proj, fc2) r * in / tp + out * r
+        (see megagrpo.lora); 0 when off. No experts (refused by validate)."""
+        if not self.enabled:
+            return 0
+        r, H, F = self.rank, model.hidden_size, model.ffn_hidden_size
+        q, kv = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim
+        per = {"qkv": r * H + (q + 2 * kv) // tp * r, "proj": r * q // tp + H * r,
+               "fc1": r * H + 2 * F // tp * r, "fc2": r * F // tp + H * r}
+        return layers * sum(per[t] for t in self.targets)
+
+    def _smallest_dim(self, model: ModelConfig) -> int:
+        H, F = model.hidden_size, model.ffn_hidden_size
+        q, kv = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim
+        dims = {"qkv": (H, q + 2 * kv), "proj": (q, H), "fc1": (H, 2 * F), "fc2": (F, H)}
+        return min(d for t in self.targets for d in dims[t])

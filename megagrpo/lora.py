@@ -1,0 +1,301 @@
+"""LoRA adapters beside megatron-core's tensor-parallel linears, and the reference they make free.
+
+A targeted linear y = W x gets y = W x + s * B A x with s = lora.alpha / lora.rank, A [r, in]
+and B [out, r] (B starts at zero, so the adapted model starts as the base). The base (every
+parameter of the model, embeddings and norms included) is frozen before megatron's DDP wraps
+the model: DDP makes grad buffers, and the optimizer state, for the adapters only.
+
+Tensor parallelism: each adapter is split like the weight it sits beside, so every rank holds
+the adapter shards that pair with its weight shard.
+- column-parallel (qkv, fc1: W [out/tp, in] per rank): A [r, in] replicated, B [out/tp, r] split
+  on dim 0. h = A x is the same on every rank; it goes through megatron's
+  `copy_to_tensor_model_parallel_region` (identity forward, all-reduce of dL/dh backward), so
+  A's gradient and the input's gradient from the adapter are the full sums on every rank.
+- row-parallel (proj, fc2: W [out, in/tp], input x split): A [r, in/tp] split on dim 1, B
+  [out, r] replicated. h = A_local x_local is a partial sum, all-reduced over TP
+  (`reduce_from_tensor_model_parallel_region`: all-reduce forward, identity backward) before
+  B: B's gradient then is the same on every rank without a TP reduction (adding B A_local
+  x_local to the partial output before megatron's own all-reduce would leave B's gradient
+  partial). The cost is an all-reduce of [tokens, r] per row layer.
+Replicated adapter tensors carry megatron's defaults (tensor_model_parallel=False), so the
+gradient norm counts them once; split ones carry the TP attributes of their weight.
+
+Fused layers: the fused QKV (per KV group [q, k, v]) and fc1 (cat(gate, up)) get one adapter
+over the fused output, i.e. a LoRA of the fused matrix: A is shared by q, k and v (by gate and
+up), B has a row block per part in the weight's own row order, so a merge adds each part's rows
+to the right rows of the shard. A per-projection adapter (peft's q_proj/k_proj/v_proj, each its
+own A) is a different, larger parameterisation (rank 3r for QKV); exporting this one to peft
+repeats A for each part. Merges are exact either way.
+
+The reference (`LoRAReference`): the policy with the adapters off (`adapters_disabled`), no
+second model. A reset with mixing weight a merges: W += a * s * B A on each rank's own shards
+(B_local A for a column layer, B A_local for a row layer: exactly the rows/columns of that
+rank's W shard, so no communication), then B *= (1 - a). The policy W + s B A is unchanged up
+to one rounding of the add, and the reference W' = W + a s B A is a * policy + (1 - a) * ref
+in weight space, as `megagrpo.reference.sync_reference` does for a full reference. A is kept
+(B = 0 makes any A a valid start, and the trained A is a good one). Adam's moments of A and B
+are kept too: the policy does not move at a reset, so the moments still describe the loss
+around it; zeroing them while keeping Adam's step count would make the next updates ~3x larger
+(bias correction would not undo the restart).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Iterator, Mapping
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megagrpo.config.lora import LoRAConfig
+from megagrpo.config.train import ReferenceConfig
+from megagrpo.model import unwrap
+from megagrpo.reference import ReferenceSchedule, ReferenceState
+
+log = logging.getLogger("megagrpo")
+
+TARGET_MODULES = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.linear_proj",
+                  "fc1": "mlp.linear_fc1", "fc2": "mlp.linear_fc2"}
+"""Where each target sits inside a TransformerLayer (a dense MLP only: MoE experts are
+`mlp.experts...` and shared experts `mlp.shared_experts...`, which these names do not match)."""
+ROW_TARGETS = ("proj", "fc2")
+
+
+# ---------------------------------------------------------------------- the adapted linears
+def _lora_forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out + s * B A x for a column- or row-parallel linear's input x [S, b, in or in/tp] and
+    output out [S, b, out/tp or out]."""
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        reduce_from_tensor_model_parallel_region,
+    )
+
+    if not self.lora_enabled:
+        return out
+    if self.lora_dropout > 0 and self.training:
+        x = F.dropout(x, self.lora_dropout)
+    h = F.linear(x.to(self.lora_A.dtype), self.lora_A)  # [S, b, r]
+    if self.lora_row:
+        h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
+    else:
+        h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+    return out + (F.linear(h, self.lora_B) * self.lora_scale).to(out.dtype)
+
+
+def _adapted_forward(self, input_: torch.Tensor, *args, **kwargs):
+    out, bias = super(self.__class__, self).forward(input_, *args, **kwargs)
+    return _lora_forward(self, input_, out), bias
+
+
+def _adapted_sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+    """megatron's sharded state dict with the adapters split like their weight (megatron's own
+    marks every tensor it does not know as replicated, which a split A or B is not)."""
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    axes = {"weight": 1, "lora_A": 1} if self.lora_row else {"weight": 0, "bias": 0,
+                                                              "lora_B": 0}
+    sd = make_sharded_tensors_for_checkpoint(
+        self.state_dict(prefix="", keep_vars=True), prefix, axes, sharded_offsets,
+        tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+    if self.lora_glu:
+        # fc1's B rows are cat(gate_r, up_r) per rank like its weight: saved as the two halves
+        # (megatron's MLP does the same for the weight), so they reshard to another TP
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+        key = f"{prefix}lora_B"
+        sd[key] = apply_swiglu_sharded_factory(
+            sd[key], sharded_offsets, (metadata or {}).get("singleton_local_shards", False))
+    return sd
+
+
+@functools.lru_cache(maxsize=None)
+def _adapted_class(base: type) -> type:
+    """`base` (megatron's ColumnParallelLinear or RowParallelLinear) with an adapter: a module
+    keeps its class's parameters and names (`...linear_qkv.weight`), and gains `lora_A`,
+    `lora_B`."""
+    return type(f"LoRA{base.__name__}", (base,), {
+        "forward": _adapted_forward, "sharded_state_dict": _adapted_sharded_state_dict})
+
+
+def _init_a(shape: tuple[int, int], seed: int, layer: int, target: int) -> torch.Tensor:
+    """The full A [r, in] of one adapter: uniform(+-1/sqrt(in)) (kaiming-uniform with a=sqrt(5),
+    as torch's Linear and peft), from a stream of its own, so every TP rank draws the same
+    full tensor and any layout holds shards of one A."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + layer * 16 + target)
+    bound = 1.0 / shape[1] ** 0.5
+    return (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1).mul_(bound).float()
+
+
+def _attach(linear: torch.nn.Module, cfg: LoRAConfig, row: bool, tp: int, tp_rank: int,
+            seed: int, layer: int, target: int, glu: bool = False) -> None:
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    w = linear.weight
+    out_local, in_local = w.shape
+    in_full = in_local * tp if row else in_local
+    a = _init_a((cfg.rank, in_full), seed, layer, target)
+    if row:
+        a = a[:, tp_rank * in_local:(tp_rank + 1) * in_local]
+    linear.lora_A = torch.nn.Parameter(a.to(w.dtype).contiguous().to(w.device))
+    linear.lora_B = torch.nn.Parameter(torch.zeros(out_local, cfg.rank, dtype=w.dtype,
+                                                   device=w.device))
+    split = linear.lora_A if row else linear.lora_B
+    set_tensor_model_parallel_attributes(split, True, 1 if row else 0, 1)
+    linear.lora_row, linear.lora_scale, linear.lora_dropout = row, cfg.scale, cfg.dropout
+    linear.lora_glu = glu
+    linear.lora_enabled = True
+    linear.__class__ = _adapted_class(type(linear))
+
+
+def add_adapters(gpt: torch.nn.Module, cfg: LoRAConfig, *, seed: int) -> int:
+    """Freezes every parameter of this rank's GPTModel stage and puts an adapter beside each
+    targeted linear of its layers (before `megagrpo.optim.wrap_ddp`). Returns the adapters'
+    element count on this rank."""
+    from megatron.core import parallel_state as ps
+
+    gpt = unwrap(gpt)
+    for p in gpt.parameters():
+        p.requires_grad_(False)
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    n = 0
+    for layer in gpt.decoder.layers:
+        for t, name in enumerate(cfg.targets):
+            linear = layer.get_submodule(TARGET_MODULES[name])
+            if getattr(linear, "gather_output", False):
+                raise RuntimeError(f"lora: {name} gathers its output; not supported")
+            _attach(linear, cfg, name in ROW_TARGETS, tp, tp_rank, seed, layer.layer_number,
+                    t, glu=name == "fc1")
+            n += linear.lora_A.numel() + linear.lora_B.numel()
+    return n
+
+
+def adapted(model: torch.nn.Module | list) -> list[torch.nn.Module]:
+    """The linears of `model` (or of its chunks) that carry an adapter."""
+    chunks = model if isinstance(model, list) else [model]
+    return [m for c in chunks for m in unwrap(c).modules() if hasattr(m, "lora_B")]
+
+
+def has_adapters(model: torch.nn.Module | list) -> bool:
+    return bool(adapted(model))
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module | list) -> Iterator[None]:
+    """Forwards of `model` inside run without the adapters: the base, i.e. the reference."""
+    mods = adapted(model)
+    for m in mods:
+        m.lora_enabled = False
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.lora_enabled = True
+
+
+def _delta(m: torch.nn.Module) -> torch.Tensor:
+    """s * B A for this rank's shards, in float32 or wider: [out/tp, in] (column: B_local A) or
+    [out, in/tp] (row: B A_local), the exact rows/columns of this rank's weight shard."""
+    dt = torch.promote_types(m.lora_B.dtype, torch.float32)
+    return (m.lora_B.detach().to(dt) @ m.lora_A.detach().to(dt)) * m.lora_scale
+
+
+@torch.no_grad()
+def merge_adapters(model: torch.nn.Module | list, alpha: float = 1.0) -> None:
+    """W += alpha * s * B A, then B *= (1 - alpha), per shard, in place, no communication.
+    The policy is unchanged (up to rounding the add); with alpha = 1 the adapter restarts from
+    B = 0 and the base (the reference) becomes the policy."""
+    for m in adapted(model):
+        w = m.weight
+        w.copy_((w.to(torch.promote_types(w.dtype, torch.float32)) + alpha * _delta(m))
+                .to(w.dtype))
+        if alpha == 1.0:
+            m.lora_B.zero_()
+        else:
+            m.lora_B.mul_(1.0 - alpha)
+
+
+class MergedParams(Mapping):
+    """The stage's named parameters with each adapted weight read as its merged value
+    W + s B A (computed when read, one tensor at a time): what vLLM and an HF export get.
+    The adapters themselves are not listed."""
+
+    def __init__(self, gpt: torch.nn.Module):
+        self._params = {n: p for n, p in gpt.named_parameters() if ".lora_" not in n}
+        self._adapted = {f"{n}.weight": m for n, m in gpt.named_modules() if hasattr(m, "lora_B")}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        p = self._params[name]
+        m = self._adapted.get(name)
+        if m is None or not m.lora_enabled:
+            return p
+        return (p.detach().to(torch.promote_types(p.dtype, torch.float32)) + _delta(m)).to(
+            p.dtype)
+
+    def __iter__(self):
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+
+def parameters_for_refit(gpt: torch.nn.Module) -> Mapping[str, torch.Tensor]:
+    """Named parameters as vLLM / export should see them: merged where adapted."""
+    return MergedParams(gpt) if has_adapters(gpt) else dict(gpt.named_parameters())
+
+
+# ---------------------------------------------------------------------- the reference
+class LoRAReference(ReferenceSchedule):
+    """The KL reference of a LoRA policy: the policy with its adapters off. Same schedule and
+    interface as `megagrpo.reference.Reference`; `onload` / `offload` bracket a scoring pass
+    (adapters off / back on), `sync` merges."""
+
+    separate_model: ClassVar[bool] = False
+    """No model of its own: a checkpoint saves nothing for it beyond the schedule."""
+
+    def __init__(self, policy: torch.nn.Module | list, cfg: ReferenceConfig):
+        self.cfg = cfg
+        self.state = ReferenceState()
+        self.policy = policy
+        self._scoring: contextlib.ExitStack | None = None
+
+    @property
+    def model(self) -> torch.nn.Module | list:
+        """What the scoring pass runs: the policy (between `onload` and `offload`, the adapters
+        are off)."""
+        return self.policy
+
+    def reinit(self, policy: torch.nn.Module | list, alpha: float = 1.0) -> None:
+        """The reference moves to alpha * policy + (1 - alpha) * reference: a merge."""
+        merge_adapters(policy, alpha)
+
+    def equals(self, policy: torch.nn.Module | list, group=None) -> bool:
+        """Whether every adapter's B is zero on every rank of `group` (the adapters then add
+        exactly 0, so the reference's log-probs are the policy's)."""
+        same = all(not m.lora_B.any() for m in adapted(policy))
+        flag = torch.tensor([1.0 if same else 0.0])
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
+    def onload(self) -> None:
+        """Before a scoring pass: adapters off."""
+        self._scoring = contextlib.ExitStack()
+        self._scoring.enter_context(adapters_disabled(self.policy))
+
+    def offload(self) -> None:
+        """After a scoring pass: adapters back on."""
+        if self._scoring is not None:
+            self._scoring.close()
+            self._scoring = None
+
+
+def describe(n_adapter: int, n_total: int, cfg: LoRAConfig) -> str:
+    """One console line: what trains."""
+    return (f"lora: rank {cfg.rank}, alpha {cfg.alpha:g} on {','.join(cfg.targets)}: "
+            f"{n_adapter:,} trainable of {n_total:,} parameters on this rank "
+            f"({100 * n_adapter / max(n_total, 1):.2f}%); the reference is the adapters off; "
+            "vLLM is refit with the merged weights (W + s B A) after each update (an "
+            "adapter-only refit through vLLM's LoRA support is not built yet)")

@@ -1,0 +1,246 @@
+"""Run under torchrun (2 processes, gloo) by tests/test_lora.py. One launch covers the layouts
+TP=2, PP=2 and DP=2 (plain and distributed optimizer): the parent's tiny Llama is loaded, adapters
+added (B set to seeded random values so that A's gradient is not zero), one forward/backward of
+a token-mean cross-entropy runs through megatron's schedule and DDP, and each adapter's values
+and reduced gradients are saved as full tensors under HF projection names (WORK/<tag>_rank<r>.pt)
+for the parent's float64 transformers reference. At TP=2 the merge (reference reset) is checked,
+then the model saved and loaded at PP=2 (the adapters reshard). Scalars go to WORK/results.json."""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from tests.support.launch import write_results
+
+LABEL_SEED = 11
+
+
+def vocab_logits(gpt, mcfg, ids):
+    """[B, S, V] full-vocab logits of the last stage (autograd through the TP gather)."""
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    local = gpt(ids, pos, None)
+    return local, lambda o: gather_from_tensor_model_parallel_region(o)[..., :mcfg.vocab_size]
+
+
+def ce_step(mcfg):
+    def fwd(batch, model):
+        ids, labels = batch
+        out, full = vocab_logits(model, mcfg, ids)
+
+        def loss_fn(o):
+            logits = full(o).float()
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                     labels.reshape(-1))
+            return loss, {"logits": logits.detach()}
+
+        return out, loss_fn
+
+    return fwd
+
+
+def gather(t, dim, group):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+def adapter_tensors(gpt, mcfg, parallel, grads: bool):
+    """{HF projection: {"A": [r, in], "B": [out, r]}} of this stage's adapters, full tensors
+    (values, or DDP's reduced main grads); a fused layer's A is stored under each of its
+    parts' names, its B split into the parts."""
+    from megatron.core import parallel_state as ps
+
+    from megagrpo.hf.io import unfuse_shards
+    from megagrpo.hf.params import layer_specs
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    out = {}
+    for layer in gpt.decoder.layers:
+        g = layer.layer_number - 1
+        specs = {s.local.split(".", 3)[-1]: s for s in layer_specs(mcfg, g, 0)}
+        for name in ("self_attention.linear_qkv", "self_attention.linear_proj",
+                     "mlp.linear_fc1", "mlp.linear_fc2"):
+            m = layer.get_submodule(name)
+            a, b = (m.lora_A.main_grad, m.lora_B.main_grad) if grads else (m.lora_A, m.lora_B)
+            a, b = a.detach().double(), b.detach().double()
+            spec = specs[name + ".weight"]
+            if m.lora_row:
+                full_a = torch.cat(gather(a, 1, tp_group), dim=1)
+                out[spec.hf[0].removesuffix(".weight")] = {"A": full_a, "B": b}
+                continue
+            parts = unfuse_shards(gather(b, 0, tp_group), spec, mcfg)
+            for hf_name, part in parts:
+                out[hf_name.removesuffix(".weight")] = {"A": a, "B": part.clone()}
+    return out
+
+
+def randomize_b(gpt, seed: int) -> None:
+    """Seeded random B on every adapter, the same full tensor on every rank (each keeps its
+    own TP slice), so A's gradient is not zero."""
+    from megatron.core import parallel_state as ps
+
+    tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    from megagrpo.lora import adapted
+
+    with torch.no_grad():
+        for i, m in enumerate(adapted(gpt)):
+            gen = torch.Generator().manual_seed(seed * 1000 + m.lora_B.shape[0] + i)
+            rows = m.lora_B.shape[0] * (1 if m.lora_row else tp)
+            full = torch.randn(rows, m.lora_B.shape[1], generator=gen) * 0.05
+            n = m.lora_B.shape[0]
+            m.lora_B.copy_(full if m.lora_row else full[r * n:(r + 1) * n])
+
+
+def run_layout(tag, tp, pp, dist_opt, work, results, load_from=None):
+    from megatron.core import parallel_state as ps
+
+    from megagrpo.config.lora import LoRAConfig
+    from megagrpo.config.model import ParallelConfig
+    from megagrpo.distributed import init_distributed
+    from megagrpo.hf import load_hf_weights, model_config_from_hf
+    from megagrpo.lora import add_adapters
+    from megagrpo.model import build_model
+    from megagrpo.optim import (
+        OptimConfig,
+        build_optimizer,
+        forward_backward,
+        optimizer_step,
+        torch_adams,
+        wrap_ddp,
+        zero_grad,
+    )
+
+    ref = torch.load(os.path.join(work, "ref.pt"))
+    mcfg = model_config_from_hf(os.path.join(work, "llama"))
+    parallel = ParallelConfig(tp=tp, pp=pp, make_vocab_size_divisible_by=64)
+    info = init_distributed(parallel, mcfg)
+    gpt = build_model(mcfg, parallel, seed=7)
+    load_hf_weights(gpt, os.path.join(work, "llama"), mcfg, parallel, tp_rank=info.tp_rank,
+                    pp_rank=info.pp_rank)
+    lcfg = LoRAConfig(rank=4, alpha=8.0)
+    n_adapter = add_adapters(gpt, lcfg, seed=3)
+    if load_from:  # a checkpoint of another layout: the adapters reshard like their weights
+        from megagrpo.checkpoint import load_model
+
+        load_model(gpt, load_from)
+        torch.save(adapter_tensors(gpt, mcfg, parallel, grads=False),
+                   os.path.join(work, f"{tag}_rank{dist.get_rank()}.pt"))
+        return None, mcfg, parallel
+    randomize_b(gpt, seed=5)
+    values = adapter_tensors(gpt, mcfg, parallel, grads=False)
+    ocfg = OptimConfig(lr=1e-3, clip_grad=0.0, distributed_optimizer=dist_opt)
+    ddp = wrap_ddp(gpt, ocfg)
+    opt = build_optimizer(ddp, ocfg)
+    zero_grad(ddp, opt)
+    ids, labels = ref["ids"], ref["labels"]
+    mbs = [(ids[i:i + 1], labels[i:i + 1]) for i in range(ids.shape[0])]
+    forward_backward(ddp, ce_step(mcfg), mbs, len(mbs), seq_length=ids.shape[1],
+                     micro_batch_size=1)
+    grads = adapter_tensors(gpt, mcfg, parallel, grads=True)
+    base = [(n, p) for n, p in gpt.named_parameters() if ".lora_" not in n]
+    base_grad = [n for n, p in base if p.requires_grad or p.grad is not None
+                 or getattr(p, "main_grad", None) is not None]
+    ok, _ = optimizer_step(ddp, opt)
+    opt_numel = sum(p.numel() for o in torch_adams(opt) for g in o.param_groups
+                    for p in g["params"])
+    state_bytes = sum(t.numel() * t.element_size() for o in torch_adams(opt)
+                      for s in o.state.values() for t in s.values()
+                      if torch.is_tensor(t) and t.dim() > 0)
+    torch.save({"values": values, "grads": grads},
+               os.path.join(work, f"{tag}_rank{dist.get_rank()}.pt"))
+    results.append({"tag": tag, "rank": dist.get_rank(), "dp_rank": info.dp_rank,
+                    "adapter_numel": n_adapter, "opt_numel": opt_numel,
+                    "opt_state_bytes": state_bytes, "base_with_grad": base_grad,
+                    "step_ok": ok, "last_stage": ps.is_pipeline_last_stage()})
+    return ddp, mcfg, parallel
+
+
+def merge_checks(ddp, mcfg, parallel, ids, results):
+    """At the current layout: policy logits before and after a merge (alpha 1), the reference's
+    (adapters off) after it, the KL estimate between them, and the alpha-mix identity in weight
+    space (base' = base + a s B A, policy weights unchanged)."""
+    from megagrpo.config.train import ReferenceConfig
+    from megagrpo.cpu_compat import megatron_scope
+    from megagrpo.lora import LoRAReference, MergedParams, adapted, merge_adapters
+    from megagrpo.model import unwrap
+
+    gpt = unwrap(ddp)
+    fwd = vocab_logits
+
+    def logits():
+        with torch.no_grad(), megatron_scope():
+            out, full = fwd(gpt, mcfg, ids)
+            return full(out)
+
+    refr = LoRAReference(ddp, ReferenceConfig(alpha=1.0))
+    randomize_b(gpt, seed=9)
+    before = logits()
+    equal_before = refr.equals(ddp)
+    refr.sync(ddp, step=1, epoch=0, version=0)
+    after = logits()
+    refr.onload()
+    ref_logits = logits()
+    refr.offload()
+    lp, lr = torch.log_softmax(after.double(), -1), torch.log_softmax(ref_logits.double(), -1)
+    kl = (torch.exp(lr - lp) - (lr - lp) - 1).abs().max().item()  # k3 estimator per token
+    res = {"check": "merge", "policy_change": (after - before).abs().max().item(),
+           "policy_scale": before.abs().max().item(),
+           "ref_equals_policy": bool(torch.equal(after, ref_logits)), "kl_max": kl,
+           "equals_before": equal_before, "equals_after": refr.equals(ddp)}
+    # alpha-mix, in weight space, per shard
+    randomize_b(gpt, seed=13)
+    a = 0.3
+    mods = adapted(gpt)
+    w0 = [m.weight.detach().clone().double() for m in mods]
+    merged0 = MergedParams(gpt)
+    names = [n for n in merged0._adapted]
+    policy0 = [merged0[n].double().clone() for n in names]
+    deltas = [(m.lora_B.double() @ m.lora_A.double()) * m.lora_scale for m in mods]
+    merge_adapters(ddp, alpha=a)
+    merged1 = MergedParams(gpt)
+    ref_err = max(((m.weight.double() - (w + a * d)).abs().max() / (w + a * d).abs().max()).item()
+                  for m, w, d in zip(mods, w0, deltas))
+    # the reference moves to a * policy + (1 - a) * ref
+    mix_err = max(((m.weight.double() - (a * p + (1 - a) * w)).abs().max()
+                   / p.abs().max()).item() for m, w, p in zip(mods, w0, policy0))
+    pol_err = max(((merged1[n].double() - p).abs().max() / p.abs().max()).item()
+                  for n, p in zip(names, policy0))
+    res.update(mix_ref_rel_err=ref_err, mix_identity_rel_err=mix_err,
+               mix_policy_rel_err=pol_err)
+    results.append(res)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", required=True)
+    args = ap.parse_args()
+    from megagrpo.checkpoint import save_model
+    from megagrpo.reshard import export_hf
+
+    torch.set_num_threads(1)
+    results = []
+    ref = torch.load(os.path.join(args.work, "ref.pt"))
+    # the distributed optimizer reduce-scatters: each DP rank's main grads are reduced in its
+    # own shard only, so its layout checks the optimizer's contents, not the gradients
+    saved = os.path.join(args.work, "ckpt_tp2")
+    for tag, tp, pp, dist_opt in (("tp2", 2, 1, False), ("pp2", 1, 2, False),
+                                  ("dp2", 1, 1, False), ("dp2_distopt", 1, 1, True),
+                                  ("pp2_loaded", 1, 2, False)):
+        ddp, mcfg, parallel = run_layout(tag, tp, pp, dist_opt, args.work, results,
+                                         load_from=saved if tag == "pp2_loaded" else None)
+        if tag == "tp2":
+            merge_checks(ddp, mcfg, parallel, ref["ids"], results)
+            save_model(ddp, saved, mcfg, extra={"lora": {"rank": 4, "alpha": 8.0}})
+            export_hf(ddp, os.path.join(args.work, "export_tp2"), mcfg, parallel)  # merged
+            torch.save(adapter_tensors(ddp.module, mcfg, parallel, grads=False),
+                       os.path.join(args.work, f"saved_rank{dist.get_rank()}.pt"))
+        dist.barrier()
+    write_results(results, args.work, flat=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

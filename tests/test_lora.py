@@ -1,0 +1,215 @@
+"""LoRA on megatron-core (megagrpo.lora): the adapters' reduced gradients at TP=2, PP=2 and DP=2
+equal a float64 plain-torch LoRA on transformers' model; the base gets no gradient and the
+optimizer (plain and distributed) holds the adapters only; a merge (the reference reset) leaves
+the policy's logits unchanged within fp32 rounding, makes the reference's logits equal them
+bitwise (KL 0), and mixing with alpha moves the reference to alpha * policy + (1 - alpha) *
+reference in weight space. One torchrun launch (2 ranks, gloo): tests/_lora_worker.py."""
+import copy
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megagrpo.config.lora import LoRAConfig
+from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.train import TrainConfig
+from tests.support.cli import run_cli
+from tests.support.launch import torchrun
+from tests.support.tiny import load_dir, tiny_llama
+
+WORKER = os.path.join(os.path.dirname(__file__), "_lora_worker.py")
+TAGS = ("tp2", "pp2", "dp2")
+"""Layouts whose gradients are checked; "dp2_distopt" (the distributed optimizer) is checked for
+what its optimizer holds."""
+SCALE = 8.0 / 4  # the worker's lora alpha / rank
+FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "fc1",
+         "up_proj": "fc1", "o_proj": "proj", "down_proj": "fc2"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("lora")
+    llama = tiny_llama(work / "llama")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (2, 10), generator=g)
+    labels = torch.randint(0, 100, (2, 10), generator=g)
+    torch.save({"ids": ids, "labels": labels}, work / "ref.pt")
+    torchrun(WORKER, 2, "--work", str(work))
+    return work, json.loads((work / "results.json").read_text()), llama, ids, labels
+
+
+def _adapters(work, tag):
+    """The union over ranks of the worker's {HF projection: {A, B}} values and grads."""
+    values, grads = {}, {}
+    for r in range(2):
+        d = torch.load(work / f"{tag}_rank{r}.pt")
+        values.update(d["values"])
+        grads.update(d["grads"])
+    return values, grads
+
+
+def reference_grads(model, values, ids, labels):
+    """Float64 transformers model + hand-written LoRA hooks (one A per fused megatron layer,
+    shared by its HF parts; one B per part): the token-mean cross-entropy's gradients."""
+    model = copy.deepcopy(model).double()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    a_leaf, leaves, hooks = {}, {}, []
+    for name, v in values.items():
+        layer, part = name.rsplit(".", 2)[0], name.rsplit(".", 1)[1]
+        key = (layer, FUSED[part])
+        if key not in a_leaf:
+            a_leaf[key] = v["A"].clone().requires_grad_()
+        b = v["B"].clone().requires_grad_()
+        leaves[name] = (a_leaf[key], b)
+
+        def hook(mod, inp, out, a=a_leaf[key], b=b):
+            return out + SCALE * F.linear(F.linear(inp[0], a), b)
+
+        hooks.append(model.get_submodule(name).register_forward_hook(hook))
+    logits = model(ids).logits
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    return {n: {"A": a.grad, "B": b.grad} for n, (a, b) in leaves.items()}
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_adapter_grads_equal_float64_reference(run, tag):
+    work, _, llama, ids, labels = run
+    values, grads = _adapters(work, tag)
+    assert len(values) == 2 * 7  # two layers x (q, k, v, o, gate, up, down)
+    ref = reference_grads(llama, values, ids, labels)
+    for name, g in grads.items():
+        for which in ("A", "B"):
+            want = ref[name][which]
+            err = ((g[which] - want).abs().max() / want.abs().max()).item()
+            assert err < 1e-5, (tag, name, which, err)
+
+
+@pytest.mark.parametrize("tag", TAGS + ("dp2_distopt",))
+def test_base_frozen_and_optimizer_holds_adapters(run, tag):
+    rows = [r for r in run[1] if r.get("tag") == tag]
+    assert len(rows) == 2 and all(r["step_ok"] for r in rows)
+    assert all(r["base_with_grad"] == [] for r in rows)
+    if tag == "dp2_distopt":  # each DP rank holds a shard of the adapters
+        assert sum(r["opt_numel"] for r in rows) == rows[0]["adapter_numel"]
+    else:
+        assert all(r["opt_numel"] == r["adapter_numel"] for r in rows)
+    for r in rows:  # Adam's two moments per adapter element held by this rank, in fp32
+        assert r["opt_state_bytes"] == 2 * 4 * r["opt_numel"]
+
+
+def test_merge_reset_is_exact(run):
+    (res,) = [r for r in run[1] if r.get("check") == "merge"][:1]
+    assert not res["equals_before"] and res["equals_after"]
+    assert res["policy_change"] <= 1e-5 * res["policy_scale"]
+    assert res["ref_equals_policy"] and res["kl_max"] == 0.0
+    assert res["mix_ref_rel_err"] < 1e-6
+    assert res["mix_identity_rel_err"] < 1e-6
+    assert res["mix_policy_rel_err"] < 1e-6
+
+
+# ---------------------------------------------------------------------- bad input
+def _cfg(**lora) -> TrainConfig:
+    cfg = TrainConfig()
+    cfg.lora = LoRAConfig(**{"rank": 8, **lora})
+    return cfg
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(rank=-1), "lora.rank"),
+    (dict(targets=["qkv", "attn"]), "lora.targets"),
+    (dict(targets=[]), "lora.targets"),
+    (dict(alpha=0.0), "lora.alpha"),
+    (dict(dropout=1.0), "lora.dropout"),
+    (dict(rank=100_000), "lora.rank"),
+])
+def test_bad_lora_settings_name_the_field(change, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        _cfg(**change).validate()
+
+
+def test_lora_refuses_reference_offload_tp_dropout_and_moe_experts():
+    cfg = _cfg()
+    cfg.reference.offload = True
+    with pytest.raises(ValueError, match=r"reference\.offload"):
+        cfg.validate()
+    cfg = _cfg(dropout=0.1)
+    cfg.parallel = ParallelConfig(tp=2)
+    with pytest.raises(ValueError, match=r"lora\.dropout"):
+        cfg.validate()
+    moe = ModelConfig(architecture="qwen3_moe", num_experts=4, moe_ffn_hidden_size=64)
+    with pytest.raises(ValueError, match=r"lora\.targets"):
+        LoRAConfig(rank=4).validate(moe, ParallelConfig())
+    LoRAConfig(rank=4, targets=["qkv", "proj"]).validate(moe, ParallelConfig())
+
+
+def test_lora_off_by_default_and_scale():
+    cfg = TrainConfig()
+    assert not cfg.lora.enabled
+    cfg.validate()
+    assert LoRAConfig(rank=8, alpha=16).scale == 2.0
+
+
+def test_adapters_reshard_through_a_checkpoint(run):
+    """Saved at TP=2 (after the merge checks), loaded at PP=2: every adapter's full A and B."""
+    work = run[0]
+    saved, loaded = {}, {}
+    for r in range(2):
+        saved.update(torch.load(work / f"saved_rank{r}.pt"))
+        loaded.update(torch.load(work / f"pp2_loaded_rank{r}.pt"))
+    assert saved.keys() == loaded.keys() and len(saved) == 14
+    for name in saved:
+        for which in ("A", "B"):
+            assert torch.equal(saved[name][which], loaded[name][which]), (name, which)
+
+
+def test_convert_merges_a_lora_checkpoint(run, tmp_path):
+    """`convert --from-megatron` of a checkpoint with adapters (TP=2, B not zero) at TP=1
+    writes the merged weights: those of the live model's merged export, and not the base's."""
+    work = run[0]
+    p = run_cli("convert", "--from-megatron", str(work / "ckpt_tp2"), "--to-hf",
+                str(tmp_path / "hf"))
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert "lora: the checkpoint's adapters (rank 4 on qkv,proj,fc1,fc2) are merged" in p.stdout
+    got, want = load_dir(tmp_path / "hf"), load_dir(work / "export_tp2")
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.allclose(got[k], want[k], rtol=0, atol=1e-6), k
+    saved = {}
+    for r in range(2):
+        saved.update(torch.load(work / f"saved_rank{r}.pt"))
+    b = saved["model.layers.0.self_attn.q_proj"]["B"]
+    assert b.abs().max() > 0  # the adapters were live: a base-only export would differ
+
+
+def test_preflight_refuses_a_lora_checkpoint_as_init(tmp_path):
+    from megagrpo.checkpoint import MODEL_JSON
+    from megagrpo.preflight import check_init
+
+    (tmp_path / MODEL_JSON).write_text(json.dumps({"model": {}, "lora": {"rank": 4}}))
+    with pytest.raises(ValueError, match=r"run\.init=.*LoRA run's checkpoint"):
+        check_init(str(tmp_path))
+
+
+def test_planner_counts_adapters_only():
+    """`megagrpo plan` with LoRA: grads and Adam state of the adapters only, no reference; the
+    adapter count equals the model's (`add_adapters` on the midsize shape, counted by hand)."""
+    from megagrpo.plan import rank_memory
+
+    cfg = TrainConfig()
+    m = ModelConfig(hidden_size=512, ffn_hidden_size=1536, num_layers=4, num_attention_heads=8,
+                    num_query_groups=4, head_dim=64)
+    full = rank_memory(cfg, m, 2, 1, 2, 80.0)
+    cfg.lora = LoRAConfig(rank=16)
+    lora = rank_memory(cfg, m, 2, 1, 2, 80.0)
+    # per layer at TP=2: qkv A 16x512 + B 512x16, proj A 16x256 + B 512x16, fc1 A 16x512 +
+    # B 1536x16, fc2 A 16x768 + B 512x16
+    adapters = 4 * 16 * (512 + 512 + 256 + 512 + 512 + 1536 + 768 + 512)
+    assert lora.optimizer == 8 * adapters and lora.grads == 4 * adapters
+    assert lora.reference == 0 < full.reference
+    assert lora.weights == full.weights + 4 * adapters
