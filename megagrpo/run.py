@@ -147,6 +147,14 @@ def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
     hf.update(eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id,
               pad_token_id=tokenizer.pad_id)
     (d / "config.json").write_text(json.dumps(hf, indent=1))
+    if cfg.rollout.stop:  # vLLM matches stop strings in text it detokenizes itself
+        save = getattr(getattr(tokenizer, "tok", None), "save_pretrained", None)
+        if save is None:
+            raise ValueError(f"rollout.stop={list(cfg.rollout.stop)} needs a Hugging Face "
+                             "tokenizer (data.tokenizer an HF folder): vLLM matches stop strings "
+                             "in its own detokenized text; end turns with token ids instead, "
+                             "or drop rollout.stop")
+        save(str(d))
     r = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + layout.engine,
                             dtype=model.dtype)
     return VLLMEngine(r, d, dtype=model.dtype, capture_routing=cfg.algo.routing_replay)

@@ -112,6 +112,36 @@ def test_token_sequence_masks_and_calls():
     assert m["turns"] == 3 and m["tool_calls"] == 2 and m["env_token_share"] == 4 / 16
 
 
+class StripsStop(FakeEngine):
+    """Like vLLM with a stop string: the text drops the matched stop, the ids keep it."""
+
+    def generate(self, prompts, sampling):
+        out = super().generate(prompts, sampling)
+        for c in out:
+            c.text = " ".join(map(str, c.token_ids[:-1]))
+        return out
+
+
+class Seen(Environment):
+    texts: list[str] = []
+
+    def step(self, turn: Turn) -> Observation:
+        Seen.texts.append(turn.text)
+        return Observation(done=True)
+
+
+def test_turn_text_is_the_text_of_the_sampled_ids():
+    """The environment parses the text of exactly the sampled ids (a tool call's closing tag
+    that vLLM matched as a stop string is in it), not the engine's own text."""
+    Seen.texts = []
+    cfg = AgentConfig(environment="x:y")
+    runner = TrajectoryRunner(engine=StripsStop(4), tokenizer=Tok(), agent=cfg,
+                              max_model_len=64, factory=lambda rec: Seen(rec, Tok()))
+    comps = runner.run([[1, 2, 3]], [{"k": 0}], SamplingSettings(max_tokens=8, n=2))
+    assert Seen.texts == [Tok().decode(c.token_ids) for c in comps]
+    assert [c.text for c in comps] == Seen.texts
+
+
 def test_truncation_causes():
     c, _, _ = run(Counter, length=9)  # every first turn runs past max_tokens=8
     assert {x.truncation for x in c} == {"turn_length"} and all(x.turns == 1 for x in c)

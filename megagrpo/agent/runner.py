@@ -169,12 +169,12 @@ class TrajectoryRunner:
     def _take(self, t: _Trajectory, out: Completion, max_tokens: int) -> None:
         """Appends the turn's sampled ids (cut to this trajectory's own limit)."""
         own = t.limit(max_tokens)
-        ids, lps, finish, text = list(out.token_ids), list(out.logprobs), out.finish_reason, \
-            out.text
+        ids, lps, finish = list(out.token_ids), list(out.logprobs), out.finish_reason
         if len(ids) > own:
-            ids, lps, finish, text = ids[:own], lps[:own], "length", ""
-        if ids and not text:  # for parsing and the reward terms only, never re-encoded
-            text = self.tokenizer.decode(ids)
+            ids, lps, finish = ids[:own], lps[:own], "length"
+        # the text of exactly these ids, for parsing and the reward terms only (never
+        # re-encoded); not vLLM's text, which drops a matched stop string such as </tool_call>
+        text = self.tokenizer.decode(ids) if ids else ""
         t.ids += ids
         t.logprobs += lps
         t.mask += [True] * len(ids)
