@@ -77,7 +77,8 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                                                cfg.compute.kernel_impl,
                                                attention_impl_name(cfg.parallel), packed),
                  log_file)
-    gpt = build_model(model_cfg, cfg.parallel, seed=cfg.run.seed)
+    gpt = build_model(model_cfg, cfg.parallel, seed=cfg.run.seed,
+                      recompute=(cfg.compute.recompute, cfg.compute.recompute_num_layers))
     _load_init(gpt, cfg.run.init, model_cfg, cfg.parallel, info)
     policy = wrap_ddp(gpt, cfg.optim)
     optimizer = build_optimizer(policy, cfg.optim)
