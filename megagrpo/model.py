@@ -269,6 +269,10 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 123
     )
     _cast_params(gpt, DTYPE[model.dtype])
     if model.is_moe and parallel.tp > 1 and not parallel.sequence_parallel:
+        log.warning("MoE at parallel.tp=%d without sequence parallelism: every TP rank routes "
+                    "every token (%dx the expert compute) and the load-balancing loss reaches "
+                    "the router at 1/%d; set parallel.sequence_parallel=true", parallel.tp,
+                    parallel.tp, parallel.tp)
         # built as megatron's MoELayer (its spec, so it gets its process groups), then given
         # the subclass that trains without sequence parallelism
         for m in gpt.modules():

@@ -16,7 +16,6 @@ WORK/results.json (every rank's records)."""
 import argparse
 import dataclasses
 import os
-from functools import partial
 
 import torch
 import torch.distributed as dist

@@ -76,7 +76,9 @@ class ModelConfig(Section):
     """qwen2_moe: width of the shared expert every token goes through, scaled by a sigmoid gate
     (HF shared_expert_intermediate_size); 0: none."""
     moe_aux_loss_coef: float = 0.001
-    """Load-balancing auxiliary loss coefficient (HF router_aux_loss_coef; 0 turns it off)."""
+    """Load-balancing auxiliary loss coefficient in HF's form (router_aux_loss_coef: one loss
+    over all MoE layers; 0 turns it off). megatron gets coef x moe_topk / (MoE layers) per
+    layer, the same router gradient for routing alike in every layer (docs/usage.md)."""
     moe_z_loss_coef: float = 0.0
     """Router z-loss coefficient (0: off)."""
     max_position_embeddings: int = 2048

@@ -25,8 +25,8 @@ from megagrpo.config.run import (
     WatchdogConfig,
 )
 from megagrpo.config.schema import build_dataclass, check_instance
-from megagrpo.config.seqpar import check_recompute
 from megagrpo.config.section import Section
+from megagrpo.config.seqpar import check_recompute
 
 
 @dataclass(kw_only=True)
