@@ -22,7 +22,7 @@ from megagrpo.model import unwrap
 from megagrpo.moe import replay, replay_state
 from megagrpo.optim import forward_backward
 from megagrpo.positions import OutputPositions, RotaryPositions, loss_positions
-from megagrpo.seqpar import padded_inputs, router_rows_slice, sp_size
+from megagrpo.seqpar import padded_inputs, sp_size
 
 DEFAULT_MICRO_BATCH_TOKENS = 1024
 """compute.micro_batch_tokens when unset (pp = 1): small enough that length-sorted micro-batches
@@ -48,19 +48,14 @@ def forward_step(mb: MicroBatch, model, *, loss_fn, at_loss_positions: bool = Tr
 
 def _router_rows(mb: MicroBatch, gpt) -> torch.Tensor:
     """The micro-batch's routes [rows, L_moe, k] in the order megatron's routers see its
-    tokens: the packed tokens in order, else [S, B] flattened (sequence-major; under sequence
-    parallelism this TP rank's slice of it)."""
+    tokens: the packed tokens in order, else [S, B] flattened (sequence-major)."""
     routes = mb.batch.routes
     if mb.packed is not None:
         b, width = mb.packed.grid
         return routes[:, :width].reshape(b * width, *routes.shape[2:])[mb.packed.unpad_index]
-    rows = routes.transpose(0, 1).reshape(-1, *routes.shape[2:])
-    sp = sp_size(gpt)
-    if sp == 1:
-        return rows
-    from megatron.core import parallel_state as ps
-
-    return router_rows_slice(rows, routes.shape[1], sp, ps.get_tensor_model_parallel_rank())
+    if sp_size(gpt) > 1:  # TrainConfig.validate refuses routing replay under SP
+        raise ValueError("routing replay is not supported with parallel.sequence_parallel")
+    return routes.transpose(0, 1).reshape(-1, *routes.shape[2:])
 
 
 def _forward(mb: MicroBatch, model, gpt, loss_fn, at_loss_positions, fused_output):

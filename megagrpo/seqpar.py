@@ -5,8 +5,8 @@ its layers work on [S/tp, b, h]; the sequence must divide by tp. megagrpo's micr
 trimmed to their longest row, so `padded_inputs` pads the token ids on the right (causal
 attention: no real position reads a padding one, so no result changes) and the output layer's
 hook (`megagrpo.positions.OutputPositions`) gathers the hidden states and drops the padding
-before the vocab pass. A MoE router sees this rank's slice of the [S, b] tokens, so routing
-replay hands it that slice of the routes (`router_rows_slice`).
+before the vocab pass. A MoE router sees this rank's slice of the [S, b] tokens (routing
+replay, which would hand it that slice of vLLM's routes, is refused under SP for now).
 """
 from __future__ import annotations
 
@@ -35,20 +35,6 @@ def padded_inputs(ids: Tensor, sp: int) -> tuple[Tensor, Tensor]:
     if pad:
         ids = torch.cat([ids, ids.new_zeros(b, pad)], dim=1)
     return ids, torch.arange(ids.shape[1]).expand_as(ids)
-
-
-def router_rows_slice(rows: Tensor, width: int, sp: int, rank: int) -> Tensor:
-    """Routes in megatron's router-row order [width * b, ...] (sequence-major) -> this TP
-    rank's rows under sequence parallelism: slice `rank` of the [S_pad, b] grid padded with
-    -2 (rows no loss reads; `megagrpo.moe.token_routes` fills them)."""
-    if sp == 1:
-        return rows
-    grid = rows.view(width, -1, *rows.shape[1:])
-    pad = padded_width(width, sp) - width
-    if pad:
-        grid = torch.cat([grid, grid.new_full((pad, *grid.shape[1:]), -2)], dim=0)
-    chunk = grid.shape[0] // sp
-    return grid[rank * chunk:(rank + 1) * chunk].reshape(-1, *rows.shape[1:])
 
 
 class SequenceParallelNorm:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.seqpar import megatron_aux_loss_coeff
 from megagrpo.config.train import load_config
-from megagrpo.seqpar import padded_inputs, router_rows_slice
+from megagrpo.seqpar import padded_inputs
 from tests.support.launch import torchrun
 from tests.support.tiny import tiny_llama, tiny_qwen3_moe
 from tests.test_foundation import (
@@ -200,6 +200,8 @@ def test_aux_coefficient_converted_from_hf():
      "parallel.sequence_parallel=true with parallel.pp=2"),
     (["parallel.sequence_parallel=true", "parallel.tp=2", "compute.pack_sequences=true"],
      "parallel.sequence_parallel=false"),
+    (["parallel.sequence_parallel=true", "parallel.tp=2", "algo.routing_replay=true"],
+     "algo.routing_replay=true with parallel.sequence_parallel=true"),
     (["compute.recompute=block"], "compute.recompute='block'"),
     (["compute.recompute=full", "compute.recompute_num_layers=3"],
      "compute.recompute_num_layers=3: full recomputation takes 1..2 layers"),
@@ -212,15 +214,12 @@ def test_bad_settings_refused(overrides, message):
         cfg.validate()
 
 
-def test_sp_padding_and_router_rows():
+def test_sp_padding():
     ids = torch.arange(1, 11).view(2, 5)
     padded, pos = padded_inputs(ids, 2)
     assert padded.shape == (2, 6) and torch.equal(padded[:, :5], ids)
     assert (padded[:, 5] == 0).all() and torch.equal(pos[0], torch.arange(6))
     assert padded_inputs(ids, 1)[0] is ids
-    rows = torch.arange(10).view(5, 2).reshape(10, 1, 1)  # [S=5, b=2] sequence-major
-    r0, r1 = (router_rows_slice(rows, 5, 2, r).flatten().tolist() for r in (0, 1))
-    assert r0 == [0, 1, 2, 3, 4, 5] and r1 == [6, 7, 8, 9, -2, -2]
 
 
 def test_sequence_parallel_validates_in_parallel_config():

@@ -202,8 +202,8 @@ class ParallelConfig(Section):
     dispatch work on [S/tp, b, h], each TP rank on its own slice of the sequence, so the
     experts see every token once (without it every TP rank routes all tokens: tp x the expert
     compute) and the load-balancing and z-losses act at full strength. Micro-batches are
-    padded to a multiple of tp; packed micro-batches and pipeline parallelism are refused.
-    Off by default."""
+    padded to a multiple of tp; packed micro-batches, pipeline parallelism and routing replay
+    are refused. Off by default."""
     make_vocab_size_divisible_by: int = 128
     """The padded vocab is a multiple of this times tp (padding is stripped on export)."""
     transformer_impl: str = "auto"

@@ -17,6 +17,15 @@ def check_recompute(compute, model: ModelConfig, parallel: ParallelConfig) -> No
             f"parallel.pp={parallel.pp}); lower compute.recompute_num_layers")
 
 
+def check_sequence_parallel(algo, parallel: ParallelConfig) -> None:
+    """Refuses what sequence parallelism does not run yet: routing replay (each TP rank's
+    router would need its slice of vLLM's routes; not checked end to end)."""
+    if parallel.sequence_parallel and algo.routing_replay:
+        raise ValueError("algo.routing_replay=true with parallel.sequence_parallel=true: replay "
+                         "of vLLM's routes is not supported under sequence parallelism yet; "
+                         "set one of them to false")
+
+
 def recompute_fields(recompute: str, num_layers: int = 1) -> dict:
     """megatron-core TransformerConfig fields for compute.recompute ('none' | 'selective' |
     'full'): selective recomputes each layer's core attention (megatron's default module);

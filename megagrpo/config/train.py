@@ -26,7 +26,7 @@ from megagrpo.config.run import (
 )
 from megagrpo.config.schema import build_dataclass, check_instance
 from megagrpo.config.section import Section
-from megagrpo.config.seqpar import check_recompute
+from megagrpo.config.seqpar import check_recompute, check_sequence_parallel
 
 
 @dataclass(kw_only=True)
@@ -130,6 +130,7 @@ class TrainConfig(Section):
                              f"needs parallel.pp=1 (got {self.parallel.pp}: pipeline stages "
                              "exchange fixed micro-batch shapes); set compute.micro_batch_tokens=0")
         check_recompute(self.compute, self.model, self.parallel)
+        check_sequence_parallel(self.algo, self.parallel)
         why = packing_blocker(self.compute, self.parallel)
         if self.compute.pack_sequences and why:
             raise ValueError(f"compute.pack_sequences=true needs {why}; set "
