@@ -10,9 +10,9 @@ megatron-core hard-codes CUDA in places that are device-agnostic in spirit (see
    `TorchFunctionMode` maps them to CPU (tensor_parallel layers, mappings, rotary embedding,
    p2p communication, schedules, clip_grads, ``get_default_causal_mask``). The autograd engine
    runs backward without Python modes: the backward of every autograd Function of megatron's
-   ``tensor_parallel.mappings``, ``tensor_parallel.layers`` (the sequence-parallel linear's
-   reduce-scatter buffer), ``tensor_parallel.random`` (activation recomputation) and MoE
-   modules runs under the mode explicitly.
+   ``tensor_parallel.mappings``, ``tensor_parallel.random`` (activation recomputation) and MoE
+   modules runs under the mode explicitly, and that of its linear layers
+   (``tensor_parallel.layers``) under sequence parallelism (its reduce-scatter buffer).
 2. ``torch.cuda.current_device`` returns 0; ``torch.cuda.synchronize`` and
    ``torch.cuda.empty_cache`` are no-ops.
 3. The model-parallel RNG tracker (``tensor_parallel/random.py``) reads and writes the CUDA RNG:
@@ -89,6 +89,20 @@ def _in_mode(fn):
         with _CudaToCpu():
             return fn(*args, **kwargs)
     return wrapped
+
+
+def _sequence_parallel_backward_in_mode(cls) -> None:
+    """`cls.backward` (megatron's linear autograd Function) under the mode only where its
+    context says sequence parallelism (the reduce-scatter buffer is allocated on
+    torch.cuda.current_device()); every other linear backward stays on plain torch."""
+    backward = cls.backward
+
+    def wrapped(ctx, *args):
+        if getattr(ctx, "sequence_parallel", False):
+            with _CudaToCpu():
+                return backward(ctx, *args)
+        return backward(ctx, *args)
+    cls.backward = staticmethod(wrapped)
 
 
 def _backward_in_mode(module) -> None:
@@ -254,8 +268,9 @@ def apply() -> bool:
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    for module in (mappings, tp_layers, mp_random, moe_utils, token_dispatcher):
+    for module in (mappings, mp_random, moe_utils, token_dispatcher):
         _backward_in_mode(module)
+    _sequence_parallel_backward_in_mode(tp_layers.LinearWithGradAccumulationAndAsyncCommunication)
     mappings._gather_along_first_dim = _uneven_gather(mappings._gather_along_first_dim)
     mappings._reduce_scatter_along_first_dim = _uneven_reduce_scatter(
         mappings._reduce_scatter_along_first_dim)
