@@ -10,7 +10,9 @@ megatron-core hard-codes CUDA in places that are device-agnostic in spirit (see
    `TorchFunctionMode` maps them to CPU (tensor_parallel layers, mappings, rotary embedding,
    p2p communication, schedules, clip_grads, ``get_default_causal_mask``). The autograd engine
    runs backward without Python modes: the backward of every autograd Function of megatron's
-   ``tensor_parallel.mappings`` and MoE modules runs under the mode explicitly.
+   ``tensor_parallel.mappings``, ``tensor_parallel.random`` (activation recomputation) and MoE
+   modules runs under the mode explicitly, and that of its linear layers
+   (``tensor_parallel.layers``) under sequence parallelism (its reduce-scatter buffer).
 2. ``torch.cuda.current_device`` returns 0; ``torch.cuda.synchronize`` and
    ``torch.cuda.empty_cache`` are no-ops.
 3. The model-parallel RNG tracker (``tensor_parallel/random.py``) reads and writes the CUDA RNG:
@@ -21,6 +23,10 @@ megatron-core hard-codes CUDA in places that are device-agnostic in spirit (see
    become one do-nothing stream (CPU ops are synchronous) and ``Tensor.record_stream`` a no-op;
    its ``maybe_move_tensor_to_cpu`` converts split sizes to numpy only for CUDA tensors, so on
    CPU they reached ``all_to_all_single`` as tensors (a TypeError): converted here too.
+6. Uneven first-dim all-gather / reduce-scatter over TP (``tensor_parallel.mappings`` with
+   split sizes; the MoE alltoall dispatcher's token exchange under sequence parallelism): gloo
+   has no uneven all_gather or list reduce_scatter, so the chunks are padded to the largest
+   (all-gather) or summed with one all_reduce of the padded chunks (reduce-scatter).
 5. ``Tensor.type()`` of a CPU float tensor reports the CUDA type string
    (``clip_grads.py`` asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``, the
    float16/distributed optimizers check similar strings).
@@ -85,6 +91,20 @@ def _in_mode(fn):
     return wrapped
 
 
+def _sequence_parallel_backward_in_mode(cls) -> None:
+    """`cls.backward` (megatron's linear autograd Function) under the mode only where its
+    context says sequence parallelism (the reduce-scatter buffer is allocated on
+    torch.cuda.current_device()); every other linear backward stays on plain torch."""
+    backward = cls.backward
+
+    def wrapped(ctx, *args):
+        if getattr(ctx, "sequence_parallel", False):
+            with _CudaToCpu():
+                return backward(ctx, *args)
+        return backward(ctx, *args)
+    cls.backward = staticmethod(wrapped)
+
+
 def _backward_in_mode(module) -> None:
     """Wraps the backward of every autograd Function defined in `module`."""
     for obj in list(vars(module).values()):
@@ -134,6 +154,35 @@ def _host_tensor(tensor, as_numpy: bool = False, record_stream: bool = False):
     if torch.is_tensor(tensor) and as_numpy:
         return tensor.numpy()
     return tensor
+
+
+def _uneven_gather(original: Callable) -> Callable:
+    """mappings._gather_along_first_dim with uneven `output_split_sizes` on gloo (6.)."""
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        most = max(output_split_sizes)
+        padded = input_.new_zeros((most, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, output_split_sizes)])
+    return gather
+
+
+def _uneven_reduce_scatter(original: Callable) -> Callable:
+    """mappings._reduce_scatter_along_first_dim with `input_split_sizes` on gloo (6.)."""
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        most = max(input_split_sizes)
+        stacked = input_.new_zeros((len(input_split_sizes), most, *input_.shape[1:]))
+        for i, chunk in enumerate(torch.split(input_, input_split_sizes, dim=0)):
+            stacked[i, : chunk.shape[0]] = chunk
+        torch.distributed.all_reduce(stacked, group=group)
+        rank = group.rank()
+        return stacked[rank, : input_split_sizes[rank]].clone()
+    return reduce_scatter
 
 
 def _get_rng_state(*args, **kwargs) -> torch.Tensor:
@@ -214,12 +263,17 @@ def apply() -> bool:
 
     mp_random._get_cuda_rng_state = _get_rng_state
     mp_random._set_cuda_rng_state = _set_rng_state
+    from megatron.core.tensor_parallel import layers as tp_layers
     from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    for module in (mappings, moe_utils, token_dispatcher):
+    for module in (mappings, mp_random, moe_utils, token_dispatcher):
         _backward_in_mode(module)
+    _sequence_parallel_backward_in_mode(tp_layers.LinearWithGradAccumulationAndAsyncCommunication)
+    mappings._gather_along_first_dim = _uneven_gather(mappings._gather_along_first_dim)
+    mappings._reduce_scatter_along_first_dim = _uneven_reduce_scatter(
+        mappings._reduce_scatter_along_first_dim)
     moe_utils.maybe_move_tensor_to_cpu = _host_tensor
     token_dispatcher.maybe_move_tensor_to_cpu = _host_tensor
     MegatronModule.__call__ = _scoped_module_call

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from megagrpo import rng
 from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.seqpar import megatron_aux_loss_coeff, recompute_fields
 from megagrpo.config.train import packing_blocker
 from megagrpo.cpu_compat import megatron_scope
 
@@ -95,6 +96,14 @@ def _layer_spec(model: ModelConfig, parallel: ParallelConfig, config=None):
         block = specs.get_gpt_layer_local_spec(normalization="RMSNorm",
                                                qk_layernorm=model.qk_norm)
         layers = [block]
+    if parallel.sequence_parallel and not te:  # norms whose weight grads TP sums
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        from megagrpo.seqpar import sequence_parallel_norms
+
+        if not model.is_moe:  # a block spec, so that the final norm is ours too (pp = 1)
+            block = TransformerBlockSubmodules(layer_specs=[block] * model.num_layers)
+        sequence_parallel_norms(layers, block)
     if attention_impl_name(parallel) == "sdpa":
         from megagrpo.attention import SdpaAttention
 
@@ -120,9 +129,12 @@ def _moe_layer_without_sp():
     all tp copies, and the reduce-scatter hands each rank the full sum for its own copy: the
     output and the input gradient are right, but each routed expert's weight gradient sums tp
     identical copies (measured: exactly 2x at TP=2), which `_divide_expert_grads_by_tp`
-    undoes; the experts do tp times their FLOPs. megagrpo does not run sequence parallelism
-    yet, so the guard is stepped over (the layer's own `training` flag is read nowhere else in
-    its forward; the router and experts keep theirs)."""
+    undoes; the experts do tp times their FLOPs, and megatron's load-balancing and z-losses
+    (which divide over the TP ranks, assuming each holds different tokens) reach the router
+    at 1/tp of their strength. With parallel.sequence_parallel none of this applies (each TP
+    rank routes its own tokens) and the layer is megatron's own; without it the guard is
+    stepped over (the layer's own `training` flag is read nowhere else in its forward; the
+    router and experts keep theirs)."""
     base = _moe_layer_class()
 
     class MoELayerWithoutSequenceParallel(base):
@@ -163,7 +175,8 @@ def _moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:
         moe_shared_expert_intermediate_size=model.shared_expert_ffn_hidden_size or None,
         moe_shared_expert_gate=model.shared_expert_ffn_hidden_size > 0,
         moe_router_load_balancing_type="aux_loss" if aux else "none",
-        moe_aux_loss_coeff=model.moe_aux_loss_coef,
+        # HF's one loss over all layers as megatron's per-layer coefficient (k / L_moe x HF's)
+        moe_aux_loss_coeff=megatron_aux_loss_coeff(model),
         moe_z_loss_coeff=model.moe_z_loss_coef or None,
         moe_token_dispatcher_type="alltoall" if parallel.ep > 1 else "allgather",
         # a RouterReplay per router: idle (routes itself) until routing replay arms it
@@ -175,8 +188,11 @@ def _moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:
     )
 
 
-def transformer_config(model: ModelConfig, parallel: ParallelConfig):
-    """The megatron TransformerConfig for a Llama/Qwen2/Qwen3-style decoder."""
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
+                       recompute: tuple[str, int] = ("none", 1)):
+    """The megatron TransformerConfig for a Llama/Qwen2/Qwen3-style decoder. `recompute`:
+    (compute.recompute, compute.recompute_num_layers) of the model trained (megatron
+    recomputes in training mode under autograd only: scoring passes keep nothing anyway)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = DTYPE[model.dtype]
@@ -205,7 +221,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=True,
-        sequence_parallel=False,
+        sequence_parallel=parallel.sequence_parallel,
         bias_activation_fusion=cuda,
         masked_softmax_fusion=False,
         bias_dropout_fusion=cuda,
@@ -213,17 +229,20 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         **_moe_fields(model, parallel),
+        **recompute_fields(*recompute),
     )
 
 
 @megatron_scope()
-def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 1234):
+def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 1234,
+                recompute: tuple[str, int] = ("none", 1)):
     """Returns this rank's `GPTModel` stage (its TP shard of its PP stage's layers).
 
     Needs `megagrpo.distributed.init_distributed` first (which checks `parallel` against
     `model`; a run's preflight checked both before). Weights are randomly initialised from
     `seed` (identically to any other layout's shards of the same model); load real weights with
-    `megagrpo.hf.load_hf_weights`.
+    `megagrpo.hf.load_hf_weights`. `recompute`: as `transformer_config` (the policy's
+    compute.recompute; the reference only scores).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -231,7 +250,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 123
     if model.is_moe:
         _moe_without_transformer_engine()
     rng.seed_model_init(seed)
-    config = transformer_config(model, parallel)
+    config = transformer_config(model, parallel, recompute=recompute)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=_layer_spec(model, parallel, config),
@@ -249,7 +268,11 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 123
         parallel_output=True,
     )
     _cast_params(gpt, DTYPE[model.dtype])
-    if model.is_moe and parallel.tp > 1:
+    if model.is_moe and parallel.tp > 1 and not parallel.sequence_parallel:
+        log.warning("MoE at parallel.tp=%d without sequence parallelism: every TP rank routes "
+                    "every token (%dx the expert compute) and the load-balancing loss reaches "
+                    "the router at 1/%d; set parallel.sequence_parallel=true", parallel.tp,
+                    parallel.tp, parallel.tp)
         # built as megatron's MoELayer (its spec, so it gets its process groups), then given
         # the subclass that trains without sequence parallelism
         for m in gpt.modules():

@@ -5,14 +5,21 @@ while it samples, and routing replay (the trainer's forward uses the experts vLL
 how many tokens each expert was chosen for during the update's forward passes (the router's
 `routing_map` [tokens, E]), and reads megatron's tracker of the auxiliary losses (the
 load-balancing loss before its coefficient, the z-loss). `metrics()` reduces both over the world
-(TP ranks see the same tokens: only TP rank 0 counts; pipeline stages hold different layers;
-DP replicas route their own tokens) into scalars:
+(without sequence parallelism TP ranks see the same tokens: only TP rank 0 counts; with it each
+TP rank routes its own slice and every rank counts; pipeline stages hold different layers; DP
+replicas route their own tokens) into scalars:
 
 - ``moe_max_load`` / ``moe_min_load``: over the MoE layers, the largest (smallest) ratio of an
   expert's tokens to the mean over experts; 1 is a perfectly balanced router, E / k the worst;
 - ``moe_tokens_per_expert``: mean tokens per expert per layer over the step's update passes;
 - ``moe_load_balancing_loss`` / ``moe_z_loss``: megatron's per-layer losses (without their
-  coefficients), averaged over the layers and forward passes; present when enabled;
+  coefficients), averaged over the layers and forward passes; present when enabled. The
+  load-balancing loss is E * sum_i f_i P_i with f_i the share of the micro-batch's routed
+  (token, slot) pairs on expert i (sum 1) and P_i its mean router probability: 1 for a
+  perfectly balanced router (HF's form of the same loss is k times it). Under sequence
+  parallelism megatron's per-rank value is the rank's part of the sum (added over TP here), the
+  z-loss the rank's token mean (averaged over TP); without it at TP > 1 both are what megatron
+  computes there (the load-balancing loss at 1/tp: see `megagrpo.model._moe_layer_without_sp`);
 - with routing replay (`algo.routing_replay`): ``moe_routing_mismatch``, the share of (token,
   MoE layer) pairs of the update whose own top-k differs from the replayed one (vLLM's; before
   the first optimizer step of the step that is the train-inference mismatch itself, after it
@@ -42,6 +49,12 @@ REPLAY_ATTR = "megagrpo_routing_replay"
 `ReplayState`."""
 
 
+def tp_slices(parallel) -> int:
+    """Slices of a micro-batch's tokens the TP ranks route: tp under sequence parallelism
+    (each rank its own), else 1 (every TP rank routes them all)."""
+    return parallel.tp if parallel.sequence_parallel else 1
+
+
 def tracked_losses(model_cfg) -> tuple[str, ...]:
     """The names megatron's router tracks this model's enabled auxiliary losses under."""
     return tuple(name for name, coef in (("load_balancing_loss", model_cfg.moe_aux_loss_coef),
@@ -52,15 +65,20 @@ class RoutingMonitor:
     """Counts tokens per expert for every MoE layer of `model` (this rank's stage)."""
 
     def __init__(self, model: torch.nn.Module, num_layers: int, num_experts: int, *,
-                 losses: tuple[str, ...] = (), counts_here: bool, group=None):
+                 losses: tuple[str, ...] = (), counts_here: bool, group=None,
+                 tp_slices: int = 1):
         """`num_layers` / `num_experts`: the whole model's; `losses`: the names megatron
         tracks the enabled auxiliary losses under (the same on every rank); `counts_here`:
-        this rank's counts enter the world sum (TP rank 0); `group`: the reduction's group."""
+        this rank's counts enter the world sum (TP rank 0); `group`: the reduction's group;
+        `tp_slices`: tp under sequence parallelism (each TP rank routes its own tokens, so
+        every rank's counts and losses enter the sum; `counts_here` then only says whose
+        forward calls are counted), else 1."""
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
         self.calls = torch.zeros(num_layers, dtype=torch.float64)
         self.counts_here, self.group, self.losses = counts_here, group, losses
+        self.tp_slices = tp_slices
         self.mismatch = torch.zeros(3, dtype=torch.float64)
         """(token-layer pairs whose own top-k differs from vLLM's, such pairs compared, pairs
         of real tokens without a vLLM route); the (row, layer) pairs replayed: `replay_rows`."""
@@ -111,14 +129,17 @@ class RoutingMonitor:
         tracker = get_moe_layer_wise_logging_tracker()
         names = self.losses
         losses = torch.zeros(len(names), dtype=torch.float64)
-        if self.counts_here:
+        sliced = self.tp_slices > 1
+        if self.counts_here or sliced:
             for j, name in enumerate(names):
-                if name in tracker:
-                    losses[j] = tracker[name]["values"].double().sum().cpu()
+                if name in tracker:  # z-loss: this slice's token mean -> the TP mean
+                    div = self.tp_slices if name == "z_loss" else 1
+                    losses[j] = tracker[name]["values"].double().sum().cpu() / div
         replay = torch.cat([self.mismatch, torch.tensor([self.replay_rows], dtype=torch.float64)])
-        mine = [self.counts.flatten(), self.calls, replay]
-        flat = torch.cat([*(mine if self.counts_here else [torch.zeros_like(t) for t in mine]),
-                          losses])
+        calls = self.calls if self.counts_here else torch.zeros_like(self.calls)
+        mine = [self.counts.flatten(), calls, replay]
+        flat = torch.cat([*(mine if self.counts_here or sliced
+                            else [torch.zeros_like(t) for t in mine]), losses])
         dist.all_reduce(flat, group=self.group)
         n = self.counts.numel()
         counts = flat[:n].view_as(self.counts)

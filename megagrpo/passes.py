@@ -22,6 +22,7 @@ from megagrpo.model import unwrap
 from megagrpo.moe import replay, replay_state
 from megagrpo.optim import forward_backward
 from megagrpo.positions import OutputPositions, RotaryPositions, loss_positions
+from megagrpo.seqpar import padded_inputs, sp_size
 
 DEFAULT_MICRO_BATCH_TOKENS = 1024
 """compute.micro_batch_tokens when unset (pp = 1): small enough that length-sorted micro-batches
@@ -40,24 +41,27 @@ def forward_step(mb: MicroBatch, model, *, loss_fn, at_loss_positions: bool = Tr
     gpt = unwrap(model)
     state = replay_state(gpt)
     if b.routes is not None and state is not None:  # MoE routing replay: vLLM's experts
-        with replay(gpt, _router_rows(mb), state.monitor):
+        with replay(gpt, _router_rows(mb, gpt), state.monitor):
             return _forward(mb, model, gpt, loss_fn, at_loss_positions, fused_output)
     return _forward(mb, model, gpt, loss_fn, at_loss_positions, fused_output)
 
 
-def _router_rows(mb: MicroBatch) -> torch.Tensor:
+def _router_rows(mb: MicroBatch, gpt) -> torch.Tensor:
     """The micro-batch's routes [rows, L_moe, k] in the order megatron's routers see its
     tokens: the packed tokens in order, else [S, B] flattened (sequence-major)."""
     routes = mb.batch.routes
     if mb.packed is not None:
         b, width = mb.packed.grid
         return routes[:, :width].reshape(b * width, *routes.shape[2:])[mb.packed.unpad_index]
+    if sp_size(gpt) > 1:  # TrainConfig.validate refuses routing replay under SP
+        raise ValueError("routing replay is not supported with parallel.sequence_parallel")
     return routes.transpose(0, 1).reshape(-1, *routes.shape[2:])
 
 
 def _forward(mb: MicroBatch, model, gpt, loss_fn, at_loss_positions, fused_output):
     b = mb.batch
-    hooked = mb.packed is not None or at_loss_positions or fused_output is not False
+    sp = sp_size(gpt)
+    hooked = mb.packed is not None or at_loss_positions or fused_output is not False or sp > 1
     sel = OutputPositions.of(gpt) if hooked else None
     fused = sel is not None and sel.use_fused(fused_output)
     if mb.packed is not None:  # rows end to end, loss positions only
@@ -67,12 +71,16 @@ def _forward(mb: MicroBatch, model, gpt, loss_fn, at_loss_positions, fused_outpu
               rope.at(p.position_ids[0]) if rope is not None else nullcontext()):
             out = model(p.ids, p.position_ids, None, packed_seq_params=p.seq_params())
         return _last_stage_output(out, sel, fused, partial(loss_fn, b, positions=flat))
-    pos = torch.arange(b.ids.shape[1]).expand_as(b.ids)
-    if sel is None or not (at_loss_positions or fused):
-        return model(b.ids, pos, None), partial(loss_fn, b)
+    # sequence parallelism: ids padded to a multiple of tp; the output layer's hook drops
+    # the padding again, so it runs whenever this stage has the output layer
+    ids, pos = padded_inputs(b.ids, sp)
+    if sel is None or not (at_loss_positions or fused or ids is not b.ids):
+        return model(ids, pos, None), partial(loss_fn, b)
     flat = loss_positions(b.mask) if at_loss_positions else None
+    if flat is None and not fused:  # every position, through the hook (padding dropped)
+        flat = torch.arange(b.ids.numel())
     with sel.at(flat, b.ids.shape[1], fused):
-        out = model(b.ids, pos, None)
+        out = model(ids, pos, None)
     return _last_stage_output(out, sel, fused, partial(loss_fn, b, positions=flat))
 
 

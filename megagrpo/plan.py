@@ -50,6 +50,7 @@ from pathlib import Path
 
 from megagrpo.config.layout import check_rollout_layout
 from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.seqpar import megatron_aux_loss_coeff
 from megagrpo.config.train import TrainConfig, load_config
 from megagrpo.hf.params import (
     embedding_specs,
@@ -403,7 +404,8 @@ def format_experts(cfg: TrainConfig, m: ModelConfig, world: int) -> str:
     lines = [f"experts: {m.num_experts} routed of width {m.moe_ffn_hidden_size}, top-"
              f"{m.moe_topk}{'' if m.moe_norm_topk_prob else ' (not renormalised)'}, in "
              f"{moe_layers} of {m.num_layers} layers{shared}; aux loss coef "
-             f"{m.moe_aux_loss_coef:g}"]
+             f"{m.moe_aux_loss_coef:g} (HF's; megatron per layer: "
+             f"{megatron_aux_loss_coeff(m):g})"]
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     dp = max(1, world // (tp * pp))
     b = DTYPE_BYTES[m.dtype]

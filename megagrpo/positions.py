@@ -14,6 +14,13 @@ matmul and its [n, V_local] logits never happen; the loss runs `kernels/fused_ou
 the hidden states. Backward reaches the decoder through those hidden states only (the output
 layer's zero-row branch is not on the loss's graph), and the weight's gradient comes from the
 fused op.
+
+Under sequence parallelism (parallel.sequence_parallel) the output layer's input is this TP
+rank's slice of the sequence [S/tp, b, h]: the hook all-gathers it first ([S, b, h], backward:
+this rank's slice of the gradient) and runs megatron's output layer without its own gather for
+that call; megatron's layer then all-reduces its input gradient over TP (the fused op does the
+same), so together the backward is megatron's reduce-scatter. Positions beyond the
+micro-batch's width (padding to a multiple of tp) are dropped.
 """
 from __future__ import annotations
 
@@ -41,9 +48,8 @@ class OutputPositions:
     with `fused` takes its input (and weight) for the fused output layer instead."""
 
     def __init__(self, output_layer: torch.nn.Module, gpt: torch.nn.Module | None = None):
-        if getattr(output_layer, "sequence_parallel", False):
-            raise ValueError("OutputPositions needs the full sequence at the output layer "
-                             "(sequence_parallel=False)")
+        self.sequence_parallel = bool(getattr(output_layer, "sequence_parallel", False))
+        """The output layer's input is split over the TP ranks along the sequence."""
         self.flat: Tensor | None = None
         """[n] flat indices into [b, S] while active; None: every position."""
         self.width = 0
@@ -57,6 +63,8 @@ class OutputPositions:
         self.blocker = fused_blocker(output_layer, gpt)
         """Why the fused output layer cannot replace this output layer (None: it can)."""
         output_layer.register_forward_pre_hook(self._select, with_kwargs=True)
+        if self.sequence_parallel:
+            output_layer.register_forward_hook(self._restore)
 
     @classmethod
     def of(cls, gpt: torch.nn.Module) -> "OutputPositions | None":
@@ -90,6 +98,12 @@ class OutputPositions:
         if self.flat is None and not self.fused:
             return None
         hidden = args[0]  # [S, b, h]
+        if self.sequence_parallel:  # [S_pad/tp, b, h] -> [S, b, h] (module doc)
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=False, group=module.tp_group)[:self.width]
+            module.sequence_parallel = False  # this call's input is whole: no second gather
         if self.flat is None:  # every position, row-major over [b, S] like `take`
             picked = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])
         else:
@@ -101,6 +115,9 @@ class OutputPositions:
         self.hidden, self.weight = picked, module.weight if weight is None else weight
         # zero rows: megatron's matmul and logits vanish, the call itself stays megatron's
         return (picked[:0].unsqueeze(1), *args[1:]), kwargs
+
+    def _restore(self, module, args, output) -> None:
+        module.sequence_parallel = True
 
     @contextmanager
     def at(self, flat: Tensor | None, width: int, fused: bool = False) -> Iterator[None]:

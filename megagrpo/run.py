@@ -79,7 +79,13 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                                                cfg.compute.kernel_impl,
                                                attention_impl_name(cfg.parallel), packed),
                  log_file)
-    gpt = build_model(model_cfg, cfg.parallel, seed=cfg.run.seed)
+    if rank == 0:
+        log.info("sequence parallelism: %s; activation recomputation (update pass): %s",
+                 "on" if cfg.parallel.sequence_parallel else "off", cfg.compute.recompute
+                 + (f" ({cfg.compute.recompute_num_layers} layer chunks)"
+                    if cfg.compute.recompute == "full" else ""))
+    gpt = build_model(model_cfg, cfg.parallel, seed=cfg.run.seed,
+                      recompute=(cfg.compute.recompute, cfg.compute.recompute_num_layers))
     _load_init(gpt, cfg.run.init, model_cfg, cfg.parallel, info)
     if cfg.lora.enabled:  # the base frozen before DDP: grad buffers and Adam for adapters only
         n_adapters = add_adapters(gpt, cfg.lora, seed=cfg.run.seed)

@@ -40,7 +40,7 @@ from megagrpo.distributed import Groups, Ranks, any_rank
 from megagrpo.losses import grpo_loss, sft_loss
 from megagrpo.metrics import PhaseTimer
 from megagrpo.model import sequence_packing, unwrap
-from megagrpo.moe import RoutingMonitor, enable_replay, tracked_losses
+from megagrpo.moe import RoutingMonitor, enable_replay, tp_slices, tracked_losses
 from megagrpo.offpolicy import correction_mode, is_stale
 from megagrpo.optim import build_optimizer, lr_at, optimizer_step, set_lr, zero_grad
 from megagrpo.passes import Passes
@@ -182,7 +182,7 @@ class Trainer:
             return None
         monitor = RoutingMonitor(self.policy, m.num_layers, m.num_experts,
                                  losses=tracked_losses(m), counts_here=self.ranks.tp_rank == 0,
-                                 group=self.groups.world)
+                                 group=self.groups.world, tp_slices=tp_slices(self.cfg.parallel))
         if self.cfg.algo.routing_replay:
             enable_replay(self.policy, monitor)
         return monitor

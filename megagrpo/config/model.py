@@ -76,7 +76,9 @@ class ModelConfig(Section):
     """qwen2_moe: width of the shared expert every token goes through, scaled by a sigmoid gate
     (HF shared_expert_intermediate_size); 0: none."""
     moe_aux_loss_coef: float = 0.001
-    """Load-balancing auxiliary loss coefficient (HF router_aux_loss_coef; 0 turns it off)."""
+    """Load-balancing auxiliary loss coefficient in HF's form (router_aux_loss_coef: one loss
+    over all MoE layers; 0 turns it off). megatron gets coef x moe_topk / (MoE layers) per
+    layer, the same router gradient for routing alike in every layer (docs/usage.md)."""
     moe_z_loss_coef: float = 0.0
     """Router z-loss coefficient (0: off)."""
     max_position_embeddings: int = 2048
@@ -195,6 +197,13 @@ class ParallelConfig(Section):
     megatron's layout: the EP groups are carved out of the data-parallel ranks (DP x EP), so
     ep divides the DP size; each expert is split over the TP ranks like a dense MLP (expert
     tensor parallelism = tp)."""
+    sequence_parallel: bool = False
+    """Sequence parallelism (megatron-core's, tp > 1): the norms, residuals and the MoE token
+    dispatch work on [S/tp, b, h], each TP rank on its own slice of the sequence, so the
+    experts see every token once (without it every TP rank routes all tokens: tp x the expert
+    compute) and the load-balancing and z-losses act at full strength. Micro-batches are
+    padded to a multiple of tp; packed micro-batches, pipeline parallelism and routing replay
+    are refused. Off by default."""
     make_vocab_size_divisible_by: int = 128
     """The padded vocab is a multiple of this times tp (padding is stripped on export)."""
     transformer_impl: str = "auto"
@@ -218,6 +227,7 @@ class ParallelConfig(Section):
                 ok = [d for d in range(1, n + 1) if n % d == 0]
                 raise ValueError(f"parallel.tp={tp} does not divide model.{f}={n}; valid tp: {ok}")
         self._validate_ep(model)
+        self._validate_sequence_parallel()
         if model.num_layers % self.pp:
             ok = [d for d in range(1, model.num_layers + 1) if model.num_layers % d == 0]
             raise ValueError(
@@ -253,6 +263,17 @@ class ParallelConfig(Section):
                 f"{world_size} / (tp {self.tp} x pp {self.pp})): megatron carves the expert-"
                 f"parallel groups out of the DP ranks; launch a multiple of "
                 f"{self.tp * self.pp * self.ep} processes, or lower parallel.ep")
+
+    def _validate_sequence_parallel(self) -> None:
+        if not self.sequence_parallel:
+            return
+        if self.tp == 1:
+            raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1 (it splits "
+                             "the sequence over the TP ranks); set sequence_parallel=false")
+        if self.pp > 1:
+            raise ValueError(f"parallel.sequence_parallel=true with parallel.pp={self.pp}: "
+                             "megagrpo pads micro-batches to a multiple of tp only at pp = 1; "
+                             "set parallel.pp=1 or sequence_parallel=false")
 
     def _validate_ep(self, model: ModelConfig) -> None:
         if self.ep < 1:

@@ -82,7 +82,21 @@ class ComputeConfig(Section):
     'auto': wherever it runs (not beside an output-layer bias or multi-token prediction);
     false: megatron's output layer and the logits kernels."""
 
+    recompute: str = "none"
+    """Activation recomputation of the update pass (megatron-core's, forward-only scoring
+    keeps none): 'none'; 'selective' (each layer's core attention is recomputed in backward);
+    'full' (a whole transformer layer's activations, `recompute_num_layers` layers per
+    recomputed chunk, keep only their input)."""
+    recompute_num_layers: int = 1
+    """compute.recompute='full': layers per uniformly recomputed chunk (1 keeps the least; at
+    most the layers of a pipeline stage)."""
+
     def validate(self) -> None:
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"compute.recompute={self.recompute!r}: use none, selective or full")
+        if self.recompute_num_layers < 1:
+            raise ValueError(f"compute.recompute_num_layers={self.recompute_num_layers} must be "
+                             ">= 1")
         if self.kernel_impl not in ("auto", "triton", "torch"):
             raise ValueError(f"compute.kernel_impl={self.kernel_impl!r}: use auto, triton or "
                              "torch")

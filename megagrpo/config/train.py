@@ -27,6 +27,7 @@ from megagrpo.config.run import (
 )
 from megagrpo.config.schema import build_dataclass, check_instance
 from megagrpo.config.section import Section
+from megagrpo.config.seqpar import check_recompute, check_sequence_parallel
 
 
 @dataclass(kw_only=True)
@@ -132,6 +133,8 @@ class TrainConfig(Section):
             raise ValueError(f"compute.micro_batch_tokens={self.compute.micro_batch_tokens} "
                              f"needs parallel.pp=1 (got {self.parallel.pp}: pipeline stages "
                              "exchange fixed micro-batch shapes); set compute.micro_batch_tokens=0")
+        check_recompute(self.compute, self.model, self.parallel)
+        check_sequence_parallel(self.algo, self.parallel)
         why = packing_blocker(self.compute, self.parallel)
         if self.compute.pack_sequences and why:
             raise ValueError(f"compute.pack_sequences=true needs {why}; set "
@@ -194,6 +197,9 @@ def packing_blocker(compute: ComputeConfig, parallel: ParallelConfig) -> str | N
     Engine's spec replaces the attention is known only at start-up: model.sequence_packing)."""
     if parallel.pp > 1:
         return f"parallel.pp=1 (got {parallel.pp}: stages exchange fixed shapes)"
+    if parallel.sequence_parallel:
+        return ("parallel.sequence_parallel=false (the packed rows are not split over the TP "
+                "ranks)")
     if parallel.attention_impl == "megatron":
         return ("parallel.attention_impl sdpa or auto (megatron's DotProductAttention has no "
                 "packed path)")

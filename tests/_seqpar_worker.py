@@ -1,0 +1,209 @@
+"""Run under torchrun (4 ranks, gloo) by tests/test_seqpar.py: sequence parallelism, activation
+recomputation and the MoE auxiliary losses, in one launch.
+
+- dense (megatron's own loss): the tiny HF Llama at TP=2 + SP, logits and one step's reduced
+  gradients and grad norm (tests/_foundation_worker.check_and_step) for the parent's float64
+  reference;
+- dense (megagrpo's passes): a tiny policy at TP=2 x DP=2 with and without SP, and with SP plus
+  recompute selective / full: the scoring pass's log-probs and the finalized gradients of GRPO
+  (logits path and fused output layer, at loss positions and at every position), GSPO and the
+  supervised loss, each compared on this rank with the TP=2 run without SP (same shards);
+- MoE (Qwen3-MoE, load-balancing and z-loss on): TP=1 x DP=4, TP=2 x EP=2 + SP and TP=2 x EP=2
+  without SP, each DP rank training on its own slice of the parent's global batch: reduced
+  gradients under HF names with the grad norm, the routing monitor's aux / z-loss and tokens
+  per expert, and the tokens entering this rank's experts.
+WORK/results.json (every rank's records)."""
+import argparse
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+from tests._foundation_worker import ce_forward, check_and_step, export_grads
+from tests._fused_output_worker import grads, make_batch, make_config
+from tests.support.launch import write_results
+
+DENSE = {  # name: (sequence_parallel, recompute)
+    "tp2": (False, "none"),
+    "tp2_sp": (True, "none"),
+    "tp2_sp_selective": (True, "selective"),
+    "tp2_sp_full": (True, "full"),
+}
+MOE = {"moe_tp1": (1, 1, False), "moe_tp2_ep2_sp": (2, 2, True), "moe_tp2_ep2": (2, 2, False)}
+AUX_COEF, Z_COEF = 0.5, 0.01  # HF-form coefficients, large enough to move the router gradient
+
+
+def dense_native(work: str, results: list) -> None:
+    from megagrpo.config.model import ParallelConfig
+    from megagrpo.hf import model_config_from_hf
+
+    ref = torch.load(os.path.join(work, "ref.pt"))
+    parallel = ParallelConfig(tp=2, sequence_parallel=True, make_vocab_size_divisible_by=56)
+    mcfg = model_config_from_hf(os.path.join(work, "llama"))
+    check_and_step("llama", mcfg, parallel, "tp2_sp", work, ref, results)
+    dist.barrier()
+
+
+def dense_passes(name: str, base: dict, results: list) -> None:
+    """One DENSE layout's scoring and update passes; `base`: the first layout's tensors."""
+    from megagrpo.distributed import init_distributed, training_layout
+    from megagrpo.losses import grpo_loss, sft_loss
+    from megagrpo.model import build_model
+    from megagrpo.optim import build_optimizer, wrap_ddp
+    from megagrpo.passes import Passes
+
+    sp, recompute = DENSE[name]
+    cfg = make_config(2, 1, True)
+    cfg.parallel.sequence_parallel, cfg.compute.recompute = sp, recompute
+    info = init_distributed(cfg.parallel, cfg.model)
+    ranks, groups = training_layout(cfg.parallel, cfg.model, info)
+    gpt = build_model(cfg.model, cfg.parallel, seed=7, recompute=(recompute, 1))
+    ddp = wrap_ddp(gpt, cfg.optim)
+    opt = build_optimizer(ddp, cfg.optim)
+    passes = Passes(cfg, ranks, groups, packed=False)
+    m = cfg.compute.micro_batch_size
+    batch = make_batch(3, 1)
+    width = batch.ids.shape[1]  # odd, so that SP pads (the last column holds no loss token)
+    batch = batch.select(torch.arange(batch.num_seqs), width - 1 + width % 2)
+    calls = call_counter(gpt)
+    g = torch.Generator().manual_seed(5)  # old / ref log-probs independent of the layout
+    batch.old_logp = torch.where(batch.mask, -4.6 + 0.3 * torch.randn(batch.mask.shape,
+                                                                        generator=g), 0.0)
+    batch.ref_logp = torch.where(batch.mask, -4.6 + 0.5 * torch.randn(batch.mask.shape,
+                                                                        generator=g), 0.0)
+    runs = {"grpo_logits": (grpo_loss, "grpo", True, False),
+            "grpo_fused": (grpo_loss, "grpo", True, True),
+            "grpo_all_positions": (grpo_loss, "grpo", False, False),
+            "gspo_fused": (grpo_loss, "gspo", True, True),
+            "sft_fused": (sft_loss, "grpo", True, True)}
+    mine = {"logp": {f: None for f in (False, True)}}
+    for fused in (False, True):
+        cfg.compute.fused_output_layer = fused
+        mine["logp"][fused] = passes.logprobs(ddp, batch)
+    for key, (fn, agg, at_loss, fused) in runs.items():
+        cfg.algo.loss_agg, cfg.compute.logits_at_loss_positions = agg, at_loss
+        cfg.compute.fused_output_layer = fused
+        before = dict(calls)
+        mine[key] = grads(passes, ddp, opt, fn, batch, m, cfg.algo)[0]
+        if key == "grpo_logits":  # forwards per micro-batch: 2 where recomputed
+            n = len(passes.plan(batch, m))
+            mine["forwards"] = {k: (calls[k] - before[k]) / n for k in calls}
+    mine["widths_odd"] = sum(mb.batch.ids.shape[1] % 2 for mb in passes.plan(batch, m))
+    if not base:
+        base.update(mine)
+    rec = {"part": "dense", "layout": name, "rank": info.rank, "odd_widths": mine["widths_odd"],
+           "forwards": mine["forwards"],
+           "logp_diff": max(float((mine["logp"][f] - base["logp"][f]).abs().max())
+                            for f in (False, True))}
+    for key in runs:
+        rec[key] = max(float((a - b).norm() / b.norm().clamp_min(1e-30))
+                       for a, b in zip(mine[key], base[key]))
+    results.append(rec)
+    dist.barrier()
+
+
+def call_counter(gpt) -> dict[str, int]:
+    """Forward calls of the first transformer layer and of its core attention."""
+    layer = gpt.decoder.layers[0]
+    calls = {"layer": 0, "core_attention": 0}
+
+    def hook(key):
+        def count(*_):
+            calls[key] += 1
+        return count
+
+    layer.register_forward_pre_hook(hook("layer"))
+    layer.self_attention.core_attention.register_forward_pre_hook(hook("core_attention"))
+    return calls
+
+
+def expert_counter(gpt) -> list[int]:
+    """Counts the token rows entering this rank's routed experts (every MoE layer)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    seen = [0]
+
+    def count(module, args, kwargs):
+        seen[0] += int(args[0].shape[0])
+
+    for mod in gpt.modules():
+        if isinstance(mod, SequentialMLP):
+            mod.register_forward_pre_hook(count, with_kwargs=True)
+    return seen
+
+
+def moe_layout(name: str, work: str, results: list) -> None:
+    from megatron.core import parallel_state as ps
+
+    from megagrpo.config.model import ParallelConfig
+    from megagrpo.distributed import init_distributed
+    from megagrpo.hf import load_hf_weights, model_config_from_hf
+    from megagrpo.model import build_model
+    from megagrpo.moe import RoutingMonitor, tp_slices, tracked_losses
+    from megagrpo.optim import (
+        OptimConfig,
+        build_optimizer,
+        forward_backward,
+        optimizer_step,
+        wrap_ddp,
+        zero_grad,
+    )
+
+    tp, ep, sp = MOE[name]
+    ref = torch.load(os.path.join(work, "ref.pt"))
+    mcfg = dataclasses.replace(model_config_from_hf(os.path.join(work, "qwen3_moe")),
+                               moe_aux_loss_coef=AUX_COEF, moe_z_loss_coef=Z_COEF)
+    parallel = ParallelConfig(tp=tp, ep=ep, sequence_parallel=sp, make_vocab_size_divisible_by=56)
+    info = init_distributed(parallel, mcfg)
+    gpt = build_model(mcfg, parallel, seed=7)
+    load_hf_weights(gpt, os.path.join(work, "qwen3_moe"), mcfg, parallel,
+                    tp_rank=info.tp_rank, pp_rank=info.pp_rank)
+    ocfg = OptimConfig(lr=1e-3, clip_grad=1.0)
+    ddp = wrap_ddp(gpt, ocfg)
+    opt = build_optimizer(ddp, ocfg)
+    monitor = RoutingMonitor(gpt, mcfg.num_layers, mcfg.num_experts,
+                             losses=tracked_losses(mcfg), counts_here=info.tp_rank == 0,
+                             group=dist.group.WORLD, tp_slices=tp_slices(parallel))
+    seen = expert_counter(gpt)
+    monitor.reset()
+    zero_grad(ddp, opt)
+    ids, labels = ref["moe_ids"], ref["moe_labels"]
+    dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = ids.shape[0] // dp  # this DP rank's own slice of the global batch, one micro-batch
+    mb = (ids[r * rows:(r + 1) * rows], labels[r * rows:(r + 1) * rows])
+    forward_backward(ddp, ce_forward, [mb], 1, seq_length=ids.shape[1], micro_batch_size=rows)
+    export_grads(gpt, os.path.join(work, f"grad_qwen3_moe_{name}"), mcfg, parallel)
+    metrics = monitor.metrics()
+    ok, gnorm = optimizer_step(ddp, opt)
+    total = torch.tensor([float(seen[0])])
+    dist.all_reduce(total)
+    results.append({"part": "moe", "layout": name, "rank": info.rank, "model": "qwen3_moe",
+                    "dp": dp, "step_ok": ok, "grad_norm": gnorm, "metrics": metrics,
+                    "expert_rows": float(total), "tp": tp})
+    dist.barrier()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--parts", default="native,dense,moe")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    parts, results = args.parts.split(","), []
+    if "native" in parts:
+        dense_native(args.work, results)
+    if "dense" in parts:
+        base: dict = {}
+        for name in DENSE:
+            dense_passes(name, base, results)
+    if "moe" in parts:
+        for name in MOE:
+            moe_layout(name, args.work, results)
+    write_results(results, args.work, flat=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

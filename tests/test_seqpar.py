@@ -1,0 +1,226 @@
+"""Sequence parallelism (parallel.sequence_parallel), activation recomputation
+(compute.recompute) and the MoE auxiliary losses at full strength, against single-process
+float64 references and the layout without SP. One torchrun launch (tests/_seqpar_worker.py);
+the bad-input and helper checks below it need none."""
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.seqpar import megatron_aux_loss_coeff
+from megagrpo.config.train import load_config
+from megagrpo.seqpar import padded_inputs
+from tests.support.launch import torchrun
+from tests.support.tiny import tiny_llama, tiny_qwen3_moe
+from tests.test_foundation import (
+    PADDED_VOCAB,
+    assert_grads_match,
+    assert_logits_match,
+    reference_grads,
+)
+from tests.test_moe import per_expert
+
+WORKER = os.path.join(os.path.dirname(__file__), "_seqpar_worker.py")
+AUX_COEF, Z_COEF = 0.5, 0.01  # as the worker's
+MOE_SLICES = {"moe_tp1": 4, "moe_tp2_ep2_sp": 2}  # DP ranks = slices of the global batch
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("seqpar")
+    llama = tiny_llama(work / "llama")
+    moe = tiny_qwen3_moe(work / "qwen3_moe")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (2, 12), generator=g)
+    moe_ids = torch.randint(0, 100, (4, 12), generator=g)
+    ref = {"ids": ids, "labels": torch.roll(ids, -1, dims=1), "moe_ids": moe_ids,
+           "moe_labels": torch.roll(moe_ids, -1, dims=1)}
+    with torch.no_grad():
+        ref["llama_logits"] = llama(ids).logits
+    torch.save(ref, work / "ref.pt")
+    torchrun(WORKER, 4, "--work", str(work))
+    results = json.loads((work / "results.json").read_text())
+    refs = {"llama": reference_grads(llama, ids, ref["labels"])}
+    for layout, slices in MOE_SLICES.items():
+        refs[layout] = moe_reference(moe, moe_ids, ref["moe_labels"], slices)
+    return work, results, refs
+
+
+def moe_reference(model, ids, labels, slices: int):
+    """Float64 single-process gradients of what the worker trains at a layout whose DP ranks
+    hold `slices` equal slices of the batch: the token-mean cross-entropy over the whole
+    batch, plus, averaged over the slices, megatron's per-layer load-balancing loss with the
+    coefficient converted from HF's (`megatron_aux_loss_coeff`) and the z-loss, computed here
+    from HF's router logits in closed form: E * sum_i f_i P_i, f_i = (slice tokens routed to
+    expert i over all k slots) / (T k), P_i = the slice's mean softmax probability of expert
+    i; z = mean over the slice's tokens of logsumexp(router logits)^2. Returns (HF name ->
+    grad with per-expert names, grad norm, mean aux loss per layer and slice, mean z-loss)."""
+    import copy
+
+    m = copy.deepcopy(model).double()
+    m.config._experts_implementation_internal = "eager"  # grouped_mm has no float64
+    cfg = m.config
+    k, E = cfg.num_experts_per_tok, cfg.num_experts
+    L = sum(1 for layer in m.model.layers if hasattr(layer.mlp, "gate"))
+    coef = AUX_COEF * k / L
+    router_logits = []
+    hooks = [layer.mlp.gate.register_forward_hook(
+        lambda mod, a, out: router_logits.append(out[0])) for layer in m.model.layers]
+    h = m.model(ids).last_hidden_state
+    for hk in hooks:
+        hk.remove()
+    pad = torch.zeros(PADDED_VOCAB - cfg.vocab_size, h.shape[-1], dtype=h.dtype,
+                      requires_grad=True)
+    logits = torch.cat([m.lm_head(h), h @ pad.T], dim=-1)
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    b, s = ids.shape
+    aux_vals, z_vals = [], []
+    for lg in router_logits:  # [b*s, E], row-major over (b, s)
+        for part in lg.view(b, s, E).chunk(slices, dim=0):
+            x = part.reshape(-1, E)
+            probs = x.softmax(-1)
+            top = probs.topk(k, dim=-1).indices
+            f = torch.zeros(E, dtype=x.dtype).index_add_(0, top.flatten(),
+                                                         torch.ones(top.numel(), dtype=x.dtype))
+            aux = E * (f / (x.shape[0] * k) * probs.mean(0)).sum()
+            z = torch.logsumexp(x, dim=-1).square().mean()
+            loss = loss + (coef * aux + Z_COEF * z) / slices
+            aux_vals.append(float(aux))
+            z_vals.append(float(z))
+    m.zero_grad()
+    loss.backward()
+    grads = {n: p.grad for n, p in m.named_parameters()}
+    norm = math.sqrt(sum(g.square().sum().item() for g in grads.values())
+                     + pad.grad.square().sum().item())
+    return per_expert(grads), norm, sum(aux_vals) / len(aux_vals), sum(z_vals) / len(z_vals)
+
+
+# ------------------------------------------------------------------ dense
+def test_sp_logits_and_grads_match_float64(run):
+    """TP=2 + SP (megatron's own loss path): logits and reduced gradients and grad norm equal
+    the single-process float64 reference within 1e-5 relative (the LayerNorm weights'
+    gradients need the TP all-reduce of the sequence-parallel regions)."""
+    work, results, refs = run
+    native = [r for r in results if "part" not in r]  # check_and_step's records
+    assert_logits_match(native, "tp2_sp", "llama")
+    assert_grads_match(work, native, refs, "tp2_sp", "llama")
+
+
+def _dense(results, layout):
+    recs = [r for r in results if r.get("part") == "dense" and r["layout"] == layout]
+    assert len(recs) == 4, recs
+    return recs
+
+
+RUNS = ["grpo_logits", "grpo_fused", "grpo_all_positions", "gspo_fused", "sft_fused"]
+
+
+def test_sp_passes_equal_layout_without_sp(run):
+    """megagrpo's scoring and update passes (logits path, fused output layer, loss positions
+    and every position, GRPO / GSPO / SFT) at TP=2 x DP=2 with SP give every rank's finalized
+    gradient shards and the log-probs of the run without SP, on micro-batches of odd width
+    (padded to a multiple of tp and cut back before the vocab pass)."""
+    for rec in _dense(run[1], "tp2_sp"):
+        assert rec["odd_widths"] > 0  # the padding path ran
+        assert rec["logp_diff"] <= 1e-5, rec
+        for key in RUNS:
+            assert rec[key] <= 1e-5, (key, rec)
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp_selective", "tp2_sp_full"])
+def test_recompute_grads_equal_none(run, layout):
+    """compute.recompute selective / full: the same gradients as none (recomputation replays
+    the forward exactly: 1e-6 relative)."""
+    for rec in _dense(run[1], layout):
+        assert rec["logp_diff"] <= 1e-6, rec
+        for key in RUNS:
+            assert rec[key] <= 1e-5, (key, rec)
+
+
+# ------------------------------------------------------------------ MoE
+def _moe(results, layout):
+    recs = [r for r in results if r.get("part") == "moe" and r["layout"] == layout]
+    assert len(recs) == 4, recs
+    return recs
+
+
+@pytest.mark.parametrize("layout", list(MOE_SLICES))
+def test_moe_grads_with_aux_losses_match_float64(run, layout):
+    """Load-balancing and z-loss on, each DP rank its own slice: every reduced gradient (the
+    router's carries both losses) and the grad norm equal the float64 reference at TP=1 x
+    DP=4 and at TP=2 x EP=2 + SP (where the losses would reach the router at 1/tp without
+    SP and an all-to-all returning outputs to the wrong source rank would mix the slices)."""
+    work, results, refs = run
+    grads, norm, _, _ = refs[layout]
+    assert _moe(results, layout)[0]["dp"] == MOE_SLICES[layout]
+    recs = [r for r in results if r.get("part") == "moe" and r["rank"] == 0]
+    assert_grads_match(work, recs, {"qwen3_moe": (grads, norm)}, layout, "qwen3_moe")
+    gate = "model.layers.0.mlp.gate.weight"
+    assert gate in grads and grads[gate].abs().max() > 0
+
+
+@pytest.mark.parametrize("layout", list(MOE_SLICES))
+def test_moe_aux_loss_values_closed_form(run, layout):
+    """The logged load-balancing loss (megatron's per-layer form, 1 = balanced) and z-loss
+    equal the closed form at full strength, and every expert-token pair is counted once:
+    tokens per expert = tokens x k / E."""
+    _, results, refs = run
+    _, _, aux, z = refs[layout]
+    for rec in _moe(results, layout):
+        m = rec["metrics"]
+        assert m["moe_load_balancing_loss"] == pytest.approx(aux, rel=1e-5)
+        assert m["moe_z_loss"] == pytest.approx(z, rel=1e-5)
+        assert m["moe_tokens_per_expert"] == pytest.approx(4 * 12 * 2 / 4, rel=1e-12)
+
+
+def test_moe_expert_tokens_not_doubled_by_tp(run):
+    """Token rows entering the routed experts, summed over ranks, per (token, slot) and TP
+    shard and MoE layer: 1 with SP; tp without it (every TP rank routes every token)."""
+    results = run[1]
+    tokens_slots = 4 * 12 * 2 * 2  # tokens x k x MoE layers
+    for layout, want in (("moe_tp1", 1.0), ("moe_tp2_ep2_sp", 1.0), ("moe_tp2_ep2", 2.0)):
+        rec = _moe(results, layout)[0]
+        assert rec["expert_rows"] / (tokens_slots * rec["tp"]) == want, (layout, rec)
+
+
+# ------------------------------------------------------------------ config and helpers
+def test_aux_coefficient_converted_from_hf():
+    m = ModelConfig(architecture="qwen3_moe", num_experts=8, moe_topk=2, moe_ffn_hidden_size=64,
+                    num_layers=6, moe_aux_loss_coef=0.003, moe_dense_layers=[0, 1])
+    assert megatron_aux_loss_coeff(m) == pytest.approx(0.003 * 2 / 4)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true needs parallel.tp > 1"),
+    (["parallel.sequence_parallel=true", "parallel.tp=2", "parallel.pp=2"],
+     "parallel.sequence_parallel=true with parallel.pp=2"),
+    (["parallel.sequence_parallel=true", "parallel.tp=2", "compute.pack_sequences=true"],
+     "parallel.sequence_parallel=false"),
+    (["parallel.sequence_parallel=true", "parallel.tp=2", "algo.routing_replay=true"],
+     "algo.routing_replay=true with parallel.sequence_parallel=true"),
+    (["compute.recompute=block"], "compute.recompute='block'"),
+    (["compute.recompute=full", "compute.recompute_num_layers=3"],
+     "compute.recompute_num_layers=3: full recomputation takes 1..2 layers"),
+    (["compute.recompute=full", "compute.recompute_num_layers=2", "parallel.pp=2"],
+     "compute.recompute_num_layers=2: full recomputation takes 1..1 layers"),
+])
+def test_bad_settings_refused(overrides, message):
+    cfg = load_config(None, overrides)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        cfg.validate()
+
+
+def test_sp_padding():
+    ids = torch.arange(1, 11).view(2, 5)
+    padded, pos = padded_inputs(ids, 2)
+    assert padded.shape == (2, 6) and torch.equal(padded[:, :5], ids)
+    assert (padded[:, 5] == 0).all() and torch.equal(pos[0], torch.arange(6))
+    assert padded_inputs(ids, 1)[0] is ids
+
+
+def test_sequence_parallel_validates_in_parallel_config():
+    ParallelConfig(tp=2, sequence_parallel=True).validate(ModelConfig())
