@@ -2,7 +2,8 @@
 full, 1 process (TP=1), CPU.
 
     .venv/bin/python benchmarks/recompute_memory.py [--seq 1024] [--batch 2]
-        [--attention sdpa,megatron] [--threads 2] [--out benchmarks/results/recompute_cpu.jsonl]
+        [--attention sdpa,megatron] [--recompute none,selective,full] [--threads 2]
+        [--out benchmarks/results/recompute_cpu.jsonl]
 
 Each (attention, recompute) setting runs in a fresh child process (the peak RSS is a process's
 high-water mark): build the model (hidden 384, 6 layers, 6 heads x 64, 2 KV groups, FFN 1024,
@@ -71,6 +72,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--attention", default="sdpa,megatron")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--recompute", default="none,selective,full")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -82,7 +84,7 @@ def main() -> None:
     from megagrpo.cli import free_port
 
     for attention in args.attention.split(","):
-        for recompute in ("none", "selective", "full"):
+        for recompute in args.recompute.split(","):
             env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                        OMP_NUM_THREADS=str(args.threads))

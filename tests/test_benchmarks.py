@@ -548,3 +548,32 @@ def test_readme_bf16_accuracy_figures_are_the_runs():
     assert len(fp32) == 1, "one fp32 figure quoted: the seeds agreed"
     assert (f"held-out {bf16[0]:.3f}-{bf16[-1]:.3f} after 30 steps against {fp32[0]:.3f} in "
             "fp32") in readme
+
+
+def test_lora_memory_benchmark_demo():
+    """LoRA vs full fine-tuning on the demo model: the adapters are all that trains, their Adam
+    state is 2 fp32 moments each, and the reference copy is gone."""
+    from megagrpo.procs import free_port
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               LOCAL_WORLD_SIZE="1")
+    p = subprocess.run([sys.executable, str(BENCH / "lora_memory.py"), "--workload", "demo",
+                        "--rank", "4"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = {line[:40].strip(): [int(x.replace(",", "")) for x in line[40:].split()[:2]]
+            for line in p.stdout.splitlines()[2:] if line[:40].strip()}
+    (full_n, lora_n), (full_s, lora_s) = (rows["trainable parameters"],
+                                          rows["optimizer state (bytes)"])
+    assert 0 < lora_n < full_n / 5 and lora_s == 8 * lora_n and full_s == 8 * full_n
+    assert rows["reference copy (bytes)"][1] == 0
+
+
+def test_recompute_memory_benchmark_smallest(tmp_path):
+    """One setting in its own process (each costs a process start): full recomputation runs
+    layer 0's forward twice in the step (tests/test_seqpar.py counts none and selective)."""
+    (row,) = _run("recompute_memory.py", "--seq", "32", "--batch", "1", "--attention", "sdpa",
+                  "--recompute", "full", "--threads", "1", "--out", str(tmp_path / "r.jsonl"))
+    assert (row["recompute"], row["layer_forwards"]) == ("full", 2), row
+    assert row["step_peak_mib"] >= 0 and row["step_s"] > 0
