@@ -4,6 +4,7 @@ is the one it prints from the committed results."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -77,10 +78,9 @@ def test_multiturn_benchmark_smallest(tmp_path):
     bench = _bench()
     r = bench.measure("calc", "async", steps=2, nproc=1)
     assert r["steps_kept"] == 1 and r["turns"] >= 1.0 and r["model_tokens_per_s"] > 0
-    assert r["tool_calls"] == pytest.approx(r["turns"] - 1.0, abs=0.5)
+    # one call per turn the environment answered: every turn but each trajectory's last
+    assert r["tool_calls"] == pytest.approx(r["turns"] - 1.0)
     out = tmp_path / "r.jsonl"
-    import json
-
     out.write_text(json.dumps(r) + "\n")
     assert "| calc | async |" in bench.table(out)
 
