@@ -13,7 +13,9 @@ tests/test_resume.py drives the same functions.
 
 --mode: sync (plain optimizer, synchronous rollout), distopt (optim.distributed_optimizer),
 async (run.async_rollout), distopt+async (both), moe (a Qwen3-MoE at EP=2 with the distributed
-optimizer).
+optimizer), agent (multi-turn trajectories: tests/_agent_env.py's Digits environment, up to 3
+turns, environment tokens masked), agent+async (those with the pending multi-turn batch
+checkpointed).
 """
 from __future__ import annotations
 
@@ -53,6 +55,13 @@ def tiny_overrides(out_dir: Path, steps: int, checkpoint_every: int = 2) -> list
     ]
 
 
+# multi-turn: the Digits environment answers turns 1 and 2 and ends after turn 3; a turn ends at
+# EOS (the built-in tokenizer gives vLLM no text for stop strings), which the tiny model samples
+# within 10 tokens about half the time, so batches mix 1, 2 and 3 turns (the rest are cut at
+# rollout.max_tokens: truncation 'turn_length')
+AGENT = ("agent.environment=tests._agent_env:Digits", "agent.max_turns=3",
+         "rollout.max_tokens=10")
+
 MODES = {
     "sync": (),
     "distopt": ("optim.distributed_optimizer=true",),
@@ -62,6 +71,8 @@ MODES = {
     # the distributed optimizer (dense state sharded over DP, expert state over DP / EP)
     "moe": ("model.architecture=qwen3_moe", "model.num_experts=4", "model.moe_topk=2",
             "model.moe_ffn_hidden_size=64", "parallel.ep=2", "optim.distributed_optimizer=true"),
+    "agent": AGENT,
+    "agent+async": (*AGENT, "run.async_rollout=true"),
 }
 
 

@@ -5,12 +5,12 @@ scripts/resume_stress.py): a run whose launcher is SIGKILLed mid-step takes torc
 ranks down with it; resumed (its newest checkpoint damaged, a crafted pickle planted) it falls
 back to the older intact checkpoint, never unpickles the plant, and ends bitwise equal to the
 uninterrupted run with one metrics history (with the distributed optimizer and async rollouts;
-`-m heavy` adds the plain synchronous run). Optimizer state reshards: saved at TP=2, PP=2 or
-DP=2 and loaded at another layout, the moments are the saved ones and the next step agrees with
-the uninterrupted run (tests/_layout_resume_worker.py). A non-empty out_dir is refused before
-anything starts. Out of disk says so and leaves the earlier checkpoint intact (a simulated full
-disk, tests/_resume_worker.py). The rest are unit tests of the manifest, the pickle-free state
-files and the metrics rewind.
+`-m heavy` adds the plain synchronous run, and multi-turn runs sync and async). Optimizer state
+reshards: saved at TP=2, PP=2 or DP=2 and loaded at another layout, the moments are the saved
+ones and the next step agrees with the uninterrupted run (tests/_layout_resume_worker.py). A
+non-empty out_dir is refused before anything starts. Out of disk says so and leaves the earlier
+checkpoint intact (a simulated full disk, tests/_resume_worker.py). The rest are unit tests of
+the manifest, the pickle-free state files and the metrics rewind.
 
 """
 import json
@@ -70,15 +70,18 @@ def damage(cut: Path, marker: Path) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module", params=[
-    "distopt+async", pytest.param("sync", marks=pytest.mark.heavy)])
+    "distopt+async", pytest.param("sync", marks=pytest.mark.heavy),
+    pytest.param("agent", marks=pytest.mark.heavy),
+    pytest.param("agent+async", marks=pytest.mark.heavy)])
 def e2e(request, tmp_path_factory):
     """The uninterrupted run and the interrupted one run side by side (DP=2; by default with
     the distributed optimizer and async rollouts, the configuration with the most state: the
     sharded Adam moments, the batch drawn ahead on the side thread and its generator; `-m
-    heavy` adds the plain synchronous run). The interrupted run's launcher is SIGKILLed once
-    step 4's checkpoint is complete (in step 5); its checkpoints are damaged and it is resumed
-    (from step 2: its checkpoint holds the async batch for step 3) while the uninterrupted run
-    finishes."""
+    heavy` adds the plain synchronous run and multi-turn runs, sync and async: killed inside a
+    multi-turn step; tests/test_agent_resume.py checks their pending batch by default). The
+    interrupted run's launcher is SIGKILLed once step 4's checkpoint is complete (in step 5);
+    its checkpoints are damaged and it is resumed (from step 2: its checkpoint holds the async
+    batch for step 3) while the uninterrupted run finishes."""
     extra = stress.MODES[request.param]
     work = tmp_path_factory.mktemp("resume")
     ref, cut, marker = work / "uninterrupted", work / "interrupted", work / "pickle_was_run"
@@ -133,6 +136,10 @@ def test_resumed_run_is_bitwise_the_uninterrupted_run(e2e):
     assert any(".exp_avg_sq." in k for k in state) and any(k.startswith("rng.") for k in state)
     if "run.async_rollout=true" in stress.MODES[e2e["mode"]]:  # the batch drawn ahead, too
         assert any(k.startswith("rollout.") and ".token_ids." in k for k in state)
+    if e2e["mode"].startswith("agent"):  # multi-turn steps were run and resumed
+        assert max(r["turns"] for r in stress.history(cut) if "reward_mean" in r) > 1
+        if "run.async_rollout=true" in stress.MODES[e2e["mode"]]:  # environment tokens' holes
+            assert any(k.startswith("rollout.") and ".loss_mask." in k for k in state)
 
 
 def _train_cli(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess:
