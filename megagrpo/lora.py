@@ -292,10 +292,14 @@ class LoRAReference(ReferenceSchedule):
             self._scoring = None
 
 
-def describe(n_adapter: int, n_total: int, cfg: LoRAConfig) -> str:
-    """One console line: what trains."""
+def describe(n_adapter: int, n_total: int, cfg: LoRAConfig, no_adapter_refit: str = "") -> str:
+    """One console line: what trains, and how vLLM gets it (`no_adapter_refit`: why vLLM
+    cannot serve the adapters, '' when it does; `megagrpo.lora_refit.unavailable`)."""
+    refit = ("vLLM serves the adapters (LoRA request per rollout): refits carry the adapters, "
+             "the base only after a merge" if not no_adapter_refit else
+             f"vLLM is refit with the merged weights (W + s B A) after each update "
+             f"(no adapter-only refit: {no_adapter_refit})")
     return (f"lora: rank {cfg.rank}, alpha {cfg.alpha:g} on {','.join(cfg.targets)}: "
             f"{n_adapter:,} trainable of {n_total:,} parameters on this rank "
             f"({100 * n_adapter / max(n_total, 1):.2f}%); the reference is the adapters off; "
-            "vLLM is refit with the merged weights (W + s B A) after each update (an "
-            "adapter-only refit through vLLM's LoRA support is not built yet)")
+            f"{refit}")

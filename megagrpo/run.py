@@ -14,7 +14,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from megagrpo import offpolicy, rng
+from megagrpo import lora_refit, offpolicy, rng
 from megagrpo.checkpoint import (
     CheckpointManager,
     ModelState,
@@ -91,7 +91,8 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
         n_adapters = add_adapters(gpt, cfg.lora, seed=cfg.run.seed)
         if rank == 0:
             log.info("%s", describe_lora(n_adapters, sum(p.numel() for p in gpt.parameters()),
-                                         cfg.lora))
+                                         cfg.lora, lora_refit.unavailable(
+                                             cfg.lora, cfg.rollout.tensor_parallel_size)))
     policy = wrap_ddp(gpt, cfg.optim)
     optimizer = build_optimizer(policy, cfg.optim)
     reference = _reference(cfg, policy, model_cfg)
@@ -111,9 +112,12 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     rollouts = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
                                 reward_fn=RewardFn(cfg.reward), layout=layout, ranks=ranks,
                                 groups=groups, stop_ids=tokens.stop_ids)
-    return Trainer(cfg, model_cfg=model_cfg, policy=policy, optimizer=optimizer,
-                   reference=reference, rollouts=rollouts, task=task, ranks=ranks,
-                   groups=groups, tokens=tokens)
+    tr = Trainer(cfg, model_cfg=model_cfg, policy=policy, optimizer=optimizer,
+                 reference=reference, rollouts=rollouts, task=task, ranks=ranks, groups=groups,
+                 tokens=tokens)
+    if engine.max_lora_rank:  # vLLM serves the adapters: refits carry them alone
+        tr.adapter_refit = lora_refit.AdapterRefit(cfg.lora, Path(engine.model_dir) / "adapters")
+    return tr
 
 
 def _reference(cfg: TrainConfig, policy, model_cfg: ModelConfig):
@@ -163,7 +167,10 @@ def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
         save(str(d))
     r = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + layout.engine,
                             dtype=model.dtype)
-    return VLLMEngine(r, d, dtype=model.dtype, capture_routing=cfg.algo.routing_replay)
+    serve = cfg.lora.enabled and not lora_refit.unavailable(cfg.lora,
+                                                            cfg.rollout.tensor_parallel_size)
+    return VLLMEngine(r, d, dtype=model.dtype, capture_routing=cfg.algo.routing_replay,
+                      max_lora_rank=lora_refit.vllm_max_lora_rank(cfg.lora.rank) if serve else 0)
 
 
 def checkpoint_states(tr: Trainer) -> dict[str, Part]:

@@ -172,6 +172,9 @@ class Trainer:
         self.step_idx, self.version, self.opt_steps, self.bad_steps = 0, 0, 0, 0
         self.total_opt_steps = max(1, cfg.run.steps * cfg.algo.mu * cfg.algo.num_minibatches)
         self.engine_version = -1
+        self.adapter_refit = None
+        """A LoRA policy's adapter-only refit (`megagrpo.lora_refit.AdapterRefit`) when vLLM
+        serves its adapters; None: the weights (merged) are refit."""
         self.watchdog = None
         self.routing = self._routing_monitor()
 
@@ -437,13 +440,25 @@ class Trainer:
     def sync_weights(self) -> dict:
         """Reshards the policy straight into vLLM: shard to shard when the engines' TP equals
         the training TP (each rank feeds its own slice), else full tensors (TP gather, PP
-        broadcast, unfuse) of which vLLM keeps its slice."""
+        broadcast, unfuse) of which vLLM keeps its slice. A LoRA policy that vLLM serves:
+        the adapters alone, the base too only after a merge (`megagrpo.lora_refit`)."""
+        if self.adapter_refit is not None:
+            out = self.adapter_refit.sync(self.policy, self.engine, self.model_cfg,
+                                          self.cfg.parallel, self._feed_weights)
+            self.engine_version = self.version
+            return out
+        out = self._feed_weights()
+        self.engine_version = self.version
+        return out
+
+    def _feed_weights(self) -> dict:
+        """The policy's weights (merged where adapted, unless adapters are disabled) into
+        vLLM; the sync metrics."""
         stats = ReshardStats()
         feed = iter_vllm_slices if self.rollouts.layout.shard_to_shard else iter_hf_weights
         pairs = feed(self.policy, self.model_cfg, self.cfg.parallel,
                      bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, stats=stats)
         s = self.engine.update_weights(pairs)
-        self.engine_version = self.version
         return {"sync_bytes": stats.bytes, "sync_received_bytes": stats.received_bytes,
                 "sync_gather_s": stats.gather_s,
                 "sync_load_s": s.seconds - stats.gather_s - stats.convert_s}
@@ -510,7 +525,10 @@ class Trainer:
 
     def _after_policy_edit(self) -> None:
         """A LoRA reference reset edits the policy's parameters in place (merge, B scaled):
-        the optimizer's fp32 main copies (bf16/fp16, distributed optimizer) are re-read."""
+        the optimizer's fp32 main copies (bf16/fp16, distributed optimizer) are re-read, and
+        an adapter-only refit sends the base next time."""
+        if self.adapter_refit is not None:
+            self.adapter_refit.base_changed()
         if not getattr(self.reference, "separate_model", True) and self.optimizer is not None:
             self.optimizer.reload_model_params()
 

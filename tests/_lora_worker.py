@@ -4,7 +4,8 @@ added (B set to seeded random values so that A's gradient is not zero), one forw
 a token-mean cross-entropy runs through megatron's schedule and DDP, and each adapter's values
 and reduced gradients are saved as full tensors under HF projection names (WORK/<tag>_rank<r>.pt)
 for the parent's float64 transformers reference. At TP=2 the merge (reference reset) is checked,
-then the model saved and loaded at PP=2 (the adapters reshard). Scalars go to WORK/results.json."""
+then the model saved and loaded at PP=2 (the adapters reshard); at both layouts the base and a
+peft adapter are exported (megagrpo.lora_export). Scalars go to WORK/results.json."""
 import argparse
 import os
 
@@ -128,6 +129,10 @@ def run_layout(tag, tp, pp, dist_opt, work, results, load_from=None):
         load_model(gpt, load_from)
         torch.save(adapter_tensors(gpt, mcfg, parallel, grads=False),
                    os.path.join(work, f"{tag}_rank{dist.get_rank()}.pt"))
+        from megagrpo.lora_export import export_base_and_adapter
+
+        export_base_and_adapter(gpt, os.path.join(work, "base_pp2"),
+                                os.path.join(work, "peft_pp2"), mcfg, parallel, lcfg)
         return None, mcfg, parallel
     randomize_b(gpt, seed=5)
     values = adapter_tensors(gpt, mcfg, parallel, grads=False)
@@ -218,6 +223,8 @@ def main():
     ap.add_argument("--work", required=True)
     args = ap.parse_args()
     from megagrpo.checkpoint import save_model
+    from megagrpo.config.lora import LoRAConfig
+    from megagrpo.lora_export import export_base_and_adapter
     from megagrpo.reshard import export_hf
 
     torch.set_num_threads(1)
@@ -235,6 +242,11 @@ def main():
             merge_checks(ddp, mcfg, parallel, ref["ids"], results)
             save_model(ddp, saved, mcfg, extra={"lora": {"rank": 4, "alpha": 8.0}})
             export_hf(ddp, os.path.join(args.work, "export_tp2"), mcfg, parallel)  # merged
+            # the base as held (after the merge checks: a merged base, B not zero) and the
+            # adapters in peft's layout, gathered over TP=2
+            export_base_and_adapter(ddp, os.path.join(args.work, "base_tp2"),
+                                    os.path.join(args.work, "peft_tp2"), mcfg, parallel,
+                                    LoRAConfig(rank=4, alpha=8.0))
             torch.save(adapter_tensors(ddp.module, mcfg, parallel, grads=False),
                        os.path.join(args.work, f"saved_rank{dist.get_rank()}.pt"))
         dist.barrier()

@@ -213,3 +213,85 @@ def test_planner_counts_adapters_only():
     assert lora.optimizer == 8 * adapters and lora.grads == 4 * adapters
     assert lora.reference == 0 < full.reference
     assert lora.weights == full.weights + 4 * adapters
+
+
+# ---------------------------------------------------------------------- peft export
+def _hf_logits(folder, ids, adapter=None) -> torch.Tensor:
+    """[B, S, V] fp32 logits of transformers' model of an HF folder, with peft's adapter from
+    the folder `adapter` loaded onto it when given."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    with torch.no_grad():
+        return model.eval()(ids).logits
+
+
+def test_peft_export_at_tp2_gives_the_merged_logits(run):
+    """The worker's export at TP=2 (after a merge reset and an alpha mix: the base is a merged
+    base, B is not zero): peft's adapter on the exported base gives the merged export's logits;
+    A is repeated per q/k/v (gate/up) and B's rows are each projection's; the same checkpoint
+    loaded and exported at PP=2 gives the same two folders."""
+    work, _, _, ids, _ = run
+    cfg = json.loads((work / "peft_tp2" / "adapter_config.json").read_text())
+    assert cfg["r"] == 4 and cfg["lora_alpha"] == 8.0 and cfg["peft_type"] == "LORA"
+    assert sorted(cfg["target_modules"]) == sorted(FUSED)
+    want = _hf_logits(work / "export_tp2", ids)
+    got = _hf_logits(work / "base_tp2", ids, adapter=work / "peft_tp2")
+    base = _hf_logits(work / "base_tp2", ids)
+    assert (got - want).abs().max().item() <= 1e-5
+    assert (base - want).abs().max().item() > 1e-3  # the adapters change the logits
+    saved = {}
+    for r in range(2):
+        saved.update(torch.load(work / f"saved_rank{r}.pt"))
+    tensors = load_dir(work / "peft_tp2")
+    assert len(tensors) == 2 * len(saved) == 28
+    for mine, theirs in (("base_pp2", "base_tp2"), ("peft_pp2", "peft_tp2")):
+        other = load_dir(work / mine)  # loaded at PP=2: stages gathered on rank 0
+        assert other.keys() == load_dir(work / theirs).keys()
+        assert all(torch.equal(other[k], t) for k, t in load_dir(work / theirs).items()), mine
+    for name, v in saved.items():
+        for which in ("A", "B"):
+            t = tensors[f"base_model.model.{name}.lora_{which}.weight"]
+            assert torch.equal(t.double(), v[which]), (name, which)
+
+
+def test_convert_peft_adapter_of_a_tp2_checkpoint(run, tmp_path):
+    """`convert --from-megatron CKPT --to-hf BASE --peft-adapter DIR` at TP=1 of the TP=2
+    checkpoint: the same base and adapter as the worker's TP=2 export; peft loads them with the
+    merged export's logits."""
+    work, ids = run[0], run[3]
+    p = run_cli("convert", "--from-megatron", str(work / "ckpt_tp2"), "--to-hf",
+                str(tmp_path / "base"), "--peft-adapter", str(tmp_path / "peft"))
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert "holds the checkpoint's base weights (adapters not merged)" in p.stdout
+    for mine, theirs in (("base", "base_tp2"), ("peft", "peft_tp2")):
+        got, want = load_dir(tmp_path / mine), load_dir(work / theirs)
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), mine
+    got = _hf_logits(tmp_path / "base", ids, adapter=tmp_path / "peft")
+    assert (got - _hf_logits(work / "export_tp2", ids)).abs().max().item() <= 1e-5
+
+
+def test_peft_adapter_refused_without_lora(tmp_path):
+    """--peft-adapter of a checkpoint without adapters, or without --from-megatron: refused
+    before any rank starts."""
+    from megagrpo.cli import build_parser, cmd_convert
+
+    (tmp_path / "ckpt").mkdir()
+    from megagrpo.checkpoint import MODEL_JSON
+
+    (tmp_path / "ckpt" / MODEL_JSON).write_text(json.dumps({"model": {}}))
+    args = build_parser().parse_args(["convert", "--from-megatron", str(tmp_path / "ckpt"),
+                                      "--to-hf", str(tmp_path / "hf"), "--peft-adapter",
+                                      str(tmp_path / "peft")])
+    with pytest.raises(SystemExit, match="holds no LoRA adapters"):
+        cmd_convert(args)
+    args = build_parser().parse_args(["convert", "--from-hf", str(tmp_path / "x"),
+                                      "--to-megatron", str(tmp_path / "m"), "--peft-adapter",
+                                      str(tmp_path / "peft")])
+    with pytest.raises(SystemExit, match="--peft-adapter"):
+        cmd_convert(args)

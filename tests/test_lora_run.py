@@ -1,7 +1,8 @@
 """A real LoRA GRPO run (`megagrpo demo`: 2 ranks, in-process vLLM engines) with the reference
 reset after every step: it completes, each reset is a merge (the next step's reference equals
-the policy), vLLM is refit with the merged weights so its sampling log-probs stay within fp32
-rounding of the trainer's, and the console names the path that runs. Heavy: a resume from the
+the policy), vLLM serves the adapters (refit alone between merges, with the base after one) and
+its sampling log-probs stay within fp32 rounding of the trainer's, and the console names the path
+that runs. Heavy: a resume from the
 run's last checkpoint continues it with the adapters and the schedule."""
 import json
 
@@ -37,7 +38,31 @@ def lora_run(tmp_path_factory):
 def test_lora_run_completes_and_says_what_runs(lora_run):
     out, rc, console = lora_run
     assert rc == 0, console[-4000:]
-    assert "lora: rank 8, alpha 16" in console and "merged weights" in console, console
+    assert "lora: rank 8, alpha 16" in console, console
+    assert "vLLM serves the adapters (LoRA request per rollout)" in console, console
+
+
+def _peft_adapter_bytes(hf: dict, r: int) -> int:
+    """fp32 bytes of a peft adapter on every projection (A repeated per q/k/v and gate/up),
+    counted from the engine's HF config by hand."""
+    H, F, L = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]
+    hd = hf.get("head_dim") or H // hf["num_attention_heads"]
+    q, kv = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd
+    per = r * (3 * H + q + 2 * kv) + r * (q + H) + r * (2 * H + 2 * F) + r * (F + H)
+    return 4 * L * per
+
+
+def test_lora_refit_is_adapter_only_between_merges(lora_run):
+    """Step 1 follows the cold start's sync (which sent the merged base): its refit is the
+    adapters alone; step 1's reset merges, so step 2's refit sends the base again."""
+    out, rc, console = lora_run
+    assert rc == 0, console[-4000:]
+    recs = _records(out)
+    hf = json.loads((out / "engine" / "rank0" / "config.json").read_text())
+    want = _peft_adapter_bytes(hf, 8)
+    assert [r["sync_adapter_bytes"] for r in recs] == [want, want]
+    assert recs[0]["sync_base"] == 0.0 and recs[0]["sync_bytes"] == want
+    assert recs[1]["sync_base"] == 1.0 and recs[1]["sync_bytes"] > 4 * want
 
 
 def test_lora_reset_is_a_merge_and_vllm_stays_in_step(lora_run):
@@ -46,7 +71,8 @@ def test_lora_reset_is_a_merge_and_vllm_stays_in_step(lora_run):
     recs = _records(out)
     assert [r["reference_sync"] for r in recs] == ["steps", "steps"]
     for r in recs:
-        # vLLM sampled with the merged weights W + s B A; the trainer scores with the adapters
+        # vLLM sampled with its base and the adapter (LoRA request); the trainer scores with
+        # the adapters: the same policy within fp32 rounding
         assert r["logp_gap_vllm_mean"] < 1e-4, r
         assert r["update_skipped"] == 0.0 and r["grad_norm"] > 0
     # after the step-1 reset B = 0: the reference (adapters off) is the policy, bitwise

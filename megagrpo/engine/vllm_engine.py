@@ -65,9 +65,12 @@ class VLLMEngine:
     """A colocated vLLM engine, started once per run and reused for every rollout."""
 
     def __init__(self, cfg: RolloutConfig, hf_config_dir: str | os.PathLike, *,
-                 dtype: str | None = None, capture_routing: bool = False):
+                 dtype: str | None = None, capture_routing: bool = False,
+                 max_lora_rank: int = 0):
         """`capture_routing` (MoE): every completion carries the experts vLLM routed each of
-        its positions to (`Completion.routes`, for routing replay)."""
+        its positions to (`Completion.routes`, for routing replay). `max_lora_rank` > 0: vLLM's
+        LoRA support on (one adapter at a time, loaded by `load_adapter`; every generate uses
+        the last one loaded)."""
         cfg.validate()
         self.cfg = cfg
         self.model_dir = str(hf_config_dir)
@@ -87,6 +90,9 @@ class VLLMEngine:
         check_head_dim(head_dim, on_cpu=self.on_cpu)
         self._shapes, self._optional = expected_hf_params(self.hf_config)
         self._set_num_threads = torch.set_num_threads  # vLLM CPU replaces it with a no-op
+        self.max_lora_rank = max_lora_rank
+        self.lora_request = None
+        """The adapter every generate uses (None: the base alone)."""
         self.llm = self._start()
         self.rng = EngineRng(self.cfg.seed)
         self._threads = torch.get_num_threads()  # this (main) thread's, after vLLM's binding
@@ -126,6 +132,8 @@ class VLLMEngine:
         )
         if tp > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if self.max_lora_rank:
+            kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
         if not self.on_cpu:
             kwargs["gpu_memory_utilization"] = self.cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = self.cfg.sleep_between_rollouts
@@ -185,7 +193,8 @@ class VLLMEngine:
             # ("Check failed: input->metadata->thread_num == thread_num"). Set it up front.
             self._set_num_threads(self._threads)
         with self.rng.sampling():
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            outputs = self.llm.generate(prompts, params, use_tqdm=False,
+                                        lora_request=self.lora_request)
         done = [self._completion(i, j, c) for i, out in enumerate(outputs)
                 for j, c in enumerate(sorted(out.outputs, key=lambda c: c.index))]
         if self.routes is not None:
@@ -264,6 +273,24 @@ class VLLMEngine:
         return WeightSyncStats(tensors=feed.tensors, bytes=feed.bytes, seconds=seconds,
                                source_seconds=feed.source_seconds,
                                load_seconds=seconds - feed.source_seconds)
+
+    def load_adapter(self, path: str) -> None:
+        """Loads the peft adapter folder `path` as the engine's adapter (the last one is
+        removed first): every later generate uses it. The engine must have been started with
+        `max_lora_rank` >= the adapter's rank."""
+        if not self.max_lora_rank:
+            raise RuntimeError("load_adapter: the engine was started without LoRA support "
+                               "(max_lora_rank=0)")
+        from vllm.lora.request import LoRARequest
+
+        engine = self.llm.llm_engine
+        old = self.lora_request
+        if old is not None:
+            engine.remove_lora(old.lora_int_id)
+        new_id = 1 if old is None else old.lora_int_id + 1
+        self.lora_request = LoRARequest(f"policy-{new_id}", new_id, path)
+        engine.add_lora(self.lora_request)
+        self.llm.reset_prefix_cache()
 
     def _precheck(self, items: Sequence[tuple[str, torch.Tensor]], partial: bool) -> None:
         probe = _WeightFeed((), self._shapes, self._optional, self._packed)

@@ -1,0 +1,93 @@
+"""Adapter-only vLLM refits for a LoRA policy.
+
+vLLM serves the adapters itself (`enable_lora`, a `LoRARequest` on every generate): its engine
+holds the base W and the current adapter, and computes W x + s B A x like the trainer. After an
+update only the adapters change, so a refit writes them as a peft folder (a few MB, in the
+engine's own directory) and vLLM loads it as a new adapter, replacing the last one. The base is
+refit (W, adapters off) only when it changed: at the start and after a merge (a reference
+reset, `AdapterRefit.base_changed`). A merge leaves the policy unchanged, so vLLM's old base and
+old adapter still sample the policy until the next refit sends both.
+
+When vLLM cannot serve the adapters (`unavailable` says why) the merged weights W + s B A are
+refit after each update instead (`megagrpo.lora.parameters_for_refit`), as for full fine-tuning.
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from megagrpo.config.lora import LoRAConfig
+from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.lora import adapters_disabled
+from megagrpo.lora_export import gather_adapters, save_peft_adapter
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 accepts as max_lora_rank (vllm/config/lora.py, MaxLoRARanks)."""
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds `rank` (0: none does)."""
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), 0)
+
+
+def unavailable(lora: LoRAConfig, rollout_tp: int) -> str:
+    """'' when vLLM serves this run's adapters, else why it does not (the merged weights are
+    refit then)."""
+    if not lora.enabled:
+        return "lora.rank=0"
+    if not vllm_max_lora_rank(lora.rank):
+        return f"lora.rank={lora.rank} exceeds vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})"
+    if rollout_tp > 1:
+        return (f"rollout.tensor_parallel_size={rollout_tp}: vLLM's LoRA on engines spanning "
+                "several ranks (external launcher) is not checked here")
+    return ""
+
+
+class AdapterRefit:
+    """The refit of a LoRA policy into a vLLM engine started with its LoRA support."""
+
+    def __init__(self, cfg: LoRAConfig, folder: str | Path):
+        self.cfg = cfg
+        self.folder = Path(folder)
+        self.base_stale = True
+        """Whether vLLM's base differs from the policy's (start, after a merge)."""
+        self._count = 0
+
+    def base_changed(self) -> None:
+        """A merge edited W: the next refit sends the base too."""
+        self.base_stale = True
+
+    def sync(self, policy, engine, model: ModelConfig, parallel: ParallelConfig,
+             full_refit: Callable[[], dict]) -> dict:
+        """The base through `full_refit` (the trainer's weight feed, run with the adapters off)
+        when it changed, then the adapters as a new LoRA adapter of the engine. Collective over
+        the model-parallel group. Returns the sync metrics (sync_bytes: base + adapters)."""
+        out = {"sync_bytes": 0, "sync_received_bytes": 0, "sync_gather_s": 0.0,
+               "sync_load_s": 0.0}
+        base = self.base_stale
+        if base:
+            with adapters_disabled(policy):  # the feed streams W, not W + s B A
+                out = full_refit()
+            self.base_stale = False
+        t0 = time.perf_counter()
+        tensors = gather_adapters(policy, model, parallel)
+        self._count += 1
+        folder = self.folder / f"adapter_{self._count}"
+        save_peft_adapter(folder, tensors, self.cfg, base="")
+        t1 = time.perf_counter()
+        engine.load_adapter(str(folder))
+        shutil.rmtree(self.folder / f"adapter_{self._count - 1}", ignore_errors=True)
+        nbytes = adapter_bytes(tensors)
+        out.update(sync_bytes=out["sync_bytes"] + nbytes, sync_adapter_bytes=nbytes,
+                   sync_base=float(base), sync_gather_s=out["sync_gather_s"] + t1 - t0,
+                   sync_load_s=out["sync_load_s"] + time.perf_counter() - t1)
+        return out
+
+
+def adapter_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """Bytes of the tensors (what an adapter refit moves)."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
