@@ -22,7 +22,6 @@ it is called with its timeouts off and our deadline bounds it instead.
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import math
@@ -37,6 +36,7 @@ import torch
 from torch import Tensor
 
 from megagrpo.config.data import RewardConfig
+from megagrpo.names import import_object
 
 log = logging.getLogger("megagrpo")
 
@@ -107,21 +107,7 @@ def resolve_reward(name: str) -> RewardCallable:
         raise ValueError(
             f"reward {name!r}: use one of {sorted(BUILTIN_REWARDS)} or 'module:function'"
         )
-    try:
-        fn = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(
-            f"reward {name!r}: cannot import module {module_name!r} ({e}); a reward module must "
-            "be importable by every rank: run from its folder or put that folder on PYTHONPATH "
-            f"(e.g. PYTHONPATH=/path/to/dir for /path/to/dir/{module_name.replace('.', '/')}.py)"
-        ) from e
-    except Exception as e:  # a syntax error or a failing top-level statement in user code
-        raise ValueError(f"reward {name!r}: importing {module_name!r} raised "
-                         f"{type(e).__name__}: {e}") from e
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise ValueError(f"reward {name!r}: {module_name} has no attribute {attr!r}")
-        fn = getattr(fn, part)
+    fn = import_object(target, f"reward {name!r}")
     if not callable(fn):
         raise ValueError(f"reward {name!r} resolves to a non-callable {type(fn).__name__}")
     return fn

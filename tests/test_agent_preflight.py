@@ -30,8 +30,8 @@ def cfg(tmp_path, spm: str, *overrides: str):
 
 
 def test_environment_must_import_and_be_an_environment(tmp_path, spm_model):
-    for name, match in (("no_such_module:Env", "cannot be imported"),
-                        ("tests._agent_env:Nope", "cannot be imported"),
+    for name, match in (("no_such_module:Env", "cannot import module 'no_such_module'"),
+                        ("tests._agent_env:Nope", "has no attribute 'Nope'"),
                         ("megagrpo.agent.env:Observation", "not a subclass")):
         with pytest.raises(ValueError, match=f"agent.environment='{name}'.*{match}"):
             preflight(cfg(tmp_path, spm_model, f"agent.environment={name}"))

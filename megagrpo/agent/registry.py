@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass, field
 
@@ -22,6 +21,7 @@ from megagrpo.agent.tools import Tool, load_tools
 from megagrpo.config.agent import AgentConfig
 from megagrpo.config.data import DataConfig
 from megagrpo.data import Example, get_field
+from megagrpo.names import import_object
 
 TOOL_ENV_KWARGS = ("max_calls_per_turn",)
 
@@ -102,19 +102,7 @@ def import_environment(spec: str) -> type[Environment]:
     if not module_name or not attr:
         raise ValueError(f"agent.environment={spec!r}: name a class as 'module:Class' or use "
                          "'tools'")
-    try:
-        target = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"agent.environment={spec!r}: cannot import module {module_name!r} "
-                         f"({e}); run from its folder or put that folder on PYTHONPATH") from e
-    except Exception as e:  # a syntax error or a failing top-level statement in user code
-        raise ValueError(f"agent.environment={spec!r}: importing {module_name!r} raised "
-                         f"{type(e).__name__}: {e}") from e
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ValueError(f"agent.environment={spec!r}: {module_name} has no attribute "
-                             f"{attr!r}")
-        target = getattr(target, part)
+    target = import_object(spec, f"agent.environment={spec!r}")
     if not (isinstance(target, type) and issubclass(target, Environment)):
         raise ValueError(f"agent.environment={spec!r} is not a subclass of "
                          "megagrpo.agent.Environment (subclass it and implement step)")

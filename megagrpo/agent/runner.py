@@ -31,13 +31,12 @@ the engine's ranks): environments must be deterministic given the record and the
 """
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from megagrpo.agent.env import Environment, Observation, Turn
-from megagrpo.agent.registry import load_environment
+from megagrpo.agent.registry import import_environment, load_environment
 from megagrpo.config.agent import AgentConfig
 from megagrpo.engine.types import Completion, SamplingSettings
 
@@ -54,17 +53,7 @@ def environment_class(name: str) -> type[Environment]:
         raise ValueError("agent.environment=tools is the built-in tool environment, not a "
                          "class: megagrpo.agent.registry.load_environment resolves it (it needs "
                          "the tokenizer's chat template)")
-    mod, _, attr = name.partition(":")
-    try:
-        cls = getattr(importlib.import_module(mod), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"agent.environment={name!r} cannot be imported ({type(e).__name__}: "
-                         f"{e}): name an Environment subclass as 'module:Class' on the "
-                         "PYTHONPATH") from e
-    if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise ValueError(f"agent.environment={name!r} is {cls!r}, not a subclass of "
-                         "megagrpo.agent.Environment")
-    return cls
+    return import_environment(name)
 
 
 def environment_factory(agent: AgentConfig, tokenizer: object) -> EnvFactory:

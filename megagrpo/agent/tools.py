@@ -26,7 +26,6 @@ gets a `ToolResult` with the error text the model sees.
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import re
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 
 from megagrpo.agent.calculator import evaluate, format_number
 from megagrpo.agent.sandbox import Limits, SandboxResult, call_function, run_code
+from megagrpo.names import import_object
 
 FIELD = "agent.tools"
 
@@ -137,19 +137,7 @@ def _import_tool(spec: str) -> Callable[..., object]:
     if not module_name or not attr:
         raise ValueError(f"{FIELD}: unknown tool {spec!r}: use a built-in "
                          f"({', '.join(BUILTIN_TOOLS)}) or name a function as 'module:function'")
-    try:
-        target = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{FIELD}: cannot import module {module_name!r} of tool {spec!r} ({e}); "
-                         "run from its folder or put that folder on PYTHONPATH") from e
-    except Exception as e:  # a syntax error or a failing top-level statement in user code
-        raise ValueError(f"{FIELD}: importing {module_name!r} for tool {spec!r} raised "
-                         f"{type(e).__name__}: {e}") from e
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ValueError(f"{FIELD}: module {module_name!r} has no attribute {attr!r} "
-                             f"(tool {spec!r})")
-        target = getattr(target, part)
+    target = import_object(spec, FIELD)
     if not inspect.isfunction(target):
         raise ValueError(f"{FIELD}: tool {spec!r} is a {type(target).__name__}, not a function")
     return target
