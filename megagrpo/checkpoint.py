@@ -10,6 +10,10 @@ Each part says how it is kept (`megagrpo.run.checkpoint_states` builds the run's
 - replicated (`Replicated`): JSON, the same on every rank: trainer_state.json holds
   `Trainer.state_dict()` (counters, loader position, reference schedule) plus the manager's
   own keys (the layout, the metrics history's length);
+- shared (`Shared`, resharded too): a part that rarely changes, a LoRA run's frozen base
+  (`megagrpo.lora_checkpoint`), in a folder of its own beside the checkpoints,
+  `checkpoints/<name>_<version>/`, written only when its version moved (after a merge) and
+  named by each checkpoint's manifest (`refs`); a kept checkpoint keeps the folder it names;
 and last the manifest that marks the checkpoint complete (layout in `megagrpo.run_dir`).
 
 Models and optimizer: megatron-core's `dist_checkpointing` format, resharding on load (save at
@@ -62,6 +66,8 @@ from megagrpo.run_dir import (
     checkpoint_root,
     manifest_bytes,
     newest_intact,
+    prune_shared,
+    refs_of,
     step_dirs,
     step_of,
     write_manifest,
@@ -91,15 +97,20 @@ class ModelState:
     reshards: ClassVar[bool] = True
 
     def __init__(self, model: torch.nn.Module, config: ModelConfig | None, *,
-                 tokenizer=None, extra: dict | None = None, if_missing: str | None = None):
+                 tokenizer=None, extra: dict | None = None, if_missing: str | None = None,
+                 select: Callable[[str], bool] | None = None):
         self.model, self.config, self.tokenizer, self.extra = model, config, tokenizer, extra
         self.if_missing = if_missing
         """None: a checkpoint must hold it; '': skipped quietly when absent; else the warning's
         last words when absent."""
+        self.select = select
+        """None: every tensor of the model; else which keys of its sharded state dict (a LoRA
+        policy saves its adapters and its frozen base as two parts)."""
 
     def state_dict(self) -> dict:
-        """megatron ShardedTensors of this rank's shards."""
-        return unwrap(self.model).sharded_state_dict()
+        """megatron ShardedTensors of this rank's shards (those `select` keeps)."""
+        sd = unwrap(self.model).sharded_state_dict()
+        return sd if self.select is None else {k: v for k, v in sd.items() if self.select(k)}
 
     def load_template(self) -> dict:
         return self.state_dict()
@@ -107,10 +118,13 @@ class ModelState:
     def load_state_dict(self, state: dict) -> None:
         unwrap(self.model).load_state_dict(state, strict=False)
 
+    def meta(self) -> dict:
+        """What megagrpo_model.json holds: the config and `extra`."""
+        return {"model": dataclasses.asdict(self.config), **(self.extra or {})}
+
     def write_beside(self, folder: Path) -> None:
         """Rank 0, before the folder is published: the config (and the tokenizer)."""
-        meta = {"model": dataclasses.asdict(self.config), **(self.extra or {})}
-        (folder / MODEL_JSON).write_text(json.dumps(meta, indent=1))
+        (folder / MODEL_JSON).write_text(json.dumps(self.meta(), indent=1))
         if self.tokenizer is not None:
             save_tokenizer(folder, self.tokenizer)
 
@@ -244,8 +258,17 @@ def save_model(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike, model: ModelCo
 
 
 def load_model(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike) -> None:
-    """Collective: loads a checkpoint saved at any TP/PP into this rank's shards of `gpt`."""
-    load_sharded(ModelState(gpt, None), ckpt_dir)
+    """Collective: loads a checkpoint saved at any TP/PP into this rank's shards of `gpt`. A
+    LoRA run's policy holds the adapters alone and names the folder of its base (written by
+    an earlier checkpoint of the run): the base is read from there."""
+    from megagrpo.lora_checkpoint import base_folder, is_adapter_key
+
+    base = base_folder(ckpt_dir)
+    if base is None:
+        load_sharded(ModelState(gpt, None), ckpt_dir)
+        return
+    load_sharded(ModelState(gpt, None, select=lambda k: not is_adapter_key(k)), base)
+    load_sharded(ModelState(gpt, None, select=is_adapter_key), ckpt_dir)
 
 
 def read_model_config(ckpt_dir: str | os.PathLike) -> tuple[ModelConfig, dict]:
@@ -461,17 +484,38 @@ class Replicated:
     reshards: ClassVar[bool] = True
 
 
-Part = Sharded | PerRank | Replicated
+class Shared(Sharded, Protocol):
+    """A resharded part that rarely changes (a LoRA run's frozen base:
+    `megagrpo.lora_checkpoint.BaseWeights`), kept beside the checkpoints in
+    `checkpoints/<name>_<version:06d>/` (a dist-checkpoint with its own manifest), written only
+    when `version()` names a folder other than `written`, the one the manager last wrote or
+    loaded; each checkpoint's manifest names the folder it uses."""
+
+    shared: ClassVar[bool]
+    written: str | None
+    """The folder (name under checkpoints/) that holds the part's current state, or None."""
+    inside: str
+    """Where checkpoints written before the part was shared held it (a folder of theirs)."""
+
+    def version(self) -> int: ...
+
+
+def _is_shared(part: object) -> bool:
+    return bool(getattr(part, "shared", False))
+
+
+Part = Sharded | PerRank | Replicated | Shared
 
 
 class CheckpointManager:
     """Saves, finds and loads the run's checkpoints in run.out_dir/checkpoints over `states`,
     a mapping of named Stateful parts (every method is a collective); the names are the parts'
     places on disk. A save writes the resharded parts, in the mapping's order (a model before
-    its optimizer), then the per-rank ones, then trainer_state.json and last the manifest that
-    marks the checkpoint complete; complete ones beyond checkpoint.keep_last are then removed.
-    A load reads them in the same order. Writes are atomic per part. Out of disk, every rank
-    stops with an error that says so and where."""
+    its optimizer; a shared part, in its own folder, only when its version moved), then the
+    per-rank ones, then trainer_state.json and last the manifest that marks the checkpoint
+    complete; complete ones beyond checkpoint.keep_last are then removed, and the shared
+    folders none of the rest names. A load reads them in the same order. Writes are atomic per
+    part. Out of disk, every rank stops with an error that says so and where."""
 
     def __init__(self, out_dir: str | os.PathLike, keep_last: int, states: Mapping[str, Part],
                  *, layout: dict, watchdog=None) -> None:
@@ -487,7 +531,7 @@ class CheckpointManager:
     def path(self, step: int) -> Path:
         return self.root / f"step_{step:06d}"
 
-    def _sharded(self) -> list[tuple[str, Sharded]]:
+    def _sharded(self) -> list[tuple[str, Sharded | Shared]]:
         return [(n, p) for n, p in self.states.items()
                 if not isinstance(p, (PerRank, Replicated))]
 
@@ -498,29 +542,55 @@ class CheckpointManager:
         return [p for p in self.states.values() if isinstance(p, Replicated)]
 
     def save(self, step: int) -> Path:
-        """Writes checkpoint `step` of every part in `states`; returns its folder."""
+        """Writes checkpoint `step` of every part in `states`; returns its folder. A shared
+        part is written (first, into its own folder) only when its version moved."""
         if self.watchdog is not None:
             self.watchdog.set_phase("checkpoint", step)
         final, rank0 = self.path(step), _rank() == 0
-        on_every_rank(partial(self._clear_for_save, final) if rank0 else _nothing, final)
+        refs = {name: self._shared_folder(name, part) for name, part in self._sharded()
+                if _is_shared(part)}
+        fresh = [f for name, f in refs.items() if self.states[name].written != f.name]
+        on_every_rank(partial(self._clear_for_save, final, fresh) if rank0 else _nothing, final)
         for name, part in self._sharded():
-            save_sharded(part, final / name)
+            if name not in refs:
+                save_sharded(part, final / name)
+            elif refs[name] in fresh:
+                save_sharded(part, refs[name])  # atomic: named by no checkpoint until done
+                part.written = refs[name].name
         on_every_rank(partial(self._save_per_rank, final), final)
-        on_every_rank(partial(self._finish, step, final) if rank0 else _nothing, final)
+        on_every_rank(partial(self._finish, step, final,
+                              {n: f"../{f.name}" for n, f in refs.items()})
+                      if rank0 else _nothing, final)
         return final
+
+    def _shared_folder(self, name: str, part: Shared) -> Path:
+        return self.root / f"{name}_{part.version():06d}"
 
     def _save_per_rank(self, final: Path) -> None:
         me = _rank_file()
         for name, entry in self._per_rank():
             save_tree(final / name / me, entry.part.state_dict())
 
-    def _clear_for_save(self, final: Path) -> None:
-        """Removes a leftover of the same step (a save a crash interrupted) and checks that the
-        disk holds another checkpoint as large as the last one."""
+    def _clear_for_save(self, final: Path, fresh: list[Path]) -> None:
+        """Removes a leftover of the same step (a save a crash interrupted) and the checkpoints
+        that name a shared folder about to be rewritten (`fresh`), and checks that the disk
+        holds another checkpoint as large as the last one (with the shared folders it names
+        that this save writes again)."""
         shutil.rmtree(final, ignore_errors=True)
+        names = {f.name for f in fresh}
+        for ckpt in step_dirs(self.root):
+            # a folder is rewritten only under a version the run had not reached at the
+            # checkpoint it resumed from: whatever names it is left from the crashed attempt
+            # (broken, or it would have been resumed from) and must not name the new contents
+            if names & {(ckpt / rel).name for rel in refs_of(ckpt).values()}:
+                log.warning("removing %s: it names %s, which this run writes again", ckpt,
+                            ", ".join(sorted(names)))
+                shutil.rmtree(ckpt, ignore_errors=True)
         final.mkdir(parents=True)
         done = [p for p in step_dirs(self.root) if (p / MANIFEST).exists()]
         need = manifest_bytes(done[-1]) if done else 0
+        if done and fresh:  # and room for the shared folders once more
+            need += sum(manifest_bytes(done[-1] / rel) for rel in refs_of(done[-1]).values())
         free = shutil.disk_usage(final).free
         if need > free:
             raise OSError(errno.ENOSPC, f"no space left on device for checkpoint {final}: the "
@@ -528,9 +598,11 @@ class CheckpointManager:
                           "space, lower checkpoint.keep_last or point run.out_dir at a larger "
                           "disk")
 
-    def _finish(self, step: int, final: Path) -> None:
+    def _finish(self, step: int, final: Path, refs: dict[str, str]) -> None:
         """Rank 0, after every rank wrote its part: trainer_state.json (the replicated parts,
-        the layout, the metrics history's length), manifest, pruning."""
+        the layout, the metrics history's length), manifest (naming the shared folders the
+        checkpoint uses, `refs`), pruning (a shared folder goes with the last checkpoint that
+        names it)."""
         state: dict = {}
         for entry in self._replicated():
             state.update(entry.part.state_dict())
@@ -539,13 +611,14 @@ class CheckpointManager:
         tmp = final / (TRAINER_STATE + ".tmp")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, final / TRAINER_STATE)
-        write_manifest(final)  # from here on the checkpoint is complete
+        write_manifest(final, refs)  # from here on the checkpoint is complete
         dirs = step_dirs(final.parent)
         kept = [p for p in dirs if (p / MANIFEST).exists() and step_of(p) <= step]
         kept = kept[-self.keep_last:]
         for old in dirs:  # older than every kept one, complete or a broken leftover
             if step_of(old) < step_of(kept[0]):
                 shutil.rmtree(old, ignore_errors=True)
+        prune_shared(self.root, [n for n, p in self._sharded() if _is_shared(p)])
 
     def latest(self) -> Path | None:
         """The newest checkpoint that matches its manifest, the same on every rank (rank 0
@@ -566,8 +639,16 @@ class CheckpointManager:
         except dist-checkpoint metadata."""
         state = json.loads((ckpt / TRAINER_STATE).read_text())
         rank0 = dist.get_rank() == 0
+        refs = refs_of(ckpt)
         for name, part in self._sharded():
-            self._load_sharded(name, part, ckpt / name)
+            if not _is_shared(part):
+                self._load_sharded(name, part, ckpt / name)
+            elif name in refs:  # the folder an earlier checkpoint (or this one) wrote
+                load_sharded(part, ckpt / refs[name])
+                part.written = (ckpt / refs[name]).name
+            else:  # written before the part was shared: inside the checkpoint; saved again
+                load_sharded(part, ckpt / part.inside)
+                part.written = None
         same = state["layout"] == self.layout
         restored = self._load_per_rank(ckpt, same)
         for entry in self._replicated():

@@ -260,6 +260,9 @@ class LoRAReference(ReferenceSchedule):
         self.state = ReferenceState()
         self.policy = policy
         self._scoring: contextlib.ExitStack | None = None
+        self.merges = 0
+        """Merges so far (the cold start's reset included): which base a checkpoint holds
+        (`megagrpo.lora_checkpoint`)."""
 
     @property
     def model(self) -> torch.nn.Module | list:
@@ -270,6 +273,16 @@ class LoRAReference(ReferenceSchedule):
     def reinit(self, policy: torch.nn.Module | list, alpha: float = 1.0) -> None:
         """The reference moves to alpha * policy + (1 - alpha) * reference: a merge."""
         merge_adapters(policy, alpha)
+        self.merges += 1
+
+    def state_dict(self) -> dict:
+        """The schedule's state and the merge count."""
+        return {**super().state_dict(), "merges": self.merges}
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        self.merges = state.pop("merges", 0)
+        super().load_state_dict(state)
 
     def equals(self, policy: torch.nn.Module | list, group=None) -> bool:
         """Whether every adapter's B is zero on every rank of `group` (the adapters then add

@@ -37,6 +37,7 @@ from megagrpo.engine import VLLMEngine
 from megagrpo.hf import hf_config_dict, load_hf_weights
 from megagrpo.lora import LoRAReference, add_adapters
 from megagrpo.lora import describe as describe_lora
+from megagrpo.lora_checkpoint import lora_parts
 from megagrpo.metrics import MetricsLogger, plot_curves, read_jsonl
 from megagrpo.model import attention_impl_name, build_model, layer_spec_name, sequence_packing
 from megagrpo.optim import build_optimizer, wrap_ddp
@@ -176,9 +177,14 @@ def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
 def checkpoint_states(tr: Trainer) -> dict[str, Part]:
     """What a checkpoint of the run holds, by its name on disk, in the order it is written and
     read (the policy before the optimizer, whose load needs the weights)."""
-    lora = {"lora": dataclasses.asdict(tr.cfg.lora)} if tr.cfg.lora.enabled else None
-    states: dict[str, Part] = {  # a LoRA policy's shards include its adapters (lora_A, lora_B)
-        "policy": ModelState(tr.policy, tr.model_cfg, tokenizer=tr.tokenizer, extra=lora)}
+    states: dict[str, Part] = {}
+    if tr.cfg.lora.enabled:  # the adapters in policy/, the frozen base only after a merge
+        states.update(lora_parts(tr.policy, tr.model_cfg,
+                                 lambda: getattr(tr.reference, "merges", 0),
+                                 tokenizer=tr.tokenizer,
+                                 extra={"lora": dataclasses.asdict(tr.cfg.lora)}))
+    else:
+        states["policy"] = ModelState(tr.policy, tr.model_cfg, tokenizer=tr.tokenizer)
     if tr.reference is not None and tr.reference.separate_model:
         states["reference"] = ModelState(tr.reference.model, tr.model_cfg, if_missing="")
     states["optimizer"] = OptimizerState(tr)  # the cold start replaces tr.optimizer

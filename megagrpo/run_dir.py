@@ -6,11 +6,16 @@ Layout:
   out_dir/metrics.jsonl, summary.json, curves.png, tb/, engine/rank*/config.json
   out_dir/checkpoints/step_000006/       policy/, reference/, optimizer/ (dist-checkpoints),
       rng/rank*.safetensors, rollout/rank*.safetensors, trainer_state.json, manifest.json
+  out_dir/checkpoints/base_000001/       a LoRA run's frozen base after its first merge
+      (a dist-checkpoint with its own manifest.json), shared by the checkpoints that name it
 
 A checkpoint is complete when its manifest.json exists (written last, atomically). The manifest
 lists every file of the checkpoint with its size, and a sha256 for the small ones (JSON and
 dist-checkpoint metadata), so a truncated shard, a missing file or a damaged metadata file is
-found before anything is loaded, and the run falls back to the newest intact checkpoint.
+found before anything is loaded, and the run falls back to the newest intact checkpoint. A
+manifest may also name shared folders beside the checkpoints (`refs`, part name -> folder
+relative to the checkpoint, e.g. {"base": "../base_000001"}): the checkpoint is intact only when
+they are, by their own manifests; `prune_shared` removes the shared folders no checkpoint names.
 """
 from __future__ import annotations
 
@@ -57,9 +62,10 @@ def _files(ckpt: Path) -> list[Path]:
     return sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def write_manifest(ckpt: Path) -> dict:
+def write_manifest(ckpt: Path, refs: dict[str, str] | None = None) -> dict:
     """Lists every file of `ckpt` (relative path -> size, sha256 when small) in manifest.json,
-    written atomically: from then on the checkpoint counts as complete. Returns the manifest."""
+    written atomically: from then on the checkpoint counts as complete. `refs`: the shared
+    folders it uses (part name -> folder relative to `ckpt`). Returns the manifest."""
     files = {}
     for p in _files(ckpt):
         size = p.stat().st_size
@@ -68,6 +74,8 @@ def write_manifest(ckpt: Path) -> dict:
             entry["sha256"] = _sha256(p)
         files[str(p.relative_to(ckpt))] = entry
     manifest = {"format": 1, "files": files, "bytes": sum(e["size"] for e in files.values())}
+    if refs:
+        manifest["refs"] = dict(refs)
     tmp = ckpt / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=0))
     os.replace(tmp, ckpt / MANIFEST)
@@ -75,17 +83,48 @@ def write_manifest(ckpt: Path) -> dict:
 
 
 def verify(ckpt: Path) -> str | None:
-    """None when `ckpt` is complete and matches its manifest, else what is wrong with it."""
+    """None when `ckpt` is complete and matches its manifest, and so do the shared folders it
+    names (`refs`), else what is wrong with it."""
     path = ckpt / MANIFEST
     if not path.exists():
         return ("no manifest.json: the save did not finish (or an older megagrpo, whose "
                 "pickled optimizer files are not loaded, wrote it)")
     try:
-        files = json.loads(path.read_text())["files"]
+        manifest = json.loads(path.read_text())
+        files, refs = manifest["files"], manifest.get("refs", {})
     except (ValueError, KeyError, TypeError) as e:
         return f"manifest.json unreadable ({e})"
+    reason = _check_files(ckpt, files)
+    if reason is not None:
+        return reason
+    if TRAINER_STATE not in files:
+        return f"{TRAINER_STATE} not in the manifest"
+    try:
+        json.loads((ckpt / TRAINER_STATE).read_text())
+    except ValueError as e:
+        return f"{TRAINER_STATE} is not valid JSON ({e})"
+    for name, rel in refs.items():
+        reason = verify_shared(ckpt / rel)
+        if reason is not None:
+            return f"the {name} it names, {rel}: {reason}"
+    return None
+
+
+def verify_shared(folder: Path) -> str | None:
+    """None when a shared folder (e.g. a LoRA run's base) matches its own manifest."""
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+    except OSError:
+        return "missing" if not folder.is_dir() else "no manifest.json"
+    except (ValueError, KeyError, TypeError) as e:
+        return f"manifest.json unreadable ({e})"
+    return _check_files(folder, files)
+
+
+def _check_files(folder: Path, files: dict) -> str | None:
+    """What differs between `folder` and its manifest's `files`, or None."""
     for rel, entry in files.items():
-        p = ckpt / rel
+        p = folder / rel
         if not p.is_file():
             return f"{rel} missing"
         size = p.stat().st_size
@@ -93,13 +132,28 @@ def verify(ckpt: Path) -> str | None:
             return f"{rel} has {size} bytes, the manifest says {entry['size']} (truncated?)"
         if "sha256" in entry and _sha256(p) != entry["sha256"]:
             return f"{rel} does not match its sha256 in the manifest (damaged)"
-    if TRAINER_STATE not in files:
-        return f"{TRAINER_STATE} not in the manifest"
-    try:
-        json.loads((ckpt / TRAINER_STATE).read_text())
-    except ValueError as e:
-        return f"{TRAINER_STATE} is not valid JSON ({e})"
     return None
+
+
+def refs_of(ckpt: Path) -> dict[str, str]:
+    """The shared folders a checkpoint's manifest names (part name -> folder relative to it);
+    {} without a readable manifest."""
+    try:
+        return dict(json.loads((ckpt / MANIFEST).read_text()).get("refs", {}))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def prune_shared(root: Path, names: list[str]) -> list[Path]:
+    """Removes every shared folder `<name>_*` under `root` (leftovers of an interrupted write
+    included) that no checkpoint's manifest names; a checkpoint that is kept keeps what it
+    uses. Call only between saves. Returns the removed folders."""
+    used = {(ckpt / rel).name for ckpt in step_dirs(root) for rel in refs_of(ckpt).values()}
+    removed = [p for n in names for p in sorted(root.glob(f"{n}_*"))
+               if p.is_dir() and p.name not in used]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
 
 
 def newest_intact(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -114,7 +168,8 @@ def newest_intact(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
 
 
 def manifest_bytes(ckpt: Path) -> int:
-    """Total bytes of a complete checkpoint (0 when unknown)."""
+    """Total bytes of a complete checkpoint's own files, or of a shared folder (0 when
+    unknown)."""
     try:
         return int(json.loads((ckpt / MANIFEST).read_text())["bytes"])
     except (OSError, ValueError, KeyError):

@@ -15,7 +15,8 @@ tests/test_resume.py drives the same functions.
 async (run.async_rollout), distopt+async (both), moe (a Qwen3-MoE at EP=2 with the distributed
 optimizer), agent (multi-turn trajectories: tests/_agent_env.py's Digits environment, up to 3
 turns, environment tokens masked), agent+async (those with the pending multi-turn batch
-checkpointed).
+checkpointed), lora (LoRA adapters, a checkpoint every step and a reference reset, a merge,
+every 3: checkpoints with and without the base, which is written only after a merge).
 """
 from __future__ import annotations
 
@@ -73,6 +74,9 @@ MODES = {
             "model.moe_ffn_hidden_size=64", "parallel.ep=2", "optim.distributed_optimizer=true"),
     "agent": AGENT,
     "agent+async": (*AGENT, "run.async_rollout=true"),
+    # LoRA: the reference is the adapters off and a reset merges them into the base (after
+    # steps 3 and 6): checkpoints 3 and 6 write a base, 4 and 5 name the one 3 wrote
+    "lora": ("lora.rank=4", "lora.alpha=8", "checkpoint.every=1"),
 }
 
 
@@ -165,20 +169,23 @@ def history(out_dir: Path) -> list[dict]:
 
 
 def final_state(out_dir: Path) -> dict[str, torch.Tensor]:
-    """The newest checkpoint's policy, reference (where the run has one) and optimizer tensors
-    (dist-checkpoints, read with torch DCP, no process group) and every rank's random streams
-    and pending async batch (megagrpo's safetensors files)."""
+    """The newest checkpoint's policy, reference (where the run has one), optimizer and shared
+    (a LoRA run's base, wherever it was written) tensors (dist-checkpoints, read with torch DCP,
+    no process group) and every rank's random streams and pending async batch (megagrpo's
+    safetensors files)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     from megagrpo.checkpoint import load_tree
-    from megagrpo.run_dir import checkpoint_root, step_dirs
+    from megagrpo.run_dir import checkpoint_root, refs_of, step_dirs
 
     ckpt = step_dirs(checkpoint_root(out_dir))[-1]
     out = {}
-    for part in ("policy", "reference", "optimizer"):
-        if part == "reference" and not (ckpt / part).exists():  # algo.beta = 0: none saved
+    folders = {part: ckpt / part for part in ("policy", "reference", "optimizer")}
+    folders.update({name: ckpt / rel for name, rel in refs_of(ckpt).items()})
+    for part, folder in folders.items():
+        if part == "reference" and not folder.exists():  # algo.beta = 0 or LoRA: none saved
             continue
-        tensors = _load_state_dict_from_keys(checkpoint_id=str(ckpt / part))
+        tensors = _load_state_dict_from_keys(checkpoint_id=str(folder))
         out.update({f"{part}.{k}": v for k, v in tensors.items() if isinstance(v, torch.Tensor)})
     for part in ("rng", "rollout"):
         for f in sorted((ckpt / part).glob("*.safetensors")):

@@ -69,10 +69,23 @@ def damage(cut: Path, marker: Path) -> tuple[Path, Path]:
     return newest, older
 
 
+def kill_run(proc: subprocess.Popen) -> tuple[set[int], list[int]]:
+    """SIGKILLs a run's launcher alone (torchrun and its ranks must follow); returns (what ran
+    below it, what of it is still alive after 60 s)."""
+    below = stress.descendants(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    t0 = time.monotonic()
+    while any(alive(p) for p in below) and time.monotonic() - t0 < 60:
+        time.sleep(0.2)
+    return below, [p for p in below if alive(p)]
+
+
 @pytest.fixture(scope="module", params=[
     "distopt+async", pytest.param("sync", marks=pytest.mark.heavy),
     pytest.param("agent", marks=pytest.mark.heavy),
-    pytest.param("agent+async", marks=pytest.mark.heavy)])
+    pytest.param("agent+async", marks=pytest.mark.heavy),
+    pytest.param("lora", marks=pytest.mark.heavy)])
 def e2e(request, tmp_path_factory):
     """The uninterrupted run and the interrupted one run side by side (DP=2; by default with
     the distributed optimizer and async rollouts, the configuration with the most state: the
@@ -81,7 +94,10 @@ def e2e(request, tmp_path_factory):
     multi-turn step; tests/test_agent_resume.py checks their pending batch by default). The
     interrupted run's launcher is SIGKILLed once step 4's checkpoint is complete (in step 5);
     its checkpoints are damaged and it is resumed (from step 2: its checkpoint holds the async
-    batch for step 3) while the uninterrupted run finishes."""
+    batch for step 3) while the uninterrupted run finishes. LoRA (a checkpoint every step, a
+    merge after steps 3 and 6): resumed from step 3, whose checkpoint wrote the base, then
+    killed again in step 6 and resumed from step 5, whose checkpoint names the base step 3
+    wrote."""
     extra = stress.MODES[request.param]
     work = tmp_path_factory.mktemp("resume")
     ref, cut, marker = work / "uninterrupted", work / "interrupted", work / "pickle_was_run"
@@ -90,16 +106,15 @@ def e2e(request, tmp_path_factory):
     below: set[int] = set()
     try:
         stress.wait_for_step(proc, cut, 4, checkpoint=True)
-        below = stress.descendants(proc.pid)
-        os.kill(proc.pid, signal.SIGKILL)  # the launcher only: torchrun and ranks must follow
-        proc.wait()
-        t0 = time.monotonic()
-        while any(alive(p) for p in below) and time.monotonic() - t0 < 60:
-            time.sleep(0.2)
-        orphans = [p for p in below if alive(p)]
+        below, orphans = kill_run(proc)
         newest, older = damage(cut, marker)
-        stress.finish(stress.launch(cut, STEPS, work / "resumed.log", *extra),
-                      work / "resumed.log")
+        resumed = stress.launch(cut, STEPS, work / "resumed.log", *extra)
+        if request.param == "lora":  # once more, now from a checkpoint without the base
+            stress.wait_for_step(resumed, cut, 5, checkpoint=True)
+            again, left = kill_run(resumed)
+            below, orphans = below | again, orphans + left
+            resumed = stress.launch(cut, STEPS, work / "resumed_again.log", *extra)
+        stress.finish(resumed, work / "resumed.log")
         stress.finish(ref_proc, work / "uninterrupted.log")
     finally:  # never leave processes behind, whatever failed
         for p in below:
@@ -131,7 +146,8 @@ def test_resumed_run_is_bitwise_the_uninterrupted_run(e2e):
     assert steps == list(range(1, STEPS + 1))  # one history, no repeated steps
     state = stress.final_state(cut)
     assert len(state) > 20  # policy, reference and optimizer tensors were compared
-    assert any(k.startswith("reference.") for k in state)
+    # the reference model, or LoRA's frozen base (the reference is the adapters off)
+    assert any(k.startswith("base." if e2e["mode"] == "lora" else "reference.") for k in state)
     assert stress.trainer_state(cut)["step"] == STEPS  # and the trainer state
     assert any(".exp_avg_sq." in k for k in state) and any(k.startswith("rng.") for k in state)
     if "run.async_rollout=true" in stress.MODES[e2e["mode"]]:  # the batch drawn ahead, too
@@ -140,6 +156,30 @@ def test_resumed_run_is_bitwise_the_uninterrupted_run(e2e):
         assert max(r["turns"] for r in stress.history(cut) if "reward_mean" in r) > 1
         if "run.async_rollout=true" in stress.MODES[e2e["mode"]]:  # environment tokens' holes
             assert any(k.startswith("rollout.") and ".loss_mask." in k for k in state)
+
+
+def test_lora_resumes_with_and_without_the_base(e2e):
+    """LoRA: the base is in a checkpoint only after a merge (and in the first one); the run
+    resumed bitwise (above) from step 3, whose checkpoint wrote the base, and from step 5,
+    whose checkpoint names the one step 3 wrote; the kept checkpoints keep theirs."""
+    if e2e["mode"] != "lora":
+        pytest.skip("LoRA runs only")
+    from megagrpo.run_dir import refs_of
+
+    root = e2e["cut"] / "checkpoints"
+    assert "at step 3" in e2e["log"]
+    again = (e2e["cut"].parent / "resumed_again.log").read_text()
+    assert f"resumed from {root / 'step_000005'} at step 5" in again, again[-3000:]
+    # keep_last=3: steps 4, 5 and 6; 4 and 5 name step 3's base, 6 wrote its own
+    assert [p.name for p in sorted(root.iterdir())] == [
+        "base_000001", "base_000002", "step_000004", "step_000005", "step_000006"]
+    assert [refs_of(root / f"step_00000{s}") for s in (4, 5, 6)] == [
+        {"base": "../base_000001"}] * 2 + [{"base": "../base_000002"}]
+    adapters, base = (_dcp_tensors(root / f) for f in ("step_000005/policy", "base_000001"))
+    assert adapters and all(".lora_" in k for k in adapters), sorted(adapters)[:4]
+    assert base and not any(".lora_" in k for k in base), sorted(base)[:4]
+    ref_root = e2e["ref"] / "checkpoints"
+    assert sorted(p.name for p in ref_root.iterdir()) == sorted(p.name for p in root.iterdir())
 
 
 def _train_cli(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess:

@@ -1,0 +1,110 @@
+"""A LoRA run's checkpoint: the adapters in every checkpoint, the frozen base only when it changed.
+
+Between two reference resets only the adapters (and their Adam moments) move: the base changes
+only at a merge (`megagrpo.lora.merge_adapters`), so writing it into every checkpoint would
+write the same model again and again. The policy is saved as two parts
+(`megagrpo.run.checkpoint_states`):
+- `Adapters` ("policy/" of every checkpoint): the lora_A / lora_B tensors, the config, the
+  tokenizer, and in megagrpo_model.json the folder of the base they go with ("base":
+  "../../base_000002", relative to policy/);
+- `BaseWeights` (a `megagrpo.checkpoint.Shared` part): every other tensor of the model, in
+  checkpoints/base_<merges>/, keyed by `LoRAReference.merges` (reference resets so far, the
+  cold start's included), written by the first checkpoint after a merge (or the run's first
+  checkpoint) and named by the manifest of every checkpoint that uses it.
+Both are megatron dist-checkpoints: they load at any TP x PP like a whole model. The base folder
+has a manifest of its own; a checkpoint is intact only when its base is (`run_dir.verify`), and
+retention removes a base with the last checkpoint that names it (`run_dir.prune_shared`). Any
+reader of a policy folder (`checkpoint.load_model`: `convert --from-megatron`, with or without
+`--peft-adapter`) follows "base" to it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from megagrpo.checkpoint import ModelState
+from megagrpo.config.model import ModelConfig
+from megagrpo.run_dir import MODEL_JSON, write_manifest
+
+ADAPTER_MARK = ".lora_"
+"""What names an adapter tensor in a sharded state dict's keys (`megagrpo.lora`: every adapter
+parameter is a module's `lora_*` attribute)."""
+
+
+def is_adapter_key(key: str) -> bool:
+    """Whether a sharded state dict key is an adapter's (else the base's)."""
+    return ADAPTER_MARK in key
+
+
+def _is_base_key(key: str) -> bool:
+    return not is_adapter_key(key)
+
+
+class BaseWeights(ModelState):
+    """The frozen base of a LoRA policy as a shared part: saved in checkpoints/base_<version>/
+    when `version()` (the merges so far) moved since the manager last wrote or loaded it."""
+
+    shared: ClassVar[bool] = True
+    inside = "policy"
+    """LoRA checkpoints written before the base was shared held it in their policy/."""
+
+    def __init__(self, model: torch.nn.Module | list, config: ModelConfig,
+                 version: Callable[[], int]):
+        super().__init__(model, config, select=_is_base_key)
+        self._version = version
+        self.written: str | None = None
+
+    def version(self) -> int:
+        return self._version()
+
+    def write_beside(self, folder: Path) -> None:
+        """The config, and a manifest of its own: checkpoints that name this folder are
+        intact only when it is."""
+        super().write_beside(folder)
+        write_manifest(folder)
+
+
+class Adapters(ModelState):
+    """A LoRA policy's adapters (every checkpoint's policy/), naming the base they go with."""
+
+    def __init__(self, model: torch.nn.Module | list, config: ModelConfig, base: BaseWeights,
+                 *, tokenizer=None, extra: dict | None = None):
+        super().__init__(model, config, tokenizer=tokenizer, extra=extra, select=is_adapter_key)
+        self.base = base
+
+    def meta(self) -> dict:
+        """megagrpo_model.json: the config, `extra`, and "base": the folder of the base,
+        relative to this policy folder (saved after the base, so `written` is current)."""
+        return {**super().meta(), "base": f"../../{self.base.written}"}
+
+
+def lora_parts(model: torch.nn.Module | list, config: ModelConfig, merges: Callable[[], int],
+               *, tokenizer=None, extra: dict | None = None) -> dict[str, ModelState]:
+    """{"base": ..., "policy": ...}: a LoRA policy's two parts, the base first (the policy's
+    metadata names the base folder the save wrote or reused)."""
+    base = BaseWeights(model, config, merges)
+    return {"base": base,
+            "policy": Adapters(model, config, base, tokenizer=tokenizer, extra=extra)}
+
+
+def base_folder(policy_dir: str | os.PathLike) -> Path | None:
+    """The base folder a policy folder names (None: the policy holds its base). Raises
+    FileNotFoundError naming it when it is not there (a step folder copied without it)."""
+    path = Path(policy_dir) / MODEL_JSON
+    if not path.exists():
+        return None
+    rel = json.loads(path.read_text()).get("base")
+    if not rel:
+        return None
+    base = Path(policy_dir) / rel
+    if not (base / MODEL_JSON).exists():
+        raise FileNotFoundError(
+            f"{policy_dir} holds a LoRA run's adapters; its base weights are in {rel} "
+            f"(= {base.resolve()}), written by an earlier checkpoint of the run, and that "
+            "folder is missing: copy it beside the step folder (checkpoints/ keeps both)")
+    return base
