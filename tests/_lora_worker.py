@@ -4,8 +4,11 @@ added (B set to seeded random values so that A's gradient is not zero), one forw
 a token-mean cross-entropy runs through megatron's schedule and DDP, and each adapter's values
 and reduced gradients are saved as full tensors under HF projection names (WORK/<tag>_rank<r>.pt)
 for the parent's float64 transformers reference. At TP=2 the merge (reference reset) is checked,
-then the model saved and loaded at PP=2 (the adapters reshard); at both layouts the base and a
-peft adapter are exported (megagrpo.lora_export). Scalars go to WORK/results.json."""
+then checkpoints are written by megagrpo's CheckpointManager over a LoRA policy's parts (the base
+only after a merge, megagrpo.lora_checkpoint; their bytes measured) and loaded at PP=2 (the
+adapters and the base reshard; a checkpoint of the older one-folder format too); at both layouts
+the base and a peft adapter are exported (megagrpo.lora_export). Scalars go to
+WORK/results.json."""
 import argparse
 import os
 
@@ -124,16 +127,14 @@ def run_layout(tag, tp, pp, dist_opt, work, results, load_from=None):
     lcfg = LoRAConfig(rank=4, alpha=8.0)
     n_adapter = add_adapters(gpt, lcfg, seed=3)
     if load_from:  # a checkpoint of another layout: the adapters reshard like their weights
-        from megagrpo.checkpoint import load_model
-
-        load_model(gpt, load_from)
+        load_checks(gpt, mcfg, load_from, results)
         torch.save(adapter_tensors(gpt, mcfg, parallel, grads=False),
                    os.path.join(work, f"{tag}_rank{dist.get_rank()}.pt"))
         from megagrpo.lora_export import export_base_and_adapter
 
         export_base_and_adapter(gpt, os.path.join(work, "base_pp2"),
                                 os.path.join(work, "peft_pp2"), mcfg, parallel, lcfg)
-        return None, mcfg, parallel
+        return None, None, mcfg, parallel
     randomize_b(gpt, seed=5)
     values = adapter_tensors(gpt, mcfg, parallel, grads=False)
     ocfg = OptimConfig(lr=1e-3, clip_grad=0.0, distributed_optimizer=dist_opt)
@@ -160,7 +161,98 @@ def run_layout(tag, tp, pp, dist_opt, work, results, load_from=None):
                     "adapter_numel": n_adapter, "opt_numel": opt_numel,
                     "opt_state_bytes": state_bytes, "base_with_grad": base_grad,
                     "step_ok": ok, "last_stage": ps.is_pipeline_last_stage()})
-    return ddp, mcfg, parallel
+    return ddp, opt, mcfg, parallel
+
+
+class Merges:
+    """The merge count as a replicated checkpoint part (a run keeps it in LoRAReference)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"merges": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = state["merges"]
+
+
+def _listing(root) -> list[str]:
+    return sorted(p.name for p in root.iterdir()) if dist.get_rank() == 0 else []
+
+
+def _payload(folder) -> int:
+    """Bytes of the tensors a dist-checkpoint holds (each once, from its metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return sum(m.size.numel() * m.properties.dtype.itemsize for m in meta.values()
+               if isinstance(m, TensorStorageMetadata))
+
+
+def checkpoint_checks(ddp, opt, mcfg, work, results) -> None:
+    """megagrpo's CheckpointManager over a LoRA policy's parts (keep_last=2): checkpoint 1
+    writes the base, a merge (alpha 0.5: B stays non-zero), checkpoint 2 writes it again, 3
+    names 2's; the bytes of each; and the older one-folder format (base and adapters in
+    policy/) of the same state as 3, for the loader."""
+    from megagrpo.checkpoint import CheckpointManager, ModelState, OptimizerState, Replicated, _Pair
+    from megagrpo.lora import merge_adapters
+    from megagrpo.lora_checkpoint import lora_parts
+    from megagrpo.run_dir import manifest_bytes
+
+    merges = Merges()
+    lora = {"lora": {"rank": 4, "alpha": 8.0}}
+    states = {**lora_parts(ddp, mcfg, lambda: merges.n, extra=lora),
+              "optimizer": OptimizerState(_Pair(ddp, opt)), "count": Replicated(merges)}
+    mgr = CheckpointManager(os.path.join(work, "run_tp2"), 2, states, layout={"tp": 2})
+    mgr.save(1)
+    after = {1: _listing(mgr.root)}
+    merge_adapters(ddp, alpha=0.5)
+    merges.n += 1
+    for step in (2, 3):
+        mgr.save(step)
+        after[step] = _listing(mgr.root)
+    old = {"policy": ModelState(ddp, mcfg, extra=lora), "count": Replicated(merges)}
+    CheckpointManager(os.path.join(work, "old_tp2"), 2, old, layout={"tp": 2}).save(3)
+    if dist.get_rank() == 0:
+        root, step = mgr.root, mgr.path
+        results.append({
+            "check": "checkpoints", "after": {str(k): v for k, v in after.items()},
+            "bytes": {f: manifest_bytes(root / f) for f in
+                      ("step_000002", "step_000003", "base_000001")},
+            "payload": {f: _payload(root / f) for f in
+                        ("step_000002/policy", "step_000002/optimizer", "step_000003/policy",
+                         "step_000003/optimizer", "base_000001")},
+            "files_3": sorted(str(p.relative_to(step(3))) for p in step(3).rglob("*")
+                              if p.is_file())})
+
+
+def load_checks(gpt, mcfg, work, results) -> None:
+    """At PP=2: the one-folder checkpoint loaded by a manager over the LoRA parts (its adapters
+    recorded, the base then written anew), then the run's newest checkpoint (3, no base of its
+    own: 2's), and a checkpoint 4 from here (the base not written again)."""
+    from megagrpo.checkpoint import CheckpointManager, Replicated
+    from megagrpo.lora_checkpoint import lora_parts
+
+    merges = Merges()
+    parts = lora_parts(gpt, mcfg, lambda: merges.n, extra={"lora": {"rank": 4, "alpha": 8.0}})
+    res = {"check": "loaded"}
+    for name in ("old_tp2", "run_tp2"):
+        mgr = CheckpointManager(os.path.join(work, name), 2,
+                                {**parts, "count": Replicated(merges)}, layout={"pp": 2})
+        ckpt = mgr.latest()
+        mgr.load(ckpt)
+        res[name] = {"step": ckpt.name, "written": parts["base"].written, "merges": merges.n}
+        if name == "old_tp2":
+            torch.save(adapter_tensors(gpt, mcfg, None, grads=False),
+                       os.path.join(work, f"old_pp2_rank{dist.get_rank()}.pt"))
+            mgr.save(4)  # the base goes to a folder of its own now
+            res[name]["after_save"] = _listing(mgr.root)
+    mgr.save(4)
+    res["run_tp2"]["after_save"] = _listing(mgr.root)
+    if dist.get_rank() == 0:
+        results.append(res)
 
 
 def merge_checks(ddp, mcfg, parallel, ids, results):
@@ -222,7 +314,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
     args = ap.parse_args()
-    from megagrpo.checkpoint import save_model
     from megagrpo.config.lora import LoRAConfig
     from megagrpo.lora_export import export_base_and_adapter
     from megagrpo.reshard import export_hf
@@ -232,15 +323,15 @@ def main():
     ref = torch.load(os.path.join(args.work, "ref.pt"))
     # the distributed optimizer reduce-scatters: each DP rank's main grads are reduced in its
     # own shard only, so its layout checks the optimizer's contents, not the gradients
-    saved = os.path.join(args.work, "ckpt_tp2")
     for tag, tp, pp, dist_opt in (("tp2", 2, 1, False), ("pp2", 1, 2, False),
                                   ("dp2", 1, 1, False), ("dp2_distopt", 1, 1, True),
                                   ("pp2_loaded", 1, 2, False)):
-        ddp, mcfg, parallel = run_layout(tag, tp, pp, dist_opt, args.work, results,
-                                         load_from=saved if tag == "pp2_loaded" else None)
+        ddp, opt, mcfg, parallel = run_layout(
+            tag, tp, pp, dist_opt, args.work, results,
+            load_from=args.work if tag == "pp2_loaded" else None)
         if tag == "tp2":
             merge_checks(ddp, mcfg, parallel, ref["ids"], results)
-            save_model(ddp, saved, mcfg, extra={"lora": {"rank": 4, "alpha": 8.0}})
+            checkpoint_checks(ddp, opt, mcfg, args.work, results)  # the state saved from here on
             export_hf(ddp, os.path.join(args.work, "export_tp2"), mcfg, parallel)  # merged
             # the base as held (after the merge checks: a merged base, B not zero) and the
             # adapters in peft's layout, gathered over TP=2

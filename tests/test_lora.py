@@ -3,7 +3,9 @@ equal a float64 plain-torch LoRA on transformers' model; the base gets no gradie
 optimizer (plain and distributed) holds the adapters only; a merge (the reference reset) leaves
 the policy's logits unchanged within fp32 rounding, makes the reference's logits equal them
 bitwise (KL 0), and mixing with alpha moves the reference to alpha * policy + (1 - alpha) *
-reference in weight space. One torchrun launch (2 ranks, gloo): tests/_lora_worker.py."""
+reference in weight space; checkpoints hold the frozen base only after a merge (the adapters and
+their Adam moments otherwise, counted by hand) and load at another layout. One torchrun launch
+(2 ranks, gloo): tests/_lora_worker.py."""
 import copy
 import json
 import os
@@ -168,11 +170,75 @@ def test_adapters_reshard_through_a_checkpoint(run):
             assert torch.equal(saved[name][which], loaded[name][which]), (name, which)
 
 
+def _hand_bytes(work, r: int = 4) -> tuple[int, int]:
+    """fp32 bytes of (megagrpo's adapters, the base) of the worker's Llama at TP=2, counted from
+    its HF config: one A per fused layer (A [r, in], B [out, r] of qkv, proj, fc1 = gate|up,
+    fc2); the base with megatron's vocabulary padded to a multiple of 64 * TP (untied)."""
+    hf = json.loads((work / "llama" / "config.json").read_text())
+    H, F, L = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]
+    hd = hf.get("head_dim") or H // hf["num_attention_heads"]
+    q, kv = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd
+    per = r * (H + q + 2 * kv) + r * (q + H) + r * (H + 2 * F) + r * (F + H)
+    vocab = -(-hf["vocab_size"] // 128) * 128
+    layer = 2 * H + (q + 2 * kv) * H + H * q + 2 * F * H + H * F
+    return 4 * L * per, 4 * (2 * vocab * H + L * layer + H)
+
+
+def test_checkpoints_hold_the_base_only_after_a_merge(run):
+    """CheckpointManager over a LoRA policy's parts (keep_last=2): checkpoint 1 writes the base
+    (base_000000), a merge, 2 writes base_000001, 3 (no merge since 2) writes none and names 2's;
+    saving 3 removes 1 and base_000000, which nothing kept names. Checkpoint 3's tensors are the
+    adapters and their two Adam moments, counted by hand; the merge's checkpoint costs the base
+    on top."""
+    work, results = run[0], run[1]
+    r = next(x for x in results if x.get("check") == "checkpoints")
+    assert r["after"] == {"1": ["base_000000", "step_000001"],
+                          "2": ["base_000000", "base_000001", "step_000001", "step_000002"],
+                          "3": ["base_000001", "step_000002", "step_000003"]}
+    adapters, base = _hand_bytes(work)
+    pay, size = r["payload"], r["bytes"]
+    for step in ("step_000002", "step_000003"):  # the tensors each holds, by its metadata
+        assert pay[f"{step}/policy"] == adapters and pay[f"{step}/optimizer"] == 2 * adapters
+    assert pay["base_000001"] == base
+    assert not any(f.startswith("base") for f in r["files_3"]), r["files_3"]
+    without, with_merge = size["step_000003"], size["step_000002"] + size["base_000001"]
+    print(f"\nLoRA rank 4 checkpoint on disk: {without:,} bytes without a merge since the last "
+          f"one (adapters + Adam moments by hand: {3 * adapters:,}), {with_merge:,} with one "
+          f"(+ the base, by hand {base:,})")
+    # the rest is small: DCP frames each of the 48 tensors (16 adapters, 32 moments) with
+    # torch.save (< 4 KiB), and metadata / JSON files (< 64 KiB)
+    assert 3 * adapters <= without <= 3 * adapters + 48 * 4096 + 65536
+    assert with_merge - without >= base
+
+
+def test_checkpoint_without_its_base_loads_at_another_layout(run):
+    """At PP=2 a manager over the LoRA parts loads checkpoint 3 (saved at TP=2; its base is
+    2's): it knows the base is written (checkpoint 4 from there writes none, and keeps
+    base_000001, which the pruned checkpoint 2 wrote) and the merge count is restored (the
+    adapters' values: test_adapters_reshard_through_a_checkpoint). A checkpoint of the older
+    one-folder format (base and adapters in policy/) loads too, and the next save writes its
+    base into a folder of its own."""
+    work, results = run[0], run[1]
+    r = next(x for x in results if x.get("check") == "loaded")
+    assert r["run_tp2"] == {"step": "step_000003", "written": "base_000001", "merges": 1,
+                            "after_save": ["base_000001", "step_000003", "step_000004"]}
+    assert r["old_tp2"] == {"step": "step_000003", "written": None, "merges": 1,
+                            "after_save": ["base_000001", "step_000003", "step_000004"]}
+    saved, old = {}, {}
+    for rank in range(2):
+        saved.update(torch.load(work / f"saved_rank{rank}.pt"))
+        old.update(torch.load(work / f"old_pp2_rank{rank}.pt"))
+    assert saved.keys() == old.keys() and saved
+    assert all(torch.equal(saved[n][w], old[n][w]) for n in saved for w in ("A", "B"))
+
+
 def test_convert_merges_a_lora_checkpoint(run, tmp_path):
-    """`convert --from-megatron` of a checkpoint with adapters (TP=2, B not zero) at TP=1
-    writes the merged weights: those of the live model's merged export, and not the base's."""
+    """`convert --from-megatron` of a checkpoint with adapters (TP=2, B not zero; its base
+    written by the checkpoint before) at TP=1 writes the merged weights: those of the live
+    model's merged export, and not the base's."""
     work = run[0]
-    p = run_cli("convert", "--from-megatron", str(work / "ckpt_tp2"), "--to-hf",
+    p = run_cli("convert", "--from-megatron", str(work / "run_tp2" / "checkpoints" /
+                                                  "step_000003"), "--to-hf",
                 str(tmp_path / "hf"))
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert "lora: the checkpoint's adapters (rank 4 on qkv,proj,fc1,fc2) are merged" in p.stdout
@@ -260,11 +326,11 @@ def test_peft_export_at_tp2_gives_the_merged_logits(run):
 
 
 def test_convert_peft_adapter_of_a_tp2_checkpoint(run, tmp_path):
-    """`convert --from-megatron CKPT --to-hf BASE --peft-adapter DIR` at TP=1 of the TP=2
-    checkpoint: the same base and adapter as the worker's TP=2 export; peft loads them with the
-    merged export's logits."""
+    """`convert --from-megatron RUN --to-hf BASE --peft-adapter DIR` at TP=1 of the run's
+    newest checkpoint (its base in a folder an earlier checkpoint wrote): the same base and
+    adapter as the worker's TP=2 export; peft loads them with the merged export's logits."""
     work, ids = run[0], run[3]
-    p = run_cli("convert", "--from-megatron", str(work / "ckpt_tp2"), "--to-hf",
+    p = run_cli("convert", "--from-megatron", str(work / "run_tp2"), "--to-hf",
                 str(tmp_path / "base"), "--peft-adapter", str(tmp_path / "peft"))
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert "holds the checkpoint's base weights (adapters not merged)" in p.stdout
