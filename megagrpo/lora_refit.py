@@ -56,10 +56,24 @@ class AdapterRefit:
         self.base_stale = True
         """Whether vLLM's base differs from the policy's (start, after a merge)."""
         self._count = 0
+        self._stale_after_first = False
+        """A resumed run: whether the run it continues had a merge pending its refit."""
 
     def base_changed(self) -> None:
         """A merge edited W: the next refit sends the base too."""
         self.base_stale = True
+
+    def state_dict(self) -> dict:
+        """For the checkpoint (a key of trainer_state.json): a merge not refit yet."""
+        return {"adapter_base_stale": self.base_stale}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A resumed run's engine is new, so its first refit sends the base whatever the
+        checkpoint says; the refit after it sends the base again when the run it continues
+        would have (a merge since that run's last refit), so vLLM gets the same refits and
+        samples the same log-probs bitwise as uninterrupted (the base once more, at a resume
+        right after a merge)."""
+        self._stale_after_first = bool(state.get("adapter_base_stale", False))
 
     def sync(self, policy, engine, model: ModelConfig, parallel: ParallelConfig,
              full_refit: Callable[[], dict]) -> dict:
@@ -72,7 +86,7 @@ class AdapterRefit:
         if base:
             with adapters_disabled(policy):  # the feed streams W, not W + s B A
                 out = full_refit()
-            self.base_stale = False
+            self.base_stale, self._stale_after_first = self._stale_after_first, False
         t0 = time.perf_counter()
         tensors = gather_adapters(policy, model, parallel)
         self._count += 1

@@ -192,6 +192,8 @@ def checkpoint_states(tr: Trainer) -> dict[str, Part]:
     states["rollout"] = PerRank(tr.rollouts, what="the async batch drawn for the next step",
                                 restore=tr.cfg.run.async_rollout)
     states["train_state"] = Replicated(tr)
+    if tr.adapter_refit is not None:  # a merge not yet refit into vLLM (bitwise resume)
+        states["adapter_refit"] = Replicated(tr.adapter_refit)
     return states
 
 
