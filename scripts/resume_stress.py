@@ -218,8 +218,16 @@ def _flatten(tree, prefix: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def compare(reference: Path, resumed: Path) -> list[str]:
-    """What differs between two runs' final tensors and histories (empty: bitwise equal)."""
+NEAR = {"lora": {"logp_gap_vllm_mean": 1e-7}}
+"""Metrics a mode's resumed run matches within an absolute tolerance, not bitwise. LoRA: vLLM's
+sampling log-probs on the first step after a resume that follows a merge differ from the
+uninterrupted run's by ~1e-8 (a fresh engine given the same base and adapter; its samples, and
+so every reward, weight, moment and other metric, are bitwise the same)."""
+
+
+def compare(reference: Path, resumed: Path, near: dict[str, float] | None = None) -> list[str]:
+    """What differs between two runs' final tensors and histories (empty: bitwise equal;
+    `near`: metrics fields compared within an absolute tolerance instead)."""
     a, b = final_state(reference), final_state(resumed)
     diffs = [f"tensor sets differ: {sorted(a.keys() ^ b.keys())[:4]}"] if a.keys() != b.keys() \
         else []
@@ -233,7 +241,13 @@ def compare(reference: Path, resumed: Path) -> list[str]:
     ha, hb = history(reference), history(resumed)
     if len(ha) != len(hb):
         diffs.append(f"metrics.jsonl: {len(ha)} records vs {len(hb)}")
-    diffs += [f"metrics record {i}: {x} != {y}" for i, (x, y) in enumerate(zip(ha, hb)) if x != y]
+    near = near or {}
+    for i, (x, y) in enumerate(zip(ha, hb)):
+        gaps = {k: abs(x[k] - y[k]) for k in near.keys() & x.keys() & y.keys()}
+        if {k: v for k, v in x.items() if k not in gaps} != \
+                {k: v for k, v in y.items() if k not in gaps} \
+                or any(g > near[k] for k, g in gaps.items()):
+            diffs.append(f"metrics record {i}: {x} != {y}")
     return diffs
 
 
@@ -279,7 +293,7 @@ def main() -> int:
         if out.exists():
             shutil.rmtree(out)
         interrupted_run(out, args.steps, step, *extra, delay=delay)
-        diffs = compare(ref, out)
+        diffs = compare(ref, out, NEAR.get(args.mode))
         equal += not diffs
         print(f"kill {i + 1}: after step {step} + {delay:.2f} s -> "
               f"{'bitwise equal' if not diffs else 'DIFFERS: ' + '; '.join(diffs[:3])}",
