@@ -155,6 +155,21 @@ def test_lora_refuses_reference_offload_tp_dropout_and_expert_tp():
     LoRAConfig(rank=4, targets=["qkv", "proj"]).validate(moe, ParallelConfig(tp=2))
 
 
+def test_expert_adapters_are_refit_merged():
+    """vLLM does not serve adapters on MoE experts (no CPU fused-MoE LoRA kernels): the run
+    refits the merged weights and its console line says why; attention-only adapters on an MoE
+    model, and a dense model's fc1/fc2, are served."""
+    from megagrpo.lora import describe
+    from megagrpo.lora_refit import unavailable
+
+    moe = ModelConfig(architecture="qwen3_moe", num_experts=4, moe_ffn_hidden_size=64)
+    why = unavailable(LoRAConfig(rank=4), 1, moe)
+    assert "['fc1', 'fc2'] adapt MoE experts" in why
+    assert "merged weights" in describe(10, 100, LoRAConfig(rank=4), why)
+    assert unavailable(LoRAConfig(rank=4, targets=["qkv", "proj"]), 1, moe) == ""
+    assert unavailable(LoRAConfig(rank=4), 1, ModelConfig()) == ""
+
+
 def test_lora_off_by_default_and_scale():
     cfg = TrainConfig()
     assert not cfg.lora.enabled
