@@ -20,6 +20,16 @@ the adapter shards that pair with its weight shard.
 Replicated adapter tensors carry megatron's defaults (tensor_model_parallel=False), so the
 gradient norm counts them once; split ones carry the TP attributes of their weight.
 
+MoE layers: fc1 / fc2 targets put an adapter on every routed expert's linear_fc1 / linear_fc2
+(megatron's SequentialMLP: one MLP per local expert), on the shared expert's when the model
+has one, and on the MLP of the model's dense layers; the router is never adapted. The adapters
+live where their expert lives: each expert-parallel rank builds those of its own experts, with
+the expert weight's `allreduce=False` mark, so megatron's DDP reduces their gradients over the
+expert-data-parallel group as it does the expert weights'. Every adapter's A is drawn from a
+stream of its own (seed, layer, target, expert), so any EP layout holds the same adapters.
+Expert tensor parallelism (expert linears with `explicit_expert_comm` at TP > 1, whose TP
+communication the token dispatcher does) is not built: `LoRAConfig.validate` refuses it.
+
 Fused layers: the fused QKV (per KV group [q, k, v]) and fc1 (cat(gate, up)) get one adapter
 over the fused output, i.e. a LoRA of the fused matrix: A is shared by q, k and v (by gate and
 up), B has a row block per part in the weight's own row order, so a merge adds each part's rows
@@ -59,9 +69,11 @@ log = logging.getLogger("megagrpo")
 
 TARGET_MODULES = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.linear_proj",
                   "fc1": "mlp.linear_fc1", "fc2": "mlp.linear_fc2"}
-"""Where each target sits inside a TransformerLayer (a dense MLP only: MoE experts are
-`mlp.experts...` and shared experts `mlp.shared_experts...`, which these names do not match)."""
+"""Where each target sits inside a TransformerLayer with a dense MLP (an MoE layer's fc1 / fc2
+are its experts', `_target_linears`)."""
 ROW_TARGETS = ("proj", "fc2")
+SHARED_EXPERT = -1
+"""The expert index of an MoE layer's shared expert in the adapters' init streams."""
 
 
 # ---------------------------------------------------------------------- the adapted linears
@@ -120,23 +132,32 @@ def _adapted_class(base: type) -> type:
         "forward": _adapted_forward, "sharded_state_dict": _adapted_sharded_state_dict})
 
 
-def _init_a(shape: tuple[int, int], seed: int, layer: int, target: int) -> torch.Tensor:
+def _init_a(shape: tuple[int, int], seed: int, layer: int, target: int,
+            expert: int | None = None) -> torch.Tensor:
     """The full A [r, in] of one adapter: uniform(+-1/sqrt(in)) (kaiming-uniform with a=sqrt(5),
     as torch's Linear and peft), from a stream of its own, so every TP rank draws the same
-    full tensor and any layout holds shards of one A."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + layer * 16 + target)
+    full tensor and any layout holds shards of one A. `expert`: the global routed-expert index
+    (or SHARED_EXPERT) of an MoE layer's fc1 / fc2, None elsewhere (dense streams unchanged)."""
+    stream = seed * 1_000_003 + layer * 16 + target
+    if expert is not None:  # far above any dense stream: (expert + 2) * 2^40
+        stream += (expert + 2) << 40
+    g = torch.Generator().manual_seed(stream)
     bound = 1.0 / shape[1] ** 0.5
     return (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1).mul_(bound).float()
 
 
-def _attach(linear: torch.nn.Module, cfg: LoRAConfig, row: bool, tp: int, tp_rank: int,
-            seed: int, layer: int, target: int, glu: bool = False) -> None:
+def _attach(linear: torch.nn.Module, cfg: LoRAConfig, row: bool, seed: int, layer: int,
+            target: int, glu: bool = False, expert: int | None = None) -> None:
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     w = linear.weight
+    tp, tp_rank = linear.tp_group.size(), linear.tp_group.rank()  # expert TP for experts
+    if getattr(linear, "explicit_expert_comm", False) and tp > 1:
+        raise RuntimeError("lora: adapters on experts at expert tensor parallelism > 1 are not "
+                           "built (LoRAConfig.validate refuses it)")
     out_local, in_local = w.shape
     in_full = in_local * tp if row else in_local
-    a = _init_a((cfg.rank, in_full), seed, layer, target)
+    a = _init_a((cfg.rank, in_full), seed, layer, target, expert)
     if row:
         a = a[:, tp_rank * in_local:(tp_rank + 1) * in_local]
     linear.lora_A = torch.nn.Parameter(a.to(w.dtype).contiguous().to(w.device))
@@ -144,6 +165,8 @@ def _attach(linear: torch.nn.Module, cfg: LoRAConfig, row: bool, tp: int, tp_ran
                                                    device=w.device))
     split = linear.lora_A if row else linear.lora_B
     set_tensor_model_parallel_attributes(split, True, 1 if row else 0, 1)
+    if hasattr(w, "allreduce"):  # expert weights (EP > 1): reduced over expert-DP, not DP
+        linear.lora_A.allreduce = linear.lora_B.allreduce = w.allreduce
     linear.lora_row, linear.lora_scale, linear.lora_dropout = row, cfg.scale, cfg.dropout
     linear.lora_glu = glu
     linear.lora_enabled = True
@@ -159,17 +182,34 @@ def add_adapters(gpt: torch.nn.Module, cfg: LoRAConfig, *, seed: int) -> int:
     gpt = unwrap(gpt)
     for p in gpt.parameters():
         p.requires_grad_(False)
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    ep_rank = ps.get_expert_model_parallel_rank()
     n = 0
     for layer in gpt.decoder.layers:
         for t, name in enumerate(cfg.targets):
-            linear = layer.get_submodule(TARGET_MODULES[name])
-            if getattr(linear, "gather_output", False):
-                raise RuntimeError(f"lora: {name} gathers its output; not supported")
-            _attach(linear, cfg, name in ROW_TARGETS, tp, tp_rank, seed, layer.layer_number,
-                    t, glu=name == "fc1")
-            n += linear.lora_A.numel() + linear.lora_B.numel()
+            for linear, expert in _target_linears(layer, name, ep_rank):
+                if getattr(linear, "gather_output", False):
+                    raise RuntimeError(f"lora: {name} gathers its output; not supported")
+                _attach(linear, cfg, name in ROW_TARGETS, seed, layer.layer_number, t,
+                        glu=name == "fc1", expert=expert)
+                n += linear.lora_A.numel() + linear.lora_B.numel()
     return n
+
+
+def _target_linears(layer: torch.nn.Module, name: str, ep_rank: int
+                    ) -> list[tuple[torch.nn.Module, int | None]]:
+    """(linear, expert index) of target `name` in one TransformerLayer: the dense linear
+    (expert None), or in an MoE layer (fc1 / fc2) every local routed expert's, with its global
+    index (EP rank r holds experts r * E_local ...), then the shared expert's (SHARED_EXPERT).
+    The router is no target."""
+    mlp = layer.mlp
+    if name in ("qkv", "proj") or not hasattr(mlp, "experts"):
+        return [(layer.get_submodule(TARGET_MODULES[name]), None)]
+    attr = TARGET_MODULES[name].split(".")[-1]  # linear_fc1 / linear_fc2
+    local = mlp.experts.local_experts  # SequentialMLP: megagrpo builds no grouped GEMM
+    out = [(getattr(e, attr), ep_rank * len(local) + i) for i, e in enumerate(local)]
+    if getattr(mlp, "shared_experts", None) is not None:
+        out.append((getattr(mlp.shared_experts, attr), SHARED_EXPERT))
+    return out
 
 
 def adapted(model: torch.nn.Module | list) -> list[torch.nn.Module]:

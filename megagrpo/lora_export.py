@@ -62,7 +62,8 @@ def _stage_adapters(gpt: torch.nn.Module, model: ModelConfig, parallel: Parallel
     impl = "transformer_engine" if any("layer_norm_weight" in n for n, _ in
                                        gpt.named_parameters()) else "local"
     specs = {s.local: s for s in param_specs(model, parallel,
-                                             ps.get_pipeline_model_parallel_rank(), impl)}
+                                             ps.get_pipeline_model_parallel_rank(), impl,
+                                             ep_rank=ps.get_expert_model_parallel_rank())}
     out: dict[str, torch.Tensor] = {}
     for name, m in gpt.named_modules():
         if not hasattr(m, "lora_B"):
@@ -86,10 +87,16 @@ def _stage_adapters(gpt: torch.nn.Module, model: ModelConfig, parallel: Parallel
 def gather_adapters(gpt: torch.nn.Module, model: ModelConfig, parallel: ParallelConfig
                     ) -> dict[str, torch.Tensor]:
     """Every adapter of the model in peft's names and per-projection layout, on every rank of
-    the model-parallel group (collective over TP and PP; a few MB, moved as objects)."""
+    the model-parallel group (collective over TP, EP and PP; a few MB, moved as objects).
+    Expert adapters are named as peft names them on the HF model's per-expert modules
+    (`mlp.experts.N.gate_proj`, `mlp.shared_expert.down_proj`): gathered from every EP rank."""
     from megatron.core import parallel_state as ps
 
     mine = _stage_adapters(unwrap(gpt), model, parallel)
+    if parallel.ep > 1:  # each EP rank holds its own experts' adapters
+        ranks: list = [None] * parallel.ep
+        dist.all_gather_object(ranks, mine, group=ps.get_expert_model_parallel_group())
+        mine = {k: v for r in ranks for k, v in r.items()}
     if parallel.pp == 1:
         return mine
     stages: list = [None] * parallel.pp

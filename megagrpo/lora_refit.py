@@ -34,11 +34,17 @@ def vllm_max_lora_rank(rank: int) -> int:
     return next((r for r in VLLM_LORA_RANKS if r >= rank), 0)
 
 
-def unavailable(lora: LoRAConfig, rollout_tp: int) -> str:
+def unavailable(lora: LoRAConfig, rollout_tp: int, model: ModelConfig | None = None) -> str:
     """'' when vLLM serves this run's adapters, else why it does not (the merged weights are
-    refit then)."""
+    refit then). `model`: the policy's (MoE expert adapters are not served)."""
     if not lora.enabled:
         return "lora.rank=0"
+    expert = [t for t in lora.targets if t in ("fc1", "fc2")]
+    if model is not None and model.is_moe and expert:
+        # vLLM 0.32's FusedMoEWithLoRA runs through punica's fused-MoE LoRA ops, which its CPU
+        # wrapper (PunicaWrapperCPU) does not implement, and its CPU experts do not support LoRA
+        return (f"lora.targets {expert} adapt MoE experts, which vLLM's LoRA on fused-MoE "
+                "layers cannot serve in this build (no CPU fused-MoE LoRA kernels)")
     if not vllm_max_lora_rank(lora.rank):
         return f"lora.rank={lora.rank} exceeds vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})"
     if rollout_tp > 1:

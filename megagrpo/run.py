@@ -93,7 +93,8 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
         if rank == 0:
             log.info("%s", describe_lora(n_adapters, sum(p.numel() for p in gpt.parameters()),
                                          cfg.lora, lora_refit.unavailable(
-                                             cfg.lora, cfg.rollout.tensor_parallel_size)))
+                                             cfg.lora, cfg.rollout.tensor_parallel_size,
+                                             model_cfg)))
     policy = wrap_ddp(gpt, cfg.optim)
     optimizer = build_optimizer(policy, cfg.optim)
     reference = _reference(cfg, policy, model_cfg)
@@ -169,7 +170,8 @@ def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
     r = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + layout.engine,
                             dtype=model.dtype)
     serve = cfg.lora.enabled and not lora_refit.unavailable(cfg.lora,
-                                                            cfg.rollout.tensor_parallel_size)
+                                                            cfg.rollout.tensor_parallel_size,
+                                                            model)
     return VLLMEngine(r, d, dtype=model.dtype, capture_routing=cfg.algo.routing_replay,
                       max_lora_rank=lora_refit.vllm_max_lora_rank(cfg.lora.rank) if serve else 0)
 

@@ -7,7 +7,8 @@ for the parent's float64 transformers reference. At TP=2 the merge (reference re
 then checkpoints are written by megagrpo's CheckpointManager over a LoRA policy's parts (the base
 only after a merge, megagrpo.lora_checkpoint; their bytes measured) and loaded at PP=2 (the
 adapters and the base reshard; a checkpoint of the older one-folder format too); at both layouts
-the base and a peft adapter are exported (megagrpo.lora_export). Scalars go to
+the base and a peft adapter are exported (megagrpo.lora_export). Then the MoE checks
+(tests/_lora_moe_worker.py: expert adapters at EP=2, reloaded at EP=1). Scalars go to
 WORK/results.json."""
 import argparse
 import os
@@ -15,6 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from tests._lora_moe_worker import load_moe_ep1, run_moe
 from tests.support.launch import write_results
 
 LABEL_SEED = 11
@@ -255,7 +257,7 @@ def load_checks(gpt, mcfg, work, results) -> None:
         results.append(res)
 
 
-def merge_checks(ddp, mcfg, parallel, ids, results):
+def merge_checks(ddp, mcfg, parallel, ids, results, check="merge"):
     """At the current layout: policy logits before and after a merge (alpha 1), the reference's
     (adapters off) after it, the KL estimate between them, and the alpha-mix identity in weight
     space (base' = base + a s B A, policy weights unchanged)."""
@@ -283,7 +285,7 @@ def merge_checks(ddp, mcfg, parallel, ids, results):
     refr.offload()
     lp, lr = torch.log_softmax(after.double(), -1), torch.log_softmax(ref_logits.double(), -1)
     kl = (torch.exp(lr - lp) - (lr - lp) - 1).abs().max().item()  # k3 estimator per token
-    res = {"check": "merge", "policy_change": (after - before).abs().max().item(),
+    res = {"check": check, "policy_change": (after - before).abs().max().item(),
            "policy_scale": before.abs().max().item(),
            "ref_equals_policy": bool(torch.equal(after, ref_logits)), "kl_max": kl,
            "equals_before": equal_before, "equals_after": refr.equals(ddp)}
@@ -341,6 +343,9 @@ def main():
             torch.save(adapter_tensors(ddp.module, mcfg, parallel, grads=False),
                        os.path.join(args.work, f"saved_rank{dist.get_rank()}.pt"))
         dist.barrier()
+    # MoE: expert adapters at EP=2 (gradients, merge, checkpoint), reloaded at EP=1
+    run_moe(args.work, results, ce_step, merge_checks)
+    load_moe_ep1(args.work)
     write_results(results, args.work, flat=True)
     dist.destroy_process_group()
 

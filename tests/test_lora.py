@@ -19,7 +19,7 @@ from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.train import TrainConfig
 from tests.support.cli import run_cli
 from tests.support.launch import torchrun
-from tests.support.tiny import load_dir, tiny_llama
+from tests.support.tiny import load_dir, tiny_llama, tiny_qwen2_moe
 
 WORKER = os.path.join(os.path.dirname(__file__), "_lora_worker.py")
 TAGS = ("tp2", "pp2", "dp2")
@@ -38,6 +38,9 @@ def run(tmp_path_factory):
     ids = torch.randint(0, 100, (2, 10), generator=g)
     labels = torch.randint(0, 100, (2, 10), generator=g)
     torch.save({"ids": ids, "labels": labels}, work / "ref.pt")
+    tiny_qwen2_moe(work / "qwen2_moe")  # the MoE checks (tests/_lora_moe_worker.py)
+    moe_ids = torch.randint(0, 100, (2, 12), generator=g)
+    torch.save({"ids": moe_ids, "labels": torch.roll(moe_ids, -1, dims=1)}, work / "ref_moe.pt")
     torchrun(WORKER, 2, "--work", str(work))
     return work, json.loads((work / "results.json").read_text()), llama, ids, labels
 
@@ -105,8 +108,10 @@ def test_base_frozen_and_optimizer_holds_adapters(run, tag):
         assert r["opt_state_bytes"] == 2 * 4 * r["opt_numel"]
 
 
-def test_merge_reset_is_exact(run):
-    (res,) = [r for r in run[1] if r.get("check") == "merge"][:1]
+@pytest.mark.parametrize("check", ["merge", "merge_moe"])
+def test_merge_reset_is_exact(run, check):
+    """merge_moe: at EP=2 on Qwen2-MoE, experts, shared expert and dense MLP adapted."""
+    (res,) = [r for r in run[1] if r.get("check") == check][:1]
     assert not res["equals_before"] and res["equals_after"]
     assert res["policy_change"] <= 1e-5 * res["policy_scale"]
     assert res["ref_equals_policy"] and res["kl_max"] == 0.0
@@ -135,7 +140,7 @@ def test_bad_lora_settings_name_the_field(change, field):
         _cfg(**change).validate()
 
 
-def test_lora_refuses_reference_offload_tp_dropout_and_moe_experts():
+def test_lora_refuses_reference_offload_tp_dropout_and_expert_tp():
     cfg = _cfg()
     cfg.reference.offload = True
     with pytest.raises(ValueError, match=r"reference\.offload"):
@@ -145,9 +150,26 @@ def test_lora_refuses_reference_offload_tp_dropout_and_moe_experts():
     with pytest.raises(ValueError, match=r"lora\.dropout"):
         cfg.validate()
     moe = ModelConfig(architecture="qwen3_moe", num_experts=4, moe_ffn_hidden_size=64)
-    with pytest.raises(ValueError, match=r"lora\.targets"):
-        LoRAConfig(rank=4).validate(moe, ParallelConfig())
-    LoRAConfig(rank=4, targets=["qkv", "proj"]).validate(moe, ParallelConfig())
+    # experts are adapted at expert TP = 1 (any EP); expert TP > 1 is not built
+    with pytest.raises(ValueError, match=r"lora\.targets holds \['fc1', 'fc2'\].*parallel\.tp=2"):
+        LoRAConfig(rank=4).validate(moe, ParallelConfig(tp=2))
+    LoRAConfig(rank=4).validate(moe, ParallelConfig())
+    LoRAConfig(rank=4, targets=["qkv", "proj"]).validate(moe, ParallelConfig(tp=2))
+
+
+def test_expert_adapters_are_refit_merged():
+    """vLLM does not serve adapters on MoE experts (no CPU fused-MoE LoRA kernels): the run
+    refits the merged weights and its console line says why; attention-only adapters on an MoE
+    model, and a dense model's fc1/fc2, are served."""
+    from megagrpo.lora import describe
+    from megagrpo.lora_refit import unavailable
+
+    moe = ModelConfig(architecture="qwen3_moe", num_experts=4, moe_ffn_hidden_size=64)
+    why = unavailable(LoRAConfig(rank=4), 1, moe)
+    assert "['fc1', 'fc2'] adapt MoE experts" in why
+    assert "merged weights" in describe(10, 100, LoRAConfig(rank=4), why)
+    assert unavailable(LoRAConfig(rank=4, targets=["qkv", "proj"]), 1, moe) == ""
+    assert unavailable(LoRAConfig(rank=4), 1, ModelConfig()) == ""
 
 
 def test_lora_off_by_default_and_scale():
@@ -361,3 +383,123 @@ def test_peft_adapter_refused_without_lora(tmp_path):
                                       str(tmp_path / "peft")])
     with pytest.raises(SystemExit, match="--peft-adapter"):
         cmd_convert(args)
+
+
+# ---------------------------------------------------------------------- MoE experts
+MOE_FUSED = {**FUSED, "gate_proj": "fc1", "up_proj": "fc1"}
+
+
+def _moe_adapters(work, tag):
+    values, grads = {}, {}
+    for r in range(2):
+        d = torch.load(work / f"{tag}_rank{r}.pt")
+        values.update(d.get("values", d))
+        grads.update(d.get("grads", {}))
+    return values, grads
+
+
+def merged_weights(model, leaves) -> dict[str, torch.Tensor]:
+    """{parameter name: W + s B A} of transformers' MoE model for the adapters `leaves`
+    ({HF projection: (A, B)}): per-expert projections (`mlp.experts.N.gate_proj`) land in
+    transformers 5's 3D expert tensors (gate_up_proj [E, 2I, H] = cat(gate, up) per expert,
+    down_proj [E, H, I]); everything else is a plain linear's weight."""
+    import re
+
+    params = dict(model.named_parameters())
+    delta, experts = {}, {}
+    for name, (a, b) in leaves.items():
+        d = SCALE * b @ a
+        m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)$", name)
+        if m:
+            experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = d
+        else:
+            delta[name + ".weight"] = d
+    for prefix, per in experts.items():
+        n = range(len(per))
+        delta[prefix + ".gate_up_proj"] = torch.stack(
+            [torch.cat([per[e]["gate_proj"], per[e]["up_proj"]]) for e in n])
+        delta[prefix + ".down_proj"] = torch.stack([per[e]["down_proj"] for e in n])
+    return {name: params[name] + d for name, d in delta.items()}
+
+
+def moe_reference_grads(model, values, ids, labels):
+    """Float64 transformers Qwen2-MoE with each adapter merged into its weight as a function of
+    A and B (W + s B A, through torch.func.functional_call: the same gradients as the adapter
+    beside the linear); one A per fused megatron linear (per expert for the experts)."""
+    model = copy.deepcopy(model).double()
+    model.config._experts_implementation_internal = "eager"  # grouped_mm has no float64
+    for p in model.parameters():
+        p.requires_grad_(False)
+    a_leaf, leaves = {}, {}
+    for name, v in values.items():
+        layer, part = name.rsplit(".", 1)
+        key = (layer, MOE_FUSED[part])
+        if key not in a_leaf:
+            a_leaf[key] = v["A"].clone().requires_grad_()
+        leaves[name] = (a_leaf[key], v["B"].clone().requires_grad_())
+    logits = torch.func.functional_call(model, merged_weights(model, leaves), (ids,)).logits
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).backward()
+    return {n: {"A": a.grad, "B": b.grad} for n, (a, b) in leaves.items()}
+
+
+def test_expert_adapter_grads_equal_float64_reference(run):
+    """EP=2 (dense DP=2, each rank its own row): the reduced gradients of every adapter (4
+    routed experts over 2 EP ranks, the shared expert, the dense layer, attention) equal the
+    float64 reference's; the router gets none, nor does any base weight."""
+    from transformers import AutoModelForCausalLM
+
+    work = run[0]
+    values, grads = _moe_adapters(work, "moe_ep2")
+    # layer 0: q, k, v, o + 4 experts x (gate, up, down) + shared (gate, up, down); layer 1
+    # (dense): q, k, v, o, gate, up, down
+    assert len(values) == len(grads) == 19 + 7
+    assert not any(n.endswith("mlp.gate") for n in values)  # the router is no target
+    ref = torch.load(work / "ref_moe.pt")
+    model = AutoModelForCausalLM.from_pretrained(str(work / "qwen2_moe"), dtype=torch.float32)
+    want = moe_reference_grads(model, values, ref["ids"], ref["labels"])
+    for name, g in grads.items():
+        for which in ("A", "B"):
+            w = want[name][which]
+            err = ((g[which] - w).abs().max() / w.abs().max()).item()
+            assert err < 1e-5, (name, which, err)
+    rows = [r for r in run[1] if r.get("tag") == "moe_ep2"]
+    assert len(rows) == 2 and all(r["step_ok"] and r["base_with_grad"] == [] for r in rows)
+    for r in rows:  # each EP rank: its 2 experts' adapters, counted as the planner counts
+        assert r["opt_numel"] == r["adapter_numel"] == r["planned_numel"]
+
+
+def test_expert_adapters_reshard_ep2_to_ep1(run):
+    """Saved at EP=2 (after the merge checks), loaded at EP=1: every expert's A and B; the peft
+    export at either layout is the same folder."""
+    work = run[0]
+    saved, _ = _moe_adapters(work, "moe_saved")
+    loaded, _ = _moe_adapters(work, "moe_ep1_loaded")
+    assert saved.keys() == loaded.keys() and len(saved) == 26
+    for name in saved:
+        for which in ("A", "B"):
+            assert torch.equal(saved[name][which], loaded[name][which]), (name, which)
+    for ep2, ep1 in (("peft_moe", "peft_moe_ep1"), ("base_moe", "base_moe_ep1")):
+        a, b = load_dir(work / ep2), load_dir(work / ep1)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), ep2
+
+
+def test_expert_peft_export_merges_to_the_merged_export(run):
+    """The peft folder names every expert's adapters as peft does on the per-expert HF modules
+    (`mlp.experts.N.gate_proj`, `mlp.shared_expert.down_proj`); base + s B A of each equals
+    the merged export's weight, and B is not zero (the export is not the base's)."""
+    work = run[0]
+    peft, base, merged = (load_dir(work / d) for d in ("peft_moe", "base_moe", "export_moe"))
+    assert "base_model.model.model.layers.0.mlp.experts.3.down_proj.lora_B.weight" in peft
+    assert "base_model.model.model.layers.0.mlp.shared_expert.gate_proj.lora_A.weight" in peft
+    assert not any(".mlp.gate." in k for k in peft)
+    n = 0
+    for key, a in peft.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        b = peft[key.replace("lora_A", "lora_B")]
+        want = base[module + ".weight"].double() + SCALE * b.double() @ a.double()
+        got = merged[module + ".weight"].double()
+        assert (got - want).abs().max().item() <= 1e-6 * want.abs().max().item(), module
+        n += b.abs().max().item() > 0
+    assert n == 26

@@ -1,6 +1,7 @@
 """LoRA adapters on the policy's linear layers (megagrpo.lora)."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
@@ -8,7 +9,8 @@ from megagrpo.config.section import Section
 
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
 """The linears an adapter can sit beside: the fused QKV projection, the attention output
-projection, the fused gate/up projection and the down projection of a dense MLP."""
+projection, the fused gate/up projection and the down projection of an MLP (on MoE models:
+every routed expert's, the shared expert's and the dense layers' MLP; never the router)."""
 
 
 @dataclass(kw_only=True)
@@ -23,7 +25,8 @@ class LoRAConfig(Section):
     dropout: float = 0.0
     """Dropout on the adapters' input (parallel.tp = 1 only)."""
     targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    """Linears that get an adapter, among qkv, proj, fc1, fc2 (fc1/fc2: dense MLPs only)."""
+    """Linears that get an adapter, among qkv, proj, fc1, fc2 (on MoE models fc1/fc2 adapt
+    every expert, the shared expert and dense layers' MLPs; the router never)."""
 
     @property
     def enabled(self) -> bool:
@@ -53,6 +56,7 @@ class LoRAConfig(Section):
                 "to agree between them, which is not arranged; set lora.dropout=0 or "
                 "parallel.tp=1")
         self._validate_targets(model)
+        self._validate_experts(model, parallel)
         if self.rank > (smallest := self._smallest_dim(model)):
             raise ValueError(
                 f"lora.rank={self.rank} exceeds the smallest dimension ({smallest}) of a "
@@ -77,26 +81,53 @@ class LoRAConfig(Section):
                              f"{LORA_TARGETS}")
         if len(set(self.targets)) != len(self.targets):
             raise ValueError(f"lora.targets={self.targets} names a target twice")
-        mlp = [t for t in self.targets if t in ("fc1", "fc2")]
-        if model.is_moe and mlp:
-            raise ValueError(
-                f"lora.targets holds {mlp} with model.architecture={model.architecture!r}: "
-                "adapters on MoE experts are not implemented; use lora.targets=[qkv, proj]")
 
-    def rank_numel(self, model: ModelConfig, tp: int, layers: int) -> int:
-        """Adapter elements one TP rank holds for `layers` layers: per column-parallel target
-        (qkv, fc1) r * in + out / tp * r, per row-parallel one (proj, fc2) r * in / tp + out * r
-        (see megagrpo.lora); 0 when off. No experts (refused by validate)."""
+    def _validate_experts(self, model: ModelConfig, parallel: ParallelConfig) -> None:
+        """Expert adapters are built for megatron's SequentialMLP at expert TP = 1 only."""
+        mlp = [t for t in self.targets if t in ("fc1", "fc2")]
+        if model.is_moe and mlp and parallel.tp > 1:
+            raise ValueError(
+                f"lora.targets holds {mlp} on an MoE model at parallel.tp={parallel.tp}: "
+                "adapters on experts split over expert tensor parallelism (whose TP "
+                "communication megatron's token dispatcher does) are not built; use "
+                "parallel.tp=1 (with parallel.ep for the experts), or lora.targets=[qkv, proj]")
+
+    def rank_numel(self, model: ModelConfig, tp: int, layers: int | Iterable[int], *,
+                   ep: int = 1) -> int:
+        """Adapter elements one rank holds for `layers` (a count from layer 0, or the global
+        indices of a stage's layers): per column-parallel target (qkv, fc1) r * in + out / tp *
+        r, per row-parallel one (proj, fc2) r * in / tp + out * r (see megagrpo.lora); an MoE
+        layer's fc1 / fc2 once per routed expert of this EP rank (num_experts / ep, expert TP
+        1) plus the shared expert; 0 when off."""
         if not self.enabled:
             return 0
-        r, H, F = self.rank, model.hidden_size, model.ffn_hidden_size
+        r, H = self.rank, model.hidden_size
         q, kv = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim
-        per = {"qkv": r * H + (q + 2 * kv) // tp * r, "proj": r * q // tp + H * r,
-               "fc1": r * H + 2 * F // tp * r, "fc2": r * F // tp + H * r}
-        return layers * sum(per[t] for t in self.targets)
+        attn = {"qkv": r * H + (q + 2 * kv) // tp * r, "proj": r * q // tp + H * r}
+
+        def mlp(F: int, t: int) -> dict[str, int]:
+            return {"fc1": r * H + 2 * F // t * r, "fc2": r * F // t + H * r}
+
+        total = 0
+        for g in (range(layers) if isinstance(layers, int) else layers):
+            per = {"qkv": attn["qkv"], "proj": attn["proj"], "fc1": 0, "fc2": 0}
+            if model.is_moe_layer(g):
+                experts = model.num_experts // ep
+                for t in ("fc1", "fc2"):
+                    per[t] = experts * mlp(model.moe_ffn_hidden_size, 1)[t]
+                    if model.shared_expert_ffn_hidden_size:
+                        per[t] += mlp(model.shared_expert_ffn_hidden_size, tp)[t]
+            else:
+                per.update(mlp(model.ffn_hidden_size, tp))
+            total += sum(per[t] for t in self.targets)
+        return total
 
     def _smallest_dim(self, model: ModelConfig) -> int:
-        H, F = model.hidden_size, model.ffn_hidden_size
+        H = model.hidden_size
         q, kv = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim
+        moe = [model.is_moe_layer(g) for g in range(model.num_layers)]
+        widths = ([model.ffn_hidden_size] if not all(moe) else []) + (
+            [model.moe_ffn_hidden_size, model.shared_expert_ffn_hidden_size] if any(moe) else [])
+        F = min(w for w in widths if w > 0)
         dims = {"qkv": (H, q + 2 * kv), "proj": (q, H), "fc1": (H, 2 * F), "fc2": (F, H)}
         return min(d for t in self.targets for d in dims[t])
