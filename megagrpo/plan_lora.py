@@ -28,8 +28,13 @@ def peft_numel(cfg: TrainConfig, m: ModelConfig) -> int:
     q, kv = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
     projections = {"qkv": [(h, q), (h, kv), (h, kv)], "proj": [(q, h)],
                    "fc1": [(h, f), (h, f)], "fc2": [(f, h)]}
-    per_layer = sum(r * (i + o) for t in cfg.lora.targets for i, o in projections[t])
+    per_layer = sum(r * (i + o) for t in cfg.lora.targets for i, o in projections.get(t, []))
     return m.num_layers * per_layer
+
+
+def uncounted_targets(cfg: TrainConfig) -> list[str]:
+    """Targets `peft_numel` has no shapes for (their adapters are left out of the counts)."""
+    return [t for t in cfg.lora.targets if t not in ("qkv", "proj", "fc1", "fc2")]
 
 
 @dataclass(kw_only=True)
@@ -118,4 +123,6 @@ def format_lora_vs_full(cfg: TrainConfig, m: ModelConfig, lora: RankMemory, worl
               f"  adapter-only refit{' (not the path that runs)' if refit.fallback else ''}: "
               f"{size(refit.adapters)} = {refit.adapters / refit.model:.3%} of the model's "
               f"{size(refit.model)}"]
+    if missing := uncounted_targets(cfg):
+        lines.append(f"  note: the adapters on {missing} are not in these counts")
     return "\n".join(lines)
