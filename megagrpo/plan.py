@@ -471,6 +471,10 @@ def run_plan(config: str | None, overrides: list[str], *, gpus: int = 0,
     except ValueError as e:
         print(f"  note: the recipe's layout does not validate: {e}")
     _print_vllm(cfg, m, current, world, gpu_mem_gib)
+    if cfg.lora.enabled:
+        from megagrpo.plan_lora import format_lora_vs_full
+
+        print("\n" + format_lora_vs_full(cfg, m, current, world, gpu_mem_gib))
     fits = suggest(cfg, m, world, gpu_mem_gib)
     if fits:
         best = fits[0]
