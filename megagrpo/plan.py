@@ -282,7 +282,7 @@ def rank_memory(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int, world: int,
     grads, weights = n * 4, n * b
     if cfg.lora.enabled:  # the base is frozen: grads and Adam for the adapters only, and the
         # reference is the adapters off (no copy)
-        adapters = cfg.lora.rank_numel(m, tp, len(stage_layers(m, layout, stage)))
+        adapters = cfg.lora.rank_numel(m, tp, stage_layers(m, layout, stage), ep=ep)
         optimizer = adapters * opt_per_param
         if cfg.optim.distributed_optimizer:
             optimizer = -(-optimizer // dp)
