@@ -20,7 +20,7 @@ waited for samples (docs/metrics.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -39,6 +39,7 @@ class StreamStats:
     """Wall seconds spent sampling and scoring this step's draws, on either thread."""
 
 
+@runtime_checkable
 class RolloutSource(Protocol):
     """What the trainer pulls batches from (docs/architecture.md; DESIGN 'RolloutSource')."""
 
