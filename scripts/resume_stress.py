@@ -15,7 +15,7 @@ tests/test_resume.py drives the same functions.
 async (run.async_rollout), distopt+async (both), moe (a Qwen3-MoE at EP=2 with the distributed
 optimizer), agent (multi-turn trajectories: tests/_agent_env.py's Digits environment, up to 3
 turns, environment tokens masked), agent+async (those with the pending multi-turn batch
-checkpointed).
+checkpointed), async2 (rollout.max_staleness=2: two batches drawn ahead, both checkpointed).
 """
 from __future__ import annotations
 
@@ -74,6 +74,8 @@ MODES = {
     "agent": AGENT,
     "agent+async": (*AGENT, "run.async_rollout=true"),
 }
+# issue 30: a stream two batches ahead (rollout.max_staleness=2), both in every checkpoint
+MODES["async2"] = ("rollout.max_staleness=2",)
 
 
 def launch(out_dir: Path, steps: int, log: Path, *extra: str) -> subprocess.Popen:
