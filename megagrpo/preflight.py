@@ -231,8 +231,8 @@ def check_model(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer) -> N
                          "has no experts to route; set algo.routing_replay=false")
     by = cfg.pipelined_by()
     if cfg.algo.routing_replay and by:
-        raise ValueError(f"algo.routing_replay=true with {by[1]}: the batches drawn ahead "
-                         f"are checkpointed without their routes; set {by[2]} or "
+        raise ValueError(f"algo.routing_replay=true with {by[1]}: each batch drawn ahead "
+                         f"is checkpointed without its routes; set {by[2]} or "
                          "algo.routing_replay=false")
     interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if cfg.compute.kernel_impl == "triton" and not torch.cuda.is_available() and not interpreted:
