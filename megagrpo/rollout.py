@@ -89,7 +89,7 @@ class Drawn:
 class Returned:
     """A batch drawn ahead that a resume could not restore: its prompts, back in the stream."""
 
-    examples: list
+    examples: list[Example]
     """This replica's `Example`s of the batch."""
     epoch: int
     loader_state: dict
