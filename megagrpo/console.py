@@ -236,7 +236,27 @@ class Progress:
             parts.append(f"acc={self.last_acc:.3f}")
         if record.get("reference_sync"):
             parts.append("ref reset")
-        return " ".join(parts)
+        return " ".join(parts + self.stream_figures(record))
+
+    @staticmethod
+    def stream_figures(record: dict) -> list[str]:
+        """The rollout stream's figures, on runs that draw ahead or hold stale samples:
+        `queue=` batches drawn ahead when the step asked, `lag=` staleness mean/max in policy
+        versions, `stale=` samples beyond rollout.max_staleness (dropped or down-weighted),
+        `idle=` trainer/rollout idle seconds (the trainer waiting for samples / the engines
+        not sampling)."""
+        lag_max = record.get("staleness_max", 0.0)
+        if not record.get("rollout_queue_depth") and not lag_max:
+            return []
+        parts = [f"queue={record['rollout_queue_depth']:.0f}",
+                 f"lag={record.get('staleness_mean', 0.0):.2g}/{lag_max:.0f}"]
+        over = record.get("stale_dropped", 0.0) + record.get("stale_weighted", 0.0)
+        if over:
+            parts.append(f"stale={over:.0f}")
+        if "trainer_idle_s" in record:
+            parts.append(f"idle={record['trainer_idle_s']:.2f}/"
+                         f"{record.get('rollout_idle_s', 0.0):.2f}s")
+        return parts
 
     def eta(self) -> str:
         steps = self.done - (self.first or 0)

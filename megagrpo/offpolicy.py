@@ -1,10 +1,11 @@
 """Stale batches: which off-policy correction trains them, decided from the batch's version.
 
-A batch is *stale* when the policy version that sampled it (`Rollout.version`, the optimizer
+A sample is *stale* when the policy version that sampled it (`Completion.version`, the optimizer
 updates vLLM's weights had taken) differs from the trainer's when it trains on it: async
-rollouts (`run.async_rollout`) sample the next batch while the current one trains, so it is one
-update behind. Three policies then meet in the loss (decoupled PPO; Fu et al., AReaL,
-arXiv:2505.24298, Sec. 5.1):
+rollouts (rollout.max_staleness = k >= 1; run.async_rollout is k = 1) sample the next batches
+while the current one trains, so they are up to k updates behind (`megagrpo.stream`); a batch
+is stale when any of its samples is. Three policies then meet in the loss (decoupled PPO;
+Fu et al., AReaL, arXiv:2505.24298, Sec. 5.1):
 
 - behaviour mu: the policy that sampled the tokens; its per-token log-probs are vLLM's
   (`Batch.rollout_logp`);
@@ -29,10 +30,14 @@ rollout_logp), algo.rollout_is_cap) times the clipped ratio to old_logp), which 
 batch corrects only the vLLM-vs-trainer numerical mismatch. So `algo.rollout_is=none` (the
 default: no correction of that mismatch) runs `truncate` on every stale batch, and says so once
 at start (`async_note`); token_mask / seq_mask / truncate chosen explicitly run as chosen on
-every batch. The decision is per batch, from the versions, not from the async flag: the first
-async batch (sampled before any update) is fresh and trains uncorrected.
+every batch. The decision is per sample, from the versions, not from the async flag: the first
+async batch (sampled before any update) is fresh and trains uncorrected, and in a batch that
+mixes versions (dynamic-sampling top-ups drawn with the newest weights) the decoupled default
+weights only the stale samples (`sample_weights`).
 """
 from __future__ import annotations
+
+import torch
 
 from megagrpo.config.algo import AlgoConfig
 
@@ -48,8 +53,25 @@ def correction_mode(rollout_is: str, *, stale: bool) -> str:
     return "truncate" if stale and rollout_is == "none" else rollout_is
 
 
-def async_note(a: AlgoConfig) -> str:
-    """The start-up line of an async run: which correction its stale batches train with."""
+def sample_weights(weight: torch.Tensor | None, fresh_rows: torch.Tensor,
+                   scale_rows: torch.Tensor | None, *, default_ran: bool, width: int
+                   ) -> torch.Tensor | None:
+    """The per-token importance weights [N, S] after the per-sample rules: when the decoupled
+    default ran (`default_ran`: algo.rollout_is=none on a stale batch) the rows sampled by the
+    training version (`fresh_rows` [N] bool) keep weight 1, as a fresh batch would; `scale_rows`
+    [N] (rollout.stale_policy=weight, None: off) scales each row's weights (1 where absent;
+    `width` = S)."""
+    if default_ran and weight is not None and bool(fresh_rows.any()):
+        weight = torch.where(fresh_rows[:, None], torch.ones_like(weight), weight)
+    if scale_rows is not None:
+        base = weight if weight is not None else torch.ones(scale_rows.shape[0], width)
+        weight = base * scale_rows[:, None].to(base.dtype)
+    return weight
+
+
+def async_note(a: AlgoConfig, k: int = 1, stale_policy: str = "drop") -> str:
+    """The start-up line of an async run (k = rollout.max_staleness >= 1): how far behind its
+    batches are and which correction its stale samples train with."""
     if a.rollout_is == "none":
         how = ("corrected by the decoupled objective (algo.rollout_is=none runs truncate on "
                "stale batches: the clipped ratio to the recomputed old log-probs times "
@@ -57,8 +79,13 @@ def async_note(a: AlgoConfig) -> str:
                "algo.rollout_is=truncate to choose it explicitly")
     else:
         how = f"weighted by algo.rollout_is={a.rollout_is} (trainer old log-probs vs vLLM's)"
-    return ("async rollouts: each batch is sampled by the policy one update behind the one "
-            f"that trains on it; that staleness is {how}")
+    if k == 1:
+        return ("async rollouts: each batch is sampled by the policy one update behind the one "
+                f"that trains on it; that staleness is {how}")
+    return (f"async rollouts (rollout.max_staleness={k}): up to {k} batches are drawn ahead, "
+            f"each sampled by a policy up to {k} updates behind the one that trains on it "
+            f"(samples older than that: rollout.stale_policy={stale_policy}); that staleness "
+            f"is {how}")
 
 
-__all__ = ["async_note", "correction_mode", "is_stale"]
+__all__ = ["async_note", "correction_mode", "is_stale", "sample_weights"]

@@ -229,9 +229,11 @@ def check_model(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer) -> N
     if cfg.algo.routing_replay and not model.is_moe:
         raise ValueError(f"algo.routing_replay=true: model.architecture={model.architecture!r} "
                          "has no experts to route; set algo.routing_replay=false")
-    if cfg.algo.routing_replay and cfg.run.async_rollout:
-        raise ValueError("algo.routing_replay=true with run.async_rollout=true: the batch drawn "
-                         "for the next step is checkpointed without its routes; turn one off")
+    by = cfg.pipelined_by()
+    if cfg.algo.routing_replay and by:
+        raise ValueError(f"algo.routing_replay=true with {by[1]}: each batch drawn ahead "
+                         f"is checkpointed without its routes; set {by[2]} or "
+                         "algo.routing_replay=false")
     interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if cfg.compute.kernel_impl == "triton" and not torch.cuda.is_available() and not interpreted:
         raise ValueError(

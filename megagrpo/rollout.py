@@ -5,8 +5,10 @@ Rollouts are data-parallel over *all* ranks: the in-process vLLM engines (one pe
 per k = rollout.tensor_parallel_size consecutive ranks; `megagrpo.config.layout`) each sample a
 slice of their DP replica's prompts and the replica's TP x PP ranks all-gather the results.
 Evaluation splits the held-out set over the engines the same way and scores greedy completions
-with the same generate -> decode -> score path (`RolloutCollector.score`). Async mode draws the
-next batch on a side thread that runs no collective (gloo groups are not for concurrent use).
+with the same generate -> decode -> score path (`RolloutCollector.score`). The collector is the
+colocated `megagrpo.stream.RolloutSource`: with k = rollout.max_staleness >= 1 it keeps up to k
+batches drawn ahead, drawing them on a side thread that runs no collective (gloo groups are not
+for concurrent use) while a step trains; k = 0 draws each batch when the step asks.
 With the agent on (cfg.agent), sampling and evaluation run multi-turn trajectories through
 `megagrpo.agent.runner.TrajectoryRunner` (the prompts' data records build the environments) and
 the environments' rewards join the reward terms'.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +31,7 @@ from megagrpo.config.train import TrainConfig
 from megagrpo.data import encode_prompt
 from megagrpo.distributed import Groups, Ranks, any_rank
 from megagrpo.engine import Completion, SamplingSettings
+from megagrpo.stream import StreamStats, stamp
 
 if TYPE_CHECKING:
     from megagrpo.data import Example, PromptLoader
@@ -48,7 +52,8 @@ class Rollout:
     rewards: torch.Tensor | None = None
     """[B*G] summed rewards."""
     version: int = 0
-    """Optimizer steps the sampling policy had taken."""
+    """Optimizer steps the sampling policy had taken (of the first draw; each completion
+    records its own in `Completion.version`)."""
     epoch: int = 0
     """Data epoch of the prompts."""
     metrics: dict = field(default_factory=dict)
@@ -80,9 +85,21 @@ class Drawn:
         return cls(**dict(state, completions=[Completion(**c) for c in state["completions"]]))
 
 
+@dataclass
+class Returned:
+    """A batch drawn ahead that a resume could not restore: its prompts, back in the stream."""
+
+    examples: list[Example]
+    """This replica's `Example`s of the batch."""
+    epoch: int
+    loader_state: dict
+    """The loader's position before the batch (saved again should the run stop first)."""
+
+
 @dataclass(kw_only=True)
 class RolloutCollector:
-    """Samples, scores and gathers a step's rollouts; evaluates held-out accuracy."""
+    """Samples, scores and gathers a step's rollouts; evaluates held-out accuracy. The colocated
+    `megagrpo.stream.RolloutSource` (sync at k = 0, async at k >= 1)."""
 
     cfg: TrainConfig
     engine: RolloutEngine
@@ -97,8 +114,12 @@ class RolloutCollector:
     groups: Groups = field(default_factory=Groups)
     stop_ids: tuple[int, ...] = ()
     """Token ids that end a completion."""
-    pending: Drawn | None = None
-    """Async mode: the next step's batch, drawn on the side thread."""
+    queue: list[Drawn] = field(default_factory=list)
+    """k >= 1: the batches drawn ahead for the next steps, oldest first."""
+    returned: list[Returned] = field(default_factory=list)
+    """Prompts of batches drawn ahead before a resume that did not restore them: drawn first."""
+    stats: StreamStats = field(default_factory=StreamStats)
+    """This step's queue depth and sampling time."""
     thread: threading.Thread | None = None
     failure: BaseException | None = None
     """What the side thread raised; `join` re-raises it on the main thread."""
@@ -153,21 +174,33 @@ class RolloutCollector:
                                 max_tokens=r.max_tokens, stop=tuple(r.stop),
                                 n=self.cfg.algo.group_size, stop_token_ids=self.stop_ids)
 
-    def draw(self, version: int) -> Drawn:
-        """The next prompts, sampled on this rank's engine (which holds policy `version`). No
-        collective unless the layout is pooled, so it may run on the async thread."""
+    def _next_examples(self) -> tuple[list, int, dict]:
+        """The next batch's examples, its data epoch and the loader position before it:
+        returned batches first, then the loader."""
+        if self.returned:
+            r = self.returned.pop(0)
+            return r.examples, r.epoch, r.loader_state
         before = self.loader.state_dict()
         examples = next(self.loader)
+        return examples, self.loader.epoch, before
+
+    def draw(self, version: int) -> Drawn:
+        """The next prompts, sampled on this rank's engine (which holds policy `version`; each
+        completion records it). No collective unless the layout is pooled, so it may run on
+        the async thread."""
+        t0 = time.perf_counter()
+        examples, epoch, before = self._next_examples()
         prompts = [encode_prompt(self.tokenizer, e.prompt) for e in examples]
         answers = [e.answer for e in examples]
         # the environments' inputs; not gathered (pooled layout) when no environment reads them
         records = [e.record if self.runner else {} for e in examples]
-        epoch = self.loader.epoch
         pool = (self._pool(prompts, answers, records) if self.layout.pooled
                 else (prompts, answers, records))
         mine = self.layout.prompt_indices(len(pool[0]))  # this rank's engine's slice
         comps, rewards, metrics = self._generate(pool[0], pool[1], mine, self.sampling(),
                                                  pool[2])
+        stamp(comps, version)
+        self.stats.draw_s += time.perf_counter() - t0  # one thread draws at a time
         return Drawn(prompts, answers, epoch, version, comps, rewards.tolist(), metrics,
                      loader_state=before)
 
@@ -235,21 +268,32 @@ class RolloutCollector:
         return _truncate(kept, want, G)
 
     def next(self, version: int) -> Rollout:
-        """This step's rollout. Async mode: the batch drawn while the last step trained, and
-        the next one starts on the side thread with the engine's current weights; the
-        collectives (gather, dynamic-sampling top-ups) stay on the main thread."""
-        if not self.cfg.run.async_rollout:
+        """This step's rollout (`megagrpo.stream.RolloutSource`). k = cfg.staleness >= 1: the
+        oldest batch drawn ahead (drawn now when none is), then the side thread draws with the
+        engine's current weights until k batches are queued again (k at the first step, one a
+        step after), so a batch is at most k versions old; the collectives (gather,
+        dynamic-sampling top-ups) stay on the main thread."""
+        k = self.cfg.staleness
+        self.stats = StreamStats(queue_depth=len(self.queue) if k else 0)
+        if not k:
             return self.rollout(version)
-        drawn = self.pending if self.pending is not None else self.draw(version)
-        self.pending = None
+        drawn = self.queue.pop(0) if self.queue else self.draw(version)
         ro = self.rollout(version, drawn)
-        self.thread = threading.Thread(target=self._draw_pending, args=(version,), daemon=True)
-        self.thread.start()
+        if len(self.queue) < k:
+            self.thread = threading.Thread(target=self._draw_ahead,
+                                           args=(version, k - len(self.queue)), daemon=True)
+            self.thread.start()
         return ro
 
-    def _draw_pending(self, version: int) -> None:
+    @property
+    def pending(self) -> Drawn | None:
+        """The oldest batch drawn ahead (the next step's), or None."""
+        return self.queue[0] if self.queue else None
+
+    def _draw_ahead(self, version: int, n: int) -> None:
         try:
-            self.pending = self.draw(version)
+            for _ in range(n):
+                self.queue.append(self.draw(version))
         except BaseException as e:  # noqa: BLE001 - handed to the main thread by join()
             self.failure = e
 
@@ -271,19 +315,36 @@ class RolloutCollector:
 
     # ------------------------------------------------------------------ run state
     def state_dict(self) -> dict:
-        """Async mode: the batch drawn for the next step (this rank's samples of it), which the
+        """The batches drawn ahead for the next steps (this rank's samples of them), which the
         loader is already past; call after `join`. Per rank: it holds this rank's samples."""
         if self.thread is not None:
             raise RuntimeError("RolloutCollector.state_dict while the async draw runs: join first")
-        return {"pending": self.pending.state_dict() if self.pending is not None else None}
+        return {"queue": [d.state_dict() for d in self.queue]}
 
     def load_state_dict(self, state: dict) -> None:
-        pending = state.get("pending")
-        self.pending = Drawn.from_state(pending) if pending is not None else None
+        """The saved batches drawn ahead, the oldest k = cfg.staleness of them (the trainer's
+        state returns the prompts of the rest: `return_batches`). Reads the single `pending`
+        batch of checkpoints written before the queue."""
+        saved = state.get("queue")
+        if saved is None:
+            saved = [state["pending"]] if state.get("pending") is not None else []
+        self.queue = [Drawn.from_state(d) for d in saved[:self.cfg.staleness]]
 
-    def pending_loader_state(self) -> dict | None:
-        """The loader position before the pending batch (the same on every rank)."""
-        return self.pending.loader_state if self.pending is not None else None
+    def ahead_loader_states(self) -> list[dict]:
+        """The loader position before each batch drawn ahead and not trained yet, oldest first
+        (the same on every rank)."""
+        return [d.loader_state for d in self.queue] + [r.loader_state for r in self.returned]
+
+    def return_batches(self, loader_states: list[dict]) -> None:
+        """Puts the prompts of batches drawn ahead that were not restored back into the stream
+        (read from the loader at their saved positions), to be drawn before the loader's next;
+        the loader keeps its position."""
+        here = self.loader.state_dict()
+        for st in loader_states:
+            self.loader.load_state_dict(st)
+            examples = next(self.loader)
+            self.returned.append(Returned(examples, self.loader.epoch, st))
+        self.loader.load_state_dict(here)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, examples: list[Example]) -> float:

@@ -102,7 +102,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                            train_tp=cfg.parallel.tp, train_pp=cfg.parallel.pp)
     if rank == 0:
         log.info("%s", layout.describe())
-        if cfg.run.async_rollout:
+        if cfg.staleness:
             log.info("%s", async_note(cfg))
     tok = task.tokenizer
     engine = _start_engine(cfg, model_cfg, tok, layout)
@@ -135,7 +135,7 @@ def _reference(cfg: TrainConfig, policy, model_cfg: ModelConfig):
 def async_note(cfg: TrainConfig) -> str:
     """What one-step-off-policy sampling means for this run, and which correction runs
     (`megagrpo.offpolicy`)."""
-    return offpolicy.async_note(cfg.algo)
+    return offpolicy.async_note(cfg.algo, cfg.staleness, cfg.rollout.stale_policy)
 
 
 def _load_init(gpt, init: str, model: ModelConfig, parallel: ParallelConfig, info) -> None:
@@ -192,7 +192,7 @@ def checkpoint_states(tr: Trainer) -> dict[str, Part]:
     states["optimizer"] = OptimizerState(tr)  # the cold start replaces tr.optimizer
     states["rng"] = PerRank(RankRng(tr.engine), what="the per-rank random streams")
     states["rollout"] = PerRank(tr.rollouts, what="the async batch drawn for the next step",
-                                restore=tr.cfg.run.async_rollout)
+                                restore=tr.cfg.staleness > 0)
     states["train_state"] = Replicated(tr)
     if tr.adapter_refit is not None:  # a merge not yet refit into vLLM (bitwise resume)
         states["adapter_refit"] = Replicated(tr.adapter_refit)

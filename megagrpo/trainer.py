@@ -16,8 +16,9 @@ Nothing wrong is trained on silently: minibatches without a loss token are skipp
 the update of a step with non-finite / absurd rewards or a non-finite gradient norm;
 run.max_bad_steps such steps in a row raise `BadStepsError`. Departures from the paper:
 process supervision is not implemented (outcome rewards only); the reference can be mixed
-(alpha < 1) as well as reset, at most once per policy version; async mode trains one step
-off-policy, a stale batch with the decoupled correction (`megagrpo.offpolicy`).
+(alpha < 1) as well as reset, at most once per policy version; async mode trains up to
+k = rollout.max_staleness steps off-policy (`megagrpo.stream`), a stale sample with the
+decoupled correction (`megagrpo.offpolicy`), one beyond k dropped or down-weighted.
 """
 from __future__ import annotations
 
@@ -41,11 +42,12 @@ from megagrpo.losses import grpo_loss, sft_loss
 from megagrpo.metrics import PhaseTimer
 from megagrpo.model import sequence_packing, unwrap
 from megagrpo.moe import RoutingMonitor, enable_replay, tp_slices, tracked_losses
-from megagrpo.offpolicy import correction_mode, is_stale
+from megagrpo.offpolicy import correction_mode, sample_weights
 from megagrpo.optim import build_optimizer, lr_at, optimizer_step, set_lr, zero_grad
 from megagrpo.passes import Passes
 from megagrpo.reshard import ReshardStats, iter_hf_weights, iter_vllm_slices
 from megagrpo.rollout import Rollout, RolloutCollector
+from megagrpo.stream import over_stale, sample_lags, stale_weights
 
 if TYPE_CHECKING:
     from megagrpo.config.model import ModelConfig
@@ -94,6 +96,8 @@ class Prepared:
     scored: ScoreResult
     metrics: dict
     """Reward, advantage, scoring and rollout-IS scalars, DP-averaged (same on every rank)."""
+    stale: bool = False
+    """Some sample of the batch (on any rank) was drawn by another policy version."""
 
 
 @dataclass
@@ -214,8 +218,7 @@ class Trainer:
                 self.reference.due_before(ro.epoch) if self.reference else None, ro.epoch)
         batch, prep = self.prepare(ro, t)
         with t("update"):
-            upd = self.update(batch, skip=prep.bad_rewards,
-                              stale=is_stale(ro.version, self.version))
+            upd = self.update(batch, skip=prep.bad_rewards, stale=prep.stale)
         self.version += int(upd.applied > 0)
         with t("rollout_wait"):
             self.rollouts.join()
@@ -230,6 +233,7 @@ class Trainer:
         bad = prep.bad_rewards or upd.nonfinite_grad > 0
         self.bad_steps = self.bad_steps + 1 if bad else 0
         record = self._record(ro, batch, t, prep.metrics, upd, sync, reset)
+        record.update(self._stream_metrics(t))
         self._check_bad_steps(record)
         return record
 
@@ -242,11 +246,13 @@ class Trainer:
             batch, shaped = self.build_batch(ro)
             bad_rewards = any_rank(shaped.bad > 0, self.groups.world)
             replica = dict(shaped.metrics)
-            stale = is_stale(ro.version, self.version)
+            lags = sample_lags(ro, self.version)  # [n] per sample, from their versions
+            stale = any_rank(bool((lags != 0).any()), self.groups.world)
             mode = correction_mode(a.rollout_is, stale=stale)
             # updates between sampling and training; the decoupled default ran (offpolicy)
             replica.update(policy_lag=float(self.version - ro.version),
                            offpolicy_corrected=float(mode != a.rollout_is))
+            scale = self._bound_staleness(batch, lags, replica)
             if not self.kl_in_reward:
                 replica.update(self._set_advantages(batch, shaped.rewards))
             replica = self._dp_mean(replica)  # each replica saw its own prompts
@@ -260,10 +266,64 @@ class Trainer:
             if batch.old_logp is not None:
                 corr = rollout_is(batch, scored.rows, a, mode=mode)
                 batch.mask, batch.is_weight = corr.mask, corr.weight
+                batch.is_weight = sample_weights(batch.is_weight, self._rows(batch, lags == 0),
+                                                 scale, default_ran=mode != a.rollout_is,
+                                                 width=batch.mask.shape[1])
                 last.update(corr.metrics)
             if scored.needed:
                 replica.update(self._from_last_stage(last))
-        return batch, Prepared(bad_rewards=bad_rewards, scored=scored, metrics=replica)
+        return batch, Prepared(bad_rewards=bad_rewards, scored=scored, metrics=replica,
+                               stale=stale)
+
+    @staticmethod
+    def _rows(batch: Batch, values: torch.Tensor) -> torch.Tensor:
+        """Per-sequence values [n] -> per row [N] (padding rows: zero / False)."""
+        row = torch.zeros(batch.num_seqs, dtype=values.dtype)
+        row[batch.seq_valid] = values
+        return row
+
+    def _bound_staleness(self, batch: Batch, lags: torch.Tensor, metrics: dict
+                         ) -> torch.Tensor | None:
+        """Checks every sample's lag [n] against k = rollout.max_staleness. Beyond it,
+        rollout.stale_policy 'drop' takes the sample's tokens out of the loss mask (the
+        normalisers still count it, as a rollout-IS seq_mask rejection); 'weight' returns the
+        per-row loss scale [N] (None: nothing to scale). Adds the staleness metrics."""
+        k, policy = self.cfg.staleness, self.cfg.rollout.stale_policy
+        over = over_stale(lags, k)
+        n_over = int(over.sum())
+        metrics.update(staleness_mean=float(lags.double().mean()) if len(lags) else 0.0,
+                       stale_dropped=float(n_over if policy == "drop" else 0),
+                       stale_weighted=float(n_over if policy == "weight" else 0))
+        metrics["staleness_max"] = self._dp_max(float(lags.max()) if len(lags) else 0.0)
+        if n_over and self.ranks.rank == 0:
+            log.warning("step %d: %d samples are more than rollout.max_staleness=%d versions old "
+                        "(lag up to %d): %s (rollout.stale_policy=%s)", self.step_idx + 1, n_over,
+                        k, int(lags.max()), "dropped from the loss" if policy == "drop"
+                        else "their loss scaled by (k + 1) / (lag + 1)", policy)
+        if not n_over:
+            return None
+        if policy == "drop":
+            batch.mask = batch.mask & ~self._rows(batch, over)[:, None]
+            return None
+        return self._rows(batch, stale_weights(lags, k))
+
+    def _dp_max(self, value: float) -> float:
+        """The max of a per-replica scalar over the DP replicas (kept out of `_dp_mean`)."""
+        if self.ranks.dp == 1:
+            return value
+        v = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.groups.dp)
+        return float(v.item())
+
+    def _stream_metrics(self, t: PhaseTimer) -> dict:
+        """The rollout stream's step figures (docs/metrics.md): batches queued ahead, the
+        trainer's wait for samples (its rollout and rollout_wait phases) and the engines'
+        time without a draw (the step's wall time less the seconds spent sampling)."""
+        stats = self.rollouts.stats
+        wall = sum(t.times.values())
+        waited = t.times.get("time_rollout", 0.0) + t.times.get("time_rollout_wait", 0.0)
+        return {"rollout_queue_depth": float(stats.queue_depth), "trainer_idle_s": waited,
+                "rollout_idle_s": max(0.0, wall - stats.draw_s)}
 
     def _record(self, ro: Rollout, batch: Batch, t: PhaseTimer, prepared: dict,
                 upd: UpdateResult, sync: dict, reset: str) -> dict:
@@ -543,15 +603,17 @@ class Trainer:
         where it stood before the async batch drawn ahead, the reference schedule. The
         checkpoint's `train_state` part; the weights, optimizer, RNG streams and the async
         batch itself are parts of their own (`megagrpo.run.checkpoint_states`)."""
+        ahead = self.rollouts.ahead_loader_states()  # oldest first; pending_loader: older name
         return {"step": self.step_idx, "version": self.version, "opt_steps": self.opt_steps,
                 "bad_steps": self.bad_steps, "loader": self.rollouts.loader.state_dict(),
-                "pending_loader": self.rollouts.pending_loader_state(),
+                "pending_loader": ahead[0] if ahead else None, "ahead_loaders": ahead,
                 "reference": self.reference.state_dict() if self.reference else None}
 
     def load_state_dict(self, state: dict) -> None:
-        """The counters, the schedule and the data position. Call after the async batch's own
-        part was (or was not) restored: a batch drawn ahead that was not (another layout, or
-        run.async_rollout off now) is drawn again from the same prompts."""
+        """The counters, the schedule and the data position. Call after the batches drawn ahead
+        were (or were not) restored as a part of their own: the prompts of those that were not
+        (another layout, a smaller rollout.max_staleness, or none now) go back into the stream
+        and are drawn again first, so no prompt is lost or trained twice."""
         loader = self.rollouts.loader
         loader.load_state_dict(state["loader"])
         if self.reference is not None and state["reference"] is not None:
@@ -559,13 +621,17 @@ class Trainer:
         self.step_idx, self.version, self.opt_steps = (state["step"], state["version"],
                                                        state["opt_steps"])
         self.bad_steps = state["bad_steps"]
-        redraw = state.get("pending_loader") is not None and self.rollouts.pending is None
-        if redraw:  # the loader goes back to where it stood before that batch
-            loader.load_state_dict(state["pending_loader"])
+        ahead = state.get("ahead_loaders")
+        if ahead is None:  # checkpoints of one pending batch at most
+            ahead = [state["pending_loader"]] if state.get("pending_loader") is not None else []
+        kept = len(self.rollouts.queue)
+        if kept < len(ahead):
+            self.rollouts.return_batches(ahead[kept:])
             if self.ranks.rank == 0:
-                log.info("resume: the async batch drawn for step %d is drawn again (it was not "
-                         "restored: another layout, or run.async_rollout is off now)",
-                         self.step_idx + 1)
+                log.info("resume: %d of the batches drawn ahead for steps %d-%d are drawn again "
+                         "from the same prompts (not restored: another layout, or a smaller "
+                         "rollout.max_staleness now)", len(ahead) - kept,
+                         self.step_idx + 1 + kept, self.step_idx + len(ahead))
 
 
 def may_reuse_reference(compute: ComputeConfig, algo: AlgoConfig, *, all_rows: bool,

@@ -15,8 +15,9 @@ tests/test_resume.py drives the same functions.
 async (run.async_rollout), distopt+async (both), moe (a Qwen3-MoE at EP=2 with the distributed
 optimizer), agent (multi-turn trajectories: tests/_agent_env.py's Digits environment, up to 3
 turns, environment tokens masked), agent+async (those with the pending multi-turn batch
-checkpointed), lora (LoRA adapters, a checkpoint every step and a reference reset, a merge,
-every 3: checkpoints with and without the base, which is written only after a merge).
+checkpointed), async2 (rollout.max_staleness=2: two batches drawn ahead, both checkpointed),
+lora (LoRA adapters, a checkpoint every step and a reference reset, a merge, every 3:
+checkpoints with and without the base, which is written only after a merge).
 """
 from __future__ import annotations
 
@@ -78,6 +79,8 @@ MODES = {
     # steps 3 and 6): checkpoints 3 and 6 write a base, 4 and 5 name the one 3 wrote
     "lora": ("lora.rank=4", "lora.alpha=8", "checkpoint.every=1"),
 }
+# issue 30: a stream two batches ahead (rollout.max_staleness=2), both in every checkpoint
+MODES["async2"] = ("rollout.max_staleness=2",)
 
 
 def launch(out_dir: Path, steps: int, log: Path, *extra: str) -> subprocess.Popen:

@@ -138,11 +138,13 @@ def reuse_check(tr, batch) -> dict:
     return res
 
 
-def epoch_check(tr, async_rollout: bool) -> dict:
+def epoch_check(tr, async_rollout: bool, k: int | None = None) -> dict:
     """reference.sync_every_epoch with 3 batches per epoch: the reference is reset before the
     first batch of each new epoch is scored, so that batch's reference pass is the policy's
     own (reused bitwise); the other batches are scored against a reference the policy has left.
-    Sync or async rollouts alike. Per step: (epoch, reference_sync, reference_pass_reused)."""
+    Sync or async rollouts alike, and k = 2 batches drawn ahead (`k`: rollout.max_staleness),
+    where the stream draws an epoch's prompts two steps before the trainer consumes them. Per
+    step: (epoch, reference_sync, reference_pass_reused)."""
     from megagrpo.data import PromptLoader
     from megagrpo.reference import ReferenceState
 
@@ -150,6 +152,8 @@ def epoch_check(tr, async_rollout: bool) -> dict:
     c.algo.beta, c.algo.rollout_is = 0.05, "none"  # (skip_check left beta 0: no KL in the loss)
     c.reference.sync_every_steps, c.reference.sync_every_epoch = 0, True
     c.compute.reuse_equal_reference, c.run.async_rollout = True, async_rollout
+    c.rollout.max_staleness = k
+    tr.rollouts.queue.clear()  # batches an earlier check drew ahead from another loader
     tr.rollouts.loader = PromptLoader(tr.task.train[:12], c.data.batch_size, tr.ranks.dp_rank,
                                       tr.ranks.dp, seed=5)
     tr.reference.state = ReferenceState(last_sync_step=tr.step_idx)  # this loader's epoch 0
@@ -158,7 +162,7 @@ def epoch_check(tr, async_rollout: bool) -> dict:
         m = tr.step()
         steps.append([m["epoch"], m["reference_sync"], m["reference_pass_reused"]])
     tr.rollouts.join()
-    c.run.async_rollout = False
+    c.run.async_rollout, c.rollout.max_staleness = False, None
     return steps
 
 
@@ -185,6 +189,7 @@ def main():
     res["skip"] = skip_check(tr, batch)
     res["epoch_sync"] = epoch_check(tr, async_rollout=False)
     res["epoch_async"] = epoch_check(tr, async_rollout=True)
+    res["epoch_k2"] = epoch_check(tr, async_rollout=False, k=2)
     write_results(res, args.work)
     tr.engine.close()
 

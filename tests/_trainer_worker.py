@@ -173,6 +173,14 @@ def main():
                                "logp_gap_vllm_mean" in r, "logp_gap_stale_mean" in r,
                                r.get("rollout_is_weight_mean"), r.get("rollout_logp_gap_mean")]
                               for r in recs]
+    # issue 30: k = 2 batches drawn ahead (after k = 1 left one queued): per-sample staleness
+    # within the bound, the queue depth the console shows, nothing dropped
+    tr.cfg.rollout.max_staleness = 2
+    res["k2_stream"] = [[r["policy_lag"], r["staleness_max"], r["staleness_mean"],
+                         r["rollout_queue_depth"], r["stale_dropped"], r["offpolicy_corrected"],
+                         r["trainer_idle_s"] >= 0, r["rollout_idle_s"] >= 0]
+                        for r in (tr.step() for _ in range(3))]
+    tr.cfg.rollout.max_staleness = None
     # off-policy machinery: mu=2 passes x 2 minibatches, old log-probs, truncated rollout IS,
     # token-level (dapo) aggregation, dual clip, GSPO-free
     tr.cfg.run.async_rollout = False

@@ -155,12 +155,14 @@ def test_zero_advantage_rows_are_skipped_without_changing_the_gradient(results):
         assert r["score_old_diff"] < 1e-5 and r["score_is_diff"] < 1e-5, r
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "k2"])
 def test_epoch_reset_lands_before_the_first_batch_of_each_epoch(results, mode):
     """DeepSeekMath Alg. 1 resets the reference before an iteration's first batch: with 3
     batches per epoch, steps 4 and 7 open epochs 1 and 2, are reset before scoring (reason
     'epoch') and so score against a reference bitwise the policy (its pass reused); no other
-    step resets or reuses (before the fix the reset came after step 4's update)."""
+    step resets or reuses (before the fix the reset came after step 4's update). k2
+    (rollout.max_staleness=2): the stream drew epoch 1's first batch at step 2, but epochs
+    are the prompts the trainer consumes (issue 30, item 5)."""
     for rank in results:
         steps = rank[f"epoch_{mode}"]
         assert [s[0] for s in steps] == [0, 0, 0, 1, 1, 1, 2], steps

@@ -113,6 +113,7 @@ def test_trainer_corrects_the_batch_by_its_version(batch_version, corrected):
     The scoring pass is the only stand-in (it returns vLLM's log-probs + 0.5 on loss tokens)."""
     cfg = TrainConfig()
     cfg.algo.group_size, cfg.algo.beta = 2, 0.0
+    cfg.run.async_rollout = True  # k = 1: a lag of one is within the bound (k = 0 would drop it)
     tr = Trainer(cfg)
     tr.version = 1
     scored = []

@@ -105,6 +105,18 @@ def test_async_stale_batches_are_importance_corrected(results):
         assert gap > 1e-4 and weight != 1.0 and 0.5 < weight < 2.0, rows
 
 
+def test_k2_stream_stays_within_its_bound(results):
+    """Issue 30: rollout.max_staleness=2 after a k = 1 phase left one batch queued: the lags
+    are 1, 1, then 2 (the second batch the side thread drew at the first k = 2 step), never
+    above k, every sample's (staleness_max) included; the queue held 1, then 2 batches; nothing
+    dropped; the stale batches ran the decoupled correction."""
+    rows = results[0]["k2_stream"]
+    assert [r[0] for r in rows] == [1, 1, 2] and [r[1] for r in rows] == [1, 1, 2], rows
+    assert [r[2] for r in rows] == [1, 1, 2], rows  # one version per batch here
+    assert [r[3] for r in rows] == [1, 2, 2] and all(r[4] == 0 for r in rows), rows
+    assert all(r[5] == 1 and r[6] and r[7] for r in rows), rows
+
+
 def test_mu_passes_minibatches_and_rollout_is(results):
     r = results[0]["offpolicy"]
     assert r["opt_steps"] == 4  # mu=2 passes x 2 minibatches

