@@ -205,7 +205,10 @@ def test_weight_sync_benchmark_tiny(tmp_path):
     (row,) = _run("weight_sync.py", "--sizes", "tiny", "--repeats", "1", "--out", str(out))
     assert row["greedy_agrees_with_hf"] and row["max_logprob_gap"] < 1e-4
     assert row["sync_s"] > 0 and row["disk_total_s"] > 0 and row["bytes"] > 0
+    assert min(row[k] for k in ("repack_s", "plain_copy_s", "decode_packed_s",
+                                "decode_plain_s", "memcpy_s")) > 0  # the repack split ran
     assert out.read_text().strip() == json.dumps(row)
+    assert _bench_module("weight_sync").table(str(out)).count("\n") == 2  # header + one row
 
 
 def test_weight_sync_benchmark_vllm_tp2_tiny(tmp_path):
