@@ -350,9 +350,18 @@ def test_grpo_step_benchmark_one_rank_one_step(tmp_path):
     assert 1 <= row["completion_len_p50"] <= row["completion_len_max"] <= row["max_tokens"]
     # the floors: each phase's useful FLOPs at the measured GEMM rate, the step's their sum;
     # sampling does less than one forward over the trained tokens (shared prefill, no last)
+    # (the rollout's: the larger of FLOPs and bytes per decode step, rollout_floor.py; never
+    # below its FLOPs at the GEMM rate)
     rate = row["gemm_gflops"] * 1e9
-    for phase in ("rollout", "score", "update"):
+    for phase in ("score", "update"):
         assert row[f"floor_{phase}_s"] == pytest.approx(row[f"flops_{phase}"] / rate, rel=1e-3)
+    assert row["floor_rollout_flops_only_s"] == pytest.approx(row["flops_rollout"] / rate,
+                                                              rel=1e-3)
+    bw = _bench_module("rollout_floor").rollout_floor(
+        row["rollout_profiles"], row["gemm_gflops"], row["mem_read_gbs"])
+    assert row["floor_rollout_s"] == pytest.approx(bw["floor_s"] / row["steps"], rel=1e-3)
+    assert row["floor_rollout_s"] >= row["floor_rollout_flops_only_s"] * (1 - 1e-3)
+    for phase in ("rollout", "score", "update"):
         assert row[f"floor_frac_{phase}"] == pytest.approx(
             row[f"floor_{phase}_s"] / row[f"time_{phase}_s"], rel=1e-2, abs=1e-4)
     assert row["floor_step_s"] == pytest.approx(sum(row[f"floor_{p}_s"] for p in (
