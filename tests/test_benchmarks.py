@@ -221,6 +221,17 @@ def test_weight_sync_benchmark_vllm_tp2_tiny(tmp_path):
     assert row["slices_s"] > 0 and row["disk_total_s"] > 0
 
 
+def test_rollout_settings_benchmark_demo(tmp_path):
+    """One variant of the vLLM settings benchmark on the demo workload, one rollout: it
+    samples, prices its floor and tabulates the row."""
+    out = tmp_path / "rs.jsonl"
+    (row,) = _run("rollout_settings.py", "--workload", "demo", "--variants", "seqs32",
+                  "--rollouts", "1", "--out", str(out))
+    assert row["overrides"] == ["rollout.max_num_seqs=32"] and row["gen_tokens"] > 0
+    assert row["best_s"] > 0 and 0 < row["floor_s"] and row["decode_steps"] > 0
+    assert "max_num_seqs=32" in _bench_module("rollout_settings").table(str(out))
+
+
 def test_reference_sync_benchmark_tiny(tmp_path):
     (row,) = _run("reference_sync.py", "--sizes", "tiny", "--tps", "1", "--repeats", "1",
                   "--out", str(tmp_path / "r.jsonl"))
