@@ -33,7 +33,15 @@ per rank); rank 0 reports the means over the measured steps, one JSON line per n
                       forward per sampled token) at `gemm_gflops`, torch.mm's best rate measured
                       by this script (before the launches and after each) at the same dtype and
                       the run's total thread count (ranks x threads per rank), and the fraction
-                      of it achieved (floor / time); the step's floor is the phases' sum
+                      of it achieved (floor / time); the step's floor is the phases' sum.
+                      The rollout's floor is bandwidth-aware (benchmarks/rollout_floor.py): per
+                      decode step the larger of its FLOPs at that rate and its bytes (weights
+                      once + the live sequences' KV cache) at `mem_read_gbs`, the best memory
+                      read bandwidth measured the same way (`machine.memory_read_gbs`);
+                      `floor_rollout_flops_only_s` is the FLOP-only floor of earlier records,
+                      `rollout_bandwidth_bound_steps` of `rollout_decode_steps` the decode
+                      steps where the bytes bind, `rollout_profiles` each rollout's prefill
+                      FLOPs and per-step [FLOPs, bytes] (to re-price the record at other rates)
   mfu_update, mfu_score  floor_frac_update, floor_frac_score under their older names
   completion_len_mean/_p50/_max  the sampled completion lengths over the measured steps
 --compare reads the TRL baseline's JSON lines and adds `vs_trl_gen_tokens_per_s`: megagrpo gen
@@ -57,6 +65,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _workloads as W  # noqa: E402
+import rollout_floor as RF  # noqa: E402
 
 from megagrpo.cli import torchrun_command  # noqa: E402
 
@@ -81,7 +90,8 @@ class StepCounter:
     processed (b x S), real and loss tokens, useful FLOPs (x3 in the update); and the sampled
     completion lengths (replica rank 0 only, so a replica counts once)."""
 
-    def __init__(self, model_cfg, pad_id: int, count_lengths: bool) -> None:
+    def __init__(self, model_cfg, pad_id: int, count_lengths: bool,
+                 rollout_dtype: str = "float32") -> None:
         self.model_cfg = model_cfg
         self.pad_id = pad_id
         self.count_lengths = count_lengths
@@ -89,6 +99,8 @@ class StepCounter:
         self.sums: dict[str, torch.Tensor] = {}
         self.lengths: list[int] = []
         self.rollout_flops = 0.0
+        self.rollouts: list[list] = []  # rollout_floor.rollout_costs of each rollout
+        self.nbytes = RF.dtype_bytes(rollout_dtype)
 
     def install(self, tr) -> None:
         """Wraps the trainer's forward step (`tr.passes.forward`, its observation hook) and the
@@ -118,8 +130,10 @@ class StepCounter:
             per_prompt: list[list[int]] = [[] for _ in ro.prompts]
             for c in ro.completions:
                 per_prompt[c.prompt_index].append(len(c.token_ids))
-            self.rollout_flops += W.rollout_flops(self.model_cfg, [len(p) for p in ro.prompts],
-                                                  per_prompt)
+            prompts = [len(p) for p in ro.prompts]
+            self.rollout_flops += W.rollout_flops(self.model_cfg, prompts, per_prompt)
+            self.rollouts.append(RF.rollout_costs(self.model_cfg, self.nbytes, prompts,
+                                                  per_prompt))
         return fn(ro)
 
     def _forward(self, fn, micro, *args, **kwargs):
@@ -146,7 +160,7 @@ def _measure(tr, counter: StepCounter, warmup: int, steps: int) -> list[dict]:
     rows = []
     for i in range(warmup + steps):
         counter.reset()
-        n_len = len(counter.lengths)
+        n_len, n_ro = len(counter.lengths), len(counter.rollouts)
         t, c = time.perf_counter(), time.process_time()
         m = tr.step()
         m["step_s"] = time.perf_counter() - t
@@ -162,7 +176,7 @@ def _measure(tr, counter: StepCounter, warmup: int, steps: int) -> list[dict]:
         if i >= warmup:
             rows.append(m)
         else:
-            del counter.lengths[n_len:]
+            del counter.lengths[n_len:], counter.rollouts[n_ro:]
     return rows
 
 
@@ -204,11 +218,14 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) 
     tr = setup(cfg)
     tr.sync_weights()
     setup_s = time.perf_counter() - t0
-    counter = StepCounter(tr.model_cfg, tr.tokens.pad_id, count_lengths=tr.ranks.mp_rank == 0)
+    counter = StepCounter(tr.model_cfg, tr.tokens.pad_id, count_lengths=tr.ranks.mp_rank == 0,
+                          rollout_dtype=cfg.rollout.dtype)
     counter.install(tr)
     rows = _measure(tr, counter, warmup, steps)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, counter.lengths)
+    rollouts = [None] * dist.get_world_size()
+    dist.all_gather_object(rollouts, counter.rollouts)
     if tr.ranks.rank == 0:
         rec = dict(system="megagrpo", nproc=dist.get_world_size(), tp=cfg.parallel.tp,
                    dp=tr.ranks.dp,
@@ -216,7 +233,8 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) 
                    max_tokens=cfg.rollout.max_tokens, warmup=warmup, steps=steps,
                    setup_s=round(setup_s, 2), **_record(rows, [n for ls in every for n in ls]),
                    threads=torch.get_num_threads(), cpus=os.cpu_count(),
-                   loadavg_1m=round(os.getloadavg()[0], 2))
+                   loadavg_1m=round(os.getloadavg()[0], 2),
+                   rollout_profiles=[r for rs in rollouts for r in rs])
         print("RESULT " + json.dumps(rec), flush=True)
     dist.barrier()
     os._exit(0)  # skip vLLM's shutdown hooks (they tear down the process group)
@@ -259,28 +277,51 @@ def measure_gemm(gemm: dict, dtype: str, threads: int) -> tuple[float, int]:
 FLOOR_PHASES = ("rollout", "score", "update")
 
 
-def add_mfu(rec: dict, dtype: str, gemm: dict) -> dict:
-    """Per phase (rollout, score, update) and for the step: the FLOP floor (the phase's useful
-    FLOPs at torch.mm's best rate at the run's total threads, measured before the launches and
-    again now, `measure_gemm`), the fraction of it achieved (floor / time), achieved GFLOP/s;
-    mfu_update / mfu_score are the same fractions under their older names. The step's floor
-    is the sum of the three (advantage, weight sync and the reference reset do no model FLOPs:
-    their time counts against the step's fraction)."""
+def measure_bandwidth(bw: dict, threads: int) -> tuple[float, str]:
+    """The memory read bandwidth at `threads` (`machine.memory_read_gbs`), the best of every
+    measurement so far (as `measure_gemm`: a busy moment lowers one)."""
+    from megagrpo.machine import memory_read_gbs
+
+    rate, method = memory_read_gbs(threads)
+    if threads not in bw or rate > bw[threads][0]:
+        bw[threads] = (rate, method)
+    return bw[threads]
+
+
+def add_mfu(rec: dict, dtype: str, gemm: dict, bw: dict | None = None) -> dict:
+    """Per phase (rollout, score, update) and for the step: the floor (score and update: the
+    phase's useful FLOPs at torch.mm's best rate at the run's total threads, measured before
+    the launches and again now, `measure_gemm`; the rollout: `rollout_floor`'s bandwidth-aware
+    floor when `bw` is given and the record holds its rollouts' costs, else its FLOPs at that
+    rate), the fraction of it achieved (floor / time), achieved GFLOP/s; mfu_update /
+    mfu_score are the same fractions under their older names. The step's floor is the sum of
+    the three (advantage, weight sync and the reference reset do no model FLOPs: their time
+    counts against the step's fraction)."""
     total = rec["nproc"] * rec["threads"]
     rate, n = measure_gemm(gemm, dtype, total)
     rec.update(gemm_gflops=round(rate, 1), gemm_n=n, gemm_threads=total)
-    floor_step = 0.0
+    floors = {p: rec[f"flops_{p}"] / (rate * 1e9) for p in FLOOR_PHASES}
+    if bw is not None and rec.get("rollout_profiles"):
+        gbs, method = measure_bandwidth(bw, total)
+        ro = RF.rollout_floor(rec["rollout_profiles"], rate, gbs)
+        floors["rollout"] = ro["floor_s"] / rec["steps"]
+        rec.update(mem_read_gbs=round(gbs, 2), mem_read_method=method,
+                   floor_rollout_flops_only_s=rec["flops_rollout"] / (rate * 1e9),
+                   rollout_decode_flop_s=ro["decode_flop_s"] / rec["steps"],
+                   rollout_decode_byte_s=ro["decode_byte_s"] / rec["steps"],
+                   rollout_prefill_floor_s=ro["prefill_s"] / rec["steps"],
+                   rollout_decode_steps=ro["steps"],
+                   rollout_bandwidth_bound_steps=ro["bandwidth_bound_steps"])
     for phase in FLOOR_PHASES:
-        t, flops = rec[f"time_{phase}_s"], rec[f"flops_{phase}"]
+        t, flops, floor = rec[f"time_{phase}_s"], rec[f"flops_{phase}"], floors[phase]
         ok = t > 0 and flops > 0
-        floor = flops / (rate * 1e9)
-        floor_step += floor
         rec[f"floor_{phase}_s"] = floor
         rec[f"floor_frac_{phase}"] = round(floor / t, 4) if ok else None
         rec[f"achieved_gflops_{phase}"] = round(flops / t / 1e9, 2) if ok else None
     rec["mfu_update"], rec["mfu_score"] = rec["floor_frac_update"], rec["floor_frac_score"]
-    rec["floor_step_s"] = floor_step
-    rec["floor_frac_step"] = round(floor_step / rec["step_s"], 4) if rec["step_s"] > 0 else None
+    rec["floor_step_s"] = sum(floors.values())
+    rec["floor_frac_step"] = (round(rec["floor_step_s"] / rec["step_s"], 4)
+                              if rec["step_s"] > 0 else None)
     return rec
 
 
@@ -346,12 +387,14 @@ def main() -> None:
         return
     sets = W.overrides(w, dtype, args.set)
     gemm: dict = {}
+    bw: dict = {}
     for n in {expected_threads(int(n), args.threads) for n in args.nprocs.split(",")}:
         measure_gemm(gemm, dtype, n)  # before the runs, too: the best rate of the session
+        measure_bandwidth(bw, n)
     records = []
     for n in args.nprocs.split(","):
         rec = launch(int(n), str(ROOT / w.recipe), sets, args.warmup, args.steps, args.threads)
-        records.append(add_mfu({**head, **rec}, dtype, gemm))
+        records.append(add_mfu({**head, **rec}, dtype, gemm, bw))
     if args.compare:
         records = compare(records, args.compare)
     write_lines(records, args.out, args.append)

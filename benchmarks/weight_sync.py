@@ -12,7 +12,16 @@ process: vLLM's shutdown tears down the process group), single rank, megatron TP
              started from a real checkpoint (load_format != "dummy"), so it is not used here.
   memcpy     one flat copy of the same number of bytes (the floor for any in-memory sync)
   check      after the sync, vLLM greedy tokens vs transformers on the exported checkpoint
-Times are medians over --repeats after one warm-up sync.
+  repack     what bounds vLLM's side (`repack_split`): the CPU build's packing of every linear
+             (oneDNN handles, repack_s) vs copying the same tensors into plain ones
+             (plain_copy_s), and what plain weights would cost each decode step
+             (decode_plain_s vs decode_packed_s, every linear at 8 rows)
+Times are medians over --repeats after one warm-up sync (the repack split: best of them).
+
+    .venv/bin/python benchmarks/weight_sync.py \
+        --table benchmarks/results/weight_sync_repack_cpu.jsonl
+
+prints the refit table of docs/performance.md from such rows.
 
     .venv/bin/python benchmarks/weight_sync.py --vllm-tp 2 [--sizes ...]
         [--out benchmarks/results/weight_sync_tp2_cpu.jsonl]
@@ -82,6 +91,52 @@ def _agreement(engine, hf_dir: Path, vocab: int) -> dict:
     return {"greedy_agrees_with_hf": same, "max_logprob_gap": float(f"{gap:.2e}")}
 
 
+def vllm_linear_shapes(mcfg) -> list[tuple[int, int]]:
+    """[out, in] of every linear vLLM builds for this Llama (qkv and gate_up fused, the output
+    layer): the weights the CPU build packs after each load."""
+    H, hd = mcfg.hidden_size, mcfg.head_dim
+    q, kv = mcfg.num_attention_heads * hd, mcfg.num_query_groups * hd
+    layer = [(q + 2 * kv, H), (H, q), (2 * mcfg.ffn_hidden_size, H), (H, mcfg.ffn_hidden_size)]
+    return layer * mcfg.num_layers + [(mcfg.vocab_size, H)]
+
+
+def repack_split(mcfg, repeats: int, decode_rows: int = 8) -> dict:
+    """What bounds vLLM's engine-side load on CPU, measured in this process: the CPU build's
+    packing of every linear (vLLM's `dispatch_cpu_unquantized_gemm`: fp32 weights become oneDNN
+    matmul handles, `create_onednn_mm`, a reordered copy the handle owns) against copying the
+    same tensors into preallocated plain ones (what an in-place update would cost if vLLM kept
+    plain weights), and the decode-time price of plain weights: every linear at
+    `decode_rows` rows through `F.linear` on plain weights over the packed `onednn_mm`."""
+    import torch
+    import torch.nn.functional as F
+
+    try:
+        from vllm import _custom_ops as ops
+        create, run = ops.create_onednn_mm, ops.onednn_mm
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"weight_sync.py: this vLLM has no create_onednn_mm/onednn_mm ({e}); "
+                         "the repack split measures vLLM 0.32's CPU packing path only") from None
+    ws = [torch.randn(s) for s in vllm_linear_shapes(mcfg)]
+    dst = [torch.empty_like(w) for w in ws]
+    xs = {k: torch.randn(decode_rows, k) for k in {w.shape[1] for w in ws}}
+
+    def best(fn) -> float:
+        return min(_timed(fn) for _ in range(repeats + 1))
+
+    handles = [create(w.t(), 32) for w in ws]
+    return dict(  # 3 significant digits: the tiny model's copies take microseconds
+        repack_s=_sig(best(lambda: [create(w.t(), 32) for w in ws])),
+        plain_copy_s=_sig(best(lambda: [d.copy_(w) for d, w in zip(dst, ws)])),
+        decode_rows=decode_rows,
+        decode_packed_s=_sig(best(lambda: [run(h, xs[w.shape[1]], None)
+                                           for h, w in zip(handles, ws)])),
+        decode_plain_s=_sig(best(lambda: [F.linear(xs[w.shape[1]], w) for w in ws])))
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.3g}")
+
+
 def run_one(size: str, repeats: int) -> dict:
     import torch
 
@@ -131,8 +186,10 @@ def run_one(size: str, repeats: int) -> dict:
     dst = torch.empty_like(src)
     copy_s = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats + 1))
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    split = repack_split(mcfg, repeats)
     return dict(
-        size=size, params=n_params, tensors=out.tensors, bytes=nbytes,
+        size=size, params=n_params, tensors=out.tensors, bytes=nbytes, **split,
+        memcpy_s=_sig(copy_s),
         engine_start_s=round(start_s, 2),
         **{k: round(v, 4) for k, v in med.items()},
         sync_gbps=round(nbytes / med["sync_s"] / 1e9, 3),
@@ -221,6 +278,27 @@ def _launch(size: str, repeats: int, vllm_tp: int, env: dict) -> str:
     return found[-1]
 
 
+def table(path: str) -> str:
+    """The refit table of docs/performance.md: per row of `path` with the repack split, the
+    sync against the disk round trip and memcpy, and vLLM's packing against a plain copy."""
+    out = ["| model | bytes | sync (s) | disk round trip (s) | disk / sync | sync / memcpy "
+           "| engine load (s) | repack alone (s) | plain copy (s) | repack / memcpy "
+           "| decode, plain / packed weights |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for line in Path(path).read_text().splitlines():
+        r = json.loads(line) if line.strip() else {}
+        if "repack_s" not in r:
+            continue
+        out.append(
+            f"| {r['size']} | {r['bytes'] / 1e6:.0f} MB | {r['sync_s']:.3f} "
+            f"| {r['disk_total_s']:.3f} | {r['disk_total_s'] / r['sync_s']:.2f}x "
+            f"| {r['sync_s'] / r['memcpy_s']:.1f}x | {r['engine_load_s']:.3f} "
+            f"| {r['repack_s']:.3f} | {r['plain_copy_s']:.3f} "
+            f"| {r['repack_s'] / r['memcpy_s']:.1f}x "
+            f"| {r['decode_plain_s'] / r['decode_packed_s']:.2f}x |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default=",".join(SIZES))
@@ -228,8 +306,12 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/weight_sync_cpu.jsonl")
     ap.add_argument("--vllm-tp", type=int, default=1,
                     help="vLLM TP rows: this many ranks, training TP = vLLM TP")
+    ap.add_argument("--table", help="print the refit table from this results file and exit")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.table:
+        print(table(args.table))
+        return
     if args.one:
         row = (run_one(args.one, args.repeats) if args.vllm_tp == 1
                else run_tp(args.one, args.repeats, args.vllm_tp))

@@ -143,3 +143,27 @@ def busy_note(busy: float, cores: int | None = None) -> str | None:
             "starts; torch's threads wait behind them (a training pass ran 1.5-4x slower beside "
             "another job, docs/performance.md#without-the-profiler), so step times and the ETA "
             "reflect the load, not this run")
+
+
+def memory_read_gbs(threads: int, nbytes: int = 1 << 30, iters: int = 3) -> tuple[float, str]:
+    """This machine's memory read bandwidth, measured: the best of `iters` streaming reads
+    (`torch.sum` at `threads` intra-op threads) of an fp32 buffer of `nbytes`, in GB/s (1e9
+    bytes), and the method as one phrase. The default 1 GiB is far above any LLC of this kind
+    (32 MiB here), so every read comes from DRAM; a sum reads each byte once and writes
+    nothing, which is what a decode step does to its weights and KV cache. The floor of a
+    memory-bound phase is its bytes over this rate (benchmarks/_rollout_floor.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)  # touched: pages mapped
+        buf.sum()  # warm-up: the reduction's thread pool
+        best = float("inf")
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            buf.sum()
+            best = min(best, time.perf_counter() - t0)
+        rate = buf.numel() * 4 / best / 1e9
+    finally:
+        torch.set_num_threads(before)
+    return rate, (f"torch.sum over {buf.numel() * 4 / 2**30:.2f} GiB fp32, best of {iters}, "
+                  f"{threads} threads")

@@ -205,7 +205,10 @@ def test_weight_sync_benchmark_tiny(tmp_path):
     (row,) = _run("weight_sync.py", "--sizes", "tiny", "--repeats", "1", "--out", str(out))
     assert row["greedy_agrees_with_hf"] and row["max_logprob_gap"] < 1e-4
     assert row["sync_s"] > 0 and row["disk_total_s"] > 0 and row["bytes"] > 0
+    assert min(row[k] for k in ("repack_s", "plain_copy_s", "decode_packed_s",
+                                "decode_plain_s", "memcpy_s")) > 0  # the repack split ran
     assert out.read_text().strip() == json.dumps(row)
+    assert _bench_module("weight_sync").table(str(out)).count("\n") == 2  # header + one row
 
 
 def test_weight_sync_benchmark_vllm_tp2_tiny(tmp_path):
@@ -216,6 +219,17 @@ def test_weight_sync_benchmark_vllm_tp2_tiny(tmp_path):
     assert row["greedy_agrees_with_hf"] and row["max_logprob_gap"] < 1e-4
     assert 0 < row["slices_received_bytes"] < row["full_received_bytes"]
     assert row["slices_s"] > 0 and row["disk_total_s"] > 0
+
+
+def test_rollout_settings_benchmark_demo(tmp_path):
+    """One variant of the vLLM settings benchmark on the demo workload, one rollout: it
+    samples, prices its floor and tabulates the row."""
+    out = tmp_path / "rs.jsonl"
+    (row,) = _run("rollout_settings.py", "--workload", "demo", "--variants", "seqs32",
+                  "--rollouts", "1", "--out", str(out))
+    assert row["overrides"] == ["rollout.max_num_seqs=32"] and row["gen_tokens"] > 0
+    assert row["best_s"] > 0 and 0 < row["floor_s"] and row["decode_steps"] > 0
+    assert "max_num_seqs=32" in _bench_module("rollout_settings").table(str(out))
 
 
 def test_reference_sync_benchmark_tiny(tmp_path):
@@ -347,9 +361,18 @@ def test_grpo_step_benchmark_one_rank_one_step(tmp_path):
     assert 1 <= row["completion_len_p50"] <= row["completion_len_max"] <= row["max_tokens"]
     # the floors: each phase's useful FLOPs at the measured GEMM rate, the step's their sum;
     # sampling does less than one forward over the trained tokens (shared prefill, no last)
+    # (the rollout's: the larger of FLOPs and bytes per decode step, rollout_floor.py; never
+    # below its FLOPs at the GEMM rate)
     rate = row["gemm_gflops"] * 1e9
-    for phase in ("rollout", "score", "update"):
+    for phase in ("score", "update"):
         assert row[f"floor_{phase}_s"] == pytest.approx(row[f"flops_{phase}"] / rate, rel=1e-3)
+    assert row["floor_rollout_flops_only_s"] == pytest.approx(row["flops_rollout"] / rate,
+                                                              rel=1e-3)
+    bw = _bench_module("rollout_floor").rollout_floor(
+        row["rollout_profiles"], row["gemm_gflops"], row["mem_read_gbs"])
+    assert row["floor_rollout_s"] == pytest.approx(bw["floor_s"] / row["steps"], rel=1e-3)
+    assert row["floor_rollout_s"] >= row["floor_rollout_flops_only_s"] * (1 - 1e-3)
+    for phase in ("rollout", "score", "update"):
         assert row[f"floor_frac_{phase}"] == pytest.approx(
             row[f"floor_{phase}_s"] / row[f"time_{phase}_s"], rel=1e-2, abs=1e-4)
     assert row["floor_step_s"] == pytest.approx(sum(row[f"floor_{p}_s"] for p in (
