@@ -34,6 +34,18 @@ _ROW_FILL = {"ids": None, "target": None, "routes": -2}
 """Fill of a padding row per field (None: the pad id); every other field is 0 / False."""
 
 
+def balance_note(compute_balance: bool | None, *, loss_agg: str, kl_in_reward: bool,
+                 dp: int) -> str | None:
+    """The console line for a run where compute.balance_tokens left unset stays off although
+    there are several replicas (None: nothing to say)."""
+    if compute_balance is not None or dp == 1 or balance_enabled(
+            None, loss_agg=loss_agg, kl_in_reward=kl_in_reward, dp=dp):
+        return None
+    why = "algo.loss_agg=bnpo" if loss_agg == "bnpo" else "algo.kl_in_reward"
+    return (f"compute.balance_tokens: off with {why} (moving sequences would change the loss); "
+            "each DP replica trains on its own rollout")
+
+
 def lpt_partition(weights: list[int], k: int) -> list[list[int]]:
     """Greedy LPT: items (indices into `weights`) by weight, heaviest first, each to the bin with
     the least load so far (ties: the lower bin). Deterministic; every item in exactly one bin,
@@ -133,8 +145,7 @@ def balance_batch(batch: Batch, *, num_minibatches: int, per_micro: int, pad_id:
         return batch, {"token_imbalance": v, "token_imbalance_before": v}
     parts = [None] * dp
     dist.all_gather_object(parts, [_rows_of(batch, block) for block in mine], group=group)
-    return rebalance(parts, dp_rank=dp_rank, template=batch, pad_id=pad_id,
-                     per_micro=per_micro)
+    return rebalance(parts, dp_rank=dp_rank, batch=batch, pad_id=pad_id, per_micro=per_micro)
 
 
 def real_rows(batch: Batch, num_minibatches: int) -> list[list[int]]:
@@ -144,10 +155,12 @@ def real_rows(batch: Batch, num_minibatches: int) -> list[list[int]]:
             for k in range(num_minibatches)]
 
 
-def rebalance(parts: list[list[list[dict]]], *, dp_rank: int, template: Batch, pad_id: int,
+def rebalance(parts: list[list[list[dict]]], *, dp_rank: int, batch: Batch, pad_id: int,
               per_micro: int) -> tuple[Batch, dict]:
     """The pure step of `balance_batch`: `parts[d][k]` are replica d's real rows (field dicts)
-    in minibatch k; returns replica `dp_rank`'s batch and the imbalance metrics."""
+    in minibatch k, `batch` replica `dp_rank`'s own; returns its new batch and the imbalance
+    metrics. Where the partition would not lower the max replica load (LPT is within 4/3 of
+    the optimum, not always below a lucky split), every replica keeps its own batch."""
     dp, n_mini = len(parts), len(parts[0])
     before, after, blocks = [0.0] * dp, [0.0] * dp, []
     for k in range(n_mini):
@@ -159,5 +172,8 @@ def rebalance(parts: list[list[list[dict]]], *, dp_rank: int, template: Batch, p
         for d in range(dp):
             after[d] += sum(weights[i] for i in assignment[d])
         blocks.append([parts[items[i][0]][k][items[i][1]] for i in assignment[dp_rank]])
-    out = _assemble(template, blocks, pad_id, per_micro)
+    if max(after) >= max(before):  # the same decision on every rank: the same loads
+        v = imbalance(before)
+        return batch, {"token_imbalance": v, "token_imbalance_before": v}
+    out = _assemble(batch, blocks, pad_id, per_micro)
     return out, {"token_imbalance": imbalance(after), "token_imbalance_before": imbalance(before)}

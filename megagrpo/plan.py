@@ -28,8 +28,9 @@ What is counted, per rank, on the worst pipeline stage:
   rollout.max_model_len (the longest padded micro-batch).
 - activations: a rough estimate (Korthikanti et al. 2022, arXiv 2205.05198, per layer at 2
   bytes/value, scaled by the model dtype): s*b*h*(10 + 24/tp), or s*b*h*34/tp with sequence
-  parallelism, plus 5*a*s^2*b/tp where the attention scores are materialised (the local spec
-  with parallel.attention_impl=megatron; SDPA and Transformer Engine keep none), times layers
+  parallelism, plus 2*a*s^2*b/tp where the attention scores are materialised (the softmax
+  output: the paper's 5 counts an attention dropout megagrpo's models do not have; only the
+  local spec with parallel.attention_impl=megatron keeps scores, SDPA and TE none), times layers
   per stage, times the pp micro-batches the first stage holds under 1F1B. compute.recompute:
   selective drops the scores term; full keeps each layer's input (2*s*b*h, /tp with sequence
   parallelism) plus one recomputed chunk (compute.recompute_num_layers layers) of one
@@ -252,7 +253,9 @@ def activation_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int) -> int:
     sp = cfg.parallel.sequence_parallel and tp > 1
     p = cfg.parallel
     materialised = p.transformer_impl == "local" and p.attention_impl == "megatron"
-    scores = 5 * m.num_attention_heads * s * s * b / tp if materialised else 0.0
+    # the softmax output [b, a/tp, s, s]; Korthikanti's 5 a s^2 b adds a dropout mask and
+    # output, and megagrpo builds its models with attention_dropout = 0
+    scores = 2 * m.num_attention_heads * s * s * b / tp if materialised else 0.0
     layer = s * b * h * (34 / tp if sp else 10 + 24 / tp)
     layers = len(stage_layers(m, dataclasses.replace(p, pp=pp), 0))
     scale = DTYPE_BYTES[m.dtype] / 2

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.advantage import advantages, build_batch, kl_penalized_rewards, rollout_is
-from megagrpo.balance import balance_batch, balance_enabled
+from megagrpo.balance import balance_batch, balance_enabled, balance_note
 from megagrpo.batch import Batch, MicroBatch, sft_batch
 from megagrpo.cold_start import Completion, encode_completion
 from megagrpo.config.algo import AlgoConfig
@@ -178,6 +178,10 @@ class Trainer:
         serves its adapters; None: the weights (merged) are refit."""
         self.watchdog = None
         self.routing = self._routing_monitor()
+        note = balance_note(cfg.compute.balance_tokens, loss_agg=cfg.algo.loss_agg,
+                            kl_in_reward=self.kl_in_reward, dp=self.ranks.dp)
+        if note and self.ranks.rank == 0:
+            log.info(note)
 
     def _routing_monitor(self) -> RoutingMonitor | None:
         """Tokens-per-expert and auxiliary-loss statistics of an MoE policy's update."""

@@ -59,9 +59,9 @@ def test_lpt_list_scheduling_bound_on_long_tail():
         lpt_partition([1], 0)
 
 
-def _replica(seed: int, n: int, multiple: int, blocks: int):
+def _replica(seed: int, n: int, multiple: int, blocks: int, sigma: float = 0.9):
     g = torch.Generator().manual_seed(seed)
-    lens = (torch.distributions.LogNormal(1.5, 0.9).sample((n,)).long() + 1).tolist()
+    lens = ((torch.randn(n, generator=g) * sigma + 1.5).exp().long() + 1).tolist()
     prompts = [[1 + seed, 2 + i % 5] for i in range(n)]
     comps = [[10 + (i + j) % 7 + seed for j in range(c)] for i, c in enumerate(lens)]
     lps = [[-0.01 * (j + 1 + i) for j in range(len(c))] for i, c in enumerate(comps)]
@@ -86,10 +86,11 @@ def _keyed(batch, rows):
 def test_rebalance_moves_rows_whole_within_their_minibatch(n_mini):
     """Two replicas: the union of the rebalanced batches holds every real row exactly once,
     bit for bit, in the same global minibatch; padding rows are inert; loads even out."""
-    reps = [_replica(s, n, 4, n_mini) for s, n in ((1, 13), (2, 15))]
+    reps = [_replica(s, n, 4, n_mini, sigma) for s, n, sigma in ((1, 13, 0.9), (2, 15, 1.2))]
     parts = [[_rows_of(b, block) for block in real_rows(b, n_mini)] for b in reps]
-    out = [rebalance(parts, dp_rank=d, template=reps[0], pad_id=0, per_micro=3)
+    out = [rebalance(parts, dp_rank=d, batch=reps[d], pad_id=0, per_micro=3)
            for d in range(2)]
+    assert not any(b is r for (b, _), r in zip(out, reps))  # rows did move
     for k in range(n_mini):
         want = sorted(x for b in reps for x in _keyed(b, real_rows(b, n_mini)[k]))
         got = sorted(x for b, _ in out for x in _keyed(b, real_rows(b, n_mini)[k]))
@@ -106,7 +107,19 @@ def test_rebalance_moves_rows_whole_within_their_minibatch(n_mini):
     assert m["token_imbalance"] == pytest.approx(imbalance(loads))
     assert m["token_imbalance_before"] == pytest.approx(
         imbalance([float(b.lengths.sum()) for b in reps]))
-    assert m["token_imbalance"] <= m["token_imbalance_before"]
+    assert m["token_imbalance"] < m["token_imbalance_before"]
+    # each block's list-scheduling bound: its mean + its longest row
+    blocks = [[int(r["lengths"]) for d in range(2) for r in parts[d][k]] for k in range(n_mini)]
+    assert max(loads) <= sum(sum(b) / 2 + max(b) for b in blocks)
+
+
+def test_rebalance_keeps_a_split_it_cannot_improve():
+    """Both replicas already hold equal tokens: nothing moves, the metrics say 1.0."""
+    reps = [_replica(3, 6, 2, 1), _replica(3, 6, 2, 1)]
+    parts = [[_rows_of(b, block) for block in real_rows(b, 1)] for b in reps]
+    for d in range(2):
+        b, m = rebalance(parts, dp_rank=d, batch=reps[d], pad_id=0, per_micro=2)
+        assert b is reps[d] and m == {"token_imbalance": 1.0, "token_imbalance_before": 1.0}
 
 
 def test_balance_config_rules():
@@ -122,3 +135,35 @@ def test_balance_config_rules():
     cfg.algo.loss_agg, cfg.algo.kl_in_reward, cfg.algo.beta = "grpo", True, 0.1
     with pytest.raises(ValueError, match="compute.balance_tokens=true with algo.kl_in_reward"):
         cfg.validate()
+
+
+def test_token_balance_benchmark_smallest(capsys):
+    """benchmarks/token_balance.py at its smallest size: LPT never leaves a replica with more
+    tokens than the rollout's own split did."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "token_balance.py"
+    spec = importlib.util.spec_from_file_location("token_balance", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    argv, sys.argv = sys.argv, ["token_balance.py", "--seqs", "32", "--dp", "2,4", "--seeds", "2"]
+    try:
+        mod.main()
+    finally:
+        sys.argv = argv
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["dp"] for r in rows] == [2, 4]
+    assert all(1.0 <= r["imbalance_after_max"] <= r["imbalance_before_max"] for r in rows), rows
+
+
+def test_balance_note_says_why_it_stays_off():
+    from megagrpo.balance import balance_note
+
+    assert balance_note(None, loss_agg="grpo", kl_in_reward=False, dp=2) is None
+    assert balance_note(None, loss_agg="bnpo", kl_in_reward=False, dp=1) is None
+    assert balance_note(False, loss_agg="bnpo", kl_in_reward=False, dp=2) is None
+    assert "algo.loss_agg=bnpo" in balance_note(None, loss_agg="bnpo", kl_in_reward=False, dp=2)
+    assert "algo.kl_in_reward" in balance_note(None, loss_agg="grpo", kl_in_reward=True, dp=4)

@@ -577,3 +577,7 @@ def test_recompute_memory_benchmark_smallest(tmp_path):
                   "--recompute", "full", "--threads", "1", "--out", str(tmp_path / "r.jsonl"))
     assert (row["recompute"], row["layer_forwards"]) == ("full", 2), row
     assert row["step_peak_mib"] >= 0 and row["step_s"] > 0
+    # the planner's figure beside it (issue 32): its estimate, the error, the saved activations
+    assert row["planner_mib"] > 0 and row["planner_act_mib"] > 0 and row["saved_mib"] > 0, row
+    assert row["planner_error"] == round((row["planner_mib"] - row["step_peak_mib"])
+                                         / row["step_peak_mib"], 3) or row["step_peak_mib"] == 0
