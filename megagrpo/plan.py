@@ -26,10 +26,16 @@ What is counted, per rank, on the worst pipeline stage:
   next to a naive path that all-gathers [T, V] and runs an fp32 log_softmax (upcast copy,
   saved output and its gradient: 3 fp32 [T, V] tensors). T = compute.micro_batch_size x
   rollout.max_model_len (the longest padded micro-batch).
-- activations: a rough estimate only (Korthikanti et al. 2022, arXiv 2205.05198, no
-  recomputation, no sequence parallelism): s*b*h*(10 + 24/tp) bytes at 2 bytes/value per layer,
-  plus 5*a*s^2*b/tp when attention scores are materialised (parallel.transformer_impl=local),
-  times layers per stage, times the pp micro-batches the first stage holds under 1F1B.
+- activations: a rough estimate (Korthikanti et al. 2022, arXiv 2205.05198, per layer at 2
+  bytes/value, scaled by the model dtype): s*b*h*(10 + 24/tp), or s*b*h*34/tp with sequence
+  parallelism, plus 2*a*s^2*b/tp where the attention scores are materialised (the softmax
+  output: the paper's 5 counts an attention dropout megagrpo's models do not have; only the
+  local spec with parallel.attention_impl=megatron keeps scores, SDPA and TE none), times layers
+  per stage, times the pp micro-batches the first stage holds under 1F1B. compute.recompute:
+  selective drops the scores term; full keeps each layer's input (2*s*b*h, /tp with sequence
+  parallelism) plus one recomputed chunk (compute.recompute_num_layers layers) of one
+  micro-batch. s = rollout.max_model_len, b = compute.micro_batch_size. Measured against CPU
+  peaks by benchmarks/recompute_memory.py (docs/performance.md).
 - vLLM: colocated in every rank, in engines of k = rollout.tensor_parallel_size ranks, so each
   rank holds 1/k of the model in rollout.dtype (vocab and matrices split, norms replicated) and
   the KV cache of ceil(KV heads / k) heads per layer (vLLM replicates KV heads when k exceeds
@@ -241,14 +247,26 @@ def fused_output_bytes(t: int, h: int, v_local: int, b: int) -> int:
 
 
 def activation_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int) -> int:
-    """Rough per-rank activations of the first stage (see the module docstring)."""
+    """Rough per-rank activations of the first stage's update pass, with sequence parallelism
+    and compute.recompute (see the module docstring)."""
     s, b, h = cfg.rollout.max_model_len, cfg.compute.micro_batch_size, m.hidden_size
-    per_layer = s * b * h * (10 + 24 / tp)
-    if cfg.parallel.transformer_impl == "local":
-        per_layer += 5 * m.num_attention_heads * s * s * b / tp
+    sp = cfg.parallel.sequence_parallel and tp > 1
+    p = cfg.parallel
+    materialised = p.transformer_impl == "local" and p.attention_impl == "megatron"
+    # the softmax output [b, a/tp, s, s]; Korthikanti's 5 a s^2 b adds a dropout mask and
+    # output, and megagrpo builds its models with attention_dropout = 0
+    scores = 2 * m.num_attention_heads * s * s * b / tp if materialised else 0.0
+    layer = s * b * h * (34 / tp if sp else 10 + 24 / tp)
+    layers = len(stage_layers(m, dataclasses.replace(p, pp=pp), 0))
     scale = DTYPE_BYTES[m.dtype] / 2
-    layers = len(stage_layers(m, dataclasses.replace(cfg.parallel, pp=pp), 0))
-    return int(per_layer * scale * layers * pp)
+    rc = cfg.compute.recompute
+    if rc == "full":  # each layer's input, + one recomputed chunk's activations in backward
+        kept = 2 * s * b * h / (tp if sp else 1)
+        chunk = min(cfg.compute.recompute_num_layers, layers)
+        return int(scale * (kept * layers * pp + (layer + scores) * chunk))
+    if rc == "selective":  # core attention recomputed: no scores kept
+        scores = 0.0
+    return int((layer + scores) * scale * layers * pp)
 
 
 def vllm_rank_bytes(m: ModelConfig, k: int, dtype: str) -> tuple[int, int]:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.advantage import advantages, build_batch, kl_penalized_rewards, rollout_is
+from megagrpo.balance import balance_batch, balance_enabled, balance_note
 from megagrpo.batch import Batch, MicroBatch, sft_batch
 from megagrpo.cold_start import Completion, encode_completion
 from megagrpo.config.algo import AlgoConfig
@@ -181,6 +182,10 @@ class Trainer:
         serves its adapters; None: the weights (merged) are refit."""
         self.watchdog = None
         self.routing = self._routing_monitor()
+        note = balance_note(cfg.compute.balance_tokens, loss_agg=cfg.algo.loss_agg,
+                            kl_in_reward=self.kl_in_reward, dp=self.ranks.dp)
+        if note and self.ranks.rank == 0:
+            log.info(note)
 
     def _routing_monitor(self) -> RoutingMonitor | None:
         """Tokens-per-expert and auxiliary-loss statistics of an MoE policy's update."""
@@ -256,6 +261,8 @@ class Trainer:
             if not self.kl_in_reward:
                 replica.update(self._set_advantages(batch, shaped.rewards))
             replica = self._dp_mean(replica)  # each replica saw its own prompts
+            batch, balanced = self.balance(batch)
+            replica.update(balanced)  # already global
         with t("score"):
             scored = self.score(batch, async_batch=stale)
             batch.old_logp, batch.ref_logp = scored.old_logp, scored.ref_logp
@@ -337,7 +344,8 @@ class Trainer:
         record.update(t.times, step=self.step_idx, policy_version_of_batch=ro.version,
                       epoch=ro.epoch, lr=lr_at(self.cfg.optim, self.opt_steps - 1,
                                                self.total_opt_steps))
-        gen_tokens = record["completion_len"] * batch.seq_valid.sum().item() * self.ranks.dp
+        # the rollout's own count: balancing may have moved sequences between replicas
+        gen_tokens = record["completion_len"] * len(ro.completions) * self.ranks.dp
         record["tokens_per_s"] = gen_tokens / max(sum(t.times.values()), 1e-9)
         record["bad_steps_in_a_row"] = self.bad_steps
         return record
@@ -363,6 +371,17 @@ class Trainer:
         """The rollout packed into a `Batch` (advantages 0) and its `ShapedRewards`."""
         multiple = self.passes.micro_size(len(ro.completions)) * self.cfg.algo.num_minibatches
         return build_batch(ro, self.cfg, pad_id=self.tokens.pad_id, multiple=multiple)
+
+    def balance(self, batch: Batch) -> tuple[Batch, dict]:
+        """The batch with its sequences moved between DP replicas by token count
+        (compute.balance_tokens, `megagrpo.balance`); its token_imbalance metrics."""
+        a = self.cfg.algo
+        on = balance_enabled(self.cfg.compute.balance_tokens, loss_agg=a.loss_agg,
+                             kl_in_reward=self.kl_in_reward, dp=self.ranks.dp)
+        return balance_batch(batch, num_minibatches=a.num_minibatches,
+                             per_micro=self.cfg.compute.micro_batch_size,
+                             pad_id=self.tokens.pad_id, dp_rank=self.ranks.dp_rank,
+                             dp=self.ranks.dp, group=self.groups.dp, enabled=on)
 
     def _set_advantages(self, batch: Batch, rewards: torch.Tensor) -> dict:
         adv = advantages(rewards, self.cfg.algo, self.groups.dp)

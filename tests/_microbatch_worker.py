@@ -166,6 +166,36 @@ def epoch_check(tr, async_rollout: bool, k: int | None = None) -> dict:
     return steps
 
 
+def balance_check(tr, ro) -> dict:
+    """compute.balance_tokens off vs on for the same rollout: the scored old log-probs feed the
+    loss (mu = 2), then one forward/backward; the DP-reduced gradients and the DP-summed loss
+    must agree to summation order. Also: how many rows changed replica, the imbalance."""
+    import torch.distributed as dist
+
+    ro = copy.deepcopy(ro)
+    if tr.ranks.dp_rank == 0:  # a lopsided rollout: replica 0's every other completion cut
+        for c in ro.completions[::2]:
+            c.token_ids, c.logprobs = c.token_ids[:1], c.logprobs[:1]
+    runs = {}
+    for on in (False, True):
+        tr.cfg.compute.balance_tokens = on
+        batch, prep = tr.prepare(copy.deepcopy(ro))
+        grads, report, _, _ = grads_and_report(tr, batch)
+        loss = torch.tensor([report["loss"], report["tokens"], report["entropy_sum"]],
+                            dtype=torch.float64)
+        dist.all_reduce(loss, group=tr.groups.dp)
+        keys = sorted(map(tuple, batch.ids[batch.seq_valid].tolist()))
+        runs[on] = (grads, loss.tolist(), keys, prep.metrics)
+    tr.cfg.compute.balance_tokens = None
+    (g0, l0, k0, m0), (g1, l1, k1, m1) = runs[False], runs[True]
+    return {"grad_rel": max(float((a - b).norm() / b.norm().clamp_min(1e-30))
+                            for a, b in zip(g1, g0)),
+            "loss": [l0[0], l1[0]], "tokens": [l0[1], l1[1]], "entropy": [l0[2], l1[2]],
+            "rows_here": [len(k0), len(k1)], "same_rows_here": k0 == k1,
+            "imbalance_off": [m0["token_imbalance"], m0["token_imbalance_before"]],
+            "imbalance_on": [m1["token_imbalance"], m1["token_imbalance_before"]]}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
@@ -179,8 +209,10 @@ def main():
     cfg.algo.mu = 2  # old log-probs are scored, so every per-token input takes the new path
     tr = setup(cfg)
     tr.sync_weights()
-    batch, _ = tr.prepare(tr.rollout())
-    res = {"grpo": compare(tr, batch)}
+    ro = tr.rollout()
+    res = {"balance": balance_check(tr, ro)}
+    batch, _ = tr.prepare(copy.deepcopy(ro))  # balanced (compute.balance_tokens unset: on)
+    res["grpo"] = compare(tr, batch)
     tr.cfg.algo.loss_agg = "gspo"  # sequence-level ratios: per-token sequence ids matter
     res["gspo"] = compare(tr, batch)
     res["lengths"] = batch.lengths.tolist()

@@ -613,3 +613,8 @@ def test_recompute_memory_benchmark_smallest(tmp_path):
                   "--recompute", "full", "--threads", "1", "--out", str(tmp_path / "r.jsonl"))
     assert (row["recompute"], row["layer_forwards"]) == ("full", 2), row
     assert row["step_peak_mib"] >= 0 and row["step_s"] > 0
+    # the planner's figure beside it (issue 32): its estimate, the error, the saved activations
+    assert row["planner_mib"] > 0 and row["planner_act_mib"] > 0 and row["saved_mib"] > 0, row
+    if row["step_peak_mib"] > 0:  # the error of the printed (rounded) figures
+        err = (row["planner_mib"] - row["step_peak_mib"]) / row["step_peak_mib"]
+        assert abs(row["planner_error"] - err) < 0.01, row

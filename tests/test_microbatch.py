@@ -168,3 +168,21 @@ def test_epoch_reset_lands_before_the_first_batch_of_each_epoch(results, mode):
         assert [s[0] for s in steps] == [0, 0, 0, 1, 1, 1, 2], steps
         assert [s[1] for s in steps] == ["", "", "", "epoch", "", "", "epoch"], steps
         assert [s[2] for s in steps] == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0], steps
+
+
+def test_token_balanced_dp_equals_the_rollouts_own_layout(results):
+    """compute.balance_tokens (issue 32 item 4): the same rollout with its sequences moved
+    between the two replicas by token count gives the DP-reduced gradient and the DP-summed
+    loss of the unbalanced layout (summation order apart); rows did move, no token was lost,
+    and the logged imbalance fell (replica 0's rollout is cut short on purpose)."""
+    moved = False
+    for rank in results:
+        r = rank["balance"]
+        assert r["grad_rel"] < 1e-5, r
+        assert abs(r["loss"][1] - r["loss"][0]) <= 1e-6 * (1 + abs(r["loss"][0])), r
+        assert r["tokens"][0] == r["tokens"][1] > 0, r
+        assert abs(r["entropy"][1] - r["entropy"][0]) <= 1e-5 * abs(r["entropy"][0]), r
+        assert r["imbalance_off"][0] == r["imbalance_off"][1] == r["imbalance_on"][1], r
+        assert 1.0 <= r["imbalance_on"][0] < r["imbalance_on"][1], r
+        moved |= not r["same_rows_here"]
+    assert moved, [rank["balance"] for rank in results]

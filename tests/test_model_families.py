@@ -247,7 +247,8 @@ def test_qwen3_grpo_with_vllm_and_export(qwen3_run, hf_dirs):
 
 
 @pytest.mark.parametrize("recipe,arch,params_b", [("qwen3-8b-math.yaml", "qwen3", 8.19),
-                                                   ("llama3.1-8b-math.yaml", "llama", 8.03)])
+                                                   ("llama3.1-8b-math.yaml", "llama", 8.03),
+                                                   ("qwen3-8b-32k-reasoning.yaml", "qwen3", 8.19)])
 def test_recipes_validate_and_plan_without_weights(recipe, arch, params_b, capsys):
     from megagrpo.plan import run_plan, total_params
 

@@ -107,8 +107,8 @@ def test_fused_output_layer_holds_a_chunk_not_the_logits():
     (["reference.offload=true"], "reference", 0),
     (["compute.inplace_backward=false", "compute.fused_output_layer=false"], "logits_fused",
      2 * 16 * 56 * 4 + 960),
-    (["parallel.transformer_impl=local"], "activations",
-     2 * 2 * (8 * 2 * 8 * 22 + 5 * 2 * 8 * 8 * 2 // 2)),  # fp32 doubles the 2-byte estimate
+    (["parallel.transformer_impl=local", "parallel.attention_impl=megatron"], "activations",
+     2 * 2 * (8 * 2 * 8 * 22 + 2 * 2 * 8 * 8 * 2 // 2)),  # fp32 doubles the 2-byte estimate
 ])
 def test_switches(extra, field, expected):
     cfg = load_config(None, TINY + ["parallel.tp=2"] + extra)

@@ -83,6 +83,13 @@ class ComputeConfig(Section):
     'auto': wherever it runs (not beside an output-layer bias or multi-token prediction);
     false: megatron's output layer and the logits kernels."""
 
+    balance_tokens: bool | None = None
+    """Move a step's sequences between DP replicas so each computes about the same number of
+    tokens (LPT partition of every minibatch by length, `megagrpo.balance`); loss and
+    gradients change by float summation order only. None: on at DP > 1 except with
+    algo.loss_agg=bnpo (a per-micro-batch mean) or algo.kl_in_reward (advantages set after
+    scoring, from whole groups), where true is an error."""
+
     recompute: str = "none"
     """Activation recomputation of the update pass (megatron-core's, forward-only scoring
     keeps none): 'none'; 'selective' (each layer's core attention is recomputed in backward);
@@ -109,6 +116,20 @@ class ComputeConfig(Section):
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 0:
             raise ValueError(f"compute.micro_batch_tokens={self.micro_batch_tokens} must be "
                              ">= 0 (0 = off, unset = automatic)")
+
+
+def check_balance(compute_balance: bool | None, *, loss_agg: str, kl_in_reward: bool) -> None:
+    """compute.balance_tokens=true where moving rows would change the result: a ValueError."""
+    if compute_balance is not True:
+        return
+    if loss_agg == "bnpo":
+        raise ValueError("compute.balance_tokens=true with algo.loss_agg=bnpo: bnpo takes a token "
+                         "mean per micro-batch, so moving sequences changes the loss; set "
+                         "compute.balance_tokens=false (or leave it unset)")
+    if kl_in_reward:
+        raise ValueError("compute.balance_tokens=true with algo.kl_in_reward: the advantages are "
+                         "set after scoring from whole groups, which balancing splits; set "
+                         "compute.balance_tokens=false (or leave it unset)")
 
 
 @dataclass(kw_only=True)

@@ -24,6 +24,7 @@ from megagrpo.config.run import (
     LogConfig,
     RunConfig,
     WatchdogConfig,
+    check_balance,
 )
 from megagrpo.config.schema import build_dataclass, check_instance
 from megagrpo.config.section import Section
@@ -135,6 +136,8 @@ class TrainConfig(Section):
                              f"needs parallel.pp=1 (got {self.parallel.pp}: pipeline stages "
                              "exchange fixed micro-batch shapes); set compute.micro_batch_tokens=0")
         check_recompute(self.compute, self.model, self.parallel)
+        check_balance(self.compute.balance_tokens, loss_agg=self.algo.loss_agg,
+                      kl_in_reward=self.algo.kl_in_reward and self.algo.beta > 0)
         check_sequence_parallel(self.algo, self.parallel)
         why = packing_blocker(self.compute, self.parallel)
         if self.compute.pack_sequences and why:

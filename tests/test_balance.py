@@ -1,0 +1,169 @@
+"""Token-balanced DP (compute.balance_tokens, megagrpo.balance): the LPT partition against
+brute-force optimum and the list-scheduling bound, the rebalanced replicas' batches against
+the rows they came from, and the config rules. The DP=2 check that loss and gradients with
+balancing equal those without runs in tests/_microbatch_worker.py (tests/test_microbatch.py)."""
+import itertools
+import random
+
+import pytest
+import torch
+
+from megagrpo.balance import (
+    _rows_of,
+    balance_enabled,
+    imbalance,
+    lpt_partition,
+    real_rows,
+    rebalance,
+)
+from megagrpo.batch import pack
+from megagrpo.config.train import TrainConfig
+
+
+def _optimum(weights: list[int], k: int) -> int:
+    """Smallest max load over every assignment of the items to k bins (brute force)."""
+    best = sum(weights)
+    for a in itertools.product(range(k), repeat=len(weights)):
+        loads = [0] * k
+        for w, b in zip(weights, a):
+            loads[b] += w
+        best = min(best, max(loads))
+    return best
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_lpt_within_graham_bound_of_brute_force_optimum(k):
+    rng = random.Random(k)
+    for _ in range(40):
+        w = [int(rng.lognormvariate(5, 1)) + 1 for _ in range(rng.randint(1, 8))]
+        bins = lpt_partition(w, k)
+        assert sorted(i for b in bins for i in b) == list(range(len(w)))
+        worst = max(sum(w[i] for i in b) for b in bins)
+        assert worst <= (4 / 3 - 1 / (3 * k)) * _optimum(w, k) + 1e-9
+
+
+def test_lpt_list_scheduling_bound_on_long_tail():
+    """Many lognormal lengths: every item exactly once, max load <= mean + (1 - 1/k) * max
+    (any list schedule's bound), and far below the rollout's own contiguous split."""
+    rng = random.Random(0)
+    for k in (2, 4, 8):
+        w = [int(rng.lognormvariate(7, 1.2)) + 1 for _ in range(512)]
+        bins = lpt_partition(w, k)
+        assert sorted(i for b in bins for i in b) == list(range(len(w)))
+        loads = [sum(w[i] for i in b) for b in bins]
+        assert max(loads) <= sum(w) / k + (1 - 1 / k) * max(w)
+        contiguous = [sum(w[d * len(w) // k:(d + 1) * len(w) // k]) for d in range(k)]
+        assert imbalance(loads) < 1.01 < imbalance(contiguous)
+    assert lpt_partition([5, 5, 5], 2) == lpt_partition([5, 5, 5], 2)  # deterministic
+    with pytest.raises(ValueError):
+        lpt_partition([1], 0)
+
+
+def _replica(seed: int, n: int, multiple: int, blocks: int, sigma: float = 0.9):
+    g = torch.Generator().manual_seed(seed)
+    lens = ((torch.randn(n, generator=g) * sigma + 1.5).exp().long() + 1).tolist()
+    prompts = [[1 + seed, 2 + i % 5] for i in range(n)]
+    comps = [[10 + (i + j) % 7 + seed for j in range(c)] for i, c in enumerate(lens)]
+    lps = [[-0.01 * (j + 1 + i) for j in range(len(c))] for i, c in enumerate(comps)]
+    adv = torch.randn(n, generator=g)
+    return pack(prompts, comps, lps, adv, pad_id=0, multiple=multiple, blocks=blocks,
+                seq_rewards=adv + 1)
+
+
+def _keyed(batch, rows):
+    """row -> (ids up to its length, mask, advantages, rollout_logp, reward) as a hashable key."""
+    out = []
+    for r in rows:
+        n = int(batch.lengths[r])
+        out.append((tuple(batch.ids[r, :n].tolist()), tuple(batch.mask[r].nonzero().flatten()
+                                                             .tolist()),
+                    tuple(batch.advantages[r, :n].tolist()),
+                    tuple(batch.rollout_logp[r, :n].tolist()), float(batch.rewards[r])))
+    return out
+
+
+@pytest.mark.parametrize("n_mini", [1, 2])
+def test_rebalance_moves_rows_whole_within_their_minibatch(n_mini):
+    """Two replicas: the union of the rebalanced batches holds every real row exactly once,
+    bit for bit, in the same global minibatch; padding rows are inert; loads even out."""
+    reps = [_replica(s, n, 4, n_mini, sigma) for s, n, sigma in ((1, 13, 0.9), (2, 15, 1.2))]
+    parts = [[_rows_of(b, block) for block in real_rows(b, n_mini)] for b in reps]
+    out = [rebalance(parts, dp_rank=d, batch=reps[d], pad_id=0, per_micro=3)
+           for d in range(2)]
+    assert not any(b is r for (b, _), r in zip(out, reps))  # rows did move
+    for k in range(n_mini):
+        want = sorted(x for b in reps for x in _keyed(b, real_rows(b, n_mini)[k]))
+        got = sorted(x for b, _ in out for x in _keyed(b, real_rows(b, n_mini)[k]))
+        assert got == want
+    for b, metrics in out:
+        rows = b.num_seqs // n_mini
+        assert b.num_seqs % n_mini == 0 and rows % min(3, rows) == 0
+        pad = ~b.seq_valid
+        assert not b.mask[pad].any() and (b.ids[pad] == 0).all() and (b.lengths[pad] == 0).all()
+        assert torch.equal(b.target[:, :-1], b.ids[:, 1:])  # targets stay the shifted ids
+        assert metrics == out[0][1]
+    m = out[0][1]
+    loads = [float(b.lengths.sum()) for b, _ in out]
+    assert m["token_imbalance"] == pytest.approx(imbalance(loads))
+    assert m["token_imbalance_before"] == pytest.approx(
+        imbalance([float(b.lengths.sum()) for b in reps]))
+    assert m["token_imbalance"] < m["token_imbalance_before"]
+    # each block's list-scheduling bound: its mean + its longest row
+    blocks = [[int(r["lengths"]) for d in range(2) for r in parts[d][k]] for k in range(n_mini)]
+    assert max(loads) <= sum(sum(b) / 2 + max(b) for b in blocks)
+
+
+def test_rebalance_keeps_a_split_it_cannot_improve():
+    """Both replicas already hold equal tokens: nothing moves, the metrics say 1.0."""
+    reps = [_replica(3, 6, 2, 1), _replica(3, 6, 2, 1)]
+    parts = [[_rows_of(b, block) for block in real_rows(b, 1)] for b in reps]
+    for d in range(2):
+        b, m = rebalance(parts, dp_rank=d, batch=reps[d], pad_id=0, per_micro=2)
+        assert b is reps[d] and m == {"token_imbalance": 1.0, "token_imbalance_before": 1.0}
+
+
+def test_balance_config_rules():
+    assert balance_enabled(None, loss_agg="grpo", kl_in_reward=False, dp=2)
+    assert not balance_enabled(None, loss_agg="bnpo", kl_in_reward=False, dp=2)
+    assert not balance_enabled(None, loss_agg="grpo", kl_in_reward=True, dp=2)
+    assert not balance_enabled(True, loss_agg="grpo", kl_in_reward=False, dp=1)
+    assert not balance_enabled(False, loss_agg="grpo", kl_in_reward=False, dp=4)
+    cfg = TrainConfig()
+    cfg.compute.balance_tokens, cfg.algo.loss_agg = True, "bnpo"
+    with pytest.raises(ValueError, match="compute.balance_tokens=true with algo.loss_agg=bnpo"):
+        cfg.validate()
+    cfg.algo.loss_agg, cfg.algo.kl_in_reward, cfg.algo.beta = "grpo", True, 0.1
+    with pytest.raises(ValueError, match="compute.balance_tokens=true with algo.kl_in_reward"):
+        cfg.validate()
+
+
+def test_token_balance_benchmark_smallest(capsys):
+    """benchmarks/token_balance.py at its smallest size: LPT never leaves a replica with more
+    tokens than the rollout's own split did."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "token_balance.py"
+    spec = importlib.util.spec_from_file_location("token_balance", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    argv, sys.argv = sys.argv, ["token_balance.py", "--seqs", "32", "--dp", "2,4", "--seeds", "2"]
+    try:
+        mod.main()
+    finally:
+        sys.argv = argv
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["dp"] for r in rows] == [2, 4]
+    assert all(1.0 <= r["imbalance_after_max"] <= r["imbalance_before_max"] for r in rows), rows
+
+
+def test_balance_note_says_why_it_stays_off():
+    from megagrpo.balance import balance_note
+
+    assert balance_note(None, loss_agg="grpo", kl_in_reward=False, dp=2) is None
+    assert balance_note(None, loss_agg="bnpo", kl_in_reward=False, dp=1) is None
+    assert balance_note(False, loss_agg="bnpo", kl_in_reward=False, dp=2) is None
+    assert "algo.loss_agg=bnpo" in balance_note(None, loss_agg="bnpo", kl_in_reward=False, dp=2)
+    assert "algo.kl_in_reward" in balance_note(None, loss_agg="grpo", kl_in_reward=True, dp=4)
