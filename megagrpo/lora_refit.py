@@ -34,11 +34,35 @@ def vllm_max_lora_rank(rank: int) -> int:
     return next((r for r in VLLM_LORA_RANKS if r >= rank), 0)
 
 
-def unavailable(lora: LoRAConfig, rollout_tp: int, model: ModelConfig | None = None) -> str:
+def unavailable(lora: LoRAConfig, rollout_tp: int, model: ModelConfig | None = None, *,
+                on_cpu: bool = False) -> str:
     """'' when vLLM serves this run's adapters, else why it does not (the merged weights are
-    refit then). `model`: the policy's (MoE expert adapters are not served)."""
+    refit then). `model`: the policy's (MoE expert adapters are not served); `on_cpu`: the
+    engines are vLLM's CPU build (`lora.refit=auto` refits merged there). Raises ValueError when
+    `lora.refit=adapter` asks for what cannot be served."""
     if not lora.enabled:
         return "lora.rank=0"
+    if lora.refit == "merged":
+        return "lora.refit=merged"
+    why = _cannot_serve(lora, rollout_tp, model)
+    if why and lora.refit == "adapter":
+        raise ValueError(f"lora.refit=adapter, but {why}; set lora.refit=auto or merged")
+    if not why and on_cpu and lora.refit == "auto":
+        why = ("lora.refit=auto on vLLM's CPU build, whose LoRA decode is several times slower "
+               "than the merged model's (benchmarks/lora_decode.py); lora.refit=adapter serves "
+               "the adapters anyway")
+    return why
+
+
+def vllm_on_cpu() -> bool:
+    """Whether this process's vLLM is the CPU build."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _cannot_serve(lora: LoRAConfig, rollout_tp: int, model: ModelConfig | None) -> str:
+    """Why vLLM cannot serve the adapters here ('' when it can)."""
     expert = [t for t in lora.targets if t in ("fc1", "fc2")]
     if model is not None and model.is_moe and expert:
         # vLLM 0.32's FusedMoEWithLoRA runs through punica's fused-MoE LoRA ops, which its CPU

@@ -94,7 +94,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
             log.info("%s", describe_lora(n_adapters, sum(p.numel() for p in gpt.parameters()),
                                          cfg.lora, lora_refit.unavailable(
                                              cfg.lora, cfg.rollout.tensor_parallel_size,
-                                             model_cfg)))
+                                             model_cfg, on_cpu=lora_refit.vllm_on_cpu())))
     policy = wrap_ddp(gpt, cfg.optim)
     optimizer = build_optimizer(policy, cfg.optim)
     reference = _reference(cfg, policy, model_cfg)
@@ -169,9 +169,8 @@ def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
         save(str(d))
     r = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + layout.engine,
                             dtype=model.dtype)
-    serve = cfg.lora.enabled and not lora_refit.unavailable(cfg.lora,
-                                                            cfg.rollout.tensor_parallel_size,
-                                                            model)
+    serve = cfg.lora.enabled and not lora_refit.unavailable(
+        cfg.lora, cfg.rollout.tensor_parallel_size, model, on_cpu=lora_refit.vllm_on_cpu())
     return VLLMEngine(r, d, dtype=model.dtype, capture_routing=cfg.algo.routing_replay,
                       max_lora_rank=lora_refit.vllm_max_lora_rank(cfg.lora.rank) if serve else 0)
 

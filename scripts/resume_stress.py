@@ -77,7 +77,8 @@ MODES = {
     "agent+async": (*AGENT, "run.async_rollout=true"),
     # LoRA: the reference is the adapters off and a reset merges them into the base (after
     # steps 3 and 6): checkpoints 3 and 6 write a base, 4 and 5 name the one 3 wrote
-    "lora": ("lora.rank=4", "lora.alpha=8", "checkpoint.every=1"),
+    "lora": ("lora.rank=4", "lora.alpha=8", "lora.refit=adapter",
+             "checkpoint.every=1"),
 }
 # issue 30: a stream two batches ahead (rollout.max_staleness=2), both in every checkpoint
 MODES["async2"] = ("rollout.max_staleness=2",)

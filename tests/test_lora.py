@@ -172,6 +172,25 @@ def test_expert_adapters_are_refit_merged():
     assert unavailable(LoRAConfig(rank=4), 1, ModelConfig()) == ""
 
 
+def test_lora_refit_choice():
+    """lora.refit: auto serves the adapters except on vLLM's CPU build (its LoRA decode is
+    slower than the merged model's) or where vLLM cannot; merged never serves them; adapter
+    refuses, naming the field, what cannot be served; a bad value is refused."""
+    from megagrpo.lora_refit import unavailable
+
+    moe = ModelConfig(architecture="qwen3_moe", num_experts=4, moe_ffn_hidden_size=64)
+    auto, adapter = LoRAConfig(rank=4), LoRAConfig(rank=4, refit="adapter")
+    assert unavailable(auto, 1, ModelConfig(), on_cpu=False) == ""
+    assert "CPU build" in unavailable(auto, 1, ModelConfig(), on_cpu=True)
+    assert unavailable(adapter, 1, ModelConfig(), on_cpu=True) == ""
+    assert unavailable(LoRAConfig(rank=4, refit="merged"), 1, ModelConfig()) == "lora.refit=merged"
+    assert "MoE experts" in unavailable(auto, 1, moe, on_cpu=True)  # the first reason that holds
+    with pytest.raises(ValueError, match=r"lora.refit=adapter, but .*tensor_parallel_size=2"):
+        unavailable(adapter, 2, ModelConfig())
+    with pytest.raises(ValueError, match="lora.refit='fast'"):
+        LoRAConfig(rank=4, refit="fast").validate(ModelConfig(), ParallelConfig())
+
+
 def test_lora_off_by_default_and_scale():
     cfg = TrainConfig()
     assert not cfg.lora.enabled

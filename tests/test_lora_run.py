@@ -10,7 +10,8 @@ import pytest
 
 from tests.support.cli import run_cli
 
-COMMON = ("lora.rank=8", "lora.alpha=16", "reference.sync_every_steps=1", "cold_start.steps=1",
+COMMON = ("lora.rank=8", "lora.alpha=16", "lora.refit=adapter", "reference.sync_every_steps=1",
+          "cold_start.steps=1",
           "eval.every=0", "arithmetic.num_eval=8", "data.batch_size=8", "algo.group_size=4",
           "algo.num_minibatches=2", "optim.lr=3e-3", "checkpoint.at_end=true",
           # a term with variance in a 1-step cold start's completions (arithmetic is ~all 0)

@@ -27,6 +27,12 @@ class LoRAConfig(Section):
     targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     """Linears that get an adapter, among qkv, proj, fc1, fc2 (on MoE models fc1/fc2 adapt
     every expert, the shared expert and dense layers' MLPs; the router never)."""
+    refit: str = "auto"
+    """How vLLM gets the policy after an update: 'adapter' (vLLM serves the adapters; only they
+    are refit, the base only after a merge), 'merged' (W + s B A refit like a full model), or
+    'auto': adapter, except where vLLM cannot serve them (the console says why) and on vLLM's
+    CPU build, whose LoRA decode is several times slower than the merged model's
+    (benchmarks/lora_decode.py)."""
 
     @property
     def enabled(self) -> bool:
@@ -45,6 +51,8 @@ class LoRAConfig(Section):
             raise ValueError(f"lora.rank={self.rank}: need rank >= 1 (or 0: LoRA off)")
         if not self.enabled:
             return
+        if self.refit not in ("auto", "adapter", "merged"):
+            raise ValueError(f"lora.refit={self.refit!r}: choose auto, adapter or merged")
         if not self.alpha > 0:
             raise ValueError(f"lora.alpha={self.alpha} must be > 0 (the scale is alpha / rank)")
         if not 0.0 <= self.dropout < 1.0:
