@@ -82,6 +82,8 @@ MODES = {
 }
 # issue 30: a stream two batches ahead (rollout.max_staleness=2), both in every checkpoint
 MODES["async2"] = ("rollout.max_staleness=2",)
+# LoRA with the merged-weight refit (lora.refit=auto's choice on vLLM's CPU build)
+MODES["lora+merged"] = (*MODES["lora"][:2], "lora.refit=merged", *MODES["lora"][3:])
 
 
 def launch(out_dir: Path, steps: int, log: Path, *extra: str) -> subprocess.Popen:

@@ -85,7 +85,8 @@ def kill_run(proc: subprocess.Popen) -> tuple[set[int], list[int]]:
     "distopt+async", pytest.param("sync", marks=pytest.mark.heavy),
     pytest.param("agent", marks=pytest.mark.heavy),
     pytest.param("agent+async", marks=pytest.mark.heavy),
-    pytest.param("lora", marks=pytest.mark.heavy)])
+    pytest.param("lora", marks=pytest.mark.heavy),
+    pytest.param("lora+merged", marks=pytest.mark.heavy)])
 def e2e(request, tmp_path_factory):
     """The uninterrupted run and the interrupted one run side by side (DP=2; by default with
     the distributed optimizer and async rollouts, the configuration with the most state: the
@@ -110,7 +111,7 @@ def e2e(request, tmp_path_factory):
         newest, older = damage(cut, marker)
         last_log = work / "resumed.log"
         resumed = stress.launch(cut, STEPS, last_log, *extra)
-        if request.param == "lora":  # once more, now from a checkpoint without the base
+        if request.param.startswith("lora"):  # again, now from a checkpoint without the base
             stress.wait_for_step(resumed, cut, 5, checkpoint=True)
             again, left = kill_run(resumed)
             below, orphans = below | again, orphans + left
@@ -149,7 +150,8 @@ def test_resumed_run_is_bitwise_the_uninterrupted_run(e2e):
     state = stress.final_state(cut)
     assert len(state) > 20  # policy, reference and optimizer tensors were compared
     # the reference model, or LoRA's frozen base (the reference is the adapters off)
-    assert any(k.startswith("base." if e2e["mode"] == "lora" else "reference.") for k in state)
+    lora = e2e["mode"].startswith("lora")
+    assert any(k.startswith("base." if lora else "reference.") for k in state)
     assert stress.trainer_state(cut)["step"] == STEPS  # and the trainer state
     assert any(".exp_avg_sq." in k for k in state) and any(k.startswith("rng.") for k in state)
     if "run.async_rollout=true" in stress.MODES[e2e["mode"]]:  # the batch drawn ahead, too
@@ -164,7 +166,7 @@ def test_lora_resumes_with_and_without_the_base(e2e):
     """LoRA: the base is in a checkpoint only after a merge (and in the first one); the run
     resumed bitwise (above) from step 3, whose checkpoint wrote the base, and from step 5,
     whose checkpoint names the one step 3 wrote; the kept checkpoints keep theirs."""
-    if e2e["mode"] != "lora":
+    if not e2e["mode"].startswith("lora"):
         pytest.skip("LoRA runs only")
     from megagrpo.run_dir import refs_of
 
