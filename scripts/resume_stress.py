@@ -17,7 +17,8 @@ optimizer), agent (multi-turn trajectories: tests/_agent_env.py's Digits environ
 turns, environment tokens masked), agent+async (those with the pending multi-turn batch
 checkpointed), async2 (rollout.max_staleness=2: two batches drawn ahead, both checkpointed),
 lora (LoRA adapters, a checkpoint every step and a reference reset, a merge, every 3:
-checkpoints with and without the base, which is written only after a merge).
+checkpoints with and without the base, which is written only after a merge; the adapter
+refit), lora+merged (the same with the merged-weight refit, lora.refit=auto's choice on CPU).
 """
 from __future__ import annotations
 
