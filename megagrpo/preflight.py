@@ -234,6 +234,10 @@ def check_model(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer) -> N
         raise ValueError(f"algo.routing_replay=true with {by[1]}: each batch drawn ahead "
                          f"is checkpointed without its routes; set {by[2]} or "
                          "algo.routing_replay=false")
+    if cfg.lora.enabled:  # lora.refit=adapter that vLLM cannot serve: refused before compute
+        from megagrpo.lora_refit import unavailable
+
+        unavailable(cfg.lora, cfg.rollout.tensor_parallel_size, model)
     interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if cfg.compute.kernel_impl == "triton" and not torch.cuda.is_available() and not interpreted:
         raise ValueError(

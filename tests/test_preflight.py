@@ -193,6 +193,14 @@ def test_head_dim_unsupported_by_vllm_cpu():
         preflight(load_config(DEMO, ["model.head_dim=48"]), 2)
 
 
+def test_unservable_lora_adapter_refit_is_refused_before_compute():
+    """lora.refit=adapter on a layout vLLM cannot serve adapters on is refused by the
+    preflight (no process group, no engine), naming the field and the fix."""
+    with pytest.raises(ValueError, match=r"lora.refit=adapter, but .*set lora.refit=auto"):
+        preflight(load_config(DEMO, ["lora.rank=8", "lora.refit=adapter",
+                                     "rollout.tensor_parallel_size=2"]), 2)
+
+
 def test_layout_and_lengths_are_checked_against_run_init(tmp_path):
     """The recipe's model section is ignored with an HF run.init: TP and max_model_len are
     checked against the checkpoint's architecture (4 heads, 2 KV groups, 256 positions)."""
