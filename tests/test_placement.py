@@ -256,3 +256,22 @@ def test_separate_run_versions_and_gap(separate_run):
     assert steps[0]["staleness_max"] == 0 and steps[0]["logp_gap_vllm_mean"] < 1e-5
     assert all(r["staleness_max"] <= 1 for r in steps)  # per-sample lags, k = 1
     assert any(r["staleness_max"] == 1 for r in steps)  # and the stream did run ahead
+
+
+def test_plan_separates_training_and_rollout_memory(capsys):
+    """A training rank holds no vLLM share (its peak is the colocated one less that share);
+    a rollout rank holds the whole model (fp32 bytes of every parameter) plus its KV cache."""
+    from megagrpo.plan import GIB, plan_model, rank_memory, run_plan, total_params
+
+    over = ["parallel.tp=2", "rollout.placement=separate", "rollout.rollout_ranks=1"]
+    sep = load_config(None, over)
+    col = load_config(None, over[:1])
+    m, _ = plan_model(sep)
+    a, b = rank_memory(sep, m, 2, 1, 2, 80.0), rank_memory(col, m, 2, 1, 2, 80.0)
+    assert a.vllm == 0 and b.vllm == int(0.5 * 80 * GIB)
+    assert a.update_peak == b.update_peak - b.vllm
+    run_plan(None, over, gpus=3)
+    out = capsys.readouterr().out
+    assert "separate placement: 2 training rank(s) (ranks 0-1) + 1 rollout rank(s) (ranks 2-2)" \
+        in out
+    assert f"weights {total_params(m) * 4 / GIB:.2f} GiB (the whole model)" in out
