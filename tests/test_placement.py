@@ -189,7 +189,7 @@ def test_separate_placement_config():
         load_config(None, ["rollout.placement=separate", "rollout.rollout_ranks=3"]).validate(3)
 
 
-def test_receive_without_a_sync_is_a_stop_only_after_close():
+def test_stop_message_carries_no_weights():
     """The stop message carries no weights: the engine is not touched."""
     store = dist.HashStore()
     groups = {}
