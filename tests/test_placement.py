@@ -275,3 +275,20 @@ def test_plan_separates_training_and_rollout_memory(capsys):
     assert "separate placement: 2 training rank(s) (ranks 0-1) + 1 rollout rank(s) (ranks 2-2)" \
         in out
     assert f"weights {total_params(m) * 4 / GIB:.2f} GiB (the whole model)" in out
+
+
+@pytest.mark.heavy
+def test_separate_run_resumes_at_the_first_untrained_batch(tmp_path):
+    """2 steps and a checkpoint, then a resumed launch to step 4: the rollout ranks start at
+    the trainer's next batch (a mismatch stops the run) with the checkpoint's weights, so the
+    first step after the resume trains samples of its own version."""
+    args = [*ARGS, f"run.out_dir={tmp_path}/run", f"arithmetic.tokenizer_dir={tmp_path}/tok"]
+    for more in (["run.steps=2", "checkpoint.at_end=true"], ["run.steps=4", "run.resume=true"]):
+        p = run_cli("train", "--nproc", "3", *args, *more, timeout=900)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    steps = [json.loads(line) for line in Path(tmp_path, "run", "metrics.jsonl").read_text()
+             .splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert steps[2]["staleness_max"] == 0 and steps[2]["logp_gap_vllm_mean"] < 1e-5
+    assert all(r["staleness_max"] <= 1 and r["update_skipped"] == 0 for r in steps)
