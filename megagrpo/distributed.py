@@ -63,6 +63,8 @@ def init_distributed(
     """Starts torch.distributed and megatron's parallel_state with the configured TP and PP
     (DP = world / (TP*PP)). Validates the layout before anything is started."""
     rank, world, local = torchrun_env()
+    if dist.is_initialized():  # the world was split first (rollout.placement=separate)
+        rank, world = dist.get_rank(), dist.get_world_size()
     if model is not None:
         parallel.validate(model, world)
     elif world % (parallel.tp * parallel.pp):

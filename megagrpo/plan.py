@@ -306,11 +306,15 @@ def rank_memory(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int, world: int,
             optimizer = -(-optimizer // dp)
         grads, weights, with_ref = adapters * 4, (n + adapters) * b, False
     fused, naive = logits_bytes(cfg, m, tp, layout)
+    colocated = cfg.rollout.placement != "separate"
+    vllm_weights = vllm_weights if colocated else 0
     return RankMemory(tp=tp, pp=pp, dp=dp, params=n, weights=weights, grads=grads,
                       optimizer=optimizer, reference=n * b if with_ref else 0,
                       logits_fused=fused, logits_naive=naive,
                       activations=activation_bytes(cfg, m, tp, pp),
-                      vllm=int(cfg.rollout.gpu_memory_utilization * gpu_mem_gib * GIB),
+                      # separate placement: the engines live on rollout ranks of their own
+                      vllm=int(cfg.rollout.gpu_memory_utilization * gpu_mem_gib * GIB)
+                      if colocated else 0,
                       vllm_sleeps=cfg.rollout.sleep_between_rollouts,
                       optimizer_sharded=cfg.optim.distributed_optimizer,
                       vllm_tp=k, vllm_weights=vllm_weights, kv_token_bytes=kv_token,
@@ -468,7 +472,8 @@ def run_plan(config: str | None, overrides: list[str], *, gpus: int = 0,
     m, source = plan_model(cfg)
     m.validate()
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    world = gpus or tp * pp
+    separate = cfg.rollout.placement == "separate"
+    world = (gpus - cfg.rollout.rollout_ranks if gpus and separate else gpus) or tp * pp
     rope = "" if m.rope_type == "default" else f" ({m.rope_type} RoPE x{m.rope_factor:g})"
     active = (f" ({total_params(m, active=True) / 1e6:.1f}M active per token)" if m.is_moe
               else "")
@@ -488,7 +493,12 @@ def run_plan(config: str | None, overrides: list[str], *, gpus: int = 0,
         print(f"  fits: {'yes' if current.total <= gpu_mem_gib * GIB else 'no'}")
     except ValueError as e:
         print(f"  note: the recipe's layout does not validate: {e}")
-    _print_vllm(cfg, m, current, world, gpu_mem_gib)
+    if separate:
+        from megagrpo.plan_placement import format_separate
+
+        print(format_separate(cfg, m, current, world, gpu_mem_gib))
+    else:
+        _print_vllm(cfg, m, current, world, gpu_mem_gib)
     if cfg.lora.enabled:
         from megagrpo.plan_lora import format_lora_vs_full
 

@@ -41,6 +41,7 @@ from megagrpo.lora_checkpoint import lora_parts
 from megagrpo.metrics import MetricsLogger, plot_curves, read_jsonl
 from megagrpo.model import attention_impl_name, build_model, layer_spec_name, sequence_packing
 from megagrpo.optim import build_optimizer, wrap_ddp
+from megagrpo.placement import RemoteEngine, SeparateSource, serve, split_world, training_world
 from megagrpo.preflight import Preflight, preflight
 from megagrpo.procs import follow_parent
 from megagrpo.reference import Reference
@@ -72,6 +73,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     if rank == 0 and fresh and not os.environ.get(PREFLIGHT_SHOWN_ENV):
         log.info("%s", checked.summary())
     rng.seed_process(cfg.run.seed)
+    place = split_world(cfg, rank, world) if cfg.rollout.placement == "separate" else None
     info = init_distributed(cfg.parallel, model_cfg, seed=cfg.run.seed)
     log_file = attach_log_file(cfg.run.out_dir, rank)  # out_dir is ready once all ranks met
     packed = sequence_packing(cfg.compute, cfg.parallel)
@@ -101,23 +103,35 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     layout = RolloutLayout(rank=rank, world_size=world, engine_tp=cfg.rollout.tensor_parallel_size,
                            train_tp=cfg.parallel.tp, train_pp=cfg.parallel.pp)
     if rank == 0:
-        log.info("%s", layout.describe())
+        log.info("%s", place.describe(cfg, info.dp) if place else layout.describe())
         if cfg.staleness:
             log.info("%s", async_note(cfg))
     tok = task.tokenizer
-    engine = _start_engine(cfg, model_cfg, tok, layout)
+    engine = _start_engine(cfg, model_cfg, tok, layout) if place is None else None
+    if place is not None and task.eval:
+        task = dataclasses.replace(task, eval=[])
+        if rank == 0:
+            log.info("separate placement: no held-out evaluation (the rollout ranks do not "
+                     "evaluate yet; the training ranks have no engine)")
     rng.seed_rank(cfg.run.seed, rank)  # vLLM reseeded the global streams
     ranks, groups = training_layout(cfg.parallel, model_cfg, info)
     tokens = TokenIds(pad_id=tok.pad_id, eos_id=tok.eos_id, stop_ids=(tok.eos_id, *task.stop_ids))
     loader = PromptLoader(task.train, cfg.data.batch_size, info.dp_rank, info.dp,
                           seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    rollouts = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
-                                reward_fn=RewardFn(cfg.reward), layout=layout, ranks=ranks,
-                                groups=groups, stop_ids=tokens.stop_ids)
+    if place is not None:
+        rollouts = SeparateSource(cfg=cfg, place=place, loader=loader, tokenizer=tok,
+                                  ranks=ranks, groups=groups, engine=RemoteEngine(
+                                      place=place, loader=loader, sends=ranks.dp_rank == 0,
+                                      bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
+                                      dtype=model_cfg.dtype))
+    else:
+        rollouts = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
+                                    reward_fn=RewardFn(cfg.reward), layout=layout, ranks=ranks,
+                                    groups=groups, stop_ids=tokens.stop_ids)
     tr = Trainer(cfg, model_cfg=model_cfg, policy=policy, optimizer=optimizer,
                  reference=reference, rollouts=rollouts, task=task, ranks=ranks, groups=groups,
                  tokens=tokens)
-    if engine.max_lora_rank:  # vLLM serves the adapters: refits carry them alone
+    if getattr(engine, "max_lora_rank", 0):  # vLLM serves the adapters: refits carry them alone
         tr.adapter_refit = lora_refit.AdapterRefit(cfg.lora, Path(engine.model_dir) / "adapters")
     return tr
 
@@ -214,9 +228,37 @@ def train(cfg: TrainConfig, checked: Preflight | None = None) -> dict:
     rank, world, _ = torchrun_env()
     watchdog = start_watchdog(cfg.watchdog, rank, world)  # a frozen rank or stall ends the run
     try:
+        if rank >= (training_world(cfg.rollout, world) or world):
+            return serve_rollouts(cfg, watchdog, checked)
         return _train(cfg, watchdog, checked)
     finally:
         watchdog.stop()
+
+
+def serve_rollouts(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> dict:
+    """A rollout rank of separate placement (`megagrpo.placement`): its own engine, sampling
+    for the trainer until it says stop. Returns what it did."""
+    follow_parent()
+    rank, world, _ = torchrun_env()
+    checked = checked or preflight(cfg, world)
+    freeze(cfg)
+    task, model_cfg = checked.task, checked.model
+    rng.seed_process(cfg.run.seed)
+    place = split_world(cfg, rank, world)
+    attach_log_file(cfg.run.out_dir, rank)
+    tok = task.tokenizer
+    layout = RolloutLayout(rank=rank, world_size=world, engine_tp=1, train_tp=1, train_pp=1)
+    engine = _start_engine(cfg, model_cfg, tok, layout)
+    loader = PromptLoader(task.train, cfg.data.batch_size, 0, 1, seed=cfg.data.seed,
+                          shuffle=cfg.data.shuffle)
+    collector = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
+                                 reward_fn=RewardFn(cfg.reward), layout=layout,
+                                 stop_ids=(tok.eos_id, *task.stop_ids))
+    done = serve(cfg, place, collector, watchdog)
+    log.info("rollout rank %d: %d batches sampled over %d weight syncs", rank, done["batches"],
+             done["syncs"])
+    engine.close()
+    return done
 
 
 def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> dict:

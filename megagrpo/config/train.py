@@ -15,6 +15,7 @@ from megagrpo.config.layout import check_rollout_layout
 from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.optim import OptimConfig
+from megagrpo.config.placement import check_separate, training_world
 from megagrpo.config.rollout import RolloutConfig
 from megagrpo.config.run import (
     CheckpointConfig,
@@ -104,6 +105,8 @@ class TrainConfig(Section):
     def validate(self, world_size: int | None = None) -> None:
         """Checks every section and the cross-section rules, before anything starts."""
         check_instance(self)  # types first: a config built in Python skipped load_config's
+        self.rollout.validate()  # the placement decides how many of the world's ranks train
+        world_size = training_world(self.rollout, world_size)
         self.model.validate()
         self.parallel.validate(self.model, world_size)
         self.optim.validate()
@@ -154,6 +157,7 @@ class TrainConfig(Section):
                              f"{by[2]} or rollout.tensor_parallel_size=1")
         check_rollout_layout(self.rollout.tensor_parallel_size, self.parallel, self.model,
                              world_size)
+        check_separate(self)
 
 
     @property

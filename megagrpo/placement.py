@@ -1,0 +1,417 @@
+"""Separate placement (rollout.placement=separate): one torchrun world of T training ranks
+followed by R rollout ranks, each rollout rank running a vLLM engine of its own.
+
+The world is split before megatron-core starts (`split_world`):
+  - training ranks 0..T-1 open their default process group over a prefix of torchrun's store with
+    world size T, so megatron-core's parallel_state (which builds every group from the default
+    one) sees the T training ranks only and TP x PP x DP = T;
+  - rollout ranks T..T+R-1 open theirs (world R, each engine TP 1) the same way, so vLLM finds an
+    initialised default group of rollout ranks only;
+  - a gloo group `cross` of training rank 0 and the R rollout ranks is built directly on a third
+    prefix of the store (a raw `ProcessGroupGloo`, registered nowhere): the weights go over it.
+
+What flows where:
+  - weights: after every optimizer step the training ranks drive the colocated refit's stream
+    (`megagrpo.reshard.iter_hf_weights`: TP gather, PP broadcast, HF names; every replica does
+    so in colocated runs, only DP replica 0 here); training rank 0 packs the full tensors into
+    flat buckets of at most rollout.sync_bucket_mb and broadcasts each over `cross`
+    (`RemoteEngine.update_weights`); every rollout rank loads them into its engine
+    (`WeightReceiver`). Each broadcast is a numbered sync, announced in the store first.
+  - completions: rollout rank j samples prompts j, j+R, ... of every global batch (groups whole,
+    from a PromptLoader of the whole batch that starts where the trainer's stands), scores them,
+    stamps them with the sync they were sampled by, and puts them in the store under
+    (batch, j); the trainer takes batch i when every rollout rank has put its part
+    (`SeparateSource.next`), each DP replica keeping its contiguous slice of the batch.
+  - staleness: a rollout rank samples batch i only with a sync >= i - k (k =
+    rollout.max_staleness), taking every newer announced sync between batches, so a sample is at
+    most k syncs (hence at most k optimizer updates) older than the step that trains it. k = 0 is
+    a synchronous hand-off: batch i waits for the weights the step that trains it starts from.
+  - resume: the trainer's own PromptLoader tracks the next untrained batch and is checkpointed as
+    in colocated runs; the first sync of a run tells the rollout ranks where to start. Batches
+    sampled ahead of a checkpoint are not kept: they are sampled again, by the restored weights,
+    from the same prompts (no prompt lost or trained twice; not bitwise).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megagrpo.config.placement import check_separate, training_world
+from megagrpo.engine import Completion, WeightSyncStats
+from megagrpo.stream import StreamStats, stamp
+
+if TYPE_CHECKING:
+    from megagrpo.config.train import TrainConfig
+    from megagrpo.data import PromptLoader
+    from megagrpo.distributed import Groups, Ranks
+    from megagrpo.rollout import Rollout, RolloutCollector
+
+log = logging.getLogger("megagrpo")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------------- the world split
+@dataclass
+class Placement:
+    """This process's side of a separate-placement world."""
+
+    rank: int
+    """Global (torchrun) rank."""
+    train_world: int
+    """T: ranks 0..T-1 train."""
+    rollout_ranks: int
+    """R: ranks T..T+R-1 run an engine each."""
+    store: object
+    """torchrun's store under this run's prefix: sync announcements and finished batches."""
+    cross: object | None
+    """Gloo group of training rank 0 (cross rank 0) and rollout rank j (cross rank 1 + j);
+    None on the other training ranks."""
+    timeout_s: float
+    """How long a wait for weights or a batch may take (parallel.collective_timeout_s)."""
+
+    @property
+    def is_rollout(self) -> bool:
+        return self.rank >= self.train_world
+
+    @property
+    def rollout_index(self) -> int:
+        """j: this rollout rank's index among the rollout ranks."""
+        return self.rank - self.train_world
+
+    def announce(self, sync: int) -> None:
+        """Training rank 0: sync `sync` is about to be broadcast."""
+        self.store.set(f"sync/{sync}", "1")
+
+    def announced(self, sync: int) -> bool:
+        return self.store.check([f"sync/{sync}"])
+
+    def describe(self, cfg: TrainConfig, dp: int) -> str:
+        """The console line that says where each rank went."""
+        p, T, R = cfg.parallel, self.train_world, self.rollout_ranks
+        ep = f" x ep={p.ep}" if p.ep > 1 else ""
+        return (f"placement: separate; training ranks 0-{T - 1} (megatron-core tp={p.tp} x "
+                f"pp={p.pp} x dp={dp}{ep}), rollout ranks {T}-{T + R - 1} (one vLLM engine of "
+                f"TP 1 each, {cfg.rollout.dtype}); weights from rank 0 over a gloo group in "
+                f"buckets of <= {cfg.rollout.sync_bucket_mb} MiB after every step; samples at "
+                f"most {cfg.staleness} version(s) old")
+
+
+def split_world(cfg: TrainConfig, rank: int, world: int) -> Placement:
+    """Collective over the whole torchrun world: opens this rank's default process group (the
+    training ranks', or the rollout ranks') and the cross group (module docstring)."""
+    T, R = training_world(cfg.rollout, world), cfg.rollout.rollout_ranks
+    timeout = timedelta(seconds=cfg.parallel.collective_timeout_s)
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))
+    # a restarted torchrun keeps its store: keys of an earlier attempt must not be read
+    store = dist.PrefixStore(f"megagrpo/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
+                             store)
+    rollout = rank >= T
+    cuda = torch.cuda.is_available()
+    backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else (
+        "nccl" if cuda else "gloo")
+    dist.init_process_group(backend, store=dist.PrefixStore("rollout/" if rollout else "train/",
+                                                            store),
+                            rank=rank - T if rollout else rank, world_size=R if rollout else T,
+                            timeout=timeout)
+    cross = None
+    if rank == 0 or rollout:
+        cross = dist.ProcessGroupGloo(dist.PrefixStore("cross/", store),
+                                      rank - T + 1 if rollout else 0, R + 1, timeout)
+    return Placement(rank=rank, train_world=T, rollout_ranks=R, store=dist.PrefixStore(
+        "stream/", store), cross=cross, timeout_s=cfg.parallel.collective_timeout_s)
+
+
+# ---------------------------------------------------------------------- the wire
+def _bcast_json(pg, obj: object | None) -> dict:
+    """Broadcasts a JSON-able object from cross rank 0 (`obj` there, None elsewhere)."""
+    data = json.dumps(obj).encode() if obj is not None else b""
+    n = torch.tensor([len(data)], dtype=torch.int64)
+    pg.broadcast(n, 0).wait()
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
+           else torch.empty(int(n.item()), dtype=torch.uint8))
+    pg.broadcast(buf, 0).wait()
+    return json.loads(buf.numpy().tobytes().decode())
+
+
+@dataclass
+class RemoteEngine:
+    """The trainer's stand-in for an engine under separate placement: `update_weights` sends
+    the policy to the rollout ranks (Trainer.sync_weights calls it as it would a colocated
+    engine's); `close` tells them to stop."""
+
+    place: Placement
+    loader: PromptLoader
+    """The trainer's loader: its position at the first sync is where the rollout ranks start."""
+    sends: bool
+    """DP replica 0 drives the gather (the other replicas skip it); rank 0 broadcasts."""
+    bucket_bytes: int
+    dtype: str
+    syncs: int = 0
+    """Syncs sent in this launch (the next one's index)."""
+    max_lora_rank: int = 0
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                       partial: bool = False) -> WeightSyncStats:
+        """Collective over the training ranks of DP replica 0 (the stream's TP/PP gathers) and
+        the cross group: every full tensor reaches every rollout rank, in flat buckets of at
+        most `bucket_bytes` (or one tensor if larger). Returns what moved."""
+        t0, sync = time.perf_counter(), self.syncs
+        self.syncs += 1
+        if not self.sends:
+            return WeightSyncStats(tensors=0, bytes=0, seconds=0.0, source_seconds=0.0,
+                                   load_seconds=0.0)
+        root = self.place.cross is not None
+        if root:
+            self.place.announce(sync)
+            start = self.loader.state_dict() if sync == 0 else None
+            _bcast_json(self.place.cross, {"sync": sync, "start": start, "stop": False})
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = tensors = moved = 0
+        for name, t in named_tensors:
+            if not root:
+                continue
+            n = t.numel() * t.element_size()
+            if bucket and size + n > self.bucket_bytes:
+                moved += self._send(bucket)
+                bucket, size = [], 0
+            bucket.append((name, t.detach().to("cpu", copy=True)))
+            size, tensors = size + n, tensors + 1
+        if root:
+            moved += self._send(bucket) if bucket else 0
+            _bcast_json(self.place.cross, {"end": True})
+        s = time.perf_counter() - t0
+        return WeightSyncStats(tensors=tensors, bytes=moved, seconds=s, source_seconds=0.0,
+                               load_seconds=s)
+
+    def _send(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
+        """One bucket: a header (names, shapes, dtype), then the tensors as one flat buffer."""
+        dtype = str(bucket[0][1].dtype).removeprefix("torch.")
+        _bcast_json(self.place.cross, {"names": [n for n, _ in bucket], "dtype": dtype,
+                                       "shapes": [list(t.shape) for _, t in bucket]})
+        flat = torch.cat([t.to(_DTYPES[dtype]).reshape(-1) for _, t in bucket])
+        self.place.cross.broadcast(flat, 0).wait()
+        return flat.numel() * flat.element_size()
+
+    def close(self) -> None:
+        """End of run: the rollout ranks stop after the batch they are sampling."""
+        if self.place.cross is not None:
+            self.place.announce(self.syncs)
+            _bcast_json(self.place.cross, {"sync": self.syncs, "start": None, "stop": True})
+
+    def rng_state(self) -> dict:
+        return {}  # the samplers live on the rollout ranks; a resume redraws their batches
+
+    def set_rng_state(self, state: dict) -> None:
+        pass
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+
+@dataclass
+class Sync:
+    """A sync a rollout rank received."""
+
+    index: int
+    start: dict | None
+    """The trainer's loader position at the first sync (where sampling starts)."""
+    stop: bool
+
+
+def receive_weights(place: Placement, engine) -> Sync:
+    """Rollout rank: the next sync from the cross group, loaded into `engine` (a stop message
+    carries no weights)."""
+    head = _bcast_json(place.cross, None)
+    sync = Sync(index=head["sync"], start=head["start"], stop=head["stop"])
+    if not sync.stop:
+        engine.update_weights(_received_tensors(place.cross))
+    return sync
+
+
+def _received_tensors(pg) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of one sync, bucket by bucket; each bucket a fresh buffer (vLLM
+    may hold a tensor until its layer is complete)."""
+    while True:
+        head = _bcast_json(pg, None)
+        if head.get("end"):
+            return
+        shapes = [torch.Size(s) for s in head["shapes"]]
+        flat = torch.empty(sum(s.numel() for s in shapes), dtype=_DTYPES[head["dtype"]])
+        pg.broadcast(flat, 0).wait()
+        off = 0
+        for name, shape in zip(head["names"], shapes):
+            yield name, flat[off:off + shape.numel()].view(shape)
+            off += shape.numel()
+
+
+# ---------------------------------------------------------------------- the rollout ranks
+def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watchdog) -> dict:
+    """A rollout rank's whole run: sample batch after batch with the newest weights it has
+    (at least sync i - k for batch i), put each finished part in the store, until the trainer
+    says stop. Returns what it did."""
+    k, B, R, j = cfg.staleness, cfg.data.batch_size, place.rollout_ranks, place.rollout_index
+    loader, tok = collector.loader, collector.tokenizer
+    watchdog.set_phase("weight_sync", 0)  # phases name a stall, as on the training ranks
+    sync = receive_weights(place, collector.engine)
+    if sync.start is not None:
+        loader.load_state_dict(sync.start)
+    mine = list(range(j, B, R))  # groups whole: every sample of a prompt on one engine
+    i = 0
+    while not sync.stop:
+        if sync.index < i - k or place.announced(sync.index + 1):
+            watchdog.set_phase("weight_sync", i)
+            sync = receive_weights(place, collector.engine)
+            continue
+        watchdog.set_phase("rollout", i)
+        t0 = time.perf_counter()
+        before = loader.state_dict()
+        examples = next(loader)
+        prompts = [_encode(tok, e.prompt) for e in examples]
+        comps, rewards, metrics = collector._generate(prompts, [e.answer for e in examples],
+                                                      mine, collector.sampling())
+        stamp(comps, sync.index)  # the sync's index; the trainer maps it to a version
+        part = {"loader": before, "epoch": loader.epoch, "draw_s": time.perf_counter() - t0,
+                "completions": [_jsonable(c) for c in comps], "rewards": rewards.tolist(),
+                "metrics": metrics}
+        place.store.set(f"batch/{i}/{j}", json.dumps(part))
+        i += 1
+    return {"batches": i, "syncs": sync.index}
+
+
+def _encode(tokenizer, prompt) -> list[int]:
+    from megagrpo.data import encode_prompt
+
+    return encode_prompt(tokenizer, prompt)
+
+
+def _jsonable(c: Completion) -> dict:
+    return dataclasses.asdict(dataclasses.replace(c, routes=None))
+
+
+# ---------------------------------------------------------------------- the trainer's source
+@dataclass(frozen=True)
+class SeparateLayout:
+    """What the trainer reads of a rollout layout under separate placement: the feed is full
+    tensors (the rollout ranks' TP is 1)."""
+
+    shard_to_shard: bool = False
+
+
+@dataclass(kw_only=True)
+class SeparateSource:
+    """The separate-placement `megagrpo.stream.RolloutSource`: the trainer's side of the
+    stream the rollout ranks feed (module docstring)."""
+
+    cfg: TrainConfig
+    place: Placement
+    engine: RemoteEngine
+    loader: PromptLoader
+    """This replica's prompts, walked batch by batch in step with the rollout ranks: its
+    position is the next untrained batch (checkpointed as in colocated runs)."""
+    tokenizer: object
+    ranks: Ranks
+    groups: Groups
+    layout: SeparateLayout = field(default_factory=SeparateLayout)
+    stats: StreamStats = field(default_factory=StreamStats)
+    taken: int = 0
+    """Batches taken in this launch (the next one's index in the store)."""
+    versions: dict[int, int] = field(default_factory=dict)
+    """Sync index -> the policy version it carried."""
+    queue: list = field(default_factory=list)
+    """Always empty: batches sampled ahead stay with the rollout ranks (a resume redraws them)."""
+
+    def next(self, version: int) -> Rollout:
+        """Batch `taken` from the rollout ranks (waits for it), this replica's slice. `version`
+        is what the last sync carried (Trainer.engine_version)."""
+        from megagrpo.rollout import Rollout
+
+        i = self.taken
+        for s in range(len(self.versions), self.engine.syncs):  # the syncs since the last step
+            self.versions[s] = version
+        before = self.loader.state_dict()
+        examples = next(self.loader)
+        parts = self._parts(i)
+        bad = [p["loader"] for p in parts if _position(p["loader"]) != _position(before)]
+        if bad:
+            raise RuntimeError(f"separate placement: rollout ranks sampled batch {bad[0]} where "
+                               f"the trainer expected {before}")
+        n, R = len(examples), self.place.rollout_ranks
+        lo = self.ranks.dp_rank * n
+        merged = sorted(((Completion(**c), r) for p in parts
+                         for c, r in zip(p["completions"], p["rewards"])
+                         if lo <= c["prompt_index"] < lo + n),
+                        key=lambda x: (x[0].prompt_index, x[0].sample_index))
+        for c, _ in merged:
+            c.prompt_index -= lo
+            c.version = self.versions[c.version]
+        metrics = {}
+        for p in parts:  # counts over the whole batch: per replica on average
+            for key, v in p["metrics"].items():
+                metrics[key] = metrics.get(key, 0.0) + v / self.ranks.dp
+        self.stats = StreamStats(queue_depth=self._waiting(i + 1),
+                                 draw_s=max(p["draw_s"] for p in parts) if R else 0.0)
+        if self.ranks.rank == 0 and i >= 2:
+            for j in range(R):
+                self.place.store.delete_key(f"batch/{i - 2}/{j}")
+        self.taken += 1
+        comps = [c for c, _ in merged]
+        return Rollout(prompts=[_encode(self.tokenizer, e.prompt) for e in examples],
+                       answers=[e.answer for e in examples], completions=comps,
+                       rewards=torch.tensor([r for _, r in merged]),
+                       version=min((c.version for c in comps), default=version),
+                       epoch=self.loader.epoch, metrics=metrics)
+
+    def _parts(self, i: int) -> list[dict]:
+        keys = [f"batch/{i}/{j}" for j in range(self.place.rollout_ranks)]
+        self.place.store.wait(keys, timedelta(seconds=self.place.timeout_s))
+        return [json.loads(self.place.store.get(k)) for k in keys]
+
+    def _waiting(self, first: int) -> int:
+        """Finished batches from `first` on (every rollout rank's part in)."""
+        n = 0
+        while all(self.place.store.check([f"batch/{first + n}/{j}"])
+                  for j in range(self.place.rollout_ranks)):
+            n += 1
+        return n
+
+    def join(self) -> None:
+        """Nothing runs on the trainer's side between steps."""
+
+    def ahead_loader_states(self) -> list[dict]:
+        return []  # the loader itself stands at the next untrained batch
+
+    def return_batches(self, loader_states: list[dict]) -> None:
+        raise ValueError("this checkpoint holds batches a colocated async run drew ahead; "
+                         "rollout.placement=separate cannot take them over: resume it with "
+                         "rollout.placement=colocated")
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def evaluate(self, examples) -> float:
+        raise RuntimeError("separate placement does not evaluate (no engine on training ranks)")
+
+
+def _position(state: dict) -> tuple[int, int]:
+    """A loader position comparable across DP layouts: (epoch, batch index)."""
+    return state["epoch"], state["index"]
+
+
+__all__ = ["Placement", "RemoteEngine", "SeparateSource", "check_separate", "serve",
+           "split_world", "training_world"]

@@ -1,0 +1,294 @@
+"""Separate placement (rollout.placement=separate, issue 30 item 1): training ranks and rollout
+ranks in one torchrun world, weights over a gloo group, finished groups through the store.
+
+In-process checks (a second each): the wire and the stream run for real (two gloo process
+groups over one store, the rollout rank's `serve` loop on a thread with a fake engine that
+samples a marker of the weights it holds), so what is checked is the protocol itself: every
+weight arrives bitwise in bounded buckets; every completion's version is the sync that sampled
+it (the marker says so) and lags the trainer by at most k; each replica gets its contiguous
+slice and every prompt is trained once, in the loader's own order, across a resume. The
+refusals name their field. One real-process run (3 ranks: 2 training ranks DP=2 + 1 rollout
+rank, megatron-core and vLLM, through the CLI) checks that it trains, that vLLM's log-probs on
+samples of the trainer's own version equal the trainer's to fp32 precision, and that the
+per-sample staleness never exceeds k.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megagrpo.config.layout import RolloutLayout
+from megagrpo.config.placement import training_world
+from megagrpo.config.train import TrainConfig, load_config
+from megagrpo.data import Example, PromptLoader
+from megagrpo.distributed import Ranks
+from megagrpo.engine import Completion, WeightSyncStats
+from megagrpo.placement import Placement, RemoteEngine, SeparateSource, receive_weights, serve
+from megagrpo.rollout import RolloutCollector
+from tests.support.cli import run_cli
+from tests.test_stream import Reward, Tok
+
+G, B = 2, 4
+
+
+class MarkerEngine:
+    """Samples two tokens per completion whose first log-prob is the weight 'marker' it holds
+    (so a completion says which weights sampled it); keeps every tensor it was fed."""
+
+    def __init__(self) -> None:
+        self.marker, self.received = -1.0, []
+
+    def generate(self, prompts, sampling):
+        return [Completion(prompt_index=i, sample_index=j, token_ids=[p[-1], 3 + j],
+                           logprobs=[self.marker, -0.25], finish_reason="stop", text=f"{p[-1]}")
+                for i, p in enumerate(prompts) for j in range(sampling.n)]
+
+    def update_weights(self, pairs):
+        got = {n: t.clone() for n, t in pairs}
+        self.received.append(got)
+        self.marker = float(got["marker"][0])
+        return WeightSyncStats(tensors=len(got), bytes=0, seconds=0.0, source_seconds=0.0,
+                               load_seconds=0.0)
+
+
+class Watchdog:
+    def set_phase(self, name, step=None):
+        pass
+
+
+def _config(k: int) -> TrainConfig:
+    cfg = TrainConfig()
+    cfg.algo.group_size, cfg.algo.beta, cfg.data.batch_size = G, 0.0, B
+    cfg.rollout.max_staleness, cfg.rollout.placement, cfg.rollout.rollout_ranks = k, "separate", 2
+    return cfg
+
+
+def _weights(version: int) -> list[tuple[str, torch.Tensor]]:
+    """A policy of 'version': a marker and tensors of both sizes around the bucket bound."""
+    g = torch.Generator().manual_seed(version)
+    return [("marker", torch.full((2,), float(version))),
+            ("a", torch.randn(40, 30, generator=g)), ("b", torch.randn(7, generator=g)),
+            ("c", torch.randn(300, generator=g))]
+
+
+def _launch(data, k: int, steps: int, start: dict | None, store) -> dict:
+    """One launch of a separate-placement world in this process: 2 rollout ranks (threads) and
+    2 training replicas (both read here, replica 0 sends). Returns what each side saw."""
+    cfg = _config(k)
+    timeout = timedelta(seconds=60)
+    groups: dict[int, object] = {}
+
+    def group(r):
+        groups[r] = dist.ProcessGroupGloo(dist.PrefixStore("cross/", store), r, 3, timeout)
+
+    threads = [threading.Thread(target=group, args=(r,)) for r in range(3)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    stream = dist.PrefixStore("stream/", store)
+    places = [Placement(rank=r, train_world=2, rollout_ranks=2, store=stream,
+                        cross=groups[0] if r == 0 else groups.get(r - 1) if r >= 2 else None,
+                        timeout_s=60)
+              for r in range(4)]
+    engines, served = [MarkerEngine(), MarkerEngine()], {}
+    rollout_threads = []
+    for j in range(2):
+        col = RolloutCollector(cfg=cfg, engine=engines[j], tokenizer=Tok(), reward_fn=Reward(),
+                               loader=PromptLoader(data, B, seed=3),
+                               layout=RolloutLayout(rank=0, world_size=1, engine_tp=1,
+                                                    train_tp=1, train_pp=1))
+        rollout_threads.append(threading.Thread(target=lambda j=j, col=col: served.update(
+            {j: serve(cfg, places[2 + j], col, Watchdog())}), daemon=True))
+        rollout_threads[-1].start()
+    loaders = [PromptLoader(data, B, d, 2, seed=3) for d in range(2)]
+    if start is not None:
+        [ld.load_state_dict(start) for ld in loaders]
+    remote = RemoteEngine(place=places[0], loader=loaders[0], sends=True, bucket_bytes=2000,
+                          dtype="float32")
+    sources = [SeparateSource(cfg=cfg, place=places[d], engine=remote, loader=loaders[d],
+                              tokenizer=Tok(), ranks=Ranks(rank=d, dp=2, dp_rank=d),
+                              groups=None) for d in range(2)]
+    version = start["version"] if start else 0
+    steps_seen = []
+    for _ in range(steps):
+        remote.update_weights(iter(_weights(version)))  # the sync before the step
+        rollouts = [src.next(version) for src in sources]
+        steps_seen.append((version, rollouts))
+        version += 1
+    remote.close()
+    for t in rollout_threads:
+        t.join(timeout=30)
+    return {"steps": steps_seen, "engines": engines, "served": served,
+            "loader": dict(loaders[0].state_dict(), version=version)}
+
+
+def _data() -> list[Example]:
+    return [Example(prompt=str(100 + i), answer=str(100 + i)) for i in range(12)]
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_stream_versions_slices_and_weights(k):
+    run = _launch(_data(), k, steps=5, start=None, store=dist.HashStore())
+    reference = PromptLoader(_data(), B, seed=3)  # the global batch order the trainer must see
+    for version, (ro0, ro1) in run["steps"]:
+        want = [int(e.prompt) for e in next(reference)]
+        assert [p[-1] for ro in (ro0, ro1) for p in ro.prompts] == want
+        for ro in (ro0, ro1):
+            assert len(ro.completions) == G * len(ro.prompts) and len(ro.rewards) == G * 2
+            for c in ro.completions:  # each group whole, on its own prompt
+                assert c.token_ids[0] == ro.prompts[c.prompt_index][-1]
+                assert c.logprobs[0] == c.version  # stamped with the weights that sampled it
+                assert 0 <= version - c.version <= k
+        if k == 0:
+            assert all(c.version == version for c in ro0.completions + ro1.completions)
+    assert sorted(run["served"]) == [0, 1]  # close() stopped both rollout ranks
+    for eng in run["engines"]:  # every sync arrived bitwise, through several buckets
+        assert len(eng.received) == 5
+        for v, got in enumerate(eng.received):
+            assert list(got) == [n for n, _ in _weights(v)]
+            assert all(torch.equal(got[n], t) for n, t in _weights(v))
+
+
+def test_resume_starts_the_rollout_ranks_at_the_first_untrained_batch():
+    """3 steps, then a new launch from the trainer's loader state: the prompts continue the
+    uninterrupted sequence (batches the rollout ranks drew ahead are drawn again)."""
+    first = _launch(_data(), 2, steps=3, start=None, store=dist.HashStore())
+    second = _launch(_data(), 2, steps=3, start=first["loader"], store=dist.HashStore())
+    trained = [p[-1] for run in (first, second) for _, ros in run["steps"] for ro in ros
+               for p in ro.prompts]
+    reference = PromptLoader(_data(), B, seed=3)
+    assert trained == [int(e.prompt) for _ in range(6) for e in next(reference)]
+
+
+def test_separate_placement_config():
+    assert training_world(_config(1).rollout, 3) == 1
+    assert training_world(TrainConfig().rollout, 3) == 3
+    ok = load_config(None, ["rollout.placement=separate", "rollout.rollout_ranks=1",
+                            "data.batch_size=4"])
+    ok.validate(3)  # 2 training ranks (DP 2) + 1 rollout rank
+    bad = [
+        (["rollout.placement=separate"], "rollout.rollout_ranks=0"),
+        (["rollout.rollout_ranks=2"], "rollout.rollout_ranks=2 needs rollout.placement=separate"),
+        (["rollout.placement=separate", "rollout.rollout_ranks=1",
+          "rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size=2"),
+        (["rollout.placement=separate", "rollout.rollout_ranks=1", "algo.dynamic_sampling=true"],
+         "algo.dynamic_sampling=true"),
+        (["rollout.placement=separate", "rollout.rollout_ranks=1", "eval.every=5"],
+         "eval.every=5"),
+        (["rollout.placement=sideways"], "rollout.placement='sideways'"),
+    ]
+    for overrides, named in bad:
+        with pytest.raises(ValueError, match=named.replace("(", r"\(")):
+            load_config(None, overrides).validate(3)
+    with pytest.raises(ValueError, match="rollout.rollout_ranks=3 leaves no training rank"):
+        load_config(None, ["rollout.placement=separate", "rollout.rollout_ranks=3"]).validate(3)
+
+
+def test_stop_message_carries_no_weights():
+    """The stop message carries no weights: the engine is not touched."""
+    store = dist.HashStore()
+    groups = {}
+    threads = [threading.Thread(target=lambda r=r: groups.update({r: dist.ProcessGroupGloo(
+        store, r, 2, timedelta(seconds=30))})) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    place = Placement(rank=0, train_world=1, rollout_ranks=1, store=store, cross=groups[0],
+                      timeout_s=30)
+    remote = RemoteEngine(place=place, loader=PromptLoader(_data(), B), sends=True,
+                          bucket_bytes=1 << 20, dtype="float32")
+    eng, got = MarkerEngine(), []
+    t = threading.Thread(target=lambda: got.append(receive_weights(
+        Placement(rank=1, train_world=1, rollout_ranks=1, store=store, cross=groups[1],
+                  timeout_s=30), eng)))
+    t.start()
+    remote.close()
+    t.join(timeout=30)
+    assert got[0].stop and eng.received == []
+
+
+# ---------------------------------------------------------------------- real processes
+ARGS = [
+    "model.vocab_size=19", "model.hidden_size=64", "model.ffn_hidden_size=128",
+    "model.num_layers=2", "model.num_attention_heads=4", "model.num_query_groups=2",
+    "model.head_dim=32", "model.max_position_embeddings=64",
+    "parallel.make_vocab_size_divisible_by=16", "optim.lr=1e-3", "rollout.max_tokens=6",
+    "rollout.max_model_len=64", "algo.group_size=4", "algo.beta=0.05", "data.batch_size=4",
+    "arithmetic.num_train=64", "arithmetic.num_eval=8", "compute.micro_batch_size=8",
+    "compute.kernel_impl=torch", "log.progress=false", "log.tensorboard=false",
+    "reward.terms=[{name: 'tests._rewards:length_reward'}]",
+    "rollout.placement=separate", "rollout.rollout_ranks=1", "rollout.max_staleness=1",
+    "run.steps=3",
+]
+
+
+@pytest.fixture(scope="module")
+def separate_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("separate")
+    p = run_cli("train", "--nproc", "3", *ARGS, f"run.out_dir={work}/run",
+                f"arithmetic.tokenizer_dir={work}/tok", timeout=900)
+    console = p.stdout + p.stderr
+    assert p.returncode == 0, console[-6000:]
+    records = [json.loads(line) for line in Path(work, "run", "metrics.jsonl").read_text()
+               .splitlines()]
+    return console, [r for r in records if "loss" in r]
+
+
+def test_separate_run_trains(separate_run):
+    console, steps = separate_run
+    assert "placement: separate; training ranks 0-1 (megatron-core tp=1 x pp=1 x dp=2), " \
+           "rollout ranks 2-2 (one vLLM engine of TP 1 each" in console
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert r["update_skipped"] == 0 and r["grad_norm"] > 0
+        assert all(map(torch.isfinite, torch.tensor([r["loss"], r["reward_mean"]])))
+        assert r["sync_bytes"] > 0
+
+
+def test_separate_run_versions_and_gap(separate_run):
+    _, steps = separate_run
+    # the first batch is sampled by the weights that train on it: vLLM on the rollout rank and
+    # the trainer agree to fp32 precision (after the weights crossed the gloo group)
+    assert steps[0]["staleness_max"] == 0 and steps[0]["logp_gap_vllm_mean"] < 1e-5
+    assert all(r["staleness_max"] <= 1 for r in steps)  # per-sample lags, k = 1
+    assert any(r["staleness_max"] == 1 for r in steps)  # and the stream did run ahead
+
+
+def test_plan_separates_training_and_rollout_memory(capsys):
+    """A training rank holds no vLLM share (its peak is the colocated one less that share);
+    a rollout rank holds the whole model (fp32 bytes of every parameter) plus its KV cache."""
+    from megagrpo.plan import GIB, plan_model, rank_memory, run_plan, total_params
+
+    over = ["parallel.tp=2", "rollout.placement=separate", "rollout.rollout_ranks=1"]
+    sep = load_config(None, over)
+    col = load_config(None, over[:1])
+    m, _ = plan_model(sep)
+    a, b = rank_memory(sep, m, 2, 1, 2, 80.0), rank_memory(col, m, 2, 1, 2, 80.0)
+    assert a.vllm == 0 and b.vllm == int(0.5 * 80 * GIB)
+    assert a.update_peak == b.update_peak - b.vllm
+    run_plan(None, over, gpus=3)
+    out = capsys.readouterr().out
+    assert "separate placement: 2 training rank(s) (ranks 0-1) + 1 rollout rank(s) (ranks 2-2)" \
+        in out
+    assert f"weights {total_params(m) * 4 / GIB:.2f} GiB (the whole model)" in out
+
+
+@pytest.mark.heavy
+def test_separate_run_resumes_at_the_first_untrained_batch(tmp_path):
+    """2 steps and a checkpoint, then a resumed launch to step 4: the rollout ranks start at
+    the trainer's next batch (a mismatch stops the run) with the checkpoint's weights, so the
+    first step after the resume trains samples of its own version."""
+    args = [*ARGS, f"run.out_dir={tmp_path}/run", f"arithmetic.tokenizer_dir={tmp_path}/tok"]
+    for more in (["run.steps=2", "checkpoint.at_end=true"], ["run.steps=4", "run.resume=true"]):
+        p = run_cli("train", "--nproc", "3", *args, *more, timeout=900)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    steps = [json.loads(line) for line in Path(tmp_path, "run", "metrics.jsonl").read_text()
+             .splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert steps[2]["staleness_max"] == 0 and steps[2]["logp_gap_vllm_mean"] < 1e-5
+    assert all(r["staleness_max"] <= 1 and r["update_skipped"] == 0 for r in steps)
