@@ -49,3 +49,13 @@ def check_context_parallel_training(algo, compute, parallel: ParallelConfig) -> 
     if algo.routing_replay:
         raise ValueError(f"algo.routing_replay=true with parallel.cp={parallel.cp}: set "
                          "algo.routing_replay=false or parallel.cp=1")
+
+
+def check_context_parallel_run(parallel: ParallelConfig) -> None:
+    """The training run's part (`megagrpo.preflight`): the passes are built for CP, the run
+    loop is not yet (its rollout layout, prompt split and checkpoint layout count the CP ranks
+    of a replica as data replicas)."""
+    if parallel.cp > 1:
+        raise ValueError(f"parallel.cp={parallel.cp}: context parallelism is built for the "
+                         "training passes (megagrpo.passes) but not yet wired into the run loop "
+                         "(rollout layout, prompt split, checkpoints); set parallel.cp=1")

@@ -10,6 +10,7 @@ import yaml
 
 from megagrpo.config.agent import AgentConfig
 from megagrpo.config.algo import AlgoConfig
+from megagrpo.config.context_parallel import check_context_parallel_training
 from megagrpo.config.data import ArithmeticConfig, DataConfig, RewardConfig
 from megagrpo.config.layout import check_rollout_layout
 from megagrpo.config.lora import LoRAConfig
@@ -28,7 +29,6 @@ from megagrpo.config.run import (
 )
 from megagrpo.config.schema import build_dataclass, check_instance
 from megagrpo.config.section import Section
-from megagrpo.config.context_parallel import check_context_parallel_training
 from megagrpo.config.seqpar import check_recompute, check_sequence_parallel
 
 
