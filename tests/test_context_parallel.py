@@ -113,6 +113,8 @@ def test_local_batch_pads_and_keeps_row_lengths():
     (["parallel.cp=2", "parallel.transformer_impl=transformer_engine"],
      "parallel.cp=2 with parallel.transformer_impl='transformer_engine'"),
     (["parallel.cp=2", "algo.loss_agg=gspo"], "algo.loss_agg='gspo' with parallel.cp=2"),
+    (["parallel.cp=2", "algo.loss_agg=bnpo"], "algo.loss_agg='bnpo' with parallel.cp=2"),
+    (["parallel.cp=2", "algo.routing_replay=true"], "algo.routing_replay=true with parallel.cp=2"),
     (["parallel.cp=2", "compute.pack_sequences=true"],
      "compute.pack_sequences=true needs parallel.cp=1"),
 ])

@@ -38,10 +38,15 @@ def check_context_parallel(parallel: ParallelConfig, model: ModelConfig) -> None
 
 
 def check_context_parallel_training(algo, compute, parallel: ParallelConfig) -> None:
-    """The training part: GSPO's sequence ratio and routing replay are not reduced over CP;
-    packed micro-batches are refused through `packing_blocker`."""
+    """The training part: GSPO's sequence ratio, bnpo's per-micro-batch token mean and routing
+    replay are not reduced over CP; packed micro-batches are refused through
+    `packing_blocker`."""
     if parallel.cp == 1:
         return
+    if algo.loss_agg == "bnpo":
+        raise ValueError(f"algo.loss_agg='bnpo' with parallel.cp={parallel.cp}: its token mean "
+                         "per micro-batch is not reduced over the context-parallel ranks; use "
+                         "algo.loss_agg=dapo (the step's token mean) or parallel.cp=1")
     if algo.loss_agg == "gspo":
         raise ValueError(f"algo.loss_agg='gspo' with parallel.cp={parallel.cp}: GSPO's sequence "
                          "ratio is not reduced over the context-parallel ranks yet; use another "
