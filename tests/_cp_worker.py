@@ -5,7 +5,8 @@ Layouts (name: tp, cp; DP = 4 / (tp x cp)), each DP replica training on its own 
 global batch of 8 rows, so every layout's reduced gradients are the whole batch's:
 ref (TP=1 x DP=4, no CP), cp2 (CP=2 x DP=2), tp2 (TP=2 x DP=2), tp2_cp2 (TP=2 x CP=2).
 Per layout and rank: the scoring pass's log-probs of the whole batch, and the finalized
-gradients (main_grad) of the update passes below with their summed loss reports. At cp2 the
+gradients (main_grad) of the update passes below with their summed loss reports, and the
+optimizer's grad norm of GRPO's gradients. At cp2 the
 same passes rerun with a defect planted (keys visible beyond the causal mask; the sequence-mean
 denominators of the chunk instead of the whole row), which must change the gradients.
 Rank 0 writes WORK/results.json; the gradients go to WORK/grads_{layout}_{rank}.pt."""
@@ -80,7 +81,7 @@ def plant(defect: str):
 def layout(name: str, work: str, results: list) -> None:
     from megagrpo.distributed import init_distributed, training_layout
     from megagrpo.model import build_model
-    from megagrpo.optim import build_optimizer, wrap_ddp
+    from megagrpo.optim import build_optimizer, optimizer_step, wrap_ddp
     from megagrpo.passes import Passes
 
     tp, cp = LAYOUTS[name]
@@ -117,6 +118,9 @@ def layout(name: str, work: str, results: list) -> None:
                                            )["grpo_logits"][0]
             finally:
                 setattr(module, attr, original)
+    # the optimizer's grad norm of GRPO's gradients (megatron's, over the model-parallel ranks)
+    run_passes(passes, ddp, opt, mine, cfg, ["grpo_logits"])
+    rec["grad_norm"] = optimizer_step(ddp, opt)[1]
     torch.save(saved, os.path.join(work, f"grads_{name}_{info.rank}.pt"))
     results.append(rec)
     dist.barrier()

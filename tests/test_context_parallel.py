@@ -37,9 +37,9 @@ def test_cp_gradients_equal_layout_without_cp(run, layout):
     """Every rank's finalized gradients (reduced over DP x CP) of GRPO (sequence mean; logits
     at loss positions and at every position), DAPO (token mean) and Dr. GRPO through the fused
     output layer, and the supervised loss equal those of the layout without CP (same TP
-    shards) within 1e-5 relative; so do the scored log-probs of the whole batch (logits path
-    and fused) and the loss reports, made whole over CP. Micro-batch widths not divisible by
-    2 x cp were padded."""
+    shards) within 1e-5 relative; so do the optimizer's grad norm, the scored log-probs of the
+    whole batch (logits path and fused) and the loss reports, made whole over CP. Micro-batch
+    widths not divisible by 2 x cp were padded."""
     work, results = run
     base = PAIRS[layout]
     recs = [r for r in results if r["layout"] == layout]
@@ -52,6 +52,9 @@ def test_cp_gradients_equal_layout_without_cp(run, layout):
             assert _rel(mine[key], ref[key]) <= 1e-5, (layout, rank, key)
         for key in ("logp", "logp_fused"):
             torch.testing.assert_close(mine[key], ref[key], rtol=1e-5, atol=1e-5)
+    norms = {name: [r["grad_norm"] for r in results if r["layout"] == name]
+             for name in (layout, base)}
+    assert norms[layout] == pytest.approx(norms[base], rel=1e-5)
     for key in RUNS:  # reports summed over a layout's replicas (one reporting rank each)
         sums = {}
         for name in (layout, base):
