@@ -105,6 +105,10 @@ class LossCounts:
     """Dr. GRPO constant per-sequence normaliser (e.g. max new tokens)."""
     num_chunks: int = 1
     """Micro-batches x DP ranks of the step (bnpo only: it normalises per chunk)."""
+    seq_tokens: Tensor | None = None
+    """[S] valid tokens of each of the chunk's sequences where the chunk holds only part of
+    them (context parallelism: `megagrpo.context_parallel.ChunkBatch`); None: the chunk's
+    own count."""
 
     @classmethod
     def from_totals(
@@ -138,6 +142,10 @@ def _agg_sequence_mean(
 
     GSPO (arXiv 2507.18071) uses it too: its per-token loss already carries the sequence-level
     ratio, so the sequence mean of tokens is its per-sequence objective."""
+    if c.seq_tokens is not None:  # a chunk of each sequence: divide by its whole length
+        per_seq = per_sequence_sum(loss, mask, seq_ids, s) / c.seq_tokens.to(loss.dtype).clamp(
+            min=1)
+        return per_seq.sum() / c.num_seqs
     return per_sequence_mean(loss, mask, seq_ids, s).sum() / c.num_seqs
 
 

@@ -40,6 +40,18 @@ def _tp_size(pg_collection) -> int:
     return ps.get_tensor_model_parallel_world_size()
 
 
+def _cp_group(config: TransformerConfig, pg_collection):
+    """The context-parallel group when config.context_parallel_size > 1 (megatron's global
+    one when no collection is given), else None."""
+    if config.context_parallel_size == 1:
+        return None
+    if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
+        return pg_collection.cp
+    from megatron.core import parallel_state as ps
+
+    return ps.get_context_parallel_group()
+
+
 def _check_supported(config: TransformerConfig, attn_mask_type: AttnMaskType,
                      attention_dropout: float | None) -> None:
     """Raises for configurations `SdpaAttention` does not implement (megatron's module does)."""
@@ -50,9 +62,6 @@ def _check_supported(config: TransformerConfig, attn_mask_type: AttnMaskType,
     if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.padding):
         raise ValueError(f"attn_mask_type={attn_mask_type}: SdpaAttention supports causal, "
                          "padding and no_mask; set parallel.attention_impl='megatron'")
-    if config.context_parallel_size != 1:
-        raise ValueError(f"context_parallel_size={config.context_parallel_size}: context "
-                         "parallelism needs Transformer Engine's attention")
     if getattr(config, "window_size", None) is not None:
         raise ValueError(f"window_size={config.window_size}: sliding-window attention is not "
                          "implemented by SdpaAttention; set parallel.attention_impl='megatron'")
@@ -98,6 +107,8 @@ class SdpaAttention(MegatronModule):
         self.head_dim = config.kv_channels
         self.softmax_scale = (1.0 / math.sqrt(self.head_dim) if softmax_scale is None
                               else softmax_scale)
+        self.cp_group = _cp_group(config, pg_collection)
+        """The context-parallel group (None at cp = 1): `megagrpo.context_parallel`."""
 
     def forward(
         self,
@@ -120,6 +131,8 @@ class SdpaAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("SdpaAttention takes no attention_bias (like megatron's "
                              "DotProductAttention); use Transformer Engine's")
+        if self.cp_group is not None:
+            return self._context_parallel(query, key, value, attention_mask, packed_seq_params)
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params)
         sq, sk = query.shape[0], key.shape[0]
@@ -136,6 +149,22 @@ class SdpaAttention(MegatronModule):
             scale=self.softmax_scale, enable_gqa=self.num_heads != self.num_groups)
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, query.shape[1], self.num_heads * self.head_dim)
+
+    def _context_parallel(self, query: Tensor, key: Tensor, value: Tensor,
+                          attention_mask: Tensor | None, packed_seq_params) -> Tensor:
+        """This CP rank's 2 chunks of each row: query [s, b, np, hn], key/value [s, b, ng, hn]
+        -> [s, b, np * hn], attending causally over the whole row
+        (`megagrpo.context_parallel.cp_attention`)."""
+        if packed_seq_params is not None or attention_mask is not None:
+            raise ValueError("context parallelism (parallel.cp > 1) runs padded causal rows "
+                             "only: no packed_seq_params or attention_mask")
+        from megagrpo.context_parallel import cp_attention
+
+        out = cp_attention(query, key, value, group=self.cp_group, scale=self.softmax_scale,
+                           gqa=self.num_heads != self.num_groups)
+        # [b, np, s, hn] -> [s, b, np * hn]
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1],
+                                               self.num_heads * self.head_dim)
 
     def _packed(self, query: Tensor, key: Tensor, value: Tensor, params) -> Tensor:
         """Rows laid end to end (`megagrpo.batch.PackedRows`): query [T, 1, np, hn] (one

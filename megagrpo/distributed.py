@@ -35,6 +35,10 @@ class DistInfo:
     dp_rank: int
     dp: int
     device: torch.device
+    cp_rank: int = 0
+    """Rank inside the context-parallel group."""
+    cp: int = 1
+    """Context-parallel size (parallel.cp)."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -60,18 +64,18 @@ def torchrun_env() -> tuple[int, int, int]:
 def init_distributed(
     parallel: ParallelConfig, model: ModelConfig | None = None, *, seed: int = 1234
 ) -> DistInfo:
-    """Starts torch.distributed and megatron's parallel_state with the configured TP and PP
-    (DP = world / (TP*PP)). Validates the layout before anything is started."""
+    """Starts torch.distributed and megatron's parallel_state with the configured TP, CP and PP
+    (DP = world / (TP*CP*PP)). Validates the layout before anything is started."""
     rank, world, local = torchrun_env()
     if dist.is_initialized():  # the world was split first (rollout.placement=separate)
         rank, world = dist.get_rank(), dist.get_world_size()
     if model is not None:
         parallel.validate(model, world)
-    elif world % (parallel.tp * parallel.pp):
+    elif world % (parallel.tp * parallel.pp * parallel.cp):
         raise ValueError(
-            f"world size {world} is not divisible by parallel.tp x parallel.pp = "
-            f"{parallel.tp} x {parallel.pp}; launch a multiple of "
-            f"{parallel.tp * parallel.pp} processes"
+            f"world size {world} is not divisible by parallel.tp x parallel.pp x parallel.cp = "
+            f"{parallel.tp} x {parallel.pp} x {parallel.cp}; launch a multiple of "
+            f"{parallel.tp * parallel.pp * parallel.cp} processes"
         )
     cuda = torch.cuda.is_available()
     backend = parallel.backend if parallel.backend != "auto" else ("nccl" if cuda else "gloo")
@@ -95,6 +99,8 @@ def init_distributed(
             ps.destroy_model_parallel()
         ps.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
+            # CP ranks hold chunks of the same rows: megatron's DDP reduces over DP x CP
+            context_parallel_size=parallel.cp,
             # experts: EP groups inside the DP ranks, each expert split over the TP ranks
             expert_model_parallel_size=parallel.ep, expert_tensor_parallel_size=parallel.tp,
             distributed_timeout_minutes=parallel.collective_timeout_s / 60,  # timedelta(minutes=)
@@ -105,12 +111,13 @@ def init_distributed(
         tp_rank=ps.get_tensor_model_parallel_rank(), tp=parallel.tp,
         pp_rank=ps.get_pipeline_model_parallel_rank(), pp=parallel.pp,
         dp_rank=ps.get_data_parallel_rank(), dp=ps.get_data_parallel_world_size(),
-        device=device,
+        device=device, cp_rank=ps.get_context_parallel_rank(), cp=parallel.cp,
     )
     if rank == 0:
-        log.info("distributed: backend=%s world=%d tp=%d pp=%d dp=%d%s device=%s%s", backend,
+        log.info("distributed: backend=%s world=%d tp=%d pp=%d dp=%d%s%s device=%s%s", backend,
                  world, info.tp, info.pp, info.dp,
-                 f" ep={parallel.ep}" if parallel.ep > 1 else "", device.type,
+                 f" ep={parallel.ep}" if parallel.ep > 1 else "",
+                 f" cp={parallel.cp}" if parallel.cp > 1 else "", device.type,
                  " (megatron-core CPU shim active)" if not cuda else "")
     return info
 
@@ -137,6 +144,10 @@ class Ranks:
     """TP x PP."""
     valid_local_vocab: int = 0
     """Unpadded vocab rows on this TP rank's logits shard."""
+    cp: int = 1
+    """Context-parallel size: ranks holding chunks of the same rows."""
+    cp_rank: int = 0
+    """This rank's place in its context-parallel group."""
 
     @property
     def is_last_stage(self) -> bool:
@@ -163,6 +174,8 @@ class Groups:
     """Data-parallel group."""
     mp: object = None
     """Model-parallel (TP x PP) group: the ranks of one replica."""
+    cp: object = None
+    """Context-parallel group: the ranks holding chunks of the same rows."""
 
 
 def training_layout(parallel: ParallelConfig, model: ModelConfig, info: DistInfo
@@ -177,10 +190,11 @@ def training_layout(parallel: ParallelConfig, model: ModelConfig, info: DistInfo
         pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
         mp_rank=dist.get_rank(group=ps.get_model_parallel_group()),
         mp_size=parallel.tp * parallel.pp,
-        valid_local_vocab=max(0, min(v_local, model.vocab_size - info.tp_rank * v_local)))
+        valid_local_vocab=max(0, min(v_local, model.vocab_size - info.tp_rank * v_local)),
+        cp=parallel.cp, cp_rank=info.cp_rank)
     groups = Groups(world=dist.group.WORLD, tp=ps.get_tensor_model_parallel_group(),
                     pp=ps.get_pipeline_model_parallel_group(), dp=ps.get_data_parallel_group(),
-                    mp=ps.get_model_parallel_group())
+                    mp=ps.get_model_parallel_group(), cp=ps.get_context_parallel_group())
     return ranks, groups
 
 

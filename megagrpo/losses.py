@@ -17,7 +17,7 @@ so they are multiplied back by both.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -135,7 +135,10 @@ def grpo_loss(ctx: LossContext, mb: Batch, out: Tensor, positions: Tensor | None
                          is_weight=take(mb.is_weight, positions), seq_ids=seq_ids)
     run = VocabPass(group=ctx.tp_group, impl=ctx.impl, valid_vocab=ctx.valid_local_vocab,
                     inplace_backward=ctx.inplace_backward)
-    agg = dict(mode=ctx.algo.loss_agg, counts=ctx.counts, num_local_seqs=b)
+    counts = ctx.counts
+    if getattr(mb, "seq_tokens", None) is not None:  # context parallelism: rows in chunks
+        counts = replace(counts, seq_tokens=mb.seq_tokens)
+    agg = dict(mode=ctx.algo.loss_agg, counts=counts, num_local_seqs=b)
     target = take(mb.target, positions)
     if weight is None:
         tok_loss, _, m = token_loss(flat_logits(out, ctx), target, ctx.spec, inputs, run=run)

@@ -222,6 +222,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
         fp16=dtype == torch.float16,
         use_cpu_initialization=True,
         sequence_parallel=parallel.sequence_parallel,
+        context_parallel_size=parallel.cp,
         bias_activation_fusion=cuda,
         masked_softmax_fusion=False,
         bias_dropout_fusion=cuda,
@@ -268,6 +269,14 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 123
         parallel_output=True,
     )
     _cast_params(gpt, DTYPE[model.dtype])
+    if parallel.cp > 1:
+        if layer_spec_name(parallel) == "transformer_engine":
+            raise ValueError(f"parallel.cp={parallel.cp}: only megagrpo's own context-parallel "
+                             "attention (local spec) is built; Transformer Engine's is not wired "
+                             "in; set parallel.transformer_impl=local")
+        from megagrpo.context_parallel import prepare_model
+
+        prepare_model(gpt)
     if model.is_moe and parallel.tp > 1 and not parallel.sequence_parallel:
         log.warning("MoE at parallel.tp=%d without sequence parallelism: every TP rank routes "
                     "every token (%dx the expert compute) and the load-balancing loss reaches "

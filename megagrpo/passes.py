@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megagrpo import algo, cpu_compat
 from megagrpo.batch import Batch, MicroBatch, plan_micro_batches, unplan
 from megagrpo.config.train import TrainConfig
+from megagrpo.context_parallel import ChunkSplit
 from megagrpo.distributed import Groups, Ranks
 from megagrpo.losses import LossContext, logprob_loss
 from megagrpo.model import unwrap
@@ -59,6 +60,16 @@ def _router_rows(mb: MicroBatch, gpt) -> torch.Tensor:
 
 
 def _forward(mb: MicroBatch, model, gpt, loss_fn, at_loss_positions, fused_output):
+    split = ChunkSplit.of(gpt, mb)
+    if split is None:
+        return _forward_rows(mb, model, gpt, loss_fn, at_loss_positions, fused_output)
+    # context parallelism: this rank's chunks of the rows, RoPE at their global positions
+    with split.rope(gpt):
+        return _forward_rows(split.micro, model, gpt, split.loss(loss_fn), at_loss_positions,
+                             fused_output)
+
+
+def _forward_rows(mb: MicroBatch, model, gpt, loss_fn, at_loss_positions, fused_output):
     b = mb.batch
     sp = sp_size(gpt)
     hooked = mb.packed is not None or at_loss_positions or fused_output is not False or sp > 1

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megagrpo.config.context_parallel import check_context_parallel
 from megagrpo.config.section import Section
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
@@ -204,6 +205,12 @@ class ParallelConfig(Section):
     compute) and the load-balancing and z-losses act at full strength. Micro-batches are
     padded to a multiple of tp; packed micro-batches, pipeline parallelism and routing replay
     are refused. Off by default."""
+    cp: int = 1
+    """Context-parallel size: each sequence is split over cp ranks (2*cp load-balanced chunks,
+    rank r holding chunks r and 2*cp-1-r), which attend to the whole sequence's keys and values
+    (all-gathered over the CP group); the weights are replicated over CP like over DP, and DP =
+    world / (tp x pp x cp). On CPU megagrpo's SDPA attention computes it (padded rows; pp = 1,
+    dense models; packing, routing replay, sequence parallelism and GSPO refused). 1 = off."""
     make_vocab_size_divisible_by: int = 128
     """The padded vocab is a multiple of this times tp (padding is stripped on export)."""
     transformer_impl: str = "auto"
@@ -228,6 +235,7 @@ class ParallelConfig(Section):
                 raise ValueError(f"parallel.tp={tp} does not divide model.{f}={n}; valid tp: {ok}")
         self._validate_ep(model)
         self._validate_sequence_parallel()
+        check_context_parallel(self, model)
         if model.num_layers % self.pp:
             ok = [d for d in range(1, model.num_layers + 1) if model.num_layers % d == 0]
             raise ValueError(
@@ -251,13 +259,17 @@ class ParallelConfig(Section):
         if not 0 < self.collective_timeout_s < float("inf"):
             raise ValueError(f"parallel.collective_timeout_s={self.collective_timeout_s}: need a "
                              "finite number of seconds > 0 (default 600)")
-        if world_size is not None and world_size % (self.tp * self.pp):
+        mp = self.tp * self.pp * self.cp
+        if world_size is not None and world_size % mp:
+            names, sizes = ("parallel.tp x parallel.pp", f"{self.tp} x {self.pp}")
+            if self.cp > 1:
+                names, sizes = names + " x parallel.cp", sizes + f" x {self.cp}"
             raise ValueError(
-                f"world size {world_size} is not divisible by parallel.tp x parallel.pp = "
-                f"{self.tp} x {self.pp}; launch a multiple of {self.tp * self.pp} processes"
+                f"world size {world_size} is not divisible by {names} = {sizes}; launch a "
+                f"multiple of {mp} processes"
             )
-        if world_size is not None and (world_size // (self.tp * self.pp)) % self.ep:
-            dp = world_size // (self.tp * self.pp)
+        if world_size is not None and (world_size // mp) % self.ep:
+            dp = world_size // mp
             raise ValueError(
                 f"parallel.ep={self.ep} does not divide the data-parallel size {dp} (world "
                 f"{world_size} / (tp {self.tp} x pp {self.pp})): megatron carves the expert-"

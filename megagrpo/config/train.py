@@ -10,6 +10,7 @@ import yaml
 
 from megagrpo.config.agent import AgentConfig
 from megagrpo.config.algo import AlgoConfig
+from megagrpo.config.context_parallel import check_context_parallel_training
 from megagrpo.config.data import ArithmeticConfig, DataConfig, RewardConfig
 from megagrpo.config.layout import check_rollout_layout
 from megagrpo.config.lora import LoRAConfig
@@ -123,7 +124,7 @@ class TrainConfig(Section):
                         self.watchdog):
             section.validate()
         if world_size is not None:
-            dp = world_size // (self.parallel.tp * self.parallel.pp)
+            dp = world_size // (self.parallel.tp * self.parallel.pp * self.parallel.cp)
             if self.data.batch_size % dp:
                 raise ValueError(f"data.batch_size={self.data.batch_size} must be divisible by "
                                  f"the data-parallel size {dp}")
@@ -142,6 +143,7 @@ class TrainConfig(Section):
         check_balance(self.compute.balance_tokens, loss_agg=self.algo.loss_agg,
                       kl_in_reward=self.algo.kl_in_reward and self.algo.beta > 0)
         check_sequence_parallel(self.algo, self.parallel)
+        check_context_parallel_training(self.algo, self.compute, self.parallel)
         why = packing_blocker(self.compute, self.parallel)
         if self.compute.pack_sequences and why:
             raise ValueError(f"compute.pack_sequences=true needs {why}; set "
@@ -233,6 +235,8 @@ def packing_blocker(compute: ComputeConfig, parallel: ParallelConfig) -> str | N
     if parallel.sequence_parallel:
         return ("parallel.sequence_parallel=false (the packed rows are not split over the TP "
                 "ranks)")
+    if parallel.cp > 1:
+        return "parallel.cp=1 (context parallelism splits padded rows only)"
     if parallel.attention_impl == "megatron":
         return ("parallel.attention_impl sdpa or auto (megatron's DotProductAttention has no "
                 "packed path)")

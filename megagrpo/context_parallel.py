@@ -1,0 +1,220 @@
+"""Context parallelism (parallel.cp) on megagrpo's own attention: each sequence split over the
+ranks of a context-parallel (CP) group.
+
+Layout (the load-balanced split of Llama 3's and megatron's CP training): a micro-batch's
+width is padded on the right to a multiple of 2 x cp and cut into 2 x cp equal chunks; CP rank
+r holds chunks r and 2cp-1-r of every row, so under a causal mask each rank does the same
+attention work. Every CP rank holds the whole batch (CP ranks are one data replica, like TP
+ranks); only the forward splits it:
+
+- `ChunkSplit` cuts the micro-batch's per-token tensors (ids, targets, loss mask, old and
+  reference log-probs, advantages, importance weights) to the rank's columns, and the RoPE
+  table is read at those columns' global positions (`megagrpo.positions.RotaryPositions`;
+  megatron's own per-CP-rank slicing of the table is switched off in `prepare_model`).
+- Attention (`cp_attention`, called by `megagrpo.attention.SdpaAttention`): the keys and values
+  are all-gathered over the CP group (backward: the gradient summed over the group, this rank's
+  rows kept, i.e. a reduce-scatter) and each local query attends to the keys at global
+  positions up to its own: the causal mask is exact.
+- The loss runs per CP rank on its own tokens (the output layer and the fused output layer
+  too) with the step's global normalisers, which every CP rank computes from the whole batch;
+  a sequence-mean aggregation divides by each sequence's tokens over all chunks
+  (`ChunkBatch.seq_tokens`). Each rank's loss is its share, and megatron's DDP sums the
+  gradients over DP x CP (its 1/(dp x cp) scaling times the schedule's x cp for CP leaves the
+  1/dp the losses already undo). The reports are made whole again (`ChunkSplit.report`):
+  per-token log-probs all-gathered to [b, width], sums all-reduced over CP.
+
+Padded rows only (packing is refused under CP); GSPO's sequence ratio, which needs the whole
+sequence's log-probs inside the per-token loss, is refused (`megagrpo.config.context_parallel`).
+On GPU megatron-core's Transformer Engine attention would do the attention part; that path is
+not wired in (parallel.transformer_impl='transformer_engine' is refused with cp > 1).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from megagrpo.batch import Batch, MicroBatch
+from megagrpo.positions import RotaryPositions
+
+
+def padded_width(width: int, cp: int) -> int:
+    """`width` rounded up to a multiple of 2 x cp (the chunk grid)."""
+    return -(-width // (2 * cp)) * (2 * cp)
+
+
+def chunk_columns(width: int, cp: int, rank: int) -> Tensor:
+    """[2 * width / (2 cp)] int64: the global columns (positions) CP rank `rank` holds of a
+    row of padded width `width`: chunk `rank`, then chunk 2cp-1-rank."""
+    c = width // (2 * cp)
+    if c * 2 * cp != width:
+        raise ValueError(f"width {width} is not a multiple of 2 x cp = {2 * cp}")
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                      torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+
+
+@dataclass
+class ChunkBatch(Batch):
+    """A micro-batch's rows cut to one CP rank's columns (per-token tensors [b, 2c])."""
+
+    seq_tokens: Tensor | None = None
+    """[b] float: each row's loss tokens over all of its chunks (the whole row), for the
+    sequence-mean aggregations' per-sequence denominators."""
+
+
+def local_batch(b: Batch, columns: Tensor, width: int) -> ChunkBatch:
+    """`b`'s per-token tensors [N, S, ...] right-padded (zeros / False) to `width` and cut to
+    `columns`; per-row tensors as they are."""
+    kw = {}
+    for f in fields(Batch):
+        v = getattr(b, f.name)
+        if v is not None and v.dim() >= 2:
+            pad = width - v.shape[1]
+            if pad:
+                v = torch.cat([v, v.new_zeros((v.shape[0], pad, *v.shape[2:]))], dim=1)
+            v = v.index_select(1, columns)
+        kw[f.name] = v
+    return ChunkBatch(**kw, seq_tokens=b.mask.sum(dim=1).to(torch.float32))
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 0 over a group (rank order); backward: the gradient summed over the
+    group and this rank's rows kept (a reduce-scatter; gloo has no reduce_scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group, ctx.rows = group, x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        r = dist.get_rank(ctx.group)
+        return grad[r * ctx.rows:(r + 1) * ctx.rows], None
+
+
+def gather_sequence(x: Tensor, group) -> Tensor:
+    """[s, ...] on each of the group's ranks -> [cp * s, ...] (rank-major), autograd-correct."""
+    return _GatherSequence.apply(x, group)
+
+
+def cp_attention(query: Tensor, key: Tensor, value: Tensor, *, group, scale: float,
+                 gqa: bool) -> Tensor:
+    """Causal attention of this CP rank's queries over the whole sequence.
+
+    query [s, b, np, hn], key/value [s, b, ng, hn]: this rank's 2 chunks (s = 2c) -> context
+    [b, np, s, hn]. Keys and values are all-gathered ([cp * s, b, ng, hn], rank-major); a
+    query at global position p attends to the gathered keys at global positions <= p."""
+    cp, rank, s = dist.get_world_size(group), dist.get_rank(group), query.shape[0]
+    width = s * cp
+    q_pos = chunk_columns(width, cp, rank)
+    k_pos = torch.cat([chunk_columns(width, cp, r) for r in range(cp)])
+    allowed = k_pos[None, :] <= q_pos[:, None]                       # [s, cp * s]
+    k, v = gather_sequence(key, group), gather_sequence(value, group)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, k, v))          # [b, heads, s, hn]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=0.0,
+                                          scale=scale, enable_gqa=gqa)
+
+
+def context_parallel_group(gpt: torch.nn.Module):
+    """The CP group `gpt` was built for (megatron's parallel_state), None at cp = 1."""
+    config = getattr(gpt, "config", None)
+    if config is None or getattr(config, "context_parallel_size", 1) == 1:
+        return None
+    from megatron.core import parallel_state as ps
+
+    return ps.get_context_parallel_group()
+
+
+def prepare_model(gpt: torch.nn.Module) -> None:
+    """Under CP: megatron's RoPE module would hand each CP rank its chunks of the table in
+    megatron's own order; megagrpo reads the table at its columns' positions instead
+    (`ChunkSplit.rope`), so that slicing is switched off."""
+    rotary = getattr(gpt, "rotary_pos_emb", None)
+    if rotary is not None and hasattr(rotary, "cp_group"):
+        rotary.cp_group = None
+
+
+@dataclass
+class ChunkSplit:
+    """One micro-batch as this CP rank runs it."""
+
+    group: object
+    """The CP group."""
+    width: int
+    """The micro-batch's width S before padding."""
+    padded: int
+    """S padded to a multiple of 2 x cp."""
+    columns: Tensor
+    """[2c] this rank's global columns."""
+    micro: MicroBatch
+    """The micro-batch with this rank's `ChunkBatch`."""
+
+    @classmethod
+    def of(cls, gpt: torch.nn.Module, mb: MicroBatch) -> "ChunkSplit | None":
+        """The split of `mb` on this rank; None without context parallelism."""
+        group = context_parallel_group(gpt)
+        if group is None:
+            return None
+        if mb.packed is not None:  # config validation refuses packing under CP
+            raise ValueError("parallel.cp > 1 runs padded rows only; set "
+                             "compute.pack_sequences=false")
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        width = mb.batch.ids.shape[1]
+        padded = padded_width(width, cp)
+        cols = chunk_columns(padded, cp, rank)
+        return cls(group=group, width=width, padded=padded, columns=cols,
+                   micro=replace(mb, batch=local_batch(mb.batch, cols, padded)))
+
+    def rope(self, gpt: torch.nn.Module):
+        """Context in which the model's RoPE rotates each local token by its global position."""
+        hook = RotaryPositions.of(gpt)
+        return nullcontext() if hook is None else hook.at(self.columns)
+
+    def loss(self, loss_fn: Callable) -> Callable:
+        """`loss_fn(batch, output, **kw) -> (loss, report)` with the report made whole."""
+        return _ReportedLoss(self, loss_fn)
+
+    def report(self, rep: dict) -> dict:
+        """This rank's loss report -> the row's: 'logp' [b, 2c] all-gathered to [b, S]; every
+        scalar summed over the CP group (one all-reduce)."""
+        out = dict(rep)
+        if "logp" in rep:
+            out["logp"] = self._gather_columns(rep["logp"].detach())
+        keys = [k for k, v in rep.items() if k != "logp" and torch.is_tensor(v) and v.dim() == 0]
+        if keys:
+            vec = torch.stack([rep[k].detach().to(torch.float64) for k in keys])
+            dist.all_reduce(vec, group=self.group)
+            out.update({k: x.to(rep[k].dtype) for k, x in zip(keys, vec)})
+        return out
+
+    def _gather_columns(self, local: Tensor) -> Tensor:
+        """[b, 2c] on each CP rank -> [b, S] in global column order."""
+        cp = dist.get_world_size(self.group)
+        parts = [torch.empty_like(local) for _ in range(cp)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        full = local.new_zeros((local.shape[0], self.padded))
+        for r, part in enumerate(parts):
+            full[:, chunk_columns(self.padded, cp, r)] = part
+        return full[:, :self.width]
+
+
+@dataclass
+class _ReportedLoss:
+    """A loss function whose report `ChunkSplit.report` makes whole (a class, not a closure:
+    megatron calls it after the forward)."""
+
+    split: ChunkSplit
+    loss_fn: Callable
+
+    def __call__(self, *args, **kwargs):
+        loss, rep = self.loss_fn(*args, **kwargs)
+        return loss, self.split.report(rep)

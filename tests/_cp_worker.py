@@ -1,0 +1,144 @@
+"""Run under torchrun (4 ranks, gloo) by tests/test_context_parallel.py: context parallelism
+(parallel.cp) against the same passes without it, in one launch.
+
+Layouts (name: tp, cp; DP = 4 / (tp x cp)), each DP replica training on its own slice of one
+global batch of 8 rows, so every layout's reduced gradients are the whole batch's:
+ref (TP=1 x DP=4, no CP), cp2 (CP=2 x DP=2), tp2 (TP=2 x DP=2), tp2_cp2 (TP=2 x CP=2).
+Per layout and rank: the scoring pass's log-probs of the whole batch, and the finalized
+gradients (main_grad) of the update passes below with their summed loss reports, and the
+optimizer's grad norm of GRPO's gradients. At cp2 the
+same passes rerun with a defect planted (keys visible beyond the causal mask; the sequence-mean
+denominators of the chunk instead of the whole row), which must change the gradients.
+Rank 0 writes WORK/results.json; the gradients go to WORK/grads_{layout}_{rank}.pt."""
+import argparse
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+from tests._fused_output_worker import grads, make_batch, make_config
+from tests.support.launch import write_results
+
+LAYOUTS = {"ref": (1, 1), "cp2": (1, 2), "tp2": (2, 1), "tp2_cp2": (2, 2)}
+RUNS = {  # name: (loss, loss_agg, logits at loss positions, fused output layer)
+    "grpo_logits": ("grpo", "grpo", True, False),
+    "grpo_all_positions": ("grpo", "grpo", False, False),
+    "dapo_fused": ("grpo", "dapo", True, True),
+    "dr_grpo_fused": ("grpo", "dr_grpo", True, True),
+    "sft_fused": ("sft", "grpo", True, True),
+}
+DEFECTS = ("full_mask", "chunk_denominators")
+
+
+def global_batch():
+    """8 rows of varied widths with independent old and reference log-probs."""
+    batch = make_batch(3, 1)
+    g = torch.Generator().manual_seed(5)
+    batch.old_logp = torch.where(batch.mask, -4.6 + 0.3 * torch.randn(batch.mask.shape,
+                                                                        generator=g), 0.0)
+    batch.ref_logp = torch.where(batch.mask, -4.6 + 0.5 * torch.randn(batch.mask.shape,
+                                                                        generator=g), 0.0)
+    return batch
+
+
+def run_passes(passes, ddp, opt, batch, cfg, runs) -> dict:
+    """{run: (gradient list, report)} for `runs` over this replica's `batch`."""
+    from megagrpo.losses import grpo_loss, sft_loss
+
+    fns = {"grpo": grpo_loss, "sft": sft_loss}
+    out = {}
+    for key in runs:
+        fn, agg, at_loss, fused = RUNS[key]
+        cfg.algo.loss_agg, cfg.compute.logits_at_loss_positions = agg, at_loss
+        cfg.compute.fused_output_layer = fused
+        out[key] = grads(passes, ddp, opt, fns[fn], batch, cfg.compute.micro_batch_size,
+                         cfg.algo)
+    return out
+
+
+def plant(defect: str):
+    """Undo-able monkeypatches of megagrpo.context_parallel for one defect."""
+    import megagrpo.context_parallel as cp
+
+    if defect == "full_mask":  # every key visible: the causal mask dropped
+        sdpa = cp.F.scaled_dot_product_attention
+
+        class _F:
+            @staticmethod
+            def scaled_dot_product_attention(q, k, v, attn_mask=None, **kw):
+                return sdpa(q, k, v, attn_mask=torch.ones_like(attn_mask), **kw)
+
+        return cp, "F", _F
+    local = cp.local_batch  # the chunk's own token counts as sequence lengths
+
+    def chunk_only(*args):
+        return dataclasses.replace(local(*args), seq_tokens=None)
+
+    return cp, "local_batch", chunk_only
+
+
+def layout(name: str, work: str, results: list) -> None:
+    from megagrpo.distributed import init_distributed, training_layout
+    from megagrpo.model import build_model
+    from megagrpo.optim import build_optimizer, optimizer_step, wrap_ddp
+    from megagrpo.passes import Passes
+
+    tp, cp = LAYOUTS[name]
+    cfg = make_config(tp, 1, True)
+    cfg.parallel.cp = cp
+    info = init_distributed(cfg.parallel, cfg.model)
+    ranks, groups = training_layout(cfg.parallel, cfg.model, info)
+    gpt = build_model(cfg.model, cfg.parallel, seed=7)
+    ddp = wrap_ddp(gpt, cfg.optim)
+    opt = build_optimizer(ddp, cfg.optim)
+    passes = Passes(cfg, ranks, groups, packed=False)
+    batch = global_batch()
+    rows = batch.num_seqs // ranks.dp
+    mine = batch.select(torch.arange(ranks.dp_rank * rows, (ranks.dp_rank + 1) * rows),
+                        batch.ids.shape[1])
+    plan = passes.plan(mine, cfg.compute.micro_batch_size)
+    rec = {"layout": name, "rank": info.rank, "dp": ranks.dp, "cp": ranks.cp,
+           "widths": [mb.batch.ids.shape[1] for mb in plan]}
+    cfg.compute.fused_output_layer = False
+    logp = passes.logprobs(ddp, batch)
+    cfg.compute.fused_output_layer = True
+    logp_fused = passes.logprobs(ddp, batch)
+    out = run_passes(passes, ddp, opt, mine, cfg, RUNS)
+    rec["reports"] = {k: rep for k, (_, rep) in out.items()}
+    saved = {"logp": logp, "logp_fused": logp_fused,
+             **{k: g for k, (g, _) in out.items()}}
+    if name == "cp2":
+        for defect in DEFECTS:
+            module, attr, patched = plant(defect)
+            original = getattr(module, attr)
+            setattr(module, attr, patched)
+            try:
+                saved[defect] = run_passes(passes, ddp, opt, mine, cfg, ["grpo_logits"]
+                                           )["grpo_logits"][0]
+            finally:
+                setattr(module, attr, original)
+    # the optimizer's grad norm of GRPO's gradients (megatron's, over the model-parallel ranks)
+    run_passes(passes, ddp, opt, mine, cfg, ["grpo_logits"])
+    rec["grad_norm"] = optimizer_step(ddp, opt)[1]
+    torch.save(saved, os.path.join(work, f"grads_{name}_{info.rank}.pt"))
+    results.append(rec)
+    dist.barrier()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    results: list = []
+    for name in args.layouts.split(","):
+        layout(name, args.work, results)
+    write_results(results, args.work, flat=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
