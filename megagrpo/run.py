@@ -246,6 +246,10 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
         summary = _evaluate_before(tr, logger, resumed=ckpt is not None)
     syncs_before = tr.reference.state.syncs if tr.reference else 0
     target, lead = tr.eval_target, tr.ranks.rank == 0
+    if lead and target.target > 0 and not (cfg.eval.every and tr.task.eval):
+        log.info("eval.target_accuracy=%g is not checked during GRPO: %s; all run.steps=%d run",
+                 target.target, "eval.every=0 runs no periodic evaluation" if tr.task.eval
+                 else "the task has no held-out prompts", cfg.run.steps)
     if target.reached and lead:
         log.info("resume: held-out accuracy %.3f reached eval.target_accuracy=%g after GRPO step "
                  "%d: no step left to run", target.accuracy, target.target, target.reached_step)

@@ -163,7 +163,9 @@ class EvalConfig(Section):
     `eval.every` steps; `run.steps` is then the most it runs; 0 = always run all of them). As
     `cold_start.target_accuracy`: float rounding differs between CPUs, so a run ends at a skill,
     not a step count. The summary's `eval_target_step` says after which step (null: not
-    reached); a resumed run that had reached it runs no further step."""
+    reached); a resumed run that had reached it runs no further step. Without periodic
+    evaluations (eval.every = 0, or a task without held-out prompts) every step runs, and the
+    console says so."""
 
     def validate(self) -> None:
         if self.every < 0:
@@ -173,10 +175,6 @@ class EvalConfig(Section):
         if not 0.0 <= self.target_accuracy <= 1.0:
             raise ValueError(f"eval.target_accuracy={self.target_accuracy} must be in [0, 1] "
                              "(0 = run all run.steps)")
-        if self.target_accuracy > 0 and not self.every:
-            raise ValueError(f"eval.target_accuracy={self.target_accuracy} is checked at the "
-                             "periodic evaluations, and eval.every=0 runs none: set eval.every "
-                             "(e.g. 25) or eval.target_accuracy=0")
 
 
 @dataclass(kw_only=True)
