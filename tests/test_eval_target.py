@@ -2,7 +2,8 @@
 (`megagrpo.eval_target`). End to end, as a user runs it: a tiny 1-rank run whose every greedy
 answer counts as correct (`full_marks`, the correctness term) stops after the first evaluation,
 says so, and records the step in its metrics, summary and checkpoint; resumed with a larger
-run.steps it runs no further step. The rest: the config checks and the resume rule."""
+run.steps it runs no further step (`-m heavy`: a second launch). The rest: the config checks
+and the resume rule."""
 import json
 import sys
 from pathlib import Path
@@ -56,14 +57,26 @@ def test_resume_keeps_a_reached_target_unless_this_run_asks_for_more(target, sta
     assert not old.reached
 
 
-def test_run_stops_at_the_target_and_a_resume_runs_no_further_step(tmp_path):
-    out = tmp_path / "run"
-    args = [*stress.tiny_overrides(out, 6, checkpoint_every=0), "log.progress=false",
+def _tiny_args(out: Path) -> list[str]:
+    return [*stress.tiny_overrides(out, 6, checkpoint_every=0), "log.progress=false",
             "reward.terms=[{name: 'tests.test_eval_target:full_marks'}]", "eval.every=2",
             "eval.target_accuracy=0.5"]
-    first = run_cli("train", "--nproc", "1", *args, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory) -> Path:
+    """A tiny 1-rank run that reaches its target at the first evaluation (after step 2 of 6)."""
+    out = tmp_path_factory.mktemp("eval_target") / "run"
+    first = run_cli("train", "--nproc", "1", *_tiny_args(out), timeout=600)
     console = first.stdout + first.stderr
     assert first.returncode == 0, console[-4000:]
+    (out.parent / "console.txt").write_text(console)
+    return out
+
+
+def test_run_stops_at_the_target(stopped):
+    out = stopped
+    console = (out.parent / "console.txt").read_text()
     assert "held-out accuracy 1.000 >= eval.target_accuracy=0.5 after GRPO step 2: the run " \
            "stops here; 4 of run.steps=6 left unused" in console, console[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -78,8 +91,12 @@ def test_run_stops_at_the_target_and_a_resume_runs_no_further_step(tmp_path):
     state = json.loads((out / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     assert state["eval_target_step"] == 2 and state["eval_target_reached_accuracy"] == 1.0
 
-    again = run_cli("train", "--nproc", "1", *args, "run.steps=10", "run.resume=true",
-                    timeout=600)
+
+@pytest.mark.heavy  # a second launch (~20 s); the resume rule itself is unit-tested above
+def test_a_resumed_run_that_reached_the_target_runs_no_further_step(stopped):
+    out = stopped
+    again = run_cli("train", "--nproc", "1", *_tiny_args(out), "run.steps=10",
+                    "run.resume=true", timeout=600)
     console = again.stdout + again.stderr
     assert again.returncode == 0, console[-4000:]
     assert "reached eval.target_accuracy=0.5 after GRPO step 2: no step left to run" in console
