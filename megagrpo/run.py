@@ -34,6 +34,7 @@ from megagrpo.console import PREFLIGHT_SHOWN_ENV, attach_log_file, summary_table
 from megagrpo.data import PromptLoader
 from megagrpo.distributed import init_distributed, torchrun_env, training_layout
 from megagrpo.engine import VLLMEngine
+from megagrpo.eval_target import EvalTarget
 from megagrpo.hf import hf_config_dict, load_hf_weights
 from megagrpo.lora import LoRAReference, add_adapters
 from megagrpo.lora import describe as describe_lora
@@ -133,6 +134,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                  tokens=tokens)
     if getattr(engine, "max_lora_rank", 0):  # vLLM serves the adapters: refits carry them alone
         tr.adapter_refit = lora_refit.AdapterRefit(cfg.lora, Path(engine.model_dir) / "adapters")
+    tr.eval_target = EvalTarget(cfg.eval.target_accuracy)
     return tr
 
 
@@ -207,6 +209,8 @@ def checkpoint_states(tr: Trainer) -> dict[str, Part]:
     states["rollout"] = PerRank(tr.rollouts, what="the async batch drawn for the next step",
                                 restore=tr.cfg.staleness > 0)
     states["train_state"] = Replicated(tr)
+    if getattr(tr, "eval_target", None) is not None:  # a Trainer built by `setup` has one
+        states["eval_target"] = Replicated(tr.eval_target)
     if tr.adapter_refit is not None:  # a merge not yet refit into vLLM (bitwise resume)
         states["adapter_refit"] = Replicated(tr.adapter_refit)
     return states
@@ -283,7 +287,15 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
         tr.sync_weights()
         summary = _evaluate_before(tr, logger, resumed=ckpt is not None)
     syncs_before = tr.reference.state.syncs if tr.reference else 0
-    while tr.step_idx < cfg.run.steps:
+    target, lead = tr.eval_target, tr.ranks.rank == 0
+    if lead and target.target > 0 and not (cfg.eval.every and tr.task.eval):
+        log.info("eval.target_accuracy=%g is not checked during GRPO: %s; all run.steps=%d run",
+                 target.target, "eval.every=0 runs no periodic evaluation" if tr.task.eval
+                 else "the task has no held-out prompts", cfg.run.steps)
+    if target.reached and lead:
+        log.info("resume: held-out accuracy %.3f reached eval.target_accuracy=%g after GRPO step "
+                 "%d: no step left to run", target.accuracy, target.target, target.reached_step)
+    while tr.step_idx < cfg.run.steps and not target.reached:
         try:
             m = tr.step()
         except BadStepsError as e:
@@ -293,6 +305,8 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
         if tr.task.eval and cfg.eval.every and tr.step_idx % cfg.eval.every == 0 \
                 and tr.step_idx < cfg.run.steps:
             m["eval_accuracy"] = tr.evaluate(tr.task.eval)
+            if target.check(tr.step_idx, m["eval_accuracy"], announce=lead, cap=cfg.run.steps):
+                m["eval_target_step"] = tr.step_idx
         logger.log(m)
         if cfg.checkpoint.every and tr.step_idx % cfg.checkpoint.every == 0:
             ckpts.save(tr.step_idx)
@@ -300,9 +314,15 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
                                   or tr.step_idx % cfg.checkpoint.every):
         ckpts.save(tr.step_idx)
     tr.rollouts.join()
-    if tr.task.eval:
-        summary["eval_accuracy_after"] = tr.evaluate(tr.task.eval)
-        logger.log({"step": tr.step_idx, "eval_accuracy": summary["eval_accuracy_after"]})
+    if tr.task.eval and target.reached_step == tr.step_idx:  # stopped there: its evaluation
+        summary["eval_accuracy_after"] = target.accuracy
+    elif tr.task.eval:
+        after = summary["eval_accuracy_after"] = tr.evaluate(tr.task.eval)
+        record = {"step": tr.step_idx, "eval_accuracy": after}
+        if target.check(tr.step_idx, after, announce=lead):  # reached at the last step
+            record["eval_target_step"] = tr.step_idx
+        logger.log(record)
+    summary.update(target.summary())
     syncs = tr.reference.state.syncs if tr.reference else 0
     summary.update(steps=tr.step_idx, reference_syncs=syncs,
                    reference_syncs_this_run=syncs - syncs_before,

@@ -87,6 +87,9 @@ def test_demo_console_is_short_and_has_no_traceback(tmp_path):
     assert len(lines) <= 40, console
     assert any("layer spec: local" in ln and "Apex not installed" in ln for ln in lines)
     assert any(ln.startswith("run summary") for ln in lines)
+    # the recipe's GRPO target is not checked without periodic evaluations, and says so
+    assert any("eval.target_accuracy=0.92 is not checked during GRPO: eval.every=0" in ln
+               for ln in lines), console
     # said once by the launcher, not again by rank 0 (it still runs the checks); vLLM's
     # hybrid-model note goes to the log only
     assert sum("preflight ok" in ln for ln in lines) == 1, console

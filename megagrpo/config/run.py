@@ -158,12 +158,23 @@ class EvalConfig(Section):
     """Evaluate every N steps (0 = only before and after)."""
     max_tokens: int = 16
     """Generation length for evaluation."""
+    target_accuracy: float = 0.0
+    """Stop GRPO once greedy held-out accuracy reaches this at an evaluation (every
+    `eval.every` steps; `run.steps` is then the most it runs; 0 = always run all of them). As
+    `cold_start.target_accuracy`: float rounding differs between CPUs, so a run ends at a skill,
+    not a step count. The summary's `eval_target_step` says after which step (null: not
+    reached); a resumed run that had reached it runs no further step. Without periodic
+    evaluations (eval.every = 0, or a task without held-out prompts) every step runs, and the
+    console says so."""
 
     def validate(self) -> None:
         if self.every < 0:
             raise ValueError(f"eval.every={self.every} must be >= 0 (0 = off)")
         if self.max_tokens < 1:
             raise ValueError(f"eval.max_tokens={self.max_tokens} must be >= 1")
+        if not 0.0 <= self.target_accuracy <= 1.0:
+            raise ValueError(f"eval.target_accuracy={self.target_accuracy} must be in [0, 1] "
+                             "(0 = run all run.steps)")
 
 
 @dataclass(kw_only=True)
