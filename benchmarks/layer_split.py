@@ -135,22 +135,24 @@ def grads(model, p: dict) -> list[torch.Tensor]:
 
 
 def compile_layers(model, p: dict) -> dict:
-    """torch.compile (inductor, dynamic shapes) of each decoder layer's forward, as megatron-core
-    builds it: the compile time of the first pass, the graphs dynamo made of one layer, and the
-    largest gradient difference against the eager pass relative to the gradient's scale."""
+    """compute.compile_layers on the model (`megagrpo.compile`: torch.compile, inductor, dynamic
+    shapes, of each decoder layer's forward): the compile time of the first pass, the graphs
+    dynamo made of one layer, and the largest gradient difference against the eager pass
+    relative to the gradient's scale."""
     import torch._dynamo
+
+    from megagrpo.compile import compile_layers as compile_model, graph_count
 
     eager = grads(model, p)
     torch._dynamo.reset()
-    for layer in model.decoder.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True)
+    n = compile_model(model)
+    before = graph_count()
     t0 = time.perf_counter()
     compiled = grads(model, p)
     seconds = time.perf_counter() - t0
     rel = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
               for a, b in zip(compiled, eager))
-    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    return dict(compile_s=round(seconds, 1), graphs=frames // max(1, len(model.decoder.layers)),
+    return dict(compile_s=round(seconds, 1), graphs=(graph_count() - before) / max(1, n),
                 grad_max_rel_diff=rel)
 
 
@@ -192,7 +194,7 @@ def table(path: str) -> str:
            "|---|---|---|---|---|---|---|---|---|"]
     def comp(x: dict) -> str:
         c = x.get("compiled")
-        return (f", layers compiled ({c['graphs']} graphs a layer, first pass {c['compile_s']}"
+        return (f", layers compiled ({c['graphs']:g} graphs a layer, first pass {c['compile_s']}"
                 " s)") if c else ""
 
     for x in rows:

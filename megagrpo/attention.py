@@ -123,8 +123,11 @@ class SdpaAttention(MegatronModule):
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params)
         sq, sk = query.shape[0], key.shape[0]
-        causal = (attention_mask is None and self.attn_mask_type == AttnMaskType.causal
-                  and sq > 1)
+        causal = attention_mask is None and self.attn_mask_type == AttnMaskType.causal
+        # a branch, not `and sq > 1`: under torch.compile with dynamic shapes the comparison is
+        # symbolic and SDPA's is_causal takes a Python bool (compute.compile_layers)
+        if sq == 1:
+            causal = False
         if causal and sq != sk:
             raise ValueError(f"causal attention with {sq} queries and {sk} keys: megatron's "
                              "default causal mask is square; pass an explicit attention_mask")
