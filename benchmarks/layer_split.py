@@ -156,6 +156,17 @@ def compile_layers(model, p: dict) -> dict:
                 grad_max_rel_diff=rel)
 
 
+def eager_again(model, p: dict) -> None:
+    """The layers' own forwards back (the compiled ones dropped), for an eager row after the
+    compiled rows."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    for m in model.modules():
+        if isinstance(m, TransformerLayer) and "forward" in vars(m):
+            del m.forward
+    return None
+
+
 def start_neighbour(threads: int) -> subprocess.Popen:
     code = (f"import torch; torch.set_num_threads({threads}); a = torch.randn(1024, 1024)\n"
             "while True: a @ a")
@@ -210,9 +221,51 @@ def table(path: str) -> str:
     return "\n".join(out)
 
 
+def compiled_table(path: str) -> str:
+    """compute.compile_layers against eager: each quiet compiled row beside the eager rows of
+    the same shapes and threads right before and (--ab) after it, their mean."""
+    import json
+
+    rows = [json.loads(ln) for ln in open(path) if ln.strip()]
+    out = ["| shapes | threads | load (1 min), eager / compiled | eager fwd+bwd | compiled | "
+           "compiled / eager | the rest, eager -> compiled | of the FLOP floor, eager -> "
+           "compiled | graphs a layer | first pass (compile) | grad max rel. diff |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    def key(x: dict) -> tuple:
+        return (x["preset"], json.dumps(x["shapes"], sort_keys=True), x["threads"],
+                x["neighbour_threads"])
+
+    for i, x in enumerate(rows):
+        c = x.get("compiled")
+        if not c or x["neighbour_threads"]:
+            continue
+        # the eager rows of the same run: the one before, and the one after with --ab
+        around = [r for r in (*rows[:i][::-1][:1], *rows[i + 1:][:1])
+                  if not r.get("compiled") and key(r) == key(x)]
+        if not around:
+            continue
+        e = {k: sum(r[k] for r in around) / len(around)
+             for k in ("step_s", "rest_s", "rest_share", "floor_frac")}
+        e["load_avg_1m"] = "/".join(str(r["load_avg_1m"]) for r in around)
+        sh = x["shapes"]
+        out.append(
+            f"| {x['preset']} (h {sh['hidden']}, ffn {sh['ffn']}, {sh['layers']} layers, "
+            f"{x['tokens']} tokens, {x['dtype']}) | {x['threads']} | "
+            f"{e['load_avg_1m']} / {x['load_avg_1m']} | {e['step_s'] * 1e3:.0f} ms | "
+            f"{x['step_s'] * 1e3:.0f} ms | {x['step_s'] / e['step_s']:.2f}x | "
+            f"{e['rest_s'] * 1e3:.0f} -> {x['rest_s'] * 1e3:.0f} ms "
+            f"({e['rest_share']:.0%} -> {x['rest_share']:.0%}) | "
+            f"{e['floor_frac']:.1%} -> {x['floor_frac']:.1%} | {c['graphs']:g} | "
+            f"{c['compile_s']} s | {c['grad_max_rel_diff']:.1e} |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="midsize", choices=sorted(PRESETS))
+    ap.add_argument("--shape", default="", metavar="KEY=N,...",
+                    help="a shape of your own: the preset's values overridden (hidden, ffn, "
+                    "layers, heads, kv, head_dim, batch, seq); rows named 'custom'")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--threads", default="", help="comma-separated thread counts (default: "
                     "every core)")
@@ -220,22 +273,40 @@ def main(argv: list[str] | None = None) -> None:
                     help="also time each setting beside a busy torch.mm process on every core")
     ap.add_argument("--compile", action="store_true",
                     help="then every setting again with each decoder layer torch.compile'd")
+    ap.add_argument("--ab", action="store_true",
+                    help="with --compile: the eager layers timed once more after the compiled "
+                    "ones (A/B/A on a shared machine)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
     ap.add_argument("--table", default=None, metavar="JSONL",
                     help="only print the markdown table of these result lines")
+    ap.add_argument("--compiled-table", default=None, metavar="JSONL",
+                    help="only print the compiled-vs-eager markdown table of these lines")
     args = ap.parse_args(argv)
     if args.table:
         print(table(args.table))
         return
+    if args.compiled_table:
+        print(compiled_table(args.compiled_table))
+        return
     cores = os.cpu_count() or 1
     threads = [int(x) for x in args.threads.split(",")] if args.threads else [cores]
-    p, dtype = PRESETS[args.preset], getattr(torch, args.dtype)
+    p, dtype = dict(PRESETS[args.preset]), getattr(torch, args.dtype)
+    name = args.preset
+    if args.shape:
+        for item in args.shape.split(","):
+            key, _, value = item.partition("=")
+            if key not in p:
+                raise SystemExit(f"layer_split: --shape {key!r} is not one of {sorted(p)}")
+            p[key] = int(value)
+        name = "custom"
     model = build(p, args.dtype)
     from megagrpo.machine import gemm_gflops
 
     rates = {}
-    for compiled in [None, *([compile_layers] if args.compile else [])]:
+    passes = [None, *([compile_layers] if args.compile else []),
+              *([eager_again] if args.compile and args.ab else [])]
+    for compiled in passes:
         info = compiled(model, p) if compiled else None
         for n in threads:
             torch.set_num_threads(n)
@@ -249,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
                     if proc is not None:
                         proc.kill()
                         proc.wait()
-                emit(row(p, args.preset, args.dtype, n, busy, rates[n], m, info), args.out)
+                emit(row(p, name, args.dtype, n, busy, rates[n], m, info), args.out)
 
 
 if __name__ == "__main__":

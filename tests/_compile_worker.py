@@ -75,6 +75,7 @@ def main() -> None:
     out["no_grad_rel_diff"] = rel([no_grad_logits(model)], [eager_logits])
     out["no_grad_new_graphs"] = graph_count() - before
     out["graph_breaks"] = sum(counters["graph_break"].values())
+    out["counters"] = {k: {str(n): v for n, v in c.items()} for k, c in counters.items()}
     write_results(out, args.work)
 
 

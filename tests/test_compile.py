@@ -31,12 +31,14 @@ def test_gradients_equal_eager(run):
     assert run["no_grad_rel_diff"] <= 1e-6, run
 
 
-def test_one_graph_no_breaks_no_recompiles(run):
-    """The first pass makes one graph for both layers (they share it), new shapes make none
-    (dynamic shapes), the no-grad pass one more; dynamo broke no graph."""
-    assert [p["new_graphs"] for p in run["passes"]] == [1, 0, 0], run
-    assert run["no_grad_new_graphs"] == 1, run
-    assert run["graph_breaks"] == 0, run
+def test_one_graph_a_layer_no_breaks_no_recompiles(run):
+    """Dynamo broke no graph (each layer's forward is one graph), the first pass made at most
+    one graph a layer, new shapes made none (dynamic shapes), the no-grad pass at most one a
+    layer."""
+    assert run["graph_breaks"] == 0, run["counters"]
+    first, *later = [p["new_graphs"] for p in run["passes"]]
+    assert 1 <= first <= run["layers"] and later == [0] * len(later), run
+    assert 1 <= run["no_grad_new_graphs"] <= run["layers"], run
 
 
 def _dense(hidden: int = 64, **kw) -> ModelConfig:
