@@ -161,8 +161,11 @@ class SdpaAttention(MegatronModule):
         # index_copy / index_select: their backwards are a gather and an index_add (advanced
         # indexing's backward is an accumulating index_put, several times slower on CPU)
         q, k, v = grid(query), grid(key), grid(value)
+        causal = True
+        if L == 1:  # a branch: under torch.compile `L > 1` may be symbolic (see forward)
+            causal = False
         out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=0.0, is_causal=L > 1, scale=self.softmax_scale,
+            q, k, v, dropout_p=0.0, is_causal=causal, scale=self.softmax_scale,
             enable_gqa=self.num_heads != self.num_groups)
         # [b, np, L, hn] -> [b * L, np * hn] -> the real tokens [T, np * hn]
         out = out.transpose(1, 2).reshape(b * L, self.num_heads * self.head_dim)
