@@ -136,13 +136,12 @@ def _compile_layers(cfg: TrainConfig, model_cfg: ModelConfig, gpt, rank: int) ->
     on = compile_layers_on(cfg.compute, model_cfg, cfg.parallel, lora=cfg.lora.enabled,
                            cuda=torch.cuda.is_available())
     n = compile_layers(gpt) if on else 0
-    if rank == 0:
+    if rank == 0 and cfg.compute.compile_layers is not False:  # off (the default): no line
         why = compile_blocker(cfg.compute, model_cfg, cfg.parallel, cfg.lora.enabled)
         log.info("compute.compile_layers=%s: %s", str(cfg.compute.compile_layers).lower(),
                  f"{n} layers torch.compile'd (inductor, dynamic shapes; compiled in the first "
-                 "step)" if on else "layers run eagerly" + (f" (needs {why})" if why else
-                 f" (auto compiles from hidden_size {AUTO_MIN_HIDDEN} up, on CPU)"
-                 if cfg.compute.compile_layers == "auto" else ""))
+                 "step)" if on else "layers run eagerly (" + (f"needs {why}" if why else
+                 f"auto compiles from hidden_size {AUTO_MIN_HIDDEN} up, on CPU") + ")")
     return n
 
 
