@@ -83,7 +83,7 @@ def _canonical(x: torch.Tensor) -> torch.Tensor:
     is one already). Dynamo guards on an input's strides and on its base's when it is a view:
     the first layer gets the embedding's [s, b, h] as a transposed view, and torch calls a
     tensor with a size-1 dimension (one micro-batch row) contiguous whatever its stride there,
-    so without this the layers would not share one graph."""
+    so without this every new layout would be a recompile."""
     strides, step = [], 1
     for size in reversed(x.shape):
         strides.append(step)
