@@ -135,23 +135,36 @@ def grads(model, p: dict) -> list[torch.Tensor]:
 
 
 def compile_layers(model, p: dict) -> dict:
-    """torch.compile (inductor, dynamic shapes) of each decoder layer's forward, as megatron-core
-    builds it: the compile time of the first pass, the graphs dynamo made of one layer, and the
-    largest gradient difference against the eager pass relative to the gradient's scale."""
+    """compute.compile_layers on the model (`megagrpo.compile`: torch.compile, inductor, dynamic
+    shapes, of each decoder layer's forward): the compile time of the first pass, the graphs
+    dynamo made of one layer, and the largest gradient difference against the eager pass
+    relative to the gradient's scale."""
     import torch._dynamo
+
+    from megagrpo.compile import compile_layers as compile_model, graph_count
 
     eager = grads(model, p)
     torch._dynamo.reset()
-    for layer in model.decoder.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True)
+    n = compile_model(model)
+    before = graph_count()
     t0 = time.perf_counter()
     compiled = grads(model, p)
     seconds = time.perf_counter() - t0
     rel = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
               for a, b in zip(compiled, eager))
-    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    return dict(compile_s=round(seconds, 1), graphs=frames // max(1, len(model.decoder.layers)),
+    return dict(compile_s=round(seconds, 1), graphs=(graph_count() - before) / max(1, n),
                 grad_max_rel_diff=rel)
+
+
+def eager_again(model, p: dict) -> None:
+    """The layers' own forwards back (the compiled ones dropped), for an eager row after the
+    compiled rows."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    for m in model.modules():
+        if isinstance(m, TransformerLayer) and "forward" in vars(m):
+            del m.forward
+    return None
 
 
 def start_neighbour(threads: int) -> subprocess.Popen:
@@ -192,7 +205,7 @@ def table(path: str) -> str:
            "|---|---|---|---|---|---|---|---|---|"]
     def comp(x: dict) -> str:
         c = x.get("compiled")
-        return (f", layers compiled ({c['graphs']} graphs a layer, first pass {c['compile_s']}"
+        return (f", layers compiled ({c['graphs']:g} graphs a layer, first pass {c['compile_s']}"
                 " s)") if c else ""
 
     for x in rows:
@@ -208,9 +221,55 @@ def table(path: str) -> str:
     return "\n".join(out)
 
 
+def compiled_table(path: str) -> str:
+    """compute.compile_layers against eager: each quiet compiled row beside the eager rows of
+    the same shapes and threads right before and (--ab) after it; the ratios against the
+    faster of them."""
+    import json
+
+    rows = [json.loads(ln) for ln in open(path) if ln.strip()]
+    out = ["| shapes | threads | load (1 min), eager / compiled | eager fwd+bwd, before / "
+           "after | compiled | compiled / faster eager | the rest, eager -> compiled | "
+           "of the FLOP floor, eager -> compiled | graphs (training pass, all layers) | "
+           "first pass (compile) | grad max rel. diff |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    def key(x: dict) -> tuple:
+        return (x["preset"], json.dumps(x["shapes"], sort_keys=True), x["threads"],
+                x["neighbour_threads"])
+
+    for i, x in enumerate(rows):
+        c = x.get("compiled")
+        if not c or x["neighbour_threads"]:
+            continue
+        # the eager rows of the same run: the one before, and the one after with --ab
+        around = [r for r in (*rows[:i][::-1][:1], *rows[i + 1:][:1])
+                  if not r.get("compiled") and key(r) == key(x)]
+        if not around:
+            continue
+        # the faster eager row (a fair bar for the compiled one on a shared machine)
+        e = dict(min(around, key=lambda r: r["step_s"]))
+        e["load_avg_1m"] = "/".join(str(r["load_avg_1m"]) for r in around)
+        e["steps"] = " / ".join(f"{r['step_s'] * 1e3:.0f}" for r in around)
+        sh = x["shapes"]
+        out.append(
+            f"| {x['preset']} (h {sh['hidden']}, ffn {sh['ffn']}, {sh['layers']} layers, "
+            f"{x['tokens']} tokens, {x['dtype']}) | {x['threads']} | "
+            f"{e['load_avg_1m']} / {x['load_avg_1m']} | {e['steps']} ms | "
+            f"{x['step_s'] * 1e3:.0f} ms | {x['step_s'] / e['step_s']:.2f}x | "
+            f"{e['rest_s'] * 1e3:.0f} -> {x['rest_s'] * 1e3:.0f} ms "
+            f"({e['rest_share']:.0%} -> {x['rest_share']:.0%}) | "
+            f"{e['floor_frac']:.1%} -> {x['floor_frac']:.1%} | "
+            f"{round(c['graphs'] * sh['layers'])} | "
+            f"{c['compile_s']} s | {c['grad_max_rel_diff']:.1e} |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="midsize", choices=sorted(PRESETS))
+    ap.add_argument("--shape", default="", metavar="KEY=N,...",
+                    help="a shape of your own: the preset's values overridden (hidden, ffn, "
+                    "layers, heads, kv, head_dim, batch, seq); rows named 'custom'")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--threads", default="", help="comma-separated thread counts (default: "
                     "every core)")
@@ -218,22 +277,40 @@ def main(argv: list[str] | None = None) -> None:
                     help="also time each setting beside a busy torch.mm process on every core")
     ap.add_argument("--compile", action="store_true",
                     help="then every setting again with each decoder layer torch.compile'd")
+    ap.add_argument("--ab", action="store_true",
+                    help="with --compile: the eager layers timed once more after the compiled "
+                    "ones (A/B/A on a shared machine)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
     ap.add_argument("--table", default=None, metavar="JSONL",
                     help="only print the markdown table of these result lines")
+    ap.add_argument("--compiled-table", default=None, metavar="JSONL",
+                    help="only print the compiled-vs-eager markdown table of these lines")
     args = ap.parse_args(argv)
     if args.table:
         print(table(args.table))
         return
+    if args.compiled_table:
+        print(compiled_table(args.compiled_table))
+        return
     cores = os.cpu_count() or 1
     threads = [int(x) for x in args.threads.split(",")] if args.threads else [cores]
-    p, dtype = PRESETS[args.preset], getattr(torch, args.dtype)
+    p, dtype = dict(PRESETS[args.preset]), getattr(torch, args.dtype)
+    name = args.preset
+    if args.shape:
+        for item in args.shape.split(","):
+            key, _, value = item.partition("=")
+            if key not in p:
+                raise SystemExit(f"layer_split: --shape {key!r} is not one of {sorted(p)}")
+            p[key] = int(value)
+        name = "custom"
     model = build(p, args.dtype)
     from megagrpo.machine import gemm_gflops
 
     rates = {}
-    for compiled in [None, *([compile_layers] if args.compile else [])]:
+    passes = [None, *([compile_layers] if args.compile else []),
+              *([eager_again] if args.compile and args.ab else [])]
+    for compiled in passes:
         info = compiled(model, p) if compiled else None
         for n in threads:
             torch.set_num_threads(n)
@@ -247,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
                     if proc is not None:
                         proc.kill()
                         proc.wait()
-                emit(row(p, args.preset, args.dtype, n, busy, rates[n], m, info), args.out)
+                emit(row(p, name, args.dtype, n, busy, rates[n], m, info), args.out)
 
 
 if __name__ == "__main__":

@@ -136,8 +136,11 @@ class SdpaAttention(MegatronModule):
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params)
         sq, sk = query.shape[0], key.shape[0]
-        causal = (attention_mask is None and self.attn_mask_type == AttnMaskType.causal
-                  and sq > 1)
+        causal = attention_mask is None and self.attn_mask_type == AttnMaskType.causal
+        # a branch, not `and sq > 1`: under torch.compile with dynamic shapes the comparison is
+        # symbolic and SDPA's is_causal takes a Python bool (compute.compile_layers)
+        if sq == 1:
+            causal = False
         if causal and sq != sk:
             raise ValueError(f"causal attention with {sq} queries and {sk} keys: megatron's "
                              "default causal mask is square; pass an explicit attention_mask")
@@ -187,8 +190,11 @@ class SdpaAttention(MegatronModule):
         # index_copy / index_select: their backwards are a gather and an index_add (advanced
         # indexing's backward is an accumulating index_put, several times slower on CPU)
         q, k, v = grid(query), grid(key), grid(value)
+        causal = True
+        if L == 1:  # a branch: under torch.compile `L > 1` may be symbolic (see forward)
+            causal = False
         out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=0.0, is_causal=L > 1, scale=self.softmax_scale,
+            q, k, v, dropout_p=0.0, is_causal=causal, scale=self.softmax_scale,
             enable_gqa=self.num_heads != self.num_groups)
         # [b, np, L, hn] -> [b * L, np * hn] -> the real tokens [T, np * hn]
         out = out.transpose(1, 2).reshape(b * L, self.num_heads * self.head_dim)

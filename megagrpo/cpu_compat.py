@@ -86,6 +86,11 @@ def _in_mode(fn):
     Functions allocate with device=torch.cuda.current_device() there (the MoE all-to-all, the
     gather of the reduce-scatter's backward)."""
     def wrapped(*args, **kwargs):
+        # traced by dynamo (a compiled layer's backward): the graph runs no Python modes, and
+        # tracing happens inside the layer's scope already (entering one is a side effect
+        # dynamo cannot put in the backward's graph)
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
         with _CudaToCpu():
             return fn(*args, **kwargs)
     return wrapped

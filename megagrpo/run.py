@@ -26,6 +26,9 @@ from megagrpo.checkpoint import (
     load_model,
 )
 from megagrpo.cold_start import cold_start
+from megagrpo.compile import compile_layers, compiled_layers
+from megagrpo.compile import summary as compile_summary
+from megagrpo.config.compile import AUTO_MIN_HIDDEN, compile_blocker, compile_layers_on
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.section import freeze
@@ -98,9 +101,12 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                                          cfg.lora, lora_refit.unavailable(
                                              cfg.lora, cfg.rollout.tensor_parallel_size,
                                              model_cfg, on_cpu=lora_refit.vllm_on_cpu())))
+    compiled = _compile_layers(cfg, model_cfg, gpt, rank)
     policy = wrap_ddp(gpt, cfg.optim)
     optimizer = build_optimizer(policy, cfg.optim)
     reference = _reference(cfg, policy, model_cfg)
+    if compiled and isinstance(reference, Reference):
+        compile_layers(reference.model)
     layout = RolloutLayout(rank=rank, world_size=world, engine_tp=cfg.rollout.tensor_parallel_size,
                            train_tp=cfg.parallel.tp, train_pp=cfg.parallel.pp)
     if rank == 0:
@@ -136,6 +142,23 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
         tr.adapter_refit = lora_refit.AdapterRefit(cfg.lora, Path(engine.model_dir) / "adapters")
     tr.eval_target = EvalTarget(cfg.eval.target_accuracy)
     return tr
+
+
+def _compile_layers(cfg: TrainConfig, model_cfg: ModelConfig, gpt, rank: int) -> int:
+    """compute.compile_layers: the policy's layers compiled (the reference's follow); one
+    console line says whether, and why not where 'auto' leaves them eager."""
+    import torch
+
+    on = compile_layers_on(cfg.compute, model_cfg, cfg.parallel, lora=cfg.lora.enabled,
+                           cuda=torch.cuda.is_available())
+    n = compile_layers(gpt) if on else 0
+    if rank == 0 and cfg.compute.compile_layers is not False:  # off (the default): no line
+        why = compile_blocker(cfg.compute, model_cfg, cfg.parallel, cfg.lora.enabled)
+        log.info("compute.compile_layers=%s: %s", str(cfg.compute.compile_layers).lower(),
+                 f"{n} layers torch.compile'd (inductor, dynamic shapes; compiled in the first "
+                 "step)" if on else "layers run eagerly (" + (f"needs {why}" if why else
+                 f"auto compiles from hidden_size {AUTO_MIN_HIDDEN} up, on CPU") + ")")
+    return n
 
 
 def _reference(cfg: TrainConfig, policy, model_cfg: ModelConfig):
@@ -295,9 +318,13 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
     if target.reached and lead:
         log.info("resume: held-out accuracy %.3f reached eval.target_accuracy=%g after GRPO step "
                  "%d: no step left to run", target.accuracy, target.target, target.reached_step)
+    compiled = compiled_layers(tr.policy)
     while tr.step_idx < cfg.run.steps and not target.reached:
         try:
             m = tr.step()
+            if compiled and tr.ranks.rank == 0:  # once: the first step paid the compile
+                log.info("%s", compile_summary(compiled))
+                compiled = 0
         except BadStepsError as e:
             logger.log(e.metrics)
             logger.close()

@@ -90,6 +90,14 @@ class ComputeConfig(Section):
     algo.loss_agg=bnpo (a per-micro-batch mean) or algo.kl_in_reward (advantages set after
     scoring, from whole groups), where true is an error."""
 
+    compile_layers: bool | str = False
+    """`torch.compile` (inductor) each transformer layer's forward as one graph, for the update
+    and the scoring passes (`megagrpo.compile`): fuses RMSNorm, RoPE, SwiGLU and the residual
+    adds, same gradients to float rounding; the first step pays the compile (tens of seconds a
+    layer shape on 2 cores). true; 'auto': on for dense models on CPU where it is measured
+    faster (hidden_size >= 512, see docs/performance.md), off elsewhere; false (default: the
+    first step's compile outweighs the gain of a short run, docs/performance.md)."""
+
     recompute: str = "none"
     """Activation recomputation of the update pass (megatron-core's, forward-only scoring
     keeps none): 'none'; 'selective' (each layer's core attention is recomputed in backward);
@@ -111,6 +119,9 @@ class ComputeConfig(Section):
         if self.fused_output_layer not in ("auto", True, False):
             raise ValueError(f"compute.fused_output_layer={self.fused_output_layer!r}: use auto, "
                              "true or false")
+        if self.compile_layers not in ("auto", True, False):
+            raise ValueError(f"compute.compile_layers={self.compile_layers!r}: use auto, true or "
+                             "false")
         if self.micro_batch_size < 1:
             raise ValueError(f"compute.micro_batch_size={self.micro_batch_size} must be >= 1")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 0:

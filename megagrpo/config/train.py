@@ -10,6 +10,7 @@ import yaml
 
 from megagrpo.config.agent import AgentConfig
 from megagrpo.config.algo import AlgoConfig
+from megagrpo.config.compile import check_compile
 from megagrpo.config.context_parallel import check_context_parallel_training
 from megagrpo.config.data import ArithmeticConfig, DataConfig, RewardConfig
 from megagrpo.config.layout import check_rollout_layout
@@ -140,6 +141,7 @@ class TrainConfig(Section):
                              f"needs parallel.pp=1 (got {self.parallel.pp}: pipeline stages "
                              "exchange fixed micro-batch shapes); set compute.micro_batch_tokens=0")
         check_recompute(self.compute, self.model, self.parallel)
+        check_compile(self.compute, self.model, self.parallel, self.lora.enabled)
         check_balance(self.compute.balance_tokens, loss_agg=self.algo.loss_agg,
                       kl_in_reward=self.algo.kl_in_reward and self.algo.beta > 0)
         check_sequence_parallel(self.algo, self.parallel)

@@ -1,0 +1,119 @@
+"""Run under torchrun (1 process, gloo) by tests/test_compile.py: a 2-layer megatron-core GPT
+(megagrpo's model, local spec, SDPA, fp32), every parameter's gradient of a fixed loss on
+micro-batches of three shapes (rows x length) and one no-grad forward, eager; then the same
+with compute.compile_layers (`megagrpo.compile.compile_layers`), counting the graphs dynamo
+made and its graph breaks at each pass. Rank 0 writes WORK/results.json."""
+import argparse
+
+import torch
+
+from tests.support.launch import write_results
+
+SHAPES = [(2, 12), (3, 20), (2, 7)]  # (rows, length): the later ones must not recompile
+VOCAB = 128  # a multiple of the padding, so the logits are [b, s, VOCAB]
+
+
+def build():
+    from megagrpo.config.model import ModelConfig, ParallelConfig
+    from megagrpo.distributed import init_distributed
+    from megagrpo.model import build_model
+
+    m = ModelConfig(hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
+                    num_query_groups=2, head_dim=16, vocab_size=VOCAB,
+                    max_position_embeddings=64)
+    par = ParallelConfig()
+    init_distributed(par, m)
+    return build_model(m, par)
+
+
+def batch(rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids [b, s], positions [b, s] and a fixed weighting of the logits [b, s, V]."""
+    g = torch.Generator().manual_seed(rows * 100 + length)
+    ids = torch.randint(0, VOCAB, (rows, length), generator=g)
+    pos = torch.arange(length).expand(rows, length)
+    return ids, pos, torch.randn(rows, length, VOCAB, generator=g)
+
+
+def grads(model, rows: int, length: int) -> list[torch.Tensor]:
+    """Every parameter's gradient of sum(logits * weights) on one micro-batch."""
+    ids, pos, w = batch(rows, length)
+    model.zero_grad(set_to_none=True)
+    (model(ids, pos, None) * w).sum().backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def no_grad_logits(model) -> torch.Tensor:
+    ids, pos, _ = batch(*SHAPES[0])
+    with torch.no_grad():
+        return model(ids, pos, None)
+
+
+def packed_plan() -> list:
+    """Packed micro-batches (megagrpo.batch.PackedRows: rows end to end, SDPA over a padded
+    grid) of 7 sequences of varied lengths, 2 micro-batches of different sizes and grids."""
+    from megagrpo.batch import pack, plan_micro_batches
+
+    g = torch.Generator().manual_seed(5)
+    lens = torch.randint(2, 12, (7, 2), generator=g).tolist()
+    prompts = [[1 + (i + j) % 50 for j in range(p)] for i, (p, _) in enumerate(lens)]
+    comps = [[3 + (i * j) % 60 for j in range(c)] for i, (_, c) in enumerate(lens)]
+    lps = [[-0.1] * len(c) for c in comps]
+    b = pack(prompts, comps, lps, torch.linspace(-1, 1, 7), pad_id=0)
+    return plan_micro_batches(b, 4, token_budget=64, packed=True)
+
+
+def packed_grads(model, plan: list) -> list[torch.Tensor]:
+    """Every parameter's gradient of a fixed weighting of the logits at the loss positions,
+    summed over the packed micro-batches (megagrpo's forward_step: positions, rotary hook)."""
+    from megagrpo.passes import forward_step
+
+    model.zero_grad(set_to_none=True)
+    for i, mb in enumerate(plan):
+        out, _ = forward_step(mb, model, loss_fn=lambda *a, **k: None)
+        g = torch.Generator().manual_seed(i)
+        (out * torch.randn(out.shape, generator=g)).sum().backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """Largest max |a - b| / max |b| over the tensors."""
+    return max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-30)) for x, y in zip(a, b))
+
+
+def main() -> None:
+    from torch._dynamo.utils import counters
+
+    from megagrpo.compile import compile_layers, graph_count
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", required=True)
+    args = ap.parse_args()
+    model = build()
+    eager = [grads(model, *s) for s in SHAPES]
+    eager_logits = no_grad_logits(model)
+    plan = packed_plan()
+    eager_packed = packed_grads(model, plan)
+    layers = compile_layers(model)
+    out = {"layers": layers, "passes": []}
+    for shape, want in zip(SHAPES, eager):
+        before = graph_count()
+        got = grads(model, *shape)
+        out["passes"].append({"shape": shape, "grad_rel_diff": rel(got, want),
+                              "new_graphs": graph_count() - before})
+    before = graph_count()
+    out["no_grad_rel_diff"] = rel([no_grad_logits(model)], [eager_logits])
+    out["no_grad_new_graphs"] = graph_count() - before
+    before = graph_count()
+    try:
+        out["packed_rel_diff"] = rel(packed_grads(model, plan), eager_packed)
+    except Exception as e:  # reported by the test, after the other checks
+        out["packed_error"] = repr(e)[:2000]
+    out["packed_new_graphs"] = graph_count() - before
+    out["packed_grids"] = [list(mb.packed.grid) for mb in plan]
+    out["graph_breaks"] = sum(counters["graph_break"].values())
+    out["counters"] = {k: {str(n): v for n, v in c.items()} for k, c in counters.items()}
+    write_results(out, args.work)
+
+
+if __name__ == "__main__":
+    main()
