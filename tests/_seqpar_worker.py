@@ -14,7 +14,8 @@ recomputation and the MoE auxiliary losses, in one launch.
   expert-DP ranks), each DP rank training on its own slice of the parent's global batch:
   reduced gradients under HF names with the grad norm (not with the distributed optimizer,
   whose ranks reduce only their own shard), the routing monitor's aux / z-loss and tokens per
-  expert, the tokens entering this rank's experts, and the weights after the step.
+  expert, the tokens entering this rank's experts, and the weights after the step;
+- routing replay through the trainer's scoring pass (tests/_replay_checks.py).
 WORK/results.json (every rank's records)."""
 import argparse
 import dataclasses
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from tests._foundation_worker import ce_forward, check_and_step, export_grads
 from tests._fused_output_worker import grads, make_batch, make_config
+from tests._replay_checks import replay_scores
 from tests.support.launch import write_results
 
 DENSE = {  # name: (sequence_parallel, recompute)
@@ -201,7 +203,7 @@ def moe_layout(name: str, work: str, results: list) -> None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
-    ap.add_argument("--parts", default="native,dense,moe")
+    ap.add_argument("--parts", default="native,dense,moe,replay")
     args = ap.parse_args()
     torch.set_num_threads(1)
     parts, results = args.parts.split(","), []
@@ -214,6 +216,8 @@ def main():
     if "moe" in parts:
         for name in MOE:
             moe_layout(name, args.work, results)
+    if "replay" in parts:
+        replay_scores(args.work, results)
     write_results(results, args.work, flat=True)
     dist.destroy_process_group()
 

@@ -14,6 +14,7 @@ from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.seqpar import megatron_aux_loss_coeff
 from megagrpo.config.train import load_config
 from megagrpo.seqpar import padded_inputs
+from tests._replay_checks import replay_reference
 from tests.support.launch import torchrun
 from tests.support.tiny import load_dir, tiny_llama, tiny_qwen3_moe
 from tests.test_foundation import (
@@ -43,11 +44,13 @@ def run(tmp_path_factory):
     with torch.no_grad():
         ref["llama_logits"] = llama(ids).logits
     torch.save(ref, work / "ref.pt")
+    replay_ref = replay_reference(moe, work / "replay.pt")
     torchrun(WORKER, 4, "--work", str(work))
     results = json.loads((work / "results.json").read_text())
     refs = {"llama": reference_grads(llama, ids, ref["labels"])}
     for layout, slices in MOE_SLICES.items():
         refs[layout] = moe_reference(moe, moe_ids, ref["moe_labels"], slices)
+    refs["replay"] = replay_ref
     return work, results, refs
 
 
@@ -227,6 +230,43 @@ def test_moe_distributed_optimizer_with_ep_equals_the_plain_one(run):
     assert sorted(a) == sorted(b) and gap <= 1e-6, gap
     for ra, rb in zip(_moe(results, "moe_ep2_distopt"), _moe(results, "moe_ep2")):
         assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-6)
+
+
+# ------------------------------------------------------------------ routing replay
+def _replayed(run):
+    """(record, global sequence index, row in the record, loss positions, moved position) for
+    every sequence the 4 DP ranks scored."""
+    _, results, refs = run
+    recs = [r for r in results if r.get("part") == "replay"]
+    assert len(recs) == 4
+    ref = refs["replay"]
+    for rec in recs:
+        lo, hi = rec["rows"]
+        for row, i in enumerate(range(lo, hi)):
+            pos = [t for t, on in enumerate(rec["mask"][row]) if on]
+            assert pos[0] == ref["prompt_lens"][i] - 1
+            yield rec, i, row, pos, ref["moved"][i]
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_routing_replay_routes_as_told(run, layout):
+    """The trainer's scoring pass (`Passes.logprobs`, EP=2, each DP rank its own sequences)
+    replaying the experts transformers' float64 model chose gives its own log-probs (which
+    equal that model's), and replaying routes moved to other experts from one loss position
+    of each sequence on gives the float64 log-probs of the same forced routing: unchanged
+    before that position, changed (by 2.6e-3 or more here) from it on. A replay that did
+    nothing, or put a route on the wrong token (e.g. [B, S] read as [S, B]), fails here,
+    unlike in fp32 GRPO runs where vLLM and the trainer already route alike."""
+    want = run[2]["replay"]["logp"]
+    for rec, i, row, pos, moved in _replayed(run):
+        none, own, perm = (rec[f"{r}_{layout}"][row] for r in ("none", "own", "permuted"))
+        for t in pos:
+            assert none[t] == pytest.approx(want["own"][i][t], abs=1e-5), (i, t)
+            assert own[t] == pytest.approx(none[t], abs=1e-6), (i, t)
+            assert perm[t] == pytest.approx(want["permuted"][i][t], abs=1e-5), (i, t)
+        before = [abs(perm[t] - none[t]) for t in pos if t < moved]
+        after = [abs(perm[t] - none[t]) for t in pos if t >= moved]
+        assert max(before, default=0.0) <= 1e-6 and max(after) > 1e-3, (i, moved, after)
 
 
 # ------------------------------------------------------------------ config and helpers
