@@ -117,14 +117,22 @@ def stage_params(m: ModelConfig, p: ParallelConfig, stage: int) -> int:
 def moe_dispatch_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int) -> int:
     """Rough per-rank bytes the MoE layers keep for backward on the first stage (on top of the
     dense activation estimate): per MoE layer, the permuted tokens before and after the
-    all-to-all (2 x [T k, H]) and the experts' SwiGLU intermediates (3 x [T k, F_e / tp]),
-    for the pp micro-batches 1F1B holds. T is the micro-batch's tokens; routing balanced."""
+    all-to-all (2 x [T k, H]; under sequence parallelism the first is this TP rank's slice,
+    [T k / tp, H], the second the TP group's tokens gathered for the expert-TP shards) and
+    the experts' SwiGLU intermediates (3 x [T k, F_e / tp]), for the pp micro-batches 1F1B
+    holds; under compute.recompute=full only one recomputed chunk (recompute_num_layers
+    layers of one micro-batch) holds them at a time. T is the micro-batch's tokens; routing
+    balanced."""
     if not m.is_moe:
         return 0
     t = cfg.compute.micro_batch_size * cfg.rollout.max_model_len
-    per_layer = t * m.moe_topk * (2 * m.hidden_size + 3 * m.moe_ffn_hidden_size // tp)
-    layers = sum(m.is_moe_layer(i) for i in range(m.num_layers)) // pp
-    return per_layer * layers * pp * DTYPE_BYTES[m.dtype]
+    sp = cfg.parallel.sequence_parallel and tp > 1
+    hidden = m.hidden_size + m.hidden_size // (tp if sp else 1)
+    per_layer = t * m.moe_topk * (hidden + 3 * m.moe_ffn_hidden_size // tp)
+    layers = sum(m.is_moe_layer(i) for i in range(m.num_layers)) // pp * pp
+    if cfg.compute.recompute == "full":
+        layers = min(cfg.compute.recompute_num_layers, layers)
+    return per_layer * layers * DTYPE_BYTES[m.dtype]
 
 
 # ------------------------------------------------------------------------ per-rank bytes

@@ -60,11 +60,12 @@ def export_grads(gpt, out_dir, model_cfg, parallel):
             p.copy_(w)
 
 
-def check_and_step(name, mcfg, parallel, tag, work, ref, results):
+def check_and_step(name, mcfg, parallel, tag, work, ref, results, *, own_slices=False):
     """One model at one layout: load the HF folder `work/name`, record the logits error
     against transformers' (ref), export right after loading (round trip), run one training
     step on ref's batch and export its reduced gradients with the optimizer's grad norm.
-    Returns (gpt, info)."""
+    `own_slices`: each DP rank trains on its own equal slice of ref's rows (else every rank on
+    all of them). Returns (gpt, info)."""
     from megagrpo.distributed import init_distributed
     from megagrpo.hf import load_hf_weights
     from megagrpo.model import build_model
@@ -92,11 +93,13 @@ def check_and_step(name, mcfg, parallel, tag, work, ref, results):
     ddp = wrap_ddp(gpt, ocfg)
     opt = build_optimizer(ddp, ocfg)
     zero_grad(ddp, opt)
-    # every DP rank feeds the same batch, as 2 micro-batches of 1 row: the reduced gradient
-    # is the mean over both (and over DP), so a DP sum or a missing 1/num_microbatches
-    # scales it by DP or 2 and the parent's single-process reference no longer matches (with
-    # MoE the experts also see every DP rank's tokens through the all-to-all)
+    # every DP rank feeds the same batch (own_slices: its slice) as micro-batches of 1 row:
+    # the reduced gradient is their mean (and over DP), so a DP sum or a missing
+    # 1/num_microbatches scales it and the parent's single-process reference no longer
+    # matches (with MoE the experts also see every DP rank's tokens through the all-to-all)
     ids, labels = ref["ids"], ref["labels"]
+    if own_slices:  # the mean over the DP ranks' equal slices is the mean over the batch
+        ids, labels = ids.chunk(info.dp)[info.dp_rank], labels.chunk(info.dp)[info.dp_rank]
     mbs = [(ids[i:i + 1], labels[i:i + 1]) for i in range(ids.shape[0])]
     forward_backward(ddp, ce_forward, mbs, len(mbs), seq_length=ids.shape[1],
                      micro_batch_size=1)

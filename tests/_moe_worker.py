@@ -1,9 +1,9 @@
 """Run under torchrun (4 processes, gloo) by tests/test_moe.py. For every (TP, PP, EP) layout
 and both MoE families it loads the tiny HF checkpoints the parent wrote, records the logits
 against transformers', exports the weights right after loading (round trip), runs one training
-step on the parent's batch and exports the reduced gradients (DDP main_grad, expert and dense)
-under HF names with the optimizer's grad norm (tests/_foundation_worker.check_and_step, the
-dense families' steps). WORK/results.json."""
+step (each DP rank on its own slice of the parent's batch) and exports the reduced gradients
+(DDP main_grad, expert and dense) under HF names with the optimizer's grad norm
+(tests/_foundation_worker.check_and_step, the dense families' steps). WORK/results.json."""
 import argparse
 import dataclasses
 import os
@@ -26,7 +26,7 @@ def run_layout(tp, pp, ep, work, results):
         # no load-balancing loss: the parent's reference is the plain cross-entropy
         mcfg = dataclasses.replace(model_config_from_hf(os.path.join(work, name)),
                                    moe_aux_loss_coef=0.0)
-        check_and_step(name, mcfg, parallel, tag, work, ref, results)
+        check_and_step(name, mcfg, parallel, tag, work, ref, results, own_slices=True)
         dist.barrier()
 
 

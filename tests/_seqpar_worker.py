@@ -8,10 +8,14 @@ recomputation and the MoE auxiliary losses, in one launch.
   recompute selective / full: the scoring pass's log-probs and the finalized gradients of GRPO
   (logits path and fused output layer, at loss positions and at every position), GSPO and the
   supervised loss, each compared on this rank with the TP=2 run without SP (same shards);
-- MoE (Qwen3-MoE, load-balancing and z-loss on): TP=1 x DP=4, TP=2 x EP=2 + SP and TP=2 x EP=2
-  without SP, each DP rank training on its own slice of the parent's global batch: reduced
-  gradients under HF names with the grad norm, the routing monitor's aux / z-loss and tokens
-  per expert, and the tokens entering this rank's experts.
+- MoE (Qwen3-MoE, load-balancing and z-loss on): TP=1 x DP=4, TP=2 x EP=2 + SP, TP=2 x EP=2
+  without SP and TP=1 x EP=2 x DP=4 with the plain and with the distributed optimizer (Adam
+  state of the dense weights sharded over the 4 DP ranks, of the experts over their 2
+  expert-DP ranks), each DP rank training on its own slice of the parent's global batch:
+  reduced gradients under HF names with the grad norm (not with the distributed optimizer,
+  whose ranks reduce only their own shard), the routing monitor's aux / z-loss and tokens per
+  expert, the tokens entering this rank's experts, and the weights after the step;
+- routing replay through the trainer's scoring pass (tests/_replay_checks.py).
 WORK/results.json (every rank's records)."""
 import argparse
 import dataclasses
@@ -22,6 +26,7 @@ import torch.distributed as dist
 
 from tests._foundation_worker import ce_forward, check_and_step, export_grads
 from tests._fused_output_worker import grads, make_batch, make_config
+from tests._replay_checks import replay_scores
 from tests.support.launch import write_results
 
 DENSE = {  # name: (sequence_parallel, recompute)
@@ -30,7 +35,15 @@ DENSE = {  # name: (sequence_parallel, recompute)
     "tp2_sp_selective": (True, "selective"),
     "tp2_sp_full": (True, "full"),
 }
-MOE = {"moe_tp1": (1, 1, False), "moe_tp2_ep2_sp": (2, 2, True), "moe_tp2_ep2": (2, 2, False)}
+MOE = {  # name: (tp, ep, sequence_parallel, distributed optimizer)
+    "moe_tp1": (1, 1, False, False),
+    "moe_tp2_ep2_sp": (2, 2, True, False),
+    "moe_tp2_ep2": (2, 2, False, False),
+    "moe_ep2": (1, 2, False, False),
+    "moe_ep2_distopt": (1, 2, False, True),
+}
+ADAM_EPS = 1e-4  # large enough that the first Adam step (g / (|g| + eps)) is smooth in g, so
+# the parent can compare the weights after it with a float64 step at fp32 tolerance
 AUX_COEF, Z_COEF = 0.5, 0.01  # HF-form coefficients, large enough to move the router gradient
 
 
@@ -149,8 +162,9 @@ def moe_layout(name: str, work: str, results: list) -> None:
         wrap_ddp,
         zero_grad,
     )
+    from megagrpo.reshard import export_hf
 
-    tp, ep, sp = MOE[name]
+    tp, ep, sp, distopt = MOE[name]
     ref = torch.load(os.path.join(work, "ref.pt"))
     mcfg = dataclasses.replace(model_config_from_hf(os.path.join(work, "qwen3_moe")),
                                moe_aux_loss_coef=AUX_COEF, moe_z_loss_coef=Z_COEF)
@@ -159,7 +173,7 @@ def moe_layout(name: str, work: str, results: list) -> None:
     gpt = build_model(mcfg, parallel, seed=7)
     load_hf_weights(gpt, os.path.join(work, "qwen3_moe"), mcfg, parallel,
                     tp_rank=info.tp_rank, pp_rank=info.pp_rank)
-    ocfg = OptimConfig(lr=1e-3, clip_grad=1.0)
+    ocfg = OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=ADAM_EPS, distributed_optimizer=distopt)
     ddp = wrap_ddp(gpt, ocfg)
     opt = build_optimizer(ddp, ocfg)
     monitor = RoutingMonitor(gpt, mcfg.num_layers, mcfg.num_experts,
@@ -173,9 +187,11 @@ def moe_layout(name: str, work: str, results: list) -> None:
     rows = ids.shape[0] // dp  # this DP rank's own slice of the global batch, one micro-batch
     mb = (ids[r * rows:(r + 1) * rows], labels[r * rows:(r + 1) * rows])
     forward_backward(ddp, ce_forward, [mb], 1, seq_length=ids.shape[1], micro_batch_size=rows)
-    export_grads(gpt, os.path.join(work, f"grad_qwen3_moe_{name}"), mcfg, parallel)
+    if not distopt:
+        export_grads(gpt, os.path.join(work, f"grad_qwen3_moe_{name}"), mcfg, parallel)
     metrics = monitor.metrics()
     ok, gnorm = optimizer_step(ddp, opt)
+    export_hf(gpt, os.path.join(work, f"step_qwen3_moe_{name}"), mcfg, parallel)
     total = torch.tensor([float(seen[0])])
     dist.all_reduce(total)
     results.append({"part": "moe", "layout": name, "rank": info.rank, "model": "qwen3_moe",
@@ -187,7 +203,7 @@ def moe_layout(name: str, work: str, results: list) -> None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
-    ap.add_argument("--parts", default="native,dense,moe")
+    ap.add_argument("--parts", default="native,dense,moe,replay")
     args = ap.parse_args()
     torch.set_num_threads(1)
     parts, results = args.parts.split(","), []
@@ -200,6 +216,8 @@ def main():
     if "moe" in parts:
         for name in MOE:
             moe_layout(name, args.work, results)
+    if "replay" in parts:
+        replay_scores(args.work, results)
     write_results(results, args.work, flat=True)
     dist.destroy_process_group()
 

@@ -1,8 +1,9 @@
 """Mixture of experts (Qwen3-MoE, Qwen2-MoE with a gated shared expert and a dense layer) at
 every TP x PP x EP layout of 4 ranks, against transformers' own models (tests/support/tiny.py):
 logits, the bitwise HF -> megatron -> HF round trip, and one training step's reduced
-gradients (routed experts, router, shared expert, dense) and grad norm against a single-process
-float64 gradient. One torchrun launch; see tests/_moe_worker.py."""
+gradients (routed experts, router, shared expert, dense) and grad norm, each DP rank on its own
+slice of the batch, against a single-process float64 gradient over the whole batch. One
+torchrun launch; see tests/_moe_worker.py."""
 import json
 import os
 import subprocess
@@ -30,7 +31,7 @@ def run(tmp_path_factory):
     models = {"qwen3_moe": tiny_qwen3_moe(work / "qwen3_moe"),
               "qwen2_moe": tiny_qwen2_moe(work / "qwen2_moe")}
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 100, (2, 12), generator=g)
+    ids = torch.randint(0, 100, (8, 12), generator=g)  # DP=4: 2 rows a rank; DP=2: 4
     labels = torch.roll(ids, -1, dims=1)
     ref = {"ids": ids, "labels": labels}
     with torch.no_grad():
@@ -84,9 +85,10 @@ def test_moe_hf_round_trip_bitwise(run, layout, model):
 @pytest.mark.parametrize("model", MODELS)
 def test_moe_reduced_grads_match_single_process(run, layout, model):
     """Expert gradients are reduced over the expert-data-parallel group (DP / EP ranks), dense
-    ones over DP, and the experts receive every DP rank's tokens through the all-to-all: a
-    wrong scale on either, a router whose top-k softmax differs from HF's, or a missing
-    shared-expert gate gradient fails here."""
+    ones over DP, and the experts receive every DP rank's tokens through the all-to-all (each
+    DP rank trains on its own slice, so outputs returned to the wrong source rank or a missing
+    expert-DP reduction change the gradient): a wrong scale on either, a router whose top-k
+    softmax differs from HF's, or a missing shared-expert gate gradient fails here."""
     assert_grads_match(*run, layout, model)
 
 

@@ -14,8 +14,9 @@ from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.seqpar import megatron_aux_loss_coeff
 from megagrpo.config.train import load_config
 from megagrpo.seqpar import padded_inputs
+from tests._replay_checks import replay_reference
 from tests.support.launch import torchrun
-from tests.support.tiny import tiny_llama, tiny_qwen3_moe
+from tests.support.tiny import load_dir, tiny_llama, tiny_qwen3_moe
 from tests.test_foundation import (
     PADDED_VOCAB,
     assert_grads_match,
@@ -26,7 +27,8 @@ from tests.test_moe import per_expert
 
 WORKER = os.path.join(os.path.dirname(__file__), "_seqpar_worker.py")
 AUX_COEF, Z_COEF = 0.5, 0.01  # as the worker's
-MOE_SLICES = {"moe_tp1": 4, "moe_tp2_ep2_sp": 2}  # DP ranks = slices of the global batch
+MOE_SLICES = {"moe_tp1": 4, "moe_tp2_ep2_sp": 2, "moe_ep2": 4}  # DP ranks = batch slices
+LR, CLIP, ADAM_EPS = 1e-3, 1.0, 1e-4  # the worker's MoE optimizer
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +44,13 @@ def run(tmp_path_factory):
     with torch.no_grad():
         ref["llama_logits"] = llama(ids).logits
     torch.save(ref, work / "ref.pt")
+    replay_ref = replay_reference(moe, work / "replay.pt")
     torchrun(WORKER, 4, "--work", str(work))
     results = json.loads((work / "results.json").read_text())
     refs = {"llama": reference_grads(llama, ids, ref["labels"])}
     for layout, slices in MOE_SLICES.items():
         refs[layout] = moe_reference(moe, moe_ids, ref["moe_labels"], slices)
+    refs["replay"] = replay_ref
     return work, results, refs
 
 
@@ -185,6 +189,84 @@ def test_moe_expert_tokens_not_doubled_by_tp(run):
     for layout, want in (("moe_tp1", 1.0), ("moe_tp2_ep2_sp", 1.0), ("moe_tp2_ep2", 2.0)):
         rec = _moe(results, layout)[0]
         assert rec["expert_rows"] / (tokens_slots * rec["tp"]) == want, (layout, rec)
+
+
+def adam_first_step(p0: torch.Tensor, grad: torch.Tensor, norm: float) -> torch.Tensor:
+    """Float64 weights after one AdamW step (no weight decay) from `p0` with the gradient
+    `grad` clipped by the global norm `norm` as megatron clips (max_norm / (norm + 1e-6)): the
+    bias-corrected first step is lr * g / (|g| + eps)."""
+    g = grad.double() * min(1.0, CLIP / (norm + 1e-6))
+    return p0.double() - LR * g / (g.abs() + ADAM_EPS)
+
+
+@pytest.mark.parametrize("layout", ["moe_ep2_distopt", "moe_ep2"])
+def test_moe_distributed_optimizer_with_ep_steps_like_float64(run, layout):
+    """TP=1 x EP=2 x DP=4 (aux and z-loss on, each DP rank its own slice): the weights after
+    one step of the distributed optimizer (dense Adam state sharded over 4 DP ranks, the
+    experts' over their 2 expert-DP ranks, shards all-gathered after the step) and of the plain
+    one equal a float64 AdamW step from the single-process gradient and norm, every tensor to
+    1e-3 of its step; the distributed optimizer's grad norm is the reference norm."""
+    work, results, refs = run
+    grads, norm, _, _ = refs["moe_tp1"]  # the same 4 slices
+    p0, got = load_dir(work / "qwen3_moe"), load_dir(work / f"step_qwen3_moe_{layout}")
+    assert sorted(got) == sorted(p0) == sorted(grads)
+    for name, g in grads.items():
+        want = adam_first_step(p0[name], g, norm)
+        step = (want - p0[name].double()).abs().max().item()
+        assert step > 0.1 * LR, f"{name}: the reference step is only {step:.3g}"
+        err = (got[name].double() - want).abs().max().item()
+        assert err <= 1e-3 * step, f"{name}: max |weight - ref| {err:.3g}, step {step:.3g}"
+    (rec,) = [r for r in _moe(results, layout) if r["rank"] == 0]
+    assert rec["step_ok"] and rec["grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+
+def test_moe_distributed_optimizer_with_ep_equals_the_plain_one(run):
+    """The same layout and batch with and without the distributed optimizer: the same grad norm
+    on every rank and the same weights after the step, to fp32 rounding."""
+    work, results, _ = run
+    a = load_dir(work / "step_qwen3_moe_moe_ep2_distopt")
+    b = load_dir(work / "step_qwen3_moe_moe_ep2")
+    gap = max((a[k] - b[k]).abs().max().item() for k in b)
+    assert sorted(a) == sorted(b) and gap <= 1e-6, gap
+    for ra, rb in zip(_moe(results, "moe_ep2_distopt"), _moe(results, "moe_ep2")):
+        assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-6)
+
+
+# ------------------------------------------------------------------ routing replay
+def _replayed(run):
+    """(record, global sequence index, row in the record, loss positions, moved position) for
+    every sequence the 4 DP ranks scored."""
+    _, results, refs = run
+    recs = [r for r in results if r.get("part") == "replay"]
+    assert len(recs) == 4
+    ref = refs["replay"]
+    for rec in recs:
+        lo, hi = rec["rows"]
+        for row, i in enumerate(range(lo, hi)):
+            pos = [t for t, on in enumerate(rec["mask"][row]) if on]
+            assert pos[0] == ref["prompt_lens"][i] - 1
+            yield rec, i, row, pos, ref["moved"][i]
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_routing_replay_routes_as_told(run, layout):
+    """The trainer's scoring pass (`Passes.logprobs`, EP=2, each DP rank its own sequences)
+    replaying the experts transformers' float64 model chose gives its own log-probs (which
+    equal that model's), and replaying routes moved to other experts from one loss position
+    of each sequence on gives the float64 log-probs of the same forced routing: unchanged
+    before that position, changed (by 2.6e-3 or more here) from it on. A replay that did
+    nothing, or put a route on the wrong token (e.g. [B, S] read as [S, B]), fails here,
+    unlike in fp32 GRPO runs where vLLM and the trainer already route alike."""
+    want = run[2]["replay"]["logp"]
+    for rec, i, row, pos, moved in _replayed(run):
+        none, own, perm = (rec[f"{r}_{layout}"][row] for r in ("none", "own", "permuted"))
+        for t in pos:
+            assert none[t] == pytest.approx(want["own"][i][t], abs=1e-5), (i, t)
+            assert own[t] == pytest.approx(none[t], abs=1e-6), (i, t)
+            assert perm[t] == pytest.approx(want["permuted"][i][t], abs=1e-5), (i, t)
+        before = [abs(perm[t] - none[t]) for t in pos if t < moved]
+        after = [abs(perm[t] - none[t]) for t in pos if t >= moved]
+        assert max(before, default=0.0) <= 1e-6 and max(after) > 1e-3, (i, moved, after)
 
 
 # ------------------------------------------------------------------ config and helpers
