@@ -177,6 +177,11 @@ class TrainConfig(Section):
             raise ValueError("run.async_rollout=true (rollout.max_staleness: 1) contradicts "
                              "rollout.max_staleness=0 (synchronous); drop run.async_rollout, "
                              "or set rollout.max_staleness >= 1")
+        if self.rollout.inflight_updates and not self.staleness:
+            raise ValueError("rollout.inflight_updates=true loads new weights into a draw that "
+                             "runs while a step trains: it needs async rollouts; set "
+                             "rollout.max_staleness >= 1 (or run.async_rollout=true), or "
+                             "rollout.inflight_updates=false")
 
     def _validate_sampling(self) -> None:
         """Sampling settings that are valid for the engine alone but wrong for GRPO."""
