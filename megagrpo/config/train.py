@@ -182,6 +182,9 @@ class TrainConfig(Section):
                              "runs while a step trains: it needs async rollouts; set "
                              "rollout.max_staleness >= 1 (or run.async_rollout=true), or "
                              "rollout.inflight_updates=false")
+        if self.rollout.inflight_updates and self.lora.enabled and self.lora.refit != "merged":
+            raise ValueError(f"rollout.inflight_updates=true with lora.refit={self.lora.refit}: "
+                             "in-flight loads post the merged weights; set lora.refit=merged")
 
     def _validate_sampling(self) -> None:
         """Sampling settings that are valid for the engine alone but wrong for GRPO."""
