@@ -169,7 +169,8 @@ class VLLMEngine:
         sampling settings, n=1, when `sampling` is None).
         Returns len(prompts) * n completions, prompt-major: completions[i*n:(i+1)*n] is the
         group of prompt i. Safe on a side thread (async rollout) as long as no update_weights
-        runs at the same time."""
+        runs at the same time; with rollout.inflight_updates, weights posted to `inflight` are
+        loaded between its decode steps and each completion carries `token_versions`."""
         if self.asleep:
             raise RuntimeError("VLLMEngine.generate called while asleep; call wake() first")
         if not prompt_token_ids:
