@@ -79,17 +79,7 @@ def run(tmp_path_factory):
         slot.on_step = None
         stamp(comps, 0)
         greedy = engine.generate(PROMPTS, SamplingSettings(temperature=0.0, max_tokens=12))
-        slot.on_step = lambda step: step == 2 and slot.post([("no.such.weight", a.lm_head.weight)],
-                                                            2)
-        try:
-            engine.generate(PROMPTS, SamplingSettings(temperature=1.0, max_tokens=8))
-            bad = None
-        except ValueError as e:
-            bad = str(e)
-        slot.on_step = None
-        after_bad = engine.generate(PROMPTS, SamplingSettings(temperature=0.0, max_tokens=12))
-        yield dict(a=a, b=b, comps=comps, greedy=greedy, steps=steps, slot=slot, bad=bad,
-                   after_bad=after_bad)
+        yield dict(a=a, b=b, comps=comps, greedy=greedy, steps=steps, slot=slot)
     finally:
         engine.close()  # no process group or patched torch.set_num_threads left to later tests
 
@@ -145,13 +135,3 @@ def test_engine_holds_the_new_weights_after_the_generation(run):
         assert comp.token_ids == ref
         assert max(abs(x - y) for x, y in zip(comp.logprobs, ref_lp)) < TOL
         assert comp.token_versions == [1] * len(ref)
-
-
-def test_a_bad_post_raises_and_leaves_no_request_behind(run):
-    """A post vLLM refuses (an unknown name) raises ValueError out of generate with the engine's
-    weights unchanged; the aborted requests do not leak into the next generate, which returns
-    one greedy completion per prompt, B's."""
-    assert run["bad"] is not None and "no.such.weight" in run["bad"]
-    assert [c.prompt_index for c in run["after_bad"]] == list(range(len(PROMPTS)))
-    assert [c.token_ids for c in run["after_bad"]] == [c.token_ids for c in run["greedy"]]
-    assert run["slot"].version == 1

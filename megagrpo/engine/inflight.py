@@ -117,7 +117,7 @@ class InflightUpdates:
             if queue is not None:  # a batch could be executing while the weights change
                 raise RuntimeError("rollout.inflight_updates needs vLLM's synchronous scheduler "
                                    "(no batch queue / async scheduling)")
-        ids = llm.enqueue(prompts, params, lora_request=lora_request, use_tqdm=False)
+        llm.enqueue(prompts, params, lora_request=lora_request, use_tqdm=False)
         outputs, steps, loaded = [], 0, False
         self.generating = True
         try:
@@ -128,9 +128,6 @@ class InflightUpdates:
                 steps += 1
                 if self.on_step is not None:
                     self.on_step(steps)
-        except BaseException:
-            core.abort_request(list(ids))  # leave no request behind for the next generate
-            raise
         finally:
             self.generating = False
         if loaded:  # the reset the mid-generation loads could not do (blocks were in use)
