@@ -94,9 +94,10 @@ def stale_weights(lags: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def stamp(completions: list[Completion], version: int) -> None:
-    """Records the sampling policy's version on freshly drawn completions."""
+    """Records the sampling policy's version on freshly drawn completions: `version`, or with
+    in-flight updates the oldest version among its tokens (`Completion.token_versions`)."""
     for c in completions:
-        c.version = version
+        c.version = min(c.token_versions) if c.token_versions else version
 
 
 __all__ = ["RolloutSource", "StreamStats", "over_stale", "sample_lags", "sample_versions",

@@ -39,6 +39,7 @@ from megagrpo.config.run import ComputeConfig
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import encode_prompt
 from megagrpo.distributed import Groups, Ranks, any_rank
+from megagrpo.inflight import finish_refit, post_refit, token_lag_metrics
 from megagrpo.losses import grpo_loss, sft_loss
 from megagrpo.metrics import PhaseTimer
 from megagrpo.model import sequence_packing, unwrap
@@ -53,6 +54,7 @@ from megagrpo.stream import over_stale, sample_lags, stale_weights
 if TYPE_CHECKING:
     from megagrpo.config.model import ModelConfig
     from megagrpo.engine import RolloutEngine
+    from megagrpo.engine.inflight import InflightUpdates
     from megagrpo.reference import Reference
     from megagrpo.tasks import Task
     from megagrpo.watchdog import Watchdog
@@ -177,6 +179,9 @@ class Trainer:
         self.step_idx, self.version, self.opt_steps, self.bad_steps = 0, 0, 0, 0
         self.total_opt_steps = max(1, cfg.run.steps * cfg.algo.mu * cfg.algo.num_minibatches)
         self.engine_version = -1
+        self._posted: dict | None = None
+        """In-flight updates: the refit posted this step (its gather metrics), not yet
+        accounted for by `sync_weights`."""
         self.adapter_refit = None
         """A LoRA policy's adapter-only refit (`megagrpo.lora_refit.AdapterRefit`) when vLLM
         serves its adapters; None: the weights (merged) are refit."""
@@ -205,6 +210,11 @@ class Trainer:
         return self.rollouts.engine if self.rollouts is not None else None
 
     @property
+    def inflight(self) -> InflightUpdates | None:
+        """The engine's in-flight update slot (rollout.inflight_updates), else None."""
+        return getattr(self.engine, "inflight", None)
+
+    @property
     def tokenizer(self):
         return self.task.tokenizer if self.task is not None else None
 
@@ -225,6 +235,9 @@ class Trainer:
         with t("update"):
             upd = self.update(batch, skip=prep.bad_rewards, stale=prep.stale)
         self.version += int(upd.applied > 0)
+        if self.inflight is not None:  # the running draw loads them between decode steps
+            with t("weight_sync"):
+                self._posted = post_refit(self)
         with t("rollout_wait"):
             self.rollouts.join()
         with t("weight_sync"):
@@ -258,6 +271,8 @@ class Trainer:
             replica.update(policy_lag=float(self.version - ro.version),
                            offpolicy_corrected=float(mode != a.rollout_is))
             scale = self._bound_staleness(batch, lags, replica)
+            if self.cfg.rollout.inflight_updates:
+                replica.update(token_lag_metrics(ro, self.version))
             if not self.kl_in_reward:
                 replica.update(self._set_advantages(batch, shaped.rewards))
             replica = self._dp_mean(replica)  # each replica saw its own prompts
@@ -521,6 +536,10 @@ class Trainer:
         the training TP (each rank feeds its own slice), else full tensors (TP gather, PP
         broadcast, unfuse) of which vLLM keeps its slice. A LoRA policy that vLLM serves:
         the adapters alone, the base too only after a merge (`megagrpo.lora_refit`)."""
+        if self._posted is not None:  # in-flight: posted after the update, loaded by now
+            out, self._posted = finish_refit(self.engine, self._posted), None
+            self.engine_version = self.version
+            return out
         if self.adapter_refit is not None:
             out = self.adapter_refit.sync(self.policy, self.engine, self.model_cfg,
                                           self.cfg.parallel, self._feed_weights)
@@ -528,6 +547,9 @@ class Trainer:
             return out
         out = self._feed_weights()
         self.engine_version = self.version
+        if self.inflight is not None:  # vLLM stamps this version on the tokens it samples
+            self.inflight.label(self.engine, self.version)
+            out["inflight_midway"] = float(self.inflight.take_midway())
         return out
 
     def _feed_weights(self) -> dict:

@@ -196,3 +196,21 @@ def test_multi_turn_trains_on_vllm_ids_with_env_tokens_masked(results):
     mt = results[0]["multi_turn"]
     assert mt["most_turns"] == 3 and mt["turns"] > 1.5 and mt["env_token_share"] > 0, mt
     assert mt["gap"] < 1e-4 and math.isfinite(mt["loss"]), mt
+
+
+def test_inflight_updates_enter_the_running_draw(results):
+    """Issue 30 item 3 at k = 2 (tests/_inflight_check.py): the trainer's post (gathered on the
+    main thread: TP gathers, PP broadcasts) entered every draw between decode steps; the batch
+    drawn at the first in-flight step, trained two steps later, mixes two versions per sample
+    (token lags 2 and 1, so 1 < mean < 2, oldest within k: nothing dropped); after every step
+    the engine holds the trainer's version, and vLLM's greedy decode equals megatron's."""
+    for r in results:
+        got = r["inflight"]
+        rows = got["steps"]
+        assert [row[0] for row in rows] == [1.0, 1.0, 1.0], rows  # loaded mid-generation
+        assert all(row[5] and row[4] == 0 and row[3] <= 2 for row in rows), rows
+        assert rows[0][2] == rows[1][2] == 0 and rows[2][2] > 0, rows
+        assert 1.0 < rows[2][1] < 2.0, rows
+        assert got["queued"] > 0 and got["queued_tokens_ok"] and got["queued_mixed"] > 0, got
+        meg, vllm_ids = got["greedy_after"]
+        assert meg == vllm_ids

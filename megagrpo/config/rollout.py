@@ -72,6 +72,11 @@ class RolloutConfig(Section):
     stale_policy: str = "drop"
     """What trains a sample more than rollout.max_staleness versions old: 'drop' (out of the
     loss, counted in stale_dropped) or 'weight' (kept, its loss scaled by (k + 1) / (lag + 1))."""
+    inflight_updates: bool = False
+    """Async only (rollout.max_staleness >= 1, vLLM tensor_parallel_size 1): the trainer's new
+    weights enter the engine between decode steps of the draw that is running, without dropping
+    its requests (their KV cache is kept); every token records the version that sampled it
+    (Completion.token_versions). Off: a draw finishes on the weights it started with."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its valid values."""

@@ -185,6 +185,14 @@ class TrainConfig(Section):
             raise ValueError("run.async_rollout=true (rollout.max_staleness: 1) contradicts "
                              "rollout.max_staleness=0 (synchronous); drop run.async_rollout, "
                              "or set rollout.max_staleness >= 1")
+        if self.rollout.inflight_updates and not self.staleness:
+            raise ValueError("rollout.inflight_updates=true loads new weights into a draw that "
+                             "runs while a step trains: it needs async rollouts; set "
+                             "rollout.max_staleness >= 1 (or run.async_rollout=true), or "
+                             "rollout.inflight_updates=false")
+        if self.rollout.inflight_updates and self.lora.enabled and self.lora.refit != "merged":
+            raise ValueError(f"rollout.inflight_updates=true with lora.refit={self.lora.refit}: "
+                             "in-flight loads post the merged weights; set lora.refit=merged")
 
     def _validate_sampling(self) -> None:
         """Sampling settings that are valid for the engine alone but wrong for GRPO."""

@@ -53,7 +53,12 @@ class Completion:
     """Set by the trainer's reward pass: the correctness term's verdict (None: not scored)."""
     version: int = -1
     """The policy version (optimizer updates) of the weights that sampled it, stamped by the
-    rollout stage; -1: not recorded (the batch's `Rollout.version` stands in)."""
+    rollout stage; -1: not recorded (the batch's `Rollout.version` stands in). With in-flight
+    updates (`token_versions` set) the oldest of the token versions."""
+    token_versions: list[int] | None = None
+    """rollout.inflight_updates: per token of `token_ids`, the policy version of the weights
+    that sampled it (non-decreasing: weights change between decode steps); None: one version
+    sampled the whole completion (`version`)."""
     routes: torch.Tensor | None = None
     """MoE with routing capture: [len(prompt) + len(token_ids), L_moe, k] int16, the experts
     vLLM routed each position's token to in each MoE layer (-1 where it computed none: the

@@ -42,6 +42,7 @@ import torch
 
 from megagrpo.config.rollout import RolloutConfig, check_head_dim
 from megagrpo.engine.feed import _pairs, _WeightFeed, expected_hf_params
+from megagrpo.engine.inflight import InflightUpdates, attach_token_versions
 from megagrpo.engine.types import Completion, SamplingSettings, WeightSyncStats
 from megagrpo.engine.vllm_compat import (
     _packed_modules_mapping,
@@ -98,6 +99,9 @@ class VLLMEngine:
         self._threads = torch.get_num_threads()  # this (main) thread's, after vLLM's binding
         self._packed = self.llm.collective_rpc(_packed_modules_mapping)[0]
         self.asleep = False
+        self.inflight = InflightUpdates() if cfg.inflight_updates else None
+        """rollout.inflight_updates: generation steps vLLM itself and loads posted weights
+        between decode steps (`megagrpo.engine.inflight`); None: `LLM.generate`."""
         self.routes = None
         if capture_routing:
             from megagrpo.moe import RouteCapture
@@ -165,7 +169,8 @@ class VLLMEngine:
         sampling settings, n=1, when `sampling` is None).
         Returns len(prompts) * n completions, prompt-major: completions[i*n:(i+1)*n] is the
         group of prompt i. Safe on a side thread (async rollout) as long as no update_weights
-        runs at the same time."""
+        runs at the same time; with rollout.inflight_updates, weights posted to `inflight` are
+        loaded between its decode steps and each completion carries `token_versions`."""
         if self.asleep:
             raise RuntimeError("VLLMEngine.generate called while asleep; call wake() first")
         if not prompt_token_ids:
@@ -193,10 +198,15 @@ class VLLMEngine:
             # ("Check failed: input->metadata->thread_num == thread_num"). Set it up front.
             self._set_num_threads(self._threads)
         with self.rng.sampling():
-            outputs = self.llm.generate(prompts, params, use_tqdm=False,
-                                        lora_request=self.lora_request)
+            if self.inflight is not None:
+                outputs = self.inflight.run(self, prompts, params, self.lora_request)
+            else:
+                outputs = self.llm.generate(prompts, params, use_tqdm=False,
+                                            lora_request=self.lora_request)
         done = [self._completion(i, j, c) for i, out in enumerate(outputs)
                 for j, c in enumerate(sorted(out.outputs, key=lambda c: c.index))]
+        if self.inflight is not None:
+            attach_token_versions(outputs, done)
         if self.routes is not None:
             self._attach_routes(outputs, done, prompt_token_ids, n)
         return done
@@ -234,7 +244,8 @@ class VLLMEngine:
         return dict(self._shapes)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                       partial: bool = False) -> WeightSyncStats:
+                       partial: bool = False, reset_prefix_cache: bool = True
+                       ) -> WeightSyncStats:
         """Load (hf_name, full tensor) pairs into the engine in place, then reset the prefix
         cache. `named_tensors` may be a lazy generator of pairs or of buckets (lists of pairs,
         as `megagrpo.reshard.iter_hf_weights` yields); it is consumed once and never held whole.
@@ -246,7 +257,9 @@ class VLLMEngine:
         in full up front, so a bad one raises ValueError with the engine's weights unchanged.
         A generator is checked item by item: on a bad item the feed stops, vLLM keeps its old
         weights for every layer it did not get in full, and ValueError says how many tensors had
-        been loaded. Unless `partial`, every required name must be present."""
+        been loaded. Unless `partial`, every required name must be present. `reset_prefix_cache`
+        False: an in-flight load between decode steps (`megagrpo.engine.inflight`), where vLLM
+        cannot reset it while requests hold blocks; the caller resets it afterwards."""
         if self.asleep and not self.on_cpu:
             raise RuntimeError("wake() the engine before update_weights")
         t0 = time.perf_counter()
@@ -258,7 +271,8 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={
             "weights_iterator": iter(feed), "is_checkpoint_format": True})
         self.llm.collective_rpc(_refresh_tied_modules)
-        self.llm.reset_prefix_cache()
+        if reset_prefix_cache:
+            self.llm.reset_prefix_cache()
         if isinstance(feed.error, ValueError):
             raise ValueError(f"update_weights stopped after {feed.tensors} tensors (those layers "
                              f"now hold the new weights, the rest the old): {feed.error}"
