@@ -180,6 +180,8 @@ def test_separate_placement_config():
          "algo.dynamic_sampling=true"),
         (["rollout.placement=separate", "rollout.rollout_ranks=1", "eval.every=5"],
          "eval.every=5"),
+        (["rollout.placement=separate", "rollout.rollout_ranks=1", "rollout.max_staleness=1",
+          "rollout.inflight_updates=true"], "rollout.inflight_updates=true with rollout.placem"),
         (["rollout.placement=sideways"], "rollout.placement='sideways'"),
     ]
     for overrides, named in bad:
