@@ -26,6 +26,12 @@ What flows where:
     rollout.max_staleness), taking every newer announced sync between batches, so a sample is at
     most k syncs (hence at most k optimizer updates) older than the step that trains it. k = 0 is
     a synchronous hand-off: batch i waits for the weights the step that trains it starts from.
+  - in-flight updates (rollout.inflight_updates): a rollout rank's engine generates on a
+    thread while its main thread keeps receiving the syncs the trainer sends and posts each to
+    the engine's in-flight slot (`megagrpo.engine.inflight`), which loads the newest between
+    two decode steps, KV cache kept; vLLM stamps every token with the sync that sampled it, and
+    the trainer maps sync indices to policy versions (`Completion.token_versions`). The
+    trainer's broadcast then never waits for a draw to end.
   - resume: the trainer's own PromptLoader tracks the next untrained batch and is checkpointed as
     in colocated runs; the first sync of a run tells the rollout ranks where to start. Batches
     sampled ahead of a checkpoint are not kept: they are sampled again, by the restored weights,
@@ -37,6 +43,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -98,12 +105,14 @@ class Placement:
     def describe(self, cfg: TrainConfig, dp: int) -> str:
         """The console line that says where each rank went."""
         p, T, R = cfg.parallel, self.train_world, self.rollout_ranks
+        how = ", loaded between decode steps (in flight)" if cfg.rollout.inflight_updates else ""
         ep = f" x ep={p.ep}" if p.ep > 1 else ""
         return (f"placement: separate; training ranks 0-{T - 1} (megatron-core tp={p.tp} x "
                 f"pp={p.pp} x dp={dp}{ep}), rollout ranks {T}-{T + R - 1} (one vLLM engine of "
                 f"TP 1 each, {cfg.rollout.dtype}); weights from rank 0 over a gloo group in "
-                f"buckets of <= {cfg.rollout.sync_bucket_mb} MiB after every step; samples at "
-                f"most {cfg.staleness} version(s) old")
+                f"buckets of <= {cfg.rollout.sync_bucket_mb} MiB after every step"
+                f"{how}"
+                f"; samples at most {cfg.staleness} version(s) old")
 
 
 def split_world(cfg: TrainConfig, rank: int, world: int) -> Placement:
@@ -233,11 +242,25 @@ class Sync:
 
 def receive_weights(place: Placement, engine) -> Sync:
     """Rollout rank: the next sync from the cross group, loaded into `engine` (a stop message
-    carries no weights)."""
+    carries no weights). With in-flight updates the engine's weights are labelled with the
+    sync's index, which vLLM stamps on the tokens they sample."""
     head = _bcast_json(place.cross, None)
     sync = Sync(index=head["sync"], start=head["start"], stop=head["stop"])
     if not sync.stop:
         engine.update_weights(_received_tensors(place.cross))
+        if getattr(engine, "inflight", None) is not None:
+            engine.inflight.label(engine, sync.index)
+    return sync
+
+
+def receive_posted(place: Placement, engine) -> Sync:
+    """Rollout rank, while its engine generates on another thread (rollout.inflight_updates):
+    the next sync from the cross group, materialised and posted to the engine's in-flight slot
+    labelled with its index; the generating thread loads it between two decode steps."""
+    head = _bcast_json(place.cross, None)
+    sync = Sync(index=head["sync"], start=head["start"], stop=head["stop"])
+    if not sync.stop:
+        engine.inflight.post(list(_received_tensors(place.cross)), sync.index)
     return sync
 
 
@@ -280,15 +303,47 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
         before = loader.state_dict()
         examples = next(loader)
         prompts = [_encode(tok, e.prompt) for e in examples]
-        comps, rewards, metrics = collector._generate(prompts, [e.answer for e in examples],
-                                                      mine, collector.sampling())
-        stamp(comps, sync.index)  # the sync's index; the trainer maps it to a version
+        args, first = (prompts, [e.answer for e in examples], mine, collector.sampling()), sync
+        if getattr(collector.engine, "inflight", None) is None:
+            comps, rewards, metrics = collector._generate(*args)
+        else:
+            (comps, rewards, metrics), sync = _generate_inflight(place, collector, args, sync)
+        stamp(comps, first.index)  # sync indices (per token in flight); the trainer maps them
         part = {"loader": before, "epoch": loader.epoch, "draw_s": time.perf_counter() - t0,
                 "completions": [_jsonable(c) for c in comps], "rewards": rewards.tolist(),
                 "metrics": metrics}
         place.store.set(f"batch/{i}/{j}", json.dumps(part))
         i += 1
     return {"batches": i, "syncs": sync.index}
+
+
+def _generate_inflight(place: Placement, collector: RolloutCollector, args: tuple, sync: Sync
+                       ) -> tuple[tuple, Sync]:
+    """One batch with in-flight updates: the engine generates on a thread while this one
+    receives every sync the trainer sends meanwhile (the cross group's broadcasts stay on this
+    thread) and posts it; the generating thread loads the newest between decode steps, its KV
+    cache kept. A sync posted after the last decode step is loaded here before returning, so the
+    engine holds the newest weights between batches. Returns the draw and the newest sync (a
+    stop message ends the run after this batch)."""
+    engine, out, failed = collector.engine, [], []
+
+    def draw() -> None:
+        try:
+            out.append(collector._generate(*args))
+        except BaseException as e:  # re-raised on this thread
+            failed.append(e)
+
+    thread = threading.Thread(target=draw, name="megagrpo-inflight-draw", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        if not sync.stop and place.announced(sync.index + 1):
+            sync = receive_posted(place, engine)
+        else:
+            thread.join(timeout=0.005)
+    if failed:
+        raise failed[0]
+    engine.inflight.apply_pending(engine)  # arrived after the last decode step
+    return out[0], sync
 
 
 def _encode(tokenizer, prompt) -> list[int]:
@@ -357,6 +412,8 @@ class SeparateSource:
         for c, _ in merged:
             c.prompt_index -= lo
             c.version = self.versions[c.version]
+            if c.token_versions:  # in flight: the sync that sampled each token
+                c.token_versions = [self.versions[v] for v in c.token_versions]
         metrics = {}
         for p in parts:  # counts over the whole batch: per replica on average
             for key, v in p["metrics"].items():

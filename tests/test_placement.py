@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -77,9 +78,47 @@ def _weights(version: int) -> list[tuple[str, torch.Tensor]]:
             ("c", torch.randn(300, generator=g))]
 
 
-def _launch(data, k: int, steps: int, start: dict | None, store) -> dict:
+class InflightMarkerEngine(MarkerEngine):
+    """A MarkerEngine with a real in-flight slot (`InflightUpdates`): three decode steps a
+    completion, a posted update loaded before any of them (the KV-kept path after the first);
+    each token's log-prob is the marker of the weights that sampled it and its version the
+    slot's label. From its second draw on, decode step 1 waits (up to 1 s) for a post, so the
+    trainer's next sync lands mid-generation."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        from megagrpo.engine.inflight import InflightUpdates
+
+        super().__init__()
+        self.inflight, self.draws, self.labels = InflightUpdates(), 0, []
+        self.llm = SimpleNamespace(llm_engine=SimpleNamespace(
+            set_weight_version=self.labels.append))
+
+    def update_weights(self, pairs, reset_prefix_cache=True):
+        return super().update_weights(pairs)
+
+    def generate(self, prompts, sampling):
+        tokens = []
+        for step in range(3):
+            deadline = time.monotonic() + 1.0
+            while (step == 1 and self.draws and self.inflight.pending_version is None
+                   and time.monotonic() < deadline):
+                time.sleep(0.002)
+            self.inflight.apply_pending(self, midway=step > 0)
+            tokens.append((self.marker, self.inflight.version))
+        self.draws += 1
+        return [Completion(prompt_index=i, sample_index=j, token_ids=[p[-1], 3 + j, 5],
+                           logprobs=[m for m, _ in tokens], finish_reason="stop",
+                           text=f"{p[-1]}", token_versions=[v for _, v in tokens])
+                for i, p in enumerate(prompts) for j in range(sampling.n)]
+
+
+def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEngine,
+            train_s: float = 0.0) -> dict:
     """One launch of a separate-placement world in this process: 2 rollout ranks (threads) and
-    2 training replicas (both read here, replica 0 sends). Returns what each side saw."""
+    2 training replicas (both read here, replica 0 sends; a step "trains" `train_s` seconds
+    before its sync). Returns what each side saw."""
     cfg = _config(k)
     timeout = timedelta(seconds=60)
     groups: dict[int, object] = {}
@@ -95,7 +134,7 @@ def _launch(data, k: int, steps: int, start: dict | None, store) -> dict:
                         cross=groups[0] if r == 0 else groups.get(r - 1) if r >= 2 else None,
                         timeout_s=60)
               for r in range(4)]
-    engines, served = [MarkerEngine(), MarkerEngine()], {}
+    engines, served = [engine(), engine()], {}
     rollout_threads = []
     for j in range(2):
         col = RolloutCollector(cfg=cfg, engine=engines[j], tokenizer=Tok(), reward_fn=Reward(),
@@ -116,6 +155,7 @@ def _launch(data, k: int, steps: int, start: dict | None, store) -> dict:
     version = start["version"] if start else 0
     steps_seen = []
     for _ in range(steps):
+        time.sleep(train_s if version else 0.0)
         remote.update_weights(iter(_weights(version)))  # the sync before the step
         rollouts = [src.next(version) for src in sources]
         steps_seen.append((version, rollouts))
@@ -154,6 +194,29 @@ def test_stream_versions_slices_and_weights(k):
             assert all(torch.equal(got[n], t) for n, t in _weights(v))
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_inflight_updates_enter_running_draws(k):
+    """rollout.inflight_updates under separate placement: syncs the trainer sends while a
+    rollout rank generates are received on its main thread and loaded between decode steps;
+    every token's version is the sync that sampled it (its log-prob is that sync's marker),
+    mapped to the trainer's versions, and a sample's version is its oldest token's, at most k
+    behind the step that trains it."""
+    run = _launch(_data(), k, steps=5, start=None, store=dist.HashStore(),
+                  engine=InflightMarkerEngine, train_s=0.05)
+    mixed = 0
+    for version, ros in run["steps"]:
+        for c in (c for ro in ros for c in ro.completions):
+            assert c.logprobs == [float(v) for v in c.token_versions]
+            assert c.token_versions == sorted(c.token_versions)
+            assert c.version == c.token_versions[0] and 0 <= version - c.version <= k
+            mixed += len(set(c.token_versions)) > 1
+    assert mixed >= 3 * 2 * B * G // 2  # the draws of steps 2-4 at least: new weights midway
+    for eng in run["engines"]:  # every sync arrived bitwise and labelled the engine
+        assert len(eng.received) == 5 and eng.labels == [str(v) for v in range(5)]
+        for v, got in enumerate(eng.received):
+            assert all(torch.equal(got[n], t) for n, t in _weights(v))
+
+
 def test_resume_starts_the_rollout_ranks_at_the_first_untrained_batch():
     """3 steps, then a new launch from the trainer's loader state: the prompts continue the
     uninterrupted sequence (batches the rollout ranks drew ahead are drawn again)."""
@@ -180,8 +243,6 @@ def test_separate_placement_config():
          "algo.dynamic_sampling=true"),
         (["rollout.placement=separate", "rollout.rollout_ranks=1", "eval.every=5"],
          "eval.every=5"),
-        (["rollout.placement=separate", "rollout.rollout_ranks=1", "rollout.max_staleness=1",
-          "rollout.inflight_updates=true"], "rollout.inflight_updates=true with rollout.placem"),
         (["rollout.placement=sideways"], "rollout.placement='sideways'"),
     ]
     for overrides, named in bad:
@@ -231,7 +292,8 @@ ARGS = [
 @pytest.fixture(scope="module")
 def separate_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("separate")
-    p = run_cli("train", "--nproc", "3", *ARGS, f"run.out_dir={work}/run",
+    p = run_cli("train", "--nproc", "3", *ARGS, "rollout.inflight_updates=true",
+                f"run.out_dir={work}/run",
                 f"arithmetic.tokenizer_dir={work}/tok", timeout=900)
     console = p.stdout + p.stderr
     assert p.returncode == 0, console[-6000:]
@@ -249,6 +311,7 @@ def test_separate_run_trains(separate_run):
         assert r["update_skipped"] == 0 and r["grad_norm"] > 0
         assert all(map(torch.isfinite, torch.tensor([r["loss"], r["reward_mean"]])))
         assert r["sync_bytes"] > 0
+    assert "loaded between decode steps (in flight)" in console
 
 
 def test_separate_run_versions_and_gap(separate_run):
@@ -257,6 +320,8 @@ def test_separate_run_versions_and_gap(separate_run):
     # the trainer agree to fp32 precision (after the weights crossed the gloo group)
     assert steps[0]["staleness_max"] == 0 and steps[0]["logp_gap_vllm_mean"] < 1e-5
     assert all(r["staleness_max"] <= 1 for r in steps)  # per-sample lags, k = 1
+    # in flight: per-token lags, trainer versions (sync indices mapped), within the bound
+    assert all(0 <= r["token_lag_mean"] <= 1 for r in steps)
     assert any(r["staleness_max"] == 1 for r in steps)  # and the stream did run ahead
 
 

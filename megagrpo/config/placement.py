@@ -36,8 +36,6 @@ def check_separate(cfg: TrainConfig) -> None:
         (cfg.lora.enabled, "lora.rank > 0", "LoRA refits run colocated only"),
         (cfg.algo.routing_replay, "algo.routing_replay=true",
          "routes are not sent back from the rollout ranks"),
-        (cfg.rollout.inflight_updates, "rollout.inflight_updates=true",
-         "the rollout ranks take new weights between batches, not between decode steps"),
     ]
     for bad, name, why in refused:
         if bad:

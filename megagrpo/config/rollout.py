@@ -76,7 +76,9 @@ class RolloutConfig(Section):
     """Async only (rollout.max_staleness >= 1, vLLM tensor_parallel_size 1): the trainer's new
     weights enter the engine between decode steps of the draw that is running, without dropping
     its requests (their KV cache is kept); every token records the version that sampled it
-    (Completion.token_versions). Off: a draw finishes on the weights it started with."""
+    (Completion.token_versions). Colocated: the draw on the async thread takes them; separate
+    placement: each rollout rank's draw takes every sync the trainer sends while it runs. Off:
+    a draw finishes on the weights it started with."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its valid values."""
