@@ -79,7 +79,20 @@ def run(tmp_path_factory):
         slot.on_step = None
         stamp(comps, 0)
         greedy = engine.generate(PROMPTS, SamplingSettings(temperature=0.0, max_tokens=12))
-        yield dict(a=a, b=b, comps=comps, greedy=greedy, steps=steps, slot=slot)
+        failed = None
+        slot.on_step = lambda step: step == 3 and slot.post([("model.embed_tokens.weight",
+                                                               torch.zeros(3, 5))], 2)
+        try:
+            engine.generate(PROMPTS, SamplingSettings(temperature=1.0, max_tokens=MAX_TOKENS))
+        except RuntimeError as e:
+            failed = e
+        slot.on_step = None
+        unfinished = engine.llm.llm_engine.has_unfinished_requests()
+        engine.update_weights(list(b.state_dict().items()))  # a whole refit repairs the engine
+        slot.label(engine, 1)
+        again = engine.generate(PROMPTS, SamplingSettings(temperature=0.0, max_tokens=12))
+        yield dict(a=a, b=b, comps=comps, greedy=greedy, steps=steps, slot=slot, failed=failed,
+                   unfinished=unfinished, again=again)
     finally:
         engine.close()  # no process group or patched torch.set_num_threads left to later tests
 
@@ -135,3 +148,15 @@ def test_engine_holds_the_new_weights_after_the_generation(run):
         assert comp.token_ids == ref
         assert max(abs(x - y) for x, y in zip(comp.logprobs, ref_lp)) < TOL
         assert comp.token_versions == [1] * len(ref)
+
+
+def test_a_failed_load_aborts_the_draw_and_names_it(run):
+    """A post that cannot load (a tensor of the wrong shape) fails the generation with an error
+    naming the version and the decode step; no request is left running in the engine, and a
+    whole refit makes it sample B again."""
+    assert run["failed"] is not None
+    assert "loading the weights of policy version 2 before decode step 4 failed" in str(
+        run["failed"]) and "aborted" in str(run["failed"])
+    assert run["unfinished"] is False
+    for prompt, comp in zip(PROMPTS, run["again"]):
+        assert comp.token_ids == hf_greedy(run["b"], prompt, 12)[0]

@@ -100,6 +100,17 @@ class InflightUpdates:
         self.version = version
         engine.llm.llm_engine.set_weight_version(str(version))
 
+    def _load_between_steps(self, engine: VLLMEngine, ids: list[str], steps: int
+                            ) -> WeightSyncStats | None:
+        """`apply_pending` inside `run`; a load that fails aborts the draw's requests (none is
+        left running in the engine) and raises, naming the version and the step."""
+        version = self.pending_version
+        try:
+            return self.apply_pending(engine, midway=steps > 0)
+        except Exception as e:
+            engine.llm.llm_engine.abort_request(list(ids), internal=True)
+            raise RuntimeError(_abort_message(version, steps, len(ids), e)) from e
+
     def take_midway(self) -> int:
         """The count of updates loaded mid-generation since the last call, reset to 0."""
         n, self.midway = self.midway, 0
@@ -117,12 +128,12 @@ class InflightUpdates:
             if queue is not None:  # a batch could be executing while the weights change
                 raise RuntimeError("rollout.inflight_updates needs vLLM's synchronous scheduler "
                                    "(no batch queue / async scheduling)")
-        llm.enqueue(prompts, params, lora_request=lora_request, use_tqdm=False)
+        ids = llm.enqueue(prompts, params, lora_request=lora_request, use_tqdm=False)
         outputs, steps, loaded = [], 0, False
         self.generating = True
         try:
             while core.has_unfinished_requests():
-                stats = self.apply_pending(engine, midway=steps > 0)
+                stats = self._load_between_steps(engine, ids, steps)
                 loaded = loaded or (stats is not None and steps > 0)
                 outputs += [out for out in core.step() if out.finished]
                 steps += 1
@@ -133,6 +144,13 @@ class InflightUpdates:
         if loaded:  # the reset the mid-generation loads could not do (blocks were in use)
             llm.reset_prefix_cache()
         return sorted(outputs, key=lambda o: int(o.request_id))
+
+
+def _abort_message(version: int | None, steps: int, n: int, error: BaseException) -> str:
+    return (f"rollout.inflight_updates: loading the weights of policy version {version} before "
+            f"decode step {steps + 1} failed ({type(error).__name__}: {error}); the draw's {n} "
+            "requests were aborted and the engine's weights may be partly updated, so the run "
+            "stops here: resume from the last checkpoint")
 
 
 def token_versions(output) -> list[int]:
