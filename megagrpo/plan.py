@@ -56,7 +56,7 @@ from pathlib import Path
 
 from megagrpo.config.layout import check_rollout_layout
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from megagrpo.config.seqpar import megatron_aux_loss_coeff
+from megagrpo.config.seqpar import megatron_aux_loss_coeff, sequence_parallel_auto
 from megagrpo.config.train import TrainConfig, load_config
 from megagrpo.hf.params import (
     embedding_specs,
@@ -126,7 +126,7 @@ def moe_dispatch_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int) -> in
     if not m.is_moe:
         return 0
     t = cfg.compute.micro_batch_size * cfg.rollout.max_model_len
-    sp = cfg.parallel.sequence_parallel and tp > 1
+    sp = sequence_parallel_auto(cfg, m, tp)[0]
     hidden = m.hidden_size + m.hidden_size // (tp if sp else 1)
     per_layer = t * m.moe_topk * (hidden + 3 * m.moe_ffn_hidden_size // tp)
     layers = sum(m.is_moe_layer(i) for i in range(m.num_layers)) // pp * pp
@@ -258,7 +258,7 @@ def activation_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int) -> int:
     """Rough per-rank activations of the first stage's update pass, with sequence parallelism
     and compute.recompute (see the module docstring)."""
     s, b, h = cfg.rollout.max_model_len, cfg.compute.micro_batch_size, m.hidden_size
-    sp = cfg.parallel.sequence_parallel and tp > 1
+    sp = sequence_parallel_auto(cfg, m, tp)[0]
     p = cfg.parallel
     materialised = p.transformer_impl == "local" and p.attention_impl == "megatron"
     # the softmax output [b, a/tp, s, s]; Korthikanti's 5 a s^2 b adds a dropout mask and

@@ -27,8 +27,9 @@ from pathlib import Path
 
 from megagrpo.config.context_parallel import check_context_parallel_run
 from megagrpo.config.data import ArithmeticConfig, DataConfig
-from megagrpo.config.model import ModelConfig
+from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.rollout import check_cpu_moe_width, check_head_dim
+from megagrpo.config.seqpar import resolve_sequence_parallel
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import Example, Tokenizer, encode_prompt
 from megagrpo.tasks import Task
@@ -44,6 +45,10 @@ class Preflight:
     """Train/eval prompts (overlong ones already dropped when data.overlong_prompts=drop)."""
     model: ModelConfig
     """The architecture: from run.init's checkpoint when it has one, else cfg.model."""
+    parallel: ParallelConfig
+    """cfg.parallel with parallel.sequence_parallel decided for this model (`setup` runs it)."""
+    sequence_parallel_why: str
+    """Why sequence parallelism is on or off (the console's line)."""
     dropped_train: int
     """Training prompts dropped as too long."""
     dropped_eval: int
@@ -71,6 +76,8 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> Preflight:
     check_init(cfg.run.init)
     model = model_config(cfg)
     cfg = dataclasses.replace(cfg, model=model)  # the layout is checked against the real model
+    parallel, sp_why = resolve_sequence_parallel(cfg, model)
+    cfg = dataclasses.replace(cfg, parallel=parallel)
     cfg.validate(world_size)
     check_context_parallel_run(cfg.parallel)
     check_paths(cfg.data)
@@ -94,7 +101,8 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> Preflight:
                                               if dropped_train else ""))
     check_agent_budget(cfg, max(long_train, long_eval))
     task = dataclasses.replace(task, train=train, eval=evals)
-    return Preflight(task=task, model=model, dropped_train=dropped_train,
+    return Preflight(task=task, model=model, parallel=parallel, sequence_parallel_why=sp_why,
+                     dropped_train=dropped_train,
                      dropped_eval=dropped_eval, longest_prompt=max(long_train, long_eval),
                      seconds=time.perf_counter() - t0)
 

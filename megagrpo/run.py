@@ -71,6 +71,8 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     # the run is built from what they loaded (prompts, tokenizer, architecture)
     fresh = checked is None
     checked = preflight(cfg, world) if fresh else checked
+    # parallel.sequence_parallel decided for this model (None: auto), before anything reads it
+    cfg.parallel.sequence_parallel = checked.parallel.sequence_parallel
     if frozen:
         freeze(cfg)
     task, model_cfg = checked.task, checked.model
@@ -87,8 +89,9 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                                                attention_impl_name(cfg.parallel), packed),
                  log_file)
     if rank == 0:
-        log.info("sequence parallelism: %s; activation recomputation (update pass): %s",
-                 "on" if cfg.parallel.sequence_parallel else "off", cfg.compute.recompute
+        log.info("sequence parallelism: %s (%s); activation recomputation (update pass): %s",
+                 "on" if cfg.parallel.sequence_parallel else "off",
+                 checked.sequence_parallel_why, cfg.compute.recompute
                  + (f" ({cfg.compute.recompute_num_layers} layer chunks)"
                     if cfg.compute.recompute == "full" else ""))
     gpt = build_model(model_cfg, cfg.parallel, seed=cfg.run.seed,

@@ -21,8 +21,9 @@ TK = 2 * 8 * 2  # tokens x k
 
 @pytest.mark.parametrize("extra, tp, pp, expected", [
     ([], 1, 1, TK * (2 * 8 + 3 * 16) * 2 * 4),  # two layers, [T k, H] x 2 + [T k, F] x 3
-    ([], 2, 1, TK * (2 * 8 + 3 * 8) * 2 * 4),  # expert TP halves the intermediates
+    (["parallel.sequence_parallel=false"], 2, 1, TK * (2 * 8 + 3 * 8) * 2 * 4),  # expert TP
     (["parallel.sequence_parallel=true"], 2, 1, TK * (8 + 4 + 3 * 8) * 2 * 4),  # own slice
+    ([], 2, 1, TK * (8 + 4 + 3 * 8) * 2 * 4),  # unset: on for a MoE model at tp > 1
     (["compute.recompute=full"], 1, 1, TK * (2 * 8 + 3 * 16) * 1 * 4),  # one layer at a time
     (["compute.recompute=full", "compute.recompute_num_layers=2"], 1, 1,
      TK * (2 * 8 + 3 * 16) * 2 * 4),

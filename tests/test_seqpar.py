@@ -306,3 +306,37 @@ def test_sp_padding():
 
 def test_sequence_parallel_validates_in_parallel_config():
     ParallelConfig(tp=2, sequence_parallel=True).validate(ModelConfig())
+
+
+def test_sequence_parallel_auto_rule():
+    """parallel.sequence_parallel unset: on for a MoE model at tp > 1 (each TP rank routes its
+    own tokens), off for dense models and wherever a setting it does not run with is on (the
+    reason names it); set values are kept; the planner counts what the run will do."""
+    import dataclasses
+
+    from megagrpo.config.seqpar import resolve_sequence_parallel, sequence_parallel_auto
+    from megagrpo.plan import moe_dispatch_bytes
+
+    moe = ["model.architecture=qwen3_moe", "model.num_experts=4", "model.moe_ffn_hidden_size=96"]
+    cases = [
+        (["parallel.tp=2"], False, "dense model"),
+        ([*moe], False, "tp=1"),
+        ([*moe, "parallel.tp=2"], True, "a MoE model at tp=2"),
+        ([*moe, "parallel.tp=2", "algo.routing_replay=true"], False, "algo.routing_replay=true"),
+        ([*moe, "parallel.tp=2", "compute.pack_sequences=true"], False,
+         "compute.pack_sequences=true"),
+        ([*moe, "parallel.tp=2", "parallel.sequence_parallel=false"], False, "set"),
+        (["parallel.tp=2", "parallel.sequence_parallel=true"], True, "set"),
+    ]
+    for overrides, on, why in cases:
+        cfg = load_config(None, overrides)
+        got, reason = sequence_parallel_auto(cfg, cfg.model)
+        assert got is on and why in reason, (overrides, got, reason)
+        parallel, _ = resolve_sequence_parallel(cfg, cfg.model)
+        assert parallel.sequence_parallel is on
+        dataclasses.replace(cfg, parallel=parallel).validate(4)  # a layout that runs
+    auto = load_config(None, [*moe, "parallel.tp=2"])
+    explicit = load_config(None, [*moe, "parallel.tp=2", "parallel.sequence_parallel=true"])
+    off = load_config(None, [*moe, "parallel.tp=2", "parallel.sequence_parallel=false"])
+    assert moe_dispatch_bytes(auto, auto.model, 2, 1) == moe_dispatch_bytes(
+        explicit, explicit.model, 2, 1) < moe_dispatch_bytes(off, off.model, 2, 1)

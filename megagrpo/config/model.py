@@ -198,13 +198,16 @@ class ParallelConfig(Section):
     megatron's layout: the EP groups are carved out of the data-parallel ranks (DP x EP), so
     ep divides the DP size; each expert is split over the TP ranks like a dense MLP (expert
     tensor parallelism = tp)."""
-    sequence_parallel: bool = False
+    sequence_parallel: bool | None = None
     """Sequence parallelism (megatron-core's, tp > 1): the norms, residuals and the MoE token
     dispatch work on [S/tp, b, h], each TP rank on its own slice of the sequence, so the
     experts see every token once (without it every TP rank routes all tokens: tp x the expert
     compute) and the load-balancing and z-losses act at full strength. Micro-batches are
     padded to a multiple of tp; packed micro-batches, pipeline parallelism and routing replay
-    are refused. Off by default."""
+    are refused. None (auto): on for mixture-of-experts models at tp > 1 where it runs
+    (pp = 1, cp = 1, no routing replay, compute.compile_layers and compute.pack_sequences not
+    set true), off for dense models (it would turn off their packed micro-batches); the
+    console says which and why (`megagrpo.config.seqpar.sequence_parallel_auto`)."""
     cp: int = 1
     """Context-parallel size: each sequence is split over cp ranks (2*cp load-balanced chunks,
     rank r holding chunks r and 2*cp-1-r), which attend to the whole sequence's keys and values

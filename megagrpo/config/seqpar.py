@@ -26,6 +26,38 @@ def check_sequence_parallel(algo, parallel: ParallelConfig) -> None:
                          "set one of them to false")
 
 
+def sequence_parallel_auto(cfg, model: ModelConfig, tp: int | None = None) -> tuple[bool, str]:
+    """parallel.sequence_parallel as a run at tensor-parallel size `tp` (default parallel.tp)
+    takes it: (on, why). Set true/false: as set. Unset (None): on for mixture-of-experts
+    models at tp > 1 (each TP rank dispatches its own tokens: no tp x expert compute, the aux
+    and z-losses at full strength) unless a setting it does not run with is on; off for dense
+    models, whose packed micro-batches (which it turns off) remove the padding instead."""
+    p = cfg.parallel
+    tp = p.tp if tp is None else tp
+    if p.sequence_parallel is not None:
+        return bool(p.sequence_parallel) and tp > 1, "parallel.sequence_parallel set"
+    if tp == 1:
+        return False, "auto: tp=1"
+    if not model.is_moe:
+        return False, "auto: a dense model keeps packed micro-batches"
+    blockers = [(p.pp > 1, f"parallel.pp={p.pp}"), (p.cp > 1, f"parallel.cp={p.cp}"),
+                (cfg.algo.routing_replay, "algo.routing_replay=true"),
+                (cfg.compute.compile_layers is True, "compute.compile_layers=true"),
+                (cfg.compute.pack_sequences is True, "compute.pack_sequences=true")]
+    off = [name for bad, name in blockers if bad]
+    if off:
+        return False, f"auto: a MoE model at tp={tp}, but {off[0]} does not run with it"
+    return True, f"auto: a MoE model at tp={tp} (each TP rank routes its own tokens)"
+
+
+def resolve_sequence_parallel(cfg, model: ModelConfig):
+    """cfg.parallel with sequence_parallel decided (`sequence_parallel_auto`), and the reason."""
+    import dataclasses
+
+    on, why = sequence_parallel_auto(cfg, model)
+    return dataclasses.replace(cfg.parallel, sequence_parallel=on), why
+
+
 def recompute_fields(recompute: str, num_layers: int = 1) -> dict:
     """megatron-core TransformerConfig fields for compute.recompute ('none' | 'selective' |
     'full'): selective recomputes each layer's core attention (megatron's default module);
