@@ -38,11 +38,14 @@ Figures per row (one JSON line per compile mode x layout x output path):
   compile_s              compile mode only: the warm-up passes' extra seconds over timed ones
                          (dynamo + inductor), per row; `dynamo_compile_s` dynamo's total so far
   loss_rel_diff, grad_rel_diff, grad_norm_rel_diff, logp_max_abs_diff
-                         against the reference pass (eager, padded, fused output layer, run in
-                         the same process from the same weights and batch): the step loss
+                         against the reference pass (eager, padded, the first --outputs path:
+                         fused by default; run in the same process from the same weights and
+                         batch; `reference` names it): the step loss
                          |a - b| / |b|, the whole gradient ||a - b|| / ||b||, the gradient
                          norm, the scored log-probs at loss tokens; `ok`: within the dtype's
                          tolerance (`TOLERANCE`). The process exits 1 when a row is not ok.
+  error                  a row whose passes raised: the exception (the next row still runs:
+                         one GPU session brings back every figure it can)
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import fields, replace
 from functools import partial
 from pathlib import Path
@@ -168,14 +172,14 @@ def mm_tflops(device: torch.device, dtype: torch.dtype) -> tuple[float, int]:
 class Step:
     """The model, its DDP wrapper and megagrpo's passes over one batch, on one device."""
 
-    def __init__(self, s: dict, device: torch.device):
+    def __init__(self, s: dict, device: torch.device, output: str = "fused"):
         from megagrpo.config.train import load_config
         from megagrpo.model import build_model
         from megagrpo.optim import wrap_ddp
         from megagrpo.passes import Passes
 
         self.s, self.device = s, device
-        self.cfg = load_config(None, overrides(s, fused=True))
+        self.cfg = load_config(None, overrides(s, fused=output == "fused"))
         self.cfg.validate()
         ranks, groups = init(device, self.cfg)
         t0 = time.perf_counter()
@@ -225,8 +229,9 @@ class Step:
                            tuple(self.batch.ids.shape))
 
     def grad(self) -> torch.Tensor:
-        """The whole gradient (DDP's fp32 main grads) as one flat fp32 tensor."""
-        return torch.cat([p.main_grad.reshape(-1).float() for p in self.ddp.parameters()])
+        """The whole gradient (DDP's fp32 main grads) as one flat fp32 CPU tensor: nothing of
+        the benchmark's own stays on the device while peak memory is measured."""
+        return torch.cat([p.main_grad.reshape(-1).float().cpu() for p in self.ddp.parameters()])
 
 
 def real_tokens(s: dict) -> int:
@@ -259,9 +264,10 @@ def timed(fn, device: torch.device, iters: int, warmup: int) -> tuple[float, flo
     return sum(samples[:warmup]), statistics.median(samples[warmup:])
 
 
-def reference(step: Step) -> dict:
-    """The eager, padded, fused-output pass: loss, gradient, scored log-probs."""
-    step.set_path("padded", "fused")
+def reference(step: Step, output: str) -> dict:
+    """The eager padded pass through `output` (fused, the default): loss, gradient, scored
+    log-probs."""
+    step.set_path("padded", output)
     plan = step.plan()
     loss = step.update(plan)
     grad = step.grad()
@@ -311,27 +317,44 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads)"
 
 
-def run(args) -> bool:
-    device = torch.device(args.device)
-    s = dict(SHAPES[args.shape])
-    step = Step(s, device)
-    dtype = getattr(torch, s["dtype"])
-    rate, n = mm_tflops(device, dtype)
+def describe(step: Step, shape: str, rate: float, n: int) -> dict:
+    """The fields every row of this process shares: device, model, batch, torch.mm rate."""
     from megagrpo.model import attention_impl_name, layer_spec_name
 
-    common = dict(bench="gpu_step", device=device_name(device), torch=torch.__version__,
-                  shape=args.shape, dtype=s["dtype"], rows=s["rows"], seq=s["seq"],
+    s = step.s
+    common = dict(bench="gpu_step", device=device_name(step.device), torch=torch.__version__,
+                  shape=shape, dtype=s["dtype"], rows=s["rows"], seq=s["seq"],
                   real_tokens=real_tokens(s), loss_tokens=int(step.batch.mask.sum()),
                   params=sum(p.numel() for p in step.gpt.parameters()),
                   layer_spec=layer_spec_name(step.cfg.parallel),
                   attention=attention_impl_name(step.cfg.parallel),
                   mm_tflops=round(rate, 2), mm_n=n, build_s=round(step.build_s, 1))
-    if device.type == "cpu":
+    if step.device.type == "cpu":
         common["load_avg_1m"] = round(os.getloadavg()[0], 2)
+    return common
+
+
+def rates(r: dict, rate: float) -> dict:
+    """A measured row with its tokens/s, TFLOP/s and MFU per pass."""
+    for kind in ("update", "score"):
+        sec = r[f"{kind}_s"]
+        r[f"tokens_per_s_{kind}"] = round(r["real_tokens"] / sec, 1)
+        r[f"tflops_{kind}"] = round(r[f"{kind}_flops"] / sec / 1e12, 3)
+        r[f"mfu_{kind}"] = round(r[f"{kind}_flops"] / sec / 1e12 / rate, 4)
+    return r
+
+
+def run(args) -> bool:
+    """Every layout x output row of one compile mode; False when a row is not ok."""
+    device = torch.device(args.device)
+    outputs = args.outputs.split(",")
+    step = Step(dict(SHAPES[args.shape]), device, outputs[0])
+    rate, n = mm_tflops(device, getattr(torch, step.s["dtype"]))
+    common = describe(step, args.shape, rate, n)
     print(f"[gpu_step] {time.strftime('%H:%M:%S')} built {common['params'] / 1e6:.1f}M params "
           f"in {step.build_s:.1f} s on {common['device']}; torch.mm {rate:.1f} TFLOP/s",
           flush=True)
-    ref = reference(step)
+    ref = reference(step, outputs[0])
     compiled = args.compile == "on"
     dynamo_before = 0.0
     if compiled:
@@ -341,26 +364,44 @@ def run(args) -> bool:
         dynamo_before = _dynamo_seconds()
     ok = True
     for layout in args.layouts.split(","):
-        for output in args.outputs.split(","):
-            # compiled: a second untimed pass (on CPU the first pass after the compile still
-            # took 50x the next ones: dynamo's lazily compiled pieces)
-            row = measure(step, layout, output, ref, args.iters, 2 if compiled else 1)
-            r = dict(common, compile_layers=compiled, **row)
-            for kind in ("update", "score"):
-                sec = r[f"{kind}_s"]
-                r[f"tokens_per_s_{kind}"] = round(r["real_tokens"] / sec, 1)
-                r[f"tflops_{kind}"] = round(r[f"{kind}_flops"] / sec / 1e12, 3)
-                r[f"mfu_{kind}"] = round(r[f"{kind}_flops"] / sec / 1e12 / rate, 4)
+        for output in outputs:
+            r = dict(common, compile_layers=compiled, layout=layout, output=output,
+                     reference=f"eager padded {outputs[0]}")
+            try:
+                # compiled: a second untimed pass (on CPU the first pass after the compile
+                # still took 50x the next ones: dynamo's lazily compiled pieces)
+                r = rates(dict(r, **measure(step, layout, output, ref, args.iters,
+                                            2 if compiled else 1)), rate)
+            except Exception as e:  # recorded (the row says what failed), the next row runs:
+                # one GPU session has to bring back every figure it can
+                traceback.print_exc()
+                r.update(ok=False, error=f"{type(e).__name__}: {e}"[:1500])
+                emit(r, args.out)
+                print(f"[gpu_step] {time.strftime('%H:%M:%S')} compile={args.compile} {layout} "
+                      f"{output}: FAILED {r['error'][:300]}", flush=True)
+                ok = False
+                continue
             if compiled:
                 r["compile_s"] = round(r["first_update_s"] - 2 * r["update_s"]
                                        + r["first_score_s"] - 2 * r["score_s"], 1)
                 r["dynamo_compile_s"] = round(_dynamo_seconds() - dynamo_before, 1)
+                r.update(_graphs())
             emit(r, args.out)
             print(f"[gpu_step] {time.strftime('%H:%M:%S')} compile={args.compile} {layout} "
                   f"{output}: update {r['update_s']:.3f} s ({r['mfu_update']:.1%} MFU), score "
                   f"{r['score_s']:.3f} s ({r['mfu_score']:.1%}), ok={r['ok']}", flush=True)
             ok &= r["ok"]
     return ok
+
+
+def _graphs() -> dict:
+    """Graphs dynamo made so far and its graph breaks (one graph a layer shape and grad mode
+    is the goal: `megagrpo.compile`)."""
+    from torch._dynamo.utils import counters
+
+    from megagrpo.compile import graph_count
+
+    return dict(graphs=graph_count(), graph_breaks=int(sum(counters["graph_break"].values())))
 
 
 def _dynamo_seconds() -> float:
@@ -390,6 +431,10 @@ def table(path: str) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key in sorted(rows, key=lambda k: (k[0], k[1] != "padded", k[2] != "fused")):
         r = rows[key]
+        if "error" in r:
+            out.append(f"| {'on' if r['compile_layers'] else 'off'} | {r['layout']} | "
+                       f"{r['output']} | failed: {r['error'][:120]} |" + " |" * 7)
+            continue
         comp = f"{r['compile_s']:.0f} s" if r["compile_layers"] else "-"
         out.append(
             f"| {'on' if r['compile_layers'] else 'off'} | {r['layout']} "

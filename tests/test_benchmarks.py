@@ -710,3 +710,24 @@ def test_performance_doc_gpu_step_table_is_the_results():
             PERF_DOC, GPU_STEP_DOC_START, GPU_STEP_DOC_END)
         pytest.skip(f"{path} not recorded yet (the H200 run writes it)")
     assert_generated_table(PERF_DOC, GPU_STEP_DOC_START, GPU_STEP_DOC_END, generated)
+
+
+def test_gpu_step_table_keeps_failed_rows(tmp_path):
+    """A row whose passes raised on the GPU (`error`) shows in the table as failed, beside the
+    measured rows, instead of breaking the table (one GPU session brings back what it can)."""
+    mod = _bench_module("gpu_step")
+    base = dict(bench="gpu_step", compile_layers=False, layout="padded", processed_tokens=16,
+                update_s=0.5, score_s=0.1, tflops_update=300.0, mfu_update=0.4,
+                tflops_score=250.0, mfu_score=0.33, tokens_per_s_update=24576.0,
+                tokens_per_s_score=122880.0, peak_gib_update=40.0, peak_gib_score=12.0,
+                loss_rel_diff=0.0, grad_rel_diff=0.0, device="GPU", torch="2.11", dtype="bf16",
+                params=1.4e9, rows=8, seq=2048, real_tokens=12288, loss_tokens=10240,
+                mm_tflops=790.0, mm_n=8192, layer_spec="local", attention="sdpa")
+    rows = [dict(base, output="fused"),
+            dict(base, output="logits", compile_layers=True, error="RuntimeError: boom")]
+    path = tmp_path / "g.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = mod.table(str(path)).splitlines()
+    assert lines[2].startswith("| off | padded (16 tokens) | fused | 500 ms | 300 (40%) |")
+    assert lines[3].startswith("| on | padded | logits | failed: RuntimeError: boom |")
+    assert lines[3].count("|") == lines[2].count("|")
