@@ -1,52 +1,144 @@
 #!/usr/bin/env bash
-# The prepared GPU check, run on the lent H200 in one go (device tool: `bash benchmarks/gpu_check.sh`).
-# That machine has Python 3.12, torch and triton, and nothing else; it cannot download. Bring
-# wheels (<= 64 MiB in all) in ./wheels/, prepared here with e.g.
+# The prepared GPU check, run on the lent H200 in one go (device tool: `bash benchmarks/gpu_check.sh`,
+# timeout_s 360). That machine has Python 3.12, torch, triton, transformers, safetensors,
+# tokenizers, pyyaml, peft and numpy, and nothing else; it cannot download. Bring wheels
+# (<= 64 MiB in all) in ./wheels/, prepared here with e.g.
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d wheels \
-#       megatron-core==0.16.1 transformers==5.19.0 safetensors tokenizers huggingface_hub pyyaml
-# Steps (each writes JSON lines to $OUT, default benchmarks/results):
+#       megatron-core==0.16.1 psutil
+# Steps (each writes JSON lines to $OUT, default benchmarks/results; the full output of every
+# step goes to $OUT/gpu_check_h200.log, the console gets progress lines with timestamps):
 #   1. fused kernels: float64 correctness on CUDA tensors (exit 1 on mismatch), then the
-#      T=16384, V=151936 bf16 benchmark at TP 1/2/4 with copy-bandwidth fraction;
-#   2. HF logits agreement at TP=1, fp32 and bf16 (needs megatron-core + transformers wheels);
+#      T=16384, V=151936 bf16 benchmark at TP 1 and 4 with copy-bandwidth fraction;
+#   2. the GRPO step's passes (benchmarks/gpu_step.py: megagrpo's megatron GPTModel, hidden
+#      2048, 16 layers, GQA 16/8, FFN 5632, vocab 151936, bf16, 8 rows of up to 2048 tokens):
+#      update (fwd+bwd, fused GRPO loss) and scoring, tokens/s, TFLOP/s, MFU against torch.mm
+#      measured at 8192^3, peak memory, loss/grad against the eager pass;
+#      a. compute.compile_layers off: padded and packed, fused output layer and logits path;
+#      b. compute.compile_layers on: padded only (packing is another graph: ~1 min more compile),
+#         both output paths (the same layer graph), compile time reported;
 #   3. the fused output layer vs the logits path (float64 check first), H 1024, V 151936,
-#      bf16, T 4096..32768, TP 1 (one GPU: its TP=2 rows need two).
-# Then prints a short table. Commit the files under benchmarks/results/.
+#      bf16, T 4096 and 16384, TP 1 (one GPU: its TP=2 rows need two);
+#   4. HF logits agreement at TP=1, fp32 and bf16 (needs megatron-core + transformers);
+#   5. only with GPU_CHECK_LAYER_SPLIT=1 (not in the 5 minutes): layer_split.py on CUDA, the
+#      per-part split of 2 decoder layers of step 2's shape, eager and compiled.
+# Then prints a short table. Commit the files under benchmarks/results/, then
+#   python benchmarks/gpu_step.py --table benchmarks/results/gpu_step_h200.jsonl \
+#       --write docs/performance.md
+#
+# Time, estimated for an H200 (~790 TFLOP/s bf16 torch.mm, 4.3 TB/s; 16 host cores): each step
+# is a fresh Python (~5 s torch + triton import; megatron-core ~7 s more) and pays its Triton /
+# inductor compiles once:
+#   wheels + device info                        ~10 s
+#   1. kernels: check + 2 TP x 6 paths x 4 passes of 5 GB logits (~5-50 ms each) + Triton
+#      compiles                                 ~35 s   (timeout 60)
+#   2a. gpu_step eager: model build (1.38B params, CPU init) ~15 s, megatron's own
+#      torch.compile'd SwiGLU / bias-dropout-add ~15 s, 4 paths x (4 update passes of
+#      ~7.8e13 FLOP ~0.25-0.35 s + 4 scoring passes ~0.1 s + 2 memory passes)  ~60 s (timeout 100)
+#   2b. gpu_step compiled: build ~25 s, dynamo + inductor of one layer (training graph and
+#      no-grad graph) ~60-90 s, 2 paths x 8 passes ~5 s           ~110 s (timeout 130)
+#   3. fused_output: check + 2 T x 4 paths x 6 passes of <= 3e13 FLOP + Triton compiles
+#                                               ~35 s   (timeout 60)
+#   4. hf_logits: two tiny models x 2 dtypes    ~25 s   (timeout 45)
+# Expected ~4.5 min; every step runs under `timeout`, and a step never gets more than what is
+# left of BUDGET_S (default 290 s) since the script started, so the whole script cannot pass
+# ~5 min (a step left with < 10 s is skipped, said on the console).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
+BUDGET_S=${BUDGET_S:-290}
 mkdir -p "$OUT"
+LOG="$OUT/gpu_check_h200.log"
+: >"$LOG"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
+DEADLINE=$(( $(date +%s) + BUDGET_S ))
+status=0
+
+say() { echo "$(date +%T) $*" | tee -a "$LOG"; }
+
+# step NAME SECONDS CMD...: CMD under `timeout` (at most what is left of the budget), its whole
+# output to $LOG, its progress lines ('[...]' first) and errors to the console
+step() {
+  local name=$1 limit=$2 left rc t0
+  shift 2
+  left=$(( DEADLINE - $(date +%s) ))
+  (( limit > left )) && limit=$left
+  if (( limit < 10 )); then
+    say "$name: skipped (${left} s left of the ${BUDGET_S} s budget)"
+    status=1
+    return
+  fi
+  say "$name: start (timeout ${limit} s)"
+  t0=$(date +%s)
+  timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$LOG" \
+    | grep --line-buffered -E '^\[|Traceback|Error|error:'
+  rc=${PIPESTATUS[0]}  # the command's (timeout's) status, not grep's
+  if (( rc == 124 || rc == 137 )); then
+    say "$name: TIMED OUT after $(( $(date +%s) - t0 )) s (rows written so far are kept)"
+    status=1
+  elif (( rc != 0 )); then
+    say "$name: FAILED rc=$rc after $(( $(date +%s) - t0 )) s (see $LOG)"
+    status=1
+  else
+    say "$name: done in $(( $(date +%s) - t0 )) s"
+  fi
+}
+
 if ls wheels/*.whl >/dev/null 2>&1; then
-  python -m pip install -q --no-index --no-deps wheels/*.whl || echo "wheel install failed"
+  python -m pip install -q --no-index --no-deps wheels/*.whl >>"$LOG" 2>&1 \
+    || say "wheel install failed (see $LOG)"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/h200_device.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$OUT/h200_device.txt"
+python -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>/dev/null \
+  | tee -a "$OUT/h200_device.txt"
 
-status=0
-python benchmarks/kernels.py --device cuda --check --out "$OUT/kernels_h200.jsonl" || status=1
-python benchmarks/fused_output.py --device cuda --check --tp 1 --dtypes bf16 \
-  --T 4096,16384,32768 --out "$OUT/fused_output_h200.jsonl" || status=1
-if python -c "import megatron.core, transformers" 2>/dev/null; then
-  python benchmarks/hf_logits.py --out "$OUT/hf_logits_h200.jsonl" || status=1
+step kernels 60 python benchmarks/kernels.py --device cuda --check --tp 1,4 --iters 3 \
+  --out "$OUT/kernels_h200.jsonl"
+if python -c "import megatron.core" 2>/dev/null; then
+  step gpu_step_eager 100 python benchmarks/gpu_step.py --device cuda --compile off \
+    --out "$OUT/gpu_step_h200.jsonl"
+  step gpu_step_compiled 130 python benchmarks/gpu_step.py --device cuda --compile on \
+    --layouts padded --out "$OUT/gpu_step_h200.jsonl"
 else
-  echo "hf_logits: skipped (megatron-core or transformers missing: bring their wheels)"
+  say "gpu_step: skipped (megatron-core missing: bring its wheel in ./wheels)"
+  status=1
+fi
+step fused_output 60 python benchmarks/fused_output.py --device cuda --check --tp 1 \
+  --dtypes bf16 --T 4096,16384 --iters 3 --out "$OUT/fused_output_h200.jsonl"
+if python -c "import megatron.core, transformers" 2>/dev/null; then
+  step hf_logits 45 python benchmarks/hf_logits.py --out "$OUT/hf_logits_h200.jsonl"
+else
+  say "hf_logits: skipped (megatron-core or transformers missing: bring their wheels)"
+fi
+if [[ "${GPU_CHECK_LAYER_SPLIT:-0}" == 1 ]]; then
+  step layer_split 150 python benchmarks/layer_split.py --device cuda --dtype bfloat16 --compile \
+    --shape hidden=2048,ffn=5632,layers=2,heads=16,kv=8,head_dim=128,batch=8,seq=2048 \
+    --iters 3 --out "$OUT/layer_split_h200.jsonl"
 fi
 
 python - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-for name in ("kernels_h200.jsonl", "hf_logits_h200.jsonl", "fused_output_h200.jsonl"):
+for name in ("kernels_h200.jsonl", "hf_logits_h200.jsonl", "fused_output_h200.jsonl",
+             "layer_split_h200.jsonl"):
     p = out / name
     if not p.exists():
         continue
     print(f"== {name}")
     for line in p.read_text().splitlines():
         r = json.loads(line)
-        keys = [k for k in ("path", "model", "dtype", "tp", "T", "V_local", "fwd_bwd_s",
-                            "peak_extra_pct_of_logits", "frac_of_copy", "max_rel_err",
-                            "peak_pct_of_logits", "skipped") if k in r]
+        keys = [k for k in ("path", "model", "dtype", "tp", "TP", "T", "V_local", "fwd_bwd_s",
+                            "peak_extra_pct_of_logits", "frac_of_copy", "max_rel_err", "ok",
+                            "peak_pct_of_logits", "step_s", "gemm_share", "rest_share",
+                            "floor_frac", "skipped") if k in r]
         print("  " + "  ".join(f"{k}={r[k]}" for k in keys))
 PY
+if [[ -f "$OUT/gpu_step_h200.jsonl" ]]; then
+  echo "== gpu_step_h200.jsonl"
+  python benchmarks/gpu_step.py --table "$OUT/gpu_step_h200.jsonl"
+fi
+say "gpu_check: exit $status ($(( $(date +%s) - DEADLINE + BUDGET_S )) s)"
 exit $status

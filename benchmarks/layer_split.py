@@ -20,6 +20,12 @@ torch.mm's best 2048^3 rate of the dtype measured in the same run.
     python benchmarks/layer_split.py --preset midsize --threads 1,2 --neighbour --compile \
         --out F.jsonl
     python benchmarks/layer_split.py --table F.jsonl     # docs/performance.md's table
+    python benchmarks/layer_split.py --device cuda --dtype bfloat16 --compile \
+        --shape hidden=2048,ffn=5632,layers=2,heads=16,kv=8,head_dim=128,batch=8,seq=2048
+
+On CUDA (`--device cuda`) the parts are timed the same way (synchronised around each call),
+the floor's rate is torch.mm's at 8192^3 on the device, and --threads / --neighbour do not
+apply.
 """
 from __future__ import annotations
 
@@ -75,10 +81,10 @@ def build(p: dict, dtype: str):
     return model
 
 
-def measure(model, p: dict, dtype: torch.dtype, iters: int) -> dict:
+def measure(model, p: dict, dtype: torch.dtype, iters: int, dev: torch.device = CPU) -> dict:
     b, s, layers = p["batch"], p["seq"], p["layers"]
     t = b * s
-    ids, pos = batch(p)
+    ids, pos = (x.to(dev) for x in batch(p))
 
     def step():
         train_pass(model, ids, pos)
@@ -87,18 +93,19 @@ def measure(model, p: dict, dtype: torch.dtype, iters: int) -> dict:
         with torch.no_grad():
             model(ids, pos, None)
 
-    full, forward = time_fn(step, CPU, iters=iters), time_fn(fwd, CPU, iters=iters)
+    full, forward = time_fn(step, dev, iters=iters), time_fn(fwd, dev, iters=iters)
     gemm_f = gemm_b = 0.0
     gemm_flops = 0
     for i, o in linear_shapes(p):
-        x, w, dy = (torch.randn(*sh, dtype=dtype) for sh in ((t, i), (i, o), (t, o)))
-        gemm_f += layers * time_fn(lambda: x @ w, CPU, iters=iters)
-        gemm_b += layers * (time_fn(lambda: dy @ w.t(), CPU, iters=iters)
-                            + time_fn(lambda: dy.t() @ x, CPU, iters=iters))
+        x, w, dy = (torch.randn(*sh, dtype=dtype, device=dev) for sh in ((t, i), (i, o), (t, o)))
+        gemm_f += layers * time_fn(lambda: x @ w, dev, iters=iters)
+        gemm_b += layers * (time_fn(lambda: dy @ w.t(), dev, iters=iters)
+                            + time_fn(lambda: dy.t() @ x, dev, iters=iters))
         gemm_flops += 3 * layers * 2 * t * i * o
-    q = torch.randn(b, p["heads"], s, p["head_dim"], dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(b, p["kv"], s, p["head_dim"], dtype=dtype, requires_grad=True)
-            for _ in range(2))
+    q = torch.randn(b, p["heads"], s, p["head_dim"], dtype=dtype, device=dev,
+                    requires_grad=True)
+    k, v = (torch.randn(b, p["kv"], s, p["head_dim"], dtype=dtype, device=dev,
+                        requires_grad=True) for _ in range(2))
 
     def attn():
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
@@ -107,8 +114,8 @@ def measure(model, p: dict, dtype: torch.dtype, iters: int) -> dict:
         with torch.no_grad():
             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-    att = layers * time_fn(attn, CPU, iters=iters)
-    att_f = layers * time_fn(attn_fwd, CPU, iters=iters)
+    att = layers * time_fn(attn, dev, iters=iters)
+    att_f = layers * time_fn(attn_fwd, dev, iters=iters)
     # causal: position j (1-based) attends to j keys: 4 j heads head_dim FLOPs, summed over j
     attn_flops = 3 * layers * b * 4 * p["heads"] * p["head_dim"] * s * (s + 1) // 2
     return dict(step_s=full, forward_s=forward, gemm_s=gemm_f + gemm_b, gemm_fwd_s=gemm_f,
@@ -128,13 +135,13 @@ def train_pass(model, ids: torch.Tensor, pos: torch.Tensor) -> None:
     model(ids, pos, None).float().sum().mul(1e-3).backward()
 
 
-def grads(model, p: dict) -> list[torch.Tensor]:
+def grads(model, p: dict, dev: torch.device = CPU) -> list[torch.Tensor]:
     """Every parameter's gradient of one pass on a fixed batch."""
-    train_pass(model, *batch(p))
+    train_pass(model, *(x.to(dev) for x in batch(p)))
     return [w.grad.detach().clone() for w in model.parameters()]
 
 
-def compile_layers(model, p: dict) -> dict:
+def compile_layers(model, p: dict, dev: torch.device = CPU) -> dict:
     """compute.compile_layers on the model (`megagrpo.compile`: torch.compile, inductor, dynamic
     shapes, of each decoder layer's forward): the compile time of the first pass, the graphs
     dynamo made of one layer, and the largest gradient difference against the eager pass
@@ -143,12 +150,14 @@ def compile_layers(model, p: dict) -> dict:
 
     from megagrpo.compile import compile_layers as compile_model, graph_count
 
-    eager = grads(model, p)
+    eager = grads(model, p, dev)
     torch._dynamo.reset()
     n = compile_model(model)
     before = graph_count()
     t0 = time.perf_counter()
-    compiled = grads(model, p)
+    compiled = grads(model, p, dev)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - t0
     rel = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
               for a, b in zip(compiled, eager))
@@ -156,7 +165,7 @@ def compile_layers(model, p: dict) -> dict:
                 grad_max_rel_diff=rel)
 
 
-def eager_again(model, p: dict) -> None:
+def eager_again(model, p: dict, dev: torch.device = CPU) -> None:
     """The layers' own forwards back (the compiled ones dropped), for an eager row after the
     compiled rows."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -176,7 +185,7 @@ def start_neighbour(threads: int) -> subprocess.Popen:
 
 
 def row(p: dict, name: str, dtype: str, threads: int, neighbour: int, rate: float,
-        m: dict, compiled: dict | None = None) -> dict:
+        m: dict, compiled: dict | None = None, dev: torch.device = CPU) -> dict:
     step = m["step_s"]
     # not clamped at 0: parts timed alone that exceed the pass they are part of show as a
     # negative rest instead of a plausible 0
@@ -186,6 +195,7 @@ def row(p: dict, name: str, dtype: str, threads: int, neighbour: int, rate: floa
     return dict(preset=name, shapes=p, tokens=p["batch"] * p["seq"], dtype=dtype,
                 threads=threads, neighbour_threads=neighbour,
                 cpu=torch.backends.cpu.get_cpu_capability(),
+                **({"device": torch.cuda.get_device_name(dev)} if dev.type == "cuda" else {}),
                 load_avg_1m=round(os.getloadavg()[0], 2), mm_gflops=round(rate, 1),
                 step_s=r(step), forward_s=r(m["forward_s"]), gemm_s=r(m["gemm_s"]),
                 attention_s=r(m["attention_s"]), rest_s=r(rest),
@@ -271,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="a shape of your own: the preset's values overridden (hidden, ffn, "
                     "layers, heads, kv, head_dim, batch, seq); rows named 'custom'")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--threads", default="", help="comma-separated thread counts (default: "
                     "every core)")
     ap.add_argument("--neighbour", action="store_true",
@@ -295,6 +306,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     cores = os.cpu_count() or 1
     threads = [int(x) for x in args.threads.split(",")] if args.threads else [cores]
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and (args.neighbour or len(threads) > 1):
+        raise SystemExit("layer_split: --neighbour and several --threads are CPU settings; "
+                         "drop them with --device cuda")
     p, dtype = dict(PRESETS[args.preset]), getattr(torch, args.dtype)
     name = args.preset
     if args.shape:
@@ -308,10 +323,14 @@ def main(argv: list[str] | None = None) -> None:
     from megagrpo.machine import gemm_gflops
 
     rates = {}
+    if dev.type == "cuda":  # the device's rate, whatever the host's threads
+        from gpu_step import mm_tflops
+
+        rates = dict.fromkeys(threads, mm_tflops(dev, dtype)[0] * 1e3)
     passes = [None, *([compile_layers] if args.compile else []),
               *([eager_again] if args.compile and args.ab else [])]
     for compiled in passes:
-        info = compiled(model, p) if compiled else None
+        info = compiled(model, p, dev) if compiled else None
         for n in threads:
             torch.set_num_threads(n)
             if n not in rates:  # the floor's rate: this thread count, quiet
@@ -319,12 +338,12 @@ def main(argv: list[str] | None = None) -> None:
             for busy in ([0, cores] if args.neighbour else [0]):
                 proc = start_neighbour(busy) if busy else None
                 try:
-                    m = measure(model, p, dtype, args.iters)
+                    m = measure(model, p, dtype, args.iters, dev)
                 finally:
                     if proc is not None:
                         proc.kill()
                         proc.wait()
-                emit(row(p, name, args.dtype, n, busy, rates[n], m, info), args.out)
+                emit(row(p, name, args.dtype, n, busy, rates[n], m, info, dev), args.out)
 
 
 if __name__ == "__main__":
