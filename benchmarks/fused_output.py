@@ -51,6 +51,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _fused_output_model import cost_model, h200_table  # noqa: E402
 from _harness import emit, peak_extra_bytes, sync, time_samples  # noqa: E402
 
 from megagrpo.kernels import (  # noqa: E402
@@ -452,57 +453,6 @@ def fit_table(path: str) -> str:
     return "\n".join(lines)
 
 
-GEMM_RATE = 700e12
-"""Model: bf16 GEMM FLOP/s on the H200 as the logits path gets it (T=16384, H 1024: 15.3 TFLOP
-in its three GEMMs, ~21.5 ms of its 26.6 ms beside the ~5.1 ms of its loss kernel)."""
-ROW_BYTES_RATE = 2.7e12
-"""Model: bytes/s of the row passes and accumulator adds (the Triton log-prob kernels' measured
-2.7 TB/s at T=16384, 0.67 of the copy bandwidth)."""
-LAUNCH_S = 10e-6
-"""Model: host seconds per launched op (torch op or Triton kernel) when the host, not the GPU,
-is the bottleneck (``--sweep`` records each row's host time to check it)."""
-MISALIGNED_GEMM = 0.25
-"""Model: the GEMM rate factor when the chunk's rows are not 16-byte aligned (fitted to the one
-such measured row: T=4096, Vc=4748; the sweep times both widths)."""
-LOSS_OPS = 120
-"""Model: ops of one token chunk's small per-token loss graph, forward and autograd backward
-(the GRPO loss with clip and k3 KL; gradient-in-forward path only)."""
-
-
-def cost_model(path: str, t: int, h: int, v: int, b: int, grad: str | None = None,
-               chunk_tokens: int | None = None, chunk_vocab: int | None = None) -> dict:
-    """Predicted seconds of one forward + backward, and the FLOPs, bytes and launches behind it,
-    on one GPU (module constants above; ``b`` bytes per value). Device time: GEMM FLOPs at
-    GEMM_RATE (a GEMM that must stream the weight faster than that: at ROW_BYTES_RATE) plus the
-    row passes over the logits (read in the forward, read and written in the backward) and the
-    fp32 accumulators' traffic at ROW_BYTES_RATE; host time: launches x LAUNCH_S. The call takes
-    the larger (the host enqueues while the GPU runs)."""
-    logits = t * v * b
-    rows = 3 * logits  # stats read; backward read + write
-    if path == "logits":
-        flops, acc, launches, gemm_s = 6 * t * v * h, 0, 40, 6 * t * v * h / GEMM_RATE
-    elif grad == "forward":
-        tc = chunk_tokens
-        n = -(-t // tc)
-        flops = 6 * t * v * h
-        per_gemm = max(2 * tc * v * h / GEMM_RATE, (v * h * b + tc * v * b) / ROW_BYTES_RATE)
-        gemm_s = n * 3 * per_gemm
-        block = fo.DW_BLOCK_ROWS_CUDA if fo.CUDA_RULES != "v1" else fo.DW_BLOCK_ROWS
-        blocks = -(-v // block) if b < 4 else 1
-        acc = n * v * h * ((2 * b + 8) if b < 4 else 8) + t * h * (2 * b + 8)
-        launches = n * (2 * blocks + LOSS_OPS + 20)
-    else:
-        tc, vc = chunk_tokens, chunk_vocab
-        nt, nv = -(-t // tc), -(-v // vc)
-        flops = 8 * t * v * h
-        gemm_s = flops / (GEMM_RATE * (MISALIGNED_GEMM if vc * b % 16 else 1.0))
-        acc = nv * t * h * (2 * b + 8) + (nt * v * h * (2 * b + 8) if nt > 1 and b < 4 else 0)
-        launches = nt * nv * 22
-    device_s = gemm_s + (rows + acc) / ROW_BYTES_RATE
-    return dict(s=max(device_s, launches * LAUNCH_S), device_s=device_s,
-                host_s=launches * LAUNCH_S, flops=flops, bytes=rows + acc, launches=launches)
-
-
 @contextmanager
 def cuda_rules(rules: str):
     """Within the block the fused op's GPU chunk rules are ``rules`` ("v1" | "v2")."""
@@ -592,7 +542,9 @@ def sweep(args) -> None:
     budget = mem_budget(args.mem_gib, 1, device)
     sizes = [(int(h), int(t)) for h in str(args.H).split(",") for t in args.T.split(",")]
     est = sum(cost_model(c["path"] if c["path"] == "logits" else "fused", t, h, args.V,
-                         dtype.itemsize, **_resolved(c, t, h, args.V, dtype.itemsize, True))["s"]
+                         dtype.itemsize, **_resolved(c, t, h, args.V, dtype.itemsize, True),
+                         dw_block=fo.DW_BLOCK_ROWS if c["rules"] == "v1"
+                         else fo.DW_BLOCK_ROWS_CUDA)["s"]
               for h, t in sizes for c in sweep_configs(t, args.V))
     emit(dict(sweep="plan", sizes=sizes, rows=sum(len(sweep_configs(t, args.V))
                                                   for _, t in sizes),
@@ -604,10 +556,10 @@ def sweep(args) -> None:
             record = dict(sweep=cfg["name"], path=cfg["path"], rules=cfg["rules"], T=t, H=h,
                           V=args.V, V_local=args.V, dtype=dname, TP=1, device=device.type,
                           logits_bytes=t * args.V * dtype.itemsize, **res)
-            with cuda_rules(cfg["rules"]):
-                record["model_s"] = round(cost_model(
-                    "logits" if cfg["path"] == "logits" else "fused", t, h, args.V,
-                    dtype.itemsize, **res)["s"], 6)
+            record["model_s"] = round(cost_model(
+                "logits" if cfg["path"] == "logits" else "fused", t, h, args.V, dtype.itemsize,
+                **res, dw_block=fo.DW_BLOCK_ROWS if cfg["rules"] == "v1"
+                else fo.DW_BLOCK_ROWS_CUDA)["s"], 6)
             if not cuda:
                 record.update(load_avg_1m=round(os.getloadavg()[0], 2),
                               cpu=torch.backends.cpu.get_cpu_capability())
@@ -674,9 +626,15 @@ def main(argv: list[str] | None = None) -> None:
                          "every --H x --T, one rank, the first of --dtypes")
     ap.add_argument("--sweep-max-s", type=float, default=2.0,
                     help="--sweep: stop timing a row after this many seconds of calls")
+    ap.add_argument("--gpu-table", default=None, metavar="JSONL",
+                    help="only print docs/performance.md's H200 table (measured vs the model of "
+                         "_fused_output_model) from these gpu_check lines and the probe's")
     ap.add_argument("--table", default=None, metavar="JSONL",
                     help="only print docs/performance.md's table from these result lines")
     args = ap.parse_args(argv)
+    if args.gpu_table:
+        print(h200_table(args.gpu_table))
+        return
     if args.table:
         print(table(args.table))
         fit = os.path.join(os.path.dirname(args.table), "fused_output_fit_cpu.jsonl")

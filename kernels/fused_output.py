@@ -94,30 +94,42 @@ CHUNK_SHARE x MIN_CHUNK_ELEMS values (small calls keep one chunk of MIN_CHUNK_EL
 MIN_CHUNK_ELEMS = 1 << 20
 MIN_CHUNK_VOCAB = 256
 CHUNK_ALIGN_CUDA = 128
-"""On GPU a default chunk's vocab width ``Vc`` is a multiple of this (unless it is the whole
-shard). ``Vc`` is the row length (leading dimension) of the ``[Tc, Vc]`` logits chunk that
-three of the four GEMMs read or write, and cuBLAS's tensor-core kernels need rows aligned to
-16 bytes: on the H200 (bf16, H 1024, V 151,936) the recomputing path took 33.8 ms at T=4096,
-where the 1/32 share gave Vc = 4748 (9496-byte rows), 5.3x the logits path, against 2.2x at
-T=16384 (Vc = 8192). ``CUDA_RULES = "v1"`` restores the unaligned width (benchmark sweep)."""
+"""On GPU (``CUDA_RULES`` "v2") a default chunk's vocab width ``Vc`` is a multiple of this
+(unless it is the whole shard): ``Vc`` is the row length of the ``[Tc, Vc]`` logits chunk that
+three of the four GEMMs read or write, and cuBLAS's tensor-core kernels want 16-byte aligned
+rows. H200, bf16, V 151,936, (Tc, Vc) = (4096, 4748) against (4096, 4736)
+(benchmarks/results/fused_output_probe_h200.jsonl): 28.4 / 19.8 ms (H 1024, T 4096),
+110 / 78 ms (H 1024, T 16384), 88 / 35 ms and 353 / 167 ms (H 4096)."""
+CHUNK_TOKENS_CUDA_V2 = 16384
+CHUNK_ELEMS_CUDA_V2 = 1 << 27
+"""GPU chunks (``CUDA_RULES`` "v2"): up to 16384 tokens x 2^27 / Tc vocab rows (256 MiB in
+bf16, 0.2% of an H200), no share of the logits. The recomputing loop is bound by the host's
+launches (~22 per chunk, incl. two Triton kernels) until its chunks are big: on the H200 (bf16,
+H 1024, V 151,936, the same probe) the host took 19 of the 20 ms at (4096, 4736); at T=4096
+(4096, 8192 / 32768) took 15.4 / 9.2 ms, at T=16384 (4096, 8192 / 32768) and (16384, 8192)
+60.6 / 38.8 / 37.2 ms (the logits path: 6.4 and 26.6 ms); at H 4096 the same shapes are within
+7% of each other (GEMM-bound). The v1 rule (CHUNK_TOKENS_CUDA, CHUNK_ELEMS_CUDA and the 1/32
+share) made 32-76 chunks of 4096 tokens."""
 CUDA_RULES = "v2"
-""""v2": GPU chunk rules from the H200 measurements (aligned ``Vc``; the gradient-in-forward
-path only with chunks of >= GRAD_MIN_TOKENS_CUDA tokens, its ``dW`` products in blocks of
-DW_BLOCK_ROWS_CUDA rows); "v1": the CPU-tuned rules of before, kept for
-``benchmarks/fused_output.py --sweep``, which compares the two. CPU rules are the same in
-both."""
+""""v2": the GPU chunk rules measured on the H200 (CHUNK_ALIGN_CUDA, CHUNK_*_CUDA_V2,
+GRAD_MIN_TOKENS_CUDA, GRAD_CHUNK_ELEMS_CUDA, DW_BLOCK_ROWS_CUDA); "v1": the CPU-tuned ones of
+before, kept so that ``benchmarks/fused_output.py --sweep`` compares the two. The CPU rules are
+the same under both."""
 
 
 def chunk_shape(n_rows: int, n_cols: int, cuda: bool, chunk_tokens: int | None = None,
                 chunk_vocab: int | None = None) -> tuple[int, int]:
     """(Tc, Vc) of the logits chunks for ``n_rows`` tokens and ``n_cols`` vocab columns, on a
     GPU (``cuda``) or the CPU (the planner reads it too)."""
+    if cuda and CUDA_RULES != "v1":
+        tc = chunk_tokens or min(max(n_rows, 1), CHUNK_TOKENS_CUDA_V2)
+        vc = chunk_vocab or max(CHUNK_ALIGN_CUDA, CHUNK_ELEMS_CUDA_V2 // tc
+                                // CHUNK_ALIGN_CUDA * CHUNK_ALIGN_CUDA)
+        return max(1, tc), max(1, min(vc, max(n_cols, 1)))
     tc = chunk_tokens or min(max(n_rows, 1), CHUNK_TOKENS_CUDA if cuda else CHUNK_TOKENS)
     budget = min(CHUNK_ELEMS_CUDA if cuda else CHUNK_ELEMS,
                  max(MIN_CHUNK_ELEMS, n_rows * n_cols // CHUNK_SHARE))
     vc = chunk_vocab or max(MIN_CHUNK_VOCAB, budget // tc)
-    if cuda and CUDA_RULES != "v1" and not chunk_vocab and vc < n_cols:
-        vc = max(CHUNK_ALIGN_CUDA, vc // CHUNK_ALIGN_CUDA * CHUNK_ALIGN_CUDA)
     return max(1, tc), max(1, min(vc, max(n_cols, 1)))
 
 
@@ -140,17 +152,16 @@ fused_output.py) the three-matmul path took 1.4-2.0x the recomputing one at Tc =
 at Tc = 128 (TP=2, T=4096) and 0.95x at Tc = 220 (TP=1, T=8192: the GRAD_CHUNK_ELEMS cap). At
 1/32 of the logits per chunk that is T >= ~6000."""
 GRAD_MIN_TOKENS_CUDA = 2048
-"""The same threshold on GPU (``CUDA_RULES`` "v2"; "v1" used GRAD_MIN_TOKENS). Every token chunk
-reads and writes the whole fp32 ``dW`` accumulator (``8 V_local H`` bytes) and reads the weight
-shard twice besides its three GEMMs (``6 Tc V_local H`` FLOPs): at ~575 TFLOP/s and ~3 TB/s
-(the H200's logits-path GEMM rate and its kernels' bandwidth) the traffic is <= 1/4 of the
-GEMMs only from Tc ~ 1500. Measured on the H200 (bf16, H 1024, V 151,936, forced on): 5.1 / 5.7
-/ 5.4 ms per chunk of 128 / 220 / 220 tokens (T = 4096 / 16384 / 32768), 3-8x the recomputing
-path. At 1/32 of the logits per chunk, T >= 65,536 tokens; the GPU cap on the chunk is
-GRAD_CHUNK_ELEMS_CUDA."""
+"""The same threshold on GPU (``CUDA_RULES`` "v2"; "v1" used GRAD_MIN_TOKENS): every token chunk
+reads and writes the whole fp32 ``dW`` accumulator and launches the small per-token loss graph,
+so thin chunks are bound by the host. H200, bf16, V 151,936, forced on (the probe's NLL loss):
+Tc = 128 took 142 ms at T=4096 (H 1024; the host 141 ms: 75 dW blocks per chunk), 54 ms with
+DW_BLOCK_ROWS_CUDA blocks; Tc = 1024 / 2048 / 4096 took 10.7 / 8.6 / 7.8 ms (T=4096) and 38.9 /
+32.7 / 30.0 ms (T=16384), against the v2 recomputing chunks' 9.2 and 37.2 ms: a win from
+2048 tokens (H 4096, T 16384: 133 / 114 / 104 ms against 133)."""
 GRAD_CHUNK_ELEMS_CUDA = 1 << 29
-"""Cap of the gradient-in-forward chunks on GPU (``CUDA_RULES`` "v2": 1 GiB of bf16 logits;
-~3500 tokens at V_local 151,936)."""
+"""Cap of the gradient-in-forward chunks on GPU (``CUDA_RULES`` "v2": 1 GiB of bf16 logits,
+~3500 tokens at V_local 151,936), without the 1/32 share."""
 
 
 def use_grad_in_forward(n_rows: int, tc: int, hidden_size: int = 0, itemsize: int = 4,
@@ -172,11 +183,13 @@ def grad_chunk_tokens(n_rows: int, n_cols: int, chunk_tokens: int | None = None,
                       cuda: bool = False) -> int:
     """Tokens per chunk of the gradient-in-forward path, whose chunks span all ``n_cols`` vocab
     columns of the shard: at most 1/CHUNK_SHARE of the logits (MIN_CHUNK_ELEMS for small calls)
-    and GRAD_CHUNK_ELEMS values (GRAD_CHUNK_ELEMS_CUDA on GPU)."""
+    and GRAD_CHUNK_ELEMS values; on GPU (v2) GRAD_CHUNK_ELEMS_CUDA values."""
     if chunk_tokens:
         return max(1, chunk_tokens)
-    cap = GRAD_CHUNK_ELEMS_CUDA if cuda and CUDA_RULES != "v1" else GRAD_CHUNK_ELEMS
-    budget = min(cap, max(MIN_CHUNK_ELEMS, n_rows * n_cols // CHUNK_SHARE))
+    if cuda and CUDA_RULES != "v1":
+        budget = GRAD_CHUNK_ELEMS_CUDA
+    else:
+        budget = min(GRAD_CHUNK_ELEMS, max(MIN_CHUNK_ELEMS, n_rows * n_cols // CHUNK_SHARE))
     return max(1, min(max(n_rows, 1), budget // max(n_cols, 1)))
 
 
@@ -309,7 +322,8 @@ DW_BLOCK_ROWS = 2048
 ~0.2-0.5 s of page faults and memory traffic on the CPU)."""
 DW_BLOCK_ROWS_CUDA = 16384
 """The same on GPU (``CUDA_RULES`` "v2"): 10 blocks of a 152k shard per token chunk, not 75
-(each block is a GEMM and an add: 150 launches per chunk with 2048 rows)."""
+(each block is a GEMM and an add: 150 launches per chunk with 2048 rows; H200, 128-token
+chunks, T=4096, H 1024: 142 ms with 2048 rows, 54 ms with 16384)."""
 
 
 def _accumulate_dw(dw32: torch.Tensor, grad: torch.Tensor, h_t: torch.Tensor,
