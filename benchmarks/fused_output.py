@@ -44,13 +44,15 @@ import os
 import statistics
 import sys
 import tempfile
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import emit, peak_extra_bytes, time_samples  # noqa: E402
+from _fused_output_model import cost_model, h200_table  # noqa: E402
+from _harness import emit, peak_extra_bytes, sync, time_samples  # noqa: E402
 
 from megagrpo.kernels import (  # noqa: E402
     LossSpec, TokenInputs, VocabPass, fused_output_logprob, loss_from_logp, token_loss,
@@ -65,32 +67,41 @@ PATHS = ("logits", "fused_forward", "fused_recompute", "naive")
 TEMPERATURE = SPEC.temperature
 
 
-def make_inputs(t: int, h: int, v: int, tp: int, rank: int, dtype, device, group=None) -> dict:
-    """Hidden states, this rank's weight rows and the loss inputs (the same on every rank)."""
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(t, h, generator=g).to(device=device, dtype=dtype)
+def make_inputs(t: int, h: int, v: int, tp: int, rank: int, dtype, device, group=None,
+                on_device: bool = False) -> dict:
+    """Hidden states, this rank's weight rows and the loss inputs (the same on every rank);
+    ``on_device``: drawn by the device's generator (fast on a GPU; other values than the CPU's)."""
+    dev = device if on_device else torch.device("cpu")
+    g = torch.Generator(dev).manual_seed(0)
+
+    def draw(fn, *shape, **kw):
+        return fn(*shape, generator=g, device=dev, **kw).to(device)
+
+    hidden = draw(torch.randn, t, h).to(dtype)
     v_local = v // tp
-    g_w = torch.Generator().manual_seed(1 + rank)  # each rank's own shard of W
-    w = (torch.randn(v_local, h, generator=g_w) * (2.0 / h ** 0.5)).to(device=device,
-                                                                       dtype=dtype)
-    target = torch.randint(0, v, (t,), generator=g).to(device)
-    mask = (torch.rand(t, generator=g) > 0.1).to(device)
+    g_w = torch.Generator(dev).manual_seed(1 + rank)  # each rank's own shard of W
+    w = (torch.randn(v_local, h, generator=g_w, device=dev) * (2.0 / h ** 0.5)).to(
+        device=device, dtype=dtype)
+    target = draw(torch.randint, 0, v, (t,))
+    mask = draw(torch.rand, t) > 0.1
     with torch.no_grad():  # old / reference log-probs near the policy's: ratios near 1
         logp = fused_output_logprob(hidden, w, target, temperature=TEMPERATURE, group=group)
     return dict(hidden=hidden, weight=w, target=target, mask=mask,
-                old_logp=logp + 0.3 * torch.randn(t, generator=g).to(device),
-                advantages=torch.randn(t, generator=g).to(device),
-                ref_logp=logp + 0.3 * torch.randn(t, generator=g).to(device))
+                old_logp=logp + 0.3 * draw(torch.randn, t), advantages=draw(torch.randn, t),
+                ref_logp=logp + 0.3 * draw(torch.randn, t))
 
 
-def loss_of(path: str, h, w, inp: dict, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the summed loss to differentiate, the per-token loss [T] to compare)."""
+def loss_of(path: str, h, w, inp: dict, group, run: VocabPass | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the summed loss to differentiate, the per-token loss [T] to compare); ``run`` sets the
+    fused paths' chunks and grad_in_forward choice (the sweep)."""
     inputs = TokenInputs(inp["old_logp"], inp["advantages"], inp["mask"],
                          ref_logp=inp["ref_logp"])
-    run = VocabPass(group=group)
+    run = VocabPass(group=group) if run is None else run
     if path in ("fused", "fused_forward"):
         ones = torch.ones_like(inp["advantages"])
-        run = run._replace(grad_in_forward=True if path == "fused_forward" else None)
+        if path == "fused_forward":
+            run = run._replace(grad_in_forward=True)
         total, tok, _ = token_loss(h, inp["target"], SPEC, inputs, weight=w, token_weight=ones,
                                    run=run)
         return total, tok
@@ -442,10 +453,152 @@ def fit_table(path: str) -> str:
     return "\n".join(lines)
 
 
+@contextmanager
+def cuda_rules(rules: str):
+    """Within the block the fused op's GPU chunk rules are ``rules`` ("v1" | "v2")."""
+    before, fo.CUDA_RULES = fo.CUDA_RULES, rules
+    try:
+        yield
+    finally:
+        fo.CUDA_RULES = before
+
+
+def sweep_configs(t: int, v_local: int) -> list[dict]:
+    """The chunk shapes the sweep times at ``t`` tokens, each ``dict(name, path, rules, run)``
+    (``run``: VocabPass fields): the logits path; training's call (``fused``, token weights) under
+    the old ("v1") and new ("v2") GPU rules; its gradient-in-forward path forced on at the old
+    width (v1 and v2: the dW block size differs) and at 1024 / 2048 / 4096 tokens; forced off at
+    (Tc, Vc) = (4096, 8192 / 16384 / 32768) and (16384, 8192). Shapes are capped at the size
+    (a tiny CPU smoke grid collapses to a few), duplicates dropped."""
+    old_tc = fo.grad_chunk_tokens(t, v_local)  # the same under both rules' CPU constants
+    rows = [dict(name="logits", path="logits", rules="v2", run={}),
+            dict(name="default v1", path="fused", rules="v1", run={}),
+            dict(name="default v2", path="fused", rules="v2", run={}),
+            dict(name=f"grad Tc={old_tc} v1", path="fused", rules="v1",
+                 run=dict(grad_in_forward=True))]
+    for tc in (old_tc, 1024, 2048, 4096):
+        tc = min(tc, t)
+        rows.append(dict(name=f"grad Tc={tc}", path="fused", rules="v2",
+                         run=dict(grad_in_forward=True, chunk_tokens=tc)))
+    for tc, vc in ((4096, 8192), (4096, 16384), (4096, 32768), (16384, 8192)):
+        tc, vc = min(tc, t), min(vc, v_local)
+        rows.append(dict(name=f"recompute {tc}x{vc}", path="fused", rules="v2",
+                         run=dict(grad_in_forward=False, chunk_tokens=tc, chunk_vocab=vc)))
+    seen, out = set(), []
+    for r in rows:
+        key = (r["path"], r["rules"] if not r["run"] else "", tuple(sorted(r["run"].items())))
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+def _resolved(cfg: dict, t: int, h: int, v_local: int, itemsize: int, cuda: bool) -> dict:
+    """The (grad, Tc, Vc) a fused sweep row runs: its forced choices, else the op's rules."""
+    if cfg["path"] == "logits":
+        return {}
+    run = cfg["run"]
+    with cuda_rules(cfg["rules"]):
+        tg = fo.grad_chunk_tokens(t, v_local, run.get("chunk_tokens"), cuda)
+        grad = run.get("grad_in_forward")
+        if grad is None:
+            grad = fo.use_grad_in_forward(t, tg, h, itemsize, cuda)
+        if grad:
+            return dict(grad="forward", chunk_tokens=tg, chunk_vocab=v_local)
+        tc, vc = fo.chunk_shape(t, v_local, cuda, run.get("chunk_tokens"),
+                                run.get("chunk_vocab"))
+    return dict(grad="recompute", chunk_tokens=tc, chunk_vocab=vc)
+
+
+def _timed(step, device, iters: int, max_s: float) -> dict:
+    """Median / min seconds of ``step()`` and the median host time to enqueue it (a call whose
+    host time is its whole time is bound by launches, not by the device); at most ``iters``
+    calls, fewer when one call takes more than ``max_s / iters``."""
+    import time
+
+    total, host = [], []
+    for _ in range(max(1, iters)):
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        sync(device)
+        total.append(time.perf_counter() - t0)
+        host.append(t1 - t0)
+        if sum(total) > max_s:
+            break
+    return dict(fwd_bwd_s=round(statistics.median(total), 6), fwd_bwd_min_s=round(min(total), 6),
+                host_s=round(statistics.median(host), 6), timed_calls=len(total))
+
+
+def sweep(args) -> None:
+    """``--sweep``: every ``sweep_configs`` shape at every (H, T) of ``--H`` x ``--T`` (one
+    rank, ``--dtypes``' first dtype): time, host time, peak extra memory and the model's
+    prediction (``cost_model``) per row; rows beyond the memory budget say so."""
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dname = args.dtypes.split(",")[0]
+    dtype = DTYPES[dname]
+    budget = mem_budget(args.mem_gib, 1, device)
+    sizes = [(int(h), int(t)) for h in str(args.H).split(",") for t in args.T.split(",")]
+    est = sum(cost_model(c["path"] if c["path"] == "logits" else "fused", t, h, args.V,
+                         dtype.itemsize, **_resolved(c, t, h, args.V, dtype.itemsize, True),
+                         dw_block=fo.DW_BLOCK_ROWS if c["rules"] == "v1"
+                         else fo.DW_BLOCK_ROWS_CUDA)["s"]
+              for h, t in sizes for c in sweep_configs(t, args.V))
+    emit(dict(sweep="plan", sizes=sizes, rows=sum(len(sweep_configs(t, args.V))
+                                                  for _, t in sizes),
+              model_device_s_per_pass=round(est, 2), calls_per_row=1 + args.iters))
+    for h, t in sizes:
+        inp = None
+        for cfg in sweep_configs(t, args.V):
+            res = _resolved(cfg, t, h, args.V, dtype.itemsize, cuda)
+            record = dict(sweep=cfg["name"], path=cfg["path"], rules=cfg["rules"], T=t, H=h,
+                          V=args.V, V_local=args.V, dtype=dname, TP=1, device=device.type,
+                          logits_bytes=t * args.V * dtype.itemsize, **res)
+            record["model_s"] = round(cost_model(
+                "logits" if cfg["path"] == "logits" else "fused", t, h, args.V, dtype.itemsize,
+                **res, dw_block=fo.DW_BLOCK_ROWS if cfg["rules"] == "v1"
+                else fo.DW_BLOCK_ROWS_CUDA)["s"], 6)
+            if not cuda:
+                record.update(load_avg_1m=round(os.getloadavg()[0], 2),
+                              cpu=torch.backends.cpu.get_cpu_capability())
+            need = need_bytes("logits" if cfg["path"] == "logits" else "fused_forward", t, h,
+                              args.V, dtype.itemsize) + (t + args.V) * h * dtype.itemsize
+            if need > budget:
+                emit(dict(record, skipped=f"needs ~{need / 2**30:.1f} GiB > the budget "
+                          f"{budget / 2**30:.1f} GiB"), args.out)
+                continue
+            if inp is None:
+                inp = make_inputs(t, h, args.V, 1, 0, dtype, device, on_device=cuda)
+            hh = inp["hidden"].clone().requires_grad_()
+            ww = inp["weight"].clone().requires_grad_()
+            run = VocabPass()._replace(**cfg["run"])
+
+            def step(path=cfg["path"], hh=hh, ww=ww, inp=inp, run=run):
+                return torch.autograd.grad(loss_of(path, hh, ww, inp, None, run)[0], [hh, ww])
+
+            try:
+                with cuda_rules(cfg["rules"]):
+                    peak = peak_extra_bytes(step, device)  # first call: also the warm-up
+                    record.update(_timed(step, device, args.iters, args.sweep_max_s))
+            except (RuntimeError, MemoryError) as e:
+                emit(dict(record, skipped=f"failed: {type(e).__name__}: "
+                                          f"{str(e).splitlines()[0][:200]}"), args.out)
+                continue
+            out_bytes = (hh.numel() + ww.numel()) * hh.element_size()
+            record.update(peak_extra_bytes=peak, peak_pct_of_logits=round(
+                100 * max(0, peak - out_bytes) / record["logits_bytes"], 2))
+            emit(record, args.out)
+        del inp
+        if cuda:
+            torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--H", type=int, default=1024)
+    ap.add_argument("--H", default="1024", help="hidden size (--sweep: a comma list)")
     ap.add_argument("--V", type=int, default=151936, help="full vocab (V/tp per rank)")
     ap.add_argument("--T", default="1024,2048,4096,8192,16384,32768", help="tokens, comma list")
     ap.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
@@ -468,9 +621,20 @@ def main(argv: list[str] | None = None) -> None:
                     help="decoder layers of the --fit-gib model (30: SmolLM2-135M's)")
     ap.add_argument("--fit-verify", action="store_true",
                     help="--fit-gib: also run the fitted size and print its measured peak")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the fused paths over a grid of chunk shapes (sweep_configs) at "
+                         "every --H x --T, one rank, the first of --dtypes")
+    ap.add_argument("--sweep-max-s", type=float, default=2.0,
+                    help="--sweep: stop timing a row after this many seconds of calls")
+    ap.add_argument("--gpu-table", default=None, metavar="JSONL",
+                    help="only print docs/performance.md's H200 table (measured vs the model of "
+                         "_fused_output_model) from these gpu_check lines and the probe's")
     ap.add_argument("--table", default=None, metavar="JSONL",
                     help="only print docs/performance.md's table from these result lines")
     args = ap.parse_args(argv)
+    if args.gpu_table:
+        print(h200_table(args.gpu_table))
+        return
     if args.table:
         print(table(args.table))
         fit = os.path.join(os.path.dirname(args.table), "fused_output_fit_cpu.jsonl")
@@ -481,6 +645,10 @@ def main(argv: list[str] | None = None) -> None:
         fit_rows(args)
         return
     args.iters = args.iters or (5 if args.device == "cuda" else 1)
+    if args.sweep:
+        sweep(args)
+        return
+    args.H = int(args.H)
     if args.check and not check(torch.device(args.device)):
         sys.exit(1)
     for tp in (int(s) for s in args.tp.split(",")):

@@ -93,12 +93,39 @@ CHUNK_SHARE = 32
 CHUNK_SHARE x MIN_CHUNK_ELEMS values (small calls keep one chunk of MIN_CHUNK_ELEMS)."""
 MIN_CHUNK_ELEMS = 1 << 20
 MIN_CHUNK_VOCAB = 256
+CHUNK_ALIGN_CUDA = 128
+"""On GPU (``CUDA_RULES`` "v2") a default chunk's vocab width ``Vc`` is a multiple of this
+(unless it is the whole shard): ``Vc`` is the row length of the ``[Tc, Vc]`` logits chunk that
+three of the four GEMMs read or write, and cuBLAS's tensor-core kernels want 16-byte aligned
+rows. H200, bf16, V 151,936, (Tc, Vc) = (4096, 4748) against (4096, 4736)
+(benchmarks/results/fused_output_probe_h200.jsonl): 28.4 / 19.8 ms (H 1024, T 4096),
+110 / 78 ms (H 1024, T 16384), 88 / 35 ms and 353 / 167 ms (H 4096)."""
+CHUNK_TOKENS_CUDA_V2 = 16384
+CHUNK_ELEMS_CUDA_V2 = 1 << 27
+"""GPU chunks (``CUDA_RULES`` "v2"): up to 16384 tokens x 2^27 / Tc vocab rows (256 MiB in
+bf16, 0.2% of an H200), no share of the logits. The recomputing loop is bound by the host's
+launches (~22 per chunk, incl. two Triton kernels) until its chunks are big: on the H200 (bf16,
+H 1024, V 151,936, the same probe) the host took 19 of the 20 ms at (4096, 4736); at T=4096
+(4096, 8192 / 32768) took 15.4 / 9.2 ms, at T=16384 (4096, 8192 / 32768) and (16384, 8192)
+60.6 / 38.8 / 37.2 ms (the logits path: 6.4 and 26.6 ms); at H 4096 the same shapes are within
+7% of each other (GEMM-bound). The v1 rule (CHUNK_TOKENS_CUDA, CHUNK_ELEMS_CUDA and the 1/32
+share) made 32-76 chunks of 4096 tokens."""
+CUDA_RULES = "v2"
+""""v2": the GPU chunk rules measured on the H200 (CHUNK_ALIGN_CUDA, CHUNK_*_CUDA_V2,
+GRAD_MIN_TOKENS_CUDA, GRAD_CHUNK_ELEMS_CUDA, DW_BLOCK_ROWS_CUDA); "v1": the CPU-tuned ones of
+before, kept so that ``benchmarks/fused_output.py --sweep`` compares the two. The CPU rules are
+the same under both."""
 
 
 def chunk_shape(n_rows: int, n_cols: int, cuda: bool, chunk_tokens: int | None = None,
                 chunk_vocab: int | None = None) -> tuple[int, int]:
     """(Tc, Vc) of the logits chunks for ``n_rows`` tokens and ``n_cols`` vocab columns, on a
     GPU (``cuda``) or the CPU (the planner reads it too)."""
+    if cuda and CUDA_RULES != "v1":
+        tc = chunk_tokens or min(max(n_rows, 1), CHUNK_TOKENS_CUDA_V2)
+        vc = chunk_vocab or max(CHUNK_ALIGN_CUDA, CHUNK_ELEMS_CUDA_V2 // tc
+                                // CHUNK_ALIGN_CUDA * CHUNK_ALIGN_CUDA)
+        return max(1, tc), max(1, min(vc, max(n_cols, 1)))
     tc = chunk_tokens or min(max(n_rows, 1), CHUNK_TOKENS_CUDA if cuda else CHUNK_TOKENS)
     budget = min(CHUNK_ELEMS_CUDA if cuda else CHUNK_ELEMS,
                  max(MIN_CHUNK_ELEMS, n_rows * n_cols // CHUNK_SHARE))
@@ -123,28 +150,46 @@ CPU (fp32, V_local 151,936, H 1024) the three chunk matmuls cost 5.5 / 4.5 / 3.4
 token at Tc = 32 / 64 / 128 / 256 against 2.5 for full-size ones; end to end (benchmarks/
 fused_output.py) the three-matmul path took 1.4-2.0x the recomputing one at Tc = 32-64, 1.15x
 at Tc = 128 (TP=2, T=4096) and 0.95x at Tc = 220 (TP=1, T=8192: the GRAD_CHUNK_ELEMS cap). At
-1/32 of the logits per chunk that is T >= ~6000 (GPU: not measured yet, the same rule)."""
+1/32 of the logits per chunk that is T >= ~6000."""
+GRAD_MIN_TOKENS_CUDA = 2048
+"""The same threshold on GPU (``CUDA_RULES`` "v2"; "v1" used GRAD_MIN_TOKENS): every token chunk
+reads and writes the whole fp32 ``dW`` accumulator and launches the small per-token loss graph,
+so thin chunks are bound by the host. H200, bf16, V 151,936, forced on (the probe's NLL loss):
+Tc = 128 took 142 ms at T=4096 (H 1024; the host 141 ms: 75 dW blocks per chunk), 54 ms with
+DW_BLOCK_ROWS_CUDA blocks; Tc = 1024 / 2048 / 4096 took 10.7 / 8.6 / 7.8 ms (T=4096) and 38.9 /
+32.7 / 30.0 ms (T=16384), against the v2 recomputing chunks' 9.2 and 37.2 ms: a win from
+2048 tokens (H 4096, T 16384: 133 / 114 / 104 ms against 133)."""
+GRAD_CHUNK_ELEMS_CUDA = 1 << 29
+"""Cap of the gradient-in-forward chunks on GPU (``CUDA_RULES`` "v2": 1 GiB of bf16 logits,
+~3500 tokens at V_local 151,936), without the 1/32 share."""
 
 
-def use_grad_in_forward(n_rows: int, tc: int, hidden_size: int = 0, itemsize: int = 4) -> bool:
+def use_grad_in_forward(n_rows: int, tc: int, hidden_size: int = 0, itemsize: int = 4,
+                        cuda: bool = False) -> bool:
     """True when chunks of ``tc`` of ``n_rows`` tokens are wide enough for the three-matmul
-    path (GRAD_MIN_TOKENS, or one chunk holding every token) and, for weights below fp32
-    (``itemsize`` bytes), its fp32 ``dW`` accumulator (``4 V_local H`` bytes, held from forward
-    to backward) is within 1/CHUNK_SHARE of the logits (``n_rows V_local itemsize``): bf16 needs
-    T >= 64 H. (In bf16 on the CPU it was also 4x slower than recomputing at T=1024: adding each
-    chunk's product into the fp32 accumulator is bound by memory traffic.)"""
+    path (GRAD_MIN_TOKENS, on GPU GRAD_MIN_TOKENS_CUDA, or one chunk holding every token) and,
+    for weights below fp32 (``itemsize`` bytes), its fp32 ``dW`` accumulator (``4 V_local H``
+    bytes, held from forward to backward) is within 1/CHUNK_SHARE of the logits
+    (``n_rows V_local itemsize``): bf16 needs T >= 64 H. (In bf16 on the CPU it was also 4x
+    slower than recomputing at T=1024: adding each chunk's product into the fp32 accumulator is
+    bound by memory traffic.)"""
     if itemsize < 4 and 4 * hidden_size * CHUNK_SHARE > n_rows * itemsize:
         return False
-    return tc >= min(n_rows, GRAD_MIN_TOKENS)
+    least = GRAD_MIN_TOKENS_CUDA if cuda and CUDA_RULES != "v1" else GRAD_MIN_TOKENS
+    return tc >= min(n_rows, least)
 
 
-def grad_chunk_tokens(n_rows: int, n_cols: int, chunk_tokens: int | None = None) -> int:
+def grad_chunk_tokens(n_rows: int, n_cols: int, chunk_tokens: int | None = None,
+                      cuda: bool = False) -> int:
     """Tokens per chunk of the gradient-in-forward path, whose chunks span all ``n_cols`` vocab
     columns of the shard: at most 1/CHUNK_SHARE of the logits (MIN_CHUNK_ELEMS for small calls)
-    and GRAD_CHUNK_ELEMS values."""
+    and GRAD_CHUNK_ELEMS values; on GPU (v2) GRAD_CHUNK_ELEMS_CUDA values."""
     if chunk_tokens:
         return max(1, chunk_tokens)
-    budget = min(GRAD_CHUNK_ELEMS, max(MIN_CHUNK_ELEMS, n_rows * n_cols // CHUNK_SHARE))
+    if cuda and CUDA_RULES != "v1":
+        budget = GRAD_CHUNK_ELEMS_CUDA
+    else:
+        budget = min(GRAD_CHUNK_ELEMS, max(MIN_CHUNK_ELEMS, n_rows * n_cols // CHUNK_SHARE))
     return max(1, min(max(n_rows, 1), budget // max(n_cols, 1)))
 
 
@@ -275,6 +320,10 @@ DW_BLOCK_ROWS = 2048
 """Vocab rows per block of a low-precision ``dW`` product on its way into the fp32 accumulator
 (one reused ``[DW_BLOCK_ROWS, H]`` buffer; a fresh ``[V_local, H]`` product per chunk cost
 ~0.2-0.5 s of page faults and memory traffic on the CPU)."""
+DW_BLOCK_ROWS_CUDA = 16384
+"""The same on GPU (``CUDA_RULES`` "v2"): 10 blocks of a 152k shard per token chunk, not 75
+(each block is a GEMM and an add: 150 launches per chunk with 2048 rows; H200, 128-token
+chunks, T=4096, H 1024: 142 ms with 2048 rows, 54 ms with 16384)."""
 
 
 def _accumulate_dw(dw32: torch.Tensor, grad: torch.Tensor, h_t: torch.Tensor,
@@ -319,7 +368,9 @@ def _loss_and_grads(hidden, weight, target, token_weight, keep, vocab_start, val
     dh = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_dh else None
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_dw else None
     low = need_dw and valid > 0 and weight.dtype != torch.float32
-    buf = torch.empty((min(DW_BLOCK_ROWS, valid), weight.shape[1]), dtype=weight.dtype,
+    rows_per_block = (DW_BLOCK_ROWS_CUDA if dev.type == "cuda" and CUDA_RULES != "v1"
+                      else DW_BLOCK_ROWS)
+    buf = torch.empty((min(rows_per_block, valid), weight.shape[1]), dtype=weight.dtype,
                       device=dev) if low else None
     for t0 in range(0, n, tc):
         rows = slice(t0, min(t0 + tc, n))
@@ -465,6 +516,7 @@ def fused_output_token_loss(
     impl: str = "auto",
     chunk_tokens: int | None = None,
     grad_in_forward: bool | None = None,
+    chunk_vocab: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``loss = sum_t token_weight_t * token_loss(logp, entropy, rows)_t`` from hidden states,
     its gradient computed in the forward (three output-layer matmuls, module docstring) where
@@ -479,7 +531,9 @@ def fused_output_token_loss(
             tokens ``rows`` (a slice of ``[0, T)``) from their log-probs and entropies. It must
             be token-separable (token t's loss depends on token t's logp and entropy only):
             it runs chunk by chunk. Default: ``-logp``.
-        chunk_tokens: tokens per chunk (None = ``grad_chunk_tokens``).
+        chunk_tokens: tokens per chunk (None = ``grad_chunk_tokens``; on the recomputing
+            path ``chunk_shape``'s).
+        chunk_vocab: vocab rows per chunk of the recomputing path (None = ``chunk_shape``'s).
         grad_in_forward: True / False force the gradient-in-forward / the recomputing path;
             None = ``use_grad_in_forward`` (chunks of at least GRAD_MIN_TOKENS tokens; for
             bf16 weights also T >= 64 H).
@@ -500,16 +554,19 @@ def fused_output_token_loss(
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         logp, entropy = fused_output_logprob(
             hidden, weight, target, temperature=temperature, group=group, ignore_mask=ignore_mask,
-            with_entropy=True, valid_vocab=valid, impl=path, chunk_tokens=chunk_tokens)
+            with_entropy=True, valid_vocab=valid, impl=path, chunk_tokens=chunk_tokens,
+            chunk_vocab=chunk_vocab)
         tok = token_loss(logp, entropy, slice(0, target.shape[0]))
         return (tok * token_weight).sum(), logp, entropy
     # the shard's padded width, not `valid`: every rank of the group must cut the same chunks
-    tc = grad_chunk_tokens(hidden.shape[0], weight.shape[0], chunk_tokens)
-    auto = use_grad_in_forward(hidden.shape[0], tc, weight.shape[1], weight.element_size())
+    cuda = dev.type == "cuda"
+    tc = grad_chunk_tokens(hidden.shape[0], weight.shape[0], chunk_tokens, cuda)
+    auto = use_grad_in_forward(hidden.shape[0], tc, weight.shape[1], weight.element_size(), cuda)
     if not (auto if grad_in_forward is None else grad_in_forward):
         logp, entropy = fused_output_logprob(
             hidden, weight, target, temperature=temperature, group=group, ignore_mask=ignore_mask,
-            with_entropy=True, valid_vocab=valid, impl=path)
+            with_entropy=True, valid_vocab=valid, impl=path, chunk_tokens=chunk_tokens,
+            chunk_vocab=chunk_vocab)
         tok = token_loss(logp, entropy, slice(0, target.shape[0]))
         return (tok * token_weight).sum(), logp.detach(), entropy.detach()
     return FusedOutputLoss.apply(hidden, weight, target, token_weight, ignore_mask,
@@ -565,7 +622,8 @@ def grpo_hidden_loss(
     chunk_loss = partial(_grpo_chunk_loss, spec=spec, inputs=inputs)
     loss, logp, entropy = fused_output_token_loss(hidden, weight, target, token_weight,
                                                   chunk_loss, ignore_mask=~mask,
-                                                  grad_in_forward=run.grad_in_forward, **common)
+                                                  grad_in_forward=run.grad_in_forward,
+                                                  chunk_vocab=run.chunk_vocab, **common)
     with torch.no_grad():  # O(T): the per-token loss and metrics from the op's log-probs
         tok_loss, metrics = loss_from_logp(spec, inputs, logp, entropy)
     return loss, tok_loss, metrics

@@ -74,9 +74,12 @@ def _forward_rows(mb: MicroBatch, model, gpt, loss_fn, at_loss_positions, fused_
     sp = sp_size(gpt)
     hooked = mb.packed is not None or at_loss_positions or fused_output is not False or sp > 1
     sel = OutputPositions.of(gpt) if hooked else None
-    fused = sel is not None and sel.use_fused(fused_output)
+    flat = (loss_positions(b.mask) if mb.packed is not None
+            or (sel is not None and at_loss_positions) else None)
+    fused = sel is not None and sel.use_fused(
+        fused_output, b.ids.numel() if flat is None else flat.numel())
     if mb.packed is not None:  # rows end to end, loss positions only
-        p, flat = mb.packed, loss_positions(b.mask)
+        p = mb.packed
         rope = RotaryPositions.of(gpt)
         with (sel.at(p.positions(flat, b.ids.shape[1]), p.ids.shape[1], fused),
               rope.at(p.position_ids[0]) if rope is not None else nullcontext()):
@@ -87,7 +90,6 @@ def _forward_rows(mb: MicroBatch, model, gpt, loss_fn, at_loss_positions, fused_
     ids, pos = padded_inputs(b.ids, sp)
     if sel is None or not (at_loss_positions or fused or ids is not b.ids):
         return model(ids, pos, None), partial(loss_fn, b)
-    flat = loss_positions(b.mask) if at_loss_positions else None
     if flat is None and not fused:  # every position, through the hook (padding dropped)
         flat = torch.arange(b.ids.numel())
     with sel.at(flat, b.ids.shape[1], fused):

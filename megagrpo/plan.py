@@ -245,8 +245,8 @@ def fused_output_bytes(t: int, h: int, v_local: int, b: int) -> int:
         use_grad_in_forward,
     )
 
-    tg = grad_chunk_tokens(t, v_local)
-    if use_grad_in_forward(t, tg, h, b):
+    tg = grad_chunk_tokens(t, v_local, cuda=True)
+    if use_grad_in_forward(t, tg, h, b, cuda=True):
         held = (t * h + v_local * h) * 4 if b < 4 else 0
         return tg * v_local * b + held
     tc, vc = chunk_shape(t, v_local, cuda=True)

@@ -34,6 +34,41 @@ from torch import Tensor
 log = logging.getLogger("megagrpo")
 _SAID: set[str] = set()  # output-layer paths already named on the console
 
+LOGITS_SHARE_GPU = 4
+"""compute.fused_output_layer=auto on a GPU runs megatron's logits path for a micro-batch whose
+logits ``[n, V_local]`` (model dtype) take at most 1/LOGITS_SHARE_GPU of the GPU memory free
+then (the logits path peaks at ~1.0x its logits beyond inputs and outputs), the fused layer
+otherwise. On the H200 (bf16, H 1024, V 151,936, forward + backward) the logits path took 6.4 /
+26.6 / 53.3 ms at T = 4096 / 16384 / 32768, the fused layer's best chunk shapes 7.8-9.2 / 30-37
+ms (docs/performance.md, "Fused output layer on the H200"): it is the path for when memory, not
+time, is short. On the CPU auto keeps the fused layer wherever it runs."""
+
+
+def auto_output_path(rows: int, v_local: int, itemsize: int, free_bytes: int | None
+                     ) -> tuple[bool, str]:
+    """(fused?, why) of compute.fused_output_layer=auto for ``rows`` output positions of a
+    ``v_local``-wide shard in ``itemsize``-byte logits, with ``free_bytes`` of GPU memory free
+    (None: not a GPU, the fused layer)."""
+    if free_bytes is None:
+        return True, "fused with the loss: hidden states -> loss, no [tokens, vocab] logits"
+    need = rows * v_local * itemsize
+    if need * LOGITS_SHARE_GPU <= free_bytes:
+        return False, (f"logits path (auto on GPU: the micro-batch's [{rows}, {v_local}] logits, "
+                       f"{need / 2**30:.2f} GiB, fit in 1/{LOGITS_SHARE_GPU} of the free "
+                       f"{free_bytes / 2**30:.1f} GiB, and the logits path is the faster one)")
+    return True, (f"fused with the loss (auto on GPU: the micro-batch's [{rows}, {v_local}] "
+                  f"logits, {need / 2**30:.2f} GiB, exceed 1/{LOGITS_SHARE_GPU} of the free "
+                  f"{free_bytes / 2**30:.1f} GiB): hidden states -> loss, no logits")
+
+
+def free_gpu_bytes(device: torch.device) -> int | None:
+    """Free memory of ``device`` for a new tensor: the driver's free bytes plus what torch's
+    caching allocator holds unused; None off a GPU."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
 
 def loss_positions(mask: Tensor) -> Tensor:
     """[b, S] bool -> flat indices [n] (row-major into b x S) of the loss positions; one
@@ -56,6 +91,10 @@ class OutputPositions:
         """S of the active micro-batch."""
         self.fused = False
         """Keep the selected hidden states for the fused output layer (output layer skipped)."""
+        self.layer = output_layer
+        """megatron's output layer (its weight, or the tied embedding's, sizes the logits)."""
+        self.gpt = gpt
+        """The GPTModel stage holding it (None in unit tests)."""
         self.hidden: Tensor | None = None
         """[n, h] the hidden states at the selected positions, after a fused forward."""
         self.weight: Tensor | None = None
@@ -77,22 +116,37 @@ class OutputPositions:
             gpt._megagrpo_positions = cls(layer, gpt)
         return gpt._megagrpo_positions
 
-    def use_fused(self, setting: bool | str) -> bool:
-        """compute.fused_output_layer (True / False / "auto") for this stage: "auto" runs the
-        fused layer unless `blocker` says why not; True where it cannot run is an error. Says
-        once per model which path its output layer takes."""
+    def use_fused(self, setting: bool | str, rows: int = 0) -> bool:
+        """compute.fused_output_layer (True / False / "auto") for this stage and a micro-batch of
+        ``rows`` output positions: "auto" runs the fused layer unless `blocker` says why not or,
+        on a GPU, the logits fit (`auto_output_path`); True where it cannot run is an error.
+        Says once per process each path its output layer takes, and why."""
         if setting is True and self.blocker:
             raise ValueError(f"compute.fused_output_layer=true, but the fused output layer "
                              f"cannot run here: {self.blocker}; set "
                              "compute.fused_output_layer=auto or false")
-        fused = setting is True or (setting == "auto" and self.blocker is None)
-        why = ("fused with the loss: hidden states -> loss, no [tokens, vocab] logits" if fused
-               else f"logits path ({self.blocker})" if setting == "auto"
-               else "logits path (compute.fused_output_layer=false)")
-        if why not in _SAID:  # once per process: the policy and the reference say the same
-            _SAID.add(why)
+        if setting == "auto" and self.blocker is None:
+            w = self.output_weight()
+            fused, why = auto_output_path(rows, w.shape[0], w.element_size(),
+                                          free_gpu_bytes(w.device))
+        else:
+            fused = setting is True
+            why = ("fused with the loss: hidden states -> loss, no [tokens, vocab] logits"
+                   if fused else f"logits path ({self.blocker})" if setting == "auto"
+                   else "logits path (compute.fused_output_layer=false)")
+        key = why.split(" (")[0] + ("" if "auto on GPU" not in why else " auto")
+        if key not in _SAID:  # once per process: the policy and the reference say the same
+            _SAID.add(key)
             log.info("output layer: %s", why)
         return fused
+
+    def output_weight(self) -> Tensor:
+        """[V_local, h] the weight this stage's output layer multiplies by (tied: the
+        embedding's on the first stage, where megatron's layer holds none)."""
+        w = getattr(self.layer, "weight", None)
+        if w is None and self.gpt is not None:
+            w = self.gpt.shared_embedding_or_output_weight()
+        return w
 
     def _select(self, module, args: tuple, kwargs: dict):
         if self.flat is None and not self.fused:

@@ -63,6 +63,30 @@ def test_auto_true_false_and_what_blocks_it():
         biased.use_fused(True)
 
 
+def test_auto_on_a_gpu_takes_the_logits_path_while_they_fit(caplog):
+    """auto on a GPU: the logits path while the micro-batch's logits [n, V_local] take at most
+    1/LOGITS_SHARE_GPU of the free memory (it is faster there, docs/performance.md), the fused
+    layer beyond; off a GPU (free memory None) always the fused layer. Each choice is named."""
+    from megagrpo import positions
+
+    gib, share = 1 << 30, positions.LOGITS_SHARE_GPU
+    v, b = 151936, 2
+    fits = (share * v * b * 4096, share * v * b * 4096 - 1)  # exactly 1/share: logits path
+    assert positions.auto_output_path(4096, v, b, fits[0])[0] is False
+    fused, why = positions.auto_output_path(4096, v, b, fits[1])
+    assert fused and "exceed 1/4 of the free" in why and "[4096, 151936]" in why
+    assert positions.auto_output_path(4096, v, b, 100 * gib)[0] is False  # 1.16 GiB of 100
+    assert positions.auto_output_path(131072, v, b, 100 * gib)[0] is True  # 37 GiB of 100
+    assert positions.auto_output_path(10 ** 9, v, b, None)[0] is True  # CPU: unchanged
+    sel = OutputPositions(_OutputLayer(7, 4))
+    assert positions.free_gpu_bytes(sel.output_weight().device) is None
+    positions._SAID.clear()
+    with caplog.at_level("INFO", logger="megagrpo"):
+        assert sel.use_fused("auto", 10 ** 9) and sel.use_fused("auto", 1)  # CPU weight
+    assert [r.getMessage() for r in caplog.records] == [
+        "output layer: fused with the loss: hidden states -> loss, no [tokens, vocab] logits"]
+
+
 def test_config_values():
     assert load_config(None, []).compute.fused_output_layer == "auto"
     for raw, want in (("true", True), ("false", False), ("auto", "auto")):

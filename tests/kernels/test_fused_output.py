@@ -146,15 +146,43 @@ def test_no_tokens_by_vocab_tensor_exists():
           TOL64[torch.bfloat16], "chunked bf16")
 
 
-def test_default_chunks_bound_memory():
-    """Default chunks: <= CHUNK_ELEMS logits and <= 1/32 of the logits they replace."""
-    for t, v, cuda in ((16384, 151936, False), (1024, 151936, False), (256, 151936, False),
-                       (16384, 151936, True), (1024, 18992, True)):
-        tc, vc = fo.chunk_shape(t, v, cuda=cuda)
-        assert tc == min(t, fo.CHUNK_TOKENS_CUDA if cuda else fo.CHUNK_TOKENS)
-        assert tc * vc <= (fo.CHUNK_ELEMS_CUDA if cuda else fo.CHUNK_ELEMS)
-        assert tc * vc <= max(t * v / 32, fo.MIN_CHUNK_ELEMS), (t, v, cuda)  # <= 3% of logits
+def test_default_chunks_bound_memory(monkeypatch):
+    """Default chunks: on the CPU (and on GPU under the old "v1" rules) <= CHUNK_ELEMS logits and
+    <= 1/32 of the logits they replace; on GPU ("v2") <= CHUNK_ELEMS_CUDA_V2 values in rows of a
+    multiple of CHUNK_ALIGN_CUDA vocab columns (16-byte aligned for cuBLAS) or the whole shard."""
+    for rules in ("v1", "v2"):
+        monkeypatch.setattr(fo, "CUDA_RULES", rules)
+        for t, v, cuda in ((16384, 151936, False), (1024, 151936, False), (256, 151936, False),
+                           (16384, 151936, True), (1024, 18992, True), (4096, 151936, True)):
+            tc, vc = fo.chunk_shape(t, v, cuda=cuda)
+            if cuda and rules == "v2":
+                assert tc == min(t, fo.CHUNK_TOKENS_CUDA_V2) and tc * vc <= fo.CHUNK_ELEMS_CUDA_V2
+                assert vc % fo.CHUNK_ALIGN_CUDA == 0 or vc == v, (t, v, vc)
+                continue
+            assert tc == min(t, fo.CHUNK_TOKENS_CUDA if cuda else fo.CHUNK_TOKENS)
+            assert tc * vc <= (fo.CHUNK_ELEMS_CUDA if cuda else fo.CHUNK_ELEMS)
+            assert tc * vc <= max(t * v / 32, fo.MIN_CHUNK_ELEMS), (t, v, cuda)  # <= 3%
     assert fo.chunk_shape(5, 100, cuda=False) == (5, 100)
+    assert fo.chunk_shape(4096, 151936, cuda=True) == (4096, 32768)  # v2, measured on the H200
+    monkeypatch.setattr(fo, "CUDA_RULES", "v1")
+    assert fo.chunk_shape(4096, 151936, cuda=True) == (4096, 4748)  # v1: 9496-byte rows
+
+
+def test_gpu_gradient_in_forward_rule(monkeypatch):
+    """GPU ("v2"): the gradient-in-forward path takes chunks of GRAD_CHUNK_ELEMS_CUDA values and
+    runs only with >= GRAD_MIN_TOKENS_CUDA tokens per chunk (or one chunk), bf16 still only from
+    T >= 64 H (its fp32 dW); "v1" and the CPU keep 1/32 of the logits and GRAD_MIN_TOKENS."""
+    v = 151936
+    assert fo.grad_chunk_tokens(16384, v, cuda=True) == fo.GRAD_CHUNK_ELEMS_CUDA // v  # 3533
+    assert fo.grad_chunk_tokens(16384, v, cuda=False) == fo.grad_chunk_tokens(16384, v) == 220
+    assert fo.use_grad_in_forward(16384, 1024, 1024, 4, cuda=True) is False  # < 2048 tokens
+    assert fo.use_grad_in_forward(16384, 2048, 1024, 4, cuda=True) is True
+    assert fo.use_grad_in_forward(1000, 1000, 1024, 4, cuda=True) is True  # one chunk
+    assert fo.use_grad_in_forward(16384, 3533, 1024, 2, cuda=True) is False  # bf16 T < 64 H
+    assert fo.use_grad_in_forward(16384, 220, 1024, 4, cuda=False) is True  # CPU: unchanged
+    monkeypatch.setattr(fo, "CUDA_RULES", "v1")
+    assert fo.grad_chunk_tokens(16384, v, cuda=True) == 220
+    assert fo.use_grad_in_forward(16384, 220, 1024, 4, cuda=True) is True
 
 
 def test_scoring_without_grad_and_bad_inputs():
