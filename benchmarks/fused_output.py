@@ -549,7 +549,7 @@ def sweep(args) -> None:
               for h, t in sizes for c in sweep_configs(t, args.V))
     emit(dict(sweep="plan", sizes=sizes, rows=sum(len(sweep_configs(t, args.V))
                                                   for _, t in sizes),
-              model_device_s_per_pass=round(est, 2), calls_per_row=1 + args.iters))
+              model_device_s_per_pass=round(est, 2), calls_per_row=2 + args.iters))
     for h, t in sizes:
         inp = ref = None
         for cfg in sweep_configs(t, args.V):
