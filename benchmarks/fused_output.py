@@ -533,8 +533,9 @@ def _timed(step, device, iters: int, max_s: float) -> dict:
 
 def sweep(args) -> None:
     """``--sweep``: every ``sweep_configs`` shape at every (H, T) of ``--H`` x ``--T`` (one
-    rank, ``--dtypes``' first dtype): time, host time, peak extra memory and the model's
-    prediction (``cost_model``) per row; rows beyond the memory budget say so."""
+    rank, ``--dtypes``' first dtype): time, host time, peak extra memory, the model's prediction
+    (``cost_model``) and the largest gradient difference (dh, dW, relative to the largest value)
+    from the logits path's per row; rows beyond the memory budget say so."""
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dname = args.dtypes.split(",")[0]
@@ -548,9 +549,9 @@ def sweep(args) -> None:
               for h, t in sizes for c in sweep_configs(t, args.V))
     emit(dict(sweep="plan", sizes=sizes, rows=sum(len(sweep_configs(t, args.V))
                                                   for _, t in sizes),
-              model_device_s_per_pass=round(est, 2), calls_per_row=1 + args.iters))
+              model_device_s_per_pass=round(est, 2), calls_per_row=2 + args.iters))
     for h, t in sizes:
-        inp = None
+        inp = ref = None
         for cfg in sweep_configs(t, args.V):
             res = _resolved(cfg, t, h, args.V, dtype.itemsize, cuda)
             record = dict(sweep=cfg["name"], path=cfg["path"], rules=cfg["rules"], T=t, H=h,
@@ -580,7 +581,8 @@ def sweep(args) -> None:
 
             try:
                 with cuda_rules(cfg["rules"]):
-                    peak = peak_extra_bytes(step, device)  # first call: also the warm-up
+                    # first call: also the warm-up (CPU: the RSS mark, O(1), smoke runs only)
+                    peak = peak_extra_bytes(step, device, "allocator" if cuda else "rss")
                     record.update(_timed(step, device, args.iters, args.sweep_max_s))
             except (RuntimeError, MemoryError) as e:
                 emit(dict(record, skipped=f"failed: {type(e).__name__}: "
@@ -589,8 +591,13 @@ def sweep(args) -> None:
             out_bytes = (hh.numel() + ww.numel()) * hh.element_size()
             record.update(peak_extra_bytes=peak, peak_pct_of_logits=round(
                 100 * max(0, peak - out_bytes) / record["logits_bytes"], 2))
+            with cuda_rules(cfg["rules"]):
+                grads = [g.float() for g in step()]
+            ref = grads if ref is None else ref  # the first row: the logits path
+            record["grad_max_rel_diff"] = max(float((g - r).abs().max() / r.abs().max())
+                                              for g, r in zip(grads, ref))
             emit(record, args.out)
-        del inp
+        del inp, ref
         if cuda:
             torch.cuda.empty_cache()
 

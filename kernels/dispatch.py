@@ -74,7 +74,8 @@ class VocabPass(NamedTuple):
     chunk_tokens: int | None = None
     """Hidden-state form: tokens per chunk (None = automatic)."""
     chunk_vocab: int | None = None
-    """Hidden-state form, recomputing path: vocab rows per chunk (None = automatic)."""
+    """Hidden-state form, recomputing path (with or without token weights): vocab rows per
+    chunk (None = automatic)."""
     grad_in_forward: bool | None = None
     """Hidden-state form with token weights: force (True / False) or choose (None) the path
     that computes the gradient in the forward."""

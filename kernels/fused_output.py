@@ -102,16 +102,19 @@ rows. H200, bf16, V 151,936, (Tc, Vc) = (4096, 4748) against (4096, 4736)
 110 / 78 ms (H 1024, T 16384), 88 / 35 ms and 353 / 167 ms (H 4096)."""
 CHUNK_TOKENS_CUDA_V2 = 16384
 CHUNK_ELEMS_CUDA_V2 = 1 << 27
-"""GPU chunks (``CUDA_RULES`` "v2"): up to 16384 tokens x 2^27 / Tc vocab rows (256 MiB in
-bf16, 0.2% of an H200), no share of the logits. The recomputing loop is bound by the host's
-launches (~22 per chunk, incl. two Triton kernels) until its chunks are big: on the H200 (bf16,
-H 1024, V 151,936, the same probe) the host took 19 of the 20 ms at (4096, 4736); at T=4096
-(4096, 8192 / 32768) took 15.4 / 9.2 ms, at T=16384 (4096, 8192 / 32768) and (16384, 8192)
-60.6 / 38.8 / 37.2 ms (the logits path: 6.4 and 26.6 ms); at H 4096 the same shapes are within
-7% of each other (GEMM-bound). The v1 rule (CHUNK_TOKENS_CUDA, CHUNK_ELEMS_CUDA and the 1/32
-share) made 32-76 chunks of 4096 tokens."""
+CHUNK_FLOOR_CUDA = 1 << 26
+"""GPU chunks (``CUDA_RULES`` "v2"): up to 16384 tokens, and 1/CHUNK_SHARE of the logits as
+before but at least CHUNK_FLOOR_CUDA values (128 MiB in bf16, 0.1% of an H200) and at most
+CHUNK_ELEMS_CUDA_V2. The recomputing loop is bound by the host's launches (~22 per chunk, incl.
+two Triton kernels, ~25 us each) until its chunks are big: on the H200 (bf16, H 1024, V 151,936,
+the probe above) the host took 19 of the 20 ms at (4096, 4736); at T=4096 (4096, 8192 / 32768)
+took 15.4 / 9.2 ms, at T=16384 (4096, 8192 / 32768) and (16384, 8192) 60.6 / 38.8 / 37.2 ms
+(the logits path: 6.4 and 26.6 ms); at H 4096 the same shapes were within 7% of each other
+(GEMM-bound). v2 gives (4096, 16384) at T=4096 and (16384, 4736) at T=16384 (32 chunks, ~2x
+the launches of (16384, 8192) but within 1/32 of the logits); v1 (CHUNK_TOKENS_CUDA,
+CHUNK_ELEMS_CUDA) made 32-152 chunks of 4096 tokens."""
 CUDA_RULES = "v2"
-""""v2": the GPU chunk rules measured on the H200 (CHUNK_ALIGN_CUDA, CHUNK_*_CUDA_V2,
+""""v2": the GPU chunk rules measured on the H200 (CHUNK_ALIGN_CUDA, CHUNK_*_CUDA_V2 and FLOOR,
 GRAD_MIN_TOKENS_CUDA, GRAD_CHUNK_ELEMS_CUDA, DW_BLOCK_ROWS_CUDA); "v1": the CPU-tuned ones of
 before, kept so that ``benchmarks/fused_output.py --sweep`` compares the two. The CPU rules are
 the same under both."""
@@ -123,7 +126,8 @@ def chunk_shape(n_rows: int, n_cols: int, cuda: bool, chunk_tokens: int | None =
     GPU (``cuda``) or the CPU (the planner reads it too)."""
     if cuda and CUDA_RULES != "v1":
         tc = chunk_tokens or min(max(n_rows, 1), CHUNK_TOKENS_CUDA_V2)
-        vc = chunk_vocab or max(CHUNK_ALIGN_CUDA, CHUNK_ELEMS_CUDA_V2 // tc
+        budget = min(CHUNK_ELEMS_CUDA_V2, max(CHUNK_FLOOR_CUDA, n_rows * n_cols // CHUNK_SHARE))
+        vc = chunk_vocab or max(CHUNK_ALIGN_CUDA, budget // tc
                                 // CHUNK_ALIGN_CUDA * CHUNK_ALIGN_CUDA)
         return max(1, tc), max(1, min(vc, max(n_cols, 1)))
     tc = chunk_tokens or min(max(n_rows, 1), CHUNK_TOKENS_CUDA if cuda else CHUNK_TOKENS)

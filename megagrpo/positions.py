@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 log = logging.getLogger("megagrpo")
@@ -61,13 +62,19 @@ def auto_output_path(rows: int, v_local: int, itemsize: int, free_bytes: int | N
                   f"{free_bytes / 2**30:.1f} GiB): hidden states -> loss, no logits")
 
 
-def free_gpu_bytes(device: torch.device) -> int | None:
+def free_gpu_bytes(device: torch.device, group=None) -> int | None:
     """Free memory of ``device`` for a new tensor: the driver's free bytes plus what torch's
-    caching allocator holds unused; None off a GPU."""
+    caching allocator holds unused, the least over ``group`` (the output layer's TP group: its
+    ranks must take the same path, whose collectives differ); None off a GPU."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        least = torch.tensor([free], dtype=torch.int64, device=device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)
+        free = int(least.item())
+    return free
 
 
 def loss_positions(mask: Tensor) -> Tensor:
@@ -127,8 +134,8 @@ class OutputPositions:
                              "compute.fused_output_layer=auto or false")
         if setting == "auto" and self.blocker is None:
             w = self.output_weight()
-            fused, why = auto_output_path(rows, w.shape[0], w.element_size(),
-                                          free_gpu_bytes(w.device))
+            fused, why = auto_output_path(rows, w.shape[0], w.element_size(), free_gpu_bytes(
+                w.device, getattr(self.layer, "tp_group", None)))
         else:
             fused = setting is True
             why = ("fused with the loss: hidden states -> loss, no [tokens, vocab] logits"

@@ -80,8 +80,10 @@ class ComputeConfig(Section):
     fused_output_layer: bool | str = "auto"
     """Compute log-probs, entropy and the loss straight from the final hidden states and the
     output weight in chunks, so no [tokens, vocab] logits exist (scoring, update, cold start);
-    'auto': wherever it runs (not beside an output-layer bias or multi-token prediction);
-    false: megatron's output layer and the logits kernels."""
+    'auto': wherever it runs (not beside an output-layer bias or multi-token prediction), except
+    on a GPU while a micro-batch's logits fit in 1/4 of the free memory (the logits path is the
+    faster one there, docs/performance.md); false: megatron's output layer and the logits
+    kernels."""
 
     balance_tokens: bool | None = None
     """Move a step's sequences between DP replicas so each computes about the same number of

@@ -148,8 +148,9 @@ def test_no_tokens_by_vocab_tensor_exists():
 
 def test_default_chunks_bound_memory(monkeypatch):
     """Default chunks: on the CPU (and on GPU under the old "v1" rules) <= CHUNK_ELEMS logits and
-    <= 1/32 of the logits they replace; on GPU ("v2") <= CHUNK_ELEMS_CUDA_V2 values in rows of a
-    multiple of CHUNK_ALIGN_CUDA vocab columns (16-byte aligned for cuBLAS) or the whole shard."""
+    <= 1/32 of the logits they replace; on GPU ("v2") the same 1/32 but at least
+    CHUNK_FLOOR_CUDA and at most CHUNK_ELEMS_CUDA_V2 values, in rows of a multiple of
+    CHUNK_ALIGN_CUDA vocab columns (16-byte aligned for cuBLAS) or the whole shard."""
     for rules in ("v1", "v2"):
         monkeypatch.setattr(fo, "CUDA_RULES", rules)
         for t, v, cuda in ((16384, 151936, False), (1024, 151936, False), (256, 151936, False),
@@ -158,12 +159,14 @@ def test_default_chunks_bound_memory(monkeypatch):
             if cuda and rules == "v2":
                 assert tc == min(t, fo.CHUNK_TOKENS_CUDA_V2) and tc * vc <= fo.CHUNK_ELEMS_CUDA_V2
                 assert vc % fo.CHUNK_ALIGN_CUDA == 0 or vc == v, (t, v, vc)
+                assert tc * vc <= max(t * v / 32, fo.CHUNK_FLOOR_CUDA)
                 continue
             assert tc == min(t, fo.CHUNK_TOKENS_CUDA if cuda else fo.CHUNK_TOKENS)
             assert tc * vc <= (fo.CHUNK_ELEMS_CUDA if cuda else fo.CHUNK_ELEMS)
             assert tc * vc <= max(t * v / 32, fo.MIN_CHUNK_ELEMS), (t, v, cuda)  # <= 3%
     assert fo.chunk_shape(5, 100, cuda=False) == (5, 100)
-    assert fo.chunk_shape(4096, 151936, cuda=True) == (4096, 32768)  # v2, measured on the H200
+    assert fo.chunk_shape(4096, 151936, cuda=True) == (4096, 16384)  # v2: the 128 MiB floor
+    assert fo.chunk_shape(16384, 151936, cuda=True) == (16384, 4736)  # v2: 1/32, aligned
     monkeypatch.setattr(fo, "CUDA_RULES", "v1")
     assert fo.chunk_shape(4096, 151936, cuda=True) == (4096, 4748)  # v1: 9496-byte rows
 
