@@ -83,6 +83,16 @@ def _v1_shapes(t: int, v: int) -> dict:
             "fused_forward": ("forward", tg, v, 2048)}
 
 
+def _v2_shapes(t: int, v: int) -> dict:
+    """(Tc, Vc) of the fused rows run under the v2 GPU rules (kernels/fused_output.py)."""
+    from megagrpo.kernels import fused_output as fo
+
+    tc, vc = fo.chunk_shape(t, v, True)
+    tg = fo.grad_chunk_tokens(t, v, cuda=True)
+    return {"fused_recompute": ("recompute", tc, vc, fo.DW_BLOCK_ROWS_CUDA),
+            "fused_forward": ("forward", tg, v, fo.DW_BLOCK_ROWS_CUDA)}
+
+
 def _probe_case(case: str, t: int, v: int) -> tuple | None:
     """(grad, Tc, Vc, dW block) of a probe row's case name ("rec 4096x4736", "grad 128
     blk2048"); None for its naive row."""
@@ -121,6 +131,16 @@ def h200_table(path: str) -> str:
         shape = _v1_shapes(r["T"], r["V_local"]).get(r["path"])
         lines.append(_row("gpu_check, GRPO", r["H"], r["T"], r["path"], shape, r["fwd_bwd_s"],
                           None, "grpo", r["V_local"], r.get("peak_pct_of_logits")))
+    v2 = os.path.join(os.path.dirname(path), "fused_output_v2_h200.jsonl")
+    if os.path.exists(v2):  # the same gpu_check step, rerun under the v2 rules
+        for line in open(v2):
+            r = json.loads(line) if line.strip() else None
+            if not r or "fwd_bwd_s" not in r or r["path"] == "naive":
+                continue
+            shape = _v2_shapes(r["T"], r["V_local"]).get(r["path"])
+            lines.append(_row("gpu_check v2, GRPO", r["H"], r["T"], r["path"], shape,
+                              r["fwd_bwd_s"], None, "grpo", r["V_local"],
+                              r.get("peak_pct_of_logits")))
     probe = os.path.join(os.path.dirname(path), "fused_output_probe_h200.jsonl")
     if os.path.exists(probe):
         for line in open(probe):

@@ -439,7 +439,8 @@ def table(path: str) -> str:
             out.append(f"| {'on' if r['compile_layers'] else 'off'} | {r['layout']} | "
                        f"{r['output']} | failed: {r['error'][:120]} |" + " |" * 7)
             continue
-        comp = f"{r['compile_s']:.0f} s" if r["compile_layers"] else "-"
+        comp = "-" if not r["compile_layers"] else (
+            f"{r['compile_s']:.0f} s" if r["compile_s"] >= 0.5 else "none (graph cached)")
         out.append(
             f"| {'on' if r['compile_layers'] else 'off'} | {r['layout']} "
             f"({r['processed_tokens']} tokens) | {r['output']} | {r['update_s'] * 1e3:.0f} ms | "
@@ -455,7 +456,32 @@ def table(path: str) -> str:
                    f"parameters, {r['rows']} rows of up to {r['seq']} tokens ({r['real_tokens']} "
                    f"real, {r['loss_tokens']} loss tokens); torch.mm {r['mm_tflops']:.0f} TFLOP/s "
                    f"at {r['mm_n']}^3; {r['layer_spec']} layer spec, {r['attention']} attention.")
+    out += _fp32_check(p.with_name(p.name.replace("_h200", "_fp32_h200")))
     return "\n".join(out)
+
+
+def _fp32_check(p: Path) -> list[str]:
+    """Lines for the fp32 rows beside the bf16 file (`--shape gpu32`): compiled vs eager
+    without bf16 rounding; nothing when the file does not exist."""
+    if not p.exists():
+        return []
+    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("bench") == "gpu_step" and "error" not in r]
+    if not rows:
+        return []
+    r0 = rows[0]
+    out = ["", f"fp32 check (`--shape {r0['shape']}`, {p.name}: {r0['params'] / 1e9:.2f}B "
+               f"parameters, {r0['rows']} rows of up to {r0['seq']} tokens, torch.mm "
+               f"{r0['mm_tflops']:.0f} TFLOP/s fp32):", "",
+           "| compile_layers | layout | output layer | update | update MFU | loss / grad rel. "
+           "diff vs eager | log-prob max abs diff | within fp32 tolerance |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {'on' if r['compile_layers'] else 'off'} | {r['layout']} | {r['output']} "
+                   f"| {r['update_s'] * 1e3:.0f} ms | {r['mfu_update']:.0%} | "
+                   f"{r['loss_rel_diff']:.1e} / {r['grad_rel_diff']:.1e} | "
+                   f"{r['logp_max_abs_diff']:.1e} | {'yes' if r['ok'] else 'no'} |")
+    return out
 
 
 def write_doc(doc: str, generated: str) -> None:
