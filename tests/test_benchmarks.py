@@ -754,3 +754,14 @@ def test_gpu_step_table_keeps_failed_rows(tmp_path):
     assert lines[2].startswith("| off | padded (16 tokens) | fused | 500 ms | 300 (40%) |")
     assert lines[3].startswith("| on | padded | logits | failed: RuntimeError: boom |")
     assert lines[3].count("|") == lines[2].count("|")
+
+
+def test_performance_doc_kernels_h200_table_is_the_results():
+    """docs/performance.md's H200 kernel table is `kernels.py --table` of the committed rows."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import kernels as kb
+
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    start = doc.index(kb.DOC_START)
+    block = doc[doc.index("\n", start) + 1:doc.index(kb.DOC_END)].strip()
+    assert block == kb.table(str(ROOT / "benchmarks" / "results" / "kernels_h200.jsonl"))
