@@ -456,7 +456,8 @@ def table(path: str) -> str:
                    f"parameters, {r['rows']} rows of up to {r['seq']} tokens ({r['real_tokens']} "
                    f"real, {r['loss_tokens']} loss tokens); torch.mm {r['mm_tflops']:.0f} TFLOP/s "
                    f"at {r['mm_n']}^3; {r['layer_spec']} layer spec, {r['attention']} attention.")
-    out += _fp32_check(p.with_name(p.name.replace("_h200", "_fp32_h200")))
+    if "_h200" in p.name:  # gpu_step_h200.jsonl -> gpu_step_fp32_h200.jsonl beside it
+        out += _fp32_check(p.with_name(p.name.replace("_h200", "_fp32_h200")))
     return "\n".join(out)
 
 
