@@ -220,6 +220,9 @@ def measure(config: str, steps: int, seed: int = 0, nproc: int = NPROC, evaluate
     why = refusal(config)
     if why:
         return {**base, "refused": why}
+    import torch
+
+    base["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="mg-longtail-") as tmp:
         out = Path(tmp) / "run"
