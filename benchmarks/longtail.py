@@ -236,27 +236,31 @@ def measure(config: str, steps: int, seed: int = 0, nproc: int = NPROC, evaluate
 
 
 # ---------------------------------------------------------------------- the tables
-def projection(sync: dict, gpus: int, train_ranks: int) -> dict:
-    """A step on `gpus` GPUs from the colocated sync run's phase times (2 ranks), by a stated
-    model. g: the sync run's rollout phase (each engine samples its share of the batch; under a
-    long tail its time is set by the longest completion's decode steps, which do not shrink
-    with more engines, so g is taken as is); W = 2 x (step - g - s): the training work
-    (scoring, update) in rank-seconds, split evenly over the ranks that train; s: the weight
-    sync, taken as is.
+def projection(sync: dict, gpus: int, train_ranks: int, score_ratio: float = 0.0) -> dict:
+    """A step on `gpus` GPUs (one engine or one training rank each) from the colocated sync
+    run's phase times (2 ranks), by a stated model. g: the sync run's rollout phase (each engine
+    samples its share of the batch; under a long tail its time is set by the longest
+    completion's decode steps, which do not shrink with more engines, so g is taken as is);
+    W = 2 x (step - g - s): the training work in rank-seconds, split evenly over the ranks that
+    train; s: the weight sync, taken as is. An async step also scores its stale batch under the
+    proximal policy (a forward pass the sync step skips): its work is W x (1 + score_ratio),
+    score_ratio = time_score / time_update of a measured async run.
       colocated sync on N:                  g + W / N + s
-      separate, T train + N - T rollout:    max(g, W / T + s)  (k >= 1: sampling overlaps)
-      the same with in-flight updates:      max(g, W / T) + s / 2  (the engines load the new
-                                            weights mid-draw; half the sync overlaps)
+      separate, T train + N - T rollout:    max(g, Wa / T) + s  (k >= 1: sampling overlaps
+                                            training, but a sync waits for the running draw to
+                                            end: a broadcast needs both sides)
+      the same with in-flight updates:      max(g, Wa / T + s)  (the engines take the sync
+                                            mid-draw, so only the trainer's side pays it)
     The tokens of a step are the same in every case, so tokens/s scale as 1 / step."""
     ph = sync["phases"]
     g = ph.get("time_rollout", 0.0) + ph.get("time_rollout_wait", 0.0)
     s = ph.get("time_weight_sync", 0.0)
     work = 2.0 * max(sync["step_s"] - g - s, 0.0)
-    colo = g + work / gpus + s
-    sep = max(g, work / train_ranks + s)
-    infl = max(g, work / train_ranks) + s / 2
+    work_async = work * (1.0 + score_ratio)
     return {"gpus": gpus, "train_ranks": train_ranks, "g": g, "work": work, "s": s,
-            "colocated_sync_s": colo, "separate_s": sep, "separate_inflight_s": infl}
+            "work_async": work_async, "colocated_sync_s": g + work / gpus + s,
+            "separate_s": max(g, work_async / train_ranks) + s,
+            "separate_inflight_s": max(g, work_async / train_ranks + s)}
 
 
 def table(path: Path) -> str:
@@ -291,15 +295,19 @@ def table(path: Path) -> str:
               "| GPUs | training ranks | colocated sync step s | separate k>=1 step s | "
               "separate + in-flight step s | separate vs sync | + in-flight vs sync |",
               "|---|---|---|---|---|---|---|"]
+    asy = next((r for r in ran if r["config"] == "separate-k1"), None)
+    ratio = (asy["phases"].get("time_score", 0.0) / asy["phases"]["time_update"]) if asy else 0.0
     for gpus, t in ((8, 4), (8, 6), (16, 8), (16, 12)):
-        p = projection(base, gpus, t)
+        p = projection(base, gpus, t, ratio)
         lines.append(f"| {gpus} | {t} | {p['colocated_sync_s']:.2f} | {p['separate_s']:.2f} | "
                      f"{p['separate_inflight_s']:.2f} | "
                      f"{p['colocated_sync_s'] / p['separate_s']:.2f}x | "
                      f"{p['colocated_sync_s'] / p['separate_inflight_s']:.2f}x |")
-    p = projection(base, 8, 4)
-    lines += ["", f"Projection inputs (colocated sync, measured): g = {p['g']:.2f} s rollout, "
-              f"W = {p['work']:.2f} rank-s training work, s = {p['s']:.2f} s weight sync."]
+    p = projection(base, 8, 4, ratio)
+    lines += ["", f"Projection inputs (measured): g = {p['g']:.2f} s rollout, W = "
+              f"{p['work']:.2f} rank-s training work, s = {p['s']:.2f} s weight sync (colocated "
+              f"sync, seed {base['seed']}); proximal scoring adds {ratio:.2f} x the update "
+              "(separate-k1)."]
     return "\n".join(lines)
 
 

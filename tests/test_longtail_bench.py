@@ -67,10 +67,13 @@ def test_projection_by_hand():
     p = bench.projection(sync, gpus=8, train_ranks=4)
     assert (p["g"], p["work"], p["s"]) == (4.0, 10.0, 1.0)  # W = 2 x (10 - 4 - 1)
     assert p["colocated_sync_s"] == pytest.approx(4 + 10 / 8 + 1)
-    assert p["separate_s"] == pytest.approx(max(4, 10 / 4 + 1))
-    assert p["separate_inflight_s"] == pytest.approx(max(4, 10 / 4) + 0.5)
+    assert p["separate_s"] == pytest.approx(max(4, 10 / 4) + 1)
+    assert p["separate_inflight_s"] == pytest.approx(max(4, 10 / 4 + 1))
     slow = bench.projection({**sync, "step_s": 45.0}, gpus=8, train_ranks=4)  # training-bound
-    assert slow["separate_s"] == pytest.approx(80 / 4 + 1)
+    assert slow["separate_s"] == slow["separate_inflight_s"] == pytest.approx(80 / 4 + 1)
+    scored = bench.projection(sync, gpus=8, train_ranks=4, score_ratio=1.0)
+    assert scored["work_async"] == 20.0 and scored["separate_s"] == pytest.approx(20 / 4 + 1)
+    assert scored["colocated_sync_s"] == p["colocated_sync_s"]  # a sync step scores nothing
 
 
 def test_longtail_benchmark_smallest(tmp_path, monkeypatch):
