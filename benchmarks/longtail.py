@@ -263,6 +263,16 @@ def projection(sync: dict, gpus: int, train_ranks: int, score_ratio: float = 0.0
             "separate_inflight_s": max(g, work_async / train_ranks + s)}
 
 
+def reward_windows(curve: list[list[float]], width: float, count: int) -> list[float | None]:
+    """Mean reward of the steps that ended in each `width`-second window of the trainer's
+    cumulative step time ([0, width), [width, 2 width), ...); None for a window with none."""
+    out: list[float | None] = []
+    for w in range(count):
+        inside = [r for t, r in curve if w * width <= t < (w + 1) * width]
+        out.append(statistics.fmean(inside) if inside else None)
+    return out
+
+
 def table(path: Path) -> str:
     """docs/performance.md's tables: the measured runs, then the projection."""
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
@@ -303,6 +313,15 @@ def table(path: Path) -> str:
                      f"{p['separate_inflight_s']:.2f} | "
                      f"{p['colocated_sync_s'] / p['separate_s']:.2f}x | "
                      f"{p['colocated_sync_s'] / p['separate_inflight_s']:.2f}x |")
+    width = 10.0
+    count = int(max(r["reward_curve"][-1][0] for r in ran) // width) + 1
+    lines += ["", "| configuration | seed | " + " | ".join(
+        f"{w * width:.0f}-{(w + 1) * width:.0f} s" for w in range(count)) + " |",
+        "|---|---|" + "---|" * count]
+    for r in ran:
+        cells = ["" if v is None else f"{v:.3f}"
+                 for v in reward_windows(r["reward_curve"], width, count)]
+        lines.append(f"| {r['config']} | {r['seed']} | " + " | ".join(cells) + " |")
     p = projection(base, 8, 4, ratio)
     lines += ["", f"Projection inputs (measured): g = {p['g']:.2f} s rollout, W = "
               f"{p['work']:.2f} rank-s training work, s = {p['s']:.2f} s weight sync (colocated "

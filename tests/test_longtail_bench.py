@@ -61,6 +61,12 @@ def test_summary_is_the_hand_computed_one():
     assert s["reward_last3"] == pytest.approx(0.7 / 3)
 
 
+def test_reward_windows_by_hand():
+    bench = _bench()
+    curve = [[3.0, 0.1], [9.9, 0.3], [10.0, 0.5], [31.0, 0.7]]
+    assert bench.reward_windows(curve, 10.0, 4) == [pytest.approx(0.2), 0.5, None, 0.7]
+
+
 def test_projection_by_hand():
     bench = _bench()
     sync = {"step_s": 10.0, "phases": {"time_rollout": 4.0, "time_weight_sync": 1.0}}
