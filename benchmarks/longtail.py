@@ -171,6 +171,8 @@ def summarize(records: list[dict], dp: int, skip: int = 1) -> dict:
             "queue_depth": mean("rollout_queue_depth"), "lag_mean": mean("staleness_mean"),
             "lag_max": max(float(r.get("staleness_max", 0.0)) for r in kept),
             "stale_dropped": sum(float(r.get("stale_dropped", 0.0)) for r in kept),
+            "token_lag_mean": mean("token_lag_mean"),
+            "inflight_midway": mean("inflight_midway"),
             "reward_first": steps[0]["reward_mean"],
             "reward_last3": statistics.fmean(r["reward_mean"] for r in steps[-3:]),
             "reward_curve": curve}

@@ -47,9 +47,9 @@ def test_summary_is_the_hand_computed_one():
     a = {"reward_mean": 0.2, "time_rollout": 1.0, "time_update": 3.0, "tokens_per_s": 100.0,
          "completion_len": 20.0, "stale_dropped": 8.0, "staleness_mean": 0.5,
          "staleness_max": 1.0, "trainer_idle_s": 1.0, "rollout_idle_s": 2.0,
-         "rollout_queue_depth": 1.0}
+         "rollout_queue_depth": 1.0, "inflight_midway": 1.0, "token_lag_mean": 0.25}
     b = dict(a, reward_mean=0.4, time_update=1.0, tokens_per_s=300.0, stale_dropped=0.0,
-             staleness_max=2.0)
+             staleness_max=2.0, inflight_midway=0.0)
     s = bench.summarize([first, a, b], dp=2)
     assert s["steps_kept"] == 2 and s["step_s"] == pytest.approx(3.0)  # (4 + 2) / 2
     # completion tokens: 100 x 4 + 300 x 2 over 6 s; trained: less 8 x 2 of n samples in a
@@ -57,6 +57,7 @@ def test_summary_is_the_hand_computed_one():
     assert s["trained_tokens_per_s"] == pytest.approx((400 * (1 - 16 / n) + 600) / 6)
     assert s["phases"] == {"time_rollout": 1.0, "time_update": 2.0}
     assert s["lag_mean"] == 0.5 and s["lag_max"] == 2.0 and s["stale_dropped"] == 8.0
+    assert s["inflight_midway"] == 0.5 and s["token_lag_mean"] == 0.25
     assert s["reward_curve"] == [[50.0, 0.1], [54.0, 0.2], [56.0, 0.4]]
     assert s["reward_last3"] == pytest.approx(0.7 / 3)
 
