@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megagrpo.config.context_parallel import check_context_parallel_run
 from megagrpo.config.data import ArithmeticConfig, DataConfig
 from megagrpo.config.model import ModelConfig
 from megagrpo.config.rollout import check_cpu_moe_width, check_head_dim
@@ -72,7 +71,6 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> Preflight:
     model = model_config(cfg)
     cfg = dataclasses.replace(cfg, model=model)  # the layout is checked against the real model
     cfg.validate(world_size)
-    check_context_parallel_run(cfg.parallel)
     check_paths(cfg.data)
     from megagrpo.rewards import resolve_terms  # imports torch: after the config-only checks
 
