@@ -139,6 +139,33 @@ def test_world_must_divide_by_tp_pp_cp():
     cfg.validate(world_size=8)  # DP = 2
 
 
+@pytest.mark.parametrize("world,k,tp,cp", [(8, 1, 2, 2), (8, 2, 2, 2), (8, 4, 2, 2), (4, 2, 1, 2),
+                                           (4, 1, 1, 4), (8, 8, 2, 2), (8, 4, 1, 2)])
+def test_rollout_layout_pairs_engines_with_cp_replicas(world, k, tp, cp):
+    """Every replica's prompts sampled exactly once by engines of its own ranks (megatron's
+    numbering, TP fastest, then CP, then DP, computed here independently), or by the pool when
+    an engine spans replicas (k not dividing tp x cp); the feed is shard to shard only when an
+    engine is one TP group (k = tp > 1)."""
+    from megagrpo.config.layout import RolloutLayout
+
+    dp, B = world // (tp * cp), 5
+    lays = [RolloutLayout(rank=r, world_size=world, engine_tp=k, train_tp=tp, train_pp=1,
+                          train_cp=cp) for r in range(world)]
+    replica = [(r // (tp * cp)) % dp for r in range(world)]
+    pooled = (tp * cp) % k != 0 and dp > 1
+    assert all(lay.dp == dp and lay.pooled == pooled for lay in lays)
+    assert all(lay.shard_to_shard == (k == tp > 1) for lay in lays)
+    if pooled:
+        engines = {lay.engine: lay.prompt_indices(dp * B) for lay in lays}
+        assert sorted(i for idx in engines.values() for i in idx) == list(range(dp * B))
+        return
+    for d in range(dp):
+        members = [lay for lay in lays if replica[lay.rank] == d]
+        engines = {lay.engine: lay.prompt_indices(B) for lay in members}
+        assert sorted(i for idx in engines.values() for i in idx) == list(range(B))
+        assert all({replica[r] for r in lay.engine_ranks()} == {d} for lay in members)
+
+
 # ---------------------------------------------------------------------- the run at CP=2
 # Tolerances. Both layouts run the same fp32 math in another order (chunked attention over
 # all-gathered keys, other micro-batches, the gradient summed over CP instead of DP): the
