@@ -38,7 +38,8 @@ def _rel(a: list, b: list) -> float:
 @pytest.mark.parametrize("layout", list(PAIRS))
 def test_cp_gradients_equal_layout_without_cp(run, layout):
     """Every rank's finalized gradients (reduced over DP x CP) of GRPO (sequence mean; logits
-    at loss positions and at every position), DAPO (token mean) and Dr. GRPO through the fused
+    at loss positions and at every position), GSPO (sequence ratio summed over CP), DAPO
+    (token mean) and Dr. GRPO through the fused
     output layer, and the supervised loss equal those of the layout without CP (same TP
     shards) within 1e-5 relative; so do the optimizer's grad norm, the scored log-probs of the
     whole batch (logits path and fused) and the loss reports, made whole over CP. Micro-batch
@@ -118,7 +119,6 @@ def test_local_batch_pads_and_keeps_row_lengths():
      "parallel.cp=2 with parallel.attention_impl='megatron'"),
     (["parallel.cp=2", "parallel.transformer_impl=transformer_engine"],
      "parallel.cp=2 with parallel.transformer_impl='transformer_engine'"),
-    (["parallel.cp=2", "algo.loss_agg=gspo"], "algo.loss_agg='gspo' with parallel.cp=2"),
     (["parallel.cp=2", "algo.loss_agg=bnpo"], "algo.loss_agg='bnpo' with parallel.cp=2"),
     (["parallel.cp=2", "algo.routing_replay=true"], "algo.routing_replay=true with parallel.cp=2"),
     (["parallel.cp=2", "compute.pack_sequences=true"],
@@ -164,6 +164,67 @@ def test_rollout_layout_pairs_engines_with_cp_replicas(world, k, tp, cp):
         engines = {lay.engine: lay.prompt_indices(B) for lay in members}
         assert sorted(i for idx in engines.values() for i in idx) == list(range(B))
         assert all({replica[r] for r in lay.engine_ranks()} == {d} for lay in members)
+
+
+# ---------------------------------------------------------------------- GSPO under CP
+def _gspo_inputs(n_rows: int = 3, width: int = 12):
+    """Rows of ragged valid tokens with log-probs, old log-probs and advantages [n, width]."""
+    g = torch.Generator().manual_seed(11)
+    logp = -2.0 + 0.5 * torch.randn(n_rows, width, generator=g)
+    old = logp + 0.1 * torch.randn(n_rows, width, generator=g)
+    adv = torch.randn(n_rows, 1, generator=g).expand(n_rows, width).contiguous()
+    lengths = torch.tensor([11, 4, 8])
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    return logp, old, adv, mask
+
+
+def _gspo_loss(logp, old, adv, mask, seq_len, split=None):
+    """GSPO's sequence-mean loss of these tokens [n, w] (each row's tokens over its whole
+    length `seq_len` [n]) and its gradient w.r.t. `logp`."""
+    from megagrpo.kernels import LossSpec, TokenInputs, loss_from_logp
+
+    x = logp.clone().requires_grad_(True)
+    n, w = logp.shape
+    ids = torch.arange(n).repeat_interleave(w)
+    spec = LossSpec(ratio_level="sequence", eps_low=0.05, eps_high=0.05)
+    tok, _ = loss_from_logp(spec, TokenInputs(old.reshape(-1), adv.reshape(-1), mask.reshape(-1),
+                                              seq_ids=ids, seq_split=split), x.reshape(-1))
+    loss = ((tok.view(n, w) * mask).sum(1) / seq_len).sum() / n
+    loss.backward()
+    return float(loss.detach()), x.grad
+
+
+def _gspo_rank(rank, world, rdzv, payload_path, out_dir):
+    from megagrpo.kernels import SequenceSplit
+    from tests.support.launch import gloo_rank, save_rank
+
+    logp, old, adv, mask = torch.load(payload_path)
+    cols = chunk_columns(logp.shape[1], world, rank)
+    part = [t[:, cols] for t in (logp, old, adv, mask)]
+    seq_len = mask.sum(1).float()
+    with gloo_rank(rank, world, rdzv) as group:
+        split = _gspo_loss(*part, seq_len, SequenceSplit(group, logp.shape[0]))
+        unsplit = _gspo_loss(*part, seq_len)  # the defect: each chunk's own sequence ratio
+    save_rank({"cols": cols, "split": split, "unsplit": unsplit}, out_dir, rank)
+
+
+def test_gspo_sequence_ratio_reduces_over_cp(tmp_path):
+    """GSPO's sequence ratio with each row split over 2 CP ranks in load-balanced chunks (the
+    log-ratio sums and counts all-reduced, their gradient all-reduced back): the chunks' losses
+    add up to the whole rows' loss and each rank's gradient w.r.t. its tokens' log-probs is the
+    whole rows' gradient at those columns (1e-6). Without the reduction (each chunk's own
+    ratio) the gradient is off: the check can fail. One row's ratio lies beyond the clip
+    range (no gradient), two inside."""
+    from tests.support.launch import spawn_ranks
+
+    inputs = _gspo_inputs()
+    ref_loss, ref_grad = _gspo_loss(*inputs, inputs[3].sum(1).float())
+    ranks = spawn_ranks(_gspo_rank, 2, inputs, tmp_path)
+    assert sum(r["split"][0] for r in ranks) == pytest.approx(ref_loss, rel=1e-6)
+    for r in ranks:
+        torch.testing.assert_close(r["split"][1], ref_grad[:, r["cols"]], rtol=1e-6, atol=1e-7)
+    off = max(float((r["unsplit"][1] - ref_grad[:, r["cols"]]).abs().max()) for r in ranks)
+    assert off > 1e-3 * float(ref_grad.abs().max())
 
 
 # ---------------------------------------------------------------------- the run at CP=2

@@ -39,11 +39,11 @@ def check_context_parallel(parallel: ParallelConfig, model: ModelConfig) -> None
 
 def check_context_parallel_training(algo, compute, parallel: ParallelConfig, *,
                                     placement: str = "colocated") -> None:
-    """The training part: GSPO's sequence ratio, bnpo's per-micro-batch token mean and routing
-    replay are not reduced over CP; packed micro-batches are refused through
-    `packing_blocker`. The run (`megagrpo train`) pairs CP with colocated engines only: each
-    CP rank's engine samples its share of the replica's prompts (`megagrpo.config.layout`);
-    separate placement's training ranks are not wired for CP."""
+    """The training part: bnpo's per-micro-batch token mean and routing replay are not reduced
+    over CP; packed micro-batches are refused through `packing_blocker`. The run (`megagrpo
+    train`) pairs CP with colocated engines only: each CP rank's engine samples its share of
+    the replica's prompts (`megagrpo.config.layout`); separate placement's training ranks are
+    not wired for CP."""
     if parallel.cp == 1:
         return
     if placement == "separate":
@@ -54,10 +54,6 @@ def check_context_parallel_training(algo, compute, parallel: ParallelConfig, *,
         raise ValueError(f"algo.loss_agg='bnpo' with parallel.cp={parallel.cp}: its token mean "
                          "per micro-batch is not reduced over the context-parallel ranks; use "
                          "algo.loss_agg=dapo (the step's token mean) or parallel.cp=1")
-    if algo.loss_agg == "gspo":
-        raise ValueError(f"algo.loss_agg='gspo' with parallel.cp={parallel.cp}: GSPO's sequence "
-                         "ratio is not reduced over the context-parallel ranks yet; use another "
-                         "algo.loss_agg or parallel.cp=1")
     if algo.routing_replay:
         raise ValueError(f"algo.routing_replay=true with parallel.cp={parallel.cp}: set "
                          "algo.routing_replay=false or parallel.cp=1")
