@@ -359,7 +359,7 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
     summary.update(steps=tr.step_idx, reference_syncs=syncs,
                    reference_syncs_this_run=syncs - syncs_before,
                    wall_seconds=time.perf_counter() - t0, world_size=dist.get_world_size(),
-                   tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=tr.ranks.dp)
+                   tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=cfg.parallel.cp, dp=tr.ranks.dp)
     if tr.ranks.rank == 0:
         _write_summary(cfg, summary)
     logger.close()
