@@ -23,13 +23,13 @@ from .fused_output import (
     fused_output_logprob,
     fused_output_token_loss,
 )
-from .grpo_loss import LossSpec, TokenInputs, kl_penalty, loss_from_logp
+from .grpo_loss import LossSpec, SequenceSplit, TokenInputs, kl_penalty, loss_from_logp
 from .logprob import vocab_parallel_logprob
 from .ops import grpo_token_loss, token_logprob, token_loss
 
 __all__ = [
-    "LossSpec", "TokenInputs", "VocabPass", "active_path", "fused_output_grpo_loss",
-    "fused_output_grpo_weighted_loss", "fused_output_logprob", "fused_output_token_loss",
-    "grpo_token_loss", "kl_penalty", "loss_from_logp", "token_logprob", "token_loss",
-    "vocab_parallel_logprob",
+    "LossSpec", "SequenceSplit", "TokenInputs", "VocabPass", "active_path",
+    "fused_output_grpo_loss", "fused_output_grpo_weighted_loss", "fused_output_logprob",
+    "fused_output_token_loss", "grpo_token_loss", "kl_penalty", "loss_from_logp",
+    "token_logprob", "token_loss", "vocab_parallel_logprob",
 ]

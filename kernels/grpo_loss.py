@@ -13,6 +13,8 @@ Per valid token (``mask`` True), with ``A`` the advantage and ``r`` the policy r
 - ``ratio_level="token"``: ``r = exp(logp - old_logp)``.
   ``ratio_level="sequence"`` (GSPO): ``r = exp(mean_{valid t in seq} (logp_t - old_logp_t))``,
   the same value for every token of a sequence, differentiable through every token's logp.
+  Under context parallelism (``TokenInputs.seq_split``) a sequence's tokens lie on several
+  ranks: the mean's sums and counts are all-reduced over their group (``SequenceSplit``).
 - the policy term, one function per ``policy_loss`` (``POLICY_TERMS``):
   ``"ppo"``: ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``; with dual clip
   (``dual_clip_c = c > 1``, Ye et al. 2020, arXiv:1912.09729) tokens with ``A < 0`` are capped
@@ -43,11 +45,23 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .dispatch import VocabPass
 
 RATIO_LEVELS = ("token", "sequence")
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """Context parallelism: every sequence's tokens are spread over the ranks of ``group``
+    (each holds some of each sequence, rows ``[0, num_seqs)`` alike on every rank)."""
+
+    group: object
+    """The process group the sequences are split over."""
+    num_seqs: int
+    """Sequences (rows) on every rank: ``seq_ids`` lie in ``[0, num_seqs)``."""
 
 
 class TokenInputs(NamedTuple):
@@ -66,10 +80,13 @@ class TokenInputs(NamedTuple):
     """Rollout importance weights (truncated at ``LossSpec.is_cap`` when that is set)."""
     seq_ids: Tensor | None = None
     """int, each token's sequence in ``[0, T)``; needed by ``ratio_level="sequence"``."""
+    seq_split: SequenceSplit | None = None
+    """The sequences continue on other ranks (context parallelism): GSPO's sequence mean
+    reduces over them. None: every sequence is whole here."""
 
     def rows(self, rows: slice) -> TokenInputs:
         """The inputs of the tokens ``rows`` (views)."""
-        return TokenInputs(*(None if x is None else x[rows] for x in self))
+        return TokenInputs(*(x[rows] if isinstance(x, Tensor) else x for x in self))
 
 
 # ------------------------------------------------------------------------------ policy terms
@@ -244,18 +261,42 @@ class LossSpec:
 
 
 # ------------------------------------------------------------------------------ the algebra
-def sequence_mean(values: Tensor, seq_ids: Tensor, mask: Tensor) -> Tensor:
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) over a group. Backward all-reduces the gradient too: every rank's
+    loss depends on the sum, so a rank's own summand gets the gradient of all of them."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sequence_mean(values: Tensor, seq_ids: Tensor, mask: Tensor,
+                  split: SequenceSplit | None = None) -> Tensor:
     """Mean of ``values`` over each sequence's valid tokens, broadcast back to ``[T]``.
 
     ``seq_ids`` ``[T]`` holds integers in ``[0, T)``; the buffers are sized T so no host sync
-    is needed to learn the number of sequences.
+    is needed to learn the number of sequences. With ``split`` the sequences continue on the
+    other ranks of ``split.group``: sums and counts ``[num_seqs]`` are all-reduced over it (a
+    collective every rank of the group runs).
     """
-    n = values.shape[0]
+    n = values.shape[0] if split is None else split.num_seqs
     ids = seq_ids.to(values.device, torch.long)
     weight = mask.to(values.dtype)
     sums = values.new_zeros(n).index_add(0, ids, values * weight)
-    counts = values.new_zeros(n).index_add(0, ids, weight).clamp_min(1.0)
-    return (sums / counts)[ids]
+    counts = values.new_zeros(n).index_add(0, ids, weight)
+    if split is not None:
+        sums = _SumOverGroup.apply(sums, split.group)
+        dist.all_reduce(counts, group=split.group)
+    return (sums / counts.clamp_min(1.0))[ids]
 
 
 def loss_from_logp(spec: LossSpec, inputs: TokenInputs, logp: Tensor,
@@ -284,7 +325,7 @@ def loss_from_logp(spec: LossSpec, inputs: TokenInputs, logp: Tensor,
     token_ratio = torch.exp(log_ratio)
     ratio = token_ratio
     if spec.ratio_level == "sequence":
-        ratio = torch.exp(sequence_mean(log_ratio, inputs.seq_ids, mask))
+        ratio = torch.exp(sequence_mean(log_ratio, inputs.seq_ids, mask, inputs.seq_split))
     pg, low, high, dual = POLICY_TERMS[spec.policy_loss](ratio, adv, logp, spec)
     if inputs.is_weight is not None:
         w = torch.where(mask, inputs.is_weight.to(dev, torch.float32), zero).detach()

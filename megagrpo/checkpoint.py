@@ -687,9 +687,13 @@ class CheckpointManager:
 
 
 def layout_of(parallel: ParallelConfig, dp: int, rollout_tp: int) -> dict:
-    """What the per-rank parts of a checkpoint depend on: world, TP, PP, DP, vLLM's TP."""
-    return {"world_size": dist.get_world_size(), "tp": parallel.tp, "pp": parallel.pp, "dp": dp,
-            "rollout_tp": rollout_tp}
+    """What the per-rank parts of a checkpoint depend on: world, TP, PP, DP, vLLM's TP, and CP
+    when > 1 (absent at cp = 1, as in checkpoints written before CP ran)."""
+    layout = {"world_size": dist.get_world_size(), "tp": parallel.tp, "pp": parallel.pp,
+              "dp": dp, "rollout_tp": rollout_tp}
+    if parallel.cp > 1:
+        layout["cp"] = parallel.cp
+    return layout
 
 
 def _describe(layout: dict) -> str:

@@ -250,8 +250,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc {args.nproc}: need >= 1 local ranks (leave it out for "
-                         "parallel.tp x parallel.pp)")
-    nproc = args.nproc or cfg.parallel.tp * cfg.parallel.pp + cfg.rollout.rollout_ranks
+                         "parallel.tp x parallel.pp x parallel.cp)")
+    par = cfg.parallel
+    nproc = args.nproc or par.tp * par.pp * par.cp + cfg.rollout.rollout_ranks
     world = int(os.environ.get("WORLD_SIZE", nproc))
     checked = None
     if "WORLD_SIZE" not in os.environ:  # under torchrun, setup() runs it on every rank

@@ -23,8 +23,9 @@ ranks); only the forward splits it:
   1/dp the losses already undo). The reports are made whole again (`ChunkSplit.report`):
   per-token log-probs all-gathered to [b, width], sums all-reduced over CP.
 
-Padded rows only (packing is refused under CP); GSPO's sequence ratio, which needs the whole
-sequence's log-probs inside the per-token loss, is refused (`megagrpo.config.context_parallel`).
+Padded rows only (packing is refused under CP). GSPO's sequence ratio, which needs the whole
+sequence's log-ratio inside the per-token loss, sums it over the CP group inside the loss
+(`megagrpo.kernels.SequenceSplit`: the sums all-reduced forward, their gradient backward).
 On GPU megatron-core's Transformer Engine attention would do the attention part; that path is
 not wired in (parallel.transformer_impl='transformer_engine' is refused with cp > 1).
 """
@@ -65,11 +66,13 @@ class ChunkBatch(Batch):
     seq_tokens: Tensor | None = None
     """[b] float: each row's loss tokens over all of its chunks (the whole row), for the
     sequence-mean aggregations' per-sequence denominators."""
+    cp_group: object = None
+    """The CP group holding the rows' other chunks (GSPO's sequence ratio sums over it)."""
 
 
-def local_batch(b: Batch, columns: Tensor, width: int) -> ChunkBatch:
+def local_batch(b: Batch, columns: Tensor, width: int, group=None) -> ChunkBatch:
     """`b`'s per-token tensors [N, S, ...] right-padded (zeros / False) to `width` and cut to
-    `columns`; per-row tensors as they are."""
+    `columns`; per-row tensors as they are. `group`: the CP group."""
     kw = {}
     for f in fields(Batch):
         v = getattr(b, f.name)
@@ -79,7 +82,7 @@ def local_batch(b: Batch, columns: Tensor, width: int) -> ChunkBatch:
                 v = torch.cat([v, v.new_zeros((v.shape[0], pad, *v.shape[2:]))], dim=1)
             v = v.index_select(1, columns)
         kw[f.name] = v
-    return ChunkBatch(**kw, seq_tokens=b.mask.sum(dim=1).to(torch.float32))
+    return ChunkBatch(**kw, seq_tokens=b.mask.sum(dim=1).to(torch.float32), cp_group=group)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -172,7 +175,7 @@ class ChunkSplit:
         padded = padded_width(width, cp)
         cols = chunk_columns(padded, cp, rank)
         return cls(group=group, width=width, padded=padded, columns=cols,
-                   micro=replace(mb, batch=local_batch(mb.batch, cols, padded)))
+                   micro=replace(mb, batch=local_batch(mb.batch, cols, padded, group)))
 
     def rope(self, gpt: torch.nn.Module):
         """Context in which the model's RoPE rotates each local token by its global position."""

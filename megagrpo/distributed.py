@@ -155,8 +155,9 @@ class Ranks:
 
     @property
     def reports(self) -> bool:
-        """TP rank 0 of the last stage: the rank that counts a replica's loss reports once."""
-        return self.is_last_stage and self.tp_rank == 0
+        """TP rank 0 and CP rank 0 of the last stage: the rank that counts a replica's loss
+        reports once (every CP rank holds them whole: `megagrpo.context_parallel`)."""
+        return self.is_last_stage and self.tp_rank == 0 and self.cp_rank == 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,6 +177,9 @@ class Groups:
     """Model-parallel (TP x PP) group: the ranks of one replica."""
     cp: object = None
     """Context-parallel group: the ranks holding chunks of the same rows."""
+    replica: object = None
+    """Every rank of one data replica (TP x CP x PP; the model-parallel group at cp = 1): the
+    ranks that gather the replica's rollouts."""
 
 
 def training_layout(parallel: ParallelConfig, model: ModelConfig, info: DistInfo
@@ -194,7 +198,10 @@ def training_layout(parallel: ParallelConfig, model: ModelConfig, info: DistInfo
         cp=parallel.cp, cp_rank=info.cp_rank)
     groups = Groups(world=dist.group.WORLD, tp=ps.get_tensor_model_parallel_group(),
                     pp=ps.get_pipeline_model_parallel_group(), dp=ps.get_data_parallel_group(),
-                    mp=ps.get_model_parallel_group(), cp=ps.get_context_parallel_group())
+                    mp=ps.get_model_parallel_group(), cp=ps.get_context_parallel_group(),
+                    # pp = 1 under CP (`check_context_parallel`): a replica is TP x CP
+                    replica=ps.get_model_parallel_group() if parallel.cp == 1
+                    else ps.get_tensor_and_context_parallel_group())
     return ranks, groups
 
 

@@ -27,6 +27,7 @@ from megagrpo.batch import Batch
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.kernels import (
     LossSpec,
+    SequenceSplit,
     TokenInputs,
     VocabPass,
     fused_output_token_loss,
@@ -130,9 +131,12 @@ def grpo_loss(ctx: LossContext, mb: Batch, out: Tensor, positions: Tensor | None
     b, S = mb.target.shape
     mask = take(mb.mask, positions)
     seq_ids = _seq_ids(mb, positions)
+    # context parallelism: the rows continue on the other CP ranks (GSPO's ratio sums there)
+    group = getattr(mb, "cp_group", None)
     inputs = TokenInputs(take(mb.old_logp, positions), take(mb.advantages, positions), mask,
                          ref_logp=take(mb.ref_logp, positions),
-                         is_weight=take(mb.is_weight, positions), seq_ids=seq_ids)
+                         is_weight=take(mb.is_weight, positions), seq_ids=seq_ids,
+                         seq_split=None if group is None else SequenceSplit(group, b))
     run = VocabPass(group=ctx.tp_group, impl=ctx.impl, valid_vocab=ctx.valid_local_vocab,
                     inplace_backward=ctx.inplace_backward)
     counts = ctx.counts

@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megagrpo.config.context_parallel import check_context_parallel_run
 from megagrpo.config.data import ArithmeticConfig, DataConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.rollout import check_cpu_moe_width, check_head_dim
@@ -79,7 +78,6 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> Preflight:
     parallel, sp_why = resolve_sequence_parallel(cfg, model)
     cfg = dataclasses.replace(cfg, parallel=parallel)
     cfg.validate(world_size)
-    check_context_parallel_run(cfg.parallel)
     check_paths(cfg.data)
     from megagrpo.rewards import resolve_terms  # imports torch: after the config-only checks
 

@@ -3,7 +3,8 @@ text -> rewards, gathered so that every rank of a DP replica holds its whole bat
 
 Rollouts are data-parallel over *all* ranks: the in-process vLLM engines (one per rank, or one
 per k = rollout.tensor_parallel_size consecutive ranks; `megagrpo.config.layout`) each sample a
-slice of their DP replica's prompts and the replica's TP x PP ranks all-gather the results.
+slice of their DP replica's prompts and the replica's TP x CP x PP ranks all-gather the
+results.
 Evaluation splits the held-out set over the engines the same way and scores greedy completions
 with the same generate -> decode -> score path (`RolloutCollector.score`). The collector is the
 colocated `megagrpo.stream.RolloutSource`: with k = rollout.max_staleness >= 1 it keeps up to k
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Rollout:
-    """A replica's sampled batch (identical on its TP x PP ranks)."""
+    """A replica's sampled batch (identical on its TP x CP x PP ranks)."""
 
     prompts: list[list[int]]
     """[B] prompt token ids."""
@@ -208,7 +209,7 @@ class RolloutCollector:
         """All-gathers the slices over the replica (pooled layout: the world, then keeps this
         replica's prompts), so every rank of the replica holds the whole batch."""
         pooled, n = self.layout.pooled, len(drawn.prompts)
-        group = self.groups.world if pooled else self.groups.mp
+        group = self.groups.world if pooled else self.groups.replica
         local = (drawn.completions, drawn.rewards, drawn.metrics)
         size = dist.get_world_size(group=group) if dist.is_initialized() else 1
         parts = [local] if size == 1 else [None] * size

@@ -59,13 +59,16 @@ from megagrpo.watchdog import Watchdog, start_watchdog
 log = logging.getLogger("megagrpo")
 
 
-def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = False
-          ) -> Trainer:
+def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = False,
+          engine: VLLMEngine | None = None) -> Trainer:
     """Validates everything (unless the launcher's `checked` preflight, in this very process,
     already did), then starts distributed, models, optimizer, engine and data. `frozen`: the
     config refuses changes from then on (`train`; tests and benchmarks that adjust settings
     between steps leave it off). The architecture is the preflight's (run.init's checkpoint's
-    when it has one), passed on as `Trainer.model_cfg`; cfg.model stays as the recipe gave it."""
+    when it has one), passed on as `Trainer.model_cfg`; cfg.model stays as the recipe gave it.
+    `engine`: a running vLLM engine of this rank to sample with (a test that rebuilds the
+    trainer at another layout in the same processes; vLLM cannot start twice); None: one is
+    started here."""
     rank, world, _ = torchrun_env()
     # the launcher ran these checks too; here they also cover a plain `torchrun` start, and
     # the run is built from what they loaded (prompts, tokenizer, architecture)
@@ -111,13 +114,15 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     if compiled and isinstance(reference, Reference):
         compile_layers(reference.model)
     layout = RolloutLayout(rank=rank, world_size=world, engine_tp=cfg.rollout.tensor_parallel_size,
-                           train_tp=cfg.parallel.tp, train_pp=cfg.parallel.pp)
+                           train_tp=cfg.parallel.tp, train_pp=cfg.parallel.pp,
+                           train_cp=cfg.parallel.cp)
     if rank == 0:
         log.info("%s", place.describe(cfg, info.dp) if place else layout.describe())
         if cfg.staleness:
             log.info("%s", async_note(cfg))
     tok = task.tokenizer
-    engine = _start_engine(cfg, model_cfg, tok, layout) if place is None else None
+    if engine is None and place is None:
+        engine = _start_engine(cfg, model_cfg, tok, layout)
     if place is not None and task.eval:
         task = dataclasses.replace(task, eval=[])
         if rank == 0:
@@ -357,7 +362,7 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
     summary.update(steps=tr.step_idx, reference_syncs=syncs,
                    reference_syncs_this_run=syncs - syncs_before,
                    wall_seconds=time.perf_counter() - t0, world_size=dist.get_world_size(),
-                   tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=tr.ranks.dp)
+                   tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=cfg.parallel.cp, dp=tr.ranks.dp)
     if tr.ranks.rank == 0:
         _write_summary(cfg, summary)
     logger.close()

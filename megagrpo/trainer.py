@@ -506,15 +506,15 @@ class Trainer:
     def _update_metrics(self, reports: list[dict], gnorms: list[float],
                         gap: tuple[float, float], opt_steps: int,
                         stale: bool = False) -> tuple[float, dict]:
-        """Reduces the last stage's per-micro-batch reports over the world (TP rank 0 of the
-        last stage of each replica contributes once); zeros when no step was applied. Returns
+        """Reduces the last stage's per-micro-batch reports over the world (TP and CP rank 0
+        of the last stage of each replica contributes once); zeros when no step was applied. Returns
         the mean KL (the reference schedule's input, a value of its own) and the metrics. The
         first minibatch's trainer-vs-vLLM gap is the same-version gap (logp_gap_vllm_mean) on
         a fresh batch; on a stale one it adds the policy lag (logp_gap_stale_mean)."""
         keys = ["loss", "tokens", "kl_sum", "entropy_sum", "clip_low_sum", "clip_high_sum",
                 "clip_dual_sum", "ratio_sum"]
         v = torch.zeros(len(keys) + 2, dtype=torch.float64)
-        if reports and self.ranks.tp_rank == 0:
+        if reports and self.ranks.reports:  # once per replica (CP ranks hold them whole)
             for i, k in enumerate(keys):
                 v[i] = sum(float(r[k]) for r in reports)
             v[-2], v[-1] = gap
@@ -607,7 +607,7 @@ class Trainer:
         zero_grad(self.policy, self.optimizer)
         out = P.run(self.policy, partial(sft_loss, ctx), plan, batch.ids.shape[1], m)
         optimizer_step(self.policy, self.optimizer)
-        mine = self.ranks.tp_rank == 0
+        mine = self.ranks.reports
         v = torch.tensor([sum(float(o["nll_sum"]) for o in out) if mine else 0.0,
                           sum(float(o["tokens"]) for o in out) if mine else 0.0],
                          dtype=torch.float64)

@@ -1,6 +1,8 @@
 """Context parallelism (parallel.cp): megagrpo's passes at CP=2 and CP=2 x TP=2 against the
-same passes without CP (one torchrun launch, tests/_cp_worker.py), the chunk layout, and the
-settings refused before compute."""
+same passes without CP (one torchrun launch, tests/_cp_worker.py); GRPO runs built by the run's
+`setup` at CP=2 against the same run without CP, and the CP=2 checkpoint resumed at CP=1 and
+CP=2 (one 2-rank torchrun launch, tests/_cp_run_worker.py); the chunk layout, and the settings
+refused before compute."""
 import json
 import os
 
@@ -13,6 +15,7 @@ from tests._cp_worker import RUNS
 from tests.support.launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "_cp_worker.py")
+RUN_WORKER = os.path.join(os.path.dirname(__file__), "_cp_run_worker.py")
 PAIRS = {"cp2": "ref", "tp2_cp2": "tp2"}  # CP layout: the layout without CP, same shards
 
 
@@ -115,11 +118,12 @@ def test_local_batch_pads_and_keeps_row_lengths():
      "parallel.cp=2 with parallel.attention_impl='megatron'"),
     (["parallel.cp=2", "parallel.transformer_impl=transformer_engine"],
      "parallel.cp=2 with parallel.transformer_impl='transformer_engine'"),
-    (["parallel.cp=2", "algo.loss_agg=gspo"], "algo.loss_agg='gspo' with parallel.cp=2"),
     (["parallel.cp=2", "algo.loss_agg=bnpo"], "algo.loss_agg='bnpo' with parallel.cp=2"),
     (["parallel.cp=2", "algo.routing_replay=true"], "algo.routing_replay=true with parallel.cp=2"),
     (["parallel.cp=2", "compute.pack_sequences=true"],
      "compute.pack_sequences=true needs parallel.cp=1"),
+    (["parallel.cp=2", "rollout.placement=separate", "rollout.rollout_ranks=1"],
+     "rollout.placement='separate' with parallel.cp=2"),
 ])
 def test_bad_settings_refused(overrides, message):
     cfg = load_config(None, overrides)
@@ -132,3 +136,182 @@ def test_world_must_divide_by_tp_pp_cp():
     with pytest.raises(ValueError, match=r"parallel\.tp x parallel\.pp x parallel\.cp = 2 x 1 x 2"):
         cfg.validate(world_size=6)
     cfg.validate(world_size=8)  # DP = 2
+
+
+@pytest.mark.parametrize("world,k,tp,cp", [(8, 1, 2, 2), (8, 2, 2, 2), (8, 4, 2, 2), (4, 2, 1, 2),
+                                           (4, 1, 1, 4), (8, 8, 2, 2), (8, 4, 1, 2)])
+def test_rollout_layout_pairs_engines_with_cp_replicas(world, k, tp, cp):
+    """Every replica's prompts sampled exactly once by engines of its own ranks (megatron's
+    numbering, TP fastest, then CP, then DP, computed here independently), or by the pool when
+    an engine spans replicas (k not dividing tp x cp); the feed is shard to shard only when an
+    engine is one TP group (k = tp > 1)."""
+    from megagrpo.config.layout import RolloutLayout
+
+    dp, B = world // (tp * cp), 5
+    lays = [RolloutLayout(rank=r, world_size=world, engine_tp=k, train_tp=tp, train_pp=1,
+                          train_cp=cp) for r in range(world)]
+    replica = [(r // (tp * cp)) % dp for r in range(world)]
+    pooled = (tp * cp) % k != 0 and dp > 1
+    assert all(lay.dp == dp and lay.pooled == pooled for lay in lays)
+    assert all(lay.shard_to_shard == (k == tp > 1) for lay in lays)
+    if pooled:
+        engines = {lay.engine: lay.prompt_indices(dp * B) for lay in lays}
+        assert sorted(i for idx in engines.values() for i in idx) == list(range(dp * B))
+        return
+    for d in range(dp):
+        members = [lay for lay in lays if replica[lay.rank] == d]
+        engines = {lay.engine: lay.prompt_indices(B) for lay in members}
+        assert sorted(i for idx in engines.values() for i in idx) == list(range(B))
+        assert all({replica[r] for r in lay.engine_ranks()} == {d} for lay in members)
+
+
+# ---------------------------------------------------------------------- GSPO under CP
+def _gspo_inputs(n_rows: int = 3, width: int = 12):
+    """Rows of ragged valid tokens with log-probs, old log-probs and advantages [n, width]."""
+    g = torch.Generator().manual_seed(11)
+    logp = -2.0 + 0.5 * torch.randn(n_rows, width, generator=g)
+    old = logp + 0.1 * torch.randn(n_rows, width, generator=g)
+    adv = torch.randn(n_rows, 1, generator=g).expand(n_rows, width).contiguous()
+    lengths = torch.tensor([11, 4, 8])
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    return logp, old, adv, mask
+
+
+def _gspo_loss(logp, old, adv, mask, seq_len, split=None):
+    """GSPO's sequence-mean loss of these tokens [n, w] (each row's tokens over its whole
+    length `seq_len` [n]) and its gradient w.r.t. `logp`."""
+    from megagrpo.kernels import LossSpec, TokenInputs, loss_from_logp
+
+    x = logp.clone().requires_grad_(True)
+    n, w = logp.shape
+    ids = torch.arange(n).repeat_interleave(w)
+    spec = LossSpec(ratio_level="sequence", eps_low=0.05, eps_high=0.05)
+    tok, _ = loss_from_logp(spec, TokenInputs(old.reshape(-1), adv.reshape(-1), mask.reshape(-1),
+                                              seq_ids=ids, seq_split=split), x.reshape(-1))
+    loss = ((tok.view(n, w) * mask).sum(1) / seq_len).sum() / n
+    loss.backward()
+    return float(loss.detach()), x.grad
+
+
+def _gspo_rank(rank, world, rdzv, payload_path, out_dir):
+    from megagrpo.kernels import SequenceSplit
+    from tests.support.launch import gloo_rank, save_rank
+
+    logp, old, adv, mask = torch.load(payload_path)
+    cols = chunk_columns(logp.shape[1], world, rank)
+    part = [t[:, cols] for t in (logp, old, adv, mask)]
+    seq_len = mask.sum(1).float()
+    with gloo_rank(rank, world, rdzv) as group:
+        split = _gspo_loss(*part, seq_len, SequenceSplit(group, logp.shape[0]))
+        unsplit = _gspo_loss(*part, seq_len)  # the defect: each chunk's own sequence ratio
+    save_rank({"cols": cols, "split": split, "unsplit": unsplit}, out_dir, rank)
+
+
+def test_gspo_sequence_ratio_reduces_over_cp(tmp_path):
+    """GSPO's sequence ratio with each row split over 2 CP ranks in load-balanced chunks (the
+    log-ratio sums and counts all-reduced, their gradient all-reduced back): the chunks' losses
+    add up to the whole rows' loss and each rank's gradient w.r.t. its tokens' log-probs is the
+    whole rows' gradient at those columns (1e-6). Without the reduction (each chunk's own
+    ratio) the gradient is off: the check can fail. One row's ratio lies beyond the clip
+    range (no gradient), two inside."""
+    from tests.support.launch import spawn_ranks
+
+    inputs = _gspo_inputs()
+    ref_loss, ref_grad = _gspo_loss(*inputs, inputs[3].sum(1).float())
+    ranks = spawn_ranks(_gspo_rank, 2, inputs, tmp_path)
+    assert sum(r["split"][0] for r in ranks) == pytest.approx(ref_loss, rel=1e-6)
+    for r in ranks:
+        torch.testing.assert_close(r["split"][1], ref_grad[:, r["cols"]], rtol=1e-6, atol=1e-7)
+    off = max(float((r["unsplit"][1] - ref_grad[:, r["cols"]]).abs().max()) for r in ranks)
+    assert off > 1e-3 * float(ref_grad.abs().max())
+
+
+# ---------------------------------------------------------------------- the run at CP=2
+# Tolerances. Both layouts run the same fp32 math in another order (chunked attention over
+# all-gathered keys, other micro-batches, the gradient summed over CP instead of DP): the
+# gradients agree to ~1e-6 relative, so the step records do within 1e-5 (measured <= 2e-7).
+# Adam divides each gradient element by its own RMS: an element whose gradient is at the
+# rounding noise of its sum moves by a different fraction of lr, so weights are compared
+# through each tensor's update, ||dW_cp - dW_ref|| / ||dW_ref|| <= 1e-4 (measured <= 2.1e-5,
+# the worst element 5.5e-6 of a 6e-3 move); a checkpoint resumed reruns one step from the same
+# weights: 1e-6 (measured 3e-8).
+STEP_RTOL, UPDATE_RTOL, RESUME_RTOL = 1e-5, 1e-4, 1e-6
+
+
+@pytest.fixture(scope="module")
+def cp_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("cp_run")
+    torchrun(RUN_WORKER, 2, "--work", str(work))
+    ranks = json.loads((work / "results.json").read_text())
+    return work, {(rec["run"], rec["rank"]): rec for recs in ranks for rec in recs}
+
+
+def _params(work, run: str, rank: int) -> dict:
+    return torch.load(work / f"params_{run}_{rank}.pt")
+
+
+def _update_rel(mine: dict, ref: dict) -> float:
+    """max over tensors of ||dW_mine - dW_ref|| / ||dW_ref|| (dW: after - before)."""
+    return max(float(((mine["after"][k] - mine["before"][k]) - (ref["after"][k] - ref["before"][k]))
+                     .norm() / (ref["after"][k] - ref["before"][k]).norm().clamp_min(1e-30))
+               for k in ref["after"])
+
+
+def _same_records(mine: list[dict], ref: list[dict], rtol: float) -> None:
+    assert len(mine) == len(ref)
+    for a, b in zip(mine, ref):
+        assert a["step"] == b["step"] and a["reference_sync"] == b["reference_sync"]
+        for k, v in b.items():
+            if isinstance(v, float):
+                assert a[k] == pytest.approx(v, rel=rtol, abs=1e-7), (a["step"], k)
+
+
+def _group(rollout: list, prompt: int) -> list:
+    return [ids for p, ids in rollout if p == prompt]
+
+
+def test_cp_run_trains_on_the_rollouts_of_the_run_without_cp(cp_run):
+    """The comparison's premise: at CP=2 each rank's engine sampled its share of the replica's
+    prompts (prompt r on rank r, gathered over the replica: both CP ranks hold the whole
+    batch), and the DP=2 run's replica r sampled the same prompt with the same sampler state,
+    so both runs trained on the same completions (and the resumed runs on step 3's)."""
+    _, recs = cp_run
+    cp = [recs["cp2", r]["rollouts"] for r in (0, 1)]
+    assert cp[0] == cp[1] and len(cp[0]) == 3
+    for r in (0, 1):
+        assert [recs["ref", r]["dp"], recs["cp2", r]["cp"]] == [2, 2]
+        for step, batch in enumerate(cp[0]):
+            assert len(_group(batch, r)) == 4
+            assert _group(recs["ref", r]["rollouts"][step], 0) == _group(batch, r)
+        assert _group(recs["resume", r]["rollouts"][0], 0) == _group(cp[0][2], r)
+        assert recs["resume_cp2", r]["rollouts"][0] == cp[0][2]
+
+
+def test_cp_run_equals_the_run_without_cp(cp_run):
+    """3 GRPO steps (mu=2 passes: old log-probs scored, the reference's KL in the loss and its
+    scheduled reset after step 2, the distributed optimizer) at CP=2 x DP=1 equal the same run
+    at CP=1 x DP=2: every step record (loss, KL, entropy, grad norm, ratio, rewards) within
+    1e-5 relative and each weight tensor's update within 1e-4; the two CP ranks hold
+    bitwise-equal weights."""
+    work, recs = cp_run
+    for r in (0, 1):
+        _same_records(recs["cp2", r]["steps"], recs["ref", r]["steps"], STEP_RTOL)
+    assert [s["reference_sync"] for s in recs["cp2", 0]["steps"]] == ["", "steps", ""]
+    cp0, cp1, ref = (_params(work, "cp2", 0), _params(work, "cp2", 1),
+                     _params(work, "ref", 0))
+    assert all(torch.equal(cp0["before"][k], ref["before"][k]) for k in ref["before"])
+    assert all(torch.equal(cp0["after"][k], cp1["after"][k]) for k in cp0["after"])
+    assert _update_rel(cp0, ref) <= UPDATE_RTOL
+
+
+@pytest.mark.parametrize("run", ["resume", "resume_cp2"])
+def test_cp_checkpoint_resumes_at_cp1_and_cp2(cp_run, run):
+    """The CP=2 checkpoint of step 2 (weights, reference, distributed optimizer's moments,
+    loader position, reference schedule) resumed at CP=1 x DP=2 and at CP=2: step 3 equals the
+    uninterrupted CP=2 run's step 3 and ends at its weights."""
+    work, recs = cp_run
+    for r in (0, 1):
+        _same_records(recs[run, r]["steps"], recs["cp2", r]["steps"][2:], RESUME_RTOL)
+    mine, ref = _params(work, run, 0), _params(work, "cp2", 0)
+    for k, w in ref["after"].items():
+        torch.testing.assert_close(mine["after"][k], w, rtol=RESUME_RTOL, atol=1e-8)

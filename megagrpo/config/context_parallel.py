@@ -1,6 +1,6 @@
 """The rules of context parallelism (parallel.cp) that hold before anything starts: what the
-CPU path (`megagrpo.context_parallel`) is built and tested for, and the fields that refuse the
-rest, each by name."""
+CPU path (`megagrpo.context_parallel`) and the run loop (`megagrpo train`) are built and tested
+for, and the fields that refuse the rest, each by name."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -37,30 +37,23 @@ def check_context_parallel(parallel: ParallelConfig, model: ModelConfig) -> None
             raise ValueError(f"parallel.cp={cp} with {why}")
 
 
-def check_context_parallel_training(algo, compute, parallel: ParallelConfig) -> None:
-    """The training part: GSPO's sequence ratio, bnpo's per-micro-batch token mean and routing
-    replay are not reduced over CP; packed micro-batches are refused through
-    `packing_blocker`."""
+def check_context_parallel_training(algo, compute, parallel: ParallelConfig, *,
+                                    placement: str = "colocated") -> None:
+    """The training part: bnpo's per-micro-batch token mean and routing replay are not reduced
+    over CP; packed micro-batches are refused through `packing_blocker`. The run (`megagrpo
+    train`) pairs CP with colocated engines only: each CP rank's engine samples its share of
+    the replica's prompts (`megagrpo.config.layout`); separate placement's training ranks are
+    not wired for CP."""
     if parallel.cp == 1:
         return
+    if placement == "separate":
+        raise ValueError(f"rollout.placement='separate' with parallel.cp={parallel.cp}: the "
+                         "training ranks of separate placement are not wired for context "
+                         "parallelism; set rollout.placement=colocated or parallel.cp=1")
     if algo.loss_agg == "bnpo":
         raise ValueError(f"algo.loss_agg='bnpo' with parallel.cp={parallel.cp}: its token mean "
                          "per micro-batch is not reduced over the context-parallel ranks; use "
                          "algo.loss_agg=dapo (the step's token mean) or parallel.cp=1")
-    if algo.loss_agg == "gspo":
-        raise ValueError(f"algo.loss_agg='gspo' with parallel.cp={parallel.cp}: GSPO's sequence "
-                         "ratio is not reduced over the context-parallel ranks yet; use another "
-                         "algo.loss_agg or parallel.cp=1")
     if algo.routing_replay:
         raise ValueError(f"algo.routing_replay=true with parallel.cp={parallel.cp}: set "
                          "algo.routing_replay=false or parallel.cp=1")
-
-
-def check_context_parallel_run(parallel: ParallelConfig) -> None:
-    """The training run's part (`megagrpo.preflight`): the passes are built for CP, the run
-    loop is not yet (its rollout layout, prompt split and checkpoint layout count the CP ranks
-    of a replica as data replicas)."""
-    if parallel.cp > 1:
-        raise ValueError(f"parallel.cp={parallel.cp}: context parallelism is built for the "
-                         "training passes (megagrpo.passes) but not yet wired into the run loop "
-                         "(rollout layout, prompt split, checkpoints); set parallel.cp=1")

@@ -4,13 +4,16 @@ samples, and whether its weights can be fed shard to shard.
 With `rollout.tensor_parallel_size = k`, the world's ranks form world/k vLLM engines of k
 consecutive ranks (engine e = ranks [e*k, (e+1)*k), vLLM's `external_launcher` mode; vLLM itself
 groups the world as (external DP, TP) with TP fastest, so these are exactly its TP groups). The
-engines are data-parallel replicas of the sampler: inside a training replica (the TP x PP ranks
-that train on one batch) the replica's engines sample disjoint, strided slices of its prompts
-(engine j of n samples prompts j, j+n, ...), and the replica's ranks all-gather the results.
+engines are data-parallel replicas of the sampler: inside a training replica (the TP x CP x PP
+ranks that train on one batch) the replica's engines sample disjoint, strided slices of its
+prompts (engine j of n samples prompts j, j+n, ...), and the replica's ranks all-gather the
+results. Context parallelism (parallel.cp) does not shard the weights, so each CP rank's engine
+is an ordinary engine that samples its share of the replica's prompts.
 
-Megatron numbers ranks TP fastest, then DP, then PP (rank = tp_rank + tp * (dp_rank + dp *
-pp_rank)), so an engine of k consecutive ranks stays inside one training replica exactly when k
-divides the training TP, or DP = 1 (the replica is the whole world). Otherwise an engine spans
+Megatron numbers ranks TP fastest, then CP, then DP, then PP (rank = tp_rank + tp * (cp_rank +
+cp * (dp_rank + dp * pp_rank))), so an engine of k consecutive ranks stays inside one training
+replica exactly when k divides the training TP x CP, or DP = 1 (the replica is the whole
+world). Otherwise an engine spans
 several replicas, which draw different prompts: the layout is then `pooled`, the replicas'
 prompts are all-gathered over the world (replica-major), engine e of E samples pool prompts e,
 e+E, ..., the completions are all-gathered over the world and each replica keeps its own.
@@ -39,6 +42,8 @@ class RolloutLayout:
     """Training tensor-parallel size (parallel.tp)."""
     train_pp: int
     """Training pipeline-parallel size (parallel.pp)."""
+    train_cp: int = 1
+    """Training context-parallel size (parallel.cp): ranks of a replica beside its TP ones."""
 
     @property
     def num_engines(self) -> int:
@@ -69,14 +74,19 @@ class RolloutLayout:
     @property
     def dp(self) -> int:
         """Training data-parallel size."""
-        return self.world_size // (self.train_tp * self.train_pp)
+        return self.world_size // (self.train_tp * self.train_cp * self.train_pp)
+
+    @property
+    def _tp_cp(self) -> int:
+        """Consecutive ranks of one replica (at one pipeline stage): TP x CP."""
+        return self.train_tp * self.train_cp
 
     @property
     def pooled(self) -> bool:
         """True when an engine spans several training replicas (k does not divide the training
-        TP and DP > 1): then the replicas' prompts are pooled over the world, every engine
+        TP x CP and DP > 1): then the replicas' prompts are pooled over the world, every engine
         samples a strided slice of the pool, and each replica keeps its own prompts' results."""
-        return self.train_tp % self.engine_tp != 0 and self.dp > 1
+        return self._tp_cp % self.engine_tp != 0 and self.dp > 1
 
     @property
     def engines_per_replica(self) -> int:
@@ -84,21 +94,22 @@ class RolloutLayout:
         pool)."""
         if self.pooled:
             return self.num_engines
-        return max(1, self.train_tp * self.train_pp // self.engine_tp)
+        return max(1, self._tp_cp * self.train_pp // self.engine_tp)
 
     @property
     def replica_engine(self) -> int:
         """Index of this rank's engine among its replica's engines. Megatron's model-parallel
-        rank is tp_rank + tp * pp_rank, and an engine is k consecutive global ranks, which are
-        k consecutive model-parallel ranks of one replica (see the module docstring)."""
+        rank (with CP: its rank among the replica's TP x CP x PP ranks) is
+        (tp_rank + tp * cp_rank) + tp * cp * pp_rank, and an engine is k consecutive global
+        ranks, which are k consecutive ranks of one replica (see the module docstring)."""
         if self.pooled:
             return self.engine
-        mp_rank = self.rank % self.train_tp + self.train_tp * self._pp_rank
-        return mp_rank // self.engine_tp
+        replica_rank = self.rank % self._tp_cp + self._tp_cp * self._pp_rank
+        return replica_rank // self.engine_tp
 
     @property
     def _pp_rank(self) -> int:
-        return self.rank // (self.train_tp * self.dp)
+        return self.rank // (self._tp_cp * self.dp)
 
     def prompt_indices(self, num_prompts: int) -> list[int]:
         """Indices into the replica's prompt batch [num_prompts] (pooled: into the pool of all

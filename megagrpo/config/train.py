@@ -145,7 +145,8 @@ class TrainConfig(Section):
         check_balance(self.compute.balance_tokens, loss_agg=self.algo.loss_agg,
                       kl_in_reward=self.algo.kl_in_reward and self.algo.beta > 0)
         check_sequence_parallel(self.algo, self.parallel)
-        check_context_parallel_training(self.algo, self.compute, self.parallel)
+        check_context_parallel_training(self.algo, self.compute, self.parallel,
+                                        placement=self.rollout.placement)
         why = packing_blocker(self.compute, self.parallel)
         if self.compute.pack_sequences and why:
             raise ValueError(f"compute.pack_sequences=true needs {why}; set "
