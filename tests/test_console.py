@@ -96,7 +96,10 @@ def test_demo_console_is_short_and_has_no_traceback(tmp_path):
     assert "Reset SSM cache" not in console, console
     log = (tmp_path / "run" / "logs" / "rank0.log").read_text()
     assert "Failed to load weights" in log and "Chat template warmup failed" in log
-    assert "Reset SSM cache" in log
+    # vLLM's CPU platform says it only on CPUs with AVX-512 bf16 (vllm/platforms/cpu.py)
+    import torch
+
+    assert ("Reset SSM cache" in log) == torch.cpu._is_avx512_bf16_supported()
     assert (tmp_path / "run" / "logs" / "rank1.log").exists()
 
 
