@@ -92,12 +92,14 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/h200_device.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$OUT/h200_device.txt"
-python -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>/dev/null \
-  | tee -a "$OUT/h200_device.txt"
+# one import of each (megatron-core takes ~7 s): what the steps below can run
+MCORE=$(python -c "import megatron.core as m; print(m.__version__)" 2>>"$LOG")
+HF=$(python -c "import transformers as t; print(t.__version__)" 2>>"$LOG")
+echo "megatron-core ${MCORE:-missing} transformers ${HF:-missing}" | tee -a "$OUT/h200_device.txt"
 
 step kernels 60 python benchmarks/kernels.py --device cuda --check --tp 1,4 --iters 3 \
   --out "$OUT/kernels_h200.jsonl"
-if python -c "import megatron.core" 2>/dev/null; then
+if [[ -n "$MCORE" ]]; then
   step gpu_step_eager 100 python benchmarks/gpu_step.py --device cuda --compile off \
     --out "$OUT/gpu_step_h200.jsonl"
   step gpu_step_compiled 130 python benchmarks/gpu_step.py --device cuda --compile on \
@@ -108,7 +110,7 @@ else
 fi
 step fused_output 60 python benchmarks/fused_output.py --device cuda --check --tp 1 \
   --dtypes bf16 --T 4096,16384 --iters 3 --out "$OUT/fused_output_h200.jsonl"
-if python -c "import megatron.core, transformers" 2>/dev/null; then
+if [[ -n "$MCORE" && -n "$HF" ]]; then
   step hf_logits 45 python benchmarks/hf_logits.py --out "$OUT/hf_logits_h200.jsonl"
 else
   say "hf_logits: skipped (megatron-core or transformers missing: bring their wheels)"
