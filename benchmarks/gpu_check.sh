@@ -9,18 +9,18 @@
 # step goes to $OUT/gpu_check_h200.log, the console gets progress lines with timestamps):
 #   1. fused kernels: float64 correctness on CUDA tensors (exit 1 on mismatch), then the
 #      T=16384, V=151936 bf16 benchmark at TP 1 and 4 with copy-bandwidth fraction;
-#   2. the GRPO step's passes (benchmarks/gpu_step.py: megagrpo's megatron GPTModel, hidden
-#      2048, 16 layers, GQA 16/8, FFN 5632, vocab 151936, bf16, 8 rows of up to 2048 tokens):
-#      update (fwd+bwd, fused GRPO loss) and scoring, tokens/s, TFLOP/s, MFU against torch.mm
-#      measured at 8192^3, peak memory, loss/grad against the eager pass;
-#      a. compute.compile_layers off: padded and packed, fused output layer and logits path;
-#      b. compute.compile_layers on: padded only (packing is another graph: ~1 min more compile),
-#         both output paths (the same layer graph), compile time reported;
-#   3. the fused output layer vs the logits path (float64 check first), H 1024, V 151936,
+#   2. the fused output layer vs the logits path (float64 check first), H 1024, V 151936,
 #      bf16, T 4096 and 16384, TP 1 (one GPU: its TP=2 rows need two);
-#   4. HF logits agreement at TP=1, fp32 and bf16 (needs megatron-core + transformers);
+#   3. HF logits agreement at TP=1, fp32 and bf16 (needs megatron-core + transformers);
+#   4. the GRPO step's passes (benchmarks/gpu_step.py: megagrpo's megatron GPTModel, hidden
+#      2048, 16 layers, GQA 16/8, FFN 5632, vocab 151936, bf16, 8 rows of 1024-2048 tokens):
+#      update (fwd+bwd, fused GRPO loss) and scoring, tokens/s, TFLOP/s, MFU against torch.mm
+#      measured at 8192^3, peak memory, loss/grad/log-probs against the eager pass; first
+#      compute.compile_layers off (padded and packed, fused output layer and logits path),
+#      then in the same process on (padded only: packing is another graph, ~1 min more
+#      compile; both output paths share the layer graph), compile time reported;
 #   5. only with GPU_CHECK_LAYER_SPLIT=1 (not in the 5 minutes): layer_split.py on CUDA, the
-#      per-part split of 2 decoder layers of step 2's shape, eager and compiled.
+#      per-part split of 2 decoder layers of step 4's shape, eager and compiled.
 # Then prints a short table. Commit the files under benchmarks/results/, then
 #   python benchmarks/gpu_step.py --table benchmarks/results/gpu_step_h200.jsonl \
 #       --write docs/performance.md
@@ -28,20 +28,21 @@
 # Time, estimated for an H200 (~790 TFLOP/s bf16 torch.mm, 4.3 TB/s; 16 host cores): each step
 # is a fresh Python (~5 s torch + triton import; megatron-core ~7 s more) and pays its Triton /
 # inductor compiles once:
-#   wheels + device info                        ~10 s
-#   1. kernels: check + 2 TP x 6 paths x 4 passes of 5 GB logits (~5-50 ms each) + Triton
-#      compiles                                 ~35 s   (timeout 60)
-#   2a. gpu_step eager: model build (1.38B params, CPU init) ~15 s, megatron's own
-#      torch.compile'd SwiGLU / bias-dropout-add ~15 s, 4 paths x (4 update passes of
-#      ~7.8e13 FLOP ~0.25-0.35 s + 4 scoring passes ~0.1 s + 2 memory passes)  ~60 s (timeout 100)
-#   2b. gpu_step compiled: build ~25 s, dynamo + inductor of one layer (training graph and
-#      no-grad graph) ~60-90 s, 2 paths x 8 passes ~5 s           ~110 s (timeout 130)
-#   3. fused_output: check + 2 T x 4 paths x 6 passes of <= 3e13 FLOP + Triton compiles
-#                                               ~35 s   (timeout 60)
-#   4. hf_logits: two tiny models x 2 dtypes    ~25 s   (timeout 45)
-# Expected ~4.5 min; every step runs under `timeout`, and a step never gets more than what is
+#   wheels + device info + one megatron-core / transformers import       ~15 s
+#   1. kernels: check + 2 TP x 6 paths x 4 passes over 5 GB of logits (~5-50 ms each) + Triton
+#      compiles                                                         ~35 s (timeout 60)
+#   2. fused_output: check + 2 T x 4 paths x 5 passes of <= 1.5e13 FLOP + Triton compiles
+#                                                                       ~35 s (timeout 60)
+#   3. hf_logits: two tiny models x 2 dtypes                            ~25 s (timeout 45)
+#   4. gpu_step: model build (1.38B parameters, megatron's CPU init) ~20 s; megatron's own
+#      torch.compile'd SwiGLU / bias-dropout-add ~15 s; eager: 4 rows x (update passes of
+#      ~7.8e13 useful FLOP, ~0.25-0.35 s, x 6 + scoring ~0.1 s x 6 + the 5.5 GB gradient to
+#      the host) ~25 s; compiled: dynamo + inductor of one layer (training and no-grad graphs)
+#      ~60-90 s, 2 rows ~12 s                                         ~150 s (timeout 200)
+# Expected ~4.3 min; every step runs under `timeout`, and a step never gets more than what is
 # left of BUDGET_S (default 290 s) since the script started, so the whole script cannot pass
-# ~5 min (a step left with < 10 s is skipped, said on the console).
+# ~5 min (a step left with < 10 s is skipped, said on the console). gpu_step runs last with
+# what is left (>= ~170 s when the steps before it keep to their estimates).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
@@ -92,26 +93,28 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/h200_device.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$OUT/h200_device.txt"
-python -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>/dev/null \
-  | tee -a "$OUT/h200_device.txt"
+# one import of each (megatron-core takes ~7 s): what the steps below can run
+MCORE=$(python -c "import megatron.core as m; print(m.__version__)" 2>>"$LOG")
+HF=$(python -c "import transformers as t; print(t.__version__)" 2>>"$LOG")
+echo "megatron-core ${MCORE:-missing} transformers ${HF:-missing}" | tee -a "$OUT/h200_device.txt"
 
 step kernels 60 python benchmarks/kernels.py --device cuda --check --tp 1,4 --iters 3 \
   --out "$OUT/kernels_h200.jsonl"
-if python -c "import megatron.core" 2>/dev/null; then
-  step gpu_step_eager 100 python benchmarks/gpu_step.py --device cuda --compile off \
-    --out "$OUT/gpu_step_h200.jsonl"
-  step gpu_step_compiled 130 python benchmarks/gpu_step.py --device cuda --compile on \
-    --layouts padded --out "$OUT/gpu_step_h200.jsonl"
-else
-  say "gpu_step: skipped (megatron-core missing: bring its wheel in ./wheels)"
-  status=1
-fi
 step fused_output 60 python benchmarks/fused_output.py --device cuda --check --tp 1 \
   --dtypes bf16 --T 4096,16384 --iters 3 --out "$OUT/fused_output_h200.jsonl"
-if python -c "import megatron.core, transformers" 2>/dev/null; then
+if [[ -n "$MCORE" && -n "$HF" ]]; then
   step hf_logits 45 python benchmarks/hf_logits.py --out "$OUT/hf_logits_h200.jsonl"
 else
   say "hf_logits: skipped (megatron-core or transformers missing: bring their wheels)"
+fi
+# last, with what is left of the budget: its eager rows are written first, the compiled ones
+# (the least predictable compile time of the check) after them
+if [[ -n "$MCORE" ]]; then
+  step gpu_step 200 python benchmarks/gpu_step.py --device cuda --compile both \
+    --compiled-layouts padded --out "$OUT/gpu_step_h200.jsonl"
+else
+  say "gpu_step: skipped (megatron-core missing: bring its wheel in ./wheels)"
+  status=1
 fi
 if [[ "${GPU_CHECK_LAYER_SPLIT:-0}" == 1 ]]; then
   step layer_split 150 python benchmarks/layer_split.py --device cuda --dtype bfloat16 --compile \

@@ -7,8 +7,8 @@ rows right-padded to their longest; packed: rows end to end) and output path (th
 layer: hidden states -> loss, no logits; the logits path: megatron's output layer and the
 logits kernels).
 
-    python benchmarks/gpu_step.py --device cuda --compile off --out F.jsonl   # the H200 run
-    python benchmarks/gpu_step.py --device cuda --compile on --out F.jsonl
+    python benchmarks/gpu_step.py --device cuda --compile both --compiled-layouts padded \
+        --out F.jsonl                                                # the H200 run
     python benchmarks/gpu_step.py --device cpu --shape tiny --compile off     # the smoke test
     python benchmarks/gpu_step.py --table F.jsonl [--write docs/performance.md]
 
@@ -349,7 +349,8 @@ def rates(r: dict, rate: float) -> dict:
 
 
 def run(args) -> bool:
-    """Every layout x output row of one compile mode; False when a row is not ok."""
+    """Every layout x output row of each compile mode (eager first: its rows are written
+    before the compile starts); False when a row is not ok."""
     device = torch.device(args.device)
     outputs = args.outputs.split(",")
     step = Step(dict(SHAPES[args.shape]), device, outputs[0])
@@ -359,43 +360,51 @@ def run(args) -> bool:
           f"in {step.build_s:.1f} s on {common['device']}; torch.mm {rate:.1f} TFLOP/s",
           flush=True)
     ref = reference(step, outputs[0])
-    compiled = args.compile == "on"
-    dynamo_before = 0.0
-    if compiled:
-        from megagrpo.compile import compile_layers
-
-        compile_layers(step.gpt)
-        dynamo_before = _dynamo_seconds()
     ok = True
-    for layout in args.layouts.split(","):
-        for output in outputs:
-            r = dict(common, compile_layers=compiled, layout=layout, output=output,
-                     reference=f"eager padded {outputs[0]}")
-            try:
-                # compiled: a second untimed pass (on CPU the first pass after the compile
-                # still took 50x the next ones: dynamo's lazily compiled pieces)
-                r = rates(dict(r, **measure(step, layout, output, ref, args.iters,
-                                            2 if compiled else 1)), rate)
-            except Exception as e:  # recorded (the row says what failed), the next row runs:
-                # one GPU session has to bring back every figure it can
-                traceback.print_exc()
-                r.update(ok=False, error=f"{type(e).__name__}: {e}"[:1500])
-                emit(r, args.out)
-                print(f"[gpu_step] {time.strftime('%H:%M:%S')} compile={args.compile} {layout} "
-                      f"{output}: FAILED {r['error'][:300]}", flush=True)
-                ok = False
-                continue
-            if compiled:
-                r["compile_s"] = round(r["first_update_s"] - 2 * r["update_s"]
-                                       + r["first_score_s"] - 2 * r["score_s"], 1)
-                r["dynamo_compile_s"] = round(_dynamo_seconds() - dynamo_before, 1)
-                r.update(_graphs())
-            emit(r, args.out)
-            print(f"[gpu_step] {time.strftime('%H:%M:%S')} compile={args.compile} {layout} "
-                  f"{output}: update {r['update_s']:.3f} s ({r['mfu_update']:.1%} MFU), score "
-                  f"{r['score_s']:.3f} s ({r['mfu_score']:.1%}), ok={r['ok']}", flush=True)
-            ok &= r["ok"]
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    for compiled in modes:
+        dynamo_before = 0.0
+        if compiled:
+            from megagrpo.compile import compile_layers
+
+            compile_layers(step.gpt)
+            dynamo_before = _dynamo_seconds()
+        layouts = (args.compiled_layouts or args.layouts) if compiled else args.layouts
+        for layout in layouts.split(","):
+            for output in outputs:
+                r = dict(common, compile_layers=compiled, layout=layout, output=output,
+                         reference=f"eager padded {outputs[0]}")
+                ok &= one_row(step, r, ref, args, rate, dynamo_before)
     return ok
+
+
+def one_row(step: Step, r: dict, ref: dict, args, rate: float, dynamo_before: float) -> bool:
+    """Measures, records and prints one row (`r`: its fixed fields); whether it is ok."""
+    compiled, mode = r["compile_layers"], "on" if r["compile_layers"] else "off"
+    what = f"compile={mode} {r['layout']} {r['output']}"
+    try:
+        # compiled: a second untimed pass (on CPU the first pass after the compile still
+        # took 50x the next ones: dynamo's lazily compiled pieces)
+        r = rates(dict(r, **measure(step, r["layout"], r["output"], ref, args.iters,
+                                    2 if compiled else 1)), rate)
+    except Exception as e:  # recorded (the row says what failed), the next row runs:
+        # one GPU session has to bring back every figure it can
+        traceback.print_exc()
+        r.update(ok=False, error=f"{type(e).__name__}: {e}"[:1500])
+        emit(r, args.out)
+        print(f"[gpu_step] {time.strftime('%H:%M:%S')} {what}: FAILED {r['error'][:300]}",
+              flush=True)
+        return False
+    if compiled:
+        r["compile_s"] = round(r["first_update_s"] - 2 * r["update_s"]
+                               + r["first_score_s"] - 2 * r["score_s"], 1)
+        r["dynamo_compile_s"] = round(_dynamo_seconds() - dynamo_before, 1)
+        r.update(_graphs())
+    emit(r, args.out)
+    print(f"[gpu_step] {time.strftime('%H:%M:%S')} {what}: update {r['update_s']:.3f} s "
+          f"({r['mfu_update']:.1%} MFU), score {r['score_s']:.3f} s ({r['mfu_score']:.1%}), "
+          f"ok={r['ok']}", flush=True)
+    return r["ok"]
 
 
 def _graphs() -> dict:
@@ -500,10 +509,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shape", default=None, choices=sorted(SHAPES),
                     help="gpu on CUDA, tiny on CPU by default")
-    ap.add_argument("--compile", default="off", choices=("off", "on"),
-                    help="compute.compile_layers (each mode in its own process: a compile that "
-                    "hangs or fails loses none of the eager rows)")
+    ap.add_argument("--compile", default="off", choices=("off", "on", "both"),
+                    help="compute.compile_layers; both: the eager rows first (written before "
+                    "the compile starts, so a compile that hangs loses none of them), then "
+                    "the layers compiled in the same process (one model build)")
     ap.add_argument("--layouts", default="padded,packed")
+    ap.add_argument("--compiled-layouts", default=None,
+                    help="the layouts of the compiled rows (default: --layouts); each layout "
+                    "is another graph to compile")
     ap.add_argument("--outputs", default="fused,logits")
     ap.add_argument("--iters", type=int, default=None, help="timed passes (3 CUDA, 1 CPU)")
     ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
