@@ -41,10 +41,10 @@ memory figure the maximum over the CP ranks:
 A setting whose peak, extrapolated linearly in S from the same setting's smaller measured sizes
 (before any: 3 x the planner's figure), would pass --max-gib per process is not run; its row
 says `skipped` and why. `--table` prints the markdown table of a results file: the measured
-rows, and per setting the linear fit peak = a + c x S (least squares over the measured sizes)
-and the longest S whose fitted peak fits 20 GiB (step peak + the process's RSS before the step;
-at cp > 1 the CP attention's causal masks, quadratic in S, are added at their exact size
-(`mask_mib`) rather than fitted).
+rows with the planner's figures at the current megagrpo/plan.py, and per setting the linear
+fit peak = a + c x S (least squares over the measured sizes) and the longest S whose fitted
+peak fits 20 GiB (step peak + the process's RSS before the step; at cp > 1 the CP attention's
+causal masks, quadratic in S, are added at their exact size (`mask_mib`) rather than fitted).
 Selective recomputes megatron's core attention only, which holds the [b, heads, S, S] scores with
 megatron's DotProductAttention and nothing that large with torch's SDPA (megagrpo's default).
 """
@@ -212,12 +212,12 @@ def predicted_mib(done: list[dict], seq: int, planner: float) -> float:
 
 
 def mask_mib(row: dict, seq: int) -> float:
-    """The causal masks megagrpo's CP attention keeps for backward: one bool [S/cp, S] per
-    layer (0 at cp = 1: SDPA's is_causal needs none). Quadratic in S, so the fit takes it as
-    known rather than fitting it."""
+    """The causal masks megagrpo's CP attention keeps for backward: per layer one [S/cp, S]
+    mask, which SDPA converts from bool to the fp32 model's dtype and saves (0 at cp = 1:
+    is_causal needs none). Quadratic in S, so the fit takes it as known rather than fitted."""
     if row["cp"] == 1:
         return 0.0
-    return MODELS[row["model"]]["num_layers"] * (seq // row["cp"]) * seq / 2**20
+    return MODELS[row["model"]]["num_layers"] * (seq // row["cp"]) * seq * 4 / 2**20
 
 
 def fit(rows: list[dict]) -> tuple[float, float, int]:
@@ -249,7 +249,12 @@ def table(path: str) -> str:
     out = ["| CP | recompute | S | step peak (RSS, max over ranks) MiB | planner MiB | error "
            "| saved activations MiB | planner activations MiB | error | step s | load |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in done:
+    for r in done:  # the planner's figures at the current megagrpo/plan.py
+        est, act = planner_mib(r["recompute"], r["attention"], r["seq"], r["batch"], r["model"],
+                               r["cp"])
+        r.update(planner_mib=round(est, 1), planner_act_mib=round(act, 1),
+                 planner_error=(est - r["step_peak_mib"]) / r["step_peak_mib"],
+                 planner_act_error=(act - r["saved_mib"]) / r["saved_mib"])
         out.append(f"| {r['cp']} | {r['recompute']} | {r['seq']} | {r['step_peak_mib']} | "
                    f"{r['planner_mib']} | {pct(r['planner_error'])} | {r['saved_mib']} | "
                    f"{r['planner_act_mib']} | {pct(r['planner_act_error'])} | {r['step_s']} | "
