@@ -214,10 +214,12 @@ def predicted_mib(done: list[dict], seq: int, planner: float) -> float:
 def mask_mib(row: dict, seq: int) -> float:
     """The causal masks megagrpo's CP attention keeps for backward: per layer one [S/cp, S]
     mask, which SDPA converts from bool to the fp32 model's dtype and saves (0 at cp = 1:
-    is_causal needs none). Quadratic in S, so the fit takes it as known rather than fitted."""
+    is_causal needs none); under selective or full recomputation the recomputed layer's only.
+    Quadratic in S, so the fit takes it as known rather than fitted."""
     if row["cp"] == 1:
         return 0.0
-    return MODELS[row["model"]]["num_layers"] * (seq // row["cp"]) * seq * 4 / 2**20
+    layers = MODELS[row["model"]]["num_layers"] if row["recompute"] == "none" else 1
+    return layers * (seq // row["cp"]) * seq * 4 / 2**20
 
 
 def fit(rows: list[dict]) -> tuple[float, float, int]:
