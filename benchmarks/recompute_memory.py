@@ -1,21 +1,31 @@
 """Peak memory of one update pass (forward + backward) with compute.recompute none / selective /
-full, 1 process (TP=1), CPU.
+full, at context parallelism 1 or 2 (TP=1), CPU.
 
-    .venv/bin/python benchmarks/recompute_memory.py [--seq 1024] [--batch 2]
-        [--attention sdpa,megatron] [--recompute none,selective,full] [--threads 2]
+    .venv/bin/python benchmarks/recompute_memory.py [--seq 1024[,2048...]] [--batch 2]
+        [--attention sdpa,megatron] [--recompute none,selective,full] [--cp 1[,2]]
+        [--model small|midsize] [--threads 2] [--max-gib 12]
         [--out benchmarks/results/recompute_cpu.jsonl]
+    .venv/bin/python benchmarks/recompute_memory.py \
+        --table benchmarks/results/recompute_cp_cpu.jsonl
 
-Each (attention, recompute) setting runs in a fresh child process (the peak RSS is a process's
-high-water mark): build the model (hidden 384, 6 layers, 6 heads x 64, 2 KV groups, FFN 1024,
-vocab 1024, random init, fp32), then one forward + backward of a per-token CE loss on [b, S]
-random tokens in training mode. One JSON line per setting:
+Each (cp, seq, attention, recompute) setting runs in fresh child processes (the peak RSS is a
+process's high-water mark), one per CP rank (CP=2: two processes over gloo, threads / cp torch
+threads each): build the model (`--model small`: hidden 384, 6 layers, 6 heads x 64, 2 KV
+groups, FFN 1024, vocab 1024; `midsize`: benchmarks/_workloads.py's midsize Llama, hidden 512,
+4 layers, 8 heads x 64, 4 KV groups, FFN 1536, vocab 19 padded to 128; random init, fp32),
+then one forward + backward of a per-token CE loss on [b, S] random tokens in training mode
+(under CP each rank runs its 2 load-balanced chunks of the row, RoPE at their global positions,
+megagrpo's CP attention: `megagrpo/context_parallel.py`). One JSON line per setting, each
+memory figure the maximum over the CP ranks:
   step_peak_mib   peak RSS during the step minus the RSS just before it (what the step's
                   activations and gradients add)
   peak_rss_mib    the process's peak RSS
   step_s          wall time of the step
   layer_forwards  forward calls of layer 0 in the step (2 under full: recomputed)
   saved_mib       bytes autograd saved for backward in the transformer layers' forward
-                  (distinct storages, parameters left out): the activations the planner
+                  (distinct storages, parameters and their views left out; rows before
+                  recompute_cp_cpu.jsonl left out only Parameter objects, so they count a
+                  transposed weight a matmul saves): the activations the planner
                   estimates, without the backward's own working set and the allocator's cached
                   blocks that the RSS peak also holds (under full recomputation: the kept layer
                   inputs only, the recomputed chunk exists in backward)
@@ -26,6 +36,15 @@ random tokens in training mode. One JSON line per setting:
   planner_error   (planner_mib - step_peak_mib) / step_peak_mib
   planner_act_mib the planner's activation estimate alone; planner_act_error its error
                   against saved_mib
+  rank_step_peak_mib  step_peak_mib of each CP rank
+  loadavg_1m, cpu  the machine's 1-minute load average before the setting, and its CPU
+A setting whose peak, extrapolated linearly in S from the same setting's smaller measured sizes
+(before any: 3 x the planner's figure), would pass --max-gib per process is not run; its row
+says `skipped` and why. `--table` prints the markdown table of a results file: the measured
+rows with the planner's figures at the current megagrpo/plan.py, and per setting the linear
+fit peak = a + c x S (least squares over the measured sizes) and the longest S whose fitted
+peak fits 20 GiB (step peak + the process's RSS before the step; at cp > 1 the CP attention's
+causal masks, quadratic in S, are added at their exact size (`mask_mib`) rather than fitted).
 Selective recomputes megatron's core attention only, which holds the [b, heads, S, S] scores with
 megatron's DotProductAttention and nothing that large with torch's SDPA (megagrpo's default).
 """
@@ -38,12 +57,19 @@ import resource
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from functools import partial
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-MODEL = dict(vocab_size=1024, hidden_size=384, ffn_hidden_size=1024, num_layers=6,
-             num_attention_heads=6, num_query_groups=2, head_dim=64)
+MODELS = {
+    "small": dict(vocab_size=1024, hidden_size=384, ffn_hidden_size=1024, num_layers=6,
+                  num_attention_heads=6, num_query_groups=2, head_dim=64),
+    # benchmarks/_workloads.py's midsize (the arithmetic tokenizer's vocab, 19)
+    "midsize": dict(vocab_size=19, hidden_size=512, ffn_hidden_size=1536, num_layers=4,
+                    num_attention_heads=8, num_query_groups=4, head_dim=64),
+}
+FIT_GIB = 20  # the longest sequence whose fitted peak fits this (the issue's budget)
 
 
 def rss_mib() -> float:
@@ -51,102 +77,271 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def child(recompute: str, attention: str, seq: int, batch: int, threads: int) -> dict:
+def child(recompute: str, attention: str, seq: int, batch: int, threads: int, model: str,
+          cp: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
     from megagrpo.config.model import ModelConfig, ParallelConfig
+    from megagrpo.context_parallel import chunk_columns, padded_width
     from megagrpo.distributed import init_distributed
     from megagrpo.model import build_model
+    from megagrpo.positions import RotaryPositions
 
-    mcfg = ModelConfig(**MODEL, max_position_embeddings=seq)
-    par = ParallelConfig(attention_impl=attention, make_vocab_size_divisible_by=128)
-    init_distributed(par, mcfg)
+    shape = MODELS[model]
+    mcfg = ModelConfig(**shape, max_position_embeddings=seq)
+    par = ParallelConfig(attention_impl=attention, make_vocab_size_divisible_by=128, cp=cp)
+    info = init_distributed(par, mcfg)
     gpt = build_model(mcfg, par, seed=0, recompute=(recompute, 1)).train()
     calls = [0]
     gpt.decoder.layers[0].register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, MODEL["vocab_size"], (batch, seq), generator=g)
-    pos = torch.arange(seq).expand_as(ids)
+    ids = torch.randint(0, shape["vocab_size"], (batch, seq), generator=g)
     labels = torch.roll(ids, -1, dims=1)
+    # this CP rank's 2 load-balanced chunks of every row (all columns at cp = 1)
+    cols = chunk_columns(padded_width(seq, cp), cp, info.cp_rank) if cp > 1 else torch.arange(seq)
+    ids, labels = ids[:, cols], labels[:, cols]
+    pos = cols.expand_as(ids)
+    rope = RotaryPositions.of(gpt).at(cols) if cp > 1 else nullcontext()
     saved: dict[int, int] = {}
     before = rss_mib()
     t0 = time.perf_counter()
-    hooks = torch.autograd.graph.saved_tensors_hooks(partial(_note_saved, saved), lambda t: t)
+    weights = {w.untyped_storage().data_ptr() for w in gpt.parameters()}
+    hooks = torch.autograd.graph.saved_tensors_hooks(partial(_note_saved, saved, weights),
+                                                     lambda t: t)
     gpt.decoder.register_forward_pre_hook(lambda *_: hooks.__enter__())
     gpt.decoder.register_forward_hook(lambda *_: hooks.__exit__(None, None, None))
-    gpt(ids, pos, None, labels=labels).float().mean().backward()
+    with rope:
+        gpt(ids, pos, None, labels=labels).float().mean().backward()
     wall = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
-    return {"recompute": recompute, "attention": attention, "seq": seq, "batch": batch,
+    return {"model": model, "cp": cp, "recompute": recompute, "attention": attention,
+            "seq": seq, "batch": batch, "threads": threads,
+            "rss_before_mib": round(before, 1),
             "step_peak_mib": round(peak - before, 1), "peak_rss_mib": round(peak, 1),
             "step_s": round(wall, 2), "layer_forwards": calls[0],
             "saved_mib": round(sum(saved.values()) / 2**20, 1)}
 
 
-def _note_saved(saved: dict, t):
-    """saved_tensors_hooks pack: records each saved non-parameter storage once (views of one
-    tensor share it); returns the tensor itself (nothing is copied)."""
+def _note_saved(saved: dict, weights: set, t):
+    """saved_tensors_hooks pack: records each saved storage once (views of one tensor share
+    it), leaving out the parameters' storages (a matmul saves its weight as a transposed view,
+    not a Parameter); returns the tensor itself (nothing is copied)."""
     import torch
 
-    if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+    if isinstance(t, torch.Tensor):
         st = t.untyped_storage()
-        saved.setdefault(st.data_ptr(), st.nbytes())
+        if st.data_ptr() not in weights:
+            saved.setdefault(st.data_ptr(), st.nbytes())
     return t
 
 
-def planner_mib(recompute: str, attention: str, seq: int, batch: int) -> tuple[float, float]:
-    """The planner's estimate of the step's peak and its activation term (see the module
-    docstring), MiB."""
+def planner_mib(recompute: str, attention: str, seq: int, batch: int, model: str = "small",
+                cp: int = 1) -> tuple[float, float]:
+    """The planner's estimate of the step's peak on one rank and its activation term (see the
+    module docstring), MiB."""
     from megagrpo.config.train import load_config
     from megagrpo.plan import activation_bytes, logits_bytes, total_params
 
-    cfg = load_config(None, [f"model.{k}={v}" for k, v in MODEL.items()] + [
+    cfg = load_config(None, [f"model.{k}={v}" for k, v in MODELS[model].items()] + [
         "model.dtype=float32", f"model.max_position_embeddings={seq}",
         f"rollout.max_model_len={seq}", f"compute.micro_batch_size={batch}",
         f"compute.recompute={recompute}", f"parallel.attention_impl={attention}",
         "parallel.transformer_impl=local", "parallel.make_vocab_size_divisible_by=128",
-        "compute.fused_output_layer=false", "compute.inplace_backward=false"])
+        f"parallel.cp={cp}", "compute.fused_output_layer=false",
+        "compute.inplace_backward=false"])
     m = cfg.model
     act = activation_bytes(cfg, m, 1, 1)
     total = act + logits_bytes(cfg, m, 1, cfg.parallel)[0] + 4 * total_params(m)
     return total / 2**20, act / 2**20
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--attention", default="sdpa,megatron")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--recompute", default="none,selective,full")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        recompute, attention = args.child.split(":")
-        print(json.dumps(child(recompute, attention, args.seq, args.batch, args.threads)))
-        return
-    from benchmarks._harness import emit
+def loadavg() -> float:
+    return os.getloadavg()[0]
+
+
+def cpu_name() -> str:
+    import torch
+
+    name = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                 if ln.startswith("model name")), "unknown")
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+
+
+def run_setting(args, model: str, cp: int, seq: int, attention: str, recompute: str) -> dict:
+    """One setting in cp fresh child processes (CP ranks over gloo); the ranks' maxima."""
     from megagrpo.cli import free_port
 
-    for attention in args.attention.split(","):
-        for recompute in args.recompute.split(","):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                       RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                       OMP_NUM_THREADS=str(args.threads))
-            out = subprocess.run(
-                [sys.executable, os.path.abspath(__file__), "--child", f"{recompute}:{attention}",
-                 "--seq", str(args.seq), "--batch", str(args.batch),
-                 "--threads", str(args.threads)],
-                env=env, capture_output=True, text=True, check=True).stdout
-            rec = json.loads(out.strip().splitlines()[-1])
-            est, act = planner_mib(recompute, attention, args.seq, args.batch)
-            rec.update(planner_mib=round(est, 1),
-                       planner_error=round((est - rec["step_peak_mib"]) / rec["step_peak_mib"], 3),
-                       planner_act_mib=round(act, 1),
-                       planner_act_error=round((act - rec["saved_mib"]) / rec["saved_mib"], 3))
-            emit(rec, args.out)
+    threads = max(1, args.threads // cp)
+    port = str(free_port())
+    procs = []
+    for rank in range(cp):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank),
+                   WORLD_SIZE=str(cp), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(cp),
+                   OMP_NUM_THREADS=str(threads))
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--child", f"{recompute}:{attention}",
+             "--seq", str(seq), "--batch", str(args.batch), "--threads", str(threads),
+             "--model", model, "--cp", str(cp)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    recs = []
+    for p in procs:
+        out, err = p.communicate()
+        if p.returncode:
+            raise RuntimeError(f"child failed (rc={p.returncode}):\n{err[-3000:]}")
+        recs.append(json.loads(out.strip().splitlines()[-1]))
+    rec = dict(recs[0])
+    for key in ("rss_before_mib", "step_peak_mib", "peak_rss_mib", "step_s", "saved_mib"):
+        rec[key] = max(r[key] for r in recs)
+    rec["rank_step_peak_mib"] = [r["step_peak_mib"] for r in recs]
+    est, act = planner_mib(recompute, attention, seq, args.batch, model, cp)
+    rec.update(planner_mib=round(est, 1),
+               planner_error=round((est - rec["step_peak_mib"]) / rec["step_peak_mib"], 3),
+               planner_act_mib=round(act, 1),
+               planner_act_error=round((act - rec["saved_mib"]) / rec["saved_mib"], 3))
+    return rec
+
+
+def predicted_mib(done: list[dict], seq: int, planner: float) -> float:
+    """The step peak at `seq` extrapolated linearly in S from the same setting's measured
+    rows (through the origin from the largest), or 3 x the planner's figure before any."""
+    if not done:
+        return 3 * planner
+    last = max(done, key=lambda r: r["seq"])
+    return last["rss_before_mib"] + last["step_peak_mib"] * seq / last["seq"]
+
+
+def mask_mib(row: dict, seq: int) -> float:
+    """The causal masks megagrpo's CP attention keeps for backward: per layer one [S/cp, S]
+    mask, which SDPA converts from bool to the fp32 model's dtype and saves (0 at cp = 1:
+    is_causal needs none); under selective or full recomputation the recomputed layer's only.
+    Quadratic in S, so the fit takes it as known rather than fitted."""
+    if row["cp"] == 1:
+        return 0.0
+    layers = MODELS[row["model"]]["num_layers"] if row["recompute"] == "none" else 1
+    return layers * (seq // row["cp"]) * seq * 4 / 2**20
+
+
+def fit(rows: list[dict]) -> tuple[float, float, int]:
+    """(a MiB, c MiB per token, longest S) of the least-squares line
+    process peak - masks = a + c x S over a setting's measured rows (process peak = RSS before
+    the step + the step's peak; masks: `mask_mib`), and the longest S (multiple of 2 x cp)
+    whose fitted peak a + c x S + masks stays under FIT_GIB."""
+    xs = [r["seq"] for r in rows]
+    ys = [r["rss_before_mib"] + r["step_peak_mib"] - mask_mib(r, r["seq"]) for r in rows]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    c = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    a = my - c * mx
+    q = 2 * rows[0]["cp"]
+    lo, hi = 0, q
+    while a + c * hi + mask_mib(rows[0], hi) <= FIT_GIB * 1024:
+        lo, hi = hi, 2 * hi
+    while hi - lo > q:
+        mid = (lo + hi) // 2 // q * q
+        lo, hi = (mid, hi) if a + c * mid + mask_mib(rows[0], mid) <= FIT_GIB * 1024 else (lo, mid)
+    return a, c, lo
+
+
+def table(path: str) -> str:
+    """Markdown for docs: the measured rows with the planner's figures, then per setting the
+    fit and the longest sequence fitting FIT_GIB."""
+    rows = [json.loads(ln) for ln in open(path) if ln.strip()]
+    done = [r for r in rows if "skipped" not in r]
+    pct = lambda e: f"{e * 100:+.0f}%"  # noqa: E731
+    out = ["| CP | recompute | S | step peak (RSS, max over ranks) MiB | planner MiB | error "
+           "| saved activations MiB | planner activations MiB | error | step s | load |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in done:  # the planner's figures at the current megagrpo/plan.py
+        est, act = planner_mib(r["recompute"], r["attention"], r["seq"], r["batch"], r["model"],
+                               r["cp"])
+        r.update(planner_mib=round(est, 1), planner_act_mib=round(act, 1),
+                 planner_error=(est - r["step_peak_mib"]) / r["step_peak_mib"],
+                 planner_act_error=(act - r["saved_mib"]) / r["saved_mib"])
+        out.append(f"| {r['cp']} | {r['recompute']} | {r['seq']} | {r['step_peak_mib']} | "
+                   f"{r['planner_mib']} | {pct(r['planner_error'])} | {r['saved_mib']} | "
+                   f"{r['planner_act_mib']} | {pct(r['planner_act_error'])} | {r['step_s']} | "
+                   f"{r['loadavg_1m']:.1f} |")
+    for r in rows:
+        if "skipped" in r:
+            out.append(f"| {r['cp']} | {r['recompute']} | {r['seq']} | skipped: "
+                       f"{r['skipped']} | | | | | | | |")
+    out += ["", f"| CP | recompute | fit: process peak MiB = a + c x S (+ masks) | longest S in "
+            f"{FIT_GIB} GiB (fit) | planner's longest S (its step figure + RSS before "
+            "the step) |", "|---|---|---|---|---|"]
+    settings = sorted({(r["cp"], r["recompute"]) for r in done},
+                      key=lambda k: (k[0], ["none", "selective", "full"].index(k[1])))
+    for cp, rc in settings:
+        mine = sorted((r for r in done if (r["cp"], r["recompute"]) == (cp, rc)),
+                      key=lambda r: r["seq"])
+        if len(mine) < 2:
+            continue
+        a, c, longest = fit(mine)
+        base = max(r["rss_before_mib"] for r in mine)  # what the planner's step figure omits
+        out.append(f"| {cp} | {rc} | {a:.0f} + {c * 1024:.1f} x S/1024 | {longest} | "
+                   f"{planner_longest(mine[0], FIT_GIB * 1024 - base)} |")
+    return "\n".join(out)
+
+
+def planner_longest(row: dict, budget_mib: float) -> int:
+    """The longest S (multiple of 2 x cp, 1024-token steps then bisected) whose planner
+    figure for the step fits `budget_mib` (the budget less the fit's S-independent part)."""
+    est = partial(planner_mib, row["recompute"], row["attention"], batch=row["batch"],
+                  model=row["model"], cp=row["cp"])
+    q = 2 * row["cp"]
+    lo, hi = q, q
+    while est(seq=hi)[0] <= budget_mib:
+        lo, hi = hi, hi * 2
+    while hi - lo > q:
+        mid = (lo + hi) // 2 // q * q
+        lo, hi = (mid, hi) if est(seq=mid)[0] <= budget_mib else (lo, mid)
+    return lo
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seq", default="1024", help="comma-separated sequence lengths")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--attention", default="sdpa,megatron")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads in all (/ cp a rank)")
+    ap.add_argument("--recompute", default="none,selective,full")
+    ap.add_argument("--cp", default="1", help="comma-separated context-parallel sizes")
+    ap.add_argument("--model", default="small", choices=sorted(MODELS))
+    ap.add_argument("--max-gib", type=float, default=12.0,
+                    help="skip a setting predicted to pass this per process")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--table", default=None, help="only print docs' markdown from this file")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.table:
+        print(table(args.table))
+        return
+    if args.child:
+        recompute, attention = args.child.split(":")
+        print(json.dumps(child(recompute, attention, int(args.seq), args.batch, args.threads,
+                               args.model, int(args.cp))))
+        return
+    from benchmarks._harness import emit
+
+    cpu = cpu_name()
+    done: dict[tuple, list[dict]] = {}
+    for cp in map(int, args.cp.split(",")):
+        for seq in sorted(map(int, args.seq.split(","))):
+            for attention in args.attention.split(","):
+                for recompute in args.recompute.split(","):
+                    key = (cp, attention, recompute)
+                    head = {"model": args.model, "cp": cp, "recompute": recompute,
+                            "attention": attention, "seq": seq, "batch": args.batch,
+                            "loadavg_1m": loadavg(), "cpu": cpu}
+                    plan = planner_mib(recompute, attention, seq, args.batch, args.model, cp)[0]
+                    guess = predicted_mib(done.get(key, []), seq, plan)
+                    if guess > args.max_gib * 1024:
+                        emit({**head, "skipped": f"predicted {guess / 1024:.1f} GiB per "
+                              f"process > --max-gib {args.max_gib:g}"}, args.out)
+                        continue
+                    rec = run_setting(args, args.model, cp, seq, attention, recompute)
+                    rec = {**head, **rec}
+                    done.setdefault(key, []).append(rec)
+                    emit(rec, args.out)
 
 
 if __name__ == "__main__":

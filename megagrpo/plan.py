@@ -34,8 +34,15 @@ What is counted, per rank, on the worst pipeline stage:
   per stage, times the pp micro-batches the first stage holds under 1F1B. compute.recompute:
   selective drops the scores term; full keeps each layer's input (2*s*b*h, /tp with sequence
   parallelism) plus one recomputed chunk (compute.recompute_num_layers layers) of one
-  micro-batch. s = rollout.max_model_len, b = compute.micro_batch_size. Measured against CPU
-  peaks by benchmarks/recompute_memory.py (docs/performance.md).
+  micro-batch. s = rollout.max_model_len, b = compute.micro_batch_size. With context
+  parallelism (parallel.cp = c) s is one rank's share of the row (its 2 of 2c chunks), and each
+  layer adds what megagrpo's CP attention saves for backward: the all-gathered K and V of the
+  other ranks' tokens, 2 x (c-1) s b x KV heads x head_dim / tp values, and the causal mask
+  [s, c s] that SDPA saves converted to the model's dtype (quadratic in the row's length: each
+  layer keeps its own; under selective or full recomputation they exist for the recomputed
+  layer only). The logits path counts the rank's
+  tokens (T / c). Measured against CPU peaks by benchmarks/recompute_memory.py
+  (docs/performance.md, docs/context-parallel.md).
 - vLLM: colocated in every rank, in engines of k = rollout.tensor_parallel_size ranks, so each
   rank holds 1/k of the model in rollout.dtype (vocab and matrices split, norms replicated) and
   the KV cache of ceil(KV heads / k) heads per layer (vLLM replicates KV heads when k exceeds
@@ -219,7 +226,7 @@ def logits_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, tp_pad: ParallelConf
     """(vocab pass, naive) working set in bytes for one micro-batch on one TP rank: the fused
     output layer's chunks, or the logits the fused kernels read (compute.fused_output_layer
     false)."""
-    t = cfg.compute.micro_batch_size * cfg.rollout.max_model_len
+    t = cfg.compute.micro_batch_size * cfg.rollout.max_model_len // tp_pad.cp  # per CP rank
     b = DTYPE_BYTES[m.dtype]
     v_local = tp_pad.padded_vocab_size(m.vocab_size) // tp
     # per-row fp32 stats [T, 4], their all-gather [tp * T, 4], and three [T] fp32 rows saved for
@@ -257,9 +264,11 @@ def fused_output_bytes(t: int, h: int, v_local: int, b: int) -> int:
 def activation_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int) -> int:
     """Rough per-rank activations of the first stage's update pass, with sequence parallelism
     and compute.recompute (see the module docstring)."""
-    s, b, h = cfg.rollout.max_model_len, cfg.compute.micro_batch_size, m.hidden_size
-    sp = sequence_parallel_auto(cfg, m, tp)[0]
     p = cfg.parallel
+    # s: this CP rank's tokens per row (its 2 x cp chunks of the row padded to 2 x cp)
+    full_s, b, h = cfg.rollout.max_model_len, cfg.compute.micro_batch_size, m.hidden_size
+    s = -(-full_s // (2 * p.cp)) * 2 if p.cp > 1 else full_s
+    sp = sequence_parallel_auto(cfg, m, tp)[0]
     materialised = p.transformer_impl == "local" and p.attention_impl == "megatron"
     # the softmax output [b, a/tp, s, s]; Korthikanti's 5 a s^2 b adds a dropout mask and
     # output, and megagrpo builds its models with attention_dropout = 0
@@ -267,14 +276,21 @@ def activation_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int) -> int:
     layer = s * b * h * (34 / tp if sp else 10 + 24 / tp)
     layers = len(stage_layers(m, dataclasses.replace(p, pp=pp), 0))
     scale = DTYPE_BYTES[m.dtype] / 2
+    # megagrpo's CP attention (megagrpo/context_parallel.py) saves for backward the
+    # all-gathered K and V of the whole row (the formula counts this rank's s only) and its
+    # causal mask [s, cp * s], which torch's SDPA converts from bool to the model's dtype and
+    # saves (measured on CPU: benchmarks/recompute_memory.py)
+    kv = m.num_query_groups * m.head_dim / tp
+    cp_attn = 2 * 2 * (p.cp - 1) * s * b * kv + 2 * s * p.cp * s if p.cp > 1 else 0.0
     rc = cfg.compute.recompute
     if rc == "full":  # each layer's input, + one recomputed chunk's activations in backward
         kept = 2 * s * b * h / (tp if sp else 1)
         chunk = min(cfg.compute.recompute_num_layers, layers)
-        return int(scale * (kept * layers * pp + (layer + scores) * chunk))
-    if rc == "selective":  # core attention recomputed: no scores kept
-        scores = 0.0
-    return int((layer + scores) * scale * layers * pp)
+        return int(scale * (kept * layers * pp + (layer + scores + cp_attn) * chunk))
+    if rc == "selective":  # core attention recomputed: no scores kept, and CP's gathered K/V
+        # and mask exist for one layer at a time in backward
+        return int(scale * (layer * layers * pp + cp_attn))
+    return int((layer + scores + cp_attn) * scale * layers * pp)
 
 
 def vllm_rank_bytes(m: ModelConfig, k: int, dtype: str) -> tuple[int, int]:
@@ -294,6 +310,7 @@ def rank_memory(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int, world: int,
     vllm_weights, kv_token = vllm_rank_bytes(m, k, cfg.rollout.dtype)
     layout = dataclasses.replace(cfg.parallel, tp=tp, pp=pp)
     ep = layout.ep
+    # DP x CP ranks hold the same weights; megatron's distributed optimizer shards over both
     dp = max(1, world // (tp * pp))
     stage = max(range(pp), key=lambda s: stage_params(m, layout, s))
     n = stage_params(m, layout, stage)
@@ -316,7 +333,8 @@ def rank_memory(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int, world: int,
     fused, naive = logits_bytes(cfg, m, tp, layout)
     colocated = cfg.rollout.placement != "separate"
     vllm_weights = vllm_weights if colocated else 0
-    return RankMemory(tp=tp, pp=pp, dp=dp, params=n, weights=weights, grads=grads,
+    return RankMemory(tp=tp, pp=pp, dp=max(1, dp // layout.cp), params=n, weights=weights,
+                      grads=grads,
                       optimizer=optimizer, reference=n * b if with_ref else 0,
                       logits_fused=fused, logits_naive=naive,
                       activations=activation_bytes(cfg, m, tp, pp),
