@@ -387,10 +387,11 @@ def test_grpo_step_benchmark_one_rank_one_step(tmp_path):
     # (the rollout's: the larger of FLOPs and bytes per decode step, rollout_floor.py; never
     # below its FLOPs at the GEMM rate)
     rate = row["gemm_gflops"] * 1e9
+    rel = max(1e-3, 0.051 / row["gemm_gflops"])  # the row keeps the rate to 0.1 GFLOP/s
     for phase in ("score", "update"):
-        assert row[f"floor_{phase}_s"] == pytest.approx(row[f"flops_{phase}"] / rate, rel=1e-3)
+        assert row[f"floor_{phase}_s"] == pytest.approx(row[f"flops_{phase}"] / rate, rel=rel)
     assert row["floor_rollout_flops_only_s"] == pytest.approx(row["flops_rollout"] / rate,
-                                                              rel=1e-3)
+                                                              rel=rel)
     bw = _bench_module("rollout_floor").rollout_floor(
         row["rollout_profiles"], row["gemm_gflops"], row["mem_read_gbs"])
     assert row["floor_rollout_s"] == pytest.approx(bw["floor_s"] / row["steps"], rel=1e-3)
