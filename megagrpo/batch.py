@@ -40,6 +40,9 @@ class Batch:
     """[N] fp32 shaped reward of each row's sequence (0 on padding rows; None = not kept)."""
     lengths: Tensor | None = None
     """[N] int64 prompt + completion tokens of each row (0 on padding rows; None = S)."""
+    lags: Tensor | None = None
+    """[N] int64 optimizer updates between each row's sampling policy and the trainer (0 on
+    padding rows; set by `Trainer.prepare` so that token balancing moves them with the rows)."""
     routes: Tensor | None = None
     """[N, S, L_moe, k] int16 the experts vLLM routed each position to (-1: vLLM computed none,
     -2: none needed, i.e. padding and each row's last token; routing replay only, else None)."""

@@ -270,7 +270,8 @@ class Trainer:
             # updates between sampling and training; the decoupled default ran (offpolicy)
             replica.update(policy_lag=float(self.version - ro.version),
                            offpolicy_corrected=float(mode != a.rollout_is))
-            scale = self._bound_staleness(batch, lags, replica)
+            batch.lags = self._rows(batch, lags)  # per row: balancing moves them with it
+            self._bound_staleness(batch, lags, replica)
             if self.cfg.rollout.inflight_updates:
                 replica.update(token_lag_metrics(ro, self.version))
             if not self.kl_in_reward:
@@ -278,6 +279,7 @@ class Trainer:
             replica = self._dp_mean(replica)  # each replica saw its own prompts
             batch, balanced = self.balance(batch)
             replica.update(balanced)  # already global
+            scale = self._stale_scale(batch)
         with t("score"):
             scored = self.score(batch, async_batch=stale)
             batch.old_logp, batch.ref_logp = scored.old_logp, scored.ref_logp
@@ -288,8 +290,9 @@ class Trainer:
             if batch.old_logp is not None:
                 corr = rollout_is(batch, scored.rows, a, mode=mode)
                 batch.mask, batch.is_weight = corr.mask, corr.weight
-                batch.is_weight = sample_weights(batch.is_weight, self._rows(batch, lags == 0),
-                                                 scale, default_ran=mode != a.rollout_is,
+                fresh = batch.seq_valid & (batch.lags == 0)
+                batch.is_weight = sample_weights(batch.is_weight, fresh, scale,
+                                                 default_ran=mode != a.rollout_is,
                                                  width=batch.mask.shape[1])
                 last.update(corr.metrics)
             if scored.needed:
@@ -304,12 +307,11 @@ class Trainer:
         row[batch.seq_valid] = values
         return row
 
-    def _bound_staleness(self, batch: Batch, lags: torch.Tensor, metrics: dict
-                         ) -> torch.Tensor | None:
+    def _bound_staleness(self, batch: Batch, lags: torch.Tensor, metrics: dict) -> None:
         """Checks every sample's lag [n] against k = rollout.max_staleness. Beyond it,
         rollout.stale_policy 'drop' takes the sample's tokens out of the loss mask (the
-        normalisers still count it, as a rollout-IS seq_mask rejection); 'weight' returns the
-        per-row loss scale [N] (None: nothing to scale). Adds the staleness metrics."""
+        normalisers still count it, as a rollout-IS seq_mask rejection); 'weight' leaves them
+        to `_stale_scale` (after token balancing). Adds the staleness metrics."""
         k, policy = self.cfg.staleness, self.cfg.rollout.stale_policy
         over = over_stale(lags, k)
         n_over = int(over.sum())
@@ -322,12 +324,16 @@ class Trainer:
                         "(lag up to %d): %s (rollout.stale_policy=%s)", self.step_idx + 1, n_over,
                         k, int(lags.max()), "dropped from the loss" if policy == "drop"
                         else "their loss scaled by (k + 1) / (lag + 1)", policy)
-        if not n_over:
-            return None
-        if policy == "drop":
+        if n_over and policy == "drop":
             batch.mask = batch.mask & ~self._rows(batch, over)[:, None]
+
+    def _stale_scale(self, batch: Batch) -> torch.Tensor | None:
+        """rollout.stale_policy=weight: the per-row loss scale [N] of this replica's rows
+        (`batch.lags`, after balancing), None where none is beyond rollout.max_staleness."""
+        k = self.cfg.staleness
+        if self.cfg.rollout.stale_policy != "weight" or not bool(over_stale(batch.lags, k).any()):
             return None
-        return self._rows(batch, stale_weights(lags, k))
+        return stale_weights(batch.lags, k)
 
     def _dp_max(self, value: float) -> float:
         """The max of a per-replica scalar over the DP replicas (kept out of `_dp_mean`)."""

@@ -166,16 +166,25 @@ def epoch_check(tr, async_rollout: bool, k: int | None = None) -> dict:
     return steps
 
 
-def balance_check(tr, ro) -> dict:
+def balance_check(tr, ro, stale: bool = False) -> dict:
     """compute.balance_tokens off vs on for the same rollout: the scored old log-probs feed the
     loss (mu = 2), then one forward/backward; the DP-reduced gradients and the DP-summed loss
-    must agree to summation order. Also: how many rows changed replica, the imbalance."""
+    must agree to summation order. Also: how many rows changed replica, the imbalance.
+    `stale`: an async batch whose samples lag the trainer by 0, 1 or 3 versions (k = 1,
+    rollout.stale_policy=weight): the fresh rows' weight 1 under the decoupled default and the
+    lag-3 rows' loss scale must travel with the rows balancing moves."""
     import torch.distributed as dist
 
     ro = copy.deepcopy(ro)
     if tr.ranks.dp_rank == 0:  # a lopsided rollout: replica 0's every other completion cut
         for c in ro.completions[::2]:
             c.token_ids, c.logprobs = c.token_ids[:1], c.logprobs[:1]
+    saved = tr.version, tr.cfg.rollout.max_staleness, tr.cfg.rollout.stale_policy
+    if stale:
+        tr.version = ro.version + 3
+        tr.cfg.rollout.max_staleness, tr.cfg.rollout.stale_policy = 1, "weight"
+        for i, c in enumerate(ro.completions):
+            c.version = tr.version - (0, 1, 3)[(i + tr.ranks.dp_rank) % 3]
     runs = {}
     for on in (False, True):
         tr.cfg.compute.balance_tokens = on
@@ -187,8 +196,10 @@ def balance_check(tr, ro) -> dict:
         keys = sorted(map(tuple, batch.ids[batch.seq_valid].tolist()))
         runs[on] = (grads, loss.tolist(), keys, prep.metrics)
     tr.cfg.compute.balance_tokens = None
+    tr.version, tr.cfg.rollout.max_staleness, tr.cfg.rollout.stale_policy = saved
     (g0, l0, k0, m0), (g1, l1, k1, m1) = runs[False], runs[True]
-    return {"grad_rel": max(float((a - b).norm() / b.norm().clamp_min(1e-30))
+    return {"stale_weighted": m1["stale_weighted"],
+            "grad_rel": max(float((a - b).norm() / b.norm().clamp_min(1e-30))
                             for a, b in zip(g1, g0)),
             "loss": [l0[0], l1[0]], "tokens": [l0[1], l1[1]], "entropy": [l0[2], l1[2]],
             "rows_here": [len(k0), len(k1)], "same_rows_here": k0 == k1,
@@ -210,7 +221,7 @@ def main():
     tr = setup(cfg)
     tr.sync_weights()
     ro = tr.rollout()
-    res = {"balance": balance_check(tr, ro)}
+    res = {"balance": balance_check(tr, ro), "balance_stale": balance_check(tr, ro, stale=True)}
     batch, _ = tr.prepare(copy.deepcopy(ro))  # balanced (compute.balance_tokens unset: on)
     res["grpo"] = compare(tr, batch)
     tr.cfg.algo.loss_agg = "gspo"  # sequence-level ratios: per-token sequence ids matter

@@ -170,14 +170,19 @@ def test_epoch_reset_lands_before_the_first_batch_of_each_epoch(results, mode):
         assert [s[2] for s in steps] == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0], steps
 
 
-def test_token_balanced_dp_equals_the_rollouts_own_layout(results):
+@pytest.mark.parametrize("key", ["balance", "balance_stale"])
+def test_token_balanced_dp_equals_the_rollouts_own_layout(results, key):
     """compute.balance_tokens (issue 32 item 4): the same rollout with its sequences moved
     between the two replicas by token count gives the DP-reduced gradient and the DP-summed
     loss of the unbalanced layout (summation order apart); rows did move, no token was lost,
-    and the logged imbalance fell (replica 0's rollout is cut short on purpose)."""
+    and the logged imbalance fell (replica 0's rollout is cut short on purpose).
+    balance_stale: an async batch whose samples lag by 0, 1 and 3 versions (k = 1, weighted):
+    each row's lag moves with it, so the fresh rows' weight and the stale rows' loss scale
+    stay theirs (stop 37 found balancing crash on such a batch)."""
     moved = False
     for rank in results:
-        r = rank["balance"]
+        r = rank[key]
+        assert (r["stale_weighted"] > 0) == (key == "balance_stale"), r  # lag-3 rows scaled
         assert r["grad_rel"] < 1e-5, r
         assert abs(r["loss"][1] - r["loss"][0]) <= 1e-6 * (1 + abs(r["loss"][0])), r
         assert r["tokens"][0] == r["tokens"][1] > 0, r
