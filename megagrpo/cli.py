@@ -260,6 +260,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         checked = preflight(cfg, world)
         log = logging.getLogger("megagrpo")
         log.info("%s", checked.summary())
+        for w in checked.warnings:
+            log.warning("warning: %s", w)
         note = busy_note(busy_cores_since(start))
         if note:
             log.info("%s", note)

@@ -44,6 +44,7 @@ class SentencePieceTokenizer:
         self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.eos_id
         self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
         self.vocab_size = self.sp.get_piece_size()
+        self.unk_id = self.sp.unk_id() if self.sp.unk_id() >= 0 else None
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
@@ -68,6 +69,7 @@ class HFTokenizer:
         self.pad_id = int(pad) if pad is not None else self.eos_id
         self.bos_id = self.tok.bos_token_id
         self.vocab_size = len(self.tok)
+        self.unk_id = self.tok.unk_token_id  # None for byte-level vocabularies
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)

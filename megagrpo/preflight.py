@@ -56,6 +56,8 @@ class Preflight:
     """Tokens of the longest prompt kept (train and eval)."""
     seconds: float
     """Wall time of the checks."""
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    """What the checks found suspect but not fatal (logged after the summary line)."""
 
     def summary(self) -> str:
         """One console line."""
@@ -99,8 +101,9 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> Preflight:
                                               if dropped_train else ""))
     check_agent_budget(cfg, max(long_train, long_eval))
     task = dataclasses.replace(task, train=train, eval=evals)
+    warnings = unknown_token_warnings(task, cfg.data.tokenizer or "the task's tokenizer")
     return Preflight(task=task, model=model, parallel=parallel, sequence_parallel_why=sp_why,
-                     dropped_train=dropped_train,
+                     dropped_train=dropped_train, warnings=warnings,
                      dropped_eval=dropped_eval, longest_prompt=max(long_train, long_eval),
                      seconds=time.perf_counter() - t0)
 
@@ -288,3 +291,30 @@ def fit_prompts(examples: list[Example], tokenizer: Tokenizer, cfg: TrainConfig,
     kept = [e for i, e in enumerate(examples) if i not in dropped]
     longest = max((n for i, n in enumerate(lengths) if i not in dropped), default=0)
     return kept, len(over), longest
+
+
+def unknown_token_warnings(task: Task, name: str) -> list[str]:
+    """Prompts and answers holding text the tokenizer maps to its unknown token (a tokenizer
+    that does not cover the data: the model never sees those characters, and cannot write an
+    answer made of them, so a reward that compares completions to it stays 0). One line per
+    split and field, naming the characters; none for tokenizers without an unknown token."""
+    tok = task.tokenizer
+    unk = getattr(tok, "unk_id", None)
+    if unk is None:
+        return []
+    out = []
+    for what, examples in (("training", task.train), ("evaluation", task.eval)):
+        for field, harm in (("prompt", "the model sees <unk> in their place"),
+                            ("answer", "the model can never write them, so a reward that "
+                                       "compares completions to the answer cannot be earned")):
+            texts = [getattr(e, field) for e in examples]
+            hit = [i for i, t in enumerate(texts) if t and unk in tok.encode(t)]
+            if not hit:
+                continue
+            chars = sorted({c for i in hit for c in texts[i] if unk in tok.encode(c)})
+            shown = "".join(chars[:20]) + ("..." if len(chars) > 20 else "")
+            out.append(f"{len(hit)} of {len(texts)} {what} {field}s hold characters the "
+                       f"tokenizer ({name}) maps to its unknown token: {shown!r} (e.g. "
+                       f"#{hit[0] + 1}: {texts[hit[0]][:60]!r}); {harm}. Check data.tokenizer "
+                       "against the data")
+    return out

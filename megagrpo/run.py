@@ -81,6 +81,8 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     task, model_cfg = checked.task, checked.model
     if rank == 0 and fresh and not os.environ.get(PREFLIGHT_SHOWN_ENV):
         log.info("%s", checked.summary())
+        for w in checked.warnings:
+            log.warning("warning: %s", w)
     rng.seed_process(cfg.run.seed)
     place = split_world(cfg, rank, world) if cfg.rollout.placement == "separate" else None
     info = init_distributed(cfg.parallel, model_cfg, seed=cfg.run.seed)

@@ -79,6 +79,23 @@ def test_overlong_prompts_refused_or_dropped_at_the_exact_budget(tmp_path, spm_m
     assert f"dropped {got.dropped_train} train / {got.dropped_eval} eval prompts" in got.summary()
 
 
+def test_data_the_tokenizer_cannot_encode_is_named(tmp_path, spm_model):
+    """A tokenizer that does not cover the data (stop 38's new user: letters under the
+    arithmetic tokenizer, so the reward stayed 0 for 30 steps without a word): one warning per
+    field naming the unknown characters, the count and an example; none for covered data."""
+    records = [{"prompt": "12+3", "answer": "15"}, {"prompt": "say 7", "answer": "aa"},
+               {"prompt": "4*2", "answer": "8"}]
+    got = preflight(_file_cfg(tmp_path, spm_model, records), 1)
+    assert len(got.warnings) == 2, got.warnings
+    prompts, answers = got.warnings
+    assert prompts.startswith("1 of 3 training prompts") and "'asy'" in prompts, prompts
+    assert "#2: 'say 7='" in prompts, prompts
+    assert answers.startswith("1 of 3 training answers") and ": 'a' (e.g. #2: 'aa')" in answers
+    assert "cannot be earned" in answers
+    ok = preflight(_file_cfg(tmp_path, spm_model, [records[0], records[2]]), 1)
+    assert ok.warnings == []
+
+
 def _chat_tokenizer(path: Path) -> str:
     """A word-level HF tokenizer whose chat template wraps the question in 7 extra tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
