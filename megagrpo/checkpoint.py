@@ -59,6 +59,7 @@ from megagrpo.export import save_tokenizer
 from megagrpo.metrics import history_size, rewind_history
 from megagrpo.model import unwrap
 from megagrpo.optim import use_fused_adam
+from megagrpo.procs import watched_checkpoint_queue
 from megagrpo.run_dir import (
     MANIFEST,
     MODEL_JSON,
@@ -227,6 +228,7 @@ def save_sharded(part: Sharded, folder: str | os.PathLike) -> None:
     final = Path(folder)
     tmp = final.with_name(final.name + ".tmp")
     on_every_rank(partial(_fresh_dir, tmp) if _rank() == 0 else _nothing, tmp)
+    watched_checkpoint_queue()  # megatron's own queue server would outlive a killed rank
     with disk_errors(tmp):  # DCP gathers the ranks' failures: every rank raises together
         dist_checkpointing.save(part.state_dict(), str(tmp))
     _barrier()

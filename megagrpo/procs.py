@@ -42,6 +42,44 @@ def follow_parent() -> None:
         die_with_parent(signal.SIGKILL, parent=os.getppid())
 
 
+def exit_with_parent(parent: int, poll_s: float = 0.5) -> None:
+    """For helper processes a rank spawns through multiprocessing (reward pool workers, the
+    checkpoint writer's queue manager): a daemon thread ends this process with os._exit once
+    `parent` is gone. A rank killed with SIGKILL never stops them, and a manager server sits
+    in accept() for good (a ~270 MB orphan per killed rank). Polling, not PR_SET_PDEATHSIG:
+    that fires when the spawning *thread* ends, and pools respawn workers from their own."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="megagrpo-parent-watch", daemon=True).start()
+
+
+_WRITE_QUEUE_MANAGER = None
+
+
+def watched_checkpoint_queue() -> None:
+    """Gives megatron-core's async filesystem writer (used by every torch_dist save) its
+    results queue from a spawned manager whose server ends with this rank (`exit_with_parent`);
+    megatron's own, made on the first save, outlives a killed rank. Once per process."""
+    global _WRITE_QUEUE_MANAGER
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if _WRITE_QUEUE_MANAGER is not None or filesystem_async._results_queue is not None:
+        return
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=exit_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
+    _WRITE_QUEUE_MANAGER = manager
+
+
 def run_child(cmd: list[str], env: dict[str, str]) -> int:
     """Runs `cmd` to completion as a child that dies with this process (SIGTERM, so torchrun
     can still stop its ranks) and receives the signals this process gets. Returns its exit

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from megagrpo.config.data import RewardConfig
 from megagrpo.names import import_object
+from megagrpo.procs import exit_with_parent
 
 log = logging.getLogger("megagrpo")
 
@@ -228,7 +229,8 @@ class ProcessScorer:
     def _ready_pool(self) -> multiprocessing.pool.Pool:
         if self.pool is None:
             # spawn, not fork: the trainer process holds threads (and CUDA/NCCL state on GPU)
-            self.pool = multiprocessing.get_context("spawn").Pool(self.num_workers)
+            self.pool = multiprocessing.get_context("spawn").Pool(
+                self.num_workers, initializer=exit_with_parent, initargs=(os.getpid(),))
             # Wait (no deadline) until every worker has started and imported this module, so
             # start-up time is never charged to the first calls.
             pids: set[int] = set()

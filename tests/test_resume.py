@@ -332,6 +332,52 @@ def test_launcher_forwards_signals_and_its_death_ends_the_child(tmp_path):
     assert orphaned.read_text() == "TERM"  # SIGTERM, so torchrun can still stop its ranks
 
 
+_RANK = """
+import sys, time
+
+if __name__ == "__main__":  # spawned helpers import this file too: keep its top level bare
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megagrpo import procs, rewards
+    from megagrpo.config.data import RewardConfig
+
+    if sys.argv[1] == "megagrpo":
+        procs.watched_checkpoint_queue()
+    filesystem_async._get_write_results_queue()  # what every torch_dist save calls
+    scorer = rewards.RewardFn(RewardConfig(terms=[{"name": "exact_match"}], isolation="process",
+                                           num_workers=1))
+    scorer.score(["a"], ["a"])
+    print(flush=True)
+    time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("queue", ["megagrpo"])
+def test_sigkilled_rank_leaves_no_helper_process(tmp_path, queue):
+    """A rank killed with SIGKILL (the OOM killer, kill -9 of every process of a job) cannot
+    stop the processes it spawned: the reward pool's workers and the queue server megatron's
+    checkpoint writer starts on the first save. Stop 38 found that server (a ~270 MB spawned
+    interpreter) asleep for good after each such kill; they must end with the rank.
+    (queue="megatron", megatron's own server, fails this test.)"""
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK)
+    rank = subprocess.Popen([sys.executable, str(script), queue], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        rank.stdout.readline()  # the queue server and the reward worker are up
+        helpers = stress.descendants(rank.pid)
+        assert len(helpers) >= 2, helpers  # (and the resource tracker)
+    finally:
+        rank.kill()
+        rank.wait()
+    t0 = time.monotonic()
+    while any(alive(p) for p in helpers) and time.monotonic() - t0 < 20:
+        time.sleep(0.1)
+    left = [p for p in helpers if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"{len(left)} of {len(helpers)} helper processes outlived the killed rank"
+
+
 def test_resume_wins_over_overwrite_where_a_checkpoint_is_intact(tmp_path):
     """A recipe with run.overwrite (e.g. built on examples/demo.yaml) and checkpoints, rerun
     after a crash: its intact checkpoints are resumed, not deleted, and the console is told;
