@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The prepared GPU check, run on the lent H200 in one go (device tool: `bash benchmarks/gpu_check.sh`,
-# timeout_s 360). That machine has Python 3.12, torch, triton, transformers, safetensors,
+# timeout_s 450). That machine has Python 3.12, torch, triton, transformers, safetensors,
 # tokenizers, pyyaml, peft and numpy, and nothing else; it cannot download. Bring wheels
 # (<= 64 MiB in all) in ./wheels/, prepared here with e.g.
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d wheels \
-#       megatron-core==0.16.1 psutil
+#       megatron-core==0.16.1 psutil sentencepiece
 # Steps (each writes JSON lines to $OUT, default benchmarks/results; the full output of every
 # step goes to $OUT/gpu_check_h200.log, the console gets progress lines with timestamps):
 #   1. fused kernels: float64 correctness on CUDA tensors (exit 1 on mismatch), then the
@@ -12,14 +12,17 @@
 #   2. the fused output layer vs the logits path (float64 check first), H 1024, V 151936,
 #      bf16, T 4096 and 16384, TP 1 (one GPU: its TP=2 rows need two);
 #   3. HF logits agreement at TP=1, fp32 and bf16 (needs megatron-core + transformers);
-#   4. the GRPO step's passes (benchmarks/gpu_step.py: megagrpo's megatron GPTModel, hidden
+#   4. the trainer's whole step on CUDA, 3 steps of a tiny model (benchmarks/gpu_trainer_smoke.sh:
+#      `megagrpo.run.setup` + `Trainer.step()`, a random stand-in engine without vLLM; exit 1 when
+#      a step is not finite or the weights did not change);
+#   5. the GRPO step's passes (benchmarks/gpu_step.py: megagrpo's megatron GPTModel, hidden
 #      2048, 16 layers, GQA 16/8, FFN 5632, vocab 151936, bf16, 8 rows of 1024-2048 tokens):
 #      update (fwd+bwd, fused GRPO loss) and scoring, tokens/s, TFLOP/s, MFU against torch.mm
 #      measured at 8192^3, peak memory, loss/grad/log-probs against the eager pass; first
 #      compute.compile_layers off (padded and packed, fused output layer and logits path),
 #      then in the same process on (padded only: packing is another graph, ~1 min more
 #      compile; both output paths share the layer graph), compile time reported;
-#   5. only with GPU_CHECK_LAYER_SPLIT=1 (not in the 5 minutes): layer_split.py on CUDA, the
+#   6. only with GPU_CHECK_LAYER_SPLIT=1 (not in the 5 minutes): layer_split.py on CUDA, the
 #      per-part split of 2 decoder layers of step 4's shape, eager and compiled.
 # Then prints a short table. Commit the files under benchmarks/results/, then
 #   python benchmarks/gpu_step.py --table benchmarks/results/gpu_step_h200.jsonl \
@@ -34,19 +37,20 @@
 #   2. fused_output: check + 2 T x 4 paths x 5 passes of <= 1.5e13 FLOP + Triton compiles
 #                                                                       ~35 s (timeout 60)
 #   3. hf_logits: two tiny models x 2 dtypes                            ~25 s (timeout 45)
-#   4. gpu_step: model build (1.38B parameters, megatron's CPU init) ~20 s; megatron's own
+#   4. trainer_smoke: imports ~12 s, Triton compiles, 3 tiny steps      ~40 s (timeout 90)
+#   5. gpu_step: model build (1.38B parameters, megatron's CPU init) ~20 s; megatron's own
 #      torch.compile'd SwiGLU / bias-dropout-add ~15 s; eager: 4 rows x (update passes of
 #      ~7.8e13 useful FLOP, ~0.25-0.35 s, x 6 + scoring ~0.1 s x 6 + the 5.5 GB gradient to
 #      the host) ~25 s; compiled: dynamo + inductor of one layer (training and no-grad graphs)
 #      ~60-90 s, 2 rows ~12 s                                         ~150 s (timeout 200)
-# Expected ~4.3 min; every step runs under `timeout`, and a step never gets more than what is
-# left of BUDGET_S (default 290 s) since the script started, so the whole script cannot pass
-# ~5 min (a step left with < 10 s is skipped, said on the console). gpu_step runs last with
+# Expected ~5 min; every step runs under `timeout`, and a step never gets more than what is
+# left of BUDGET_S (default 380 s) since the script started, so the whole script cannot pass
+# ~6.5 min (a step left with < 10 s is skipped, said on the console). gpu_step runs last with
 # what is left (>= ~170 s when the steps before it keep to their estimates).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
-BUDGET_S=${BUDGET_S:-290}
+BUDGET_S=${BUDGET_S:-380}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check_h200.log"
 : >"$LOG"
@@ -106,6 +110,13 @@ if [[ -n "$MCORE" && -n "$HF" ]]; then
   step hf_logits 45 python benchmarks/hf_logits.py --out "$OUT/hf_logits_h200.jsonl"
 else
   say "hf_logits: skipped (megatron-core or transformers missing: bring their wheels)"
+fi
+if [[ -n "$MCORE" ]]; then
+  step trainer_smoke 90 env GPU_TRAINER_SMOKE_NO_WHEELS=1 SMOKE_TIMEOUT_S=85 \
+    bash benchmarks/gpu_trainer_smoke.sh
+else
+  say "trainer_smoke: skipped (megatron-core missing: bring its wheel in ./wheels)"
+  status=1
 fi
 # last, with what is left of the budget: its eager rows are written first, the compiled ones
 # (the least predictable compile time of the check) after them

@@ -56,7 +56,6 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import fields, replace
 from functools import partial
 from pathlib import Path
 
@@ -142,20 +141,6 @@ def init(device: torch.device, cfg):
     return training_layout(cfg.parallel, cfg.model, info)
 
 
-def to_device(mb, device: torch.device):
-    """A micro-batch's tensors on `device` (megagrpo's passes take what they are given)."""
-    from megagrpo.batch import MicroBatch
-
-    def move(obj):
-        if obj is None:
-            return None
-        kw = {f.name: getattr(obj, f.name) for f in fields(obj)}
-        return replace(obj, **{k: v.to(device) for k, v in kw.items()
-                               if isinstance(v, torch.Tensor)})
-
-    return MicroBatch(mb.index, move(mb.batch), move(mb.packed))
-
-
 def mm_tflops(device: torch.device, dtype: torch.dtype) -> tuple[float, int]:
     """torch.mm's rate at n^3 on `device` in `dtype` (best of the timed calls), TFLOP/s."""
     if device.type != "cuda":
@@ -206,6 +191,9 @@ class Step:
         self.cfg.compute.fused_output_layer = output == "fused"
 
     def plan(self) -> list:
+        # on the device before the timed passes (forward_step would copy them in each pass)
+        from megagrpo.batch import to_device
+
         return [to_device(mb, self.device) for mb in self.passes.plan(self.batch, self.m)]
 
     def update(self, plan: list | None = None) -> float:

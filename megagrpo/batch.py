@@ -8,7 +8,7 @@ completion token. Keeping S columns (not S-1) lets the logits [b, S, V_local] fl
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -204,12 +204,31 @@ def _plan_packed(batch: Batch, token_budget: int) -> list[MicroBatch]:
     return plan
 
 
+def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
+    """`mb` with its batch's and packing's tensors on `device` (the model's), for the forward
+    and the loss; `mb` itself when they are there already (on CPU: always). `index` stays
+    where the plan made it (it addresses the parent batch, on the host). The host tensors are
+    ordinary (pageable) memory, so `non_blocking` only lets the copies queue."""
+    if mb.batch.ids.device == device:
+        return mb
+
+    def move(obj):
+        if obj is None:
+            return None
+        kw = {f.name: getattr(obj, f.name) for f in fields(obj)}
+        return replace(obj, **{k: v.to(device, non_blocking=True) for k, v in kw.items()
+                               if isinstance(v, Tensor)})
+
+    return MicroBatch(mb.index, move(mb.batch), move(mb.packed))
+
+
 def unplan(parts: list[Tensor], plan: list[MicroBatch], shape: tuple[int, int]) -> Tensor:
     """Per-micro-batch [b, width] tensors -> one [N, S] tensor in the parent's row order
-    (zeros beyond each row's width)."""
-    out = torch.zeros(shape, dtype=parts[0].dtype if parts else torch.float32)
+    (zeros beyond each row's width), on the parts' device."""
+    device = parts[0].device if parts else None
+    out = torch.zeros(shape, dtype=parts[0].dtype if parts else torch.float32, device=device)
     for part, mb in zip(parts, plan):
-        out[mb.index, :part.shape[1]] = part
+        out[mb.index.to(device), :part.shape[1]] = part
     return out
 
 

@@ -49,14 +49,14 @@ def padded_width(width: int, cp: int) -> int:
     return -(-width // (2 * cp)) * (2 * cp)
 
 
-def chunk_columns(width: int, cp: int, rank: int) -> Tensor:
-    """[2 * width / (2 cp)] int64: the global columns (positions) CP rank `rank` holds of a
-    row of padded width `width`: chunk `rank`, then chunk 2cp-1-rank."""
+def chunk_columns(width: int, cp: int, rank: int, device: torch.device | None = None) -> Tensor:
+    """[2 * width / (2 cp)] int64 on `device`: the global columns (positions) CP rank `rank`
+    holds of a row of padded width `width`: chunk `rank`, then chunk 2cp-1-rank."""
     c = width // (2 * cp)
     if c * 2 * cp != width:
         raise ValueError(f"width {width} is not a multiple of 2 x cp = {2 * cp}")
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c),
-                      torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c, device=device),
+                      torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)])
 
 
 @dataclass
@@ -118,8 +118,8 @@ def cp_attention(query: Tensor, key: Tensor, value: Tensor, *, group, scale: flo
     query at global position p attends to the gathered keys at global positions <= p."""
     cp, rank, s = dist.get_world_size(group), dist.get_rank(group), query.shape[0]
     width = s * cp
-    q_pos = chunk_columns(width, cp, rank)
-    k_pos = torch.cat([chunk_columns(width, cp, r) for r in range(cp)])
+    q_pos = chunk_columns(width, cp, rank, query.device)
+    k_pos = torch.cat([chunk_columns(width, cp, r, query.device) for r in range(cp)])
     allowed = k_pos[None, :] <= q_pos[:, None]                       # [s, cp * s]
     k, v = gather_sequence(key, group), gather_sequence(value, group)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, k, v))          # [b, heads, s, hn]
@@ -173,7 +173,7 @@ class ChunkSplit:
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         width = mb.batch.ids.shape[1]
         padded = padded_width(width, cp)
-        cols = chunk_columns(padded, cp, rank)
+        cols = chunk_columns(padded, cp, rank, mb.batch.ids.device)
         return cls(group=group, width=width, padded=padded, columns=cols,
                    micro=replace(mb, batch=local_batch(mb.batch, cols, padded, group)))
 
@@ -206,7 +206,7 @@ class ChunkSplit:
         dist.all_gather(parts, local.contiguous(), group=self.group)
         full = local.new_zeros((local.shape[0], self.padded))
         for r, part in enumerate(parts):
-            full[:, chunk_columns(self.padded, cp, r)] = part
+            full[:, chunk_columns(self.padded, cp, r, local.device)] = part
         return full[:, :self.width]
 
 

@@ -61,6 +61,24 @@ def torchrun_env() -> tuple[int, int, int]:
     return rank, world, local
 
 
+MIXED_BACKEND = "cpu:gloo,cuda:nccl"
+"""The default group's backend on CUDA: the step's own collectives (loss normalisers, metric
+means, balancing counts, advantages) reduce small CPU tensors, which NCCL alone refuses; with
+one backend per device type CPU tensors go over gloo and CUDA tensors over NCCL. Groups made
+with `dist.new_group` and no backend (megatron-core's TP/PP/DP/CP groups) inherit it."""
+
+
+def process_group_backend(backend: str, cuda: bool) -> str:
+    """The torch.distributed backend string for parallel.backend ('auto', 'nccl', 'gloo'):
+    'auto' and 'nccl' on CUDA are `MIXED_BACKEND`; without CUDA, 'auto' is gloo and 'nccl' is
+    refused."""
+    if backend == "nccl" and not cuda:
+        raise ValueError("parallel.backend='nccl' needs CUDA; use 'gloo' or 'auto' on this machine")
+    if backend == "gloo" or not cuda:
+        return "gloo"
+    return MIXED_BACKEND
+
+
 def init_distributed(
     parallel: ParallelConfig, model: ModelConfig | None = None, *, seed: int = 1234
 ) -> DistInfo:
@@ -78,9 +96,7 @@ def init_distributed(
             f"{parallel.tp * parallel.pp * parallel.cp} processes"
         )
     cuda = torch.cuda.is_available()
-    backend = parallel.backend if parallel.backend != "auto" else ("nccl" if cuda else "gloo")
-    if backend == "nccl" and not cuda:
-        raise ValueError("parallel.backend='nccl' needs CUDA; use 'gloo' or 'auto' on this machine")
+    backend = process_group_backend(parallel.backend, cuda)
     if cuda:
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)

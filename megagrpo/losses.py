@@ -95,7 +95,8 @@ def flat_logits(logits: Tensor, ctx: LossContext) -> Tensor:
 def _seq_ids(mb: Batch, positions: Tensor | None) -> Tensor:
     """[T] row (sequence) of each token the logits cover."""
     b, S = mb.target.shape
-    return torch.arange(b).repeat_interleave(S) if positions is None else positions // S
+    return (torch.arange(b, device=mb.target.device).repeat_interleave(S) if positions is None
+            else positions // S)
 
 
 def vocab_pass(ctx: LossContext, out: Tensor, weight: Tensor | None, target: Tensor,

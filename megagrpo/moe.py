@@ -251,7 +251,7 @@ def token_routes(routes: torch.Tensor, topk: int) -> tuple[torch.Tensor, int]:
     `Batch.routes`)."""
     fill = (routes < 0).any(-1)
     out = routes.long()
-    out[fill] = torch.arange(topk)
+    out[fill] = torch.arange(topk, device=out.device)
     return out, int((routes == -1).any(-1).sum())
 
 

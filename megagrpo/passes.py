@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo import algo, cpu_compat
-from megagrpo.batch import Batch, MicroBatch, plan_micro_batches, unplan
+from megagrpo.batch import Batch, MicroBatch, plan_micro_batches, to_device, unplan
 from megagrpo.config.train import TrainConfig
 from megagrpo.context_parallel import ChunkSplit
 from megagrpo.distributed import Groups, Ranks
@@ -38,13 +38,20 @@ def forward_step(mb: MicroBatch, model, *, loss_fn, at_loss_positions: bool = Tr
     `fused_output` (compute.fused_output_layer) the last stage returns the hidden states
     [n, h] at those positions instead of logits, and the loss gets the output weight
     (`weight=`) to run the fused output layer on them."""
-    b = mb.batch
     gpt = unwrap(model)
+    # the plan lives on the host; the model's device gets each micro-batch as it runs
+    mb = to_device(mb, model_device(gpt))
+    b = mb.batch
     state = replay_state(gpt)
     if b.routes is not None and state is not None:  # MoE routing replay: vLLM's experts
         with replay(gpt, _router_rows(mb, gpt), state.monitor):
             return _forward(mb, model, gpt, loss_fn, at_loss_positions, fused_output)
     return _forward(mb, model, gpt, loss_fn, at_loss_positions, fused_output)
+
+
+def model_device(gpt: torch.nn.Module) -> torch.device:
+    """The device of `gpt`'s parameters (where its micro-batches and losses run)."""
+    return next(gpt.parameters()).device
 
 
 def _router_rows(mb: MicroBatch, gpt) -> torch.Tensor:
@@ -91,7 +98,7 @@ def _forward_rows(mb: MicroBatch, model, gpt, loss_fn, at_loss_positions, fused_
     if sel is None or not (at_loss_positions or fused or ids is not b.ids):
         return model(ids, pos, None), partial(loss_fn, b)
     if flat is None and not fused:  # every position, through the hook (padding dropped)
-        flat = torch.arange(b.ids.numel())
+        flat = torch.arange(b.ids.numel(), device=b.ids.device)
     with sel.at(flat, b.ids.shape[1], fused):
         out = model(ids, pos, None)
     return _last_stage_output(out, sel, fused, partial(loss_fn, b, positions=flat))
@@ -160,7 +167,8 @@ class Passes:
     def logprobs(self, model, batch: Batch, rows: torch.Tensor | None = None
                  ) -> torch.Tensor | None:
         """Forward-only pass through the fused log-prob kernel; [N, S] on the last stage (None
-        elsewhere). `rows` [N] bool: score only those (0 elsewhere; at least one row runs)."""
+        elsewhere), on the batch's device (the host: one copy back at the end). `rows` [N]
+        bool: score only those (0 elsewhere; at least one row runs)."""
         sub, idx = batch, None
         if rows is not None:
             idx = row_index(rows)
@@ -172,11 +180,11 @@ class Passes:
         if not out:
             return None
         logp = unplan([o["logp"] for o in out], plan, tuple(sub.ids.shape))
-        if idx is None:
-            return logp
-        full = torch.zeros(tuple(batch.ids.shape), dtype=logp.dtype)
-        full[idx] = logp
-        return full
+        if idx is not None:
+            full = torch.zeros(tuple(batch.ids.shape), dtype=logp.dtype, device=logp.device)
+            full[idx.to(logp.device)] = logp
+            logp = full
+        return logp.to(batch.ids.device)
 
     def counts(self, mb: Batch, num_chunks: int) -> algo.LossCounts:
         """Global normalisers; `num_chunks` is this replica's micro-batch count (replicas may

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.config.placement import check_separate, training_world
+from megagrpo.distributed import process_group_backend
 from megagrpo.engine import Completion, WeightSyncStats
 from megagrpo.stream import StreamStats, stamp
 
@@ -125,9 +126,7 @@ def split_world(cfg: TrainConfig, rank: int, world: int) -> Placement:
     store = dist.PrefixStore(f"megagrpo/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
                              store)
     rollout = rank >= T
-    cuda = torch.cuda.is_available()
-    backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else (
-        "nccl" if cuda else "gloo")
+    backend = process_group_backend(cfg.parallel.backend, torch.cuda.is_available())
     dist.init_process_group(backend, store=dist.PrefixStore("rollout/" if rollout else "train/",
                                                             store),
                             rank=rank - T if rollout else rank, world_size=R if rollout else T,

@@ -82,7 +82,7 @@ def loss_positions(mask: Tensor) -> Tensor:
     position (0, whose mask is False) when there is none, so every pass has a non-empty
     output and the same code path."""
     flat = mask.reshape(-1).nonzero().squeeze(1)
-    return flat if flat.numel() else torch.zeros(1, dtype=torch.long)
+    return flat if flat.numel() else torch.zeros(1, dtype=torch.long, device=mask.device)
 
 
 class OutputPositions:

@@ -34,7 +34,7 @@ def padded_inputs(ids: Tensor, sp: int) -> tuple[Tensor, Tensor]:
     pad = padded_width(width, sp) - width
     if pad:
         ids = torch.cat([ids, ids.new_zeros(b, pad)], dim=1)
-    return ids, torch.arange(ids.shape[1]).expand_as(ids)
+    return ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
 
 
 class SequenceParallelNorm:

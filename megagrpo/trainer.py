@@ -692,12 +692,14 @@ def may_reuse_reference(compute: ComputeConfig, algo: AlgoConfig, *, all_rows: b
 
 
 def _logp_gap(reports: list[dict], plan: list[MicroBatch]) -> tuple[float, float]:
-    """(valid tokens, sum |trainer logp - vLLM logp|) over a minibatch's micro-batch reports."""
+    """(valid tokens, sum |trainer logp - vLLM logp|) over a minibatch's micro-batch reports
+    (the plan's tensors on the host, the reports' on the model's device: compared on the host)."""
     tokens, gap = 0.0, 0.0
     for r, mb in zip(reports, plan):
         mask = mb.batch.mask.float()
         tokens += float(mask.sum())
-        gap += float(((r["logp"] - mb.batch.rollout_logp).abs() * mask).sum())
+        logp = r["logp"].to(mask.device)
+        gap += float(((logp - mb.batch.rollout_logp).abs() * mask).sum())
     return tokens, gap
 
 

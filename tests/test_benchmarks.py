@@ -794,3 +794,25 @@ def test_context_parallel_doc_memory_table_is_the_results():
     rows = [json.loads(ln) for ln in (ROOT / path).read_text().splitlines() if ln.strip()]
     assert {r["cp"] for r in rows} == {1, 2} and all(r["model"] == "midsize" for r in rows)
     assert all(r["cpu"] and r["loadavg_1m"] >= 0 for r in rows)
+
+
+def test_gpu_trainer_smoke_on_cpu_without_vllm(tmp_path):
+    """benchmarks/gpu_trainer_smoke.py (the first CUDA run's check) on CPU with `vllm`
+    unimportable, as on the lent GPU machine: its random engine stands in, 2 whole trainer
+    steps run (rollout, scoring, update, weight sync), each prints a finite loss and gradient
+    norm, the weights change and the engine receives the weight export (exit 0)."""
+    code = ("import runpy, sys; sys.modules['vllm'] = None; "
+            f"sys.argv = ['gpu_trainer_smoke.py', '--steps', '2', '--out-dir', "
+            f"{str(tmp_path / 'run')!r}]; "
+            f"runpy.run_path({str(BENCH / 'gpu_trainer_smoke.py')!r}, run_name='__main__')")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-4000:]
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("[smoke]")]
+    steps = [ln for ln in lines if ln.startswith("[smoke] step ")]
+    assert len(steps) == 2 and not any("NOT FINITE" in ln for ln in steps), lines
+    assert "engine random" in lines[0] and "policy on cpu" in lines[0], lines
+    assert any(ln.startswith("[smoke] weight syncs: ") and " 0 tensors" not in ln
+               for ln in lines), lines
+    assert lines[-1].startswith("[smoke] ok: weights changed True"), lines

@@ -250,3 +250,22 @@ def test_step_defects_refused_before_compute(overrides, match):
     load_config(DEMO, ["rollout.top_p=0.9"]).validate(world_size=2)
     load_config(DEMO, ["rollout.top_p=0.9", "algo.rollout_is=truncate",
                        "rollout.logprobs_mode=raw_logprobs"]).validate(world_size=2)
+
+
+@pytest.mark.parametrize("backend, cuda, want", [
+    ("auto", True, "cpu:gloo,cuda:nccl"), ("nccl", True, "cpu:gloo,cuda:nccl"),
+    ("gloo", True, "gloo"), ("auto", False, "gloo"), ("gloo", False, "gloo")])
+def test_process_group_backend_keeps_cpu_collectives_on_gloo(backend, cuda, want):
+    """On CUDA the default group (and megatron's groups, which inherit its backend string)
+    must carry CPU tensors too: the loss normalisers and metric means all-reduce CPU tensors,
+    which a plain 'nccl' group refuses. Catches a return to backend='nccl'."""
+    from megagrpo.distributed import process_group_backend
+
+    assert process_group_backend(backend, cuda) == want
+
+
+def test_process_group_backend_nccl_without_cuda_names_the_field():
+    from megagrpo.distributed import process_group_backend
+
+    with pytest.raises(ValueError, match="parallel.backend='nccl' needs CUDA"):
+        process_group_backend("nccl", False)

@@ -221,7 +221,8 @@ class ParallelConfig(Section):
     attention_impl: str = "auto"
     """Local-spec core attention: 'auto' (= sdpa), 'sdpa' (torch's fused SDPA) or 'megatron'."""
     backend: str = "auto"
-    """torch.distributed backend: 'auto' (nccl with CUDA, gloo without), 'nccl' or 'gloo'."""
+    """torch.distributed backend: 'auto' or 'nccl' (with CUDA: NCCL for CUDA tensors, gloo for
+    CPU ones; 'auto' without CUDA: gloo) or 'gloo'."""
     collective_timeout_s: float = 600.0
     """A collective (or a new group's connect) waiting longer raises; all groups, megatron's too."""
 
