@@ -365,6 +365,8 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
                    reference_syncs_this_run=syncs - syncs_before,
                    wall_seconds=time.perf_counter() - t0, world_size=dist.get_world_size(),
                    tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=cfg.parallel.cp, dp=tr.ranks.dp)
+    if cfg.rollout.placement == "separate":  # world_size counts the training ranks
+        summary["rollout_ranks"] = cfg.rollout.rollout_ranks
     if tr.ranks.rank == 0:
         _write_summary(cfg, summary)
     logger.close()
