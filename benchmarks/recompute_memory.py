@@ -70,6 +70,10 @@ MODELS = {
                     num_attention_heads=8, num_query_groups=4, head_dim=64),
 }
 FIT_GIB = 20  # the longest sequence whose fitted peak fits this (the issue's budget)
+CP_ATTN = "blocks"
+"""The CP attention a cp > 1 row ran (its `cp_attn`): "blocks", the unmasked and causal blocks
+merged by log-sum-exp (`megagrpo.context_parallel.causal_chunk_attention`); "mask", the bool
+mask [S/cp, S] given to SDPA before it (rows measured before the change)."""
 
 
 def rss_mib() -> float:
@@ -120,7 +124,8 @@ def child(recompute: str, attention: str, seq: int, batch: int, threads: int, mo
             "rss_before_mib": round(before, 1),
             "step_peak_mib": round(peak - before, 1), "peak_rss_mib": round(peak, 1),
             "step_s": round(wall, 2), "layer_forwards": calls[0],
-            "saved_mib": round(sum(saved.values()) / 2**20, 1)}
+            "saved_mib": round(sum(saved.values()) / 2**20, 1),
+            **({"cp_attn": CP_ATTN} if cp > 1 else {})}
 
 
 def _note_saved(saved: dict, weights: set, t):
