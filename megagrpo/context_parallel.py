@@ -126,21 +126,25 @@ class _CausalChunks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, index: tuple, scale: float) -> Tensor:
-        c = q.shape[2] // len(index)
-        outs, lses = [], []
+        b, heads, s, hn = q.shape
+        c = s // len(index)
+        # [b, s, heads, hn] in memory, as SDPA's own output: the caller's permute to
+        # [s, b, heads * hn] is then a view (b = 1), not a second copy kept by the projection
+        out = q.new_empty((b, s, heads, hn)).transpose(1, 2)
+        lse = q.new_empty((b, heads, s), dtype=torch.float32)
         for j, i in enumerate(index):
-            qj = q[:, :, j * c:(j + 1) * c]
-            o, lse = _flash(qj, k[:, :, i * c:(i + 1) * c], v[:, :, i * c:(i + 1) * c],
-                            0.0, True, scale=scale)
+            rows = slice(j * c, (j + 1) * c)
+            o, lj = _flash(q[:, :, rows], k[:, :, i * c:(i + 1) * c], v[:, :, i * c:(i + 1) * c],
+                           0.0, True, scale=scale)
             if i > 0:
-                o0, lse0 = _flash(qj, k[:, :, :i * c], v[:, :, :i * c], 0.0, False, scale=scale)
-                merged = torch.logaddexp(lse0, lse)
-                o = ((lse0 - merged).exp().unsqueeze(-1) * o0
-                     + (lse - merged).exp().unsqueeze(-1) * o).to(q.dtype)
-                lse = merged
-            outs.append(o)
-            lses.append(lse)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+                o0, l0 = _flash(q[:, :, rows], k[:, :, :i * c], v[:, :, :i * c], 0.0, False,
+                                scale=scale)
+                merged = torch.logaddexp(l0, lj)
+                o = ((l0 - merged).exp().unsqueeze(-1) * o0
+                     + (lj - merged).exp().unsqueeze(-1) * o)
+                lj = merged
+            out[:, :, rows] = o
+            lse[:, :, rows] = lj
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.index, ctx.scale = index, scale
         return out
