@@ -37,10 +37,10 @@ What is counted, per rank, on the worst pipeline stage:
   micro-batch. s = rollout.max_model_len, b = compute.micro_batch_size. With context
   parallelism (parallel.cp = c) s is one rank's share of the row (its 2 of 2c chunks), and each
   layer adds what megagrpo's CP attention saves for backward: the all-gathered K and V of the
-  other ranks' tokens, 2 x (c-1) s b x KV heads x head_dim / tp values, and the causal mask
-  [s, c s] that SDPA saves converted to the model's dtype (quadratic in the row's length: each
-  layer keeps its own; under selective or full recomputation they exist for the recomputed
-  layer only). The logits path counts the rank's
+  other ranks' tokens, 2 x (c-1) s b x KV heads x head_dim / tp values (no mask: its causal
+  structure is blocks, `megagrpo.context_parallel.causal_chunk_attention`; under selective or
+  full recomputation they exist for the recomputed layer only). The logits path counts the
+  rank's
   tokens (T / c). Measured against CPU peaks by benchmarks/recompute_memory.py
   (docs/performance.md, docs/context-parallel.md).
 - vLLM: colocated in every rank, in engines of k = rollout.tensor_parallel_size ranks, so each
@@ -277,18 +277,17 @@ def activation_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int) -> int:
     layers = len(stage_layers(m, dataclasses.replace(p, pp=pp), 0))
     scale = DTYPE_BYTES[m.dtype] / 2
     # megagrpo's CP attention (megagrpo/context_parallel.py) saves for backward the
-    # all-gathered K and V of the whole row (the formula counts this rank's s only) and its
-    # causal mask [s, cp * s], which torch's SDPA converts from bool to the model's dtype and
-    # saves (measured on CPU: benchmarks/recompute_memory.py)
+    # all-gathered K and V of the whole row (the formula counts this rank's s only); no mask
+    # (measured on CPU: benchmarks/recompute_memory.py)
     kv = m.num_query_groups * m.head_dim / tp
-    cp_attn = 2 * 2 * (p.cp - 1) * s * b * kv + 2 * s * p.cp * s if p.cp > 1 else 0.0
+    cp_attn = 2 * 2 * (p.cp - 1) * s * b * kv if p.cp > 1 else 0.0
     rc = cfg.compute.recompute
     if rc == "full":  # each layer's input, + one recomputed chunk's activations in backward
         kept = 2 * s * b * h / (tp if sp else 1)
         chunk = min(cfg.compute.recompute_num_layers, layers)
         return int(scale * (kept * layers * pp + (layer + scores + cp_attn) * chunk))
     if rc == "selective":  # core attention recomputed: no scores kept, and CP's gathered K/V
-        # and mask exist for one layer at a time in backward
+        # exist for one layer at a time in backward
         return int(scale * (layer * layers * pp + cp_attn))
     return int((layer + scores + cp_attn) * scale * layers * pp)
 

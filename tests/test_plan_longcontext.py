@@ -35,14 +35,14 @@ SCORES = 2 * 2 * 8 * 8 * 2  # 2 a s^2 b: the softmax output (no attention dropou
     (["compute.recompute=full", "compute.recompute_num_layers=2"], 1,
      (2 * SBH * 2 + SBH * 34 * 2) * 2),
     # CP=2 (fp32 bytes per layer): the rank's 4 of the row's 8 tokens (2 x cp chunks), + the
-    # all-gathered K and V beyond its own (2 x 4 tokens x b x 2 KV heads x 4 x 4 bytes) and
-    # the causal mask [4, 8] that SDPA saves as fp32 (no batch dim)
-    (["parallel.cp=2"], 1, (SBH // 2 * 34 * 2 + 2 * 4 * 2 * 8 * 4 + 4 * 8 * 4) * 2),
-    # selective recomputes the core attention: CP's gathered K/V and mask once, not per layer
+    # all-gathered K and V beyond its own (2 x 4 tokens x b x 2 KV heads x 4 x 4 bytes); no
+    # mask (the CP attention's causal structure is blocks, not a saved [4, 8] mask)
+    (["parallel.cp=2"], 1, (SBH // 2 * 34 * 2 + 2 * 4 * 2 * 8 * 4) * 2),
+    # selective recomputes the core attention: CP's gathered K/V once, not per layer
     (["parallel.cp=2", "compute.recompute=selective"], 1,
-     SBH // 2 * 34 * 2 * 2 + 2 * 4 * 2 * 8 * 4 + 4 * 8 * 4),
+     SBH // 2 * 34 * 2 * 2 + 2 * 4 * 2 * 8 * 4),
     (["parallel.cp=2", "compute.recompute=full"], 1,
-     (2 * SBH // 2 * 2 * 2 + SBH // 2 * 34 * 2 + 2 * 4 * 2 * 8 * 4 + 4 * 8 * 4)),
+     (2 * SBH // 2 * 2 * 2 + SBH // 2 * 34 * 2 + 2 * 4 * 2 * 8 * 4)),
 ])
 def test_activations_count_sp_and_recompute_by_hand(extra, tp, expected):
     cfg = load_config(None, TINY + [f"parallel.tp={tp}"] + extra)
