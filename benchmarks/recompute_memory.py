@@ -217,11 +217,12 @@ def predicted_mib(done: list[dict], seq: int, planner: float) -> float:
 
 
 def mask_mib(row: dict, seq: int) -> float:
-    """The causal masks megagrpo's CP attention keeps for backward: per layer one [S/cp, S]
-    mask, which SDPA converts from bool to the fp32 model's dtype and saves (0 at cp = 1:
-    is_causal needs none); under selective or full recomputation the recomputed layer's only.
-    Quadratic in S, so the fit takes it as known rather than fitted."""
-    if row["cp"] == 1:
+    """The causal masks the CP attention of a `cp_attn` "mask" row kept for backward: per layer
+    one [S/cp, S] mask, which SDPA converts from bool to the fp32 model's dtype and saves;
+    under selective or full recomputation the recomputed layer's only. Quadratic in S, so the
+    fit takes it as known rather than fitted. 0 at cp = 1 (is_causal needs none) and for the
+    "blocks" attention (no mask)."""
+    if row["cp"] == 1 or row.get("cp_attn") != "mask":
         return 0.0
     layers = MODELS[row["model"]]["num_layers"] if row["recompute"] == "none" else 1
     return layers * (seq // row["cp"]) * seq * 4 / 2**20
@@ -253,38 +254,48 @@ def table(path: str) -> str:
     rows = [json.loads(ln) for ln in open(path) if ln.strip()]
     done = [r for r in rows if "skipped" not in r]
     pct = lambda e: f"{e * 100:+.0f}%"  # noqa: E731
-    out = ["| CP | recompute | S | step peak (RSS, max over ranks) MiB | planner MiB | error "
-           "| saved activations MiB | planner activations MiB | error | step s | load |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| CP | CP attention | recompute | S | step peak (RSS, max over ranks) MiB | "
+           "planner MiB | error | saved activations MiB | planner activations MiB | error | "
+           "step s | load |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in done:  # the planner's figures at the current megagrpo/plan.py
-        est, act = planner_mib(r["recompute"], r["attention"], r["seq"], r["batch"], r["model"],
-                               r["cp"])
-        r.update(planner_mib=round(est, 1), planner_act_mib=round(act, 1),
-                 planner_error=(est - r["step_peak_mib"]) / r["step_peak_mib"],
-                 planner_act_error=(act - r["saved_mib"]) / r["saved_mib"])
-        out.append(f"| {r['cp']} | {r['recompute']} | {r['seq']} | {r['step_peak_mib']} | "
-                   f"{r['planner_mib']} | {pct(r['planner_error'])} | {r['saved_mib']} | "
-                   f"{r['planner_act_mib']} | {pct(r['planner_act_error'])} | {r['step_s']} | "
+        if r.get("cp_attn") != "mask":
+            est, act = planner_mib(r["recompute"], r["attention"], r["seq"], r["batch"],
+                                   r["model"], r["cp"])
+            planner = (f"{est:.1f} | {pct((est - r['step_peak_mib']) / r['step_peak_mib'])} | "
+                       f"{r['saved_mib']} | {act:.1f} | "
+                       f"{pct((act - r['saved_mib']) / r['saved_mib'])}")
+        else:
+            planner = f"n/a | | {r['saved_mib']} | n/a |"
+        out.append(f"| {r['cp']} | {_attn(r)} | {r['recompute']} | {r['seq']} | "
+                   f"{r['step_peak_mib']} | {planner} | {r['step_s']} | "
                    f"{r['loadavg_1m']:.1f} |")
     for r in rows:
         if "skipped" in r:
-            out.append(f"| {r['cp']} | {r['recompute']} | {r['seq']} | skipped: "
+            out.append(f"| {r['cp']} | {_attn(r)} | {r['recompute']} | {r['seq']} | skipped: "
                        f"{r['skipped']} | | | | | | | |")
-    out += ["", f"| CP | recompute | fit: process peak MiB = a + c x S (+ masks) | longest S in "
-            f"{FIT_GIB} GiB (fit) | planner's longest S (its step figure + RSS before "
-            "the step) |", "|---|---|---|---|---|"]
-    settings = sorted({(r["cp"], r["recompute"]) for r in done},
-                      key=lambda k: (k[0], ["none", "selective", "full"].index(k[1])))
-    for cp, rc in settings:
-        mine = sorted((r for r in done if (r["cp"], r["recompute"]) == (cp, rc)),
+    out += ["", f"| CP | CP attention | recompute | fit: process peak MiB = a + c x S (+ masks) "
+            f"| longest S in {FIT_GIB} GiB (fit) | planner's longest S (its step figure + RSS "
+            "before the step) |", "|---|---|---|---|---|---|"]
+    order = ["none", "selective", "full"]
+    settings = sorted({(r["cp"], _attn(r), r["recompute"]) for r in done},
+                      key=lambda k: (k[0], k[1], order.index(k[2])))
+    for cp, attn, rc in settings:
+        mine = sorted((r for r in done if (r["cp"], _attn(r), r["recompute"]) == (cp, attn, rc)),
                       key=lambda r: r["seq"])
         if len(mine) < 2:
             continue
         a, c, longest = fit(mine)
         base = max(r["rss_before_mib"] for r in mine)  # what the planner's step figure omits
-        out.append(f"| {cp} | {rc} | {a:.0f} + {c * 1024:.1f} x S/1024 | {longest} | "
-                   f"{planner_longest(mine[0], FIT_GIB * 1024 - base)} |")
+        planner = ("n/a" if attn == "mask" else
+                   planner_longest(mine[0], FIT_GIB * 1024 - base))
+        out.append(f"| {cp} | {attn} | {rc} | {a:.0f} + {c * 1024:.1f} x S/1024 | {longest} | "
+                   f"{planner} |")
     return "\n".join(out)
+
+
+def _attn(row: dict) -> str:
+    """A row's CP attention (`CP_ATTN`), '-' at cp = 1."""
+    return row.get("cp_attn", "-") if row["cp"] > 1 else "-"
 
 
 def planner_longest(row: dict, budget_mib: float) -> int:
