@@ -261,35 +261,50 @@ def fused_output_bytes(t: int, h: int, v_local: int, b: int) -> int:
     return tc * vc * b + accumulators
 
 
+def layer_values(m: ModelConfig, tp: int, sp: bool, cp: int, core_saved: bool) -> float:
+    """Values a transformer layer saves for backward per token on this rank (megagrpo's
+    SwiGLU / GQA Llama-family layers on the local spec with SDPA, counted from what autograd
+    saves on CPU: benchmarks/recompute_memory.py), scores left out. `core_saved`: the core
+    attention keeps its own tensors (not recomputed by compute.recompute=selective)."""
+    h, d = m.hidden_size, m.head_dim
+    a, g = m.num_attention_heads / tp, m.num_query_groups / tp
+    # per norm block: the norm's input and normalised output (torch's RMSNorm), the linear's
+    # input; + RoPE's cos and sin for q and k (fp32 [s, d] each, counted at the model's size)
+    norms = 2 * 3 * h / (tp if sp else 1) + 4 * d
+    f = (m.moe_topk * m.moe_ffn_hidden_size if m.is_moe and m.moe_ffn_hidden_size
+         else m.ffn_hidden_size) / tp
+    mlp = 5 * f  # SwiGLU: fc1's output [2f], silu's output and the gate [f each], fc2's input
+    if core_saved and cp > 1:  # q, the output, the log-sum-exp; K and V gathered over the row
+        attn = 2 * a * d + a + 2 * cp * g * d
+    else:  # q and k (rotated), the fused QKV output (V is a view of it), the output (+ lse)
+        attn = a * d + g * d + (a + 2 * g) * d + a * d + (a if core_saved else 0)
+    return norms + attn + mlp
+
+
 def activation_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int) -> int:
-    """Rough per-rank activations of the first stage's update pass, with sequence parallelism
-    and compute.recompute (see the module docstring)."""
+    """Rough per-rank activations of the first stage's update pass, with sequence parallelism,
+    context parallelism and compute.recompute (see the module docstring)."""
     p = cfg.parallel
     # s: this CP rank's tokens per row (its 2 x cp chunks of the row padded to 2 x cp)
     full_s, b, h = cfg.rollout.max_model_len, cfg.compute.micro_batch_size, m.hidden_size
     s = -(-full_s // (2 * p.cp)) * 2 if p.cp > 1 else full_s
     sp = sequence_parallel_auto(cfg, m, tp)[0]
     materialised = p.transformer_impl == "local" and p.attention_impl == "megatron"
-    # the softmax output [b, a/tp, s, s]; Korthikanti's 5 a s^2 b adds a dropout mask and
-    # output, and megagrpo builds its models with attention_dropout = 0
-    scores = 2 * m.num_attention_heads * s * s * b / tp if materialised else 0.0
-    layer = s * b * h * (34 / tp if sp else 10 + 24 / tp)
+    # the softmax output [b, a/tp, s, s] (megagrpo builds its models without attention dropout)
+    scores = m.num_attention_heads * s * s * b / tp if materialised else 0.0
     layers = len(stage_layers(m, dataclasses.replace(p, pp=pp), 0))
-    scale = DTYPE_BYTES[m.dtype] / 2
-    # megagrpo's CP attention (megagrpo/context_parallel.py) saves for backward the
-    # all-gathered K and V of the whole row (the formula counts this rank's s only); no mask
-    # (measured on CPU: benchmarks/recompute_memory.py)
-    kv = m.num_query_groups * m.head_dim / tp
-    cp_attn = 2 * 2 * (p.cp - 1) * s * b * kv if p.cp > 1 else 0.0
+    size = DTYPE_BYTES[m.dtype]
+    full = s * b * layer_values(m, tp, sp, p.cp, core_saved=True) + scores
     rc = cfg.compute.recompute
     if rc == "full":  # each layer's input, + one recomputed chunk's activations in backward
-        kept = 2 * s * b * h / (tp if sp else 1)
+        kept = s * b * h / (tp if sp else 1)
         chunk = min(cfg.compute.recompute_num_layers, layers)
-        return int(scale * (kept * layers * pp + (layer + scores + cp_attn) * chunk))
-    if rc == "selective":  # core attention recomputed: no scores kept, and CP's gathered K/V
-        # exist for one layer at a time in backward
-        return int(scale * (layer * layers * pp + cp_attn))
-    return int((layer + scores + cp_attn) * scale * layers * pp)
+        return int(size * (kept * layers * pp + full * chunk))
+    if rc == "selective":  # the core attention's inputs and output kept, its own saved
+        # tensors (scores, lse, CP's gathered K/V) for one layer at a time in backward
+        part = s * b * layer_values(m, tp, sp, p.cp, core_saved=False)
+        return int(size * (part * layers * pp + full - part))
+    return int(size * full * layers * pp)
 
 
 def vllm_rank_bytes(m: ModelConfig, k: int, dtype: str) -> tuple[int, int]:

@@ -24,6 +24,7 @@ LAYOUTS = {"ref": (1, 1), "cp2": (1, 2), "tp2": (2, 1), "tp2_cp2": (2, 2)}
 RUNS = {  # name: (loss, loss_agg, logits at loss positions, fused output layer)
     "grpo_logits": ("grpo", "grpo", True, False),
     "grpo_all_positions": ("grpo", "grpo", False, False),
+    "gspo_logits": ("grpo", "gspo", True, False),  # the sequence ratio summed over CP
     "dapo_fused": ("grpo", "dapo", True, True),
     "dr_grpo_fused": ("grpo", "dr_grpo", True, True),
     "sft_fused": ("sft", "grpo", True, True),
