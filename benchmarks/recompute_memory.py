@@ -298,6 +298,24 @@ def _attn(row: dict) -> str:
     return row.get("cp_attn", "-") if row["cp"] > 1 else "-"
 
 
+def plan_table(path: str) -> str:
+    """Markdown for docs/performance.md: one-process rows (`--model small` unless a row names
+    its model) with the planner's figures at the current megagrpo/plan.py."""
+    rows = [json.loads(ln) for ln in open(path) if ln.strip()]
+    pct = lambda e: f"{e * 100:+.0f}%"  # noqa: E731
+    out = ["| attention | recompute | step peak (RSS) MiB | planner MiB | error | saved "
+           "activations MiB | planner activations MiB | error | step s |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        est, act = planner_mib(r["recompute"], r["attention"], r["seq"], r["batch"],
+                               r.get("model", "small"), r.get("cp", 1))
+        out.append(f"| {r['attention']} | {r['recompute']} | {r['step_peak_mib']} | {est:.1f} | "
+                   f"{pct((est - r['step_peak_mib']) / r['step_peak_mib'])} | "
+                   f"{r['saved_mib']} | {act:.1f} | {pct((act - r['saved_mib']) / r['saved_mib'])}"
+                   f" | {r['step_s']} |")
+    return "\n".join(out)
+
+
 def planner_longest(row: dict, budget_mib: float) -> int:
     """The longest S (multiple of 2 x cp, 1024-token steps then bisected) whose planner
     figure for the step fits `budget_mib` (the budget less the fit's S-independent part)."""
@@ -326,10 +344,15 @@ def main() -> None:
                     help="skip a setting predicted to pass this per process")
     ap.add_argument("--out", default=None)
     ap.add_argument("--table", default=None, help="only print docs' markdown from this file")
+    ap.add_argument("--plan-table", default=None,
+                    help="only print docs/performance.md's planner table from this file")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.table:
         print(table(args.table))
+        return
+    if args.plan_table:
+        print(plan_table(args.plan_table))
         return
     if args.child:
         recompute, attention = args.child.split(":")
