@@ -26,21 +26,24 @@ What is counted, per rank, on the worst pipeline stage:
   next to a naive path that all-gathers [T, V] and runs an fp32 log_softmax (upcast copy,
   saved output and its gradient: 3 fp32 [T, V] tensors). T = compute.micro_batch_size x
   rollout.max_model_len (the longest padded micro-batch).
-- activations: a rough estimate (Korthikanti et al. 2022, arXiv 2205.05198, per layer at 2
-  bytes/value, scaled by the model dtype): s*b*h*(10 + 24/tp), or s*b*h*34/tp with sequence
-  parallelism, plus 2*a*s^2*b/tp where the attention scores are materialised (the softmax
-  output: the paper's 5 counts an attention dropout megagrpo's models do not have; only the
-  local spec with parallel.attention_impl=megatron keeps scores, SDPA and TE none), times layers
+- activations: per layer, what megagrpo's SwiGLU / GQA layers save for backward on the local
+  spec (`layer_values`, counted from autograd's saved tensors on CPU: the norms' inputs and
+  outputs, the linears' inputs, RoPE's tables, q, k, the fused QKV output the V view keeps,
+  the attention output and log-sum-exp, SwiGLU's 5 x FFN; Korthikanti et al. 2022's formula,
+  which assumes MHA and a 4h GeLU MLP, was 29-36% under it), heads, KV groups and FFN / tp,
+  the norms' part / tp with sequence parallelism, plus a*s^2*b/tp where the attention scores
+  are materialised (the softmax output; only the local spec with
+  parallel.attention_impl=megatron keeps scores, SDPA and TE none), times layers
   per stage, times the pp micro-batches the first stage holds under 1F1B. compute.recompute:
-  selective drops the scores term; full keeps each layer's input (2*s*b*h, /tp with sequence
-  parallelism) plus one recomputed chunk (compute.recompute_num_layers layers) of one
-  micro-batch. s = rollout.max_model_len, b = compute.micro_batch_size. With context
-  parallelism (parallel.cp = c) s is one rank's share of the row (its 2 of 2c chunks), and each
-  layer adds what megagrpo's CP attention saves for backward: the all-gathered K and V of the
-  other ranks' tokens, 2 x (c-1) s b x KV heads x head_dim / tp values (no mask: its causal
-  structure is blocks, `megagrpo.context_parallel.causal_chunk_attention`; under selective or
-  full recomputation they exist for the recomputed layer only). The logits path counts the
-  rank's
+  selective keeps the core attention's inputs and output, its own tensors (scores, lse, CP's
+  gathered K/V) for one layer in backward; full keeps each layer's input (s*b*h values, /tp
+  with sequence parallelism) plus one recomputed chunk (compute.recompute_num_layers layers) of
+  one micro-batch. s = rollout.max_model_len, b = compute.micro_batch_size. With context
+  parallelism (parallel.cp = c) s is one rank's share of the row (its 2 of 2c chunks), and the
+  CP attention saves q, its output and lse for the rank's tokens and the K and V all-gathered
+  over the row, 2 x c s b x KV heads x head_dim / tp values a layer, instead of the rank's own
+  K and fused QKV output (no mask: its causal structure is blocks,
+  `megagrpo.context_parallel.causal_chunk_attention`). The logits path counts the rank's
   tokens (T / c). Measured against CPU peaks by benchmarks/recompute_memory.py
   (docs/performance.md, docs/context-parallel.md).
 - vLLM: colocated in every rank, in engines of k = rollout.tensor_parallel_size ranks, so each
