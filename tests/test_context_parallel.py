@@ -38,8 +38,9 @@ def _rel(a: list, b: list) -> float:
 @pytest.mark.parametrize("layout", list(PAIRS))
 def test_cp_gradients_equal_layout_without_cp(run, layout):
     """Every rank's finalized gradients (reduced over DP x CP) of GRPO (sequence mean; logits
-    at loss positions and at every position), DAPO (token mean) and Dr. GRPO through the fused
-    output layer, and the supervised loss equal those of the layout without CP (same TP
+    at loss positions and at every position), GSPO (its sequence ratio summed over CP), DAPO
+    (token mean) and Dr. GRPO through the fused output layer, and the supervised loss equal
+    those of the layout without CP (same TP
     shards) within 1e-5 relative; so do the optimizer's grad norm, the scored log-probs of the
     whole batch (logits path and fused) and the loss reports, made whole over CP. Micro-batch
     widths not divisible by 2 x cp were padded."""
