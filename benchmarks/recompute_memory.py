@@ -70,6 +70,10 @@ MODELS = {
                     num_attention_heads=8, num_query_groups=4, head_dim=64),
 }
 FIT_GIB = 20  # the longest sequence whose fitted peak fits this (the issue's budget)
+CP_ATTN = "blocks"
+"""The CP attention a cp > 1 row ran (its `cp_attn`): "blocks", the unmasked and causal blocks
+merged by log-sum-exp (`megagrpo.context_parallel.causal_chunk_attention`); "mask", the bool
+mask [S/cp, S] given to SDPA before it (rows measured before the change)."""
 
 
 def rss_mib() -> float:
@@ -120,7 +124,8 @@ def child(recompute: str, attention: str, seq: int, batch: int, threads: int, mo
             "rss_before_mib": round(before, 1),
             "step_peak_mib": round(peak - before, 1), "peak_rss_mib": round(peak, 1),
             "step_s": round(wall, 2), "layer_forwards": calls[0],
-            "saved_mib": round(sum(saved.values()) / 2**20, 1)}
+            "saved_mib": round(sum(saved.values()) / 2**20, 1),
+            **({"cp_attn": CP_ATTN} if cp > 1 else {})}
 
 
 def _note_saved(saved: dict, weights: set, t):
@@ -212,11 +217,12 @@ def predicted_mib(done: list[dict], seq: int, planner: float) -> float:
 
 
 def mask_mib(row: dict, seq: int) -> float:
-    """The causal masks megagrpo's CP attention keeps for backward: per layer one [S/cp, S]
-    mask, which SDPA converts from bool to the fp32 model's dtype and saves (0 at cp = 1:
-    is_causal needs none); under selective or full recomputation the recomputed layer's only.
-    Quadratic in S, so the fit takes it as known rather than fitted."""
-    if row["cp"] == 1:
+    """The causal masks the CP attention of a `cp_attn` "mask" row kept for backward: per layer
+    one [S/cp, S] mask, which SDPA converts from bool to the fp32 model's dtype and saves;
+    under selective or full recomputation the recomputed layer's only. Quadratic in S, so the
+    fit takes it as known rather than fitted. 0 at cp = 1 (is_causal needs none) and for the
+    "blocks" attention (no mask)."""
+    if row["cp"] == 1 or row.get("cp_attn") != "mask":
         return 0.0
     layers = MODELS[row["model"]]["num_layers"] if row["recompute"] == "none" else 1
     return layers * (seq // row["cp"]) * seq * 4 / 2**20
@@ -248,37 +254,65 @@ def table(path: str) -> str:
     rows = [json.loads(ln) for ln in open(path) if ln.strip()]
     done = [r for r in rows if "skipped" not in r]
     pct = lambda e: f"{e * 100:+.0f}%"  # noqa: E731
-    out = ["| CP | recompute | S | step peak (RSS, max over ranks) MiB | planner MiB | error "
-           "| saved activations MiB | planner activations MiB | error | step s | load |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| CP | CP attention | recompute | S | step peak (RSS, max over ranks) MiB | "
+           "planner MiB | error | saved activations MiB | planner activations MiB | error | "
+           "step s | load |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in done:  # the planner's figures at the current megagrpo/plan.py
-        est, act = planner_mib(r["recompute"], r["attention"], r["seq"], r["batch"], r["model"],
-                               r["cp"])
-        r.update(planner_mib=round(est, 1), planner_act_mib=round(act, 1),
-                 planner_error=(est - r["step_peak_mib"]) / r["step_peak_mib"],
-                 planner_act_error=(act - r["saved_mib"]) / r["saved_mib"])
-        out.append(f"| {r['cp']} | {r['recompute']} | {r['seq']} | {r['step_peak_mib']} | "
-                   f"{r['planner_mib']} | {pct(r['planner_error'])} | {r['saved_mib']} | "
-                   f"{r['planner_act_mib']} | {pct(r['planner_act_error'])} | {r['step_s']} | "
+        if r.get("cp_attn") != "mask":
+            est, act = planner_mib(r["recompute"], r["attention"], r["seq"], r["batch"],
+                                   r["model"], r["cp"])
+            planner = (f"{est:.1f} | {pct((est - r['step_peak_mib']) / r['step_peak_mib'])} | "
+                       f"{r['saved_mib']} | {act:.1f} | "
+                       f"{pct((act - r['saved_mib']) / r['saved_mib'])}")
+        else:
+            planner = f"n/a | | {r['saved_mib']} | n/a |"
+        out.append(f"| {r['cp']} | {_attn(r)} | {r['recompute']} | {r['seq']} | "
+                   f"{r['step_peak_mib']} | {planner} | {r['step_s']} | "
                    f"{r['loadavg_1m']:.1f} |")
     for r in rows:
         if "skipped" in r:
-            out.append(f"| {r['cp']} | {r['recompute']} | {r['seq']} | skipped: "
+            out.append(f"| {r['cp']} | {_attn(r)} | {r['recompute']} | {r['seq']} | skipped: "
                        f"{r['skipped']} | | | | | | | |")
-    out += ["", f"| CP | recompute | fit: process peak MiB = a + c x S (+ masks) | longest S in "
-            f"{FIT_GIB} GiB (fit) | planner's longest S (its step figure + RSS before "
-            "the step) |", "|---|---|---|---|---|"]
-    settings = sorted({(r["cp"], r["recompute"]) for r in done},
-                      key=lambda k: (k[0], ["none", "selective", "full"].index(k[1])))
-    for cp, rc in settings:
-        mine = sorted((r for r in done if (r["cp"], r["recompute"]) == (cp, rc)),
+    out += ["", f"| CP | CP attention | recompute | fit: process peak MiB = a + c x S (+ masks) "
+            f"| longest S in {FIT_GIB} GiB (fit) | planner's longest S (its step figure + RSS "
+            "before the step) |", "|---|---|---|---|---|---|"]
+    order = ["none", "selective", "full"]
+    settings = sorted({(r["cp"], _attn(r), r["recompute"]) for r in done},
+                      key=lambda k: (k[0], k[1], order.index(k[2])))
+    for cp, attn, rc in settings:
+        mine = sorted((r for r in done if (r["cp"], _attn(r), r["recompute"]) == (cp, attn, rc)),
                       key=lambda r: r["seq"])
         if len(mine) < 2:
             continue
         a, c, longest = fit(mine)
         base = max(r["rss_before_mib"] for r in mine)  # what the planner's step figure omits
-        out.append(f"| {cp} | {rc} | {a:.0f} + {c * 1024:.1f} x S/1024 | {longest} | "
-                   f"{planner_longest(mine[0], FIT_GIB * 1024 - base)} |")
+        planner = ("n/a" if attn == "mask" else
+                   planner_longest(mine[0], FIT_GIB * 1024 - base))
+        out.append(f"| {cp} | {attn} | {rc} | {a:.0f} + {c * 1024:.1f} x S/1024 | {longest} | "
+                   f"{planner} |")
+    return "\n".join(out)
+
+
+def _attn(row: dict) -> str:
+    """A row's CP attention (`CP_ATTN`), '-' at cp = 1."""
+    return row.get("cp_attn", "-") if row["cp"] > 1 else "-"
+
+
+def plan_table(path: str) -> str:
+    """Markdown for docs/performance.md: one-process rows (`--model small` unless a row names
+    its model) with the planner's figures at the current megagrpo/plan.py."""
+    rows = [json.loads(ln) for ln in open(path) if ln.strip()]
+    pct = lambda e: f"{e * 100:+.0f}%"  # noqa: E731
+    out = ["| attention | recompute | step peak (RSS) MiB | planner MiB | error | saved "
+           "activations MiB | planner activations MiB | error | step s |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        est, act = planner_mib(r["recompute"], r["attention"], r["seq"], r["batch"],
+                               r.get("model", "small"), r.get("cp", 1))
+        out.append(f"| {r['attention']} | {r['recompute']} | {r['step_peak_mib']} | {est:.1f} | "
+                   f"{pct((est - r['step_peak_mib']) / r['step_peak_mib'])} | "
+                   f"{r['saved_mib']} | {act:.1f} | {pct((act - r['saved_mib']) / r['saved_mib'])}"
+                   f" | {r['step_s']} |")
     return "\n".join(out)
 
 
@@ -310,10 +344,15 @@ def main() -> None:
                     help="skip a setting predicted to pass this per process")
     ap.add_argument("--out", default=None)
     ap.add_argument("--table", default=None, help="only print docs' markdown from this file")
+    ap.add_argument("--plan-table", default=None,
+                    help="only print docs/performance.md's planner table from this file")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.table:
         print(table(args.table))
+        return
+    if args.plan_table:
+        print(plan_table(args.plan_table))
         return
     if args.child:
         recompute, attention = args.child.split(":")

@@ -37,7 +37,6 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from megagrpo.batch import Batch, MicroBatch
@@ -109,22 +108,89 @@ def gather_sequence(x: Tensor, group) -> Tensor:
     return _GatherSequence.apply(x, group)
 
 
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _CausalChunks(torch.autograd.Function):
+    """Causal attention of query chunks over the keys of the whole row, without a mask.
+
+    q [b, np, n c, hn]: n chunks of c queries, chunk j at chunk index `index[j]` of the row;
+    k, v [b, ng, L, hn]: the row's keys in global order (L >= (max index + 1) c). Query t of
+    chunk i sees keys [0, i c) entirely (one unmasked block) and keys [i c, i c + t] (the
+    diagonal block, SDPA's own causal square). The blocks' outputs are merged by their
+    log-sum-exps; backward runs each block's flash backward with the merged output and
+    log-sum-exp (its softmax is the whole row's, as in ring attention). Saved: q, k, v, the
+    output and the log-sum-exps, all linear in the sequence (a mask [c, L] would be
+    quadratic, and SDPA saves its float copy per layer)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, index: tuple, scale: float) -> Tensor:
+        b, heads, s, hn = q.shape
+        c = s // len(index)
+        # [b, s, heads, hn] in memory, as SDPA's own output: the caller's permute to
+        # [s, b, heads * hn] is then a view (b = 1), not a second copy kept by the projection
+        out = q.new_empty((b, s, heads, hn)).transpose(1, 2)
+        lse = q.new_empty((b, heads, s), dtype=torch.float32)
+        for j, i in enumerate(index):
+            rows = slice(j * c, (j + 1) * c)
+            o, lj = _flash(q[:, :, rows], k[:, :, i * c:(i + 1) * c], v[:, :, i * c:(i + 1) * c],
+                           0.0, True, scale=scale)
+            if i > 0:
+                o0, l0 = _flash(q[:, :, rows], k[:, :, :i * c], v[:, :, :i * c], 0.0, False,
+                                scale=scale)
+                merged = torch.logaddexp(l0, lj)
+                o = ((l0 - merged).exp().unsqueeze(-1) * o0
+                     + (lj - merged).exp().unsqueeze(-1) * o)
+                lj = merged
+            out[:, :, rows] = o
+            lse[:, :, rows] = lj
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.index, ctx.scale = index, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        c = q.shape[2] // len(ctx.index)
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for j, i in enumerate(ctx.index):
+            rows = slice(j * c, (j + 1) * c)
+            blocks = [(slice(i * c, (i + 1) * c), True)] + ([(slice(0, i * c), False)]
+                                                           if i > 0 else [])
+            g, qj, oj, lj = (t[:, :, rows].contiguous() for t in (grad, q, out, lse))
+            dq[:, :, rows] = 0
+            for keys, causal in blocks:
+                gq, gk, gv = _flash_backward(g, qj, k[:, :, keys], v[:, :, keys], oj, lj,
+                                             0.0, causal, scale=ctx.scale)
+                dq[:, :, rows] += gq
+                dk[:, :, keys] += gk
+                dv[:, :, keys] += gv
+        return dq, dk, dv, None, None
+
+
+def causal_chunk_attention(q: Tensor, k: Tensor, v: Tensor, index: tuple[int, ...],
+                           scale: float) -> Tensor:
+    """q [b, np, n c, hn] (query chunks at the row's chunk indices `index`), k/v [b, ng, L, hn]
+    (the row in global order) -> [b, np, n c, hn]: each query attends causally over the row
+    (`_CausalChunks`). Exact, no mask."""
+    return _CausalChunks.apply(q, k, v, tuple(index), scale)
+
+
 def cp_attention(query: Tensor, key: Tensor, value: Tensor, *, group, scale: float,
                  gqa: bool) -> Tensor:
     """Causal attention of this CP rank's queries over the whole sequence.
 
     query [s, b, np, hn], key/value [s, b, ng, hn]: this rank's 2 chunks (s = 2c) -> context
-    [b, np, s, hn]. Keys and values are all-gathered ([cp * s, b, ng, hn], rank-major); a
-    query at global position p attends to the gathered keys at global positions <= p."""
+    [b, np, s, hn]. Keys and values are all-gathered ([cp * s, b, ng, hn], rank-major) and put
+    in global order; a query at global position p attends to the keys at global positions
+    <= p (`causal_chunk_attention`: no mask, whose size would grow as s^2). `gqa` (np != ng)
+    needs no flag: the flash kernel broadcasts the KV groups."""
     cp, rank, s = dist.get_world_size(group), dist.get_rank(group), query.shape[0]
-    width = s * cp
-    q_pos = chunk_columns(width, cp, rank, query.device)
-    k_pos = torch.cat([chunk_columns(width, cp, r, query.device) for r in range(cp)])
-    allowed = k_pos[None, :] <= q_pos[:, None]                       # [s, cp * s]
-    k, v = gather_sequence(key, group), gather_sequence(value, group)
+    order = torch.cat([chunk_columns(s * cp, cp, r, query.device) for r in range(cp)]).argsort()
+    k, v = (gather_sequence(t, group).index_select(0, order) for t in (key, value))
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, k, v))          # [b, heads, s, hn]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=0.0,
-                                          scale=scale, enable_gqa=gqa)
+    return causal_chunk_attention(q, k, v, (rank, 2 * cp - 1 - rank), scale)
 
 
 def context_parallel_group(gpt: torch.nn.Module):

@@ -26,21 +26,24 @@ What is counted, per rank, on the worst pipeline stage:
   next to a naive path that all-gathers [T, V] and runs an fp32 log_softmax (upcast copy,
   saved output and its gradient: 3 fp32 [T, V] tensors). T = compute.micro_batch_size x
   rollout.max_model_len (the longest padded micro-batch).
-- activations: a rough estimate (Korthikanti et al. 2022, arXiv 2205.05198, per layer at 2
-  bytes/value, scaled by the model dtype): s*b*h*(10 + 24/tp), or s*b*h*34/tp with sequence
-  parallelism, plus 2*a*s^2*b/tp where the attention scores are materialised (the softmax
-  output: the paper's 5 counts an attention dropout megagrpo's models do not have; only the
-  local spec with parallel.attention_impl=megatron keeps scores, SDPA and TE none), times layers
+- activations: per layer, what megagrpo's SwiGLU / GQA layers save for backward on the local
+  spec (`layer_values`, counted from autograd's saved tensors on CPU: the norms' inputs and
+  outputs, the linears' inputs, RoPE's tables, q, k, the fused QKV output the V view keeps,
+  the attention output and log-sum-exp, SwiGLU's 5 x FFN; Korthikanti et al. 2022's formula,
+  which assumes MHA and a 4h GeLU MLP, was 29-36% under it), heads, KV groups and FFN / tp,
+  the norms' part / tp with sequence parallelism, plus a*s^2*b/tp where the attention scores
+  are materialised (the softmax output; only the local spec with
+  parallel.attention_impl=megatron keeps scores, SDPA and TE none), times layers
   per stage, times the pp micro-batches the first stage holds under 1F1B. compute.recompute:
-  selective drops the scores term; full keeps each layer's input (2*s*b*h, /tp with sequence
-  parallelism) plus one recomputed chunk (compute.recompute_num_layers layers) of one
-  micro-batch. s = rollout.max_model_len, b = compute.micro_batch_size. With context
-  parallelism (parallel.cp = c) s is one rank's share of the row (its 2 of 2c chunks), and each
-  layer adds what megagrpo's CP attention saves for backward: the all-gathered K and V of the
-  other ranks' tokens, 2 x (c-1) s b x KV heads x head_dim / tp values, and the causal mask
-  [s, c s] that SDPA saves converted to the model's dtype (quadratic in the row's length: each
-  layer keeps its own; under selective or full recomputation they exist for the recomputed
-  layer only). The logits path counts the rank's
+  selective keeps the core attention's inputs and output, its own tensors (scores, lse, CP's
+  gathered K/V) for one layer in backward; full keeps each layer's input (s*b*h values, /tp
+  with sequence parallelism) plus one recomputed chunk (compute.recompute_num_layers layers) of
+  one micro-batch. s = rollout.max_model_len, b = compute.micro_batch_size. With context
+  parallelism (parallel.cp = c) s is one rank's share of the row (its 2 of 2c chunks), and the
+  CP attention saves q, its output and lse for the rank's tokens and the K and V all-gathered
+  over the row, 2 x c s b x KV heads x head_dim / tp values a layer, instead of the rank's own
+  K and fused QKV output (no mask: its causal structure is blocks,
+  `megagrpo.context_parallel.causal_chunk_attention`). The logits path counts the rank's
   tokens (T / c). Measured against CPU peaks by benchmarks/recompute_memory.py
   (docs/performance.md, docs/context-parallel.md).
 - vLLM: colocated in every rank, in engines of k = rollout.tensor_parallel_size ranks, so each
@@ -261,36 +264,50 @@ def fused_output_bytes(t: int, h: int, v_local: int, b: int) -> int:
     return tc * vc * b + accumulators
 
 
+def layer_values(m: ModelConfig, tp: int, sp: bool, cp: int, core_saved: bool) -> float:
+    """Values a transformer layer saves for backward per token on this rank (megagrpo's
+    SwiGLU / GQA Llama-family layers on the local spec with SDPA, counted from what autograd
+    saves on CPU: benchmarks/recompute_memory.py), scores left out. `core_saved`: the core
+    attention keeps its own tensors (not recomputed by compute.recompute=selective)."""
+    h, d = m.hidden_size, m.head_dim
+    a, g = m.num_attention_heads / tp, m.num_query_groups / tp
+    # per norm block: the norm's input and normalised output (torch's RMSNorm), the linear's
+    # input; + RoPE's cos and sin for q and k (fp32 [s, d] each, counted at the model's size)
+    norms = 2 * 3 * h / (tp if sp else 1) + 4 * d
+    f = (m.moe_topk * m.moe_ffn_hidden_size if m.is_moe and m.moe_ffn_hidden_size
+         else m.ffn_hidden_size) / tp
+    mlp = 5 * f  # SwiGLU: fc1's output [2f], silu's output and the gate [f each], fc2's input
+    if core_saved and cp > 1:  # q, the output, the log-sum-exp; K and V gathered over the row
+        attn = 2 * a * d + a + 2 * cp * g * d
+    else:  # q and k (rotated), the fused QKV output (V is a view of it), the output (+ lse)
+        attn = a * d + g * d + (a + 2 * g) * d + a * d + (a if core_saved else 0)
+    return norms + attn + mlp
+
+
 def activation_bytes(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int) -> int:
-    """Rough per-rank activations of the first stage's update pass, with sequence parallelism
-    and compute.recompute (see the module docstring)."""
+    """Rough per-rank activations of the first stage's update pass, with sequence parallelism,
+    context parallelism and compute.recompute (see the module docstring)."""
     p = cfg.parallel
     # s: this CP rank's tokens per row (its 2 x cp chunks of the row padded to 2 x cp)
     full_s, b, h = cfg.rollout.max_model_len, cfg.compute.micro_batch_size, m.hidden_size
     s = -(-full_s // (2 * p.cp)) * 2 if p.cp > 1 else full_s
     sp = sequence_parallel_auto(cfg, m, tp)[0]
     materialised = p.transformer_impl == "local" and p.attention_impl == "megatron"
-    # the softmax output [b, a/tp, s, s]; Korthikanti's 5 a s^2 b adds a dropout mask and
-    # output, and megagrpo builds its models with attention_dropout = 0
-    scores = 2 * m.num_attention_heads * s * s * b / tp if materialised else 0.0
-    layer = s * b * h * (34 / tp if sp else 10 + 24 / tp)
+    # the softmax output [b, a/tp, s, s] (megagrpo builds its models without attention dropout)
+    scores = m.num_attention_heads * s * s * b / tp if materialised else 0.0
     layers = len(stage_layers(m, dataclasses.replace(p, pp=pp), 0))
-    scale = DTYPE_BYTES[m.dtype] / 2
-    # megagrpo's CP attention (megagrpo/context_parallel.py) saves for backward the
-    # all-gathered K and V of the whole row (the formula counts this rank's s only) and its
-    # causal mask [s, cp * s], which torch's SDPA converts from bool to the model's dtype and
-    # saves (measured on CPU: benchmarks/recompute_memory.py)
-    kv = m.num_query_groups * m.head_dim / tp
-    cp_attn = 2 * 2 * (p.cp - 1) * s * b * kv + 2 * s * p.cp * s if p.cp > 1 else 0.0
+    size = DTYPE_BYTES[m.dtype]
+    full = s * b * layer_values(m, tp, sp, p.cp, core_saved=True) + scores
     rc = cfg.compute.recompute
     if rc == "full":  # each layer's input, + one recomputed chunk's activations in backward
-        kept = 2 * s * b * h / (tp if sp else 1)
+        kept = s * b * h / (tp if sp else 1)
         chunk = min(cfg.compute.recompute_num_layers, layers)
-        return int(scale * (kept * layers * pp + (layer + scores + cp_attn) * chunk))
-    if rc == "selective":  # core attention recomputed: no scores kept, and CP's gathered K/V
-        # and mask exist for one layer at a time in backward
-        return int(scale * (layer * layers * pp + cp_attn))
-    return int((layer + scores + cp_attn) * scale * layers * pp)
+        return int(size * (kept * layers * pp + full * chunk))
+    if rc == "selective":  # the core attention's inputs and output kept, its own saved
+        # tensors (scores, lse, CP's gathered K/V) for one layer at a time in backward
+        part = s * b * layer_values(m, tp, sp, p.cp, core_saved=False)
+        return int(size * (part * layers * pp + full - part))
+    return int(size * full * layers * pp)
 
 
 def vllm_rank_bytes(m: ModelConfig, k: int, dtype: str) -> tuple[int, int]:

@@ -24,6 +24,7 @@ LAYOUTS = {"ref": (1, 1), "cp2": (1, 2), "tp2": (2, 1), "tp2_cp2": (2, 2)}
 RUNS = {  # name: (loss, loss_agg, logits at loss positions, fused output layer)
     "grpo_logits": ("grpo", "grpo", True, False),
     "grpo_all_positions": ("grpo", "grpo", False, False),
+    "gspo_logits": ("grpo", "gspo", True, False),  # the sequence ratio summed over CP
     "dapo_fused": ("grpo", "dapo", True, True),
     "dr_grpo_fused": ("grpo", "dr_grpo", True, True),
     "sft_fused": ("sft", "grpo", True, True),
@@ -58,24 +59,29 @@ def run_passes(passes, ddp, opt, batch, cfg, runs) -> dict:
 
 
 def plant(defect: str):
-    """Undo-able monkeypatches of megagrpo.context_parallel for one defect."""
+    """Undo-able monkeypatches of megagrpo.context_parallel for one defect: [(module, attr,
+    replacement)]."""
     import megagrpo.context_parallel as cp
 
-    if defect == "full_mask":  # every key visible: the causal mask dropped
-        sdpa = cp.F.scaled_dot_product_attention
+    if defect == "full_mask":  # every key visible: the diagonal block's causal mask dropped
+        flash, flash_backward = cp._flash, cp._flash_backward
 
-        class _F:
+        class _Ops:
             @staticmethod
-            def scaled_dot_product_attention(q, k, v, attn_mask=None, **kw):
-                return sdpa(q, k, v, attn_mask=torch.ones_like(attn_mask), **kw)
+            def forward(q, k, v, dropout_p, is_causal, **kw):
+                return flash(q, k, v, dropout_p, False, **kw)
 
-        return cp, "F", _F
+            @staticmethod
+            def backward(*args, **kw):
+                return flash_backward(*args[:7], False, **kw)
+
+        return [(cp, "_flash", _Ops.forward), (cp, "_flash_backward", _Ops.backward)]
     local = cp.local_batch  # the chunk's own token counts as sequence lengths
 
     def chunk_only(*args):
         return dataclasses.replace(local(*args), seq_tokens=None)
 
-    return cp, "local_batch", chunk_only
+    return [(cp, "local_batch", chunk_only)]
 
 
 def layout(name: str, work: str, results: list) -> None:
@@ -110,14 +116,16 @@ def layout(name: str, work: str, results: list) -> None:
              **{k: g for k, (g, _) in out.items()}}
     if name == "cp2":
         for defect in DEFECTS:
-            module, attr, patched = plant(defect)
-            original = getattr(module, attr)
-            setattr(module, attr, patched)
+            patches = plant(defect)
+            originals = [(m, a, getattr(m, a)) for m, a, _ in patches]
+            for m, a, f in patches:
+                setattr(m, a, f)
             try:
                 saved[defect] = run_passes(passes, ddp, opt, mine, cfg, ["grpo_logits"]
                                            )["grpo_logits"][0]
             finally:
-                setattr(module, attr, original)
+                for m, a, f in originals:
+                    setattr(m, a, f)
     # the optimizer's grad norm of GRPO's gradients (megatron's, over the model-parallel ranks)
     run_passes(passes, ddp, opt, mine, cfg, ["grpo_logits"])
     rec["grad_norm"] = optimizer_step(ddp, opt)[1]

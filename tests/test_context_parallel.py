@@ -38,8 +38,9 @@ def _rel(a: list, b: list) -> float:
 @pytest.mark.parametrize("layout", list(PAIRS))
 def test_cp_gradients_equal_layout_without_cp(run, layout):
     """Every rank's finalized gradients (reduced over DP x CP) of GRPO (sequence mean; logits
-    at loss positions and at every position), DAPO (token mean) and Dr. GRPO through the fused
-    output layer, and the supervised loss equal those of the layout without CP (same TP
+    at loss positions and at every position), GSPO (its sequence ratio summed over CP), DAPO
+    (token mean) and Dr. GRPO through the fused output layer, and the supervised loss equal
+    those of the layout without CP (same TP
     shards) within 1e-5 relative; so do the optimizer's grad norm, the scored log-probs of the
     whole batch (logits path and fused) and the loss reports, made whole over CP. Micro-batch
     widths not divisible by 2 x cp were padded."""
@@ -315,3 +316,38 @@ def test_cp_checkpoint_resumes_at_cp1_and_cp2(cp_run, run):
     mine, ref = _params(work, run, 0), _params(work, "cp2", 0)
     for k, w in ref["after"].items():
         torch.testing.assert_close(mine["after"][k], w, rtol=RESUME_RTOL, atol=1e-8)
+
+
+@pytest.mark.parametrize("cp,rank,groups,dtype", [(1, 0, 1, torch.float32),
+                                                  (2, 1, 2, torch.float32),
+                                                  (3, 1, 4, torch.float32),
+                                                  (4, 0, 1, torch.float32),
+                                                  (2, 0, 2, torch.bfloat16)])
+def test_causal_chunk_attention_equals_masked_float64(cp, rank, groups, dtype):
+    """The CP attention without a mask (an unmasked block per earlier chunk, SDPA's causal
+    square on the diagonal, merged by log-sum-exp; backward through the merged softmax) equals
+    float64 attention under the explicit causal mask over the global positions, output and
+    the gradients of q, k and v, GQA included (`groups` query heads per KV group)."""
+    from megagrpo.context_parallel import causal_chunk_attention
+
+    gen = torch.Generator().manual_seed(cp * 10 + rank)
+    b, heads, hn, c = 2, 4, 16, 5
+    width = 2 * cp * c
+    cols = chunk_columns(width, cp, rank)
+    qf, kf, vf = (torch.randn(width, b, h, hn, generator=gen, dtype=torch.float64)
+                  for h in (heads, heads // groups, heads // groups))
+    leaves = [t.to(dtype).requires_grad_() for t in (qf[cols], kf, vf)]
+    out = causal_chunk_attention(*(t.permute(1, 2, 0, 3) for t in leaves),
+                                 (rank, 2 * cp - 1 - rank), 0.3)
+    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    (out.double() * grad).sum().backward()
+    refs = [t.clone().requires_grad_() for t in (qf[cols], kf, vf)]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in refs)
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(
+        torch.arange(width)[None, :] > cols[:, None], float("-inf"))
+    ref = scores.softmax(-1) @ v
+    (ref * grad).sum().backward()
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    for mine, theirs in [(out, ref)] + [(a.grad, r.grad) for a, r in zip(leaves, refs)]:
+        assert float((mine.double() - theirs).norm() / theirs.norm()) <= tol

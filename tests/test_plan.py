@@ -76,10 +76,12 @@ def test_rank_bytes_by_hand():
     assert r.fused_output
     assert r.logits_fused == 16 * 56 * 2 + (16 * 8 + 56 * 8) * 4 + stats == 5056
     assert r.logits_naive == 16 * 100 * (2 + 3 * 4) == 22400
-    # s*b*h*(10 + 24/tp) at 2 bytes per value, 2 layers on the one stage
-    assert r.activations == 8 * 2 * 8 * (10 + 12) * 2 == 5632
+    # s*b tokens x 129 values a layer (megagrpo.plan.layer_values at tp 2: norms 6h + RoPE's
+    # 4 x head_dim, q 4 + k 4 + fused QKV 12 + output 4 + lse 1, SwiGLU 5 x 16 / 2), 2 bytes,
+    # 2 layers on the one stage
+    assert r.activations == 8 * 2 * (48 + 16 + 25 + 40) * 2 * 2 == 8256
     assert r.vllm == GIB // 2 and not r.vllm_sleeps
-    assert r.total == r.update_peak == r.state + 5056 + 5632 + GIB // 2
+    assert r.total == r.update_peak == r.state + 5056 + 8256 + GIB // 2
     # the logits path: the logits [T, V/tp] once (gradient in place) + the stats
     cfg.compute.fused_output_layer = False
     r = rank_memory(cfg, cfg.model, 2, 1, world=4, gpu_mem_gib=1.0)
@@ -108,7 +110,7 @@ def test_fused_output_layer_holds_a_chunk_not_the_logits():
     (["compute.inplace_backward=false", "compute.fused_output_layer=false"], "logits_fused",
      2 * 16 * 56 * 4 + 960),
     (["parallel.transformer_impl=local", "parallel.attention_impl=megatron"], "activations",
-     2 * 2 * (8 * 2 * 8 * 22 + 2 * 2 * 8 * 8 * 2 // 2)),  # fp32 doubles the 2-byte estimate
+     4 * 2 * (8 * 2 * 129 + 2 * 8 * 8 * 2 // 2)),  # fp32, + the scores a s^2 b / tp
 ])
 def test_switches(extra, field, expected):
     cfg = load_config(None, TINY + ["parallel.tp=2"] + extra)
