@@ -51,6 +51,9 @@ QUIET = (
     ("py.warnings", "Transformer Engine and Apex are not installed"),
     ("py.warnings", "Apex is not installed"),
     ("py.warnings", "cuda_graph_scope"),
+    # compute.recompute=selective: megatron's caution for TE's fused attention, on every rank
+    # (the console's recompute line says what runs)
+    ("py.warnings", "need to set 'core_attn' to recompute"),
     ("py.warnings", "CUDA_DEVICE_MAX_CONNECTIONS"),
     ("py.warnings", "attribute of a Tensor that is not a leaf Tensor is being accessed"),
     ("py.warnings", "DeprecationWarning"),
