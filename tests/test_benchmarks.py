@@ -174,6 +174,7 @@ def test_layer_split_smallest(tmp_path):
     assert c["grad_max_rel_diff"] < 1e-4 and c["graphs"] >= 1 and c["compile_s"] > 0
 
 
+@pytest.mark.heavy  # 150 s (2-core EPYC); fused_output.py keeps two smoke tests by default
 def test_fused_output_step_fit_smallest():
     """--fit-gib at 2 layers of SmolLM2-135M's shapes: the logits path's extra bytes per token
     exceed the fused layer's by about the fp32 logits row it holds (V x 4 bytes per completion
@@ -234,6 +235,7 @@ def test_weight_sync_benchmark_tiny(tmp_path):
     assert _bench_module("weight_sync").table(str(out)).count("\n") == 2  # header + one row
 
 
+@pytest.mark.heavy  # 43 s; weight_sync.py keeps its tiny smoke test in the default suite
 def test_weight_sync_benchmark_vllm_tp2_tiny(tmp_path):
     """The vLLM TP=2 rows (2 ranks under torchrun): the shard-to-shard feed receives less than
     the full-tensor one, and the engine it fed decodes like HF."""
@@ -407,6 +409,7 @@ def test_grpo_step_benchmark_one_rank_one_step(tmp_path):
     assert 0.3 * row["flops_update"] / 3 < row["flops_rollout"] < row["flops_update"] / 3
 
 
+@pytest.mark.heavy  # 58 s; grpo_step.py keeps its demo smoke test in the default suite
 def test_grpo_step_benchmark_varlen_smallest(tmp_path):
     """varlen at 2 prompts x G=8: lengths vary and stay within max_tokens; padding is counted
     from the micro-batches as the update processed them."""
