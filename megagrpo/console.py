@@ -133,10 +133,11 @@ def attach_log_file(out_dir: str | os.PathLike, rank: int) -> Path:
 
 
 def what_runs(layer_spec: str, kernel_impl: str, attention: str = "",
-              packed: bool | None = None) -> str:
+              packed: bool | None = None, cp: int = 1) -> str:
     """One line naming the implementations in use and why (instead of the libraries' fallback
     warnings on every rank). `attention`: `megagrpo.model.attention_impl_name`'s answer;
-    `packed`: `megagrpo.model.sequence_packing`'s (None: not said)."""
+    `packed`: `megagrpo.model.sequence_packing`'s (None: not said); `cp`: parallel.cp (at
+    cp > 1 megagrpo's SDPA slot runs `megagrpo.context_parallel.cp_attention`)."""
     import importlib.util
 
     import torch
@@ -153,6 +154,9 @@ def what_runs(layer_spec: str, kernel_impl: str, attention: str = "",
     kernels = kernel_impl if kernel_impl != "auto" else ("triton" if cuda else "torch (no CUDA)")
     # the local spec's core attention (Transformer Engine's spec brings its own)
     names = {"sdpa": "torch sdpa", "megatron": "megatron"}
+    if attention == "sdpa" and cp > 1:
+        names["sdpa"] = (f"causal chunks over cp={cp} (gathered K/V, torch's CPU flash kernel "
+                         "per block, merged by log-sum-exp)")
     attn = f", attention: {names[attention]}" if attention in names else ""
     pack = ("" if packed is None else "; micro-batches: packed end to end" if packed
             else "; micro-batches: padded rows")

@@ -91,7 +91,8 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     if rank == 0:
         log.info("%s; full log: %s", what_runs(layer_spec_name(cfg.parallel),
                                                cfg.compute.kernel_impl,
-                                               attention_impl_name(cfg.parallel), packed),
+                                               attention_impl_name(cfg.parallel), packed,
+                                               cfg.parallel.cp),
                  log_file)
     if rank == 0:
         log.info("sequence parallelism: %s (%s); activation recomputation (update pass): %s",

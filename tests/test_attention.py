@@ -141,3 +141,6 @@ def test_console_line_names_the_attention():
     assert "attention" not in what_runs("transformer_engine", "auto", "transformer_engine")
     assert what_runs("local", "auto", "sdpa", True).endswith("; micro-batches: packed end to end")
     assert what_runs("local", "auto", "sdpa", False).endswith("; micro-batches: padded rows")
+    # at cp > 1 the SDPA slot runs the CP attention: the line names it, not plain torch sdpa
+    cp_line = what_runs("local", "auto", "sdpa", False, cp=2)
+    assert ", attention: causal chunks over cp=2 " in cp_line and "torch sdpa" not in cp_line
