@@ -14,6 +14,9 @@ the floor in each phase, and padded tokens <= 10% on the variable-length workloa
 missed target says by how much. Lines marked "skipped" (a workload whose model is absent) are
 listed as such.
 `--json` prints one summary object per (workload, dtype) instead of markdown.
+`--sp` reads grpo_step.py lines of one workload run with and without
+`parallel.sequence_parallel` (e.g. benchmarks/results/moe_sp_epyc_cpu.jsonl) and prints their
+A/B table (`sp_table`).
 """
 from __future__ import annotations
 
@@ -139,14 +142,65 @@ def markdown(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _sp_setting(r: dict) -> str:
+    """'on' / 'off' from a grpo_step.py line's --set overrides (unset: 'auto')."""
+    for o in r.get("overrides", []):
+        if o.startswith("parallel.sequence_parallel="):
+            return "on" if o.split("=", 1)[1].lower() == "true" else "off"
+    return "auto"
+
+
+def sp_table(records: list[dict]) -> str:
+    """Runs of one workload with sequence parallelism on and off (grpo_step.py lines), one row
+    per setting: how many runs, the mean and range of the step and of each phase, generated
+    tokens/s and the update's achieved fraction of its FLOP floor (mean), the highest 1-minute
+    load any run started under, then the on / off ratio of the mean step."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        if r.get("system") == "megagrpo" and "skipped" not in r:
+            groups.setdefault(_sp_setting(r), []).append(r)
+
+    def stat(rows, key, fmt="{:.2f}"):
+        vals = [r[key] for r in rows]
+        mean = sum(vals) / len(vals)
+        return (fmt.format(mean) if len(vals) == 1 else
+                f"{fmt.format(mean)} ({fmt.format(min(vals))}-{fmt.format(max(vals))})")
+
+    lines = ["| sequence parallelism | layout | runs | step s | rollout s | score s | update s "
+             "| gen tok/s | update floor | max load |", "|---|---|---|---|---|---|---|---|---|---|"]
+    means = {}
+    for name in ("on", "off", "auto"):
+        rows = groups.get(name)
+        if not rows:
+            continue
+        r0 = rows[0]
+        means[name] = sum(r["step_s"] for r in rows) / len(rows)
+        lines.append(
+            f"| {name} | {r0['workload']} {r0['dtype']}, TP={r0.get('tp', 1)} x "
+            f"DP={r0.get('dp', 1)} | {len(rows)} | {stat(rows, 'step_s')} "
+            f"| {stat(rows, 'time_rollout_s')} | {stat(rows, 'time_score_s')} "
+            f"| {stat(rows, 'time_update_s')} | {stat(rows, 'gen_tokens_per_s', '{:.0f}')} "
+            f"| {stat(rows, 'floor_frac_update', '{:.1%}')} "
+            f"| {max(r.get('loadavg_1m') or 0.0 for r in rows):.2f} |")
+    if "on" in means and "off" in means:
+        lines.append(f"\nMean step with sequence parallelism / without: "
+                     f"{means['on'] / means['off']:.3f}.")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("path", nargs="?", default="benchmarks/results/throughput_cpu.jsonl")
     ap.add_argument("--json", action="store_true", help="one JSON summary line per workload")
+    ap.add_argument("--sp", action="store_true",
+                    help="the sequence-parallel A/B table of PATH (grpo_step.py lines)")
     args = ap.parse_args()
     if not Path(args.path).exists():
         raise SystemExit(f"{args.path} does not exist: run `bash benchmarks/throughput.sh` "
                          "first (or give the JSONL to read)")
+    if args.sp:
+        print(sp_table(read_records(args.path)))
+        return
     summary = summarize(read_records(args.path))
     if args.json:
         print("\n".join(json.dumps(s) for s in summary))
