@@ -162,14 +162,14 @@ def floor_rows(results: Path, runs: list) -> list[dict]:
 def rollout_cause(r: dict, alone: list[dict]) -> str:
     """The trainer's rollout against its floor and, if measured, vLLM's rollout of the same
     workload alone (its newest default-settings row)."""
-    import rollout_floor as RF
+    import rollout_floor as RF  # here: it imports torch, which the other rows never need
 
     per_step = r["rollout_decode_steps"] / r["steps"]
     above = (r["time_rollout_s"] - r["floor_rollout_s"]) / per_step
     text = (f"rollout {r['time_rollout_s']:.3f} s a step against a floor of "
             f"{r['floor_rollout_s']:.3f} s; decode {r['rollout_decode_flop_s']:.3f} s at the "
-            f"GEMM rate vs {r['rollout_decode_byte_s']:.3f} s at the read bandwidth, "
-            f"{RF.binding(r)}; {above * 1e3:.1f} ms a decode step above the floor, load "
+            f"GEMM rate vs {r['rollout_decode_byte_s']:.3f} s at the read bandwidth, the "
+            f"limit: {RF.binding(r)}; {above * 1e3:.1f} ms a decode step above the floor, load "
             f"{r['loadavg_1m']:.2f} ({_src(*ROLLOUT_FLOOR)})")
     rows = [x for x in alone if x["workload"] == r["workload"] and x["variant"] == "default"]
     if rows:
