@@ -69,7 +69,7 @@ def summarize(records: list[dict]) -> list[dict]:
         skipped = [r["skipped"] for r in records if "skipped" in r
                    and (r.get("workload", "demo"), r.get("dtype", "float32")) == (wl, dt)]
         mg, trl = _lines(records, wl, dt, "megagrpo"), _lines(records, wl, dt, "trl")
-        m, t = best_lines(records, wl, dt)
+        m, t = _best(mg, "gen_tokens_per_s"), _best(trl, "gen_tokens_per_s")
         s = dict(workload=wl, dtype=dt, skipped=skipped[0] if skipped and not mg else None,
                  megagrpo_tok_s=m and m["gen_tokens_per_s"], megagrpo_nproc=m and m["nproc"],
                  trl_tok_s=t and t["gen_tokens_per_s"], trl_threads=t and t["threads"],
