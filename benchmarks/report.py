@@ -49,6 +49,19 @@ def _best(rows: list[dict], key: str) -> dict | None:
     return max(rows, key=lambda r: r[key]) if rows else None
 
 
+def _lines(records: list[dict], workload: str, dtype: str, system: str) -> list[dict]:
+    """`system`'s measured lines (not "skipped") for (workload, dtype)."""
+    return [r for r in records if (r.get("workload", "demo"), r.get("dtype", "float32"))
+            == (workload, dtype) and r.get("system") == system and "skipped" not in r]
+
+
+def best_lines(records: list[dict], workload: str, dtype: str) -> tuple[dict | None, dict | None]:
+    """megagrpo's and TRL's best line for (workload, dtype) by generated tokens/s: each system
+    at its best setting (None where a system has no measured line)."""
+    return tuple(_best(_lines(records, workload, dtype, sys_), "gen_tokens_per_s")
+                 for sys_ in ("megagrpo", "trl"))
+
+
 def summarize(records: list[dict]) -> list[dict]:
     """One summary per (workload, dtype), in ORDER then float32 before bfloat16."""
     keys = sorted({(r.get("workload", "demo"), r.get("dtype", "float32")) for r in records},
@@ -56,11 +69,9 @@ def summarize(records: list[dict]) -> list[dict]:
                                  k[1] != "float32"))
     out = []
     for wl, dt in keys:
-        rows = [r for r in records if (r.get("workload", "demo"), r.get("dtype", "float32"))
-                == (wl, dt)]
-        skipped = [r["skipped"] for r in rows if "skipped" in r]
-        mg = [r for r in rows if r.get("system") == "megagrpo" and "skipped" not in r]
-        trl = [r for r in rows if r.get("system") == "trl" and "skipped" not in r]
+        skipped = [r["skipped"] for r in records if "skipped" in r
+                   and (r.get("workload", "demo"), r.get("dtype", "float32")) == (wl, dt)]
+        mg, trl = _lines(records, wl, dt, "megagrpo"), _lines(records, wl, dt, "trl")
         m, t = _best(mg, "gen_tokens_per_s"), _best(trl, "gen_tokens_per_s")
         s = dict(workload=wl, dtype=dt, skipped=skipped[0] if skipped and not mg else None,
                  megagrpo_tok_s=m and m["gen_tokens_per_s"], megagrpo_nproc=m and m["nproc"],
