@@ -8,7 +8,10 @@ Per layout and rank: the scoring pass's log-probs of the whole batch, and the fi
 gradients (main_grad) of the update passes below with their summed loss reports, and the
 optimizer's grad norm of GRPO's gradients. At cp2 the
 same passes rerun with a defect planted (keys visible beyond the causal mask; the sequence-mean
-denominators of the chunk instead of the whole row), which must change the gradients.
+denominators of the chunk instead of the whole row), which must change the gradients. At
+cp2 and tp2_cp2 GRPO, GSPO and DAPO (fused) also run on packed micro-batches (PACKED_RUNS:
+each row cut into its own 2 x cp chunks), with the scoring pass, and at cp2 GRPO once more with
+packed rows attending across their boundaries (the defect PACKED_DEFECT).
 Rank 0 writes WORK/results.json; the gradients go to WORK/grads_{layout}_{rank}.pt."""
 import argparse
 import dataclasses
