@@ -157,14 +157,22 @@ class SdpaAttention(MegatronModule):
                           attention_mask: Tensor | None, packed_seq_params) -> Tensor:
         """This CP rank's 2 chunks of each row: query [s, b, np, hn], key/value [s, b, ng, hn]
         -> [s, b, np * hn], attending causally over the whole row
-        (`megagrpo.context_parallel.cp_attention`)."""
-        if packed_seq_params is not None or attention_mask is not None:
-            raise ValueError("context parallelism (parallel.cp > 1) runs padded causal rows "
-                             "only: no packed_seq_params or attention_mask")
-        from megagrpo.context_parallel import cp_attention
+        (`megagrpo.context_parallel.cp_attention`); packed rows (b = 1, the rank's chunks of
+        every row end to end: `ChunkRows`) each over its own row (`cp_packed_attention`)."""
+        from megagrpo.context_parallel import ChunkRows, cp_attention, cp_packed_attention
 
-        out = cp_attention(query, key, value, group=self.cp_group, scale=self.softmax_scale,
-                           gqa=self.num_heads != self.num_groups)
+        rows = getattr(packed_seq_params, "megagrpo_rows", None)
+        if attention_mask is not None or (packed_seq_params is not None
+                                          and not isinstance(rows, ChunkRows)):
+            raise ValueError("context parallelism (parallel.cp > 1) runs causal rows, padded "
+                             "or packed by megagrpo.context_parallel.ChunkSplit: no "
+                             "attention_mask or other packed_seq_params")
+        if rows is None:
+            out = cp_attention(query, key, value, group=self.cp_group, scale=self.softmax_scale,
+                               gqa=self.num_heads != self.num_groups)
+        else:
+            out = cp_packed_attention(query, key, value, rows, group=self.cp_group,
+                                      scale=self.softmax_scale)
         # [b, np, s, hn] -> [s, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1],
                                                self.num_heads * self.head_dim)

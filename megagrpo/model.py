@@ -66,15 +66,18 @@ def attention_impl_name(parallel: ParallelConfig) -> str:
 def sequence_packing(compute, parallel: ParallelConfig) -> bool:
     """Whether micro-batches are packed end to end (compute.pack_sequences; unset: wherever the
     packed path runs: pp = 1, torch SDPA attention, loss-position logits, trimmed micro-batches
-    with a token budget). TrainConfig.validate refuses the explicit settings that cannot run;
-    Transformer Engine's spec is only known here."""
+    with a token budget, and cp = 1: under context parallelism packing runs when set, but is
+    not measured to pay there). TrainConfig.validate refuses the explicit settings that cannot
+    run; Transformer Engine's spec is only known here."""
     can = packing_blocker(compute, parallel) is None and attention_impl_name(parallel) == "sdpa"
     if compute.pack_sequences and not can:
         raise ValueError("compute.pack_sequences=true: packed micro-batches run through "
                          "megagrpo's SDPA attention, but attention here is "
                          f"{attention_impl_name(parallel)!r}"
                          "; set compute.pack_sequences=false")
-    return can if compute.pack_sequences is None else compute.pack_sequences
+    if compute.pack_sequences is None:
+        return can and parallel.cp == 1
+    return compute.pack_sequences
 
 
 def _layer_spec(model: ModelConfig, parallel: ParallelConfig, config=None):

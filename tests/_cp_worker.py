@@ -8,11 +8,15 @@ Per layout and rank: the scoring pass's log-probs of the whole batch, and the fi
 gradients (main_grad) of the update passes below with their summed loss reports, and the
 optimizer's grad norm of GRPO's gradients. At cp2 the
 same passes rerun with a defect planted (keys visible beyond the causal mask; the sequence-mean
-denominators of the chunk instead of the whole row), which must change the gradients.
+denominators of the chunk instead of the whole row), which must change the gradients. At
+cp2 and tp2_cp2 GRPO, GSPO and DAPO (fused) also run on packed micro-batches (PACKED_RUNS:
+each row cut into its own 2 x cp chunks), with the scoring pass, and at cp2 GRPO once more with
+packed rows attending across their boundaries (the defect PACKED_DEFECT).
 Rank 0 writes WORK/results.json; the gradients go to WORK/grads_{layout}_{rank}.pt."""
 import argparse
 import dataclasses
 import os
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -30,6 +34,8 @@ RUNS = {  # name: (loss, loss_agg, logits at loss positions, fused output layer)
     "sft_fused": ("sft", "grpo", True, True),
 }
 DEFECTS = ("full_mask", "chunk_denominators")
+PACKED_RUNS = ("grpo_logits", "gspo_logits", "dapo_fused")  # compute.pack_sequences at CP
+PACKED_DEFECT = "packed_across_rows"
 
 
 def global_batch():
@@ -76,12 +82,42 @@ def plant(defect: str):
                 return flash_backward(*args[:7], False, **kw)
 
         return [(cp, "_flash", _Ops.forward), (cp, "_flash_backward", _Ops.backward)]
+    if defect == PACKED_DEFECT:  # packed rows: causal over the whole stream, rows ignored
+        return [(cp, "cp_packed_attention", _across_rows)]
     local = cp.local_batch  # the chunk's own token counts as sequence lengths
 
     def chunk_only(*args):
         return dataclasses.replace(local(*args), seq_tokens=None)
 
     return [(cp, "local_batch", chunk_only)]
+
+
+def _across_rows(query, key, value, rows, *, group, scale):
+    """The packing defect: this rank's packed queries attend to every key of the gathered
+    stream (rows end to end, `rows.kv_order`) up to their own place in it, the keys of the
+    rows before theirs included (an explicit mask, SDPA)."""
+    import megagrpo.context_parallel as cp
+
+    k, v = (cp.gather_sequence(t, group).index_select(0, rows.kv_order) for t in (key, value))
+    T, rank = query.shape[0], dist.get_rank(group)
+    place = rows.kv_order.argsort()[rank * T:(rank + 1) * T]  # each query's stream position
+    mask = torch.arange(k.shape[0])[None, :] <= place[:, None]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, k, v))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                            enable_gqa=True)
+
+
+def planted(defect: str, fn):
+    """fn() with `defect` planted (`plant`), undone after."""
+    patches = plant(defect)
+    originals = [(m, a, getattr(m, a)) for m, a, _ in patches]
+    for m, a, f in patches:
+        setattr(m, a, f)
+    try:
+        return fn()
+    finally:
+        for m, a, f in originals:
+            setattr(m, a, f)
 
 
 def layout(name: str, work: str, results: list) -> None:
@@ -116,16 +152,18 @@ def layout(name: str, work: str, results: list) -> None:
              **{k: g for k, (g, _) in out.items()}}
     if name == "cp2":
         for defect in DEFECTS:
-            patches = plant(defect)
-            originals = [(m, a, getattr(m, a)) for m, a, _ in patches]
-            for m, a, f in patches:
-                setattr(m, a, f)
-            try:
-                saved[defect] = run_passes(passes, ddp, opt, mine, cfg, ["grpo_logits"]
-                                           )["grpo_logits"][0]
-            finally:
-                for m, a, f in originals:
-                    setattr(m, a, f)
+            saved[defect] = planted(defect, partial(run_passes, passes, ddp, opt, mine, cfg,
+                                                    ["grpo_logits"]))["grpo_logits"][0]
+    if cp > 1:  # packed micro-batches: each row cut into its own 2 x cp chunks
+        packed = Passes(cfg, ranks, groups, packed=True)
+        rec["packed_rows"] = [len(mb.index) for mb in packed.plan(mine, 1)]
+        saved["packed_logp"] = packed.logprobs(ddp, batch)
+        out = run_passes(packed, ddp, opt, mine, cfg, PACKED_RUNS)
+        rec["packed_reports"] = {k: rep for k, (_, rep) in out.items()}
+        saved.update({f"packed_{k}": g for k, (g, _) in out.items()})
+        if name == "cp2":
+            saved[PACKED_DEFECT] = planted(PACKED_DEFECT, partial(
+                run_passes, packed, ddp, opt, mine, cfg, ["grpo_logits"]))["grpo_logits"][0]
     # the optimizer's grad norm of GRPO's gradients (megatron's, over the model-parallel ranks)
     run_passes(passes, ddp, opt, mine, cfg, ["grpo_logits"])
     rec["grad_norm"] = optimizer_step(ddp, opt)[1]

@@ -11,7 +11,7 @@ import torch
 
 from megagrpo.config.train import load_config
 from megagrpo.context_parallel import chunk_columns, local_batch, padded_width
-from tests._cp_worker import RUNS
+from tests._cp_worker import PACKED_DEFECT, PACKED_RUNS, RUNS
 from tests.support.launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "_cp_worker.py")
@@ -43,30 +43,37 @@ def test_cp_gradients_equal_layout_without_cp(run, layout):
     those of the layout without CP (same TP
     shards) within 1e-5 relative; so do the optimizer's grad norm, the scored log-probs of the
     whole batch (logits path and fused) and the loss reports, made whole over CP. Micro-batch
-    widths not divisible by 2 x cp were padded."""
+    widths not divisible by 2 x cp were padded. Packed micro-batches (several rows end to end,
+    each row padded to its own 2 x cp chunks) give GRPO's, GSPO's and DAPO's (fused)
+    gradients, the scored log-probs and the reports of the padded layout without CP too."""
     work, results = run
     base = PAIRS[layout]
     recs = [r for r in results if r["layout"] == layout]
     assert len(recs) == 4 and all(r["cp"] == 2 for r in recs)
     assert any(w % 4 for r in recs for w in r["widths"]), "no micro-batch needed padding"
+    assert all(max(r["packed_rows"]) > 1 for r in recs), "no micro-batch packed two rows"
     for rec in recs:
         rank = rec["rank"]
         mine, ref = _saved(work, layout, rank), _saved(work, base, rank)
         for key in RUNS:
             assert _rel(mine[key], ref[key]) <= 1e-5, (layout, rank, key)
-        for key in ("logp", "logp_fused"):
-            torch.testing.assert_close(mine[key], ref[key], rtol=1e-5, atol=1e-5)
+        for key in PACKED_RUNS:
+            assert _rel(mine[f"packed_{key}"], ref[key]) <= 1e-5, (layout, rank, "packed", key)
+        for key, ref_key in (("logp", "logp"), ("logp_fused", "logp_fused"),
+                             ("packed_logp", "logp")):
+            torch.testing.assert_close(mine[key], ref[ref_key], rtol=1e-5, atol=1e-5)
     norms = {name: [r["grad_norm"] for r in results if r["layout"] == name]
              for name in (layout, base)}
     assert norms[layout] == pytest.approx(norms[base], rel=1e-5)
-    for key in RUNS:  # reports summed over a layout's replicas (one reporting rank each)
+    runs = [(key, "reports") for key in RUNS] + [(key, "packed_reports") for key in PACKED_RUNS]
+    for key, where in runs:  # reports summed over a layout's replicas (one reporting rank each)
         sums = {}
-        for name in (layout, base):
-            reps = [r["reports"][key] for r in results if r["layout"] == name
+        for name, field in ((layout, where), (base, "reports")):
+            reps = [r[field][key] for r in results if r["layout"] == name
                     and r["rank"] in _reporting_ranks(name, results)]
             sums[name] = {k: sum(rep[k] for rep in reps) for k in reps[0]}
         for k, v in sums[base].items():
-            assert sums[layout][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (layout, key, k)
+            assert sums[layout][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (layout, where, k)
 
 
 def _reporting_ranks(name: str, results: list) -> set[int]:
@@ -76,11 +83,12 @@ def _reporting_ranks(name: str, results: list) -> set[int]:
     return {r["rank"] for r in results if r["layout"] == name and r["rank"] % (tp * cp) == 0}
 
 
-@pytest.mark.parametrize("defect", ["full_mask", "chunk_denominators"])
+@pytest.mark.parametrize("defect", ["full_mask", "chunk_denominators", PACKED_DEFECT])
 def test_cp_check_catches_planted_defects(run, defect):
     """The comparison can fail: at CP=2 with the causal mask dropped (keys beyond a query's
-    position visible) or with a sequence mean over the chunk's tokens instead of the row's,
-    GRPO's gradients move far from the layout without CP."""
+    position visible), with a sequence mean over the chunk's tokens instead of the row's, or
+    with packed rows attending to the rows before them in the stream (causal over the whole
+    packed micro-batch), GRPO's gradients move far from the layout without CP."""
     work, _ = run
     for rank in range(4):
         mine, ref = _saved(work, "cp2", rank), _saved(work, "ref", rank)
@@ -121,8 +129,6 @@ def test_local_batch_pads_and_keeps_row_lengths():
      "parallel.cp=2 with parallel.transformer_impl='transformer_engine'"),
     (["parallel.cp=2", "algo.loss_agg=bnpo"], "algo.loss_agg='bnpo' with parallel.cp=2"),
     (["parallel.cp=2", "algo.routing_replay=true"], "algo.routing_replay=true with parallel.cp=2"),
-    (["parallel.cp=2", "compute.pack_sequences=true"],
-     "compute.pack_sequences=true needs parallel.cp=1"),
     (["parallel.cp=2", "rollout.placement=separate", "rollout.rollout_ranks=1"],
      "rollout.placement='separate' with parallel.cp=2"),
 ])
@@ -130,6 +136,18 @@ def test_bad_settings_refused(overrides, message):
     cfg = load_config(None, overrides)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
         cfg.validate()
+
+
+def test_packing_under_cp_runs_when_set_only():
+    """compute.pack_sequences=true is accepted at cp > 1 (`ChunkSplit` cuts each packed row);
+    unset, packing stays off under CP (on at cp = 1)."""
+    from megagrpo.model import sequence_packing
+
+    for overrides, packed in [(["parallel.cp=2", "compute.pack_sequences=true"], True),
+                              (["parallel.cp=2", "parallel.tp=2"], False), ([], True)]:
+        cfg = load_config(None, overrides)
+        cfg.validate()
+        assert sequence_packing(cfg.compute, cfg.parallel) is packed, overrides
 
 
 def test_world_must_divide_by_tp_pp_cp():
@@ -351,3 +369,45 @@ def test_causal_chunk_attention_equals_masked_float64(cp, rank, groups, dtype):
     tol = 1e-6 if dtype == torch.float32 else 2e-2
     for mine, theirs in [(out, ref)] + [(a.grad, r.grad) for a, r in zip(leaves, refs)]:
         assert float((mine.double() - theirs).norm() / theirs.norm()) <= tol
+
+
+@pytest.mark.parametrize("cp,lengths", [(2, [9, 3, 12, 1]), (3, [7, 13, 6])])
+def test_packed_chunks_attend_within_their_rows(cp, lengths):
+    """Packed rows under CP (`ChunkRows`): each CP rank's chunks of every row end to end. The
+    ranks' streams, gathered rank-major and put in `kv_order`, are every row whole (padded to
+    2 x cp chunks) in global order; `_CausalChunks` over a rank's blocks equals float64
+    attention under the explicit block-diagonal causal mask over the packed rows (output and
+    the gradients of q, k and v, GQA), and each token's RoPE position is its column in its
+    row."""
+    from megagrpo.context_parallel import ChunkRows, _CausalChunks, row_chunks, row_columns
+
+    gen = torch.Generator().manual_seed(cp)
+    chunks = row_chunks(torch.tensor(lengths), cp)
+    span = (2 * cp * chunks).tolist()
+    total, heads, groups, hn = sum(span), 4, 2, 8
+    qf, kf, vf = (torch.randn(total, 1, h, hn, generator=gen, dtype=torch.float64)
+                  for h in (heads, heads // groups, heads // groups))
+    start = torch.tensor([0] + span).cumsum(0)[:-1]
+    rows = [ChunkRows.of_chunks(row_columns(chunks, cp, r, 0), row_columns(chunks, cp, r, 0),
+                                chunks, cp, r) for r in range(cp)]
+    # each token's place in the global stream (rows end to end, padded)
+    where = [start.repeat_interleave(2 * chunks) + rw.position_ids[0] for rw in rows]
+    assert torch.equal(torch.sort(torch.cat(where)).values, torch.arange(total))
+    gathered = torch.cat([kf[w] for w in where])
+    assert torch.equal(gathered[rows[0].kv_order], kf)
+    seq = torch.arange(len(span)).repeat_interleave(torch.tensor(span))
+    pos = torch.arange(total) - start[seq]
+    for r, rw in enumerate(rows):
+        leaves = [t.float().requires_grad_() for t in (qf[where[r]], kf, vf)]
+        out = _CausalChunks.apply(*(t.permute(1, 2, 0, 3) for t in leaves), rw.blocks, 0.3)
+        grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        (out.double() * grad).sum().backward()
+        refs = [t.clone().requires_grad_() for t in (qf[where[r]], kf, vf)]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in refs)
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        w = where[r]
+        visible = (seq[None, :] == seq[w][:, None]) & (pos[None, :] <= pos[w][:, None])
+        ref = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~visible, float("-inf")).softmax(-1) @ v
+        (ref * grad).sum().backward()
+        for mine, theirs in [(out, ref)] + [(a.grad, b.grad) for a, b in zip(leaves, refs)]:
+            assert float((mine.double() - theirs).detach().norm() / theirs.norm()) <= 1e-6

@@ -40,10 +40,9 @@ def check_context_parallel(parallel: ParallelConfig, model: ModelConfig) -> None
 def check_context_parallel_training(algo, compute, parallel: ParallelConfig, *,
                                     placement: str = "colocated") -> None:
     """The training part: bnpo's per-micro-batch token mean and routing replay are not reduced
-    over CP; packed micro-batches are refused through `packing_blocker`. The run (`megagrpo
-    train`) pairs CP with colocated engines only: each CP rank's engine samples its share of
-    the replica's prompts (`megagrpo.config.layout`); separate placement's training ranks are
-    not wired for CP."""
+    over CP. The run (`megagrpo train`) pairs CP with colocated engines only: each CP rank's
+    engine samples its share of the replica's prompts (`megagrpo.config.layout`); separate
+    placement's training ranks are not wired for CP."""
     if parallel.cp == 1:
         return
     if placement == "separate":

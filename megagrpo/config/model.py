@@ -212,8 +212,9 @@ class ParallelConfig(Section):
     """Context-parallel size: each sequence is split over cp ranks (2*cp load-balanced chunks,
     rank r holding chunks r and 2*cp-1-r), which attend to the whole sequence's keys and values
     (all-gathered over the CP group); the weights are replicated over CP like over DP, and DP =
-    world / (tp x pp x cp). On CPU megagrpo's SDPA attention computes it (padded rows; pp = 1,
-    dense models; packing, routing replay, sequence parallelism and GSPO refused). 1 = off."""
+    world / (tp x pp x cp). On CPU megagrpo's SDPA attention computes it (padded or packed
+    rows, each packed row cut into its own chunks; pp = 1, dense models; routing replay and
+    sequence parallelism refused). 1 = off."""
     make_vocab_size_divisible_by: int = 128
     """The padded vocab is a multiple of this times tp (padding is stripped on export)."""
     transformer_impl: str = "auto"

@@ -71,8 +71,8 @@ class ComputeConfig(Section):
     """Lay each micro-batch's sequences end to end (megatron's `thd` layout) so the dense layers
     process no padding; the micro-batch is then cut by its summed tokens
     (compute.micro_batch_tokens), not by micro_batch_size. None: on where it can run
-    (parallel.pp = 1, torch SDPA attention, the levers above on); true where it cannot is an
-    error."""
+    (parallel.pp = 1, torch SDPA attention, the levers above on) at parallel.cp = 1 (under
+    context parallelism it runs only when set true); true where it cannot is an error."""
     kernel_impl: str = "auto"
     """Fused-kernel path: 'auto' (Triton on CUDA, torch otherwise), 'triton' or 'torch'."""
     inplace_backward: bool = True

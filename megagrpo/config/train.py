@@ -246,8 +246,6 @@ def packing_blocker(compute: ComputeConfig, parallel: ParallelConfig) -> str | N
     if parallel.sequence_parallel:
         return ("parallel.sequence_parallel=false (the packed rows are not split over the TP "
                 "ranks)")
-    if parallel.cp > 1:
-        return "parallel.cp=1 (context parallelism splits padded rows only)"
     if parallel.attention_impl == "megatron":
         return ("parallel.attention_impl sdpa or auto (megatron's DotProductAttention has no "
                 "packed path)")
