@@ -1,5 +1,5 @@
 """examples/iterative_study/study.py (issue 12): its --quick grid runs for real (a cold start,
-then 3 one-rank megagrpo runs, two at a time), and what it writes (table.md, runs.json, the PNGs,
+then 3 one-rank megagrpo runs, all at once), and what it writes (table.md, runs.json, the PNGs,
 REPORT.md) is checked against the metrics.jsonl / summary.json each run wrote, recomputed here
 independently, both for those runs and for a copy of them given a second seed (the statistics
 over seeds); plus the design of the full grid (every run gets the same compute)."""
@@ -33,7 +33,7 @@ def quick(tmp_path_factory):
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     p = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--work", str(work), "--out",
-                        str(work / "results"), "--jobs", "2"], cwd=ROOT, env=env,
+                        str(work / "results"), "--jobs", "3"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     return work
