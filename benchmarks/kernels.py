@@ -150,15 +150,21 @@ def run_case(path: str, base: torch.Tensor, inp: dict, device: torch.device, ite
                 fwd_bwd_min_s=round(min(samples), 5), peak_extra_bytes=peak, loss=loss)
 
 
-def correctness_check(device: torch.device, impl: str, out: str | None = None) -> bool:
-    """Kernel vs float64 log_softmax on small shapes on ``device``; prints one JSON line.
+CHECK_V = (151936, 37981)  # Qwen's vocab (fp32) and a size no block divides (bf16)
 
-    Meant for the GPU run, where the compiled kernels (not the interpreter) execute.
+
+def correctness_check(device: torch.device, impl: str, out: str | None = None,
+                      vocabs: tuple[int, int] = CHECK_V) -> bool:
+    """Kernel vs float64 log_softmax on 64 tokens on ``device`` (vocab sizes ``vocabs``: fp32,
+    bf16); prints one JSON line.
+
+    Meant for the GPU run, where the compiled kernels (not the interpreter) execute; the
+    interpreter's smoke test passes small ``vocabs`` (it takes ~0.15 s per 1000 vocab entries).
     """
     from megagrpo.kernels import vocab_parallel_logprob
 
     worst = {}
-    for dtype, v, temp in ((torch.float32, 151936, 1.0), (torch.bfloat16, 37981, 0.7)):
+    for dtype, v, temp in ((torch.float32, vocabs[0], 1.0), (torch.bfloat16, vocabs[1], 0.7)):
         g = torch.Generator(device="cpu").manual_seed(1)
         x = (torch.randn(64, v, generator=g) * 4).to(dtype)
         x[0, :] = 1e4 * torch.sign(torch.randn(v, generator=g)).to(dtype)
@@ -221,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
     ap.add_argument("--check", action="store_true",
                     help="first compare the kernels with float64 math (exit 1 on mismatch)")
+    ap.add_argument("--check-V", default=",".join(map(str, CHECK_V)), metavar="FP32,BF16",
+                    help="vocab sizes of the --check cases (default: %(default)s)")
     ap.add_argument("--table", default=None, metavar="JSONL",
                     help="print the markdown table of a CUDA run's rows and exit")
     args = ap.parse_args(argv)
@@ -232,7 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     gpu = device.type == "cuda"
     if args.check:
         impl = "triton" if triton_can_run(torch.empty(0, device=device)) else "torch"
-        if not correctness_check(device, impl, args.out):
+        vocabs = tuple(int(x) for x in args.check_V.split(","))
+        if not correctness_check(device, impl, args.out, vocabs):
             sys.exit(1)
     t = args.T or (16384 if gpu else 2048)
     v = args.V or (151936 if gpu else 32768)

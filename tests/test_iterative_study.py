@@ -1,13 +1,16 @@
 """examples/iterative_study/study.py (issue 12): its --quick grid runs for real (a cold start,
-then 6 one-rank megagrpo runs, two at a time), and what it writes (table.md, runs.json, the PNGs,
+then 3 one-rank megagrpo runs, all at once), and what it writes (table.md, runs.json, the PNGs,
 REPORT.md) is checked against the metrics.jsonl / summary.json each run wrote, recomputed here
-independently; plus the design of the full grid (every run gets the same compute)."""
+independently, both for those runs and for a copy of them given a second seed (the statistics
+over seeds); plus the design of the full grid (every run gets the same compute)."""
 import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -30,9 +33,41 @@ def quick(tmp_path_factory):
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     p = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--work", str(work), "--out",
-                        str(work / "results"), "--jobs", "2"], cwd=ROOT, env=env,
+                        str(work / "results"), "--jobs", "3"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    return work
+
+
+@pytest.fixture(scope="module")
+def two_seeds(quick, tmp_path_factory):
+    """The quick study's runs with a second seed beside each (the seed's files with its held-out
+    accuracies raised halfway to 1 and its KLs doubled: another seed's numbers, as far as the
+    summaries go), summarised by the study in-process: its statistics over seeds (mean +- std,
+    min - max, the runs' order in runs.json) get two different values to combine, without 3
+    more runs."""
+    study = _study()
+    (seed,) = study.quick_grid().seeds
+    work = tmp_path_factory.mktemp("study2")
+    for part in ("runs", "cold_start"):
+        shutil.copytree(quick / part, work / part)
+    for run in work.glob(f"runs/*/*/*/seed{seed}"):
+        seed2 = run.with_name(f"seed{seed + 1}")
+        shutil.copytree(run, seed2)
+        recs = _records(seed2)
+        for r in recs:
+            if "eval_accuracy" in r:
+                r["eval_accuracy"] = (r["eval_accuracy"] + 1) / 2
+            if "kl" in r:
+                r["kl"] *= 2
+        (seed2 / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        summary = json.loads((seed2 / "summary.json").read_text())
+        summary["eval_accuracy_after"] = [r["eval_accuracy"] for r in recs
+                                          if "eval_accuracy" in r][-1]
+        (seed2 / "summary.json").write_text(json.dumps(summary))
+    done = study.write_outputs(replace(study.quick_grid(), seeds=(seed, seed + 1)), work,
+                               work / "results")
+    assert done["runs"] == 6 and not done["missing"], done
     return work
 
 
@@ -57,7 +92,7 @@ def _table_rows(path: Path) -> list[list[str]]:
 def test_quick_grid_ran_every_run_from_the_shared_cold_start(quick):
     grid = _study().quick_grid()
     runs = _runs(quick)
-    assert sum(len(v) for v in runs.values()) == len(_study().run_specs(grid)) == 6
+    assert sum(len(v) for v in runs.values()) == len(_study().run_specs(grid)) == 3
     cold = json.loads((quick / "cold_start" / "easy" / "summary.json").read_text())
     for dirs in runs.values():
         for d in dirs:
@@ -67,9 +102,11 @@ def test_quick_grid_ran_every_run_from_the_shared_cold_start(quick):
             assert s["eval_accuracy_before"] == cold["eval_accuracy_before"]
 
 
-def test_table_matches_the_runs_metrics(quick):
-    rows = _table_rows(quick / "results" / "table.md")
-    runs = _runs(quick)
+@pytest.mark.parametrize("study", ["quick", "two_seeds"])
+def test_table_matches_the_runs_metrics(study, request):
+    work = request.getfixturevalue(study)
+    rows = _table_rows(work / "results" / "table.md")
+    runs = _runs(work)
     labels = {v.name: v.label for v in _study().quick_grid().variants}
     assert len(rows) == len(runs) == 3
     for task, beta, variant in runs:
@@ -81,8 +118,9 @@ def test_table_matches_the_runs_metrics(quick):
             steps = [r for r in recs if "reward_mean" in r]
             resets.append(sum(1 for r in steps if r.get("reference_sync")))
             kls.append(sum(r["kl"] for r in steps) / len(steps))
+        assert len(finals) == (2 if study == "two_seeds" else 1)
         mean = sum(finals) / len(finals)
-        std = math.sqrt(sum((x - mean) ** 2 for x in finals) / (len(finals) - 1))
+        std = math.sqrt(sum((x - mean) ** 2 for x in finals) / max(1, len(finals) - 1))
         assert row[3] == str(len(finals))
         assert row[4] == f"{mean:.3f} +- {std:.3f}"
         assert row[5] == f"{min(finals):.3f} - {max(finals):.3f}"
@@ -113,7 +151,7 @@ def test_treatments_share_rollouts_until_the_reference_differs(quick):
     """Same seed, same cold start: the treatments sample the same completions until their
     references differ (reset at K=2 -> the updates of step K+1 on), so the comparison is paired."""
     runs = _runs(quick)
-    for i in range(2):
+    for i in range(len(_study().quick_grid().seeds)):
         frozen, reset = _steps(runs["easy", "0.04", "frozen"][i]), _steps(
             runs["easy", "0.04", "reset"][i])
         no_ref = _steps(runs["easy", "0", "no_ref"][i])
@@ -122,15 +160,18 @@ def test_treatments_share_rollouts_until_the_reference_differs(quick):
         assert frozen[0]["reward_mean"] == no_ref[0]["reward_mean"]
 
 
-def test_runs_json_figures_and_report(quick):
+@pytest.mark.parametrize("study", ["quick", "two_seeds"])
+def test_runs_json_figures_and_report(study, request):
     from matplotlib.image import imread
 
-    res = quick / "results"
+    work = request.getfixturevalue(study)
+    res = work / "results"
     data = json.loads((res / "runs.json").read_text())
-    runs = _runs(quick)
+    runs = _runs(work)
+    assert len(data["runs"]) == sum(len(v) for v in runs.values())
     for r in data["runs"]:
-        d = runs[r["task"], f"{r['beta']:g}", r["variant"]][r["seed"] - 1]
-        assert d.name == f"seed{r['seed']}"
+        (d,) = [x for x in runs[r["task"], f"{r['beta']:g}", r["variant"]]
+                if x.name == f"seed{r['seed']}"]
         steps = [x for x in _records(d) if "reward_mean" in x]
         assert r["kl"] == [x["kl"] for x in steps]
         assert r["cpu_s"] > 0

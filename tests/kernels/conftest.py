@@ -1,14 +1,23 @@
-"""One spawned gloo group per TP size, shared by test_logprob.py and test_grpo_loss.py.
+"""One spawned gloo world of 4 ranks for every TP case, shared by test_logprob.py,
+test_grpo_loss.py and test_loss_spec.py: the TP=2 cases run on two groups of 2 ranks side by
+side (each group half of them), then the TP=4 cases on the whole world.
 
-Each spawn runs every TP case with both paths inside the ranks and returns the results to the
-parent, which compares them with the float64 oracles (process start-up dominates the cost).
+The ranks run every case with both paths and return the results to the parent, which compares
+them with the float64 oracles (process start-up dominates the cost: one spawn, not one a size).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.kernels.kernels_oracle import GRPO_OPTIONS, grpo_case, logprob_case, tp_worker
+from tests.kernels.kernels_oracle import (
+    GRPO_OPTIONS,
+    K3_IS,
+    SAPO_STEEP,
+    grpo_case,
+    logprob_case,
+    tp_sizes_worker,
+)
 from tests.support.launch import spawn_ranks
 
 
@@ -24,15 +33,38 @@ def tp_cases(tp: int) -> dict:
     for i, name in enumerate(names):
         dtype = torch.bfloat16 if i % 3 == 2 else torch.float32
         cases["grpo_" + name] = grpo_case(18, v, tp, dtype, seed=20 + i, options=GRPO_OPTIONS[name])
+    if tp == 2:  # test_loss_spec.py's, checked there against the papers' formulas
+        for i, (name, options) in enumerate((("sapo", SAPO_STEEP), ("k3_is", K3_IS))):
+            cases["spec_" + name] = dict(grpo_case(18, v, tp, torch.float32, 21 + i, options),
+                                         kind="spec")
     return cases
 
 
-def spawn_tp(tp: int, tmp_path) -> tuple[dict, list[dict]]:
-    cases = tp_cases(tp)
-    return cases, spawn_ranks(tp_worker, tp, cases, tmp_path)
+WORLD = 4
 
 
-@pytest.fixture(scope="session", params=[2, 4], ids=["tp2", "tp4"])
-def tp_run(request, tmp_path_factory):
+def spawn_tp(tmp_path) -> dict[int, tuple[dict, list[dict]]]:
+    """{tp: (cases, per-rank results {(case, impl): outputs}, one dict per TP rank)} for TP=2
+    and TP=4 from one spawn; a TP=2 rank's dict holds what that rank of either group ran."""
+    cases = {tp: tp_cases(tp) for tp in (2, WORLD)}
+    names = list(cases[2])
+    per_group = {2: [{n: cases[2][n] for n in names[g::2]} for g in range(WORLD // 2)],
+                 WORLD: [cases[WORLD]]}
+    ranks = spawn_ranks(tp_sizes_worker, WORLD, per_group, tmp_path)
+    out = {}
+    for tp in (2, WORLD):
+        out[tp] = cases[tp], [
+            {key[1:]: v for r in ranks[i::tp] for key, v in r.items() if key[0] == tp}
+            for i in range(tp)]
+    return out
+
+
+@pytest.fixture(scope="session")
+def tp_spawn(tmp_path_factory) -> dict[int, tuple[dict, list[dict]]]:
+    return spawn_tp(tmp_path_factory.mktemp("tp"))
+
+
+@pytest.fixture(params=[2, 4], ids=["tp2", "tp4"])
+def tp_run(request, tp_spawn):
     """(tp, cases, per-rank results {(case, impl): outputs})."""
-    return request.param, *spawn_tp(request.param, tmp_path_factory.mktemp(f"tp{request.param}"))
+    return request.param, *tp_spawn[request.param]

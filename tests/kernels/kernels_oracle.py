@@ -8,6 +8,7 @@ in an importable module (not a test file) so that torch.multiprocessing can pick
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from tests.support.launch import count_collectives, gloo_rank, save_rank
 
@@ -21,6 +22,9 @@ GRPO_OPTIONS: dict[str, dict] = {
     "is_weight_cap": dict(is_cap=1.5, beta=0.05),
     "cispo": dict(policy_loss="cispo", eps_high=0.25),
 }
+# the two loss types test_loss_spec.py checks against their papers' float64 formulas
+SAPO_STEEP = dict(policy_loss="sapo", sapo_tau_pos=0.5, sapo_tau_neg=3.0)
+K3_IS = dict(beta=0.3, kl_estimator="k3_is", eps_low=0.2, eps_high=0.28)
 
 
 # ------------------------------------------------------------------------------ case builders
@@ -207,15 +211,32 @@ def run_case(case, impl: str, group=None, rank: int = 0, tp: int = 1, inplace=Fa
     return dict(loss=loss.detach(), grad=leaf.grad, **metrics)
 
 
-def tp_worker(rank: int, world: int, rdzv: str, cases_path: str, out_dir: str) -> None:
-    """Spawned gloo rank: run every case with both impls, save the results for the parent."""
-    with gloo_rank(rank, world, rdzv) as group:
+def run_cases(cases: dict, group, rank: int, tp: int, calls: list[int]) -> dict:
+    """Every case with both impls on this rank's shard; each output records how many
+    collectives its call made (`calls`: a `count_collectives` counter)."""
+    results = {}
+    for name, case in cases.items():
+        for impl in ("triton", "torch"):
+            before = calls[0]
+            out = run_case(case, impl, group, rank, tp, inplace=impl == "torch")
+            out["collectives"] = calls[0] - before
+            results[(name, impl)] = out
+    return results
+
+
+def tp_sizes_worker(rank: int, world: int, rdzv: str, payload_path: str, out_dir: str) -> None:
+    """Spawned gloo rank of one world that runs several TP sizes: for each `tp` of the payload
+    {tp: [cases of group 0, cases of group 1, ...]} the world splits into groups of `tp`
+    consecutive ranks (the whole world when tp == world), and each group runs its own cases,
+    so the groups of a size run side by side and a kernel that reduced over the world instead
+    of its group would mix them. Saves {(tp, case, impl): outputs} for the parent."""
+    with gloo_rank(rank, world, rdzv) as world_group:
         calls = count_collectives()
         results = {}
-        for name, case in torch.load(cases_path, weights_only=False).items():
-            for impl in ("triton", "torch"):
-                before = calls[0]
-                out = run_case(case, impl, group, rank, world, inplace=impl == "torch")
-                out["collectives"] = calls[0] - before
-                results[(name, impl)] = out
+        for tp, per_group in sorted(torch.load(payload_path, weights_only=False).items()):
+            groups = [dist.new_group(list(range(i, i + tp))) if tp < world else world_group
+                      for i in range(0, world, tp)]  # every rank creates every group
+            mine = rank // tp
+            out = run_cases(per_group[mine], groups[mine], rank % tp, tp, calls)
+            results.update({(tp, *key): v for key, v in out.items()})
         save_rank(results, out_dir, rank)

@@ -4,9 +4,9 @@ SAPO (arXiv:2511.20347) and DeepSeek-V3.2's bias-corrected KL (arXiv:2512.02556,
 each equal a float64 implementation of their paper's formula - loss and gradient w.r.t. the
 logits (and, through the fused output layer, w.r.t. hidden states and weight) - written here
 from the papers in probability space, sharing no code with megagrpo.kernels. TP=2 runs in the
-shared gloo worker of kernels_oracle. Also: LossSpec's checks name the field; megagrpo builds
-one spec per loss context (not per micro-batch); LossCounts.num_seqs counts every real
-sequence, as TRL's grpo / dr_grpo normalisers do.
+kernel tests' shared gloo spawn (conftest.py). Also: LossSpec's checks name the field;
+megagrpo builds one spec per loss context (not per micro-batch); LossCounts.num_seqs counts
+every real sequence, as TRL's grpo / dr_grpo normalisers do.
 """
 from __future__ import annotations
 
@@ -14,16 +14,13 @@ import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from megagrpo.kernels import LossSpec, TokenInputs, VocabPass, kl_penalty, token_loss
 from tests.kernels.fused_cases import fused_case, shard
-from tests.kernels.kernels_oracle import assert_close, grpo_case, row_scale, tp_worker
+from tests.kernels.kernels_oracle import K3_IS, SAPO_STEEP, assert_close, grpo_case, row_scale
 
 IMPLS = ["triton", "torch"]
 SAPO = dict(policy_loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05)
-SAPO_STEEP = dict(policy_loss="sapo", sapo_tau_pos=0.5, sapo_tau_neg=3.0)
-K3_IS = dict(beta=0.3, kl_estimator="k3_is", eps_low=0.2, eps_high=0.28)
 
 
 # ------------------------------------------------------------------------------ float64 papers
@@ -185,17 +182,14 @@ def test_hidden_state_op_matches_the_papers(options, grad_in_forward):
 
 
 # ------------------------------------------------------------------------------ TP = 2
-def test_tensor_parallel_over_gloo(tmp_path):
-    """Both new loss types on 2 gloo ranks (the shared worker: both paths, one collective
-    per call), the concatenated shard gradients against the float64 papers."""
-    tp = 2
-    cases = {"sapo": grpo_case(18, 500 * tp, tp, torch.float32, 21, SAPO_STEEP),
-             "k3_is": grpo_case(18, 500 * tp, tp, torch.float32, 22, K3_IS)}
-    torch.save(cases, tmp_path / "cases.pt")
-    mp.spawn(tp_worker, args=(tp, str(tmp_path / "rdzv"), str(tmp_path / "cases.pt"),
-                              str(tmp_path)), nprocs=tp)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(tp)]
-    for name, case in cases.items():
+def test_tensor_parallel_over_gloo(tp_spawn):
+    """Both new loss types at TP=2 in the kernel tests' shared gloo spawn (conftest.py: both
+    paths, one collective per call), the concatenated shard gradients against the float64
+    papers."""
+    cases, ranks = tp_spawn[2]
+    spec = {name: case for name, case in cases.items() if case["kind"] == "spec"}
+    assert len(spec) == 2
+    for name, case in spec.items():
         for impl in IMPLS:
             outs = [r[(name, impl)] for r in ranks]
             assert all(o["collectives"] == 1 for o in outs), f"{name}/{impl}"
