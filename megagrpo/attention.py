@@ -178,17 +178,20 @@ class SdpaAttention(MegatronModule):
                                                self.num_heads * self.head_dim)
 
     def _packed(self, query: Tensor, key: Tensor, value: Tensor, params) -> Tensor:
-        """Rows laid end to end (`megagrpo.batch.PackedRows`): query [T, 1, np, hn] (one
-        sequence, 'sbhd'), key/value [T, 1, ng, hn] -> [T, 1, np * hn], each row attending
+        """Rows laid end to end (`megagrpo.batch.PackedRows`): query [T', 1, np, hn] (one
+        sequence, 'sbhd'), key/value [T', 1, ng, hn] -> [T', 1, np * hn], each row attending
         causally to itself only. The rows are placed in a zero-padded [b, max_len] grid for one
         batched SDPA call and gathered back; a row's padding sits after its real tokens, which
-        a causal query never reads."""
+        a causal query never reads. T' >= T, the rows' tokens: sequence parallelism pads the
+        stream to a multiple of tp (`megagrpo.seqpar.packed_inputs`); those last T' - T tokens
+        belong to no row, attend to nothing and get 0."""
         rows = getattr(params, "megagrpo_rows", None)
         if rows is None or query.dim() != 4 or query.shape[1] != 1:
             raise ValueError("SdpaAttention's packed path takes megagrpo.batch.PackedRows' "
                              "seq_params() (one 'sbhd' sequence); other packed formats need "
                              "Transformer Engine")
-        query, key, value = (t.squeeze(1) for t in (query, key, value))
+        T, extra = rows.unpad_index.numel(), query.shape[0] - rows.unpad_index.numel()
+        query, key, value = (t[:T].squeeze(1) for t in (query, key, value))
         b, L = rows.grid
 
         def grid(t: Tensor) -> Tensor:  # [T, heads, hn] -> [b, heads, L, hn], zeros as padding
@@ -206,7 +209,10 @@ class SdpaAttention(MegatronModule):
             enable_gqa=self.num_heads != self.num_groups)
         # [b, np, L, hn] -> [b * L, np * hn] -> the real tokens [T, np * hn]
         out = out.transpose(1, 2).reshape(b * L, self.num_heads * self.head_dim)
-        return out.index_select(0, rows.unpad_index).unsqueeze(1)
+        out = out.index_select(0, rows.unpad_index)
+        if extra:  # the sequence-parallel padding: no row, no context
+            out = torch.cat([out, out.new_zeros(extra, out.shape[1])])
+        return out.unsqueeze(1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:

@@ -23,7 +23,7 @@ from megagrpo.model import unwrap
 from megagrpo.moe import replay, replay_state
 from megagrpo.optim import forward_backward
 from megagrpo.positions import OutputPositions, RotaryPositions, loss_positions
-from megagrpo.seqpar import padded_inputs, sp_size
+from megagrpo.seqpar import packed_inputs, padded_inputs, sp_size
 
 DEFAULT_MICRO_BATCH_TOKENS = 1024
 """compute.micro_batch_tokens when unset (pp = 1): small enough that length-sorted micro-batches
@@ -88,9 +88,11 @@ def _forward_rows(mb: MicroBatch, model, gpt, loss_fn, at_loss_positions, fused_
     if mb.packed is not None:  # rows end to end, loss positions only
         p = mb.packed
         rope = RotaryPositions.of(gpt)
+        # sequence parallelism: T padded to a multiple of tp with tokens of no row
+        ids, pos, pad = packed_inputs(p.ids, p.position_ids, sp)
         with (sel.at(p.positions(flat, b.ids.shape[1]), p.ids.shape[1], fused),
-              rope.at(p.position_ids[0]) if rope is not None else nullcontext()):
-            out = model(p.ids, p.position_ids, None, packed_seq_params=p.seq_params())
+              rope.at(pos[0]) if rope is not None else nullcontext()):
+            out = model(ids, pos, None, packed_seq_params=p.seq_params(), **pad)
         return _last_stage_output(out, sel, fused, partial(loss_fn, b, positions=flat))
     # sequence parallelism: ids padded to a multiple of tp; the output layer's hook drops
     # the padding again, so it runs whenever this stage has the output layer

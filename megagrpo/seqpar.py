@@ -5,8 +5,12 @@ its layers work on [S/tp, b, h]; the sequence must divide by tp. megagrpo's micr
 trimmed to their longest row, so `padded_inputs` pads the token ids on the right (causal
 attention: no real position reads a padding one, so no result changes) and the output layer's
 hook (`megagrpo.positions.OutputPositions`) gathers the hidden states and drops the padding
-before the vocab pass. A MoE router sees this rank's slice of the [S, b] tokens (routing
-replay, which would hand it that slice of vLLM's routes, is refused under SP for now).
+before the vocab pass. A packed micro-batch (`megagrpo.batch.PackedRows`, one sequence of T
+tokens) is padded the same way (`packed_inputs`): the padding tokens belong to no row, so the
+packed attention leaves them out (`megagrpo.attention.SdpaAttention._packed`), no loss position
+addresses them, and megatron's router is told to leave them out of the load-balancing and
+z-losses (GPTModel's `padding_mask`). A MoE router sees this rank's slice of the [S, b] tokens
+(routing replay, which would hand it that slice of vLLM's routes, is refused under SP for now).
 """
 from __future__ import annotations
 
@@ -35,6 +39,23 @@ def padded_inputs(ids: Tensor, sp: int) -> tuple[Tensor, Tensor]:
     if pad:
         ids = torch.cat([ids, ids.new_zeros(b, pad)], dim=1)
     return ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+
+
+def packed_inputs(ids: Tensor, positions: Tensor, sp: int
+                  ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """A packed micro-batch's [1, T] ids and positions -> ([1, T_pad] ids, [1, T_pad]
+    positions, GPTModel keyword arguments), T_pad a multiple of `sp`. The padding (token 0 at
+    position 0) follows the last row and belongs to none; the keywords carry megatron's
+    `padding_mask` ([1, T_pad] bool, True on the padding), which keeps it out of the MoE
+    routers' auxiliary losses (empty when there is no padding)."""
+    T = ids.shape[1]
+    pad = padded_width(T, sp) - T
+    if not pad:
+        return ids, positions, {}
+    ids = torch.cat([ids, ids.new_zeros(1, pad)], dim=1)
+    positions = torch.cat([positions, positions.new_zeros(1, pad)], dim=1)
+    mask = torch.arange(T + pad, device=ids.device)[None] >= T
+    return ids, positions, {"padding_mask": mask}
 
 
 class SequenceParallelNorm:

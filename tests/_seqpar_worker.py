@@ -4,17 +4,21 @@ recomputation and the MoE auxiliary losses, in one launch.
 - dense (megatron's own loss): the tiny HF Llama at TP=2 + SP, logits and one step's reduced
   gradients and grad norm (tests/_foundation_worker.check_and_step) for the parent's float64
   reference;
-- dense (megagrpo's passes): a tiny policy at TP=2 x DP=2 with and without SP, and with SP plus
-  recompute selective / full: the scoring pass's log-probs and the finalized gradients of GRPO
-  (logits path and fused output layer, at loss positions and at every position), GSPO and the
-  supervised loss, each compared on this rank with the TP=2 run without SP (same shards);
+- dense (megagrpo's passes): a tiny policy at TP=2 x DP=2 with and without SP, with SP plus
+  recompute selective / full, and with SP on packed micro-batches (rows end to end, T odd: SP
+  pads it): the scoring pass's log-probs and the finalized gradients of GRPO (logits path and
+  fused output layer, at loss positions and at every position), GSPO and the supervised loss,
+  each compared on this rank with the padded TP=2 run without SP (same shards);
 - MoE (Qwen3-MoE, load-balancing and z-loss on): TP=1 x DP=4, TP=2 x EP=2 + SP, TP=2 x EP=2
   without SP and TP=1 x EP=2 x DP=4 with the plain and with the distributed optimizer (Adam
   state of the dense weights sharded over the 4 DP ranks, of the experts over their 2
   expert-DP ranks), each DP rank training on its own slice of the parent's global batch:
   reduced gradients under HF names with the grad norm (not with the distributed optimizer,
   whose ranks reduce only their own shard), the routing monitor's aux / z-loss and tokens per
-  expert, the tokens entering this rank's experts, and the weights after the step;
+  expert, the tokens entering this rank's experts, and the weights after the step; and packed
+  micro-batches (load-balancing loss on) through megagrpo's forward step at TP=1 x DP=4 and at
+  TP=2 x EP=2 + SP, each half of PACKED_LENGTHS' rows one micro-batch (T = 19: SP pads it),
+  the same half on both DP ranks of a TP=1 pair so that both layouts average the same slices;
 - routing replay through the trainer's scoring pass (tests/_replay_checks.py).
 WORK/results.json (every rank's records)."""
 import argparse
@@ -29,19 +33,23 @@ from tests._fused_output_worker import grads, make_batch, make_config
 from tests._replay_checks import replay_scores
 from tests.support.launch import write_results
 
-DENSE = {  # name: (sequence_parallel, recompute)
-    "tp2": (False, "none"),
-    "tp2_sp": (True, "none"),
-    "tp2_sp_selective": (True, "selective"),
-    "tp2_sp_full": (True, "full"),
+DENSE = {  # name: (sequence_parallel, recompute, packed)
+    "tp2": (False, "none", False),
+    "tp2_sp": (True, "none", False),
+    "tp2_sp_selective": (True, "selective", False),
+    "tp2_sp_full": (True, "full", False),
+    "tp2_sp_packed": (True, "none", True),
 }
-MOE = {  # name: (tp, ep, sequence_parallel, distributed optimizer)
-    "moe_tp1": (1, 1, False, False),
-    "moe_tp2_ep2_sp": (2, 2, True, False),
-    "moe_tp2_ep2": (2, 2, False, False),
-    "moe_ep2": (1, 2, False, False),
-    "moe_ep2_distopt": (1, 2, False, True),
+MOE = {  # name: (tp, ep, sequence_parallel, distributed optimizer, packed)
+    "moe_tp1": (1, 1, False, False, False),
+    "moe_tp2_ep2_sp": (2, 2, True, False, False),
+    "moe_tp2_ep2": (2, 2, False, False, False),
+    "moe_ep2": (1, 2, False, False, False),
+    "moe_ep2_distopt": (1, 2, False, True, False),
+    "moe_tp1_packed": (1, 1, False, False, True),
+    "moe_tp2_ep2_sp_packed": (2, 2, True, False, True),
 }
+PACKED_LENGTHS = (12, 7, 9, 5)  # the MoE rows' lengths when packed: halves of T = 19 and 14
 ADAM_EPS = 1e-4  # large enough that the first Adam step (g / (|g| + eps)) is smooth in g, so
 # the parent can compare the weights after it with a float64 step at fp32 tolerance
 AUX_COEF, Z_COEF = 0.5, 0.01  # HF-form coefficients, large enough to move the router gradient
@@ -66,7 +74,7 @@ def dense_passes(name: str, base: dict, results: list) -> None:
     from megagrpo.optim import build_optimizer, wrap_ddp
     from megagrpo.passes import Passes
 
-    sp, recompute = DENSE[name]
+    sp, recompute, packed = DENSE[name]
     cfg = make_config(2, 1, True)
     cfg.parallel.sequence_parallel, cfg.compute.recompute = sp, recompute
     info = init_distributed(cfg.parallel, cfg.model)
@@ -74,11 +82,12 @@ def dense_passes(name: str, base: dict, results: list) -> None:
     gpt = build_model(cfg.model, cfg.parallel, seed=7, recompute=(recompute, 1))
     ddp = wrap_ddp(gpt, cfg.optim)
     opt = build_optimizer(ddp, cfg.optim)
-    passes = Passes(cfg, ranks, groups, packed=False)
+    passes = Passes(cfg, ranks, groups, packed=packed)
     m = cfg.compute.micro_batch_size
     batch = make_batch(3, 1)
     width = batch.ids.shape[1]  # odd, so that SP pads (the last column holds no loss token)
     batch = batch.select(torch.arange(batch.num_seqs), width - 1 + width % 2)
+    batch.lengths = batch.lengths.clamp(max=batch.ids.shape[1])  # rows cut with the batch
     calls = call_counter(gpt)
     g = torch.Generator().manual_seed(5)  # old / ref log-probs independent of the layout
     batch.old_logp = torch.where(batch.mask, -4.6 + 0.3 * torch.randn(batch.mask.shape,
@@ -102,10 +111,13 @@ def dense_passes(name: str, base: dict, results: list) -> None:
         if key == "grpo_logits":  # forwards per micro-batch: 2 where recomputed
             n = len(passes.plan(batch, m))
             mine["forwards"] = {k: (calls[k] - before[k]) / n for k in calls}
-    mine["widths_odd"] = sum(mb.batch.ids.shape[1] % 2 for mb in passes.plan(batch, m))
+    mine["widths_odd"] = sum((mb.batch.ids if mb.packed is None else mb.packed.ids).shape[1] % 2
+                             for mb in passes.plan(batch, m))
+    mine["packed"] = sum(mb.packed is not None for mb in passes.plan(batch, m))
     if not base:
         base.update(mine)
     rec = {"part": "dense", "layout": name, "rank": info.rank, "odd_widths": mine["widths_odd"],
+           "packed": mine["packed"],
            "forwards": mine["forwards"],
            "logp_diff": max(float((mine["logp"][f] - base["logp"][f]).abs().max())
                             for f in (False, True))}
@@ -146,6 +158,38 @@ def expert_counter(gpt) -> list[int]:
     return seen
 
 
+def packed_rows(ids: torch.Tensor, lengths: tuple[int, ...]):
+    """One packed micro-batch (`megagrpo.batch.MicroBatch`) of rows `ids` [b, S] cut to
+    `lengths`, every next token of a row (not the row's last) a loss position."""
+    from megagrpo.batch import Batch, plan_micro_batches
+
+    n = torch.tensor(lengths)
+    col = torch.arange(ids.shape[1])
+    target = torch.roll(ids, -1, dims=1)
+    mask = col[None] < n[:, None] - 1
+    zeros = torch.zeros(ids.shape)
+    batch = Batch(ids=ids.clone(), target=target, mask=mask, advantages=zeros,
+                  rollout_logp=zeros, seq_valid=torch.ones(len(n), dtype=torch.bool), lengths=n)
+    (mb,) = plan_micro_batches(batch, len(n), token_budget=int(n.sum()), packed=True)
+    return mb
+
+
+def packed_ce_forward(mb, model):
+    """megagrpo's forward step (`megagrpo.passes.forward_step`: packed, logits at the loss
+    positions) with the mean next-token cross-entropy (vocab-parallel) as its loss."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megagrpo.passes import forward_step
+    from megagrpo.positions import take
+
+    def ce(b, logits, positions):  # logits [1, n, V_local]
+        tok = vocab_parallel_cross_entropy(logits.float(), take(b.target, positions)[None])
+        loss = (tok * take(b.mask, positions)[None]).sum() / b.mask.sum()
+        return loss, {"loss": loss.detach()}
+
+    return forward_step(mb, model, loss_fn=ce)
+
+
 def moe_layout(name: str, work: str, results: list) -> None:
     from megatron.core import parallel_state as ps
 
@@ -164,10 +208,12 @@ def moe_layout(name: str, work: str, results: list) -> None:
     )
     from megagrpo.reshard import export_hf
 
-    tp, ep, sp, distopt = MOE[name]
+    tp, ep, sp, distopt, packed = MOE[name]
     ref = torch.load(os.path.join(work, "ref.pt"))
+    # packed: no z-loss (megatron's, under SP, is the mean of the TP ranks' slice means, which
+    # weighs the tokens of a stream padded to a multiple of tp unequally)
     mcfg = dataclasses.replace(model_config_from_hf(os.path.join(work, "qwen3_moe")),
-                               moe_aux_loss_coef=AUX_COEF, moe_z_loss_coef=Z_COEF)
+                               moe_aux_loss_coef=AUX_COEF, moe_z_loss_coef=0 if packed else Z_COEF)
     parallel = ParallelConfig(tp=tp, ep=ep, sequence_parallel=sp, make_vocab_size_divisible_by=56)
     info = init_distributed(parallel, mcfg)
     gpt = build_model(mcfg, parallel, seed=7)
@@ -184,9 +230,17 @@ def moe_layout(name: str, work: str, results: list) -> None:
     zero_grad(ddp, opt)
     ids, labels = ref["moe_ids"], ref["moe_labels"]
     dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    rows = ids.shape[0] // dp  # this DP rank's own slice of the global batch, one micro-batch
-    mb = (ids[r * rows:(r + 1) * rows], labels[r * rows:(r + 1) * rows])
-    forward_backward(ddp, ce_forward, [mb], 1, seq_length=ids.shape[1], micro_batch_size=rows)
+    if packed:  # half r // (dp / 2) of the rows, end to end
+        half = ids.shape[0] // 2
+        lo = r // (dp // 2) * half
+        forward_backward(ddp, packed_ce_forward, [packed_rows(ids[lo:lo + half],
+                                                              PACKED_LENGTHS[lo:lo + half])],
+                         1, seq_length=ids.shape[1], micro_batch_size=1)
+    else:
+        rows = ids.shape[0] // dp  # this DP rank's own slice of the global batch, one micro-batch
+        mb = (ids[r * rows:(r + 1) * rows], labels[r * rows:(r + 1) * rows])
+        forward_backward(ddp, ce_forward, [mb], 1, seq_length=ids.shape[1],
+                         micro_batch_size=rows)
     if not distopt:
         export_grads(gpt, os.path.join(work, f"grad_qwen3_moe_{name}"), mcfg, parallel)
     metrics = monitor.metrics()

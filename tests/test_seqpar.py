@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.seqpar import megatron_aux_loss_coeff
 from megagrpo.config.train import load_config
-from megagrpo.seqpar import padded_inputs
+from megagrpo.seqpar import packed_inputs, padded_inputs
 from tests._replay_checks import replay_reference
 from tests.support.launch import torchrun
 from tests.support.tiny import load_dir, tiny_llama, tiny_qwen3_moe
@@ -135,6 +135,17 @@ def test_sp_passes_equal_layout_without_sp(run):
             assert rec[key] <= 1e-5, (key, rec)
 
 
+def test_sp_packed_passes_equal_padded_layout_without_sp(run):
+    """Packed micro-batches (rows end to end, T odd: padded to a multiple of tp with tokens of
+    no row, split over the TP ranks along T) at TP=2 x DP=2 with SP: the same log-probs and
+    finalized gradient shards as the padded run without SP, for every loss and output path."""
+    for rec in _dense(run[1], "tp2_sp_packed"):
+        assert rec["packed"] > 0 and rec["odd_widths"] > 0  # packed, and SP padded the stream
+        assert rec["logp_diff"] <= 1e-5, rec
+        for key in RUNS:
+            assert rec[key] <= 1e-5, (key, rec)
+
+
 @pytest.mark.parametrize("layout", ["tp2_sp_selective", "tp2_sp_full"])
 def test_recompute_grads_equal_none(run, layout):
     """compute.recompute selective / full: the same gradients as none (recomputation replays
@@ -179,6 +190,25 @@ def test_moe_aux_loss_values_closed_form(run, layout):
         assert m["moe_load_balancing_loss"] == pytest.approx(aux, rel=1e-5)
         assert m["moe_z_loss"] == pytest.approx(z, rel=1e-5)
         assert m["moe_tokens_per_expert"] == pytest.approx(4 * 12 * 2 / 4, rel=1e-12)
+
+
+def test_moe_packed_sp_grads_equal_tp1(run):
+    """Packed micro-batches through megagrpo's forward step, load-balancing loss on: at TP=2 x
+    EP=2 + SP (a stream of T = 19 padded to 20: the padding token must stay out of the
+    attention, the loss and the routers' load-balancing loss) every reduced gradient, the grad
+    norm and the logged load-balancing loss equal the TP=1 run's over the same slices."""
+    work, results, _ = run
+    want = load_dir(work / "grad_qwen3_moe_moe_tp1_packed")
+    got = load_dir(work / "grad_qwen3_moe_moe_tp2_ep2_sp_packed")
+    assert sorted(got) == sorted(want)
+    for name, g in want.items():
+        err = (got[name].double() - g.double()).norm() / g.double().norm().clamp_min(1e-30)
+        assert err <= 1e-5, (name, float(err))
+    assert want["model.layers.0.mlp.gate.weight"].abs().max() > 0
+    for a, b in zip(_moe(results, "moe_tp2_ep2_sp_packed"), _moe(results, "moe_tp1_packed")):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        lb = "moe_load_balancing_loss"
+        assert a["metrics"][lb] == pytest.approx(b["metrics"][lb], rel=1e-5)
 
 
 def test_moe_expert_tokens_not_doubled_by_tp(run):
@@ -280,8 +310,6 @@ def test_aux_coefficient_converted_from_hf():
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true needs parallel.tp > 1"),
     (["parallel.sequence_parallel=true", "parallel.tp=2", "parallel.pp=2"],
      "parallel.sequence_parallel=true with parallel.pp=2"),
-    (["parallel.sequence_parallel=true", "parallel.tp=2", "compute.pack_sequences=true"],
-     "parallel.sequence_parallel=false"),
     (["parallel.sequence_parallel=true", "parallel.tp=2", "algo.routing_replay=true"],
      "algo.routing_replay=true with parallel.sequence_parallel=true"),
     (["compute.recompute=block"], "compute.recompute='block'"),
@@ -296,12 +324,35 @@ def test_bad_settings_refused(overrides, message):
         cfg.validate()
 
 
+def test_sequence_parallel_keeps_packed_micro_batches():
+    """Packed micro-batches run under sequence parallelism: set both, the config validates and
+    the model packs (`megagrpo.model.sequence_packing`)."""
+    from megagrpo.model import sequence_packing
+
+    cfg = load_config(None, ["parallel.sequence_parallel=true", "parallel.tp=2",
+                             "compute.pack_sequences=true"])
+    cfg.validate(2)
+    assert sequence_packing(cfg.compute, cfg.parallel)
+
+
 def test_sp_padding():
     ids = torch.arange(1, 11).view(2, 5)
     padded, pos = padded_inputs(ids, 2)
     assert padded.shape == (2, 6) and torch.equal(padded[:, :5], ids)
     assert (padded[:, 5] == 0).all() and torch.equal(pos[0], torch.arange(6))
     assert padded_inputs(ids, 1)[0] is ids
+
+
+def test_sp_packed_padding():
+    """A packed stream of T = 5 tokens at sp = 2: one padding token (id 0, position 0) after
+    the last row, flagged in megatron's padding_mask; nothing added where T divides."""
+    ids, pos = torch.arange(1, 6)[None], torch.tensor([[0, 1, 2, 0, 1]])
+    got_ids, got_pos, kw = packed_inputs(ids, pos, 2)
+    assert torch.equal(got_ids, torch.tensor([[1, 2, 3, 4, 5, 0]]))
+    assert torch.equal(got_pos, torch.tensor([[0, 1, 2, 0, 1, 0]]))
+    assert torch.equal(kw["padding_mask"], torch.tensor([[False] * 5 + [True]]))
+    same_ids, same_pos, none = packed_inputs(ids, pos, 5)
+    assert same_ids is ids and same_pos is pos and none == {}
 
 
 def test_sequence_parallel_validates_in_parallel_config():
@@ -323,8 +374,7 @@ def test_sequence_parallel_auto_rule():
         ([*moe], False, "tp=1"),
         ([*moe, "parallel.tp=2"], True, "a MoE model at tp=2"),
         ([*moe, "parallel.tp=2", "algo.routing_replay=true"], False, "algo.routing_replay=true"),
-        ([*moe, "parallel.tp=2", "compute.pack_sequences=true"], False,
-         "compute.pack_sequences=true"),
+        ([*moe, "parallel.tp=2", "compute.pack_sequences=true"], True, "a MoE model at tp=2"),
         ([*moe, "parallel.tp=2", "parallel.sequence_parallel=false"], False, "set"),
         (["parallel.tp=2", "parallel.sequence_parallel=true"], True, "set"),
     ]

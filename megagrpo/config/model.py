@@ -203,10 +203,12 @@ class ParallelConfig(Section):
     dispatch work on [S/tp, b, h], each TP rank on its own slice of the sequence, so the
     experts see every token once (without it every TP rank routes all tokens: tp x the expert
     compute) and the load-balancing and z-losses act at full strength. Micro-batches are
-    padded to a multiple of tp; packed micro-batches, pipeline parallelism and routing replay
-    are refused. None (auto): on for mixture-of-experts models at tp > 1 where it runs
-    (pp = 1, cp = 1, no routing replay, compute.compile_layers and compute.pack_sequences not
-    set true), off for dense models (it would turn off their packed micro-batches); the
+    padded to a multiple of tp (a packed one's stream of rows with tokens of no row, left out
+    of attention, loss and load-balancing loss); pipeline parallelism and routing replay are
+    refused. None (auto): on for mixture-of-experts models at tp > 1 where it runs (pp = 1,
+    cp = 1, no routing replay, compute.compile_layers not set true), off for dense models (it
+    saves activation memory at the same communication volume, no speed: 4.93 vs 4.74 s/step
+    packed at TP=2 on the CPU, benchmarks/results/dense_sp_packed_epyc_cpu.jsonl); the
     console says which and why (`megagrpo.config.seqpar.sequence_parallel_auto`)."""
     cp: int = 1
     """Context-parallel size: each sequence is split over cp ranks (2*cp load-balanced chunks,

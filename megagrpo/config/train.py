@@ -243,9 +243,6 @@ def packing_blocker(compute: ComputeConfig, parallel: ParallelConfig) -> str | N
     Engine's spec replaces the attention is known only at start-up: model.sequence_packing)."""
     if parallel.pp > 1:
         return f"parallel.pp=1 (got {parallel.pp}: stages exchange fixed shapes)"
-    if parallel.sequence_parallel:
-        return ("parallel.sequence_parallel=false (the packed rows are not split over the TP "
-                "ranks)")
     if parallel.attention_impl == "megatron":
         return ("parallel.attention_impl sdpa or auto (megatron's DotProductAttention has no "
                 "packed path)")
