@@ -249,6 +249,12 @@ def check_model(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer) -> N
         from megagrpo.lora_refit import unavailable
 
         unavailable(cfg.lora, cfg.rollout.tensor_parallel_size, model)
+    if cfg.parallel.cp > 1 and torch.cuda.is_available():
+        raise ValueError(
+            f"parallel.cp={cfg.parallel.cp} on a CUDA machine: megagrpo's context-parallel "
+            "attention runs torch's CPU flash kernel and Transformer Engine's context "
+            "parallelism is not wired in yet (docs/context-parallel.md); set parallel.cp=1 "
+            "(use TP + sequence parallelism + compute.recompute for long traces on GPUs)")
     interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if cfg.compute.kernel_impl == "triton" and not torch.cuda.is_available() and not interpreted:
         raise ValueError(

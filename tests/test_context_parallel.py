@@ -411,3 +411,24 @@ def test_packed_chunks_attend_within_their_rows(cp, lengths):
         (ref * grad).sum().backward()
         for mine, theirs in [(out, ref)] + [(a.grad, b.grad) for a, b in zip(leaves, refs)]:
             assert float((mine.double() - theirs).detach().norm() / theirs.norm()) <= 1e-6
+
+
+def test_cp_refused_before_compute_on_cuda(monkeypatch):
+    """On a CUDA machine parallel.cp > 1 would reach torch's CPU flash kernel with CUDA tensors
+    mid-run (Transformer Engine's CP is not wired): preflight refuses it, naming the field;
+    cp = 1 passes the same check."""
+    import torch
+
+    from megagrpo.config.model import ModelConfig
+    from megagrpo.config.train import load_config
+    from megagrpo.preflight import check_model
+
+    class Vocab:
+        vocab_size = 16
+
+    model = ModelConfig(vocab_size=32, hidden_size=64, num_attention_heads=2,
+                        num_query_groups=1, head_dim=32)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"parallel\.cp=2 on a CUDA machine.*set parallel\.cp=1"):
+        check_model(load_config(None, ["parallel.cp=2"]), model, Vocab())
+    check_model(load_config(None, []), model, Vocab())
