@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report  # noqa: E402
 
 # results file -> the CPU it was measured on; THROUGHPUT newest run first
-THROUGHPUT = (("throughput_epyc_cpu.jsonl", "AMD EPYC"),
+THROUGHPUT = (("throughput_epyc_f25_cpu.jsonl", "AMD EPYC family 25"),
+              ("throughput_epyc_cpu.jsonl", "AMD EPYC"),
               ("throughput_cpu.jsonl", "Intel Xeon, AMX"))
 ROLLOUT_FLOOR = ("rollout_floor_epyc_cpu.jsonl", "AMD EPYC")
 ROLLOUT_ALONE = ("rollout_settings_epyc_cpu.jsonl", "AMD EPYC")
@@ -159,7 +160,7 @@ def floor_rows(results: Path, runs: list) -> list[dict]:
     return out
 
 
-def rollout_cause(r: dict, alone: list[dict]) -> str:
+def rollout_cause(r: dict, alone: list[dict], source: str) -> str:
     """The trainer's rollout against its floor and, if measured, vLLM's rollout of the same
     workload alone (its newest default-settings row)."""
     import rollout_floor as RF  # here: it imports torch, which the other rows never need
@@ -170,7 +171,7 @@ def rollout_cause(r: dict, alone: list[dict]) -> str:
             f"{r['floor_rollout_s']:.3f} s; decode {r['rollout_decode_flop_s']:.3f} s at the "
             f"GEMM rate vs {r['rollout_decode_byte_s']:.3f} s at the read bandwidth, the "
             f"limit: {RF.binding(r)}; {above * 1e3:.1f} ms a decode step above the floor, load "
-            f"{r['loadavg_1m']:.2f} ({_src(*ROLLOUT_FLOOR)})")
+            f"{r['loadavg_1m']:.2f} ({source})")
     rows = [x for x in alone if x["workload"] == r["workload"] and x["variant"] == "default"]
     if rows:
         x = rows[-1]
@@ -190,11 +191,23 @@ def rollout_rows(results: Path, runs: list) -> list[dict]:
     out = []
     for wl in ROLLOUT_FLOOR_WORKLOADS:
         t = Target(f"rollout >= {ROLLOUT_BOUND:.0%} of its bandwidth-aware floor", ROLLOUT_BOUND)
-        mine = [r for r in recs if r["workload"] == wl]
-        if mine:
-            r = mine[-1]
-            out.append(_row(t, wl, "float32", r["floor_frac_rollout"], _src(*ROLLOUT_FLOOR),
-                            rollout_cause(r, alone)))
+        # a throughput run that priced its rollouts' bytes (the newest file first; its best
+        # megagrpo line), else the rollout-floor reruns
+        for name, cpu, run in runs:
+            m = report.best_lines(run, wl, "float32")[0]
+            if m is not None and "mem_read_gbs" in m:
+                out.append(_row(t, wl, "float32", m["floor_frac_rollout"], _src(name, cpu),
+                                rollout_cause(m, alone, _src(name, cpu))))
+                break
+        else:
+            mine = [r for r in recs if r["workload"] == wl]
+            if mine:
+                r = mine[-1]
+                out.append(_row(t, wl, "float32", r["floor_frac_rollout"],
+                                _src(*ROLLOUT_FLOOR), rollout_cause(r, alone,
+                                                                    _src(*ROLLOUT_FLOOR))))
+                continue
+        if out and out[-1]["workload"] == wl:
             continue
         cause = (f"not measured: `python benchmarks/grpo_step.py --workload {wl} --nprocs 1 "
                  f"--warmup 1 --steps 3 --out benchmarks/results/{ROLLOUT_FLOOR[0]} --append`")

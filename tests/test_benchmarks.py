@@ -104,7 +104,8 @@ def test_performance_doc_fused_output_table_is_the_results_table():
 
 @pytest.mark.parametrize("results, marker", [
     ("throughput_cpu.jsonl", "throughput tables"),
-    ("throughput_epyc_cpu.jsonl", "throughput tables (AMD EPYC)")])
+    ("throughput_epyc_cpu.jsonl", "throughput tables (AMD EPYC)"),
+    ("throughput_epyc_f25_cpu.jsonl", "throughput tables (AMD EPYC family 25)")])
 def test_performance_doc_throughput_tables_are_the_report(results, marker):
     """docs/performance.md's megagrpo-vs-TRL tables are benchmarks/report.py's output on
     each results file (one per CPU they were measured on)."""
