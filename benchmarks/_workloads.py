@@ -85,6 +85,9 @@ class Workload:
     """`key=value` overrides on top of the recipe."""
     model_dir: str = ""
     """A model folder the workload needs (relative to the root); '' = seeded random init."""
+    data_file: str = ""
+    """A data file its recipe reads (relative to the root) that no install step makes; ''
+    = none (the built-in tasks)."""
     summary: str = ""
     """One line for console output."""
 
@@ -128,7 +131,7 @@ def workloads() -> dict[str, Workload]:
         # the batch shape is pinned here, so edits of the training recipe keep the benchmark
         Workload(name="smollm2", recipe="examples/smollm2-135m-math-cpu.yaml",
                  overrides=("data.batch_size=8", "algo.group_size=4", "rollout.max_tokens=48"),
-                 model_dir="models/smollm2-135m",
+                 model_dir="models/smollm2-135m", data_file="data/word_problems/train.jsonl",
                  summary="SmolLM2-135M, word problems, 8 prompts x G=4, max_tokens 48"),
     )}
 
@@ -147,6 +150,9 @@ def missing_model(w: Workload) -> str:
         return (f"workload {w.name}: {w.model_dir} is absent; create it with `python -m megagrpo "
                 f"convert --from-gguf smollm2 --to-hf {w.model_dir}` (and the word problems with "
                 "`python -m megagrpo.tasks.word_problems data/word_problems`)")
+    if w.data_file and not (ROOT / w.data_file).exists():
+        return (f"workload {w.name}: {w.data_file} is absent; create it with `python -m "
+                "megagrpo.tasks.word_problems data/word_problems`")
     return ""
 
 

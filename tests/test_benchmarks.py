@@ -967,3 +967,18 @@ def test_gpu_trainer_smoke_on_cpu_without_vllm(tmp_path):
     assert any(ln.startswith("[smoke] weight syncs: ") and " 0 tensors" not in ln
                for ln in lines), lines
     assert lines[-1].startswith("[smoke] ok: weights changed True"), lines
+
+
+def test_workload_with_an_absent_data_file_is_skipped_naming_the_command():
+    """A workload whose recipe reads a data file no install step makes (smollm2's word
+    problems) is skipped with the command that makes it, instead of a traceback mid-launch."""
+    import dataclasses
+
+    W = _bench_module("_workloads")
+    smol = W.get_workload("smollm2")
+    assert smol.data_file == "data/word_problems/train.jsonl"
+    absent = dataclasses.replace(smol, model_dir="", data_file="data/absent/train.jsonl")
+    why = W.missing_model(absent)
+    assert "data/absent/train.jsonl is absent" in why
+    assert "python -m megagrpo.tasks.word_problems data/word_problems" in why
+    assert W.missing_model(dataclasses.replace(smol, model_dir="", data_file="README.md")) == ""
