@@ -183,6 +183,17 @@ def rollout_cause(r: dict, alone: list[dict], source: str) -> str:
     return text
 
 
+def _rollout_record(runs: list, floor_recs: list[dict], workload: str) -> tuple | None:
+    """(record, source) pricing the workload's rollout bytes: the best megagrpo line of the
+    newest throughput file that has one, else the newest rollout-floor rerun; None if neither."""
+    for name, cpu, run in runs:
+        m = report.best_lines(run, workload, "float32")[0]
+        if m is not None and "mem_read_gbs" in m:
+            return m, _src(name, cpu)
+    mine = [r for r in floor_recs if r["workload"] == workload]
+    return (mine[-1], _src(*ROLLOUT_FLOOR)) if mine else None
+
+
 def rollout_rows(results: Path, runs: list) -> list[dict]:
     """The rollout against its bandwidth-aware floor (fp32)."""
     recs = [r for r in _jsonl(results / ROLLOUT_FLOOR[0]) if r.get("system") == "megagrpo"
@@ -191,28 +202,15 @@ def rollout_rows(results: Path, runs: list) -> list[dict]:
     out = []
     for wl in ROLLOUT_FLOOR_WORKLOADS:
         t = Target(f"rollout >= {ROLLOUT_BOUND:.0%} of its bandwidth-aware floor", ROLLOUT_BOUND)
-        # a throughput run that priced its rollouts' bytes (the newest file first; its best
-        # megagrpo line), else the rollout-floor reruns
-        for name, cpu, run in runs:
-            m = report.best_lines(run, wl, "float32")[0]
-            if m is not None and "mem_read_gbs" in m:
-                out.append(_row(t, wl, "float32", m["floor_frac_rollout"], _src(name, cpu),
-                                rollout_cause(m, alone, _src(name, cpu))))
-                break
-        else:
-            mine = [r for r in recs if r["workload"] == wl]
-            if mine:
-                r = mine[-1]
-                out.append(_row(t, wl, "float32", r["floor_frac_rollout"],
-                                _src(*ROLLOUT_FLOOR), rollout_cause(r, alone,
-                                                                    _src(*ROLLOUT_FLOOR))))
-                continue
-        if out and out[-1]["workload"] == wl:
+        if found := _rollout_record(runs, recs, wl):
+            r, source = found
+            out.append(_row(t, wl, "float32", r["floor_frac_rollout"], source,
+                            rollout_cause(r, alone, source)))
             continue
         cause = (f"not measured: `python benchmarks/grpo_step.py --workload {wl} --nprocs 1 "
                  f"--warmup 1 --steps 3 --out benchmarks/results/{ROLLOUT_FLOOR[0]} --append`")
         found = _newest(runs, wl, "float32", "floor_rollout")
-        if found and "mem_read_gbs" not in found[1]:
+        if found:
             cause += (f"; the throughput run's rollout reached {found[0]['floor_rollout']:.1%} "
                       f"of its FLOP-only floor ({_src(found[3], found[4])}), so at least that "
                       "of its bandwidth-aware floor, which is never below the FLOP floor")
