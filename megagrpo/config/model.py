@@ -207,8 +207,8 @@ class ParallelConfig(Section):
     of attention, loss and load-balancing loss); pipeline parallelism and routing replay are
     refused. None (auto): on for mixture-of-experts models at tp > 1 where it runs (pp = 1,
     cp = 1, no routing replay, compute.compile_layers not set true), off for dense models (it
-    saves activation memory at the same communication volume, no speed: 4.93 vs 4.74 s/step
-    packed at TP=2 on the CPU, benchmarks/results/dense_sp_packed_epyc_cpu.jsonl); the
+    saves activation memory at the same communication volume but measured no faster packed at
+    TP=2 on the CPU: benchmarks/results/dense_sp_packed_epyc_cpu.jsonl); the
     console says which and why (`megagrpo.config.seqpar.sequence_parallel_auto`)."""
     cp: int = 1
     """Context-parallel size: each sequence is split over cp ranks (2*cp load-balanced chunks,

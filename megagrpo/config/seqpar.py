@@ -32,9 +32,8 @@ def sequence_parallel_auto(cfg, model: ModelConfig, tp: int | None = None) -> tu
     models at tp > 1 (each TP rank dispatches its own tokens: no tp x expert compute, the aux
     and z-losses at full strength) unless a setting it does not run with is on; off for dense
     models, where it splits the norms' and residuals' activations over TP (memory) at the same
-    communication volume but gained no speed: the midsize workload at TP=2, packed, took
-    4.93 s/step with it and 4.74 without on the CPU
-    (benchmarks/results/dense_sp_packed_epyc_cpu.jsonl)."""
+    communication volume but gained no speed (the midsize workload at TP=2, packed, with and
+    without it on the CPU: benchmarks/results/dense_sp_packed_epyc_cpu.jsonl)."""
     p = cfg.parallel
     tp = p.tp if tp is None else tp
     if p.sequence_parallel is not None:
