@@ -68,6 +68,7 @@ import _workloads as W  # noqa: E402
 import rollout_floor as RF  # noqa: E402
 
 from megagrpo.cli import torchrun_command  # noqa: E402
+from megagrpo.machine import cpu_name  # noqa: E402
 
 ROOT = W.ROOT
 PHASES = ("rollout", "advantage", "score", "update", "weight_sync", "reference_sync")
@@ -233,7 +234,7 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) 
                    max_tokens=cfg.rollout.max_tokens, warmup=warmup, steps=steps,
                    setup_s=round(setup_s, 2), **_record(rows, [n for ls in every for n in ls]),
                    threads=torch.get_num_threads(), cpus=os.cpu_count(),
-                   loadavg_1m=round(os.getloadavg()[0], 2),
+                   loadavg_1m=round(os.getloadavg()[0], 2), cpu=cpu_name(),
                    rollout_profiles=[r for rs in rollouts for r in rs])
         print("RESULT " + json.dumps(rec), flush=True)
     dist.barrier()

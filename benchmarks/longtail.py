@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -99,10 +98,10 @@ def target_length(completion: str, answer: str) -> float:
 
 # ---------------------------------------------------------------------- one run
 def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
+    """megagrpo.machine.cpu_name, imported here (the launcher starts without torch)."""
+    from megagrpo.machine import cpu_name as name
+
+    return name()
 
 
 def cpu_tag(name: str) -> str:

@@ -65,6 +65,8 @@ def measure(args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
+    from megagrpo import machine
+
     kw = dict(model=args.model, dtype="float32", max_model_len=args.max_model_len, seed=0,
               enforce_eager=True, max_num_seqs=args.prompts, skip_tokenizer_init=True)
     if args.mode != "merged":
@@ -89,14 +91,7 @@ def measure(args) -> dict:
             "best_s": round(best, 4), "tokens_per_s": round(n / best, 1),
             "threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cpu": _cpu_name(), "load_avg": round(os.getloadavg()[0], 2)}
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
+            "cpu": machine.cpu_name(), "load_avg": round(os.getloadavg()[0], 2)}
 
 
 def table(path: str) -> str:

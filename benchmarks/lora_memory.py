@@ -39,17 +39,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _harness import emit  # noqa: E402
 from benchmarks._workloads import get_workload  # noqa: E402
+from megagrpo.machine import cpu_name  # noqa: E402
 
 TARGET_REFIT_SHARE = 0.02
 """The issue's target: an adapter-only refit <= 2% of full fine-tuning's refit bytes."""
-
-
-def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo."""
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def _median_s(fn, repeats: int) -> float:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ import time
 from pathlib import Path
 
 from megagrpo.agent import Environment, Observation, Turn
+from megagrpo.machine import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "multiturn_cpu" / "results.jsonl"
@@ -131,13 +131,6 @@ def summarize(records: list[dict], dp: int, skip: int = 1) -> dict:
             "env_token_share": share, "model_tokens_per_s": model * n / step_s,
             "env_tokens_per_s": traj * share * n / step_s, "tool_s_per_step": tool_s,
             "tool_share": tool_s / step_s}
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def measure(workload: str, mode: str, steps: int, nproc: int = NPROC) -> dict:

@@ -51,6 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _workloads as W  # noqa: E402
 import grpo_step  # noqa: E402
 
+from megagrpo.machine import cpu_name  # noqa: E402
+
 LABELS = ("forward", "backward", "attention", "output_loss", "optimizer")
 ROWS = ("forward", "backward", "attention", "output_loss", "optimizer", "other")
 BWD_PREFIX = "autograd::engine::evaluate_function: "
@@ -286,7 +288,7 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) 
             mfu=round(flops / per_step["total"] / 1e9 / rate, 4) if per_step["total"] else None,
             kernels=kernel_breakdown(events, sec["total"], spans[f"phase_{phase}"], rate,
                                      steps))
-    rec.update(shim=shim, loadavg_1m=round(os.getloadavg()[0], 2))
+    rec.update(shim=shim, loadavg_1m=round(os.getloadavg()[0], 2), cpu=cpu_name())
     print("RESULT " + json.dumps(rec), flush=True)
     os._exit(0)  # skip vLLM's shutdown hooks
 

@@ -165,14 +165,6 @@ def loadavg() -> float:
     return os.getloadavg()[0]
 
 
-def cpu_name() -> str:
-    import torch
-
-    name = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                 if ln.startswith("model name")), "unknown")
-    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
-
-
 def run_setting(args, model: str, cp: int, seq: int, attention: str, recompute: str) -> dict:
     """One setting in cp fresh child processes (CP ranks over gloo); the ranks' maxima."""
     from megagrpo.cli import free_port
@@ -360,6 +352,7 @@ def main() -> None:
                                args.model, int(args.cp))))
         return
     from benchmarks._harness import emit
+    from megagrpo.machine import cpu_name
 
     cpu = cpu_name()
     done: dict[tuple, list[dict]] = {}

@@ -114,14 +114,15 @@ def phase_cause(results: Path, workload: str, phase: str) -> str:
     parts = []
     prof = results / PROFILE[0].format(workload)
     if prof.exists():
-        k = json.loads(prof.read_text())[phase]["kernels"]
+        rec = json.loads(prof.read_text())
+        k = rec[phase]["kernels"]
         if k["gemm_rate_frac"] is not None:
             sh = k["share"]
             parts.append(f"profiled {phase}: GEMM {sh['gemm']:.0%} of the phase at "
                          f"{k['gemm_rate_frac']:.0%} of torch.mm, attention "
                          f"{sh['attention']:.0%}, copies {sh['copy']:.0%}, element-wise "
                          f"{sh['elementwise']:.0%}, overhead {sh['overhead']:.0%} "
-                         f"({_src(prof.name, PROFILE[1])})")
+                         f"({_src(prof.name, rec.get('cpu', PROFILE[1]))})")
     split = [r for r in _jsonl(results / LAYER_SPLIT[0]) if r["preset"] == workload
              and r["threads"] == 2 and not r["neighbour_threads"] and not r.get("compiled")]
     if phase == "update" and split:

@@ -43,17 +43,36 @@ def _best_mm_seconds(n: int, dtype: torch.dtype, iters: int, budget_s: float) ->
     return best
 
 
-def cpu_features() -> str:
-    """torch's CPU capability and the bf16-relevant flags of /proc/cpuinfo."""
-    flags: set[str] = set()
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
+                if not line.strip():
                     break
+                key, _, value = line.partition(":")
+                info[key.strip()] = value.strip()
     except OSError:
         pass
+    return info
+
+
+def cpu_name() -> str:
+    """The CPU a figure was measured on, as results files record it: /proc/cpuinfo's model
+    name with its family and model numbers (VMs often show a bare "AMD EPYC", and machines of
+    one name differ 2x) and torch's CPU capability, e.g. "AMD EPYC (family 25 model 17),
+    AVX512"."""
+    info = _cpuinfo()
+    name = info.get("model name", "unknown CPU")
+    if "cpu family" in info:
+        name += f" (family {info['cpu family']} model {info.get('model', '?')})"
+    return f"{name}, {torch.backends.cpu.get_cpu_capability()}"
+
+
+def cpu_features() -> str:
+    """torch's CPU capability and the bf16-relevant flags of /proc/cpuinfo."""
+    flags = set(_cpuinfo().get("flags", "").split())
     have = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     return f"torch capability {torch.backends.cpu.get_cpu_capability()}" + (
         f"; {', '.join(have)}" if have else "")

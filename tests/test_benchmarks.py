@@ -584,6 +584,10 @@ def test_targets_verdicts_from_synthetic_results(tmp_path):
     _jsonl(tmp_path / "layer_split_cpu.jsonl", [
         split, dict(split, threads=1, gemm_share=0.1), dict(split, compiled={"graphs": 1},
                                                              gemm_share=0.2)])
+    share = dict(gemm=0.57, attention=0.06, copy=0.12, elementwise=0.2, overhead=0.05)
+    (tmp_path / "profile_midsize_epyc_cpu.json").write_text(json.dumps(dict(
+        update=dict(kernels=dict(gemm_rate_frac=0.78, share=share)),
+        score=dict(kernels=dict(gemm_rate_frac=0.63, share=share)), cpu="Some CPU (family 9)")))
     _jsonl(tmp_path / "weight_sync_repack_cpu.jsonl", [dict(
         size="100m", sync_s=0.5, disk_total_s=1.5, memcpy_s=0.25, engine_load_s=0.45,
         gather_convert_s=0.01, repack_s=0.4, plain_copy_s=0.25, decode_plain_s=2.0,
@@ -594,6 +598,10 @@ def test_targets_verdicts_from_synthetic_results(tmp_path):
     assert verdicts[("score>=", "midsize", "float32")] is True
     assert verdicts[("update>=", "midsize", "float32")] is False  # not the older CPU's 0.99
     assert "GEMMs 66% at 99% of torch.mm" in got[("update>=", "midsize", "float32")]["cause"]
+    assert ("GEMM 57% of the phase at 78% of torch.mm" in  # the profile names its own CPU
+            got[("update>=", "midsize", "float32")]["cause"])
+    assert "(profile_midsize_epyc_cpu.json, Some CPU (family 9))" in got[
+        ("update>=", "midsize", "float32")]["cause"]
     assert got[("update>=", "midsize", "float32")]["source"] == (
         "throughput_epyc_cpu.jsonl, AMD EPYC")
     assert (verdicts[("score>=", "varlen", "float32")],
