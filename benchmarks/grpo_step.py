@@ -43,6 +43,11 @@ per rank); rank 0 reports the means over the measured steps, one JSON line per n
                       steps where the bytes bind, `rollout_profiles` each rollout's prefill
                       FLOPs and per-step [FLOPs, bytes] (to re-price the record at other rates)
   mfu_update, mfu_score  floor_frac_update, floor_frac_score under their older names
+  warmup_step_s       the warm-up steps' wall times (not in the means: first-step costs such as
+                      compute.compile_layers' compile land there)
+  compile_s           dynamo's and inductor's own seconds on rank 0 where the layers were
+                      compiled (null where not)
+  cpu                 megagrpo.machine.cpu_name(): model name, family / model, capability
   completion_len_mean/_p50/_max  the sampled completion lengths over the measured steps
 --compare reads the TRL baseline's JSON lines and adds `vs_trl_gen_tokens_per_s`: megagrpo gen
 tokens/s divided by the best TRL line's of the same workload and dtype (the thread setting most
@@ -101,6 +106,7 @@ class StepCounter:
         self.lengths: list[int] = []
         self.rollout_flops = 0.0
         self.rollouts: list[list] = []  # rollout_floor.rollout_costs of each rollout
+        self.warmup_s: list[float] = []  # the unmeasured steps' wall times (compiles land here)
         self.nbytes = RF.dtype_bytes(rollout_dtype)
 
     def install(self, tr) -> None:
@@ -177,8 +183,21 @@ def _measure(tr, counter: StepCounter, warmup: int, steps: int) -> list[dict]:
         if i >= warmup:
             rows.append(m)
         else:
+            counter.warmup_s.append(round(m["step_s"], 3))
             del counter.lengths[n_len:], counter.rollouts[n_ro:]
     return rows
+
+
+def compile_seconds(tr) -> float | None:
+    """Dynamo's and inductor's own seconds in this process where compute.compile_layers
+    compiled the policy's layers (None where it did not): the first steps pay them."""
+    from megagrpo.compile import compiled_layers
+
+    if not compiled_layers(tr.policy):
+        return None
+    from torch._dynamo.utils import calculate_time_spent
+
+    return round(calculate_time_spent().get("total_wall_time", 0.0), 2)
 
 
 def _record(rows: list[dict], lengths: list[int]) -> dict:
@@ -235,6 +254,7 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) 
                    setup_s=round(setup_s, 2), **_record(rows, [n for ls in every for n in ls]),
                    threads=torch.get_num_threads(), cpus=os.cpu_count(),
                    loadavg_1m=round(os.getloadavg()[0], 2), cpu=cpu_name(),
+                   warmup_step_s=counter.warmup_s, compile_s=compile_seconds(tr),
                    rollout_profiles=[r for rs in rollouts for r in rs])
         print("RESULT " + json.dumps(rec), flush=True)
     dist.barrier()

@@ -388,6 +388,10 @@ def test_grpo_step_benchmark_one_rank_one_step(tmp_path):
                   timeout=900)
     assert row["gen_tokens_per_s"] > 0 and row["nproc"] == 1 and row["workload"] == "demo"
     assert 0 <= row["padded_token_share"] < 1 and row["gemm_gflops"] > 0
+    from megagrpo.machine import cpu_name
+
+    assert row["cpu"] == cpu_name() and row["compile_s"] is None  # layers eager by default
+    assert len(row["warmup_step_s"]) == 1 and row["warmup_step_s"][0] > 0
     assert 0 < row["mfu_update"] < 1.5 and 0 < row["mfu_score"] < 1.5
     assert row["padded_token_share"] == round(
         1 - row["real_tokens_update"] / row["processed_tokens_update"], 4)
