@@ -159,13 +159,22 @@ class StepCounter:
         return fn(micro, *args, **kwargs)
 
 
-def _measure(tr, counter: StepCounter, warmup: int, steps: int) -> list[dict]:
+def _measure(tr, counter: StepCounter, warmup: int, steps: int,
+             compile_ab: bool = False) -> tuple[list[dict], list[dict]]:
     """Runs warmup + steps trainer steps; per measured step the trainer's metrics plus the
-    world's token, FLOP and CPU counts (every rank of a replica counted the replica's batch)."""
+    world's token, FLOP and CPU counts (every rank of a replica counted the replica's batch).
+    compile_ab: one eager warm-up step more, then each measured step is paired with one with
+    the layers eager, in ABBA order (`megagrpo.compile.use_compiled`); the eager steps' metrics come back
+    apart and leave no lengths or rollouts in `counter`."""
     import torch.distributed as dist
 
-    rows = []
-    for i in range(warmup + steps):
+    rows, eager_rows = [], []
+    pairs = [(True, False), (False, True)]  # ABBA: a drift in machine speed cancels
+    modes = [True] * warmup + [False] * compile_ab + [
+        m for k in range(steps) for m in (pairs[k % 2] if compile_ab else (True,))]
+    for i, compiled in enumerate(modes):
+        if compile_ab:
+            _use_compiled(tr, compiled)
         counter.reset()
         n_len, n_ro = len(counter.lengths), len(counter.rollouts)
         t, c = time.perf_counter(), time.process_time()
@@ -180,12 +189,24 @@ def _measure(tr, counter: StepCounter, warmup: int, steps: int) -> list[dict]:
         names = [f"{k}_{p}" for p in ("update", "score") for k in COUNTS] + [
             "cpu_s", "gen", "flops_rollout"]
         m.update(zip(names, v.tolist()))
-        if i >= warmup:
-            rows.append(m)
-        else:
+        if i < warmup + compile_ab:
             counter.warmup_s.append(round(m["step_s"], 3))
-            del counter.lengths[n_len:], counter.rollouts[n_ro:]
-    return rows
+        elif compiled:
+            rows.append(m)
+            continue
+        else:
+            eager_rows.append(m)
+        del counter.lengths[n_len:], counter.rollouts[n_ro:]
+    return rows, eager_rows
+
+
+def _use_compiled(tr, on: bool) -> None:
+    """The policy's and the reference's compiled layers switched on or off."""
+    from megagrpo.compile import use_compiled
+
+    use_compiled(tr.policy, on)
+    if getattr(tr.reference, "model", None) is not None:
+        use_compiled(tr.reference.model, on)
 
 
 def compile_seconds(tr) -> float | None:
@@ -226,7 +247,8 @@ def _record(rows: list[dict], lengths: list[int]) -> dict:
         logp_gap_vllm_mean=mean.get("logp_gap_vllm_mean"))
 
 
-def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) -> None:
+def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str,
+           compile_ab: bool = False) -> None:
     """Runs on every rank under torchrun; rank 0 prints `RESULT {json}`."""
     import torch.distributed as dist
 
@@ -241,7 +263,7 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) 
     counter = StepCounter(tr.model_cfg, tr.tokens.pad_id, count_lengths=tr.ranks.mp_rank == 0,
                           rollout_dtype=cfg.rollout.dtype)
     counter.install(tr)
-    rows = _measure(tr, counter, warmup, steps)
+    rows, eager_rows = _measure(tr, counter, warmup, steps, compile_ab)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, counter.lengths)
     rollouts = [None] * dist.get_world_size()
@@ -256,18 +278,23 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str) 
                    loadavg_1m=round(os.getloadavg()[0], 2), cpu=cpu_name(),
                    warmup_step_s=counter.warmup_s, compile_s=compile_seconds(tr),
                    rollout_profiles=[r for rs in rollouts for r in rs])
+        if compile_ab:
+            rec["eager"] = dict(step_s=round(statistics.mean(r["step_s"] for r in eager_rows), 4),
+                                **{f"time_{p}_s": round(statistics.mean(
+                                    r.get(f"time_{p}", 0.0) for r in eager_rows), 4)
+                                   for p in PHASES})
         print("RESULT " + json.dumps(rec), flush=True)
     dist.barrier()
     os._exit(0)  # skip vLLM's shutdown hooks (they tear down the process group)
 
 
 def launch(nproc: int, recipe: str, sets: list[str], warmup: int, steps: int,
-           threads: int = 0, script: str = __file__) -> dict:
+           threads: int = 0, script: str = __file__, worker_args: tuple = ()) -> dict:
     """One torchrun launch of `script --worker` (this file's `worker` by default); its RESULT
     record."""
     out_dir = tempfile.mkdtemp(prefix=f"grpo_step_{nproc}_")
     cmd = torchrun_command(nproc, script, "--worker", "--recipe", recipe, "--warmup", str(warmup),
-                           "--steps", str(steps), "--out-dir", out_dir,
+                           "--steps", str(steps), "--out-dir", out_dir, *worker_args,
                            *(a for kv in sets for a in ("--set", kv)))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if threads:
@@ -380,6 +407,11 @@ def _args() -> argparse.Namespace:
                     help="extra config override on top of the workload (repeatable; give the "
                          "TRL baseline the same)")
     ap.add_argument("--compare", default="", help="TRL baseline JSONL to compare against")
+    ap.add_argument("--compile-ab", action="store_true",
+                    help="compute.compile_layers=true, and every measured step is paired with "
+                         "one with the layers eager in the same process (separate processes "
+                         "drift more than the difference here); the eager steps' means go "
+                         "under `eager`")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--recipe", help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
@@ -398,7 +430,7 @@ def write_lines(records: list[dict], out: str, append: bool) -> None:
 def main() -> None:
     args = _args()
     if args.worker:
-        worker(args.recipe, args.set, args.warmup, args.steps, args.out_dir)
+        worker(args.recipe, args.set, args.warmup, args.steps, args.out_dir, args.compile_ab)
         return
     w, dtype = W.get_workload(args.workload), W.check_dtype(args.dtype)
     head = dict(workload=w.name, dtype=dtype, overrides=list(args.set))
@@ -406,7 +438,10 @@ def main() -> None:
         print(why, file=sys.stderr)
         write_lines([dict(system="megagrpo", **head, skipped=why)], args.out, args.append)
         return
-    sets = W.overrides(w, dtype, args.set)
+    if args.compile_ab:
+        head["overrides"].append("compute.compile_layers=true")
+        head["compile_ab"] = True
+    sets = W.overrides(w, dtype, head["overrides"])
     gemm: dict = {}
     bw: dict = {}
     for n in {expected_threads(int(n), args.threads) for n in args.nprocs.split(",")}:
@@ -414,7 +449,8 @@ def main() -> None:
         measure_bandwidth(bw, n)
     records = []
     for n in args.nprocs.split(","):
-        rec = launch(int(n), str(ROOT / w.recipe), sets, args.warmup, args.steps, args.threads)
+        rec = launch(int(n), str(ROOT / w.recipe), sets, args.warmup, args.steps, args.threads,
+                     worker_args=("--compile-ab",) if args.compile_ab else ())
         records.append(add_mfu({**head, **rec}, dtype, gemm, bw))
     if args.compare:
         records = compare(records, args.compare)

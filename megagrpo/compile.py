@@ -73,7 +73,22 @@ def compile_layers(gpt: torch.nn.Module) -> int:
     for module in gpt.modules():
         if (isinstance(module, TransformerLayer)
                 and not hasattr(module.forward, "megagrpo_compiled")):
-            module.forward = _contiguous_input(torch.compile(module.forward, dynamic=True))
+            eager = module.forward
+            module.forward = _contiguous_input(torch.compile(eager, dynamic=True))
+            module.megagrpo_forwards = (module.forward, eager)
+            n += 1
+    return n
+
+
+def use_compiled(model: torch.nn.Module, on: bool) -> int:
+    """Switches the layers `compile_layers` compiled in `model` to their compiled (on) or
+    eager forward; returns how many it switched. Compiled graphs stay cached, so one process
+    can time both paths step by step (benchmarks/grpo_step.py --compile-ab): separate
+    processes on these VMs drift by more than the difference."""
+    n = 0
+    for module in model.modules():
+        if hasattr(module, "megagrpo_forwards"):
+            module.forward = module.megagrpo_forwards[0 if on else 1]
             n += 1
     return n
 

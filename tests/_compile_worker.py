@@ -83,7 +83,7 @@ def rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def main() -> None:
     from torch._dynamo.utils import counters
 
-    from megagrpo.compile import compile_layers, graph_count
+    from megagrpo.compile import compile_layers, graph_count, use_compiled
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
@@ -110,6 +110,15 @@ def main() -> None:
         out["packed_error"] = repr(e)[:2000]
     out["packed_new_graphs"] = graph_count() - before
     out["packed_grids"] = [list(mb.packed.grid) for mb in plan]
+    # use_compiled: the eager forward back (the eager gradients to the bit), then the compiled
+    # one again from dynamo's cache (no new graph, the compiled gradients)
+    out["switched_off"] = use_compiled(model, False)
+    out["switched_eager_bitwise"] = all(
+        torch.equal(a, b) for a, b in zip(grads(model, *SHAPES[0]), eager[0]))
+    before = graph_count()
+    out["switched_on"] = use_compiled(model, True)
+    out["switched_compiled_rel_diff"] = rel(grads(model, *SHAPES[0]), eager[0])
+    out["switched_new_graphs"] = graph_count() - before
     out["graph_breaks"] = sum(counters["graph_break"].values())
     out["counters"] = {k: {str(n): v for n, v in c.items()} for k, c in counters.items()}
     write_results(out, args.work)
