@@ -48,6 +48,9 @@ per rank); rank 0 reports the means over the measured steps, one JSON line per n
   compile_s           dynamo's and inductor's own seconds on rank 0 where the layers were
                       compiled (null where not)
   cpu                 megagrpo.machine.cpu_name(): model name, family / model, capability
+  model               the model's shape: hidden, ffn, layers, vocab
+  eager               with --compile-ab: the eager steps' step_s and time_<phase>_s means (the
+                      record's own are the compiled steps')
   completion_len_mean/_p50/_max  the sampled completion lengths over the measured steps
 --compare reads the TRL baseline's JSON lines and adds `vs_trl_gen_tokens_per_s`: megagrpo gen
 tokens/s divided by the best TRL line's of the same workload and dtype (the thread setting most
@@ -277,6 +280,8 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str,
                    threads=torch.get_num_threads(), cpus=os.cpu_count(),
                    loadavg_1m=round(os.getloadavg()[0], 2), cpu=cpu_name(),
                    warmup_step_s=counter.warmup_s, compile_s=compile_seconds(tr),
+                   model=dict(hidden=tr.model_cfg.hidden_size, ffn=tr.model_cfg.ffn_hidden_size,
+                              layers=tr.model_cfg.num_layers, vocab=tr.model_cfg.vocab_size),
                    rollout_profiles=[r for rs in rollouts for r in rs])
         if compile_ab:
             rec["eager"] = dict(step_s=round(statistics.mean(r["step_s"] for r in eager_rows), 4),
