@@ -167,8 +167,8 @@ def _measure(tr, counter: StepCounter, warmup: int, steps: int,
     """Runs warmup + steps trainer steps; per measured step the trainer's metrics plus the
     world's token, FLOP and CPU counts (every rank of a replica counted the replica's batch).
     compile_ab: one eager warm-up step more, then each measured step is paired with one with
-    the layers eager, in ABBA order (`megagrpo.compile.use_compiled`); the eager steps' metrics come back
-    apart and leave no lengths or rollouts in `counter`."""
+    the layers eager, in ABBA order (`megagrpo.compile.use_compiled`); the eager steps'
+    metrics come back apart and leave no lengths or rollouts in `counter`."""
     import torch.distributed as dist
 
     rows, eager_rows = [], []

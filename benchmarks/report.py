@@ -17,6 +17,9 @@ listed as such.
 `--sp` reads grpo_step.py lines of one workload run with and without
 `parallel.sequence_parallel` (e.g. benchmarks/results/moe_sp_epyc_cpu.jsonl) and prints their
 A/B table (`sp_table`).
+`--compile` reads grpo_step.py --compile-ab lines (compiled and eager steps alternated in one
+process, e.g. benchmarks/results/compile_ab_cpu.jsonl) and prints their table
+(`compile_table`).
 """
 from __future__ import annotations
 
@@ -199,18 +202,46 @@ def sp_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def compile_table(records: list[dict]) -> str:
+    """grpo_step.py --compile-ab lines, one row each: the model, the eager and the compiled
+    steps' score, update and step seconds (means of the alternated steps of one process), the
+    compile seconds the first steps paid, and the steps a run needs to repay them; the load and
+    the CPU."""
+    lines = ["| workload | model (hidden x layers, vocab) | steps each | score s, eager -> "
+             "compiled | update s | step s | compiled / eager step | compile s (first "
+             "steps) | steps to repay | load | CPU |", "|---" * 11 + "|"]
+    for r in records:
+        if not r.get("compile_ab") or "skipped" in r:
+            continue
+        e, m = r["eager"], r["model"]
+        gain = e["step_s"] - r["step_s"]
+        repay = f"{r['compile_s'] / gain:.0f}" if gain > 0 else "never"
+        lines.append(
+            f"| {r['workload']} | {m['hidden']} x {m['layers']}, {m['vocab']} | {r['steps']} "
+            f"| {e['time_score_s']:.3f} -> {r['time_score_s']:.3f} "
+            f"| {e['time_update_s']:.3f} -> {r['time_update_s']:.3f} "
+            f"| {e['step_s']:.3f} -> {r['step_s']:.3f} | {r['step_s'] / e['step_s']:.2f} "
+            f"| {r['compile_s']:.1f} | {repay} | {r['loadavg_1m']:.2f} | {r['cpu']} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("path", nargs="?", default="benchmarks/results/throughput_cpu.jsonl")
     ap.add_argument("--json", action="store_true", help="one JSON summary line per workload")
     ap.add_argument("--sp", action="store_true",
                     help="the sequence-parallel A/B table of PATH (grpo_step.py lines)")
+    ap.add_argument("--compile", action="store_true",
+                    help="the compiled-vs-eager table of PATH (grpo_step.py --compile-ab lines)")
     args = ap.parse_args()
     if not Path(args.path).exists():
         raise SystemExit(f"{args.path} does not exist: run `bash benchmarks/throughput.sh` "
                          "first (or give the JSONL to read)")
     if args.sp:
         print(sp_table(read_records(args.path)))
+        return
+    if args.compile:
+        print(compile_table(read_records(args.path)))
         return
     summary = summarize(read_records(args.path))
     if args.json:

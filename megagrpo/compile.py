@@ -124,9 +124,8 @@ def _contiguous_input(compiled: Callable) -> Callable:
 
 
 def compiled_layers(model: torch.nn.Module) -> int:
-    """Layers of `model` that `compile_layers` compiled."""
-    return sum(hasattr(getattr(m, "forward", None), "megagrpo_compiled")
-               for m in model.modules())
+    """Layers of `model` that `compile_layers` compiled (switched to eager or not)."""
+    return sum(hasattr(m, "megagrpo_forwards") for m in model.modules())
 
 
 def summary(layers: int) -> str:

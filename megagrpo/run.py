@@ -28,7 +28,7 @@ from megagrpo.checkpoint import (
 from megagrpo.cold_start import cold_start
 from megagrpo.compile import compile_layers, compiled_layers
 from megagrpo.compile import summary as compile_summary
-from megagrpo.config.compile import AUTO_MIN_HIDDEN, compile_blocker, compile_layers_on
+from megagrpo.config.compile import auto_reason, compile_blocker, compile_layers_on
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.section import freeze
@@ -160,15 +160,16 @@ def _compile_layers(cfg: TrainConfig, model_cfg: ModelConfig, gpt, rank: int) ->
     console line says whether, and why not where 'auto' leaves them eager."""
     import torch
 
+    steps, cuda = cfg.run.steps + cfg.cold_start.steps, torch.cuda.is_available()
     on = compile_layers_on(cfg.compute, model_cfg, cfg.parallel, lora=cfg.lora.enabled,
-                           cuda=torch.cuda.is_available())
+                           cuda=cuda, steps=steps)
     n = compile_layers(gpt) if on else 0
-    if rank == 0 and cfg.compute.compile_layers is not False:  # off (the default): no line
+    if rank == 0 and cfg.compute.compile_layers is not False:  # set off: no line
         why = compile_blocker(cfg.compute, model_cfg, cfg.parallel, cfg.lora.enabled)
         log.info("compute.compile_layers=%s: %s", str(cfg.compute.compile_layers).lower(),
                  f"{n} layers torch.compile'd (inductor, dynamic shapes; compiled in the first "
-                 "step)" if on else "layers run eagerly (" + (f"needs {why}" if why else
-                 f"auto compiles from hidden_size {AUTO_MIN_HIDDEN} up, on CPU") + ")")
+                 "steps)" if on else "layers run eagerly (" + (
+                     f"needs {why}" if why else auto_reason(model_cfg, steps, cuda)) + ")")
     return n
 
 

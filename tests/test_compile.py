@@ -7,7 +7,13 @@ import shutil
 
 import pytest
 
-from megagrpo.config.compile import AUTO_MIN_HIDDEN, check_compile, compile_layers_on
+from megagrpo.config.compile import (
+    AUTO_MAX_HIDDEN,
+    AUTO_MIN_STEPS,
+    auto_reason,
+    check_compile,
+    compile_layers_on,
+)
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.run import ComputeConfig
 from tests.support.launch import torchrun_results
@@ -68,14 +74,26 @@ def _dense(hidden: int = 64, **kw) -> ModelConfig:
 
 
 def test_auto_rule():
-    """auto: on for dense models from AUTO_MIN_HIDDEN on CPU, off below, on CUDA, with LoRA."""
-    c, par = ComputeConfig(compile_layers="auto"), ParallelConfig()
-    assert compile_layers_on(c, _dense(AUTO_MIN_HIDDEN), par, lora=False, cuda=False)
-    assert not compile_layers_on(c, _dense(AUTO_MIN_HIDDEN // 2), par, lora=False, cuda=False)
-    assert not compile_layers_on(c, _dense(AUTO_MIN_HIDDEN), par, lora=False, cuda=True)
-    assert not compile_layers_on(c, _dense(AUTO_MIN_HIDDEN), par, lora=True, cuda=False)
-    assert not compile_layers_on(ComputeConfig(), _dense(AUTO_MIN_HIDDEN), par, lora=False,
-                                 cuda=False)  # the default: off
+    """auto (the default): on for dense models up to AUTO_MAX_HIDDEN on CPU in runs of
+    AUTO_MIN_STEPS steps or more; off when wider, shorter, on CUDA, with LoRA, MoE or TP > 1;
+    the console's reason names the limit that left it off."""
+    c, par, n = ComputeConfig(), ParallelConfig(), AUTO_MIN_STEPS
+    assert c.compile_layers == "auto"
+    assert compile_layers_on(c, _dense(AUTO_MAX_HIDDEN), par, lora=False, cuda=False, steps=n)
+    assert compile_layers_on(c, _dense(64), par, lora=False, cuda=False, steps=n)
+    assert not compile_layers_on(c, _dense(AUTO_MAX_HIDDEN + 64), par, lora=False, cuda=False,
+                                 steps=n)
+    assert not compile_layers_on(c, _dense(64), par, lora=False, cuda=False, steps=n - 1)
+    assert not compile_layers_on(c, _dense(64), par, lora=False, cuda=True, steps=n)
+    assert not compile_layers_on(c, _dense(64), par, lora=True, cuda=False, steps=n)
+    moe = _dense(64, architecture="qwen3_moe", num_experts=4, moe_ffn_hidden_size=64)
+    assert not compile_layers_on(c, moe, par, lora=False, cuda=False, steps=n)
+    assert not compile_layers_on(c, _dense(64), ParallelConfig(tp=2), lora=False, cuda=False,
+                                 steps=n)
+    assert compile_layers_on(ComputeConfig(compile_layers=True), _dense(1024), par, lora=False,
+                             cuda=False, steps=1)  # true: wherever it can run
+    assert "up to hidden_size 256" in auto_reason(_dense(512), n, cuda=False)
+    assert "= 99)" in auto_reason(_dense(64), n - 1, cuda=False)
 
 
 def test_bad_settings_refused():

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
 
-AUTO_MIN_HIDDEN = 512
-"""'auto' compiles dense models from this width up: measured faster there on the 2-core AVX-512
-EPYC (benchmarks/layer_split.py --compile, midsize and SmolLM2 shapes); below it the layers'
-GEMMs are small and the first step's compile is most of a short run."""
+AUTO_MAX_HIDDEN = 256
+"""'auto' compiles dense models up to this width: whole GRPO steps with the layers compiled and
+eager, alternated in one process (`benchmarks/grpo_step.py --compile-ab`,
+benchmarks/results/compile_ab_cpu.jsonl, a 2-core AMD EPYC), ran 0.75-0.95x the eager step at
+hidden 64-256 (per-op overhead and element-wise work are much of a small layer's pass, and
+fusing them is what compiling buys) and 1.02x and slower at 512-576, where the GEMMs set the
+time and the compiled graph brings nothing."""
+
+AUTO_MIN_STEPS = 100
+"""... in runs of at least this many optimizer steps (run.steps + cold_start.steps): the first
+steps pay 10-15 s of compile on 2 cores, repaid after 20-80 steps at those widths (the table's
+"steps to repay"; 370 at hidden 64, where vLLM's rollout is most of the step)."""
 
 
 def compile_blocker(compute, model: ModelConfig, parallel: ParallelConfig,
@@ -30,13 +38,24 @@ def compile_blocker(compute, model: ModelConfig, parallel: ParallelConfig,
 
 
 def compile_layers_on(compute, model: ModelConfig, parallel: ParallelConfig, *, lora: bool,
-                      cuda: bool) -> bool:
+                      cuda: bool, steps: int) -> bool:
     """Whether the layers are compiled: compute.compile_layers, 'auto' resolved (CPU, no
-    blocker, hidden_size >= AUTO_MIN_HIDDEN)."""
+    blocker, hidden_size <= AUTO_MAX_HIDDEN, `steps` >= AUTO_MIN_STEPS)."""
     if compute.compile_layers == "auto":
         return (not cuda and compile_blocker(compute, model, parallel, lora) is None
-                and model.hidden_size >= AUTO_MIN_HIDDEN)
+                and model.hidden_size <= AUTO_MAX_HIDDEN and steps >= AUTO_MIN_STEPS)
     return bool(compute.compile_layers)
+
+
+def auto_reason(model: ModelConfig, steps: int, cuda: bool) -> str:
+    """Why 'auto' left the layers eager on a config without a blocker (console)."""
+    if cuda:
+        return "auto compiles on CPU only (not measured on GPUs)"
+    if model.hidden_size > AUTO_MAX_HIDDEN:
+        return (f"auto compiles up to hidden_size {AUTO_MAX_HIDDEN}: measured no faster at "
+                "512-576, benchmarks/results/compile_ab_cpu.jsonl")
+    return (f"auto compiles runs of {AUTO_MIN_STEPS} steps or more (run.steps + "
+            f"cold_start.steps = {steps}): a shorter one does not repay the first step's compile")
 
 
 def check_compile(compute, model: ModelConfig, parallel: ParallelConfig, lora: bool) -> None:

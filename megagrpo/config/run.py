@@ -92,13 +92,13 @@ class ComputeConfig(Section):
     algo.loss_agg=bnpo (a per-micro-batch mean) or algo.kl_in_reward (advantages set after
     scoring, from whole groups), where true is an error."""
 
-    compile_layers: bool | str = False
+    compile_layers: bool | str = "auto"
     """`torch.compile` (inductor) each transformer layer's forward as one graph, for the update
     and the scoring passes (`megagrpo.compile`): fuses RMSNorm, RoPE, SwiGLU and the residual
-    adds, same gradients to float rounding; the first step pays the compile (tens of seconds a
-    layer shape on 2 cores). true; 'auto': on for dense models on CPU where it is measured
-    faster (hidden_size >= 512, see docs/performance.md), off elsewhere; false (default: the
-    first step's compile outweighs the gain of a short run, docs/performance.md)."""
+    adds, same gradients to float rounding; the first steps pay the compile (10-15 s on 2
+    cores). 'auto' (default): on where whole steps were measured faster, dense models on CPU
+    up to hidden_size 256 in runs of 100 steps or more (`megagrpo.config.compile`,
+    docs/performance.md "Compiled layers"), off elsewhere; true; false."""
 
     recompute: str = "none"
     """Activation recomputation of the update pass (megatron-core's, forward-only scoring
