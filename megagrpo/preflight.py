@@ -70,9 +70,11 @@ class Preflight:
                 f"{dropped}")
 
 
-def preflight(cfg: TrainConfig, world_size: int | None = None) -> Preflight:
+def preflight(cfg: TrainConfig, world_size: int | None = None, warn: bool = True) -> Preflight:
     """Everything checkable before compute; raises ValueError naming the field, the value and
-    what is valid. `cfg` is not modified."""
+    what is valid. `cfg` is not modified. `warn`: also look for what is suspect but not fatal
+    (`Preflight.warnings`; it encodes every prompt and answer again, so only the process that
+    prints the warnings asks)."""
     t0 = time.perf_counter()
     check_init(cfg.run.init)
     model = model_config(cfg)
@@ -101,7 +103,8 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> Preflight:
                                               if dropped_train else ""))
     check_agent_budget(cfg, max(long_train, long_eval))
     task = dataclasses.replace(task, train=train, eval=evals)
-    warnings = unknown_token_warnings(task, cfg.data.tokenizer or "the task's tokenizer")
+    warnings = unknown_token_warnings(
+        task, cfg.data.tokenizer or "the task's tokenizer") if warn else []
     return Preflight(task=task, model=model, parallel=parallel, sequence_parallel_why=sp_why,
                      dropped_train=dropped_train, warnings=warnings,
                      dropped_eval=dropped_eval, longest_prompt=max(long_train, long_eval),

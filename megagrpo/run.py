@@ -73,13 +73,14 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     # the launcher ran these checks too; here they also cover a plain `torchrun` start, and
     # the run is built from what they loaded (prompts, tokenizer, architecture)
     fresh = checked is None
-    checked = preflight(cfg, world) if fresh else checked
+    shows = rank == 0 and fresh and not os.environ.get(PREFLIGHT_SHOWN_ENV)
+    checked = preflight(cfg, world, warn=shows) if fresh else checked
     # parallel.sequence_parallel decided for this model (None: auto), before anything reads it
     cfg.parallel.sequence_parallel = checked.parallel.sequence_parallel
     if frozen:
         freeze(cfg)
     task, model_cfg = checked.task, checked.model
-    if rank == 0 and fresh and not os.environ.get(PREFLIGHT_SHOWN_ENV):
+    if shows:
         log.info("%s", checked.summary())
         for w in checked.warnings:
             log.warning("warning: %s", w)
@@ -279,7 +280,7 @@ def serve_rollouts(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | No
     for the trainer until it says stop. Returns what it did."""
     follow_parent()
     rank, world, _ = torchrun_env()
-    checked = checked or preflight(cfg, world)
+    checked = checked or preflight(cfg, world, warn=False)
     freeze(cfg)
     task, model_cfg = checked.task, checked.model
     rng.seed_process(cfg.run.seed)

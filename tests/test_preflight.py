@@ -94,6 +94,8 @@ def test_data_the_tokenizer_cannot_encode_is_named(tmp_path, spm_model):
     assert "cannot be earned" in answers
     ok = preflight(_file_cfg(tmp_path, spm_model, [records[0], records[2]]), 1)
     assert ok.warnings == []
+    # a rank that does not print them does not look (run.setup: rank 0 of a plain torchrun)
+    assert preflight(_file_cfg(tmp_path, spm_model, records), 1, warn=False).warnings == []
 
 
 def _chat_tokenizer(path: Path) -> str:
