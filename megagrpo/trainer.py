@@ -324,8 +324,8 @@ class Trainer:
                         "(lag up to %d): %s (rollout.stale_policy=%s)", self.step_idx + 1, n_over,
                         k, int(lags.max()), "dropped from the loss" if policy == "drop"
                         else "their loss scaled by (k + 1) / (lag + 1)", policy)
-        if n_over and policy == "drop":
-            batch.mask = batch.mask & ~self._rows(batch, over)[:, None]
+        if n_over and policy == "drop":  # batch.lags: the same lags, one per row
+            batch.mask = batch.mask & ~over_stale(batch.lags, k)[:, None]
 
     def _stale_scale(self, batch: Batch) -> torch.Tensor | None:
         """rollout.stale_policy=weight: the per-row loss scale [N] of this replica's rows
