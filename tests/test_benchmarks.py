@@ -384,13 +384,14 @@ def test_grpo_step_benchmark_one_rank_one_step(tmp_path):
     reused: compute.reuse_equal_reference), so its FLOPs are 1/3 of the update's (3 x one
     forward)."""
     (row,) = _run("grpo_step.py", "--workload", "demo", "--nprocs", "1", "--warmup", "1",
-                  "--steps", "1", "--set", "data.batch_size=8", "--out", str(tmp_path / "g.jsonl"),
+                  "--steps", "1", "--set", "data.batch_size=8", "--set",
+                  "compute.compile_layers=false", "--out", str(tmp_path / "g.jsonl"),
                   timeout=900)
     assert row["gen_tokens_per_s"] > 0 and row["nproc"] == 1 and row["workload"] == "demo"
     assert 0 <= row["padded_token_share"] < 1 and row["gemm_gflops"] > 0
     from megagrpo.machine import cpu_name
 
-    assert row["cpu"] == cpu_name() and row["compile_s"] is None  # layers eager by default
+    assert row["cpu"] == cpu_name() and row["compile_s"] is None  # layers eager (set)
     assert len(row["warmup_step_s"]) == 1 and row["warmup_step_s"][0] > 0
     assert 0 < row["mfu_update"] < 1.5 and 0 < row["mfu_score"] < 1.5
     assert row["padded_token_share"] == round(
@@ -431,7 +432,8 @@ def test_grpo_step_benchmark_varlen_smallest(tmp_path):
     """varlen at 2 prompts x G=8: lengths vary and stay within max_tokens; padding is counted
     from the micro-batches as the update processed them."""
     (row,) = _run("grpo_step.py", "--workload", "varlen", "--nprocs", "1", "--warmup", "0",
-                  "--steps", "1", "--set", "data.batch_size=2", "--out", "", timeout=900)
+                  "--steps", "1", "--set", "data.batch_size=2", "--set",
+                  "compute.compile_layers=false", "--out", "", timeout=900)
     assert row["workload"] == "varlen" and row["max_tokens"] == 96
     assert 1 <= row["completion_len_mean"] <= row["completion_len_max"] <= 96
     assert 0 <= row["padded_token_share"] < 1 and 0 < row["mfu_update"] < 1.5
@@ -444,7 +446,8 @@ def test_profile_step_smallest(tmp_path):
     scoring has neither."""
     out = tmp_path / "p.json"
     (row,) = _run("profile_step.py", "--workload", "demo", "--warmup", "0", "--steps", "1",
-                  "--set", "data.batch_size=8", "--out", str(out), timeout=900)
+                  "--set", "data.batch_size=8", "--set", "compute.compile_layers=false",
+                  "--out", str(out), timeout=900)
     assert json.loads(out.read_text()) == row
     for phase in ("update", "score"):
         share = row[phase]["share"]
