@@ -335,6 +335,14 @@ def table(rec: dict) -> str:
     return "\n".join(lines)
 
 
+def _compiled_label(rec: dict) -> str:
+    """', layers compiled' / ', eager' where the profile set compute.compile_layers."""
+    for kv in rec.get("overrides", []):
+        if kv.startswith("compute.compile_layers="):
+            return ", layers compiled" if kv.endswith("=true") else ", eager"
+    return ""
+
+
 def markdown(recs: list[dict]) -> str:
     """The docs table of saved profiles (`--table FILE ...`): per workload and phase the
     share of each kernel row, the GEMMs' rate, the floor fraction under the profiler, and
@@ -350,7 +358,7 @@ def markdown(recs: list[dict]) -> str:
                 continue  # no such pass (smollm2 at beta 0 scores nothing)
             sh = k["share"]
             bound = ph["mfu"] / sh["gemm"] if sh["gemm"] else None
-            cells = [f"{rec['workload']} {rec['dtype']}", phase,
+            cells = [f"{rec['workload']} {rec['dtype']}{_compiled_label(rec)}", phase,
                      f"{ph['seconds']['total']:.3f}", f"{100 * sh['gemm']:.0f}%",
                      f"{100 * k['gemm_rate_frac']:.0f}%",
                      *(f"{100 * sh[r]:.0f}%" for r in KERNEL_ROWS[1:]),
