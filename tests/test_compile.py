@@ -85,6 +85,8 @@ def test_auto_rule():
                                  steps=n)
     assert not compile_layers_on(c, _dense(64), par, lora=False, cuda=False, steps=n - 1)
     assert not compile_layers_on(c, _dense(64), par, lora=False, cuda=True, steps=n)
+    assert not compile_layers_on(c, _dense(64, dtype="bfloat16"), par, lora=False, cuda=False,
+                                 steps=n)
     assert not compile_layers_on(c, _dense(64), par, lora=True, cuda=False, steps=n)
     moe = _dense(64, architecture="qwen3_moe", num_experts=4, moe_ffn_hidden_size=64)
     assert not compile_layers_on(c, moe, par, lora=False, cuda=False, steps=n)

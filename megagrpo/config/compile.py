@@ -39,11 +39,12 @@ def compile_blocker(compute, model: ModelConfig, parallel: ParallelConfig,
 
 def compile_layers_on(compute, model: ModelConfig, parallel: ParallelConfig, *, lora: bool,
                       cuda: bool, steps: int) -> bool:
-    """Whether the layers are compiled: compute.compile_layers, 'auto' resolved (CPU, no
-    blocker, hidden_size <= AUTO_MAX_HIDDEN, `steps` >= AUTO_MIN_STEPS)."""
+    """Whether the layers are compiled: compute.compile_layers, 'auto' resolved (CPU, fp32,
+    no blocker, hidden_size <= AUTO_MAX_HIDDEN, `steps` >= AUTO_MIN_STEPS)."""
     if compute.compile_layers == "auto":
         return (not cuda and compile_blocker(compute, model, parallel, lora) is None
-                and model.hidden_size <= AUTO_MAX_HIDDEN and steps >= AUTO_MIN_STEPS)
+                and model.dtype == "float32" and model.hidden_size <= AUTO_MAX_HIDDEN
+                and steps >= AUTO_MIN_STEPS)
     return bool(compute.compile_layers)
 
 
@@ -51,6 +52,8 @@ def auto_reason(model: ModelConfig, steps: int, cuda: bool) -> str:
     """Why 'auto' left the layers eager on a config without a blocker (console)."""
     if cuda:
         return "auto compiles on CPU only (not measured on GPUs)"
+    if model.dtype != "float32":
+        return f"auto compiles float32 models only (measured there; this one is {model.dtype})"
     if model.hidden_size > AUTO_MAX_HIDDEN:
         return (f"auto compiles up to hidden_size {AUTO_MAX_HIDDEN}: measured no faster at "
                 "512-576, benchmarks/results/compile_ab_cpu.jsonl")
