@@ -205,22 +205,23 @@ def sp_table(records: list[dict]) -> str:
 def compile_table(records: list[dict]) -> str:
     """grpo_step.py --compile-ab lines, one row each: the model, the eager and the compiled
     steps' score, update and step seconds (means of the alternated steps of one process), the
-    compile seconds the first steps paid, and the steps a run needs to repay them; the load and
-    the CPU."""
+    compiled / eager ratio of score + update (the passes the compile touches; the rollout
+    varies with what was sampled), the compile seconds the first steps paid and the steps a run
+    needs to repay them from the score + update saved; the load and the CPU."""
     lines = ["| workload | model (hidden x layers, vocab) | steps each | score s, eager -> "
-             "compiled | update s | step s | compiled / eager step | compile s (first "
-             "steps) | steps to repay | load | CPU |", "|---" * 11 + "|"]
+             "compiled | update s | step s | compiled / eager, score + update | compile s "
+             "(first steps) | steps to repay | load | CPU |", "|---" * 11 + "|"]
     for r in records:
         if not r.get("compile_ab") or "skipped" in r:
             continue
         e, m = r["eager"], r["model"]
-        gain = e["step_s"] - r["step_s"]
-        repay = f"{r['compile_s'] / gain:.0f}" if gain > 0 else "never"
+        eager, compiled = (x["time_score_s"] + x["time_update_s"] for x in (e, r))
+        repay = f"{r['compile_s'] / (eager - compiled):.0f}" if compiled < eager else "never"
         lines.append(
             f"| {r['workload']} | {m['hidden']} x {m['layers']}, {m['vocab']} | {r['steps']} "
             f"| {e['time_score_s']:.3f} -> {r['time_score_s']:.3f} "
             f"| {e['time_update_s']:.3f} -> {r['time_update_s']:.3f} "
-            f"| {e['step_s']:.3f} -> {r['step_s']:.3f} | {r['step_s'] / e['step_s']:.2f} "
+            f"| {e['step_s']:.3f} -> {r['step_s']:.3f} | {compiled / eager:.2f} "
             f"| {r['compile_s']:.1f} | {repay} | {r['loadavg_1m']:.2f} | {r['cpu']} |")
     return "\n".join(lines)
 

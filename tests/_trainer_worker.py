@@ -29,7 +29,7 @@ def make_config(work):
         "compute.micro_batch_size=8", "compute.kernel_impl=torch", f"run.out_dir={work}/run",
         "run.steps=100", "log.progress=false", "log.tensorboard=false",
         # eager layers: the workers compare paths, not the compile (tests/test_compile.py);
-        # compute.compile_layers=auto would compile at tp=1 in a 100-step run
+        # (workers that set tp = pp = 1 and run.steps >= 200 would compile under auto)
         "compute.compile_layers=false",
     ])
 

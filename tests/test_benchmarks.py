@@ -1010,20 +1010,21 @@ def test_performance_doc_compile_ab_table_is_the_report():
 
 
 def test_compile_table_rows():
-    """report.compile_table: the eager -> compiled seconds of each --compile-ab line, their
-    ratio, and the steps that repay the compile (compile s / seconds saved a step; 'never'
-    where the compiled step is not faster); other lines are not rows."""
+    """report.compile_table: the eager -> compiled seconds of each --compile-ab line, the ratio
+    of score + update, and the steps that repay the compile (compile s / score + update
+    seconds saved a step; 'never' where they are not faster, whatever the rollout did);
+    other lines are not rows."""
     report = _bench_module("report")
     rec = dict(system="megagrpo", workload="demo", compile_ab=True, steps=4, compile_s=12.0,
                time_score_s=0.1, time_update_s=0.2, step_s=0.5, loadavg_1m=1.0, cpu="X",
                model=dict(hidden=128, layers=4, vocab=19),
                eager=dict(time_score_s=0.2, time_update_s=0.3, step_s=0.6))
-    slower = dict(rec, step_s=0.7, workload="midsize")
+    slower = dict(rec, step_s=0.4, time_update_s=0.45, workload="midsize")
     rows = report.compile_table([rec, slower, dict(rec, compile_ab=False)]).splitlines()[2:]
     assert rows == [
-        "| demo | 128 x 4, 19 | 4 | 0.200 -> 0.100 | 0.300 -> 0.200 | 0.600 -> 0.500 | 0.83 "
-        "| 12.0 | 120 | 1.00 | X |",
-        "| midsize | 128 x 4, 19 | 4 | 0.200 -> 0.100 | 0.300 -> 0.200 | 0.600 -> 0.700 | 1.17 "
+        "| demo | 128 x 4, 19 | 4 | 0.200 -> 0.100 | 0.300 -> 0.200 | 0.600 -> 0.500 | 0.60 "
+        "| 12.0 | 60 | 1.00 | X |",
+        "| midsize | 128 x 4, 19 | 4 | 0.200 -> 0.100 | 0.300 -> 0.450 | 0.600 -> 0.400 | 1.10 "
         "| 12.0 | never | 1.00 | X |"]
 
 

@@ -7,15 +7,15 @@ from megagrpo.config.model import ModelConfig, ParallelConfig
 AUTO_MAX_HIDDEN = 256
 """'auto' compiles dense models up to this width: whole GRPO steps with the layers compiled and
 eager, alternated in one process (`benchmarks/grpo_step.py --compile-ab`,
-benchmarks/results/compile_ab_cpu.jsonl, a 2-core AMD EPYC), ran 0.75-0.95x the eager step at
-hidden 64-256 (per-op overhead and element-wise work are much of a small layer's pass, and
-fusing them is what compiling buys) and 1.02x and slower at 512-576, where the GEMMs set the
-time and the compiled graph brings nothing."""
+benchmarks/results/compile_ab_cpu.jsonl, a 2-core AMD EPYC), spent 0.70-0.84x the eager
+scoring + update at hidden 64-256 (per-op overhead and element-wise work are much of a small
+layer's pass, and fusing them is what compiling buys), 0.97x at 512 and 1.05-1.52x (slower) on
+SmolLM2's 30 layers of 576, where the GEMMs set the time."""
 
-AUTO_MIN_STEPS = 100
+AUTO_MIN_STEPS = 200
 """... in runs of at least this many optimizer steps (run.steps + cold_start.steps): the first
-steps pay 10-15 s of compile on 2 cores, repaid after 20-80 steps at those widths (the table's
-"steps to repay"; 370 at hidden 64, where vLLM's rollout is most of the step)."""
+steps pay 10-15 s of compile on 2 cores, repaid after 20-173 steps at those widths (the
+table's "steps to repay")."""
 
 
 def compile_blocker(compute, model: ModelConfig, parallel: ParallelConfig,

@@ -97,7 +97,7 @@ class ComputeConfig(Section):
     and the scoring passes (`megagrpo.compile`): fuses RMSNorm, RoPE, SwiGLU and the residual
     adds, same gradients to float rounding; the first steps pay the compile (10-15 s on 2
     cores). 'auto' (default): on where whole steps were measured faster, dense fp32 models on
-    CPU up to hidden_size 256 in runs of 100 steps or more (`megagrpo.config.compile`,
+    CPU up to hidden_size 256 in runs of 200 steps or more (`megagrpo.config.compile`,
     docs/performance.md "Compiled layers"), off elsewhere; true; false."""
 
     recompute: str = "none"
