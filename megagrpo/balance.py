@@ -140,12 +140,64 @@ def balance_batch(batch: Batch, *, num_minibatches: int, per_micro: int, pad_id:
     gathered = [lens] if dp == 1 else [None] * dp
     if dp > 1:
         dist.all_gather_object(gathered, lens, group=group)
-    if not enabled or dp == 1:
+    if not enabled or dp == 1 or not _improves(gathered):
         v = imbalance([float(sum(map(sum, g))) for g in gathered])
         return batch, {"token_imbalance": v, "token_imbalance_before": v}
-    parts = [None] * dp
-    dist.all_gather_object(parts, [_rows_of(batch, block) for block in mine], group=group)
+    packed = [None] * dp  # one tensor a field per replica: pickling rows one by one was the cost
+    dist.all_gather_object(packed, _pack_rows(batch, mine), group=group)
+    parts = [_unpack_rows(p, g) for p, g in zip(packed, gathered)]
     return rebalance(parts, dp_rank=dp_rank, batch=batch, pad_id=pad_id, per_micro=per_micro)
+
+
+def _improves(gathered: list[list[list[int]]]) -> bool:
+    """Whether `rebalance`'s partition of these lengths (`gathered[d][k]`: replica d's real
+    rows' lengths in minibatch k) lowers the max replica load: the same decision it takes,
+    made before any row is sent."""
+    dp = len(gathered)
+    before, after = [0] * dp, [0] * dp
+    for k in range(len(gathered[0])):
+        weights = [w for src in range(dp) for w in gathered[src][k]]
+        for src in range(dp):
+            before[src] += sum(gathered[src][k])
+        for d, part in enumerate(lpt_partition(weights, dp)):
+            after[d] += sum(weights[i] for i in part)
+    return max(after) < max(before)
+
+
+def _pack_rows(batch: Batch, mine: list[list[int]]) -> dict[str, dict[str, torch.Tensor]]:
+    """This replica's real rows (`mine[k]`: minibatch k's row indices), field by field:
+    "rows": the per-row fields [rows]; "tokens": the per-token ones, each row cut to its
+    length and the rows laid end to end [sum of lengths, ...]. `_unpack_rows` undoes it."""
+    order = torch.tensor([r for block in mine for r in block], dtype=torch.long)
+    out: dict[str, dict[str, torch.Tensor]] = {"rows": {}, "tokens": {}}
+    for f in fields(batch):
+        v = getattr(batch, f.name)
+        if v is None:
+            continue
+        if v.dim() >= 2:
+            n = (batch.lengths[order] if batch.lengths is not None
+                 else torch.full((len(order),), v.shape[1]))
+            keep = torch.arange(v.shape[1])[None, :] < n[:, None]
+            out["tokens"][f.name] = v[order][keep]
+        else:
+            out["rows"][f.name] = v[order]
+    return out
+
+
+def _unpack_rows(packed: dict[str, dict[str, torch.Tensor]], lens: list[list[int]]
+                 ) -> list[list[dict]]:
+    """`_pack_rows`' fields back into row dicts per minibatch (`lens[k]`: the rows' lengths),
+    equal to what `_rows_of` gives (views into `packed`)."""
+    out, i, start = [], 0, 0
+    for block in lens:
+        rows = []
+        for n in block:
+            row = {name: v[i] for name, v in packed["rows"].items()}
+            row.update({name: v[start:start + n] for name, v in packed["tokens"].items()})
+            rows.append(row)
+            i, start = i + 1, start + n
+        out.append(rows)
+    return out
 
 
 def real_rows(batch: Batch, num_minibatches: int) -> list[list[int]]:

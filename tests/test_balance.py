@@ -167,3 +167,27 @@ def test_balance_note_says_why_it_stays_off():
     assert balance_note(False, loss_agg="bnpo", kl_in_reward=False, dp=2) is None
     assert "algo.loss_agg=bnpo" in balance_note(None, loss_agg="bnpo", kl_in_reward=False, dp=2)
     assert "algo.kl_in_reward" in balance_note(None, loss_agg="grpo", kl_in_reward=True, dp=4)
+
+
+@pytest.mark.parametrize("n_mini", [1, 2])
+def test_packed_exchange_rebuilds_the_rows_bit_for_bit(n_mini):
+    """What balance_batch sends (`_pack_rows`: one tensor a field, rows laid end to end)
+    unpacks to `_rows_of`'s row dicts exactly: the same fields, shapes, dtypes and values, so
+    the rebalanced batch is the one the row-by-row exchange built; `_improves` takes
+    `rebalance`'s keep-or-move decision from the lengths alone."""
+    from megagrpo.balance import _improves, _pack_rows, _unpack_rows
+
+    reps = [_replica(s, n, 4, n_mini, sigma) for s, n, sigma in ((1, 13, 0.9), (2, 15, 1.2))]
+    for b in reps:
+        mine = real_rows(b, n_mini)
+        want = [_rows_of(b, block) for block in mine]
+        got = _unpack_rows(_pack_rows(b, mine), [[int(b.lengths[r]) for r in bl] for bl in mine])
+        assert [len(x) for x in got] == [len(x) for x in want]
+        for rg, rw in zip((r for x in got for r in x), (r for x in want for r in x)):
+            assert rg.keys() == rw.keys()
+            for name in rw:
+                assert rg[name].dtype == rw[name].dtype and torch.equal(rg[name], rw[name]), name
+    lens = [[[int(b.lengths[r]) for r in bl] for bl in real_rows(b, n_mini)] for b in reps]
+    assert _improves(lens)  # the lopsided pair above: rows move
+    same = [_replica(3, 6, 2, 1), _replica(3, 6, 2, 1)]
+    assert not _improves([[[int(b.lengths[r]) for r in real_rows(b, 1)[0]]] for b in same])
