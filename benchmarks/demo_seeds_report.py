@@ -24,12 +24,15 @@ def _load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-TAGS = {"target-epyc25": "AMD EPYC (family 25), AVX-512 + avx512_bf16",
+TAGS = {"compiled-epyc25-balanced": "AMD EPYC (family 25), AVX-512 + avx512_bf16, layers "
+                                   "compiled, the current balancing exchange",
+        "compiled-epyc25": "AMD EPYC (family 25), AVX-512 + avx512_bf16, layers compiled",
+        "target-epyc25": "AMD EPYC (family 25), AVX-512 + avx512_bf16, eager (before auto)",
         "target-epyc": "AMD EPYC, AVX-512 + avx512_bf16 (3 seeds at once, beside other jobs)"}
 """Run tag -> the CPU (and conditions) the table names, newest first."""
 
 
-def rows(results: Path = RESULTS, tag: str = "target-epyc25") -> list[dict]:
+def rows(results: Path = RESULTS, tag: str = "compiled-epyc25") -> list[dict]:
     """One dict per kept seed run of the current recipe with this tag, by seed."""
     out = []
     for p in sorted(results.glob(f"seed*-{tag}-summary.json")):
