@@ -64,7 +64,7 @@ def table(results: Path = RESULTS) -> str:
                 f"| {cpu} | {r['seed']} | {s['sft_steps']} -> {s['sft_eval_accuracy']:.3f} | "
                 f"{stop} | {s['eval_accuracy_after']:.3f} | "
                 f"{_minutes(run['wall_seconds_command'])} ({run['load_mean']:.1f}) |")
-        if finals:
+        if len(finals) > 1:
             lines.append(f"| {cpu} | spread | | | {min(finals):.3f} - {max(finals):.3f} | "
                          f"{_minutes(min(walls))} - {_minutes(max(walls))} |")
     return "\n".join(lines)
