@@ -208,9 +208,9 @@ def compile_table(records: list[dict]) -> str:
     compiled / eager ratio of score + update (the passes the compile touches; the rollout
     varies with what was sampled), the compile seconds the first steps paid and the steps a run
     needs to repay them from the score + update saved; the load and the CPU."""
-    lines = ["| workload | model (hidden x layers, vocab) | steps each | score s, eager -> "
-             "compiled | update s | step s | compiled / eager, score + update | compile s "
-             "(first steps) | steps to repay | load | CPU |", "|---" * 11 + "|"]
+    lines = ["| workload | ranks x prompts | model (hidden x layers, vocab) | steps each | score "
+             "s, eager -> compiled | update s | step s | compiled / eager, score + update | "
+             "compile s (first steps) | steps to repay | load | CPU |", "|---" * 12 + "|"]
     for r in records:
         if not r.get("compile_ab") or "skipped" in r:
             continue
@@ -218,7 +218,8 @@ def compile_table(records: list[dict]) -> str:
         eager, compiled = (x["time_score_s"] + x["time_update_s"] for x in (e, r))
         repay = f"{r['compile_s'] / (eager - compiled):.0f}" if compiled < eager else "never"
         lines.append(
-            f"| {r['workload']} | {m['hidden']} x {m['layers']}, {m['vocab']} | {r['steps']} "
+            f"| {r['workload']} | {r['nproc']} x {r['batch_prompts']} "
+            f"| {m['hidden']} x {m['layers']}, {m['vocab']} | {r['steps']} "
             f"| {e['time_score_s']:.3f} -> {r['time_score_s']:.3f} "
             f"| {e['time_update_s']:.3f} -> {r['time_update_s']:.3f} "
             f"| {e['step_s']:.3f} -> {r['step_s']:.3f} | {compiled / eager:.2f} "

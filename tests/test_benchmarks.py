@@ -1016,15 +1016,16 @@ def test_compile_table_rows():
     other lines are not rows."""
     report = _bench_module("report")
     rec = dict(system="megagrpo", workload="demo", compile_ab=True, steps=4, compile_s=12.0,
+               nproc=2, batch_prompts=64,
                time_score_s=0.1, time_update_s=0.2, step_s=0.5, loadavg_1m=1.0, cpu="X",
                model=dict(hidden=128, layers=4, vocab=19),
                eager=dict(time_score_s=0.2, time_update_s=0.3, step_s=0.6))
     slower = dict(rec, step_s=0.4, time_update_s=0.45, workload="midsize")
     rows = report.compile_table([rec, slower, dict(rec, compile_ab=False)]).splitlines()[2:]
     assert rows == [
-        "| demo | 128 x 4, 19 | 4 | 0.200 -> 0.100 | 0.300 -> 0.200 | 0.600 -> 0.500 | 0.60 "
+        "| demo | 2 x 64 | 128 x 4, 19 | 4 | 0.200 -> 0.100 | 0.300 -> 0.200 | 0.600 -> 0.500 | 0.60 "
         "| 12.0 | 60 | 1.00 | X |",
-        "| midsize | 128 x 4, 19 | 4 | 0.200 -> 0.100 | 0.300 -> 0.450 | 0.600 -> 0.400 | 1.10 "
+        "| midsize | 2 x 64 | 128 x 4, 19 | 4 | 0.200 -> 0.100 | 0.300 -> 0.450 | 0.600 -> 0.400 | 1.10 "
         "| 12.0 | never | 1.00 | X |"]
 
 
