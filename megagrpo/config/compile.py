@@ -42,14 +42,14 @@ def compile_layers_on(compute, model: ModelConfig, parallel: ParallelConfig, *, 
     """Whether the layers are compiled: compute.compile_layers, 'auto' resolved (CPU, fp32,
     no blocker, hidden_size <= AUTO_MAX_HIDDEN, `steps` >= AUTO_MIN_STEPS)."""
     if compute.compile_layers == "auto":
-        return (not cuda and compile_blocker(compute, model, parallel, lora) is None
-                and model.dtype == "float32" and model.hidden_size <= AUTO_MAX_HIDDEN
-                and steps >= AUTO_MIN_STEPS)
+        return (compile_blocker(compute, model, parallel, lora) is None
+                and auto_reason(model, steps, cuda) is None)
     return bool(compute.compile_layers)
 
 
-def auto_reason(model: ModelConfig, steps: int, cuda: bool) -> str:
-    """Why 'auto' left the layers eager on a config without a blocker (console)."""
+def auto_reason(model: ModelConfig, steps: int, cuda: bool) -> str | None:
+    """Why 'auto' leaves the layers of a config without a blocker eager (console), None where
+    it compiles them: the rule itself."""
     if cuda:
         return "auto compiles on CPU only (not measured on GPUs)"
     if model.dtype != "float32":
@@ -57,8 +57,11 @@ def auto_reason(model: ModelConfig, steps: int, cuda: bool) -> str:
     if model.hidden_size > AUTO_MAX_HIDDEN:
         return (f"auto compiles up to hidden_size {AUTO_MAX_HIDDEN}: measured no faster at "
                 "512-576, benchmarks/results/compile_ab_cpu.jsonl")
-    return (f"auto compiles runs of {AUTO_MIN_STEPS} steps or more (run.steps + "
-            f"cold_start.steps = {steps}): a shorter one does not repay the first step's compile")
+    if steps < AUTO_MIN_STEPS:
+        return (f"auto compiles runs of {AUTO_MIN_STEPS} steps or more (run.steps + "
+                f"cold_start.steps = {steps}): a shorter one does not repay the first step's "
+                "compile")
+    return None
 
 
 def check_compile(compute, model: ModelConfig, parallel: ParallelConfig, lora: bool) -> None:
