@@ -149,18 +149,28 @@ def balance_batch(batch: Batch, *, num_minibatches: int, per_micro: int, pad_id:
     return rebalance(parts, dp_rank=dp_rank, batch=batch, pad_id=pad_id, per_micro=per_micro)
 
 
+def _plan(lengths: list[list[list[int]]]) -> tuple[list, list[int], list[int]]:
+    """The LPT partition of every minibatch (`lengths[d][k]`: replica d's real rows' lengths in
+    minibatch k): per minibatch its items [(source replica, row)] and each replica's item
+    indices; the replica loads before and after."""
+    dp = len(lengths)
+    before, after, plan = [0] * dp, [0] * dp, []
+    for k in range(len(lengths[0])):
+        items = [(src, j) for src in range(dp) for j in range(len(lengths[src][k]))]
+        weights = [lengths[src][k][j] for src, j in items]
+        assignment = lpt_partition(weights, dp)
+        for (src, _), w in zip(items, weights):
+            before[src] += w
+        for d in range(dp):
+            after[d] += sum(weights[i] for i in assignment[d])
+        plan.append((items, assignment))
+    return plan, before, after
+
+
 def _improves(gathered: list[list[list[int]]]) -> bool:
-    """Whether `rebalance`'s partition of these lengths (`gathered[d][k]`: replica d's real
-    rows' lengths in minibatch k) lowers the max replica load: the same decision it takes,
-    made before any row is sent."""
-    dp = len(gathered)
-    before, after = [0] * dp, [0] * dp
-    for k in range(len(gathered[0])):
-        weights = [w for src in range(dp) for w in gathered[src][k]]
-        for src in range(dp):
-            before[src] += sum(gathered[src][k])
-        for d, part in enumerate(lpt_partition(weights, dp)):
-            after[d] += sum(weights[i] for i in part)
+    """Whether `rebalance`'s partition of these lengths lowers the max replica load: the same
+    decision it takes, made before any row is sent."""
+    _, before, after = _plan(gathered)
     return max(after) < max(before)
 
 
@@ -174,10 +184,8 @@ def _pack_rows(batch: Batch, mine: list[list[int]]) -> dict[str, dict[str, torch
         v = getattr(batch, f.name)
         if v is None:
             continue
-        if v.dim() >= 2:
-            n = (batch.lengths[order] if batch.lengths is not None
-                 else torch.full((len(order),), v.shape[1]))
-            keep = torch.arange(v.shape[1])[None, :] < n[:, None]
+        if v.dim() >= 2:  # balance_batch reads batch.lengths: every balanced batch has them
+            keep = torch.arange(v.shape[1])[None, :] < batch.lengths[order][:, None]
             out["tokens"][f.name] = v[order][keep]
         else:
             out["rows"][f.name] = v[order]
@@ -213,17 +221,10 @@ def rebalance(parts: list[list[list[dict]]], *, dp_rank: int, batch: Batch, pad_
     in minibatch k, `batch` replica `dp_rank`'s own; returns its new batch and the imbalance
     metrics. Where the partition would not lower the max replica load (LPT is within 4/3 of
     the optimum, not always below a lucky split), every replica keeps its own batch."""
-    dp, n_mini = len(parts), len(parts[0])
-    before, after, blocks = [0.0] * dp, [0.0] * dp, []
-    for k in range(n_mini):
-        items = [(src, j) for src in range(dp) for j in range(len(parts[src][k]))]
-        weights = [int(parts[src][k][j]["lengths"]) for src, j in items]
-        assignment = lpt_partition(weights, dp)
-        for (src, _), w in zip(items, weights):
-            before[src] += w
-        for d in range(dp):
-            after[d] += sum(weights[i] for i in assignment[d])
-        blocks.append([parts[items[i][0]][k][items[i][1]] for i in assignment[dp_rank]])
+    plan, before, after = _plan([[[int(r["lengths"]) for r in block] for block in rows]
+                                 for rows in parts])
+    blocks = [[parts[items[i][0]][k][items[i][1]] for i in assignment[dp_rank]]
+              for k, (items, assignment) in enumerate(plan)]
     if max(after) >= max(before):  # the same decision on every rank: the same loads
         v = imbalance(before)
         return batch, {"token_imbalance": v, "token_imbalance_before": v}
