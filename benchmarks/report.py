@@ -202,28 +202,61 @@ def sp_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def auto_work_step(rec: dict) -> float:
+    """The token passes a layer of one GRPO step of a --compile-ab line's run, as
+    compute.compile_layers=auto prices them (`megagrpo.config.compile.run_work`): the line's
+    own `auto_work_step`, or for older lines the rule applied to the workload's config, with
+    the prompts' mean length taken from the tokens the update processed."""
+    if "auto_work_step" in rec:
+        return rec["auto_work_step"]
+    import sys
+
+    from megagrpo.config.compile import run_work
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _workloads as W
+
+    cfg = W.base_config(W.get_workload(rec["workload"]), rec["dtype"], rec["overrides"])
+    prompt = (rec["processed_tokens_update"] / (rec["batch_prompts"] * rec["group_size"])
+              - rec["completion_len_mean"])
+    return run_work(cfg, rec["dp"], prompt, 0.0).grpo_step
+
+
+def saved_per_unit(rec: dict) -> float:
+    """Score + update seconds a --compile-ab line's compiled step saved per token pass, layer
+    and unit of hidden_size (`auto_work_step`): what 'auto' calls AUTO_SAVED_S."""
+    m = rec["model"]
+    saved = sum(rec["eager"][f"time_{p}_s"] - rec[f"time_{p}_s"] for p in ("score", "update"))
+    return saved / (auto_work_step(rec) * m["layers"] * m["hidden"])
+
+
 def compile_table(records: list[dict]) -> str:
     """grpo_step.py --compile-ab lines, one row each: the model, the eager and the compiled
     steps' score, update and step seconds (means of the alternated steps of one process), the
     compiled / eager ratio of score + update (the passes the compile touches; the rollout
-    varies with what was sampled), the compile seconds the first steps paid and the steps a run
+    varies with what was sampled), the seconds saved per token pass, layer and unit of hidden
+    size (`saved_per_unit`), the compile seconds the first steps paid and the steps a run
     needs to repay them from the score + update saved; the load and the CPU."""
-    lines = ["| workload | ranks x prompts | model (hidden x layers, vocab) | steps each | score "
-             "s, eager -> compiled | update s | step s | compiled / eager, score + update | "
-             "compile s (first steps) | steps to repay | load | CPU |", "|---" * 12 + "|"]
+    lines = ["| workload | ranks x prompts x G | model (hidden x layers, vocab) | steps each "
+             "| score s, eager -> compiled | update s | step s | compiled / eager, score + "
+             "update | saved s / (token pass x layer x hidden) | compile s (first steps) "
+             "| steps to repay | load | CPU |", "|---" * 13 + "|"]
     for r in records:
         if not r.get("compile_ab") or "skipped" in r:
             continue
         e, m = r["eager"], r["model"]
         eager, compiled = (x["time_score_s"] + x["time_update_s"] for x in (e, r))
         repay = f"{r['compile_s'] / (eager - compiled):.0f}" if compiled < eager else "never"
+        file_data = ", prompts from a file" if "data.task=file" in r["overrides"] else ""
         lines.append(
-            f"| {r['workload']} | {r['nproc']} x {r['batch_prompts']} "
+            f"| {r['workload']}{file_data} "
+            f"| {r['nproc']} x {r['batch_prompts']} x {r['group_size']} "
             f"| {m['hidden']} x {m['layers']}, {m['vocab']} | {r['steps']} "
             f"| {e['time_score_s']:.3f} -> {r['time_score_s']:.3f} "
             f"| {e['time_update_s']:.3f} -> {r['time_update_s']:.3f} "
             f"| {e['step_s']:.3f} -> {r['step_s']:.3f} | {compiled / eager:.2f} "
-            f"| {r['compile_s']:.1f} | {repay} | {r['loadavg_1m']:.2f} | {r['cpu']} |")
+            f"| {saved_per_unit(r):.1e} | {r['compile_s']:.1f} | {repay} "
+            f"| {r['loadavg_1m']:.2f} | {r['cpu']} |")
     return "\n".join(lines)
 
 

@@ -28,13 +28,19 @@ from megagrpo.checkpoint import (
 from megagrpo.cold_start import cold_start
 from megagrpo.compile import compile_layers, compiled_layers
 from megagrpo.compile import summary as compile_summary
-from megagrpo.config.compile import auto_reason, compile_blocker, compile_layers_on
+from megagrpo.config.compile import (
+    auto_note,
+    auto_reason,
+    compile_blocker,
+    compile_layers_on,
+    run_work,
+)
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.section import freeze
 from megagrpo.config.train import TrainConfig
 from megagrpo.console import PREFLIGHT_SHOWN_ENV, attach_log_file, summary_table, what_runs
-from megagrpo.data import PromptLoader
+from megagrpo.data import PromptLoader, mean_tokens
 from megagrpo.distributed import init_distributed, torchrun_env, training_layout
 from megagrpo.engine import VLLMEngine
 from megagrpo.eval_target import EvalTarget
@@ -53,6 +59,7 @@ from megagrpo.rewards import RewardFn
 from megagrpo.rng import RankRng
 from megagrpo.rollout import RolloutCollector
 from megagrpo.run_dir import check_out_dir
+from megagrpo.tasks import Task
 from megagrpo.trainer import BadStepsError, TokenIds, Trainer
 from megagrpo.watchdog import Watchdog, start_watchdog
 
@@ -111,7 +118,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                                          cfg.lora, lora_refit.unavailable(
                                              cfg.lora, cfg.rollout.tensor_parallel_size,
                                              model_cfg, on_cpu=lora_refit.vllm_on_cpu())))
-    compiled = _compile_layers(cfg, model_cfg, gpt, rank)
+    compiled = _compile_layers(cfg, model_cfg, gpt, rank, task, info.dp)
     policy = wrap_ddp(gpt, cfg.optim)
     optimizer = build_optimizer(policy, cfg.optim)
     reference = _reference(cfg, policy, model_cfg)
@@ -156,21 +163,26 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     return tr
 
 
-def _compile_layers(cfg: TrainConfig, model_cfg: ModelConfig, gpt, rank: int) -> int:
+def _compile_layers(cfg: TrainConfig, model_cfg: ModelConfig, gpt, rank: int, task: Task,
+                    dp: int) -> int:
     """compute.compile_layers: the policy's layers compiled (the reference's follow); one
-    console line says whether, and why not where 'auto' leaves them eager."""
+    console line says whether, and what 'auto' weighed (the run's work against the compile)."""
     import torch
 
-    steps, cuda = cfg.run.steps + cfg.cold_start.steps, torch.cuda.is_available()
+    cuda = torch.cuda.is_available()
+    work = run_work(cfg, dp, *mean_tokens(task.train, task.tokenizer))
     on = compile_layers_on(cfg.compute, model_cfg, cfg.parallel, lora=cfg.lora.enabled,
-                           cuda=cuda, steps=steps)
+                           cuda=cuda, work=work)
     n = compile_layers(gpt) if on else 0
     if rank == 0 and cfg.compute.compile_layers is not False:  # set off: no line
         why = compile_blocker(cfg.compute, model_cfg, cfg.parallel, cfg.lora.enabled)
+        auto = cfg.compute.compile_layers == "auto"
         log.info("compute.compile_layers=%s: %s", str(cfg.compute.compile_layers).lower(),
                  f"{n} layers torch.compile'd (inductor, dynamic shapes; compiled in the first "
-                 "steps)" if on else "layers run eagerly (" + (
-                     f"needs {why}" if why else auto_reason(model_cfg, steps, cuda)) + ")")
+                 "steps" + (f"; {auto_note(model_cfg, cfg.parallel, work)})" if auto else ")")
+                 if on else "layers run eagerly (" + (
+                     f"needs {why}" if why
+                     else auto_reason(model_cfg, cfg.parallel, work, cuda)) + ")")
     return n
 
 

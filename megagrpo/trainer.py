@@ -419,8 +419,7 @@ class Trainer:
         loss runs). Rows that will never train need no old log-probs (KL-in-reward needs
         every row's)."""
         a = self.cfg.algo
-        need_old = (a.mu > 1 or a.num_minibatches > 1 or async_batch or a.rollout_is != "none"
-                    or self.kl_in_reward)
+        need_old = a.needs_old_logprobs(async_batch=async_batch, kl_in_reward=self.kl_in_reward)
         rows = None if self.kl_in_reward else self.passes.gradient_rows(batch,
                                                                         self.loss_has_kl())
         out = ScoreResult(rows=rows, needed=need_old)

@@ -1011,22 +1011,51 @@ def test_performance_doc_compile_ab_table_is_the_report():
 
 def test_compile_table_rows():
     """report.compile_table: the eager -> compiled seconds of each --compile-ab line, the ratio
-    of score + update, and the steps that repay the compile (compile s / score + update
-    seconds saved a step; 'never' where they are not faster, whatever the rollout did);
-    other lines are not rows."""
+    of score + update, the seconds saved per token pass, layer and unit of hidden size (auto's
+    AUTO_SAVED_S), and the steps that repay the compile (compile s / score + update seconds
+    saved a step; 'never' where they are not faster, whatever the rollout did); other lines
+    are not rows."""
     report = _bench_module("report")
     rec = dict(system="megagrpo", workload="demo", compile_ab=True, steps=4, compile_s=12.0,
-               nproc=2, batch_prompts=64,
+               nproc=2, batch_prompts=64, group_size=8, overrides=[], auto_work_step=1000.0,
                time_score_s=0.1, time_update_s=0.2, step_s=0.5, loadavg_1m=1.0, cpu="X",
                model=dict(hidden=128, layers=4, vocab=19),
                eager=dict(time_score_s=0.2, time_update_s=0.3, step_s=0.6))
-    slower = dict(rec, step_s=0.4, time_update_s=0.45, workload="midsize")
+    slower = dict(rec, step_s=0.4, time_update_s=0.45, workload="midsize",
+                  overrides=["data.task=file"])
     rows = report.compile_table([rec, slower, dict(rec, compile_ab=False)]).splitlines()[2:]
-    assert rows == [
-        "| demo | 2 x 64 | 128 x 4, 19 | 4 | 0.200 -> 0.100 | 0.300 -> 0.200 | 0.600 -> 0.500 "
-        "| 0.60 | 12.0 | 60 | 1.00 | X |",
-        "| midsize | 2 x 64 | 128 x 4, 19 | 4 | 0.200 -> 0.100 | 0.300 -> 0.450 "
-        "| 0.600 -> 0.400 | 1.10 | 12.0 | never | 1.00 | X |"]
+    assert rows == [  # 0.2 s saved / (1000 x 4 x 128)
+        "| demo | 2 x 64 x 8 | 128 x 4, 19 | 4 | 0.200 -> 0.100 | 0.300 -> 0.200 "
+        "| 0.600 -> 0.500 | 0.60 | 3.9e-07 | 12.0 | 60 | 1.00 | X |",
+        "| midsize, prompts from a file | 2 x 64 x 8 | 128 x 4, 19 | 4 | 0.200 -> 0.100 "
+        "| 0.300 -> 0.450 | 0.600 -> 0.400 | 1.10 | -9.8e-08 | 12.0 | never | 1.00 | X |"]
+
+
+def test_auto_work_step_of_older_lines_is_the_rule_on_the_workload():
+    """A --compile-ab line without `auto_work_step` is priced by compile_layers=auto's own
+    rule on the workload's config: the demo (1 rank, 32 prompts x G=8, max_tokens 6, beta > 0
+    with 4 minibatches: a reference and an old-log-prob forward + one update, 5 passes), its
+    prompts' mean length from the update's tokens less the completions' mean."""
+    report = _bench_module("report")
+    rec = dict(workload="demo", dtype="float32", overrides=[], batch_prompts=32, group_size=8,
+               dp=1, processed_tokens_update=256 * 12.0, completion_len_mean=5.0)
+    assert report.auto_work_step(rec) == pytest.approx(256 * (7.0 + 6) * 5)
+    assert report.auto_work_step(dict(rec, auto_work_step=7.0)) == 7.0
+
+
+def test_compile_auto_constants_stand_on_the_compile_ab_rows():
+    """compute.compile_layers=auto's prices are the measurements': AUTO_SAVED_S no more than
+    any committed --compile-ab row at hidden <= AUTO_MAX_HIDDEN saved per token pass, layer and
+    unit of hidden, AUTO_COMPILE_S no less than any compile those rows paid."""
+    from megagrpo.config.compile import AUTO_COMPILE_S, AUTO_MAX_HIDDEN, AUTO_SAVED_S
+
+    report = _bench_module("report")
+    rows = [r for r in report.read_records(BENCH / "results" / "compile_ab_cpu.jsonl")
+            if r.get("compile_ab") and "skipped" not in r
+            and r["model"]["hidden"] <= AUTO_MAX_HIDDEN]
+    assert len(rows) >= 5
+    assert AUTO_SAVED_S <= min(report.saved_per_unit(r) for r in rows)
+    assert AUTO_COMPILE_S >= max(r["compile_s"] for r in rows)
 
 
 def test_performance_doc_demo_profile_table_is_the_profiles():

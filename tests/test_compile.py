@@ -8,11 +8,15 @@ import shutil
 import pytest
 
 from megagrpo.config.compile import (
+    AUTO_COMPILE_S,
     AUTO_MAX_HIDDEN,
-    AUTO_MIN_STEPS,
+    AUTO_SAVED_S,
+    RunWork,
+    auto_note,
     auto_reason,
     check_compile,
     compile_layers_on,
+    run_work,
 )
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.run import ComputeConfig
@@ -74,28 +78,68 @@ def _dense(hidden: int = 64, **kw) -> ModelConfig:
 
 
 def test_auto_rule():
-    """auto (the default): on for dense models up to AUTO_MAX_HIDDEN on CPU in runs of
-    AUTO_MIN_STEPS steps or more; off when wider, shorter, on CUDA, with LoRA, MoE or TP > 1;
-    the console's reason names the limit that left it off."""
-    c, par, n = ComputeConfig(), ParallelConfig(), AUTO_MIN_STEPS
+    """auto (the default): on for dense fp32 models up to AUTO_MAX_HIDDEN on CPU in a run whose
+    work would save more than AUTO_COMPILE_S at AUTO_SAVED_S a token pass, layer and unit of
+    hidden; off when that work falls short, wider, on CUDA, bf16, with LoRA, MoE or TP > 1; the
+    console's reason names the limit that left it off, with the figures it weighed."""
+    c, par = ComputeConfig(), ParallelConfig()
+    # 2 layers of 64: the break-even is AUTO_COMPILE_S / (2 x 64 x AUTO_SAVED_S) token passes
+    even = AUTO_COMPILE_S / (2 * 64 * AUTO_SAVED_S)
+    enough, short = RunWork(grpo_steps=100, grpo_step=even / 99), RunWork(grpo_steps=100,
+                                                                          grpo_step=even / 101)
     assert c.compile_layers == "auto"
-    assert compile_layers_on(c, _dense(AUTO_MAX_HIDDEN), par, lora=False, cuda=False, steps=n)
-    assert compile_layers_on(c, _dense(64), par, lora=False, cuda=False, steps=n)
+    assert compile_layers_on(c, _dense(64), par, lora=False, cuda=False, work=enough)
+    assert not compile_layers_on(c, _dense(64), par, lora=False, cuda=False, work=short)
+    # the cold start's passes count too; pipeline stages hold num_layers / pp layers each
+    cold = RunWork(grpo_steps=50, grpo_step=even / 101, cold_steps=50, cold_step=even / 99)
+    assert compile_layers_on(c, _dense(64), par, lora=False, cuda=False, work=cold)
+    assert not compile_layers_on(c, _dense(64), ParallelConfig(pp=2), lora=False, cuda=False,
+                                 work=enough)
+    wide = RunWork(grpo_steps=10**6, grpo_step=10**6)
+    assert compile_layers_on(c, _dense(AUTO_MAX_HIDDEN), par, lora=False, cuda=False, work=wide)
     assert not compile_layers_on(c, _dense(AUTO_MAX_HIDDEN + 64), par, lora=False, cuda=False,
-                                 steps=n)
-    assert not compile_layers_on(c, _dense(64), par, lora=False, cuda=False, steps=n - 1)
-    assert not compile_layers_on(c, _dense(64), par, lora=False, cuda=True, steps=n)
+                                 work=wide)
+    assert not compile_layers_on(c, _dense(64), par, lora=False, cuda=True, work=wide)
     assert not compile_layers_on(c, _dense(64, dtype="bfloat16"), par, lora=False, cuda=False,
-                                 steps=n)
-    assert not compile_layers_on(c, _dense(64), par, lora=True, cuda=False, steps=n)
+                                 work=wide)
+    assert not compile_layers_on(c, _dense(64), par, lora=True, cuda=False, work=wide)
     moe = _dense(64, architecture="qwen3_moe", num_experts=4, moe_ffn_hidden_size=64)
-    assert not compile_layers_on(c, moe, par, lora=False, cuda=False, steps=n)
+    assert not compile_layers_on(c, moe, par, lora=False, cuda=False, work=wide)
     assert not compile_layers_on(c, _dense(64), ParallelConfig(tp=2), lora=False, cuda=False,
-                                 steps=n)
+                                 work=wide)
     assert compile_layers_on(ComputeConfig(compile_layers=True), _dense(1024), par, lora=False,
-                             cuda=False, steps=1)  # true: wherever it can run
-    assert "up to hidden_size 256" in auto_reason(_dense(512), n, cuda=False)
-    assert f"= {n - 1})" in auto_reason(_dense(64), n - 1, cuda=False)
+                             cuda=False, work=RunWork(grpo_steps=1, grpo_step=1))  # true: anywhere
+    assert "up to hidden_size 256" in auto_reason(_dense(512), par, wide, cuda=False)
+    why = auto_reason(_dense(64), par, RunWork(grpo_steps=100, grpo_step=1000.0), cuda=False)
+    saved = 100 * 1000 * 2 * 64 * AUTO_SAVED_S
+    assert f"~100,000 token passes a layer would save ~{saved:.2g} s against ~21 s" in why
+    assert "~2.5 million token passes a layer, ~" in auto_note(
+        _dense(64), par, RunWork(grpo_steps=10, grpo_step=2.5e5))
+
+
+def test_run_work_counts_the_passes_a_config_runs():
+    """run_work: sequences per rank x (prompt + rollout.max_tokens, x agent.max_turns when
+    multi-turn, capped at rollout.max_model_len) x (the scoring forwards the trainer runs + 3
+    per update pass), over run.steps; the cold start's forward + backward over prompt and
+    answer over cold_start.steps."""
+    from megagrpo.config.train import TrainConfig
+
+    cfg = TrainConfig()
+    cfg.data.batch_size, cfg.algo.group_size, cfg.rollout.max_tokens = 16, 4, 20
+    cfg.algo.beta, cfg.algo.mu, cfg.algo.num_minibatches = 0.0, 1, 1
+    cfg.run.steps, cfg.cold_start.steps, cfg.cold_start.batch_size = 30, 10, 8
+    w = run_work(cfg, 2, 10.0, 3.0)  # no reference, no old log-probs: the update alone
+    assert (w.grpo_steps, w.grpo_step, w.cold_steps, w.cold_step) == (
+        30, 32 * 30 * 3, 10, 4 * 13 * 3)
+    assert w.tokens == 30 * 32 * 30 * 3 + 10 * 4 * 13 * 3
+    cfg.algo.beta = 0.04  # + the reference's forward
+    assert run_work(cfg, 2, 10.0, 3.0).grpo_step == 32 * 30 * 4
+    cfg.algo.mu = 2  # + the old log-probs' forward, and two updates
+    assert run_work(cfg, 2, 10.0, 3.0).grpo_step == 32 * 30 * (2 + 6)
+    cfg.algo.mu, cfg.agent.environment, cfg.agent.max_turns = 1, "tools", 3
+    cfg.rollout.max_model_len = 50  # 10 + 3 turns x 20 capped at 50
+    assert run_work(cfg, 2, 10.0, 3.0).grpo_step == 32 * 50 * 4
+
 
 
 def test_bad_settings_refused():

@@ -95,6 +95,13 @@ class AlgoConfig(Section):
     experts vLLM chose for it while sampling (rollout routing replay, megatron's RouterReplay);
     the reference routes by itself. Needs an MoE model and a vLLM engine in this process."""
 
+    def needs_old_logprobs(self, *, async_batch: bool, kl_in_reward: bool) -> bool:
+        """Whether a step scores the policy's old log-probs before its updates: several passes
+        or minibatches, an off-policy batch, a rollout-IS correction, or the KL folded into the
+        reward (`kl_in_reward`: on, with a reference)."""
+        return (self.mu > 1 or self.num_minibatches > 1 or async_batch
+                or self.rollout_is != "none" or kl_in_reward)
+
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field and what would be valid."""
         _choice("std_mode", self.std_mode, STD_MODES)

@@ -2,6 +2,8 @@
 rules; `megagrpo.compile` does the compiling)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from megagrpo.config.model import ModelConfig, ParallelConfig
 
 AUTO_MAX_HIDDEN = 256
@@ -12,10 +14,55 @@ scoring + update at hidden 64-256 (per-op overhead and element-wise work are muc
 layer's pass, and fusing them is what compiling buys), 0.97x at 512 and 1.05-1.52x (slower) on
 SmolLM2's 30 layers of 576, where the GEMMs set the time."""
 
-AUTO_MIN_STEPS = 200
-"""... in runs of at least this many optimizer steps (run.steps + cold_start.steps): the first
-steps pay 10-15 s of compile on 2 cores, repaid after 20-173 steps at those widths (the
-table's "steps to repay")."""
+AUTO_SAVED_S = 4.5e-9
+"""... where the run's work repays the compile: 'auto' counts on saving this many seconds per
+token pass (`RunWork`), layer and unit of hidden_size, the least any compile_ab row at hidden
+<= 256 saved (report.py --compile's "saved" column: 4.6e-9 on varlen, whose completions
+averaged 23 of the 96 tokens the estimate counts; 1.0-2.2e-8 elsewhere, 1.4e-8 on a
+small-batch run of 32 sequences of ~21 tokens a step), ..."""
+
+AUTO_COMPILE_S = 21.0
+"""... against this many seconds of compile in the first steps (the most measured: 9-21 s on
+2 cores, 20.4 s in a new user's run of a 192 x 4-layer model)."""
+
+
+@dataclass(frozen=True)
+class RunWork:
+    """What a run passes through each of one rank's layers, estimated at start-up from the
+    config and the prompts' mean length: token passes in forward equivalents (a forward 1, a
+    forward + backward 3), per step and over the step caps (the run may stop earlier at an
+    accuracy target)."""
+
+    grpo_steps: int
+    grpo_step: float
+    """Token passes of one GRPO step: sequences per rank x (prompt + completion tokens) x
+    (scoring forwards + 3 x algo.mu)."""
+    cold_steps: int = 0
+    cold_step: float = 0.0
+    """Token passes of one cold-start step (forward + backward over prompt and answer)."""
+
+    @property
+    def tokens(self) -> float:
+        return self.grpo_steps * self.grpo_step + self.cold_steps * self.cold_step
+
+    def saved_s(self, model: ModelConfig, layers: int) -> float:
+        """Seconds 'auto' expects compiled layers to save over the run."""
+        return self.tokens * layers * model.hidden_size * AUTO_SAVED_S
+
+
+def run_work(cfg, dp: int, prompt_tokens: float, answer_tokens: float) -> RunWork:
+    """`RunWork` of a TrainConfig at data-parallel size `dp`, from the prompts' and answers'
+    mean token counts. A completion is counted at rollout.max_tokens (x agent.max_turns for
+    multi-turn rollouts), capped by rollout.max_model_len."""
+    turns = cfg.agent.max_turns if cfg.agent.environment else 1
+    seq = min(prompt_tokens + cfg.rollout.max_tokens * turns, cfg.rollout.max_model_len)
+    reference = cfg.algo.beta > 0
+    forwards = int(reference) + cfg.algo.needs_old_logprobs(
+        async_batch=bool(cfg.staleness), kl_in_reward=cfg.algo.kl_in_reward and reference)
+    seqs = cfg.data.batch_size * cfg.algo.group_size / dp
+    return RunWork(grpo_steps=cfg.run.steps, grpo_step=seqs * seq * (forwards + 3 * cfg.algo.mu),
+                   cold_steps=cfg.cold_start.steps,
+                   cold_step=cfg.cold_start.batch_size / dp * (prompt_tokens + answer_tokens) * 3)
 
 
 def compile_blocker(compute, model: ModelConfig, parallel: ParallelConfig,
@@ -38,16 +85,17 @@ def compile_blocker(compute, model: ModelConfig, parallel: ParallelConfig,
 
 
 def compile_layers_on(compute, model: ModelConfig, parallel: ParallelConfig, *, lora: bool,
-                      cuda: bool, steps: int) -> bool:
+                      cuda: bool, work: RunWork) -> bool:
     """Whether the layers are compiled: compute.compile_layers, 'auto' resolved (CPU, fp32,
-    no blocker, hidden_size <= AUTO_MAX_HIDDEN, `steps` >= AUTO_MIN_STEPS)."""
+    no blocker, hidden_size <= AUTO_MAX_HIDDEN, a run whose `work` repays the compile)."""
     if compute.compile_layers == "auto":
         return (compile_blocker(compute, model, parallel, lora) is None
-                and auto_reason(model, steps, cuda) is None)
+                and auto_reason(model, parallel, work, cuda) is None)
     return bool(compute.compile_layers)
 
 
-def auto_reason(model: ModelConfig, steps: int, cuda: bool) -> str | None:
+def auto_reason(model: ModelConfig, parallel: ParallelConfig, work: RunWork,
+                cuda: bool) -> str | None:
     """Why 'auto' leaves the layers of a config without a blocker eager (console), None where
     it compiles them: the rule itself."""
     if cuda:
@@ -57,11 +105,26 @@ def auto_reason(model: ModelConfig, steps: int, cuda: bool) -> str | None:
     if model.hidden_size > AUTO_MAX_HIDDEN:
         return (f"auto compiles up to hidden_size {AUTO_MAX_HIDDEN}: measured no faster at "
                 "512-576, benchmarks/results/compile_ab_cpu.jsonl")
-    if steps < AUTO_MIN_STEPS:
-        return (f"auto compiles runs of {AUTO_MIN_STEPS} steps or more (run.steps + "
-                f"cold_start.steps = {steps}): a shorter one does not repay the first step's "
-                "compile")
+    if (saved := work.saved_s(model, model.num_layers // parallel.pp)) < AUTO_COMPILE_S:
+        return ("auto compiles where the run repays the compile: this one's "
+                f"~{_count(work.tokens)} token passes a layer would save ~{_secs(saved)} s against "
+                f"~{AUTO_COMPILE_S:.0f} s of compile; true compiles anyway")
     return None
+
+
+def auto_note(model: ModelConfig, parallel: ParallelConfig, work: RunWork) -> str:
+    """The console's note where 'auto' compiles: what it expects the run to save."""
+    saved = work.saved_s(model, model.num_layers // parallel.pp)
+    return (f"auto: ~{_count(work.tokens)} token passes a layer, ~{_secs(saved)} s expected "
+            f"saved against ~{AUTO_COMPILE_S:.0f} s of compile")
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e6:.2g} million" if n >= 1e6 else f"{n:,.0f}"
+
+
+def _secs(s: float) -> str:
+    return f"{s:.0f}" if s >= 10 else f"{s:.2g}"
 
 
 def check_compile(compute, model: ModelConfig, parallel: ParallelConfig, lora: bool) -> None:

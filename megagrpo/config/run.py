@@ -95,10 +95,11 @@ class ComputeConfig(Section):
     compile_layers: bool | str = "auto"
     """`torch.compile` (inductor) each transformer layer's forward as one graph, for the update
     and the scoring passes (`megagrpo.compile`): fuses RMSNorm, RoPE, SwiGLU and the residual
-    adds, same gradients to float rounding; the first steps pay the compile (10-15 s on 2
+    adds, same gradients to float rounding; the first steps pay the compile (9-21 s on 2
     cores). 'auto' (default): on where whole steps were measured faster, dense fp32 models on
-    CPU up to hidden_size 256 in runs of 200 steps or more (`megagrpo.config.compile`,
-    docs/performance.md "Compiled layers"), off elsewhere; true; false."""
+    CPU up to hidden_size 256, in runs whose tokens x layers repay the compile at the least
+    rate measured (`megagrpo.config.compile`, docs/performance.md "Compiled layers"), off
+    elsewhere; true; false."""
 
     recompute: str = "none"
     """Activation recomputation of the update pass (megatron-core's, forward-only scoring
