@@ -428,6 +428,20 @@ def test_grpo_step_benchmark_one_rank_one_step(tmp_path):
 
 
 @pytest.mark.heavy  # 58 s; grpo_step.py keeps its demo smoke test in the default suite
+def test_grpo_step_compile_ab_smallest(tmp_path):
+    """--compile-ab at 8 prompts: the compiled steps' record with the alternated eager steps'
+    means beside it, the compile seconds the first step paid, and the work per step that
+    compile_layers=auto prices (8 x G=8 sequences of a prompt (BOS + 4-6 characters) and 6
+    tokens, 5 forward equivalents: old log-probs and reference forwards + forward/backward)."""
+    (row,) = _run("grpo_step.py", "--workload", "demo", "--nprocs", "1", "--warmup", "1",
+                  "--steps", "1", "--set", "data.batch_size=8", "--compile-ab", "--out", "",
+                  timeout=900)
+    assert row["compile_ab"] and "compute.compile_layers=true" in row["overrides"]
+    assert row["compile_s"] > 0 and row["time_update_s"] > 0
+    assert all(row["eager"][f"time_{p}_s"] > 0 for p in ("rollout", "score", "update"))
+    assert 64 * (5 + 6) * 5 <= row["auto_work_step"] <= 64 * (7 + 6) * 5
+
+
 def test_grpo_step_benchmark_varlen_smallest(tmp_path):
     """varlen at 2 prompts x G=8: lengths vary and stay within max_tokens; padding is counted
     from the micro-batches as the update processed them."""
