@@ -427,7 +427,6 @@ def test_grpo_step_benchmark_one_rank_one_step(tmp_path):
     assert 0.3 * row["flops_update"] / 3 < row["flops_rollout"] < row["flops_update"] / 3
 
 
-@pytest.mark.heavy  # 58 s; grpo_step.py keeps its demo smoke test in the default suite
 def test_grpo_step_compile_ab_smallest(tmp_path):
     """--compile-ab at 8 prompts: the compiled steps' record with the alternated eager steps'
     means beside it, the compile seconds the first step paid, and the work per step that
@@ -442,6 +441,7 @@ def test_grpo_step_compile_ab_smallest(tmp_path):
     assert 64 * (5 + 6) * 5 <= row["auto_work_step"] <= 64 * (7 + 6) * 5
 
 
+@pytest.mark.heavy  # 58 s; grpo_step.py keeps its demo smoke test in the default suite
 def test_grpo_step_benchmark_varlen_smallest(tmp_path):
     """varlen at 2 prompts x G=8: lengths vary and stay within max_tokens; padding is counted
     from the micro-batches as the update processed them."""
