@@ -255,9 +255,7 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str,
     """Runs on every rank under torchrun; rank 0 prints `RESULT {json}`."""
     import torch.distributed as dist
 
-    from megagrpo.config.compile import run_work
     from megagrpo.config.train import load_config
-    from megagrpo.data import mean_tokens
     from megagrpo.run import setup
 
     cfg = load_config(recipe, [*sets, f"run.out_dir={out_dir}", "run.overwrite=true"])
@@ -285,9 +283,7 @@ def worker(recipe: str, sets: list[str], warmup: int, steps: int, out_dir: str,
                    model=dict(hidden=tr.model_cfg.hidden_size, ffn=tr.model_cfg.ffn_hidden_size,
                               layers=tr.model_cfg.num_layers, vocab=tr.model_cfg.vocab_size),
                    rollout_profiles=[r for rs in rollouts for r in rs])
-        if compile_ab:  # what compute.compile_layers=auto prices a step of this run at
-            rec["auto_work_step"] = round(run_work(cfg, tr.ranks.dp, *mean_tokens(
-                tr.task.train, tr.task.tokenizer)).grpo_step, 1)
+        if compile_ab:
             rec["eager"] = dict(step_s=round(statistics.mean(r["step_s"] for r in eager_rows), 4),
                                 **{f"time_{p}_s": round(statistics.mean(
                                     r.get(f"time_{p}", 0.0) for r in eager_rows), 4)

@@ -204,11 +204,8 @@ def sp_table(records: list[dict]) -> str:
 
 def auto_work_step(rec: dict) -> float:
     """The token passes a layer of one GRPO step of a --compile-ab line's run, as
-    compute.compile_layers=auto prices them (`megagrpo.config.compile.run_work`): the line's
-    own `auto_work_step`, or for older lines the rule applied to the workload's config, with
-    the prompts' mean length taken from the tokens the update processed."""
-    if "auto_work_step" in rec:
-        return rec["auto_work_step"]
+    compute.compile_layers=auto prices them (`megagrpo.config.compile.run_work` on the
+    workload's config), the prompts' mean length taken from the tokens the update processed."""
     import sys
 
     from megagrpo.config.compile import run_work
@@ -219,7 +216,7 @@ def auto_work_step(rec: dict) -> float:
     cfg = W.base_config(W.get_workload(rec["workload"]), rec["dtype"], rec["overrides"])
     prompt = (rec["processed_tokens_update"] / (rec["batch_prompts"] * rec["group_size"])
               - rec["completion_len_mean"])
-    return run_work(cfg, rec["dp"], prompt, 0.0).grpo_step
+    return run_work(cfg, rec["dp"], prompt).grpo_step
 
 
 def saved_per_unit(rec: dict) -> float:

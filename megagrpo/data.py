@@ -102,18 +102,6 @@ def encode_prompt(tokenizer: Tokenizer, text: str, add_bos: bool = True) -> list
     return ids
 
 
-def mean_tokens(examples: list[Example], tokenizer: Tokenizer,
-                sample: int = 256) -> tuple[float, float]:
-    """Mean prompt (BOS included) and answer token counts over up to `sample` examples spread
-    evenly through the list; (0, 0) for none."""
-    if not examples:
-        return 0.0, 0.0
-    picked = examples[::max(1, len(examples) // sample)][:sample]
-    prompts = sum(len(encode_prompt(tokenizer, e.prompt)) for e in picked)
-    answers = sum(len(tokenizer.encode(e.answer)) for e in picked)
-    return prompts / len(picked), answers / len(picked)
-
-
 # ---------------------------------------------------------------------------------------------
 # records from files
 

@@ -54,6 +54,9 @@ class Preflight:
     """Evaluation prompts dropped as too long."""
     longest_prompt: int
     """Tokens of the longest prompt kept (train and eval)."""
+    mean_train_prompt: float
+    """Mean tokens of the training prompts kept (what compute.compile_layers=auto prices a
+    sequence's prompt at)."""
     seconds: float
     """Wall time of the checks."""
     warnings: list[str] = dataclasses.field(default_factory=list)
@@ -90,9 +93,9 @@ def preflight(cfg: TrainConfig, world_size: int | None = None, warn: bool = True
     task = load_task(cfg.data, cfg.arithmetic)
     task = check_tool_environment(cfg, task)
     check_model(cfg, model, task.tokenizer)
-    train, dropped_train, long_train = fit_prompts(
+    train, dropped_train, train_lens = fit_prompts(
         task.train, task.tokenizer, cfg, ("rollout.max_tokens", cfg.rollout.max_tokens), "training")
-    evals, dropped_eval, long_eval = fit_prompts(
+    evals, dropped_eval, eval_lens = fit_prompts(
         task.eval, task.tokenizer, cfg, ("eval.max_tokens", cfg.eval.max_tokens),
         "evaluation")
     if len(train) < cfg.data.batch_size:
@@ -101,13 +104,15 @@ def preflight(cfg: TrainConfig, world_size: int | None = None, warn: bool = True
             f"data.batch_size={cfg.data.batch_size} needs at least that many training prompts; "
             f"{source} gives {len(train)}" + (f" ({dropped_train} dropped as too long)"
                                               if dropped_train else ""))
-    check_agent_budget(cfg, max(long_train, long_eval))
+    longest = max(train_lens + eval_lens, default=0)
+    check_agent_budget(cfg, longest)
     task = dataclasses.replace(task, train=train, eval=evals)
     warnings = unknown_token_warnings(
         task, cfg.data.tokenizer or "the task's tokenizer") if warn else []
     return Preflight(task=task, model=model, parallel=parallel, sequence_parallel_why=sp_why,
                      dropped_train=dropped_train, warnings=warnings,
-                     dropped_eval=dropped_eval, longest_prompt=max(long_train, long_eval),
+                     dropped_eval=dropped_eval, longest_prompt=longest,
+                     mean_train_prompt=sum(train_lens) / max(1, len(train_lens)),
                      seconds=time.perf_counter() - t0)
 
 
@@ -277,10 +282,10 @@ def check_model(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer) -> N
 
 
 def fit_prompts(examples: list[Example], tokenizer: Tokenizer, cfg: TrainConfig,
-                new_tokens: tuple[str, int], what: str) -> tuple[list[Example], int, int]:
+                new_tokens: tuple[str, int], what: str) -> tuple[list[Example], int, list[int]]:
     """Examples whose encoded prompt plus `new_tokens` (the setting's name and value) fits
     rollout.max_model_len; the others are an error (data.overlong_prompts=error) or dropped.
-    Returns (kept, number dropped, longest kept prompt in tokens)."""
+    Returns (kept, number dropped, the kept prompts' token counts)."""
     field, budget = new_tokens
     max_len = cfg.rollout.max_model_len
     limit = max_len - budget
@@ -298,8 +303,7 @@ def fit_prompts(examples: list[Example], tokenizer: Tokenizer, cfg: TrainConfig,
             "data.overlong_prompts=drop to skip them")
     dropped = set(over)
     kept = [e for i, e in enumerate(examples) if i not in dropped]
-    longest = max((n for i, n in enumerate(lengths) if i not in dropped), default=0)
-    return kept, len(over), longest
+    return kept, len(over), [n for i, n in enumerate(lengths) if i not in dropped]
 
 
 def unknown_token_warnings(task: Task, name: str) -> list[str]:

@@ -29,6 +29,7 @@ from megagrpo.cold_start import cold_start
 from megagrpo.compile import compile_layers, compiled_layers
 from megagrpo.compile import summary as compile_summary
 from megagrpo.config.compile import (
+    RunWork,
     auto_note,
     auto_reason,
     compile_blocker,
@@ -40,7 +41,7 @@ from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.section import freeze
 from megagrpo.config.train import TrainConfig
 from megagrpo.console import PREFLIGHT_SHOWN_ENV, attach_log_file, summary_table, what_runs
-from megagrpo.data import PromptLoader, mean_tokens
+from megagrpo.data import PromptLoader
 from megagrpo.distributed import init_distributed, torchrun_env, training_layout
 from megagrpo.engine import VLLMEngine
 from megagrpo.eval_target import EvalTarget
@@ -59,7 +60,6 @@ from megagrpo.rewards import RewardFn
 from megagrpo.rng import RankRng
 from megagrpo.rollout import RolloutCollector
 from megagrpo.run_dir import check_out_dir
-from megagrpo.tasks import Task
 from megagrpo.trainer import BadStepsError, TokenIds, Trainer
 from megagrpo.watchdog import Watchdog, start_watchdog
 
@@ -118,7 +118,8 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                                          cfg.lora, lora_refit.unavailable(
                                              cfg.lora, cfg.rollout.tensor_parallel_size,
                                              model_cfg, on_cpu=lora_refit.vllm_on_cpu())))
-    compiled = _compile_layers(cfg, model_cfg, gpt, rank, task, info.dp)
+    compiled = _compile_layers(cfg, model_cfg, gpt, rank,
+                               run_work(cfg, info.dp, checked.mean_train_prompt))
     policy = wrap_ddp(gpt, cfg.optim)
     optimizer = build_optimizer(policy, cfg.optim)
     reference = _reference(cfg, policy, model_cfg)
@@ -163,14 +164,13 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     return tr
 
 
-def _compile_layers(cfg: TrainConfig, model_cfg: ModelConfig, gpt, rank: int, task: Task,
-                    dp: int) -> int:
+def _compile_layers(cfg: TrainConfig, model_cfg: ModelConfig, gpt, rank: int,
+                    work: RunWork) -> int:
     """compute.compile_layers: the policy's layers compiled (the reference's follow); one
     console line says whether, and what 'auto' weighed (the run's work against the compile)."""
     import torch
 
     cuda = torch.cuda.is_available()
-    work = run_work(cfg, dp, *mean_tokens(task.train, task.tokenizer))
     on = compile_layers_on(cfg.compute, model_cfg, cfg.parallel, lora=cfg.lora.enabled,
                            cuda=cuda, work=work)
     n = compile_layers(gpt) if on else 0

@@ -431,14 +431,15 @@ def test_grpo_step_compile_ab_smallest(tmp_path):
     """--compile-ab at 8 prompts: the compiled steps' record with the alternated eager steps'
     means beside it, the compile seconds the first step paid, and the work per step that
     compile_layers=auto prices (8 x G=8 sequences of a prompt (BOS + 4-6 characters) and 6
-    tokens, 5 forward equivalents: old log-probs and reference forwards + forward/backward)."""
+    tokens, 5 forward equivalents: old log-probs and reference forwards + forward/backward,
+    `report.auto_work_step` from the line)."""
     (row,) = _run("grpo_step.py", "--workload", "demo", "--nprocs", "1", "--warmup", "1",
                   "--steps", "1", "--set", "data.batch_size=8", "--compile-ab", "--out", "",
                   timeout=900)
     assert row["compile_ab"] and "compute.compile_layers=true" in row["overrides"]
     assert row["compile_s"] > 0 and row["time_update_s"] > 0
     assert all(row["eager"][f"time_{p}_s"] > 0 for p in ("rollout", "score", "update"))
-    assert 64 * (5 + 6) * 5 <= row["auto_work_step"] <= 64 * (7 + 6) * 5
+    assert 64 * (5 + 6) * 5 <= _bench_module("report").auto_work_step(row) <= 64 * (7 + 6) * 5
 
 
 @pytest.mark.heavy  # 58 s; grpo_step.py keeps its demo smoke test in the default suite
@@ -1031,30 +1032,29 @@ def test_compile_table_rows():
     are not rows."""
     report = _bench_module("report")
     rec = dict(system="megagrpo", workload="demo", compile_ab=True, steps=4, compile_s=12.0,
-               nproc=2, batch_prompts=64, group_size=8, overrides=[], auto_work_step=1000.0,
+               nproc=2, batch_prompts=32, group_size=8, overrides=[], dtype="float32", dp=2,
+               processed_tokens_update=256 * 9.0, completion_len_mean=4.0,
                time_score_s=0.1, time_update_s=0.2, step_s=0.5, loadavg_1m=1.0, cpu="X",
                model=dict(hidden=128, layers=4, vocab=19),
                eager=dict(time_score_s=0.2, time_update_s=0.3, step_s=0.6))
-    slower = dict(rec, step_s=0.4, time_update_s=0.45, workload="midsize",
-                  overrides=["data.task=file"])
+    slower = dict(rec, step_s=0.4, time_update_s=0.45, overrides=["data.task=file"])
     rows = report.compile_table([rec, slower, dict(rec, compile_ab=False)]).splitlines()[2:]
-    assert rows == [  # 0.2 s saved / (1000 x 4 x 128)
-        "| demo | 2 x 64 x 8 | 128 x 4, 19 | 4 | 0.200 -> 0.100 | 0.300 -> 0.200 "
-        "| 0.600 -> 0.500 | 0.60 | 3.9e-07 | 12.0 | 60 | 1.00 | X |",
-        "| midsize, prompts from a file | 2 x 64 x 8 | 128 x 4, 19 | 4 | 0.200 -> 0.100 "
-        "| 0.300 -> 0.450 | 0.600 -> 0.400 | 1.10 | -9.8e-08 | 12.0 | never | 1.00 | X |"]
+    assert rows == [  # 0.2 s saved / (128 sequences x (5 + 6) tokens x 5 passes x 4 x 128)
+        "| demo | 2 x 32 x 8 | 128 x 4, 19 | 4 | 0.200 -> 0.100 | 0.300 -> 0.200 "
+        "| 0.600 -> 0.500 | 0.60 | 5.5e-08 | 12.0 | 60 | 1.00 | X |",
+        "| demo, prompts from a file | 2 x 32 x 8 | 128 x 4, 19 | 4 | 0.200 -> 0.100 "
+        "| 0.300 -> 0.450 | 0.600 -> 0.400 | 1.10 | -1.4e-08 | 12.0 | never | 1.00 | X |"]
 
 
-def test_auto_work_step_of_older_lines_is_the_rule_on_the_workload():
-    """A --compile-ab line without `auto_work_step` is priced by compile_layers=auto's own
-    rule on the workload's config: the demo (1 rank, 32 prompts x G=8, max_tokens 6, beta > 0
+def test_auto_work_step_is_the_rule_on_the_workload():
+    """A --compile-ab line is priced by compile_layers=auto's own rule on the workload's
+    config: the demo (1 rank, 32 prompts x G=8, max_tokens 6, beta > 0
     with 4 minibatches: a reference and an old-log-prob forward + one update, 5 passes), its
     prompts' mean length from the update's tokens less the completions' mean."""
     report = _bench_module("report")
     rec = dict(workload="demo", dtype="float32", overrides=[], batch_prompts=32, group_size=8,
                dp=1, processed_tokens_update=256 * 12.0, completion_len_mean=5.0)
     assert report.auto_work_step(rec) == pytest.approx(256 * (7.0 + 6) * 5)
-    assert report.auto_work_step(dict(rec, auto_work_step=7.0)) == 7.0
 
 
 def test_compile_auto_constants_stand_on_the_compile_ab_rows():

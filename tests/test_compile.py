@@ -120,25 +120,25 @@ def test_auto_rule():
 def test_run_work_counts_the_passes_a_config_runs():
     """run_work: sequences per rank x (prompt + rollout.max_tokens, x agent.max_turns when
     multi-turn, capped at rollout.max_model_len) x (the scoring forwards the trainer runs + 3
-    per update pass), over run.steps; the cold start's forward + backward over prompt and
-    answer over cold_start.steps."""
+    per update pass), over run.steps; the cold start's forward + backward over sequences of
+    the same length over cold_start.steps."""
     from megagrpo.config.train import TrainConfig
 
     cfg = TrainConfig()
     cfg.data.batch_size, cfg.algo.group_size, cfg.rollout.max_tokens = 16, 4, 20
     cfg.algo.beta, cfg.algo.mu, cfg.algo.num_minibatches = 0.0, 1, 1
     cfg.run.steps, cfg.cold_start.steps, cfg.cold_start.batch_size = 30, 10, 8
-    w = run_work(cfg, 2, 10.0, 3.0)  # no reference, no old log-probs: the update alone
+    w = run_work(cfg, 2, 10.0)  # no reference, no old log-probs: the update alone
     assert (w.grpo_steps, w.grpo_step, w.cold_steps, w.cold_step) == (
-        30, 32 * 30 * 3, 10, 4 * 13 * 3)
-    assert w.tokens == 30 * 32 * 30 * 3 + 10 * 4 * 13 * 3
+        30, 32 * 30 * 3, 10, 4 * 30 * 3)
+    assert w.tokens == 30 * 32 * 30 * 3 + 10 * 4 * 30 * 3
     cfg.algo.beta = 0.04  # + the reference's forward
-    assert run_work(cfg, 2, 10.0, 3.0).grpo_step == 32 * 30 * 4
+    assert run_work(cfg, 2, 10.0).grpo_step == 32 * 30 * 4
     cfg.algo.mu = 2  # + the old log-probs' forward, and two updates
-    assert run_work(cfg, 2, 10.0, 3.0).grpo_step == 32 * 30 * (2 + 6)
+    assert run_work(cfg, 2, 10.0).grpo_step == 32 * 30 * (2 + 6)
     cfg.algo.mu, cfg.agent.environment, cfg.agent.max_turns = 1, "tools", 3
     cfg.rollout.max_model_len = 50  # 10 + 3 turns x 20 capped at 50
-    assert run_work(cfg, 2, 10.0, 3.0).grpo_step == 32 * 50 * 4
+    assert run_work(cfg, 2, 10.0).grpo_step == 32 * 50 * 4
 
 
 

@@ -188,20 +188,3 @@ def test_data_config_validation():
                       ({"batch_size": 0}, "data.batch_size")]:
         with pytest.raises(ValueError, match=field):
             DataConfig(**kw).validate()
-
-
-def test_mean_tokens_counts_prompts_with_bos_and_answers_over_a_spread_sample(tmp_path):
-    """data.mean_tokens (what compute.compile_layers=auto prices a run's sequences at): the
-    prompts' mean token count with BOS, the answers' without, over `sample` examples taken
-    evenly through the list (the first and the middle of four with sample=2)."""
-    from megagrpo.tasks import arithmetic
-
-    tok = arithmetic.build_tokenizer(tmp_path)
-    ex = [Example(prompt="1+2=", answer="3"), Example(prompt="9", answer="11"),
-          Example(prompt="12+34=", answer="4600"), Example(prompt="5", answer="55555")]
-    n = [len(data.encode_prompt(tok, e.prompt)) for e in ex]
-    a = [len(tok.encode(e.answer)) for e in ex]
-    assert data.mean_tokens(ex, tok) == (sum(n) / 4, sum(a) / 4)
-    assert data.mean_tokens(ex, tok, sample=2) == ((n[0] + n[2]) / 2, (a[0] + a[2]) / 2)
-    assert n[0] == len(tok.encode("1+2=")) + (tok.bos_id is not None)
-    assert data.mean_tokens([], tok) == (0.0, 0.0)

@@ -130,6 +130,7 @@ def test_prompt_budget_counts_the_chat_template(tmp_path, spm_model):
     got = preflight(_file_cfg(tmp_path, spm_model, records, *over), 1)
     assert [e.prompt.split(": ")[1].split("</s>")[0] for e in got.task.train] == fits
     assert got.longest_prompt == max(n for n in lengths if n <= 24)
+    assert got.mean_train_prompt == pytest.approx(sum(n for n in lengths if n <= 24) / len(fits))
 
 
 @pytest.mark.parametrize("records,match", [
@@ -243,6 +244,8 @@ def test_demo_passes_preflight_in_seconds():
     cpu = time.process_time() - cpu
     assert (len(got.task.train), len(got.task.eval), got.dropped_train) == (20000, 200, 0)
     assert got.longest_prompt == max(len(e.prompt) for e in got.task.train) + 1  # chars + BOS
+    assert got.mean_train_prompt == pytest.approx(
+        sum(len(e.prompt) + 1 for e in got.task.train) / 20000)
     assert cpu < 5.0, f"{cpu:.1f} CPU s: {got.summary()}"
 
 

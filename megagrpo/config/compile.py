@@ -29,9 +29,9 @@ AUTO_COMPILE_S = 21.0
 @dataclass(frozen=True)
 class RunWork:
     """What a run passes through each of one rank's layers, estimated at start-up from the
-    config and the prompts' mean length: token passes in forward equivalents (a forward 1, a
-    forward + backward 3), per step and over the step caps (the run may stop earlier at an
-    accuracy target)."""
+    config and the training prompts' mean length: token passes in forward equivalents (a
+    forward 1, a forward + backward 3), per step and over the step caps (the run may stop
+    earlier at an accuracy target)."""
 
     grpo_steps: int
     grpo_step: float
@@ -39,7 +39,7 @@ class RunWork:
     (scoring forwards + 3 x algo.mu)."""
     cold_steps: int = 0
     cold_step: float = 0.0
-    """Token passes of one cold-start step (forward + backward over prompt and answer)."""
+    """Token passes of one cold-start step (a forward + backward over its sequences)."""
 
     @property
     def tokens(self) -> float:
@@ -50,10 +50,11 @@ class RunWork:
         return self.tokens * layers * model.hidden_size * AUTO_SAVED_S
 
 
-def run_work(cfg, dp: int, prompt_tokens: float, answer_tokens: float) -> RunWork:
-    """`RunWork` of a TrainConfig at data-parallel size `dp`, from the prompts' and answers'
-    mean token counts. A completion is counted at rollout.max_tokens (x agent.max_turns for
-    multi-turn rollouts), capped by rollout.max_model_len."""
+def run_work(cfg, dp: int, prompt_tokens: float) -> RunWork:
+    """`RunWork` of a TrainConfig at data-parallel size `dp`, from the training prompts' mean
+    token count (the preflight's). A sequence is counted at the prompt + rollout.max_tokens
+    (x agent.max_turns for multi-turn rollouts), capped by rollout.max_model_len, in the cold
+    start too (its answers are what the rollouts learn to write)."""
     turns = cfg.agent.max_turns if cfg.agent.environment else 1
     seq = min(prompt_tokens + cfg.rollout.max_tokens * turns, cfg.rollout.max_model_len)
     reference = cfg.algo.beta > 0
@@ -62,7 +63,7 @@ def run_work(cfg, dp: int, prompt_tokens: float, answer_tokens: float) -> RunWor
     seqs = cfg.data.batch_size * cfg.algo.group_size / dp
     return RunWork(grpo_steps=cfg.run.steps, grpo_step=seqs * seq * (forwards + 3 * cfg.algo.mu),
                    cold_steps=cfg.cold_start.steps,
-                   cold_step=cfg.cold_start.batch_size / dp * (prompt_tokens + answer_tokens) * 3)
+                   cold_step=cfg.cold_start.batch_size / dp * seq * 3)
 
 
 def compile_blocker(compute, model: ModelConfig, parallel: ParallelConfig,
