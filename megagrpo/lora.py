@@ -20,6 +20,17 @@ the adapter shards that pair with its weight shard.
 Replicated adapter tensors carry megatron's defaults (tensor_model_parallel=False), so the
 gradient norm counts them once; split ones carry the TP attributes of their weight.
 
+Sequence parallelism (the layers' activations [S/tp, b, h]): the adapter does the base's
+communication on its own rank-r activations. Column: h = A x_local [S/tp, b, r] is all-gathered
+along the sequence (`gather_from_sequence_parallel_region`, backward the reduce-scatter of dL/dh:
+the sum over TP ranks of each rank's B_local contribution, for this rank's tokens), which equals
+A applied to the gathered input. Row: the partial sums A_local x_local [S, b, r] are
+reduce-scattered to this rank's [S/tp, b, r] before B, as the base's output is. The replicated
+tensor (column A, row B) then holds the gradient of this rank's tokens only: it carries
+megatron's `sequence_parallel` mark, so `finalize_model_grads` sums it over TP as it does the
+layer norms'. Expert linears whose communication the token dispatcher does
+(`explicit_expert_comm`) see whole token sets and take neither step.
+
 MoE layers: fc1 / fc2 targets put an adapter on every routed expert's linear_fc1 / linear_fc2
 (megatron's SequentialMLP: one MLP per local expert), on the shared expert's when the model
 has one, and on the MLP of the model's dense layers; the router is never adapted. The adapters
@@ -82,16 +93,23 @@ def _lora_forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     output out [S, b, out/tp or out]."""
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
         reduce_from_tensor_model_parallel_region,
+        reduce_scatter_to_sequence_parallel_region,
     )
 
     if not self.lora_enabled:
         return out
     if self.lora_dropout > 0 and self.training:
         x = F.dropout(x, self.lora_dropout)
-    h = F.linear(x.to(self.lora_A.dtype), self.lora_A)  # [S, b, r]
-    if self.lora_row:
+    h = F.linear(x.to(self.lora_A.dtype), self.lora_A)  # [S or S/tp, b, r]
+    if self.lora_row and self.lora_sp:  # partial sums over TP -> this rank's [S/tp, b, r]
+        h = reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
+    elif self.lora_row:
         h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
+    elif self.lora_sp:  # [S/tp, b, r] -> [S, b, r]; backward: reduce-scatter of dL/dh
+        h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True,
+                                                 group=self.tp_group)
     else:
         h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
     return out + (F.linear(h, self.lora_B) * self.lora_scale).to(out.dtype)
@@ -167,7 +185,14 @@ def _attach(linear: torch.nn.Module, cfg: LoRAConfig, row: bool, seed: int, laye
     set_tensor_model_parallel_attributes(split, True, 1 if row else 0, 1)
     if hasattr(w, "allreduce"):  # expert weights (EP > 1): reduced over expert-DP, not DP
         linear.lora_A.allreduce = linear.lora_B.allreduce = w.allreduce
+    # sequence parallelism as the base linear does it (megatron turns it off at TP 1 and where
+    # the token dispatcher does an expert's communication)
+    sp = bool(getattr(linear, "sequence_parallel", False)) and not getattr(
+        linear, "explicit_expert_comm", False)
+    if sp:  # the replicated tensor's gradient covers this rank's tokens: summed over TP
+        (linear.lora_B if row else linear.lora_A).sequence_parallel = True
     linear.lora_row, linear.lora_scale, linear.lora_dropout = row, cfg.scale, cfg.dropout
+    linear.lora_sp = sp
     linear.lora_glu = glu
     linear.lora_enabled = True
     linear.__class__ = _adapted_class(type(linear))

@@ -59,7 +59,7 @@ def randomize_b_by_name(gpt, mcfg, parallel, seed: int) -> None:
                 m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.05)
 
 
-def build(work, ep):
+def build(work, ep, tp=1, targets=None):
     from megagrpo.config.lora import LoRAConfig
     from megagrpo.config.model import ParallelConfig
     from megagrpo.distributed import init_distributed
@@ -70,8 +70,9 @@ def build(work, ep):
     # no load-balancing loss: the parent's reference is the plain cross-entropy
     mcfg = dataclasses.replace(model_config_from_hf(os.path.join(work, MOE)),
                                moe_aux_loss_coef=0.0)
-    parallel = ParallelConfig(ep=ep, make_vocab_size_divisible_by=64)
-    lcfg = LoRAConfig(**LORA)
+    parallel = ParallelConfig(ep=ep, tp=tp, sequence_parallel=tp > 1,
+                              make_vocab_size_divisible_by=64)
+    lcfg = LoRAConfig(**LORA, **({"targets": targets} if targets else {}))
     lcfg.validate(mcfg, parallel)
     info = init_distributed(parallel, mcfg)
     gpt = build_model(mcfg, parallel, seed=7)
@@ -140,4 +141,37 @@ def load_moe_ep1(work):
                os.path.join(work, f"moe_ep1_loaded_rank{dist.get_rank()}.pt"))
     export_base_and_adapter(gpt, os.path.join(work, "base_moe_ep1"),
                             os.path.join(work, "peft_moe_ep1"), mcfg, parallel, lcfg)
+    dist.barrier()
+
+
+def run_moe_tp2_sp(work, results, ce_step, adapter_tensors):
+    """TP=2 with sequence parallelism (megagrpo's default for an MoE at tp > 1), attention
+    adapters (qkv, proj), both rows on both ranks: the adapters' reduced gradients as full
+    tensors (WORK/moe_tp2_sp_rank<r>.pt) for the parent's float64 reference, and the step."""
+    from megagrpo.optim import (
+        OptimConfig,
+        build_optimizer,
+        forward_backward,
+        optimizer_step,
+        wrap_ddp,
+        zero_grad,
+    )
+
+    ref = torch.load(os.path.join(work, "ref_moe.pt"))
+    gpt, mcfg, parallel, _, _, _ = build(work, ep=1, tp=2, targets=["qkv", "proj"])
+    randomize_b_by_name(gpt, mcfg, parallel, seed=5)
+    values = adapter_tensors(gpt, mcfg, parallel, grads=False)
+    ocfg = OptimConfig(lr=1e-3, clip_grad=0.0)
+    ddp = wrap_ddp(gpt, ocfg)
+    opt = build_optimizer(ddp, ocfg)
+    zero_grad(ddp, opt)
+    mbs = [(ref["ids"][i:i + 1], ref["labels"][i:i + 1]) for i in range(2)]
+    forward_backward(ddp, ce_step(mcfg), mbs, 2, seq_length=ref["ids"].shape[1],
+                     micro_batch_size=1)
+    grads = adapter_tensors(gpt, mcfg, parallel, grads=True)
+    ok, _ = optimizer_step(ddp, opt)
+    torch.save({"values": values, "grads": grads},
+               os.path.join(work, f"moe_tp2_sp_rank{dist.get_rank()}.pt"))
+    results.append({"tag": "moe_tp2_sp", "rank": dist.get_rank(), "step_ok": ok,
+                    "sequence_parallel": bool(gpt.config.sequence_parallel)})
     dist.barrier()

@@ -1,5 +1,6 @@
 """Run under torchrun (2 processes, gloo) by tests/test_lora.py. One launch covers the layouts
-TP=2, PP=2 and DP=2 (plain and distributed optimizer): the parent's tiny Llama is loaded, adapters
+TP=2 (with and without sequence parallelism), PP=2 and DP=2 (plain and distributed
+optimizer): the parent's tiny Llama is loaded, adapters
 added (B set to seeded random values so that A's gradient is not zero), one forward/backward of
 a token-mean cross-entropy runs through megatron's schedule and DDP, and each adapter's values
 and reduced gradients are saved as full tensors under HF projection names (WORK/<tag>_rank<r>.pt)
@@ -16,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from tests._lora_moe_worker import load_moe_ep1, run_moe
+from tests._lora_moe_worker import load_moe_ep1, run_moe, run_moe_tp2_sp
 from tests.support.launch import write_results
 
 LABEL_SEED = 11
@@ -69,7 +70,9 @@ def adapter_tensors(gpt, mcfg, parallel, grads: bool):
         specs = {s.local.split(".", 3)[-1]: s for s in layer_specs(mcfg, g, 0)}
         for name in ("self_attention.linear_qkv", "self_attention.linear_proj",
                      "mlp.linear_fc1", "mlp.linear_fc2"):
-            m = layer.get_submodule(name)
+            m = getattr(layer.get_submodule(name.split(".")[0]), name.split(".")[1], None)
+            if not hasattr(m, "lora_B"):  # an MoE layer's mlp; an untargeted linear
+                continue
             a, b = (m.lora_A.main_grad, m.lora_B.main_grad) if grads else (m.lora_A, m.lora_B)
             a, b = a.detach().double(), b.detach().double()
             spec = specs[name + ".weight"]
@@ -100,7 +103,7 @@ def randomize_b(gpt, seed: int) -> None:
             m.lora_B.copy_(full if m.lora_row else full[r * n:(r + 1) * n])
 
 
-def run_layout(tag, tp, pp, dist_opt, work, results, load_from=None):
+def run_layout(tag, tp, pp, dist_opt, work, results, load_from=None, sp=False):
     from megatron.core import parallel_state as ps
 
     from megagrpo.config.lora import LoRAConfig
@@ -121,7 +124,8 @@ def run_layout(tag, tp, pp, dist_opt, work, results, load_from=None):
 
     ref = torch.load(os.path.join(work, "ref.pt"))
     mcfg = model_config_from_hf(os.path.join(work, "llama"))
-    parallel = ParallelConfig(tp=tp, pp=pp, make_vocab_size_divisible_by=64)
+    parallel = ParallelConfig(tp=tp, pp=pp, make_vocab_size_divisible_by=64,
+                              sequence_parallel=sp)
     info = init_distributed(parallel, mcfg)
     gpt = build_model(mcfg, parallel, seed=7)
     load_hf_weights(gpt, os.path.join(work, "llama"), mcfg, parallel, tp_rank=info.tp_rank,
@@ -325,12 +329,14 @@ def main():
     ref = torch.load(os.path.join(args.work, "ref.pt"))
     # the distributed optimizer reduce-scatters: each DP rank's main grads are reduced in its
     # own shard only, so its layout checks the optimizer's contents, not the gradients
-    for tag, tp, pp, dist_opt in (("tp2", 2, 1, False), ("pp2", 1, 2, False),
-                                  ("dp2", 1, 1, False), ("dp2_distopt", 1, 1, True),
-                                  ("pp2_loaded", 1, 2, False)):
+    for tag, tp, pp, dist_opt in (("tp2", 2, 1, False), ("tp2_sp", 2, 1, False),
+                                  ("pp2", 1, 2, False), ("dp2", 1, 1, False),
+                                  ("dp2_distopt", 1, 1, True), ("pp2_loaded", 1, 2, False)):
         ddp, opt, mcfg, parallel = run_layout(
             tag, tp, pp, dist_opt, args.work, results,
-            load_from=args.work if tag == "pp2_loaded" else None)
+            load_from=args.work if tag == "pp2_loaded" else None, sp=tag == "tp2_sp")
+        if tag == "tp2_sp":  # the merge under sequence parallelism
+            merge_checks(ddp, mcfg, parallel, ref["ids"], results, check="merge_sp")
         if tag == "tp2":
             merge_checks(ddp, mcfg, parallel, ref["ids"], results)
             checkpoint_checks(ddp, opt, mcfg, args.work, results)  # the state saved from here on
@@ -345,6 +351,7 @@ def main():
         dist.barrier()
     # MoE: expert adapters at EP=2 (gradients, merge, checkpoint), reloaded at EP=1
     run_moe(args.work, results, ce_step, merge_checks)
+    run_moe_tp2_sp(args.work, results, ce_step, adapter_tensors)
     load_moe_ep1(args.work)
     write_results(results, args.work, flat=True)
     dist.destroy_process_group()

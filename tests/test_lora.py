@@ -22,7 +22,7 @@ from tests.support.launch import torchrun
 from tests.support.tiny import load_dir, tiny_llama, tiny_qwen2_moe
 
 WORKER = os.path.join(os.path.dirname(__file__), "_lora_worker.py")
-TAGS = ("tp2", "pp2", "dp2")
+TAGS = ("tp2", "tp2_sp", "pp2", "dp2")
 """Layouts whose gradients are checked; "dp2_distopt" (the distributed optimizer) is checked for
 what its optimizer holds."""
 SCALE = 8.0 / 4  # the worker's lora alpha / rank
@@ -108,9 +108,10 @@ def test_base_frozen_and_optimizer_holds_adapters(run, tag):
         assert r["opt_state_bytes"] == 2 * 4 * r["opt_numel"]
 
 
-@pytest.mark.parametrize("check", ["merge", "merge_moe"])
+@pytest.mark.parametrize("check", ["merge", "merge_sp", "merge_moe"])
 def test_merge_reset_is_exact(run, check):
-    """merge_moe: at EP=2 on Qwen2-MoE, experts, shared expert and dense MLP adapted."""
+    """merge_sp: at TP=2 with sequence parallelism; merge_moe: at EP=2 on Qwen2-MoE, experts,
+    shared expert and dense MLP adapted."""
     (res,) = [r for r in run[1] if r.get("check") == check][:1]
     assert not res["equals_before"] and res["equals_after"]
     assert res["policy_change"] <= 1e-5 * res["policy_scale"]
@@ -522,3 +523,24 @@ def test_expert_peft_export_merges_to_the_merged_export(run):
         assert (got - want).abs().max().item() <= 1e-6 * want.abs().max().item(), module
         n += b.abs().max().item() > 0
     assert n == 26
+
+
+def test_attention_adapter_grads_under_sequence_parallelism_moe(run):
+    """Qwen2-MoE at TP=2 with sequence parallelism (on by default for an MoE at tp > 1; the
+    adapters' input is each rank's slice of the sequence): the reduced gradients of the
+    attention adapters (qkv, proj; both rows on both ranks) equal the float64 reference's."""
+    from transformers import AutoModelForCausalLM
+
+    work = run[0]
+    values, grads = _moe_adapters(work, "moe_tp2_sp")
+    assert len(values) == len(grads) == 2 * 4  # two layers x (q, k, v, o)
+    rows = [r for r in run[1] if r.get("tag") == "moe_tp2_sp"]
+    assert len(rows) == 2 and all(r["step_ok"] and r["sequence_parallel"] for r in rows)
+    ref = torch.load(work / "ref_moe.pt")
+    model = AutoModelForCausalLM.from_pretrained(str(work / "qwen2_moe"), dtype=torch.float32)
+    want = moe_reference_grads(model, values, ref["ids"], ref["labels"])
+    for name, g in grads.items():
+        for which in ("A", "B"):
+            w = want[name][which]
+            err = ((g[which] - w).abs().max() / w.abs().max()).item()
+            assert err < 1e-5, (name, which, err)
