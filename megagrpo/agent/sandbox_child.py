@@ -1,12 +1,20 @@
-"""The child side of megagrpo.agent.sandbox: run as `python -I sandbox_child.py` in a fresh
-scratch directory, standard library only (it must not import megagrpo or torch).
+"""The child side of megagrpo.agent.sandbox: run as `python -I -B sandbox_child.py`, standard
+library only (it must not import megagrpo or torch; under 'kernel' megagrpo is not even
+visible).
 
-In order: read the job file the parent wrote into the scratch directory (and delete it), enter a
-new user + network namespace when the parent asks (the parent probed that it works), set the
-resource limits, install an audit hook that refuses sockets, process creation and ctypes
-loading, then run the job: a code string (`mode: code`) or `module:function(**arguments)`
-(`mode: call`, the result written to stdout as text or JSON, the function's own prints to
-stderr). With `--probe` it only tries the namespace and exits 0 when it works.
+In order: read the job (JSON) from stdin; under 'weak' enter a new user + network namespace
+when the parent asks (the parent probed that it works); set the resource limits; install the
+audit hook; add the job's site directories; run the job: a code string (`mode: code`) or
+`module:function(**arguments)` (`mode: call`, the result written to stdout as text or JSON,
+the function's own prints to stderr). With `--probe` it only tries the namespace and exits 0
+when it works.
+
+The audit hook's role depends on the isolation. Under 'kernel' it is a diagnostic only: the
+kernel refuses what must be refused (a socket cannot reach anything, a write outside /tmp hits
+a read-only mount, a process cannot leave the pid namespace), and the hook merely notes that the
+code tried the network so a failed call says why. Under 'weak' it is all there is, and it
+refuses sockets, process creation, ctypes and writes outside the scratch dir (best effort:
+code can remove it, which is why 'weak' must be asked for).
 """
 from __future__ import annotations
 
@@ -15,10 +23,10 @@ import json
 import linecache
 import os
 import resource
+import site
 import sys
 import traceback
 
-JOB_FILE = ".megagrpo-job.json"
 EXIT_MEMORY = 86
 """Exit status of a child whose code hit the memory limit (MemoryError under RLIMIT_AS)."""
 EXIT_SANDBOX = 87
@@ -45,11 +53,14 @@ def enter_network_namespace() -> int:
     return 0
 
 
-def set_limits(limits: dict) -> None:
+def set_limits(limits: dict, per_call_user: bool) -> None:
     """RLIMIT_CPU (SIGXCPU at the soft limit, SIGKILL a second later), RLIMIT_AS (allocations
     fail with MemoryError), RLIMIT_FSIZE (a bigger file write is killed by SIGXFSZ), no core
-    files. RLIMIT_NPROC is not used: it counts every process of the real user (and root
-    ignores it); the audit hook refuses process creation instead."""
+    files; RLIMIT_NPROC when the process runs in the call's own user namespace
+    (`per_call_user`): the kernel counts it per (user namespace, uid), so per call. Outside
+    one it would count every process of the trainer's user, so 'weak' leaves it alone (and
+    refuses process creation in the hook). Root outside the namespace is exempt from it: there
+    the call's cgroup (pids.max) is the bound."""
     cpu = max(1, int(-(-limits["cpu_s"] // 1)))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     memory = int(limits["memory_mb"]) * 2**20
@@ -57,6 +68,9 @@ def set_limits(limits: dict) -> None:
     size = int(limits["file_mb"]) * 2**20
     resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if per_call_user:
+        nproc = int(limits["processes"])
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 
 
 WRITE_EVENTS: dict[str, tuple[tuple[int, int | None], ...]] = {
@@ -76,10 +90,10 @@ DEVICES = ("/dev/null",)
 
 
 class Guard:
-    """The audit hook: raises PermissionError at the call site of a refused operation: a
-    REFUSED_EVENTS one, or a filesystem change (an open for writing, a WRITE_EVENTS one) on a
-    path outside `root` (the scratch dir). Best effort: CPython documents audit hooks as no
-    security boundary; the network namespace is the kernel's."""
+    """The weak mode's audit hook: raises PermissionError at the call site of a refused
+    operation: a REFUSED_EVENTS one, or a filesystem change (an open for writing, a
+    WRITE_EVENTS one) on a path outside `root` (the scratch dir). Best effort: CPython
+    documents audit hooks as no security boundary."""
 
     def __init__(self, root: str) -> None:
         self.root = os.path.realpath(root)
@@ -109,6 +123,22 @@ class Guard:
         if real not in DEVICES and os.path.commonpath([real, self.root]) != self.root:
             raise PermissionError(f"writing {path!r} is not allowed in the tool sandbox (only "
                                   "its working directory is writable)")
+
+
+class NetworkNote:
+    """The kernel mode's audit hook, a diagnostic: remembers whether the code used a socket,
+    so that a failed call can add why it failed (there is no network). Refuses nothing."""
+
+    def __init__(self) -> None:
+        self.used = False
+
+    def __call__(self, event: str, args: tuple) -> None:
+        if event.startswith("socket."):
+            self.used = True
+
+    def explain(self) -> None:
+        if self.used:
+            sys.stderr.write("[sandbox: this sandbox has no network]\n")
 
 
 def print_user_traceback(exc: BaseException) -> None:
@@ -149,18 +179,20 @@ def main() -> int:
         if err:
             print(os.strerror(err) if err > 0 else "unshare failed", file=sys.stderr)
         return 1 if err else 0
-    with open(JOB_FILE, encoding="utf-8") as f:
-        job = json.load(f)
-    os.remove(JOB_FILE)
-    if job["netns"]:
+    job = json.loads(sys.stdin.buffer.read())
+    kernel = job["isolation"] == "kernel"
+    if job.get("netns"):
         err = enter_network_namespace()
         if err:
             print(f"sandbox: cannot enter a network namespace ({os.strerror(err)})",
                   file=sys.stderr)
             return EXIT_SANDBOX
-    set_limits(job["limits"])
+    set_limits(job["limits"], per_call_user=kernel)
     sys.dont_write_bytecode = True
-    sys.addaudithook(Guard(os.getcwd()))
+    for site_dir in job.get("site_dirs", []):
+        site.addsitedir(site_dir)
+    note = NetworkNote()
+    sys.addaudithook(note if kernel else Guard(os.getcwd()))
     try:
         if job["mode"] == "code":
             run_code(job["code"])
@@ -173,6 +205,7 @@ def main() -> int:
         raise
     except BaseException as exc:  # noqa: BLE001 - the model sees any failure as a traceback
         print_user_traceback(exc)
+        note.explain()
         return 1
     return 0
 
