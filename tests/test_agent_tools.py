@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Literal, Optional
@@ -37,8 +38,21 @@ from megagrpo.agent.calculator import CalculatorError, evaluate, format_number
 from megagrpo.agent.tools import ToolResult, function_schema
 from megagrpo.config.agent import AgentConfig
 from megagrpo.data import HFTokenizer
+from tests.support.sandbox import require_kernel_sandbox
 
 FAST = Limits(wall_s=5.0, cpu_s=2.0, memory_mb=256, output_bytes=2000)
+WEAK = replace(FAST, isolation="weak")
+ISOLATIONS = [pytest.param(FAST, id="kernel"), pytest.param(WEAK, id="weak")]
+
+
+@pytest.fixture(autouse=True)
+def _kernel_sandbox(request):
+    """Tests that run FAST (agent.sandbox=kernel) calls need bubblewrap (fail under CI)."""
+    limits = getattr(request.node, "callspec", None)
+    weak = limits is not None and limits.params.get("limits") is WEAK
+    if not weak and "sandbox" in request.node.name or "user_tool" in request.node.name \
+            or "failing_python" in request.node.name:
+        require_kernel_sandbox()
 
 # ---------------------------------------------------------------------------------------------
 # calculator
@@ -174,28 +188,38 @@ def test_tool_arguments_are_checked():
 # the sandbox
 
 
-def test_sandbox_runs_code_in_a_scratch_dir_that_is_deleted():
-    result = sandbox.run_code("import os\nprint(os.getcwd())\nopen('f.txt', 'w').write('x')\n"
-                              "print(sorted(os.environ))", FAST)
+@pytest.mark.parametrize("limits", ISOLATIONS)
+def test_sandbox_runs_code_in_a_scratch_dir_that_is_deleted(limits):
+    name = f"f-{os.getpid()}-{random.random()}.txt"
+    result = sandbox.run_code(f"import os\nprint(os.getcwd())\nopen({name!r}, 'w').write('x')\n"
+                              "print(sorted(os.environ))", limits)
     assert result.ok, result
     cwd, env = result.stdout.splitlines()
-    assert cwd != os.getcwd() and not Path(cwd).exists()
+    assert cwd != os.getcwd() and not Path(cwd, name).exists()  # kernel: cwd is its own tmpfs
     assert "PYTHONPATH" not in env and "http_proxy" not in env.lower()
 
 
-def test_sandbox_writes_only_inside_its_scratch_dir(tmp_path):
+# where a write outside the scratch dir ends: the weak hook's PermissionError; under the
+# kernel a host path is absent (FileNotFoundError) or its mount read-only (OSError EROFS)
+REFUSED_WRITE = {"kernel": ("FileNotFoundError", "Read-only file system"),
+                 "weak": ("PermissionError: writing",)}
+
+
+@pytest.mark.parametrize("limits", ISOLATIONS)
+def test_sandbox_writes_only_inside_its_scratch_dir(tmp_path, limits):
     victim = tmp_path / "victim.txt"
     victim.write_text("keep")
     for code in (f"open({str(victim)!r}, 'w').write('x')",
                  f"import os\nos.remove({str(victim)!r})",
                  f"import os\nos.symlink({str(victim)!r}, 'link')\nopen('link', 'a').write('x')",
                  f"import shutil\nshutil.rmtree({str(tmp_path)!r})"):
-        result = sandbox.run_code(code, FAST)
-        assert result.exit_code == 1 and "PermissionError: writing" in result.stderr, code
+        result = sandbox.run_code(code, limits)
+        assert result.exit_code == 1, (code, result)
+        assert any(m in result.stderr for m in REFUSED_WRITE[limits.isolation]), (code, result)
     assert victim.read_text() == "keep"
     inside = sandbox.run_code("import os, shutil\nos.makedirs('a/b')\nopen('a/b/f', 'w').write('1')"
                               "\nshutil.copytree('a', 'c')\nos.rename('c/b/f', 'g')\n"
-                              "shutil.rmtree('a')\nprint(sorted(os.listdir('.')))", FAST)
+                              "shutil.rmtree('a')\nprint(sorted(os.listdir('.')))", limits)
     assert inside.stdout == "['c', 'g']\n", inside
 
 
@@ -219,8 +243,10 @@ def test_sandbox_errors_limits_and_truncation():
     spin = sandbox.run_code("while True:\n    pass", Limits(wall_s=20, cpu_s=1, memory_mb=256,
                                                             output_bytes=2000))
     assert spin.limit == "cpu" and not spin.timed_out
-    spawn = sandbox.run_code("import os\nos.system('echo hi')", FAST)
+    spawn = sandbox.run_code("import os\nos.system('echo hi')", WEAK)  # the weak hook refuses
     assert spawn.exit_code == 1 and "PermissionError" in spawn.stderr
+    spawn = sandbox.run_code("import os\nos.system('echo hi')", FAST)  # contained: may run
+    assert spawn.ok and spawn.stdout == "hi\n", spawn
 
 
 @pytest.fixture
@@ -232,14 +258,16 @@ def listener():
     server.close()
 
 
-def test_sandbox_refuses_sockets(listener):
+@pytest.mark.parametrize("limits", ISOLATIONS)
+def test_sandbox_refuses_sockets(listener, limits):
     code = (f"import socket\nsocket.create_connection(('127.0.0.1', {listener}), timeout=2)\n"
             "print('connected')")
     outside = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert outside.stdout == "connected\n"  # the check can fail: the port does accept
-    inside = sandbox.run_code(code, FAST)
+    inside = sandbox.run_code(code, limits)
     assert inside.exit_code != 0 and "connected" not in inside.stdout
-    assert "PermissionError" in inside.stderr
+    marker = {"kernel": "[sandbox: this sandbox has no network]", "weak": "PermissionError"}
+    assert marker[limits.isolation] in inside.stderr, inside
 
 
 def test_network_namespace_alone_blocks_connections(listener):
@@ -274,7 +302,8 @@ def test_failing_python_calls_become_error_observations(tokenizer):
     failing = {"import time\ntime.sleep(30)": "[error: timed out after 3 s",
                "print('y' * 10**7)": "[error: output truncated at 300 bytes",
                "raise KeyError('k')": "KeyError: 'k'",
-               "import socket\nsocket.socket()": "PermissionError"}
+               "import socket\nsocket.socket().connect(('127.0.0.1', 9))":
+                   "[sandbox: this sandbox has no network]"}
     calls = "".join('<tool_call>' + json.dumps({"name": "python", "arguments": {"code": c}})
                     + '</tool_call>' for c in failing)
     env = ToolEnvironment({}, tokenizer, tools=(tool,))

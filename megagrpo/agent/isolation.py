@@ -64,13 +64,13 @@ def bwrap_argv(python: str, binds: list[str], disk_bytes: int) -> list[str]:
         argv += _mirror(path)
     for name in ETC_FILES:
         argv += _mirror(f"/etc/{name}")
-    for path in binds:
+    argv += ["--proc", "/proc", "--dev", "/dev",
+             "--size", str(disk_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+             "--size", str(disk_bytes), "--tmpfs", SCRATCH]
+    for path in binds:  # after /tmp's tmpfs: a bound directory may live under the host's /tmp
         argv += _mirror(path)
     argv += ["--ro-bind", str(Path(__file__).with_name("sandbox_child.py")), CHILD_PATH,
-             "--proc", "/proc", "--dev", "/dev",
-             "--size", str(disk_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-             "--size", str(disk_bytes), "--tmpfs", SCRATCH, "--remount-ro", "/",
-             "--chdir", SCRATCH, "--", python, "-I", "-B", CHILD_PATH]
+             "--remount-ro", "/", "--chdir", SCRATCH, "--", python, "-I", "-B", CHILD_PATH]
     return argv
 
 
