@@ -145,14 +145,14 @@ class CallScope:
         for d in self.dirs:
             _kill_members(d)
         for d in self.dirs:
-            for _ in range(50):
+            for _ in range(250):
                 try:
                     os.rmdir(d)
                     break
                 except FileNotFoundError:
                     break
                 except OSError:
-                    time.sleep(0.01)
+                    time.sleep(0.002)
 
 
 def _kill_members(d: str) -> None:
