@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from megagrpo.agent import Limits, ToolEnvironment, Turn, load_tools, sandbox
-from megagrpo.agent.isolation import python_binds
+from megagrpo.agent.isolation import python_binds, seccomp_filter
 from megagrpo.agent.tool_env import UNSAFE, check_tool_template
 from megagrpo.agent.tools import ToolResult
 from tests.support.sandbox import require_kernel_sandbox, require_whole_call_limits
@@ -299,6 +299,25 @@ print(json.dumps(outcomes))
     assert "No space left on device" in outcomes["tmp"], outcomes
     assert "No space left on device" in outcomes["shm"], outcomes
     assert "Read-only" in outcomes["dev"], outcomes
+
+
+def test_kernel_attack_surface_syscalls_are_refused():
+    """seccomp: io_uring, bpf, userfaultfd, keyrings, perf events, ptrace fail with EPERM
+    (raw syscalls through ctypes, which the kernel sandbox does not forbid)."""
+    if seccomp_filter() is None:
+        pytest.skip("no seccomp program for this architecture")
+    code = """
+import ctypes, json
+libc = ctypes.CDLL(None, use_errno=True)
+out = {}
+for name, nr in (("io_uring_setup", 425), ("bpf", 321), ("userfaultfd", 323), ("keyctl", 250),
+                 ("perf_event_open", 298), ("ptrace", 101), ("unshare", 272)):
+    ctypes.set_errno(0)
+    out[name] = (libc.syscall(nr, 0, 0, 0, 0, 0), ctypes.get_errno())
+print(json.dumps(out))
+"""
+    outcomes = _outcomes(_run(code))
+    assert all(v == [-1, 1] for v in outcomes.values()), outcomes  # -1, EPERM
 
 
 USER_TOOL = '''

@@ -12,7 +12,10 @@
   call's first process exits, bwrap's init exits and the kernel kills every process left in
   the namespace (a `setsid` daemon included); `--die-with-parent` does the same when the rank
   kills bwrap at the wall-clock limit;
-- network (only a loopback that is down), IPC, UTS, cgroup.
+- network (only a loopback that is down), IPC, UTS, cgroup;
+- seccomp (x86_64): the system calls a tool has no use for and that are the usual kernel
+  attack surface (io_uring, bpf, userfaultfd, perf_event_open, keyrings, ptrace, mount and
+  namespace calls, module and kexec loading) fail with EPERM (`seccomp_filter`).
 
 `CallScope` holds whole-call limits in a cgroup when one can be created here (cgroup v2 with
 the pids and memory controllers delegated, or cgroup v1's pids and memory hierarchies as
@@ -23,14 +26,18 @@ the trainer runs as root, which it ignores).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import platform
 import shutil
+import struct
 import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,11 +58,13 @@ INSTALL_HINT = ("install bubblewrap (apt-get install bubblewrap; scripts/setup_v
                 "(sysctl kernel.unprivileged_userns_clone=1)")
 
 
-def bwrap_argv(python: str, binds: list[str], disk_bytes: int) -> list[str]:
+def bwrap_argv(python: str, binds: list[str], disk_bytes: int,
+               seccomp_fd: int | None = None) -> list[str]:
     """The bwrap command line running `python -I -B CHILD_PATH` in fresh namespaces, with the
-    directories `binds` visible read-only at their own paths and `disk_bytes` of tmpfs each
-    on /tmp and /dev/shm."""
-    argv = ["bwrap", "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid",
+    directories `binds` visible read-only at their own paths, `disk_bytes` of tmpfs each on
+    /tmp and /dev/shm, and the seccomp program readable from `seccomp_fd` when given."""
+    argv = ["bwrap", *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []),
+            "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid",
             str(SANDBOX_UID), "--disable-userns", "--die-with-parent", "--new-session",
             "--cap-drop", "ALL", "--hostname", "sandbox", "--clearenv"]
     for name, value in sandbox_env().items():
@@ -108,21 +117,79 @@ def python_binds() -> tuple[str, list[str], list[str]]:
 
 @functools.lru_cache(maxsize=1)
 def kernel_isolation() -> str:
-    """'' when a bwrap sandbox starts here (probed once per process by running `true` in
-    one), else why not, in one line."""
+    """'' when a bwrap sandbox starts here (probed once per process by running the
+    interpreter in one, seccomp filter included), else why not, in one line."""
     if shutil.which("bwrap") is None:
         return "bwrap (bubblewrap) is not installed"
     python, binds, _ = python_binds()
-    argv = bwrap_argv(python, binds, 2**20)
-    argv[argv.index("--") + 1:] = [python, "-I", "-c", "pass"]
     try:
-        probe = subprocess.run(argv, capture_output=True, text=True, timeout=30,
-                               stdin=subprocess.DEVNULL)
+        with seccomp_fd() as fd:
+            argv = bwrap_argv(python, binds, 2**20, fd)
+            argv[argv.index("--") + 1:] = [python, "-I", "-c", "pass"]
+            probe = subprocess.run(argv, capture_output=True, text=True, timeout=30,
+                                   stdin=subprocess.DEVNULL, pass_fds=() if fd is None else (fd,))
     except (OSError, subprocess.SubprocessError) as e:
         return f"bwrap failed to start ({e})"
     if probe.returncode != 0:
         return f"bwrap cannot create the namespaces here ({probe.stderr.strip() or probe.returncode})"
     return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# seccomp
+
+DENIED_SYSCALLS_X86_64 = {
+    "ptrace": 101, "syslog": 103, "pivot_root": 155, "acct": 163, "mount": 165, "umount2": 166,
+    "swapon": 167, "swapoff": 168, "reboot": 169, "init_module": 175, "delete_module": 176,
+    "quotactl": 179, "lookup_dcookie": 212, "kexec_load": 246, "add_key": 248,
+    "request_key": 249, "keyctl": 250, "unshare": 272, "perf_event_open": 298,
+    "name_to_handle_at": 303, "open_by_handle_at": 304, "setns": 308,
+    "process_vm_readv": 310, "process_vm_writev": 311, "finit_module": 313,
+    "kexec_file_load": 320, "bpf": 321, "userfaultfd": 323, "io_uring_setup": 425,
+    "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428, "move_mount": 429,
+    "fsopen": 430, "fsmount": 432, "fspick": 433}
+"""System calls refused (EPERM) in the sandbox, by x86_64 number (asm/unistd_64.h)."""
+AUDIT_ARCH_X86_64 = 0xC000003E
+X32_SYSCALL_BIT = 0x40000000
+_LD_ABS, _JEQ, _JGE, _RET = 0x20, 0x15, 0x35, 0x06
+_ALLOW, _ERRNO, _KILL = 0x7FFF0000, 0x00050000, 0x80000000
+EPERM = 1
+
+
+def seccomp_filter() -> bytes | None:
+    """A classic-BPF seccomp program (struct sock_filter[]) refusing DENIED_SYSCALLS_X86_64
+    with EPERM, killing a call made through another ABI (i386 or x32, where the numbers
+    differ); None off x86_64 (no filter there: the console does not claim one)."""
+    if platform.machine() != "x86_64":
+        return None
+    ops = [(_LD_ABS, 0, 0, 4),  # seccomp_data.arch
+           (_JEQ, 1, 0, AUDIT_ARCH_X86_64), (_RET, 0, 0, _KILL),
+           (_LD_ABS, 0, 0, 0),  # seccomp_data.nr
+           (_JGE, 0, 1, X32_SYSCALL_BIT), (_RET, 0, 0, _KILL)]
+    for nr in sorted(DENIED_SYSCALLS_X86_64.values()):
+        ops += [(_JEQ, 0, 1, nr), (_RET, 0, 0, _ERRNO | EPERM)]
+    ops.append((_RET, 0, 0, _ALLOW))
+    return b"".join(struct.pack("=HBBI", *op) for op in ops)
+
+
+@contextlib.contextmanager
+def seccomp_fd() -> Iterator[int | None]:
+    """A pipe's read end holding the seccomp program, for bwrap's `--seccomp FD` (passed to
+    it with pass_fds, closed here after); None where there is no program."""
+    program = seccomp_filter()
+    if program is None:
+        yield None
+        return
+    read, write = os.pipe()
+    try:
+        os.write(write, program)  # ~ 600 bytes: fits the pipe's buffer
+        os.close(write)
+        write = -1
+        yield read
+    finally:
+        os.close(read)
+        if write >= 0:
+            os.close(write)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -123,8 +123,9 @@ def isolation_problem(mode: str) -> str:
 def announce_isolation(mode: str) -> str:
     """Says once on the console which isolation sandboxed tools run with; returns the line."""
     if mode == "kernel":
+        seccomp = "seccomp" if isolation.seccomp_filter() is not None else "no seccomp filter"
         line = ("tool sandbox: kernel (bubblewrap: user, mount, pid, network, IPC namespaces; "
-                f"read-only root, tmpfs scratch; whole-call limits: "
+                f"read-only root, tmpfs scratch; {seccomp}; whole-call limits: "
                 f"{isolation.whole_call_limits()})")
         log.info(line)
     else:
@@ -221,15 +222,17 @@ def _launch_kernel(job: dict, limits: Limits, binds: list[str]) -> Iterator[subp
         raise RuntimeError(f"{FIELD}=kernel: {why}")
     python, python_dirs, sites = isolation.python_binds()
     job["site_dirs"] = sites
-    argv = isolation.bwrap_argv(python, [*python_dirs, *binds], limits.file_mb * 2**20)
     scope = None
     if isolation.whole_call_limits() != "rlimits":
         scope = isolation.open_scope(f"{os.getpid()}-{next(_calls)}", limits.processes,
                                      limits.memory_mb * 2**20)
     try:
-        with _popen(isolation.scope_wrapper(scope, argv), cwd="/", env={"PATH": os.defpath}) \
-                as proc:
-            yield proc
+        with isolation.seccomp_fd() as fd:
+            argv = isolation.bwrap_argv(python, [*python_dirs, *binds], limits.file_mb * 2**20,
+                                        fd)
+            with _popen(isolation.scope_wrapper(scope, argv), cwd="/", env={"PATH": os.defpath},
+                        pass_fds=() if fd is None else (fd,)) as proc:
+                yield proc
     finally:
         if scope is not None:
             scope.close()
@@ -249,12 +252,13 @@ def _launch_weak(job: dict, limits: Limits, binds: list[str]) -> Iterator[subpro
 
 
 @contextlib.contextmanager
-def _popen(argv: list[str], cwd: str, env: dict[str, str]) -> Iterator[subprocess.Popen]:
+def _popen(argv: list[str], cwd: str, env: dict[str, str],
+           pass_fds: tuple[int, ...] = ()) -> Iterator[subprocess.Popen]:
     """The child in its own session (its group is what the wall clock kills), pipes on all
     three streams; killed and reaped however the block ends."""
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+                            start_new_session=True, pass_fds=pass_fds)
     try:
         yield proc
     finally:
