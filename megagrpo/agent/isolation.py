@@ -44,8 +44,10 @@ from pathlib import Path
 log = logging.getLogger("megagrpo")
 
 SANDBOX_UID = 65534
-CHILD_PATH = "/opt/megagrpo/sandbox_child.py"
-"""Where the child script is bound inside the sandbox (read-only)."""
+CHILD_DIR = "/opt/megagrpo"
+CHILD_FILES = ("sandbox_child.py", "tool_schema.py")
+"""The child script and the schema code it loads, bound read-only into CHILD_DIR."""
+CHILD_PATH = f"{CHILD_DIR}/sandbox_child.py"
 SCRATCH = "/tmp"
 ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "nsswitch.conf",
              "passwd", "group", "alternatives")
@@ -78,8 +80,9 @@ def bwrap_argv(python: str, binds: list[str], disk_bytes: int,
              "--size", str(disk_bytes), "--tmpfs", SCRATCH]
     for path in binds:  # after /tmp's tmpfs: a bound directory may live under the host's /tmp
         argv += _mirror(path)
-    argv += ["--ro-bind", str(Path(__file__).with_name("sandbox_child.py")), CHILD_PATH,
-             "--remount-ro", "/", "--chdir", SCRATCH, "--", python, "-I", "-B", CHILD_PATH]
+    for name in CHILD_FILES:
+        argv += ["--ro-bind", str(Path(__file__).with_name(name)), f"{CHILD_DIR}/{name}"]
+    argv += ["--remount-ro", "/", "--chdir", SCRATCH, "--", python, "-I", "-B", CHILD_PATH]
     return argv
 
 
@@ -131,7 +134,8 @@ def kernel_isolation() -> str:
     except (OSError, subprocess.SubprocessError) as e:
         return f"bwrap failed to start ({e})"
     if probe.returncode != 0:
-        return f"bwrap cannot create the namespaces here ({probe.stderr.strip() or probe.returncode})"
+        why = probe.stderr.strip() or f"exit status {probe.returncode}"
+        return f"bwrap cannot create the namespaces here ({why})"
     return ""
 
 

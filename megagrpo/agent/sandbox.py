@@ -167,6 +167,18 @@ def call_function(module: str, function: str, arguments: dict, limits: Limits,
                  "arguments": arguments, "sys_path": sys_path}, limits, sys_path)
 
 
+def describe_function(module: str, function: str, limits: Limits,
+                      sys_path: list[str] | None = None) -> SandboxResult:
+    """Imports `module` in the child and derives `function`'s tool schema there
+    (megagrpo.agent.tool_schema): stdout is one JSON object, {name, description, parameters}
+    or {problem, detail} (problem: 'import', 'raised', 'attribute', 'not_function' or
+    'schema'). The rank never imports a user's tool module."""
+    if sys_path is None:
+        sys_path = module_root(module)
+    return _run({"mode": "schema", "module": module, "function": function,
+                 "sys_path": sys_path}, limits, sys_path)
+
+
 def module_root(module: str) -> list[str]:
     """[the sys.path entry holding `module`'s top-level package], found without importing
     it; [] for a module that is not a file (a built-in) or is not found."""

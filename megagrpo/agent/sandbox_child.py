@@ -4,9 +4,11 @@ visible).
 
 In order: read the job (JSON) from stdin; under 'weak' enter a new user + network namespace
 when the parent asks (the parent probed that it works); set the resource limits; install the
-audit hook; add the job's site directories; run the job: a code string (`mode: code`) or
+audit hook; add the job's site directories; run the job: a code string (`mode: code`),
 `module:function(**arguments)` (`mode: call`, the result written to stdout as text or JSON,
-the function's own prints to stderr). With `--probe` it only tries the namespace and exits 0
+the function's own prints to stderr) or a user tool's schema (`mode: schema`: the module
+imported here, never in the rank; the schema derived by tool_schema.py, loaded from beside this
+file). With `--probe` it only tries the namespace and exits 0
 when it works.
 
 The audit hook's role depends on the isolation. Under 'kernel' it is a diagnostic only: the
@@ -19,6 +21,8 @@ code can remove it, which is why 'weak' must be asked for).
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
 import json
 import linecache
 import os
@@ -161,16 +165,71 @@ def call_function(job: dict) -> None:
     """Imports `module`, calls `function(**arguments)` and writes its result (a str as is,
     anything else as JSON) to the original stdout; the function's prints go to stderr."""
     sys.path[:0] = job["sys_path"]
+    result_fd = _stdout_to_stderr()
     target = importlib.import_module(job["module"])
     for part in job["function"].split("."):
         target = getattr(target, part)
+    result = target(**job["arguments"])
+    _write_result(result_fd, result if isinstance(result, str) else json.dumps(result, default=str))
+
+
+def describe_function(job: dict) -> None:
+    """Imports `module` and writes `function`'s schema as JSON to the original stdout:
+    {name, description, parameters}, or {problem, detail} saying what is wrong (the parent
+    turns it into a ValueError naming agent.tools)."""
+    sys.path[:0] = job["sys_path"]
+    result_fd = _stdout_to_stderr()
+    spec = f"{job['module']}:{job['function']}"
+    found: dict = {}
+    try:
+        target = importlib.import_module(job["module"])
+    except ImportError as e:
+        found = {"problem": "import", "detail": str(e)}
+    except Exception as e:  # noqa: BLE001 - user code failing at import time
+        found = {"problem": "raised", "detail": f"{type(e).__name__}: {e}"}
+    for part in job["function"].split(".") if not found else []:
+        if not hasattr(target, part):
+            found = {"problem": "attribute", "detail": part}
+            break
+        target = getattr(target, part)
+    if not found and not inspect.isfunction(target):
+        found = {"problem": "not_function", "detail": type(target).__name__}
+    if not found:
+        try:
+            description, parameters = _tool_schema().function_schema(target, spec)
+            found = {"name": target.__name__, "description": description,
+                     "parameters": parameters}
+        except ValueError as e:
+            found = {"problem": "schema", "detail": str(e)}
+    _write_result(result_fd, json.dumps(found))
+
+
+def _tool_schema() -> object:
+    """megagrpo/agent/tool_schema.py, loaded by path from beside this file (megagrpo itself
+    is not importable here)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tool_schema.py")
+    spec = importlib.util.spec_from_file_location("megagrpo_tool_schema", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses / typing look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _stdout_to_stderr() -> int:
+    """Points fd 1 at stderr (user code's prints) and returns a copy of the real stdout."""
     result_fd = os.dup(1)
     os.dup2(2, 1)
-    result = target(**job["arguments"])
-    text = result if isinstance(result, str) else json.dumps(result, default=str)
+    return result_fd
+
+
+def _write_result(result_fd: int, text: str) -> None:
     sys.stdout.flush()
     with os.fdopen(result_fd, "w", encoding="utf-8") as out:
         out.write(text)
+
+
+MODES = {"code": lambda job: run_code(job["code"]), "call": call_function,
+         "schema": describe_function}
 
 
 def main() -> int:
@@ -194,10 +253,7 @@ def main() -> int:
     note = NetworkNote()
     sys.addaudithook(note if kernel else Guard(os.getcwd()))
     try:
-        if job["mode"] == "code":
-            run_code(job["code"])
-        else:
-            call_function(job)
+        MODES[job["mode"]](job)
     except MemoryError:
         os.write(2, b"MemoryError: the tool exceeded its memory limit\n")
         return EXIT_MEMORY
