@@ -45,14 +45,17 @@ WEAK = replace(FAST, isolation="weak")
 ISOLATIONS = [pytest.param(FAST, id="kernel"), pytest.param(WEAK, id="weak")]
 
 
-@pytest.fixture(autouse=True)
-def _kernel_sandbox(request):
-    """Tests that run FAST (agent.sandbox=kernel) calls need bubblewrap (fail under CI)."""
-    limits = getattr(request.node, "callspec", None)
-    weak = limits is not None and limits.params.get("limits") is WEAK
-    if not weak and "sandbox" in request.node.name or "user_tool" in request.node.name \
-            or "failing_python" in request.node.name:
+@pytest.fixture
+def kernel():
+    """For tests that run FAST (agent.sandbox=kernel) calls: skip without bubblewrap, fail
+    under CI."""
+    require_kernel_sandbox()
+
+
+def _needs(limits: Limits) -> None:
+    if limits.isolation == "kernel":
         require_kernel_sandbox()
+
 
 # ---------------------------------------------------------------------------------------------
 # calculator
@@ -190,6 +193,7 @@ def test_tool_arguments_are_checked():
 
 @pytest.mark.parametrize("limits", ISOLATIONS)
 def test_sandbox_runs_code_in_a_scratch_dir_that_is_deleted(limits):
+    _needs(limits)
     name = f"f-{os.getpid()}-{random.random()}.txt"
     result = sandbox.run_code(f"import os\nprint(os.getcwd())\nopen({name!r}, 'w').write('x')\n"
                               "print(sorted(os.environ))", limits)
@@ -207,6 +211,7 @@ REFUSED_WRITE = {"kernel": ("FileNotFoundError", "Read-only file system"),
 
 @pytest.mark.parametrize("limits", ISOLATIONS)
 def test_sandbox_writes_only_inside_its_scratch_dir(tmp_path, limits):
+    _needs(limits)
     victim = tmp_path / "victim.txt"
     victim.write_text("keep")
     for code in (f"open({str(victim)!r}, 'w').write('x')",
@@ -223,7 +228,7 @@ def test_sandbox_writes_only_inside_its_scratch_dir(tmp_path, limits):
     assert inside.stdout == "['c', 'g']\n", inside
 
 
-def test_sandbox_wall_clock_limit_kills_the_process_group():
+def test_sandbox_wall_clock_limit_kills_the_process_group(kernel):
     limits = Limits(wall_s=3.0, cpu_s=2.0, memory_mb=256, output_bytes=2000)  # 3 s: a loaded
     # machine may take a second to start the interpreter
     result = sandbox.run_code("import time\nprint('start', flush=True)\ntime.sleep(60)", limits)
@@ -231,7 +236,7 @@ def test_sandbox_wall_clock_limit_kills_the_process_group():
     assert result.seconds < 30  # returned at the limit, not after the sleep
 
 
-def test_sandbox_errors_limits_and_truncation():
+def test_sandbox_errors_limits_and_truncation(kernel):
     raised = sandbox.run_code("def f():\n    raise ValueError('boom')\nf()", FAST)
     assert raised.exit_code == 1 and not raised.limit
     assert "ValueError: boom" in raised.stderr and 'File "<tool>", line 2' in raised.stderr
@@ -260,6 +265,7 @@ def listener():
 
 @pytest.mark.parametrize("limits", ISOLATIONS)
 def test_sandbox_refuses_sockets(listener, limits):
+    _needs(limits)
     code = (f"import socket\nsocket.create_connection(('127.0.0.1', {listener}), timeout=2)\n"
             "print('connected')")
     outside = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -292,7 +298,7 @@ def test_network_namespace_alone_blocks_connections(listener):
     assert result.stdout.startswith("refused"), result
 
 
-def test_failing_python_calls_become_error_observations(tokenizer):
+def test_failing_python_calls_become_error_observations(tokenizer, kernel):
     """A tool that sleeps past its limit, prints 10 MB, raises or opens a socket: one error
     tool message each, and the step returns."""
     limits = Limits(wall_s=3.0, cpu_s=1.0, memory_mb=256, output_bytes=300)
@@ -341,7 +347,7 @@ def untyped(x) -> str:
 '''
 
 
-def test_user_tool_runs_in_a_child_process(tmp_path, monkeypatch):
+def test_user_tool_runs_in_a_child_process(tmp_path, monkeypatch, kernel):
     (tmp_path / "my_tools_mod.py").write_text(USER_TOOLS)
     monkeypatch.syspath_prepend(str(tmp_path))
     add, fail = load_tools(["my_tools_mod:add", "my_tools_mod:fail"], FAST)

@@ -31,8 +31,9 @@ LIMITS = Limits(wall_s=8.0, cpu_s=4.0, memory_mb=256, output_bytes=8000, file_mb
                 processes=16)
 
 
-@pytest.fixture(autouse=True)
-def _kernel(request):
+@pytest.fixture
+def kernel():
+    """Tests that run calls need bubblewrap: skipped without it, failed under CI."""
     require_kernel_sandbox()
 
 
@@ -85,7 +86,7 @@ def _site_dir() -> str:
     return python_binds()[2][0]
 
 
-def test_writes_outside_the_scratch_are_refused_by_the_kernel(tmp_path):
+def test_writes_outside_the_scratch_are_refused_by_the_kernel(tmp_path, kernel):
     victim = tmp_path / "victim.txt"
     victim.write_text("keep")
     site = _site_dir()
@@ -125,7 +126,7 @@ print(json.dumps(outcomes))
     assert not Path("/tmp/inside").exists() and not Path("/evil").exists()
 
 
-def test_removing_the_audit_hook_changes_nothing():
+def test_removing_the_audit_hook_changes_nothing(kernel):
     """The hook is a diagnostic under 'kernel': code that disables it (patches the hook's
     class, found through the gc or the __main__ module's globals) still meets the kernel's
     refusals. (Under 'weak' the same patch opens every door the hook guarded.)"""
@@ -147,7 +148,7 @@ print(json.dumps(outcomes))
     assert all(v != "done" for v in outcomes.values()), outcomes
 
 
-def test_processes_it_starts_stay_inside_and_die_with_the_call(marker):
+def test_processes_it_starts_stay_inside_and_die_with_the_call(marker, kernel):
     """multiprocessing spawn, _posixsubprocess.fork_exec, os.fork, a setsid double-forked
     daemon: they run (inside the call's pid namespace), cannot write outside either, and none
     survives the call."""
@@ -182,7 +183,7 @@ print(json.dumps(outcomes))
     assert not [p for p in os.listdir(_site_dir()) if p.startswith("evil")]
 
 
-def test_it_cannot_kill_or_stop_its_parent_or_anything_outside(marker):
+def test_it_cannot_kill_or_stop_its_parent_or_anything_outside(marker, kernel):
     """SIGKILL/SIGSTOP to its parent, its process group, this process's pid and -1 (every
     process it may signal): this test process goes on, and nothing of the call remains."""
     me = os.getpid()
@@ -207,7 +208,7 @@ if os.getpid() < 100:
     assert state in "RS", state  # this process was not stopped
 
 
-def test_it_cannot_read_the_runs_files_or_other_calls(tmp_path, monkeypatch):
+def test_it_cannot_read_the_runs_files_or_other_calls(tmp_path, monkeypatch, kernel):
     """A secret file of the run (under the host's /tmp), this process's environment, a call
     running at the same time and its scratch files: none visible."""
     secret = tmp_path / "secret.txt"
@@ -283,7 +284,7 @@ print("killed", sum(c == -9 for c in codes), flush=True)
     assert killed, result
 
 
-def test_disk_filling_is_capped():
+def test_disk_filling_is_capped(kernel):
     code = TRY + """
 def fill(path):
     def go():
@@ -302,7 +303,7 @@ print(json.dumps(outcomes))
     assert "Read-only" in outcomes["dev"], outcomes
 
 
-def test_kernel_attack_surface_syscalls_are_refused():
+def test_kernel_attack_surface_syscalls_are_refused(kernel):
     """seccomp: io_uring, bpf, userfaultfd, keyrings, perf events, ptrace fail with EPERM
     (raw syscalls through ctypes, which the kernel sandbox does not forbid)."""
     if seccomp_filter() is None:
@@ -342,7 +343,7 @@ def escape(path: str) -> str:
 '''
 
 
-def test_user_tool_sees_only_its_folder(tmp_path, monkeypatch):
+def test_user_tool_sees_only_its_folder(tmp_path, monkeypatch, kernel):
     """A user tool runs inside the same boundary: its module's folder read-only, the run's
     other files absent."""
     tools_dir = tmp_path / "tools"
@@ -357,7 +358,7 @@ def test_user_tool_sees_only_its_folder(tmp_path, monkeypatch):
     assert "boundary_tool_mod" not in sys.modules  # imported in the sandbox, never in the rank
 
 
-def test_user_tool_module_is_imported_in_the_sandbox_only(tmp_path, monkeypatch):
+def test_user_tool_module_is_imported_in_the_sandbox_only(tmp_path, monkeypatch, kernel):
     """A tool module's top-level code runs inside the sandbox at load time: what it does to
     the process (here: SIGKILL to its parent) stays there; its failures are one line naming
     agent.tools."""
