@@ -14,6 +14,7 @@ import os
 import sys
 import textwrap
 import threading
+import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -43,6 +44,9 @@ def marker():
     process may hold it."""
     token = f"megagrpo-attack-{uuid.uuid4().hex}"
     yield token
+    deadline = time.monotonic() + 2.0  # a SIGKILLed process keeps its cmdline until it is gone
+    while _processes_with(token) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert _processes_with(token) == [], "a process of the call outlived it"
 
 
@@ -206,6 +210,28 @@ if os.getpid() < 100:
     assert outcomes["ppid"] == 1, outcomes  # its parent is the namespace's init, not the rank
     state = Path(f"/proc/{os.getpid()}/status").read_text().split("State:")[1].split()[0]
     assert state in "RS", state  # this process was not stopped
+
+
+@pytest.mark.parametrize("scope", [True, False], ids=["cgroup", "no-cgroup"])
+def test_wall_clock_kills_every_process_of_the_call(marker, kernel, monkeypatch, scope):
+    """A call past its wall clock, with a setsid daemon and a child ignoring SIGTERM: all are
+    gone when run_code returns, with or without the cgroup scope (bwrap's --die-with-parent
+    and the pid namespace alone suffice)."""
+    from megagrpo.agent import isolation
+
+    if not scope:
+        monkeypatch.setattr(isolation, "whole_call_limits", lambda: "rlimits")
+    code = f"""
+import os, subprocess, sys, time
+sleeper = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+           "signal.SIG_IGN); time.sleep(60)", {marker!r}]
+subprocess.Popen(sleeper, start_new_session=True)
+subprocess.Popen(sleeper)
+print("started", flush=True)
+time.sleep(60)
+"""
+    result = _run(code, replace(LIMITS, wall_s=2.0))
+    assert result.timed_out and result.stdout == "started\n", result
 
 
 def test_it_cannot_read_the_runs_files_or_other_calls(tmp_path, monkeypatch, kernel):

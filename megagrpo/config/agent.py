@@ -42,7 +42,8 @@ class AgentConfig(Section):
     tool_cpu_s: float = 5.0
     """CPU-time limit of one tool call (RLIMIT_CPU)."""
     tool_memory_mb: int = 512
-    """Address-space limit of a tool's child process (RLIMIT_AS)."""
+    """Address-space limit of each process of a tool call (RLIMIT_AS) and, where the call gets
+    a cgroup scope, the memory of all its processes together (its tmpfs included)."""
     tool_output_bytes: int = 4096
     """A tool's result is truncated to this many bytes (the model sees a marker)."""
     tool_processes: int = 32
