@@ -253,6 +253,7 @@ def read(path):
 for path in ({str(secret)!r}, "/proc/{os.getpid()}/environ", "/proc/1/environ",
              "/tmp/other-call.txt", "/root/.bash_history", "{Path.cwd() / 'pyproject.toml'}"):
     attempt(path, read(path))
+attempt("import_trainer", lambda: __import__("megagrpo"))
 outcomes["tmp"] = os.listdir("/tmp")
 outcomes["found"] = glob.glob("/proc/*/root/tmp/*") + glob.glob("/tmp/**/*secret*", recursive=True)
 outcomes["env"] = dict(os.environ)
@@ -266,6 +267,7 @@ print(json.dumps(outcomes))
         assert leaked not in text, (leaked, text)
     outcomes = _outcomes(result)
     assert outcomes["tmp"] == [] and outcomes["found"] == [], outcomes
+    assert outcomes["import_trainer"].startswith("ModuleNotFoundError"), outcomes
 
 
 def test_fork_bomb_is_contained(marker):

@@ -65,7 +65,8 @@ def bwrap_argv(python: str, binds: list[str], disk_bytes: int,
     """The bwrap command line running `python -I -B CHILD_PATH` in fresh namespaces, with the
     directories `binds` visible read-only at their own paths, `disk_bytes` of tmpfs each on
     /tmp and /dev/shm, and the seccomp program readable from `seccomp_fd` when given."""
-    argv = ["bwrap", *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []),
+    bwrap = shutil.which("bwrap") or "bwrap"  # absolute: the child's PATH is a minimal one
+    argv = [bwrap, *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []),
             "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid",
             str(SANDBOX_UID), "--disable-userns", "--die-with-parent", "--new-session",
             "--cap-drop", "ALL", "--hostname", "sandbox", "--clearenv"]
