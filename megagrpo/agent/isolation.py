@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 import platform
 import shutil
@@ -40,8 +39,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-log = logging.getLogger("megagrpo")
 
 SANDBOX_UID = 65534
 CHILD_DIR = "/opt/megagrpo"

@@ -124,9 +124,12 @@ def announce_isolation(mode: str) -> str:
     """Says once on the console which isolation sandboxed tools run with; returns the line."""
     if mode == "kernel":
         seccomp = "seccomp" if isolation.seccomp_filter() is not None else "no seccomp filter"
+        limits = isolation.whole_call_limits()
+        if limits == "rlimits" and os.geteuid() == 0:  # root is exempt from RLIMIT_NPROC
+            limits += ("; as root without a cgroup scope a call's process count is bounded "
+                       "by its wall clock only")
         line = ("tool sandbox: kernel (bubblewrap: user, mount, pid, network, IPC namespaces; "
-                f"read-only root, tmpfs scratch; {seccomp}; whole-call limits: "
-                f"{isolation.whole_call_limits()})")
+                f"read-only root, tmpfs scratch; {seccomp}; whole-call limits: {limits})")
         log.info(line)
     else:
         line = (f"tool sandbox: weak (agent.sandbox=weak: a child process, "
