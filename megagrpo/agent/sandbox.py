@@ -28,6 +28,7 @@ start becomes a `SandboxResult` saying so.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import importlib.util
@@ -293,8 +294,8 @@ SCRATCH_PREFIX = "megagrpo-tools-"
 @functools.lru_cache(maxsize=1)
 def scratch_root() -> str:
     """This process's root of weak-mode scratch dirs (`$TMPDIR/megagrpo-tools-<pid>`, mode
-    0700), made once; roots whose process is gone (a run killed before it cleaned up) are
-    swept first."""
+    0700), made once and removed at exit; roots whose process is gone (a run killed before it
+    cleaned up) are swept first."""
     base = tempfile.gettempdir()
     for name in os.listdir(base):
         pid = name[len(SCRATCH_PREFIX):]
@@ -302,6 +303,7 @@ def scratch_root() -> str:
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
     root = os.path.join(base, f"{SCRATCH_PREFIX}{os.getpid()}")
     os.makedirs(root, mode=0o700, exist_ok=True)
+    atexit.register(shutil.rmtree, root, True)  # a run that ends normally leaves nothing
     return root
 
 
