@@ -541,3 +541,19 @@ def test_load_environment(tokenizer, tmp_path, monkeypatch):
     for cfg, match in bad:
         with pytest.raises(ValueError, match=match):
             load_environment(cfg, tokenizer)
+
+
+def test_weak_scratch_roots_of_dead_runs_are_swept(tmp_path, monkeypatch):
+    """agent.sandbox=weak keeps its scratch dirs under one root per run; a root whose run is
+    gone (its pid not alive) is removed when the next run makes its own."""
+    monkeypatch.setattr(sandbox.tempfile, "tempdir", str(tmp_path))
+    dead = next(pid for pid in range(4_000_000, 4_100_000) if not Path(f"/proc/{pid}").exists())
+    (tmp_path / f"megagrpo-tools-{dead}" / "call-x").mkdir(parents=True)
+    (tmp_path / f"megagrpo-tools-{os.getppid()}").mkdir()  # a live process's root stays
+    sandbox.scratch_root.cache_clear()
+    try:
+        root = sandbox.scratch_root()
+    finally:
+        sandbox.scratch_root.cache_clear()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"megagrpo-tools-{os.getppid()}", Path(root).name])
