@@ -16,11 +16,7 @@ def import_object(spec: str, where: str) -> object:
     try:
         target = importlib.import_module(module_name)
     except ImportError as e:
-        path = module_name.replace(".", "/")
-        raise ValueError(
-            f"{where}: cannot import module {module_name!r} ({e}); it must be importable by "
-            "every rank: run from its folder or put that folder on PYTHONPATH (e.g. "
-            f"PYTHONPATH=/path/to/dir for /path/to/dir/{path}.py)") from e
+        raise ValueError(import_failure(where, module_name, str(e))) from e
     except Exception as e:  # a syntax error or a failing top-level statement in user code
         raise ValueError(f"{where}: importing {module_name!r} raised "
                          f"{type(e).__name__}: {e}") from e
@@ -29,3 +25,11 @@ def import_object(spec: str, where: str) -> object:
             raise ValueError(f"{where}: {module_name} has no attribute {attr!r}")
         target = getattr(target, part)
     return target
+
+
+def import_failure(where: str, module_name: str, error: str) -> str:
+    """The message of a module that cannot be imported: where, which, why and the fix."""
+    path = module_name.replace(".", "/")
+    return (f"{where}: cannot import module {module_name!r} ({error}); it must be importable by "
+            "every rank: run from its folder or put that folder on PYTHONPATH (e.g. "
+            f"PYTHONPATH=/path/to/dir for /path/to/dir/{path}.py)")

@@ -17,6 +17,19 @@ if ! command -v g++ >/dev/null 2>&1 && ! command -v c++ >/dev/null 2>&1; then
        "(apt-get install g++)" >&2
   if [ -n "${CI:-}" ]; then exit 1; fi
 fi
+# the python tool and user tools run under bubblewrap (agent.sandbox: kernel); without it they
+# are refused before compute. Installed here when missing and we may (root with apt-get);
+# otherwise said, and CI fails (the sandbox boundary tests need it).
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing bubblewrap (the tool sandbox's namespaces)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
+  else
+    echo "[setup] bwrap not found: the python tool and user tools need it" \
+         "(apt-get install bubblewrap / dnf install bubblewrap, or set agent.sandbox: weak)" >&2
+    if [ -n "${CI:-}" ]; then exit 1; fi
+  fi
+fi
 key=$(cat "$req" pyproject.toml scripts/setup_venv.sh | sha1sum | cut -c1-12)
 stamp=.venv/.megagrpo-$flavour-$key
 if [ -f "$stamp" ]; then exit 0; fi

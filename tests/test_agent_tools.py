@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Literal, Optional
@@ -37,8 +38,24 @@ from megagrpo.agent.calculator import CalculatorError, evaluate, format_number
 from megagrpo.agent.tools import ToolResult, function_schema
 from megagrpo.config.agent import AgentConfig
 from megagrpo.data import HFTokenizer
+from tests.support.sandbox import require_kernel_sandbox
 
 FAST = Limits(wall_s=5.0, cpu_s=2.0, memory_mb=256, output_bytes=2000)
+WEAK = replace(FAST, isolation="weak")
+ISOLATIONS = [pytest.param(FAST, id="kernel"), pytest.param(WEAK, id="weak")]
+
+
+@pytest.fixture
+def kernel():
+    """For tests that run FAST (agent.sandbox=kernel) calls: skip without bubblewrap, fail
+    under CI."""
+    require_kernel_sandbox()
+
+
+def _needs(limits: Limits) -> None:
+    if limits.isolation == "kernel":
+        require_kernel_sandbox()
+
 
 # ---------------------------------------------------------------------------------------------
 # calculator
@@ -174,32 +191,44 @@ def test_tool_arguments_are_checked():
 # the sandbox
 
 
-def test_sandbox_runs_code_in_a_scratch_dir_that_is_deleted():
-    result = sandbox.run_code("import os\nprint(os.getcwd())\nopen('f.txt', 'w').write('x')\n"
-                              "print(sorted(os.environ))", FAST)
+@pytest.mark.parametrize("limits", ISOLATIONS)
+def test_sandbox_runs_code_in_a_scratch_dir_that_is_deleted(limits):
+    _needs(limits)
+    name = f"f-{os.getpid()}-{random.random()}.txt"
+    result = sandbox.run_code(f"import os\nprint(os.getcwd())\nopen({name!r}, 'w').write('x')\n"
+                              "print(sorted(os.environ))", limits)
     assert result.ok, result
     cwd, env = result.stdout.splitlines()
-    assert cwd != os.getcwd() and not Path(cwd).exists()
+    assert cwd != os.getcwd() and not Path(cwd, name).exists()  # kernel: cwd is its own tmpfs
     assert "PYTHONPATH" not in env and "http_proxy" not in env.lower()
 
 
-def test_sandbox_writes_only_inside_its_scratch_dir(tmp_path):
+# where a write outside the scratch dir ends: the weak hook's PermissionError; under the
+# kernel a host path is absent (FileNotFoundError) or its mount read-only (OSError EROFS)
+REFUSED_WRITE = {"kernel": ("FileNotFoundError", "Read-only file system"),
+                 "weak": ("PermissionError: writing",)}
+
+
+@pytest.mark.parametrize("limits", ISOLATIONS)
+def test_sandbox_writes_only_inside_its_scratch_dir(tmp_path, limits):
+    _needs(limits)
     victim = tmp_path / "victim.txt"
     victim.write_text("keep")
     for code in (f"open({str(victim)!r}, 'w').write('x')",
                  f"import os\nos.remove({str(victim)!r})",
                  f"import os\nos.symlink({str(victim)!r}, 'link')\nopen('link', 'a').write('x')",
                  f"import shutil\nshutil.rmtree({str(tmp_path)!r})"):
-        result = sandbox.run_code(code, FAST)
-        assert result.exit_code == 1 and "PermissionError: writing" in result.stderr, code
+        result = sandbox.run_code(code, limits)
+        assert result.exit_code == 1, (code, result)
+        assert any(m in result.stderr for m in REFUSED_WRITE[limits.isolation]), (code, result)
     assert victim.read_text() == "keep"
     inside = sandbox.run_code("import os, shutil\nos.makedirs('a/b')\nopen('a/b/f', 'w').write('1')"
                               "\nshutil.copytree('a', 'c')\nos.rename('c/b/f', 'g')\n"
-                              "shutil.rmtree('a')\nprint(sorted(os.listdir('.')))", FAST)
+                              "shutil.rmtree('a')\nprint(sorted(os.listdir('.')))", limits)
     assert inside.stdout == "['c', 'g']\n", inside
 
 
-def test_sandbox_wall_clock_limit_kills_the_process_group():
+def test_sandbox_wall_clock_limit_kills_the_process_group(kernel):
     limits = Limits(wall_s=3.0, cpu_s=2.0, memory_mb=256, output_bytes=2000)  # 3 s: a loaded
     # machine may take a second to start the interpreter
     result = sandbox.run_code("import time\nprint('start', flush=True)\ntime.sleep(60)", limits)
@@ -207,7 +236,7 @@ def test_sandbox_wall_clock_limit_kills_the_process_group():
     assert result.seconds < 30  # returned at the limit, not after the sleep
 
 
-def test_sandbox_errors_limits_and_truncation():
+def test_sandbox_errors_limits_and_truncation(kernel):
     raised = sandbox.run_code("def f():\n    raise ValueError('boom')\nf()", FAST)
     assert raised.exit_code == 1 and not raised.limit
     assert "ValueError: boom" in raised.stderr and 'File "<tool>", line 2' in raised.stderr
@@ -219,8 +248,10 @@ def test_sandbox_errors_limits_and_truncation():
     spin = sandbox.run_code("while True:\n    pass", Limits(wall_s=20, cpu_s=1, memory_mb=256,
                                                             output_bytes=2000))
     assert spin.limit == "cpu" and not spin.timed_out
-    spawn = sandbox.run_code("import os\nos.system('echo hi')", FAST)
+    spawn = sandbox.run_code("import os\nos.system('echo hi')", WEAK)  # the weak hook refuses
     assert spawn.exit_code == 1 and "PermissionError" in spawn.stderr
+    spawn = sandbox.run_code("import os\nos.system('echo hi')", FAST)  # contained: may run
+    assert spawn.ok and spawn.stdout == "hi\n", spawn
 
 
 @pytest.fixture
@@ -232,14 +263,17 @@ def listener():
     server.close()
 
 
-def test_sandbox_refuses_sockets(listener):
+@pytest.mark.parametrize("limits", ISOLATIONS)
+def test_sandbox_refuses_sockets(listener, limits):
+    _needs(limits)
     code = (f"import socket\nsocket.create_connection(('127.0.0.1', {listener}), timeout=2)\n"
             "print('connected')")
     outside = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert outside.stdout == "connected\n"  # the check can fail: the port does accept
-    inside = sandbox.run_code(code, FAST)
+    inside = sandbox.run_code(code, limits)
     assert inside.exit_code != 0 and "connected" not in inside.stdout
-    assert "PermissionError" in inside.stderr
+    marker = {"kernel": "[sandbox: this sandbox has no network]", "weak": "PermissionError"}
+    assert marker[limits.isolation] in inside.stderr, inside
 
 
 def test_network_namespace_alone_blocks_connections(listener):
@@ -264,7 +298,7 @@ def test_network_namespace_alone_blocks_connections(listener):
     assert result.stdout.startswith("refused"), result
 
 
-def test_failing_python_calls_become_error_observations(tokenizer):
+def test_failing_python_calls_become_error_observations(tokenizer, kernel):
     """A tool that sleeps past its limit, prints 10 MB, raises or opens a socket: one error
     tool message each, and the step returns."""
     limits = Limits(wall_s=3.0, cpu_s=1.0, memory_mb=256, output_bytes=300)
@@ -274,7 +308,8 @@ def test_failing_python_calls_become_error_observations(tokenizer):
     failing = {"import time\ntime.sleep(30)": "[error: timed out after 3 s",
                "print('y' * 10**7)": "[error: output truncated at 300 bytes",
                "raise KeyError('k')": "KeyError: 'k'",
-               "import socket\nsocket.socket()": "PermissionError"}
+               "import socket\nsocket.socket().connect(('127.0.0.1', 9))":
+                   "[sandbox: this sandbox has no network]"}
     calls = "".join('<tool_call>' + json.dumps({"name": "python", "arguments": {"code": c}})
                     + '</tool_call>' for c in failing)
     env = ToolEnvironment({}, tokenizer, tools=(tool,))
@@ -312,7 +347,7 @@ def untyped(x) -> str:
 '''
 
 
-def test_user_tool_runs_in_a_child_process(tmp_path, monkeypatch):
+def test_user_tool_runs_in_a_child_process(tmp_path, monkeypatch, kernel):
     (tmp_path / "my_tools_mod.py").write_text(USER_TOOLS)
     monkeypatch.syspath_prepend(str(tmp_path))
     add, fail = load_tools(["my_tools_mod:add", "my_tools_mod:fail"], FAST)
@@ -506,3 +541,19 @@ def test_load_environment(tokenizer, tmp_path, monkeypatch):
     for cfg, match in bad:
         with pytest.raises(ValueError, match=match):
             load_environment(cfg, tokenizer)
+
+
+def test_weak_scratch_roots_of_dead_runs_are_swept(tmp_path, monkeypatch):
+    """agent.sandbox=weak keeps its scratch dirs under one root per run; a root whose run is
+    gone (its pid not alive) is removed when the next run makes its own."""
+    monkeypatch.setattr(sandbox.tempfile, "tempdir", str(tmp_path))
+    dead = next(pid for pid in range(4_000_000, 4_100_000) if not Path(f"/proc/{pid}").exists())
+    (tmp_path / f"megagrpo-tools-{dead}" / "call-x").mkdir(parents=True)
+    (tmp_path / f"megagrpo-tools-{os.getppid()}").mkdir()  # a live process's root stays
+    sandbox.scratch_root.cache_clear()
+    try:
+        root = sandbox.scratch_root()
+    finally:
+        sandbox.scratch_root.cache_clear()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"megagrpo-tools-{os.getppid()}", Path(root).name])

@@ -1083,3 +1083,14 @@ def test_performance_doc_demo_profile_table_is_the_profiles():
     want = mod.markdown(recs)
     assert "demo float32, eager | update" in want and "demo float32, layers compiled" in want
     assert_generated_table(PERF_DOC, marker, "<!-- end of demo profile table -->", want)
+
+
+def test_sandbox_benchmark_smallest():
+    """benchmarks/sandbox.py times each isolation's call (2 calls each): every row ran, the
+    kernel rows where bubblewrap runs here."""
+    from megagrpo.agent.isolation import kernel_isolation
+
+    rows = {r["row"]: r for r in _run("sandbox.py", "--calls", "2")}
+    assert {"bare interpreter", "weak"} <= set(rows), rows
+    assert any(name.startswith("kernel") for name in rows) == (kernel_isolation() == "")
+    assert all(r["calls"] == 2 and r["median_ms"] > 0 for r in rows.values()), rows

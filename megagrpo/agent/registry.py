@@ -10,7 +10,7 @@ import inspect
 from dataclasses import dataclass, field
 
 from megagrpo.agent.env import Environment
-from megagrpo.agent.sandbox import Limits, network_isolation
+from megagrpo.agent.sandbox import Limits, announce_isolation, isolation_problem
 from megagrpo.agent.tool_env import (
     ToolEnvironment,
     check_tool_template,
@@ -60,10 +60,9 @@ def load_environment(cfg: AgentConfig, tokenizer: object) -> EnvironmentFactory:
         most = cfg.kwargs.get("max_calls_per_turn", 1)
         if isinstance(most, bool) or not isinstance(most, int) or most < 1:
             raise ValueError(f"agent.kwargs max_calls_per_turn={most!r} must be an int >= 1")
+        check_sandbox(cfg)
         tools = load_tools(cfg.tools, Limits.from_config(cfg))
         template = check_tool_template(tokenizer, tools)
-        if any(t.target not in ("calculator",) for t in tools):
-            network_isolation()  # says once which isolation the sandbox runs with
         return EnvironmentFactory(cls=ToolEnvironment, tokenizer=tokenizer, tools=tools,
                                   kwargs={"tools": tools, "template": template, **cfg.kwargs})
     cls = import_environment(cfg.environment)
@@ -73,6 +72,18 @@ def load_environment(cfg: AgentConfig, tokenizer: object) -> EnvironmentFactory:
         raise ValueError(f"agent.kwargs {cfg.kwargs} do not fit {cfg.environment}"
                          f"(record, tokenizer, **kwargs): {e}") from None
     return EnvironmentFactory(cls=cls, tokenizer=tokenizer, kwargs=dict(cfg.kwargs))
+
+
+def check_sandbox(cfg: AgentConfig) -> None:
+    """When a tool runs code (the python tool, any user tool): ValueError naming
+    agent.sandbox and the fix if its isolation cannot run here, checked before a user tool
+    module is imported; else says once on the console which isolation runs."""
+    if all(spec == "calculator" for spec in cfg.tools):
+        return
+    problem = isolation_problem(cfg.sandbox)
+    if problem:
+        raise ValueError(problem)
+    announce_isolation(cfg.sandbox)
 
 
 def with_tool_prompts(examples: list[Example], factory: EnvironmentFactory,

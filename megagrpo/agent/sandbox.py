@@ -1,27 +1,38 @@
 """Run untrusted Python (a tool's code or a user tool function) in a child process with limits.
 
-Each call starts `python -I megagrpo/agent/sandbox_child.py` (a fresh interpreter, never a fork
-of a rank that holds torch, CUDA or vLLM) in its own session, with:
-- a wall-clock limit: the whole process group is killed (SIGKILL) when it passes;
-- RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE, no core files (set in the child);
-- a fresh scratch directory as cwd, HOME and TMPDIR, deleted afterwards;
-- a minimal environment (no proxies, no PYTHONPATH; `-I` ignores PYTHON* variables);
-- stdout and stderr read incrementally up to a byte cap: at the cap reading stops and the
-  process group is killed, so a child printing 10 MB neither fills memory nor blocks;
-- no network: a new user + network namespace when the kernel allows one (probed once per
-  process: `network_isolation`), and in any case an audit hook in the child that refuses
-  sockets, process creation and ctypes before the code runs. The hook alone is not a security
-  boundary (Python documents audit hooks as such); the namespace is;
-- writes only inside the scratch directory: the same audit hook refuses opening a file for
-  writing, removing, renaming, chmod-ing (...) a path outside it. This is best effort (the
-  hook, no kernel boundary): the child runs as the trainer's user and can read what it can.
+Each call starts a fresh interpreter running megagrpo/agent/sandbox_child.py (never a fork of a
+rank that holds torch, CUDA or vLLM); the job (code, or module/function/arguments) goes in on
+its stdin. How the child is isolated is `Limits.isolation` (agent.sandbox):
+
+- 'kernel' (the default): the kernel is the boundary. The child runs under bubblewrap in fresh
+  user, mount, pid, network, IPC and UTS namespaces (megagrpo.agent.isolation): a read-only
+  view of only what Python needs, a size-capped tmpfs as /tmp (the scratch dir, cwd, HOME),
+  no network, no process outside the call visible or signalable, every process of the call
+  killed when its first one exits or the wall clock runs out; whole-call limits on processes
+  and memory in a cgroup when one can be made here. Where bubblewrap cannot run, such tools
+  are refused before compute (`isolation_problem`), never run weaker.
+- 'weak' (only when a recipe says agent.sandbox: weak): a child process in its own session
+  with a scratch directory under the run's scratch root, a network namespace when the kernel
+  allows one, and the Python audit hook that refuses sockets, process creation, ctypes and
+  writes outside the scratch dir. The hook is no security boundary (CPython documents audit
+  hooks as such); this mode is for machines where namespaces are unavailable and the model's
+  code is trusted enough.
+
+In both: a wall-clock limit (the process group is killed with SIGKILL); RLIMIT_CPU, RLIMIT_AS,
+RLIMIT_FSIZE, no core files (set in the child); a minimal environment; stdout and stderr read
+incrementally up to a byte cap, at which the call is killed (a child printing 10 MB neither
+fills memory nor blocks).
 
 Nothing the code does makes these functions raise: a crash, a timeout, a limit or a failure to
 start becomes a `SandboxResult` saying so.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
+import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -32,34 +43,46 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from megagrpo.agent import isolation
 from megagrpo.agent import sandbox_child as child
-from megagrpo.config.agent import AgentConfig
+from megagrpo.config.agent import SANDBOX_MODES, AgentConfig
 
 log = logging.getLogger("megagrpo")
 
 CHILD_SCRIPT = Path(child.__file__)
 READ_CHUNK = 65536
+FIELD = "agent.sandbox"
 
 
 @dataclass(frozen=True, kw_only=True)
 class Limits:
-    """What one sandboxed call may use."""
+    """What one sandboxed call may use, and how it is isolated."""
 
     wall_s: float = 10.0
     cpu_s: float = 5.0
     memory_mb: int = 512
+    """Address space of each process (RLIMIT_AS) and, under a cgroup, memory of the whole call
+    (its tmpfs pages included)."""
     output_bytes: int = 4096
     """Cap on stdout + stderr together; the process is killed when it writes more."""
     file_mb: int = 64
-    """Largest file the code may write (RLIMIT_FSIZE)."""
+    """Largest file the code may write (RLIMIT_FSIZE); under 'kernel' also the size of each of
+    the call's tmpfs mounts (/tmp, /dev/shm): all the disk a call has."""
+    processes: int = 32
+    """Most processes (threads included) of one call together: the cgroup's pids.max, else
+    RLIMIT_NPROC in the call's user namespace."""
+    isolation: str = "kernel"
+    """'kernel' (bubblewrap namespaces) or 'weak' (a child process and the audit hook)."""
 
     @classmethod
     def from_config(cls, cfg: AgentConfig) -> Limits:
         return cls(wall_s=cfg.tool_timeout_s, cpu_s=cfg.tool_cpu_s,
-                   memory_mb=cfg.tool_memory_mb, output_bytes=cfg.tool_output_bytes)
+                   memory_mb=cfg.tool_memory_mb, output_bytes=cfg.tool_output_bytes,
+                   processes=cfg.tool_processes, isolation=cfg.sandbox)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,67 +107,204 @@ class SandboxResult:
         return self.exit_code == 0 and not self.limit
 
 
+def isolation_problem(mode: str) -> str:
+    """'' when sandboxed calls can run with agent.sandbox=`mode` here, else one line naming
+    the field and the fix (the caller refuses the tools before compute)."""
+    if mode not in SANDBOX_MODES:
+        return f"{FIELD}={mode!r}: use one of {SANDBOX_MODES}"
+    why = isolation.kernel_isolation() if mode == "kernel" else ""
+    if why:
+        return (f"{FIELD}=kernel: the python tool and user tools run only inside kernel "
+                f"namespaces, and {why}; {isolation.INSTALL_HINT}, or set agent.sandbox: weak "
+                "to run them behind a Python audit hook only (no security boundary)")
+    return ""
+
+
+@functools.lru_cache(maxsize=2)
+def announce_isolation(mode: str) -> str:
+    """Says once on the console which isolation sandboxed tools run with; returns the line."""
+    if mode == "kernel":
+        seccomp = "seccomp" if isolation.seccomp_filter() is not None else "no seccomp filter"
+        limits = isolation.whole_call_limits()
+        if limits == "rlimits" and os.geteuid() == 0:  # root is exempt from RLIMIT_NPROC
+            limits += ("; as root without a cgroup scope a call's process count is bounded "
+                       "by its wall clock only")
+        line = ("tool sandbox: kernel (bubblewrap: user, mount, pid, network, IPC namespaces; "
+                f"read-only root, tmpfs scratch; {seccomp}; whole-call limits: {limits})")
+        log.info(line)
+    else:
+        line = (f"tool sandbox: weak (agent.sandbox=weak: a child process, "
+                f"{network_isolation()}; the audit hook is no security boundary)")
+        log.warning(line)
+    return line
+
+
 @functools.lru_cache(maxsize=1)
 def network_isolation() -> str:
-    """'namespace+hook' when a child can enter a new user + network namespace here, else
-    'hook' (the audit hook only). Probed once per process, and said once on the console."""
+    """Under agent.sandbox=weak: 'namespace+hook' when a child can enter a new user + network
+    namespace here, else 'hook' (the audit hook only). Probed once per process."""
     try:
         probe = subprocess.run([sys.executable, "-I", str(CHILD_SCRIPT), "--probe"],
                                capture_output=True, text=True, timeout=30, env=_child_env("/"),
                                cwd="/", stdin=subprocess.DEVNULL)
-        ok, why = probe.returncode == 0, probe.stderr.strip()
-    except (OSError, subprocess.SubprocessError) as e:
-        ok, why = False, str(e)
-    if ok:
-        log.info("tool sandbox: no network (a new user + network namespace and an audit hook)")
-        return "namespace+hook"
-    log.warning("tool sandbox: cannot create a network namespace here (%s); sockets are refused "
-                "only by a Python audit hook, which is not a security boundary", why or "?")
-    return "hook"
+        ok = probe.returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    return "namespace+hook" if ok else "hook"
 
 
 def run_code(code: str, limits: Limits) -> SandboxResult:
     """Runs the Python source `code` as a script; its stdout/stderr come back."""
-    return _run({"mode": "code", "code": code}, limits)
+    return _run({"mode": "code", "code": code}, limits, [])
 
 
 def call_function(module: str, function: str, arguments: dict, limits: Limits,
                   sys_path: list[str] | None = None) -> SandboxResult:
     """Imports `module` in the child and calls `function(**arguments)` (JSON values); stdout is
     the result (a str as is, else JSON), stderr the function's prints and any traceback.
-    `sys_path` (default: this process's, '' resolved to the cwd) is where the child imports
-    from."""
+    `sys_path` (default: the sys.path entry `module` is found in, located without importing
+    it) is where the child imports from; under 'kernel' it is bound read-only, nothing else
+    of the host's files besides the interpreter."""
     if sys_path is None:
-        sys_path = [p or os.getcwd() for p in sys.path]
+        sys_path = module_root(module)
     return _run({"mode": "call", "module": module, "function": function,
-                 "arguments": arguments, "sys_path": sys_path}, limits)
+                 "arguments": arguments, "sys_path": sys_path}, limits, sys_path)
+
+
+def describe_function(module: str, function: str, limits: Limits,
+                      sys_path: list[str] | None = None) -> SandboxResult:
+    """Imports `module` in the child and derives `function`'s tool schema there
+    (megagrpo.agent.tool_schema): stdout is one JSON object, {name, description, parameters}
+    or {problem, detail} (problem: 'import', 'raised', 'attribute', 'not_function' or
+    'schema'). The rank never imports a user's tool module."""
+    if sys_path is None:
+        sys_path = module_root(module)
+    return _run({"mode": "schema", "module": module, "function": function,
+                 "sys_path": sys_path}, limits, sys_path)
+
+
+def module_root(module: str) -> list[str]:
+    """[the sys.path entry holding `module`'s top-level package], found without importing
+    it; [] for a module that is not a file (a built-in) or is not found."""
+    top = module.split(".")[0]
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return []
+    if spec is None or not spec.origin or not os.path.isabs(spec.origin):
+        return []
+    origin = Path(spec.origin)
+    return [str(origin.parent.parent if origin.name == "__init__.py" else origin.parent)]
 
 
 def _child_env(scratch: str) -> dict[str, str]:
-    """A minimal environment: no proxies, no PYTHONPATH, one thread per math library."""
-    return {"PATH": os.defpath, "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1"}
+    """The weak child's environment: the kernel sandbox's, with the scratch dir on disk."""
+    return {**isolation.sandbox_env(), "PATH": os.defpath, "HOME": scratch, "TMPDIR": scratch}
 
 
-def _run(job: dict, limits: Limits) -> SandboxResult:
+def _run(job: dict, limits: Limits, binds: list[str]) -> SandboxResult:
     start = time.monotonic()
-    scratch = tempfile.mkdtemp(prefix="megagrpo-tool-")
+    job = {**job, "isolation": limits.isolation,
+           "limits": {"cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
+                      "file_mb": limits.file_mb, "processes": limits.processes}}
     try:
-        job = {**job, "netns": network_isolation() == "namespace+hook",
-               "limits": {"cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
-                          "file_mb": limits.file_mb}}
-        Path(scratch, child.JOB_FILE).write_text(json.dumps(job), encoding="utf-8")
-        proc = subprocess.Popen([sys.executable, "-I", "-B", str(CHILD_SCRIPT)], cwd=scratch,
-                                env=_child_env(scratch), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)
-        return _collect(proc, limits, start)
-    except Exception as e:  # noqa: BLE001 - e.g. EAGAIN on fork, a full disk: never raise
+        with LAUNCHERS[limits.isolation](job, limits, binds) as proc:
+            _send(proc, job)
+            return _collect(proc, limits, start)
+    except Exception as e:  # noqa: BLE001 - e.g. EAGAIN on fork, no bwrap: never raise
         return SandboxResult(stdout="", stderr=f"sandbox: {type(e).__name__}: {e}",
                              exit_code=None, limit="sandbox", seconds=time.monotonic() - start)
+
+
+def _send(proc: subprocess.Popen, job: dict) -> None:
+    """Writes the job to the child's stdin and closes it. A child that died first (bwrap
+    refusing its arguments) is not an error here: its stderr says why."""
+    try:
+        proc.stdin.write(json.dumps(job).encode("utf-8"))
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+
+
+_calls = itertools.count()
+
+
+@contextlib.contextmanager
+def _launch_kernel(job: dict, limits: Limits, binds: list[str]) -> Iterator[subprocess.Popen]:
+    """bwrap around the child, in a cgroup scope when one can be made; the scope is killed
+    and removed afterwards (nothing of the call outlives it)."""
+    why = isolation.kernel_isolation()
+    if why:
+        raise RuntimeError(f"{FIELD}=kernel: {why}")
+    python, python_dirs, sites = isolation.python_binds()
+    job["site_dirs"] = sites
+    scope = None
+    if isolation.whole_call_limits() != "rlimits":
+        scope = isolation.open_scope(f"{os.getpid()}-{next(_calls)}", limits.processes,
+                                     limits.memory_mb * 2**20)
+    try:
+        with isolation.seccomp_fd() as fd:
+            argv = isolation.bwrap_argv(python, [*python_dirs, *binds], limits.file_mb * 2**20,
+                                        fd)
+            with _popen(isolation.scope_wrapper(scope, argv), cwd="/", env={"PATH": os.defpath},
+                        pass_fds=() if fd is None else (fd,)) as proc:
+                yield proc
+    finally:
+        if scope is not None:
+            scope.close()
+
+
+@contextlib.contextmanager
+def _launch_weak(job: dict, limits: Limits, binds: list[str]) -> Iterator[subprocess.Popen]:
+    """A plain child in a scratch dir under the run's scratch root, deleted afterwards."""
+    job["netns"] = network_isolation() == "namespace+hook"
+    scratch = tempfile.mkdtemp(prefix="call-", dir=scratch_root())
+    try:
+        with _popen([sys.executable, "-I", "-B", str(CHILD_SCRIPT)], cwd=scratch,
+                    env=_child_env(scratch)) as proc:
+            yield proc
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _popen(argv: list[str], cwd: str, env: dict[str, str],
+           pass_fds: tuple[int, ...] = ()) -> Iterator[subprocess.Popen]:
+    """The child in its own session (its group is what the wall clock kills), pipes on all
+    three streams; killed and reaped however the block ends."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, pass_fds=pass_fds)
+    try:
+        yield proc
+    finally:
+        _kill_group(proc)
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            stream.close()
+        proc.wait()
+
+
+LAUNCHERS: dict[str, Callable[..., contextlib.AbstractContextManager[subprocess.Popen]]] = {
+    "kernel": _launch_kernel, "weak": _launch_weak}
+
+
+SCRATCH_PREFIX = "megagrpo-tools-"
+
+
+@functools.lru_cache(maxsize=1)
+def scratch_root() -> str:
+    """This process's root of weak-mode scratch dirs (`$TMPDIR/megagrpo-tools-<pid>`, mode
+    0700), made once and removed at exit; roots whose process is gone (a run killed before it
+    cleaned up) are swept first."""
+    base = tempfile.gettempdir()
+    for name in os.listdir(base):
+        pid = name[len(SCRATCH_PREFIX):]
+        if name.startswith(SCRATCH_PREFIX) and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    root = os.path.join(base, f"{SCRATCH_PREFIX}{os.getpid()}")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    atexit.register(shutil.rmtree, root, True)  # a run that ends normally leaves nothing
+    return root
 
 
 def _collect(proc: subprocess.Popen, limits: Limits, start: float) -> SandboxResult:
@@ -178,7 +338,7 @@ def _collect(proc: subprocess.Popen, limits: Limits, start: float) -> SandboxRes
     _kill_group(proc)
     proc.stdout.close()
     proc.stderr.close()
-    code = proc.wait()
+    code = _signal_status(proc.wait())
     return SandboxResult(
         stdout=b"".join(chunks["stdout"]).decode("utf-8", errors="replace"),
         stderr=b"".join(chunks["stderr"]).decode("utf-8", errors="replace"),
@@ -193,6 +353,12 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _signal_status(code: int) -> int:
+    """bwrap reports a child killed by signal S as exit status 128 + S; this is -S, as
+    subprocess reports it (a child exiting with 129..159 itself reads as killed too)."""
+    return -(code - 128) if 128 < code < 160 else code
 
 
 def _which_limit(code: int, timed_out: bool, truncated: bool) -> str:

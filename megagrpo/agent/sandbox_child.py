@@ -1,24 +1,36 @@
-"""The child side of megagrpo.agent.sandbox: run as `python -I sandbox_child.py` in a fresh
-scratch directory, standard library only (it must not import megagrpo or torch).
+"""The child side of megagrpo.agent.sandbox: run as `python -I -B sandbox_child.py`, standard
+library only (it must not import megagrpo or torch; under 'kernel' megagrpo is not even
+visible).
 
-In order: read the job file the parent wrote into the scratch directory (and delete it), enter a
-new user + network namespace when the parent asks (the parent probed that it works), set the
-resource limits, install an audit hook that refuses sockets, process creation and ctypes
-loading, then run the job: a code string (`mode: code`) or `module:function(**arguments)`
-(`mode: call`, the result written to stdout as text or JSON, the function's own prints to
-stderr). With `--probe` it only tries the namespace and exits 0 when it works.
+In order: read the job (JSON) from stdin; under 'weak' enter a new user + network namespace
+when the parent asks (the parent probed that it works); set the resource limits; install the
+audit hook; add the job's site directories; run the job: a code string (`mode: code`),
+`module:function(**arguments)` (`mode: call`, the result written to stdout as text or JSON,
+the function's own prints to stderr) or a user tool's schema (`mode: schema`: the module
+imported here, never in the rank; the schema derived by tool_schema.py, loaded from beside this
+file). With `--probe` it only tries the namespace and exits 0
+when it works.
+
+The audit hook's role depends on the isolation. Under 'kernel' it is a diagnostic only: the
+kernel refuses what must be refused (a socket cannot reach anything, a write outside /tmp hits
+a read-only mount, a process cannot leave the pid namespace), and the hook merely notes that the
+code tried the network so a failed call says why. Under 'weak' it is all there is, and it
+refuses sockets, process creation, ctypes and writes outside the scratch dir (best effort:
+code can remove it, which is why 'weak' must be asked for).
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
 import json
 import linecache
 import os
 import resource
+import site
 import sys
 import traceback
 
-JOB_FILE = ".megagrpo-job.json"
 EXIT_MEMORY = 86
 """Exit status of a child whose code hit the memory limit (MemoryError under RLIMIT_AS)."""
 EXIT_SANDBOX = 87
@@ -45,11 +57,14 @@ def enter_network_namespace() -> int:
     return 0
 
 
-def set_limits(limits: dict) -> None:
+def set_limits(limits: dict, per_call_user: bool) -> None:
     """RLIMIT_CPU (SIGXCPU at the soft limit, SIGKILL a second later), RLIMIT_AS (allocations
     fail with MemoryError), RLIMIT_FSIZE (a bigger file write is killed by SIGXFSZ), no core
-    files. RLIMIT_NPROC is not used: it counts every process of the real user (and root
-    ignores it); the audit hook refuses process creation instead."""
+    files; RLIMIT_NPROC when the process runs in the call's own user namespace
+    (`per_call_user`): the kernel counts it per (user namespace, uid), so per call. Outside
+    one it would count every process of the trainer's user, so 'weak' leaves it alone (and
+    refuses process creation in the hook). Root outside the namespace is exempt from it: there
+    the call's cgroup (pids.max) is the bound."""
     cpu = max(1, int(-(-limits["cpu_s"] // 1)))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     memory = int(limits["memory_mb"]) * 2**20
@@ -57,6 +72,9 @@ def set_limits(limits: dict) -> None:
     size = int(limits["file_mb"]) * 2**20
     resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if per_call_user:
+        nproc = int(limits["processes"])
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 
 
 WRITE_EVENTS: dict[str, tuple[tuple[int, int | None], ...]] = {
@@ -76,10 +94,10 @@ DEVICES = ("/dev/null",)
 
 
 class Guard:
-    """The audit hook: raises PermissionError at the call site of a refused operation: a
-    REFUSED_EVENTS one, or a filesystem change (an open for writing, a WRITE_EVENTS one) on a
-    path outside `root` (the scratch dir). Best effort: CPython documents audit hooks as no
-    security boundary; the network namespace is the kernel's."""
+    """The weak mode's audit hook: raises PermissionError at the call site of a refused
+    operation: a REFUSED_EVENTS one, or a filesystem change (an open for writing, a
+    WRITE_EVENTS one) on a path outside `root` (the scratch dir). Best effort: CPython
+    documents audit hooks as no security boundary."""
 
     def __init__(self, root: str) -> None:
         self.root = os.path.realpath(root)
@@ -111,6 +129,22 @@ class Guard:
                                   "its working directory is writable)")
 
 
+class NetworkNote:
+    """The kernel mode's audit hook, a diagnostic: remembers whether the code used a socket,
+    so that a failed call can add why it failed (there is no network). Refuses nothing."""
+
+    def __init__(self) -> None:
+        self.used = False
+
+    def __call__(self, event: str, args: tuple) -> None:
+        if event.startswith("socket."):
+            self.used = True
+
+    def explain(self) -> None:
+        if self.used:
+            sys.stderr.write("[sandbox: this sandbox has no network]\n")
+
+
 def print_user_traceback(exc: BaseException) -> None:
     """The exception's traceback without this file's frames (the model sees its own code and
     the library frames it called, not the sandbox's)."""
@@ -131,16 +165,71 @@ def call_function(job: dict) -> None:
     """Imports `module`, calls `function(**arguments)` and writes its result (a str as is,
     anything else as JSON) to the original stdout; the function's prints go to stderr."""
     sys.path[:0] = job["sys_path"]
+    result_fd = _stdout_to_stderr()
     target = importlib.import_module(job["module"])
     for part in job["function"].split("."):
         target = getattr(target, part)
+    result = target(**job["arguments"])
+    _write_result(result_fd, result if isinstance(result, str) else json.dumps(result, default=str))
+
+
+def describe_function(job: dict) -> None:
+    """Imports `module` and writes `function`'s schema as JSON to the original stdout:
+    {name, description, parameters}, or {problem, detail} saying what is wrong (the parent
+    turns it into a ValueError naming agent.tools)."""
+    sys.path[:0] = job["sys_path"]
+    result_fd = _stdout_to_stderr()
+    spec = f"{job['module']}:{job['function']}"
+    found: dict = {}
+    try:
+        target = importlib.import_module(job["module"])
+    except ImportError as e:
+        found = {"problem": "import", "detail": str(e)}
+    except Exception as e:  # noqa: BLE001 - user code failing at import time
+        found = {"problem": "raised", "detail": f"{type(e).__name__}: {e}"}
+    for part in job["function"].split(".") if not found else []:
+        if not hasattr(target, part):
+            found = {"problem": "attribute", "detail": part}
+            break
+        target = getattr(target, part)
+    if not found and not inspect.isfunction(target):
+        found = {"problem": "not_function", "detail": type(target).__name__}
+    if not found:
+        try:
+            description, parameters = _tool_schema().function_schema(target, spec)
+            found = {"name": target.__name__, "description": description,
+                     "parameters": parameters}
+        except ValueError as e:
+            found = {"problem": "schema", "detail": str(e)}
+    _write_result(result_fd, json.dumps(found))
+
+
+def _tool_schema() -> object:
+    """megagrpo/agent/tool_schema.py, loaded by path from beside this file (megagrpo itself
+    is not importable here)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tool_schema.py")
+    spec = importlib.util.spec_from_file_location("megagrpo_tool_schema", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses / typing look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _stdout_to_stderr() -> int:
+    """Points fd 1 at stderr (user code's prints) and returns a copy of the real stdout."""
     result_fd = os.dup(1)
     os.dup2(2, 1)
-    result = target(**job["arguments"])
-    text = result if isinstance(result, str) else json.dumps(result, default=str)
+    return result_fd
+
+
+def _write_result(result_fd: int, text: str) -> None:
     sys.stdout.flush()
     with os.fdopen(result_fd, "w", encoding="utf-8") as out:
         out.write(text)
+
+
+MODES = {"code": lambda job: run_code(job["code"]), "call": call_function,
+         "schema": describe_function}
 
 
 def main() -> int:
@@ -149,23 +238,22 @@ def main() -> int:
         if err:
             print(os.strerror(err) if err > 0 else "unshare failed", file=sys.stderr)
         return 1 if err else 0
-    with open(JOB_FILE, encoding="utf-8") as f:
-        job = json.load(f)
-    os.remove(JOB_FILE)
-    if job["netns"]:
+    job = json.loads(sys.stdin.buffer.read())
+    kernel = job["isolation"] == "kernel"
+    if job.get("netns"):
         err = enter_network_namespace()
         if err:
             print(f"sandbox: cannot enter a network namespace ({os.strerror(err)})",
                   file=sys.stderr)
             return EXIT_SANDBOX
-    set_limits(job["limits"])
+    set_limits(job["limits"], per_call_user=kernel)
     sys.dont_write_bytecode = True
-    sys.addaudithook(Guard(os.getcwd()))
+    for site_dir in job.get("site_dirs", []):
+        site.addsitedir(site_dir)
+    note = NetworkNote()
+    sys.addaudithook(note if kernel else Guard(os.getcwd()))
     try:
-        if job["mode"] == "code":
-            run_code(job["code"])
-        else:
-            call_function(job)
+        MODES[job["mode"]](job)
     except MemoryError:
         os.write(2, b"MemoryError: the tool exceeded its memory limit\n")
         return EXIT_MEMORY
@@ -173,6 +261,7 @@ def main() -> int:
         raise
     except BaseException as exc:  # noqa: BLE001 - the model sees any failure as a traceback
         print_user_traceback(exc)
+        note.explain()
         return 1
     return 0
 

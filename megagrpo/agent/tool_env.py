@@ -11,12 +11,19 @@ content is taken, so the observation is exactly what the template produces, what
 format. The assistant's content is a placeholder in that rendering: the trajectory keeps the
 sampled ids as they are (token in, token out); only the template's text after them is used.
 
+Every string a model or a tool wrote (a result, a tool name, an unknown name the model made up)
+is defused before it reaches the template (`defuse`), and the encoded observation is checked to
+hold exactly the control tokens the template writes around placeholder results (`controls`):
+an observation with any other is replaced by error results (`safe_observation`), so no tool
+output can forge a turn, whatever the tokenizer's special tokens.
+
 `check_tool_template` runs before compute: a tokenizer without a chat template, or a template
 that ignores `tools=` or role 'tool' messages, is a ValueError naming agent.environment.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
 from megagrpo.agent.env import Environment, Observation, Turn
 from megagrpo.agent.toolcall import ToolCall, parse_tool_calls
@@ -61,11 +68,47 @@ class ToolTemplate:
         already ends with. Special-token strings inside a result are defused (`defuse`)."""
         messages = [{"role": "user", "content": _QUESTION},
                     {"role": "assistant", "content": _ASSISTANT},
-                    *({"role": "tool", "name": r.name, "content": defuse(self.tokenizer, r.text)}
+                    *({"role": "tool", "name": defuse(self.tokenizer, r.name),
+                       "content": defuse(self.tokenizer, r.text)}
                       for r in results)]
         full = self.render(messages, add_generation_prompt=True)
         after = full[full.index(_ASSISTANT) + len(_ASSISTANT):]
         return after[_overlap(sampled_tail, after, self.lead):]
+
+    def encode(self, text: str) -> list[int]:
+        """An observation's ids: its text encoded once, no special tokens added (what the
+        runner would do with the text)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def controls(self, ids: list[int]) -> list[int]:
+        """The control ids in `ids` (special tokens and added-vocabulary tokens), in order."""
+        return [i for i in ids if i in self.control_ids]
+
+    @functools.cached_property
+    def control_ids(self) -> frozenset[int]:
+        """Ids of the tokenizer's special and added tokens."""
+        ids = set(getattr(self.tokenizer, "all_special_ids", None) or [])
+        ids.update(getattr(self.tokenizer, "get_added_vocab", lambda: {})().values())
+        return frozenset(ids)
+
+    def safe_observation(self, results: list[ToolResult], sampled_tail: str
+                         ) -> tuple[str, list[int], bool]:
+        """(text, ids, clean) of the observation. `clean` is False when the encoded results
+        held control tokens the template did not write itself (a string `defuse` missed):
+        then every result is replaced by an error message and the observation rebuilt."""
+        text = self.observation(results, sampled_tail)
+        ids = self.encode(text)
+        blank = [replace(r, name="tool", text="") for r in results]
+        want = self.controls(self.encode(self.observation(blank, sampled_tail)))
+        if self.controls(ids) == want:
+            return text, ids, True
+        refused = [replace(r, name="tool", error=True, text=UNSAFE) for r in results]
+        text = self.observation(refused, sampled_tail)
+        return text, self.encode(text), False
+
+
+UNSAFE = ("error: the tool's output held control tokens of the chat template and is not "
+          "shown")
 
 
 def defuse(tokenizer: object, text: str) -> str:
@@ -147,9 +190,9 @@ class ToolEnvironment(Environment):
         if not calls:
             return Observation(done=True)
         results = [self.run_call(call, i) for i, call in enumerate(calls)]
-        text = self.template.observation(results, self._sampled_tail(turn))
-        return Observation(text=text, tool_calls=len(results),
-                           tool_errors=sum(r.error for r in results),
+        text, ids, clean = self.template.safe_observation(results, self._sampled_tail(turn))
+        return Observation(text=text, token_ids=tuple(ids), tool_calls=len(results),
+                           tool_errors=sum(r.error for r in results) if clean else len(results),
                            tool_seconds=sum(r.seconds for r in results))
 
     def run_call(self, call: ToolCall, index: int) -> ToolResult:

@@ -18,28 +18,30 @@ description its line in an `Args:` section. A function without a hint on any par
 without a docstring, is refused at load time (before compute).
 
 Built-ins: `calculator` (exact arithmetic, in process: megagrpo.agent.calculator) and `python`
-(runs code in the sandbox). User tools are untrusted: they are imported here once to check them
-and derive the schema, but every call runs in a sandboxed child process (megagrpo.agent.sandbox)
-with the agent.tool_* limits, which imports the module and calls the function with the JSON
-arguments. Whatever a tool does (raise, loop, sleep, print 10 MB, open a socket), the caller
-gets a `ToolResult` with the error text the model sees.
+(runs code in the sandbox). User tools are untrusted: the rank never imports them. Their module
+is imported, and the schema derived (megagrpo.agent.tool_schema), in a sandboxed child at load
+time, and every call runs in another (megagrpo.agent.sandbox) with the agent.tool_* limits,
+which imports the module and calls the function with the JSON arguments. Whatever a tool does
+(raise, loop, sleep, print 10 MB, open a socket), the caller gets a `ToolResult` with the error
+text the model sees.
 """
 from __future__ import annotations
 
-import inspect
 import json
-import re
 import time
-import types
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megagrpo.agent.calculator import evaluate, format_number
-from megagrpo.agent.sandbox import Limits, SandboxResult, call_function, run_code
-from megagrpo.names import import_object
-
-FIELD = "agent.tools"
+from megagrpo.agent.sandbox import (
+    Limits,
+    SandboxResult,
+    call_function,
+    describe_function,
+    run_code,
+)
+from megagrpo.agent.tool_schema import FIELD, function_schema
+from megagrpo.names import import_failure
 
 
 def calculator(expression: str) -> str:
@@ -118,12 +120,16 @@ class Tool:
 
 def load_tools(specs: list[str], limits: Limits) -> tuple[Tool, ...]:
     """The tools named in agent.tools, checked: importable, typed, documented, unique names.
-    Raises ValueError naming agent.tools otherwise."""
+    A user tool's module is imported, and its schema derived, inside the sandbox (its
+    top-level code is as untrusted as the function); the rank never imports it. Raises
+    ValueError naming agent.tools otherwise."""
     tools: dict[str, Tool] = {}
     for spec in specs:
-        fn = BUILTIN_TOOLS.get(spec) or _import_tool(spec)
-        description, parameters = function_schema(fn, spec)
-        name = fn.__name__
+        if spec in BUILTIN_TOOLS:
+            fn = BUILTIN_TOOLS[spec]
+            name, (description, parameters) = fn.__name__, function_schema(fn, spec)
+        else:
+            name, description, parameters = _user_tool_schema(spec, limits)
         if name in tools:
             raise ValueError(f"{FIELD}: two tools are named {name!r} ({tools[name].target} and "
                              f"{spec}); tool names must be unique")
@@ -132,87 +138,31 @@ def load_tools(specs: list[str], limits: Limits) -> tuple[Tool, ...]:
     return tuple(tools.values())
 
 
-def _import_tool(spec: str) -> Callable[..., object]:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
+def _user_tool_schema(spec: str, limits: Limits) -> tuple[str, str, dict]:
+    """(name, description, parameters) of the user tool `spec`, derived in the sandbox."""
+    module, _, function = spec.partition(":")
+    if not module or not function:
         raise ValueError(f"{FIELD}: unknown tool {spec!r}: use a built-in "
                          f"({', '.join(BUILTIN_TOOLS)}) or name a function as 'module:function'")
-    target = import_object(spec, FIELD)
-    if not inspect.isfunction(target):
-        raise ValueError(f"{FIELD}: tool {spec!r} is a {type(target).__name__}, not a function")
-    return target
-
-
-# ---------------------------------------------------------------------------------------------
-# schemas from type hints
-
-
-def function_schema(fn: Callable[..., object], spec: str) -> tuple[str, dict]:
-    """(description, parameters schema) of `fn`; ValueError naming agent.tools and `spec` when a
-    parameter has no (supported) type hint, takes *args/**kwargs, or the docstring is missing."""
-    doc = inspect.getdoc(fn) or ""
-    description = " ".join(doc.split("\n\n")[0].split())
-    if not description:
-        raise ValueError(f"{FIELD}: tool {spec!r} ({fn.__name__}) has no docstring; its first "
-                         "paragraph is the description the model reads")
+    result = describe_function(module, function, limits)
     try:
-        hints = typing.get_type_hints(fn)
-    except Exception as e:  # noqa: BLE001 - an annotation naming something undefined
-        raise ValueError(f"{FIELD}: tool {spec!r}: cannot resolve its type hints ({e})") from e
-    arg_docs = _arg_docs(doc)
-    properties: dict[str, dict] = {}
-    required: list[str] = []
-    for p in inspect.signature(fn).parameters.values():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY):
-            raise ValueError(f"{FIELD}: tool {spec!r} ({fn.__name__}) takes {p}; a tool takes "
-                             "named parameters only (the model passes a JSON object)")
-        if p.name not in hints:
-            raise ValueError(f"{FIELD}: tool {spec!r} ({fn.__name__}): parameter {p.name!r} has "
-                             "no type hint; every parameter needs one (int, float, str, bool, "
-                             "list[...], dict, Literal[...], Optional[...]) for the JSON schema")
-        schema = json_type(hints[p.name], f"{spec} parameter {p.name!r}")
-        if p.name in arg_docs:
-            schema["description"] = arg_docs[p.name]
-        properties[p.name] = schema
-        if p.default is p.empty:
-            required.append(p.name)
-    return description, {"type": "object", "properties": properties, "required": required}
-
-
-_SCALARS = {int: "integer", float: "number", str: "string", bool: "boolean"}
-
-
-def json_type(hint: object, where: str) -> dict:
-    """JSON schema of a type hint (a fresh dict)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint in _SCALARS:
-        return {"type": _SCALARS[hint]}
-    if hint is list or origin is list:
-        return {"type": "array", **({"items": json_type(args[0], where)} if args else {})}
-    if hint is dict or origin is dict:
-        return {"type": "object"}
-    if origin is typing.Literal and args and len({type(a) for a in args}) == 1 \
-            and type(args[0]) in _SCALARS:
-        return {"type": _SCALARS[type(args[0])], "enum": list(args)}
-    if origin in (typing.Union, types.UnionType):
-        kept = [a for a in args if a is not type(None)]
-        if len(kept) == 1 and len(args) == 2:
-            inner = json_type(kept[0], where)
-            return {**inner, "type": [inner["type"], "null"]}
-    raise ValueError(f"{FIELD}: {where}: type hint {hint!r} has no JSON schema here; use int, "
-                     "float, str, bool, list[...], dict, Literal[...] or Optional[...]")
-
-
-def _arg_docs(doc: str) -> dict[str, str]:
-    """Parameter descriptions from a Google-style `Args:` section."""
-    found: dict[str, str] = {}
-    section = re.search(r"^(?:Args|Arguments|Parameters):\s*\n((?:[ \t]+.*\n?|\s*\n)*)", doc,
-                        re.MULTILINE)
-    if section:
-        for m in re.finditer(r"^\s+(\w+)(?:\s*\([^)]*\))?:\s*(.+)$", section.group(1),
-                             re.MULTILINE):
-            found[m.group(1)] = m.group(2).strip()
-    return found
+        found = json.loads(result.stdout) if result.ok else {}
+    except json.JSONDecodeError:
+        found = {}
+    if "name" in found:
+        return found["name"], found["description"], found["parameters"]
+    problem, detail = found.get("problem", ""), found.get("detail", "")
+    if problem == "import":
+        raise ValueError(import_failure(FIELD, module, detail))
+    messages = {
+        "raised": f"{FIELD}: importing {module!r} raised {detail}",
+        "attribute": f"{FIELD}: {module} has no attribute {function!r}",
+        "not_function": f"{FIELD}: tool {spec!r} is a {detail}, not a function",
+        "schema": detail}
+    if problem in messages:
+        raise ValueError(messages[problem])
+    why = (result.stderr.strip().splitlines() or [result.limit or "no output"])[-1]
+    raise ValueError(f"{FIELD}: loading tool {spec!r} in the sandbox failed ({why})")
 
 
 def check_arguments(arguments: object, parameters: dict) -> str:

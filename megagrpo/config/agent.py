@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from megagrpo.config.section import Section
 
 REWARD_MODES = ("sum", "last", "none")
+SANDBOX_MODES = ("kernel", "weak")
 
 
 @dataclass(kw_only=True)
@@ -41,9 +42,19 @@ class AgentConfig(Section):
     tool_cpu_s: float = 5.0
     """CPU-time limit of one tool call (RLIMIT_CPU)."""
     tool_memory_mb: int = 512
-    """Address-space limit of a tool's child process (RLIMIT_AS)."""
+    """Address-space limit of each process of a tool call (RLIMIT_AS) and, where the call gets
+    a cgroup scope, the memory of all its processes together (its tmpfs included)."""
     tool_output_bytes: int = 4096
     """A tool's result is truncated to this many bytes (the model sees a marker)."""
+    tool_processes: int = 32
+    """Most processes (threads included) of one python/user tool call, all together."""
+    sandbox: str = "kernel"
+    """How the python tool and user tools are isolated. 'kernel': each call in fresh
+    namespaces (bubblewrap: read-only filesystem view, tmpfs scratch, no network, its own pid
+    namespace, an unprivileged user), whole-call limits in a cgroup where one can be made;
+    where that cannot run, those tools are refused before compute. 'weak': a child process
+    behind a Python audit hook, which is no security boundary; only for machines without
+    user namespaces and code you trust."""
 
     def validate(self) -> None:
         if self.max_turns < 1:
@@ -56,6 +67,9 @@ class AgentConfig(Section):
         if self.environment and self.environment != "tools" and ":" not in self.environment:
             raise ValueError(f"agent.environment={self.environment!r}: name a class as "
                              "'module:Class' or use 'tools' (the built-in tool environment)")
+        if self.sandbox not in SANDBOX_MODES:
+            raise ValueError(f"agent.sandbox={self.sandbox!r}: use one of {SANDBOX_MODES} "
+                             "('weak' only where kernel namespaces are unavailable)")
         if self.tools and self.environment != "tools":
             raise ValueError(f"agent.tools={self.tools} needs agent.environment=tools")
         if self.environment == "tools" and not self.tools:
@@ -63,7 +77,8 @@ class AgentConfig(Section):
         for name, value in (("tool_timeout_s", self.tool_timeout_s),
                             ("tool_cpu_s", self.tool_cpu_s),
                             ("tool_memory_mb", self.tool_memory_mb),
-                            ("tool_output_bytes", self.tool_output_bytes)):
+                            ("tool_output_bytes", self.tool_output_bytes),
+                           ("tool_processes", self.tool_processes)):
             if value <= 0:
                 raise ValueError(f"agent.{name}={value} must be > 0")
 
