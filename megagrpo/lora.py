@@ -40,9 +40,12 @@ repeats A for each part. Merges are exact either way.
 The reference (`LoRAReference`): the policy with the adapters off (`adapters_disabled`), no
 second model. A reset with mixing weight a merges: W += a * s * B A on each rank's own shards
 (B_local A for a column layer, B A_local for a row layer: exactly the rows/columns of that
-rank's W shard, so no communication), then B *= (1 - a). The policy W + s B A is unchanged up
-to one rounding of the add, and the reference W' = W + a s B A is a * policy + (1 - a) * ref
-in weight space, as `megagrpo.reference.sync_reference` does for a full reference. A is kept
+rank's W shard), then B *= (1 - a). The policy W + s B A keeps the adapter's contribution: the
+add is rounded once into W, and where W is bf16/fp16 the part of it the rounding dropped is
+folded back into B (least squares onto A's rows, `merge_adapters`), so the policy moves by less
+than one rounding of its merged weight; the reference W' = W + a s B A is a * policy + (1 - a)
+* ref in weight space (up to that rounding), as `megagrpo.reference.sync_reference` does for a
+full reference. A is kept
 (B = 0 makes any A a valid start, and the trained A is a good one). Adam's moments of A and B
 are kept too: the policy does not move at a reset, so the moments still describe the loss
 around it; zeroing them while keeping Adam's step count would make the next updates ~3x larger
@@ -242,19 +245,52 @@ def _delta(m: torch.nn.Module) -> torch.Tensor:
     return (m.lora_B.detach().to(dt) @ m.lora_A.detach().to(dt)) * m.lora_scale
 
 
+def _tp_sum(t: torch.Tensor, group) -> torch.Tensor:
+    """`t` summed over the adapter's TP group (in place; no-op on one rank)."""
+    if group is not None and group.size() > 1:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def _fold_residual(m: torch.nn.Module, resid: torch.Tensor) -> torch.Tensor:
+    """X [out_local, r] minimising |s X A - resid| (resid [out_local, in_local], the part of the
+    merge's add that the narrow base did not absorb): resid's projection onto A's row space,
+    where the adapter's contribution s B A lives. Row layers hold a column block of W and A, so
+    the normal equations' two products are summed over TP (B is replicated there); column
+    layers hold all of A and their own rows of B: no communication."""
+    a = m.lora_A.detach().to(torch.float64)
+    ra = resid.to(torch.float64) @ a.T  # [out_local, r]
+    gram = a @ a.T  # [r, r]
+    if m.lora_row:
+        ra, gram = _tp_sum(ra, m.tp_group), _tp_sum(gram, m.tp_group)
+    return ra @ torch.linalg.pinv(gram, hermitian=True) / m.lora_scale
+
+
 @torch.no_grad()
 def merge_adapters(model: torch.nn.Module | list, alpha: float = 1.0) -> None:
-    """W += alpha * s * B A, then B *= (1 - alpha), per shard, in place, no communication.
-    The policy is unchanged (up to rounding the add); with alpha = 1 the adapter restarts from
-    B = 0 and the base (the reference) becomes the policy."""
+    """W += alpha * s * B A, then B *= (1 - alpha), per shard, in place. With alpha = 1 the
+    adapter restarts from B = 0 (in float32; below) and the base (the reference) becomes the
+    policy.
+
+    The policy W + s B A keeps the adapter's contribution: the add is computed in float32 (or
+    wider) and rounded once into W; where W is narrower (bf16/fp16) an adapter's delta can sit
+    below half an ulp of W and vanish in that rounding (W rms 0.02 in bf16, delta rms 2e-5:
+    ~80% of it), so the residual (W + alpha delta) - W_new is folded back into B by least
+    squares onto A's rows (`_fold_residual`; s B A lies in them, so the adapter's part of the
+    residual returns whole and only rounding noise outside A's rows is left). B is then not
+    zero at alpha = 1 in bf16/fp16: the reference (the base) is the policy rounded once to the
+    base's dtype. One small all-reduce over TP per row layer; in float32 the add's rounding
+    (2^-24 of W) is left as it is and nothing is communicated."""
     for m in adapted(model):
-        w = m.weight
-        w.copy_((w.to(torch.promote_types(w.dtype, torch.float32)) + alpha * _delta(m))
-                .to(w.dtype))
-        if alpha == 1.0:
-            m.lora_B.zero_()
-        else:
-            m.lora_B.mul_(1.0 - alpha)
+        w, b = m.weight, m.lora_B
+        dt = torch.promote_types(w.dtype, torch.float32)
+        exact = w.to(dt) + alpha * _delta(m)
+        w.copy_(exact.to(w.dtype))
+        b_old = b.detach().to(dt)
+        b_new = (1.0 - alpha) * b_old
+        if w.dtype != dt:  # the rounding of a narrow base can eat small deltas: fold it back
+            b_new = b_new + _fold_residual(m, exact - w.to(dt)).to(dt)
+        b.copy_(b_new.to(b.dtype))
 
 
 class MergedParams(Mapping):
