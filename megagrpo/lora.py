@@ -46,10 +46,13 @@ folded back into B (least squares onto A's rows, `merge_adapters`), so the polic
 than one rounding of its merged weight; the reference W' = W + a s B A is a * policy + (1 - a)
 * ref in weight space (up to that rounding), as `megagrpo.reference.sync_reference` does for a
 full reference. A is kept
-(B = 0 makes any A a valid start, and the trained A is a good one). Adam's moments of A and B
-are kept too: the policy does not move at a reset, so the moments still describe the loss
-around it; zeroing them while keeping Adam's step count would make the next updates ~3x larger
-(bias correction would not undo the restart).
+(B = 0 makes any A a valid start, and the trained A is a good one). Adam's moments are kept
+too, B's as they are (the policy does not move at a reset and B's gradient s dL/dW A^T does not
+depend on B; zeroing moments while keeping Adam's step count would make the next updates ~3x
+larger), A's scaled like A's gradient s B^T dL/dW, which B *= (1 - a) scales: first moment x
+(1 - a), second x (1 - a)^2 (`LoRAReference.rescale_moments`), so A's steps keep their size
+(kept moments would make them ~(1 - a) of it for hundreds of steps, and at a = 1 move A on
+stale momentum with a zero gradient).
 """
 from __future__ import annotations
 
@@ -66,6 +69,7 @@ import torch.nn.functional as F
 from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.train import ReferenceConfig
 from megagrpo.model import unwrap
+from megagrpo.optim import scale_adam_moments
 from megagrpo.reference import ReferenceSchedule, ReferenceState
 
 log = logging.getLogger("megagrpo")
@@ -266,8 +270,22 @@ def _fold_residual(m: torch.nn.Module, resid: torch.Tensor) -> torch.Tensor:
     return ra @ torch.linalg.pinv(gram, hermitian=True) / m.lora_scale
 
 
+def _row_scales(m: torch.nn.Module, b_old: torch.Tensor, b_new: torch.Tensor) -> torch.Tensor:
+    """c [r, 1]: A's gradient s B^T dL/dW scales by c_k on row k when B's column k goes from
+    b_old to b_new (least squares c_k = <b_new_k, b_old_k> / |b_old_k|^2: exactly 1 - alpha
+    without a folded residual; 1 where the column was zero). Column layers sum over TP (their
+    B rows are split)."""
+    num = (b_new.double() * b_old.double()).sum(0)
+    den = b_old.double().square().sum(0)
+    if not m.lora_row:
+        both = _tp_sum(torch.stack([num, den]), m.tp_group)
+        num, den = both[0], both[1]
+    return torch.where(den > 0, num / den.clamp_min(1e-300), torch.ones_like(num))[:, None]
+
+
 @torch.no_grad()
-def merge_adapters(model: torch.nn.Module | list, alpha: float = 1.0) -> None:
+def merge_adapters(model: torch.nn.Module | list, alpha: float = 1.0
+                   ) -> dict[torch.nn.Parameter, torch.Tensor]:
     """W += alpha * s * B A, then B *= (1 - alpha), per shard, in place. With alpha = 1 the
     adapter restarts from B = 0 (in float32; below) and the base (the reference) becomes the
     policy.
@@ -279,8 +297,13 @@ def merge_adapters(model: torch.nn.Module | list, alpha: float = 1.0) -> None:
     squares onto A's rows (`_fold_residual`; s B A lies in them, so the adapter's part of the
     residual returns whole and only rounding noise outside A's rows is left). B is then not
     zero at alpha = 1 in bf16/fp16: the reference (the base) is the policy rounded once to the
-    base's dtype. One small all-reduce over TP per row layer; in float32 the add's rounding
-    (2^-24 of W) is left as it is and nothing is communicated."""
+    base's dtype. Two small all-reduces over TP per layer (`_fold_residual`, `_row_scales`);
+    in float32 the add's rounding (2^-24 of W) is left as it is and nothing is communicated.
+
+    Returns, per adapter's A, its gradient scale c [r, 1] (A's gradient s B^T dL/dW follows B:
+    1 - alpha, or `_row_scales` where a residual was folded), for
+    `megagrpo.optim.scale_adam_moments`."""
+    scales = {}
     for m in adapted(model):
         w, b = m.weight, m.lora_B
         dt = torch.promote_types(w.dtype, torch.float32)
@@ -288,9 +311,13 @@ def merge_adapters(model: torch.nn.Module | list, alpha: float = 1.0) -> None:
         w.copy_(exact.to(w.dtype))
         b_old = b.detach().to(dt)
         b_new = (1.0 - alpha) * b_old
+        scale = torch.full((b.shape[1], 1), 1.0 - alpha, dtype=torch.float64)
         if w.dtype != dt:  # the rounding of a narrow base can eat small deltas: fold it back
             b_new = b_new + _fold_residual(m, exact - w.to(dt)).to(dt)
+            scale = _row_scales(m, b_old, b_new.to(b.dtype).to(dt))
         b.copy_(b_new.to(b.dtype))
+        scales[m.lora_A] = scale
+    return scales
 
 
 class MergedParams(Mapping):
@@ -339,6 +366,9 @@ class LoRAReference(ReferenceSchedule):
         self.merges = 0
         """Merges so far (the cold start's reset included): which base a checkpoint holds
         (`megagrpo.lora_checkpoint`)."""
+        self.a_grad_scales: dict[torch.nn.Parameter, torch.Tensor] = {}
+        """A's gradient scale per row [r, 1] from the last merge, until `rescale_moments` hands
+        it to the optimizer."""
 
     @property
     def model(self) -> torch.nn.Module | list:
@@ -348,8 +378,15 @@ class LoRAReference(ReferenceSchedule):
 
     def reinit(self, policy: torch.nn.Module | list, alpha: float = 1.0) -> None:
         """The reference moves to alpha * policy + (1 - alpha) * reference: a merge."""
-        merge_adapters(policy, alpha)
+        self.a_grad_scales = merge_adapters(policy, alpha)
         self.merges += 1
+
+    def rescale_moments(self, optimizer) -> None:
+        """After a merge: Adam's moments of every A scaled like A's gradient (B *= 1 - alpha
+        scales it), so A's next steps are the size they would be without the merge rather
+        than ~(1 - alpha) of it, and A does not drift on stale momentum at alpha = 1."""
+        scale_adam_moments(optimizer, self.a_grad_scales)
+        self.a_grad_scales = {}
 
     def state_dict(self) -> dict:
         """The schedule's state and the merge count."""

@@ -631,12 +631,14 @@ class Trainer:
 
     def _after_policy_edit(self) -> None:
         """A LoRA reference reset edits the policy's parameters in place (merge, B scaled):
-        the optimizer's fp32 main copies (bf16/fp16, distributed optimizer) are re-read, and
-        an adapter-only refit sends the base next time."""
+        the optimizer's fp32 main copies (bf16/fp16, distributed optimizer) are re-read, A's
+        Adam moments follow its gradient's scale, and an adapter-only refit sends the base
+        next time."""
         if self.adapter_refit is not None:
             self.adapter_refit.base_changed()
         if not getattr(self.reference, "separate_model", True) and self.optimizer is not None:
             self.optimizer.reload_model_params()
+            self.reference.rescale_moments(self.optimizer)
 
     def phase(self, name: str) -> None:
         """Names what runs now for the stall watchdog."""

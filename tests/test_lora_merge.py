@@ -88,3 +88,103 @@ def test_fp32_merge_at_alpha_1_zeroes_b():
     merge_adapters(layer, 1.0)
     assert not layer.lora_B.any()
     assert (layer.effective() - before).abs().max() < 1e-8
+
+
+# ---------------------------------------------------------------------- A's Adam moments
+def _steps_on_fixed_grads(layer: _Adapted, opt: torch.optim.Optimizer, steps: int,
+                          seed: int, train_b: bool = False) -> list[torch.Tensor]:
+    """A's steps [R, IN] under a loss linear in the policy's weight, <W_eff, G_t> with G_t
+    [OUT, IN] a random sequence drawn from `seed`, B held unless `train_b`: A's gradient
+    s B^T G_t then depends on B alone, so two runs from one state differ only by the scale a
+    merge put on B (and A's moments)."""
+    layer.lora_B.requires_grad_(train_b)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        opt.zero_grad()
+        grad_w = torch.randn(OUT, IN, generator=g, dtype=torch.float64) + 0.5
+        ((layer.weight + SCALE * layer.lora_B @ layer.lora_A) * grad_w).sum().backward()
+        a0 = layer.lora_A.detach().clone()
+        opt.step()
+        out.append(layer.lora_A.detach() - a0)
+    return out
+
+
+def _trained(seed: int = 3) -> tuple[_Adapted, torch.optim.Optimizer]:
+    """A float64 layer whose adapters (A and B) took 30 Adam steps."""
+    layer = _layer(torch.float64, 1e-3, seed)
+    opt = torch.optim.Adam([layer.lora_A, layer.lora_B], lr=1e-3)
+    _steps_on_fixed_grads(layer, opt, 30, seed=4, train_b=True)
+    return layer, opt
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.7])
+def test_a_steps_after_a_merge_match_a_run_without(alpha):
+    """After a merge (B *= 1 - alpha scales A's gradient by 1 - alpha) A's next Adam steps are
+    the size they are without the merge: ratio of the step norms over 20 steps within 1 +- 0.05
+    (`_steps_on_fixed_grads`; with the moments kept, the ratio falls toward 1 - alpha)."""
+    import copy
+
+    from megagrpo.optim import scale_adam_moments
+
+    layer, opt = _trained()
+    twin = copy.deepcopy(layer)
+    twin_opt = torch.optim.Adam([twin.lora_A, twin.lora_B], lr=1e-3)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # load shares the tensors
+    assert scale_adam_moments(opt, merge_adapters(layer, alpha)) == 1
+    merged = _steps_on_fixed_grads(layer, opt, 20, seed=5)
+    plain = _steps_on_fixed_grads(twin, twin_opt, 20, seed=5)
+    ratio = [float(m.norm() / p.norm()) for m, p in zip(merged, plain)]
+    print(f"\nalpha {alpha}: A's step after / without a merge, steps 1, 5, 20: "
+          f"{ratio[0]:.4f} {ratio[4]:.4f} {ratio[19]:.4f}")
+    assert all(abs(r - 1) < 0.05 for r in ratio)
+
+
+def test_a_does_not_drift_on_stale_momentum_at_alpha_1():
+    """alpha = 1: B = 0, so A's gradient is 0; with its moments scaled to 0, A stays put."""
+    from megagrpo.optim import scale_adam_moments
+
+    layer, opt = _trained()
+    scale_adam_moments(opt, merge_adapters(layer, 1.0))
+    step = _steps_on_fixed_grads(layer, opt, 1, seed=5)[0]
+    print(f"\nalpha 1: A's step {float(step.norm()):.3e}")
+    assert not step.any()
+
+
+def test_moments_are_found_in_megatrons_layouts():
+    """`scale_adam_moments` through megatron's wrappers as megatron-core 0.16 lays them out
+    (attribute for attribute): the float16 optimizer's state is keyed by `param.main_param`,
+    the distributed optimizer's by a flat shard (`model_param_group_index_map`, its range from
+    `_get_model_param_range_map(p)["param"]`); every element gets its row's scale."""
+    from types import SimpleNamespace
+
+    from megagrpo.optim import scale_adam_moments
+
+    def stepped(main: torch.nn.Parameter) -> torch.optim.Adam:
+        opt = torch.optim.Adam([main], lr=1e-3)
+        main.grad = torch.arange(main.numel(), dtype=main.dtype).reshape(main.shape) + 1.0
+        opt.step()
+        return opt
+
+    c = torch.tensor([[0.5], [2.0], [0.0], [1.0]], dtype=torch.float64)  # [4, 1] rows
+    full = c.expand(4, 6).reshape(-1)
+    # float16 layout: an fp32 main copy beside the model's parameter
+    p = torch.nn.Parameter(torch.zeros(4, 6, dtype=torch.bfloat16))
+    p.main_param = torch.nn.Parameter(torch.zeros(4, 6))
+    f16 = SimpleNamespace(optimizer=stepped(p.main_param))
+    m0 = f16.optimizer.state[p.main_param]["exp_avg"].clone().reshape(-1)
+    v0 = f16.optimizer.state[p.main_param]["exp_avg_sq"].clone().reshape(-1)
+    assert scale_adam_moments(SimpleNamespace(chained_optimizers=[f16]), {p: c}) == 1
+    st = f16.optimizer.state[p.main_param]
+    torch.testing.assert_close(st["exp_avg"].reshape(-1).double(), m0.double() * full)
+    torch.testing.assert_close(st["exp_avg_sq"].reshape(-1).double(), v0.double() * full ** 2)
+    # distributed layout: this rank owns elements 5..17 of the flat parameter
+    q = torch.nn.Parameter(torch.zeros(4, 6))
+    shard = torch.nn.Parameter(torch.zeros(12))
+    dist_opt = SimpleNamespace(
+        optimizer=stepped(shard), model_param_group_index_map={q: (0, 0)},
+        _get_model_param_range_map=lambda param: {"param": SimpleNamespace(start=5, end=17)})
+    m0 = dist_opt.optimizer.state[shard]["exp_avg"].clone()
+    assert scale_adam_moments(dist_opt, {q: c, p: c}) == 1  # p: not this optimizer's
+    torch.testing.assert_close(dist_opt.optimizer.state[shard]["exp_avg"].double(),
+                               m0.double() * full[5:17])
