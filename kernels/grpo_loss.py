@@ -32,13 +32,14 @@ Per valid token (``mask`` True), with ``A`` the advantage and ``r`` the policy r
   tests/test_offpolicy_kl.py's bandit).
 - KL to the reference, added as ``beta * kl``, one function per ``kl_estimator``
   (``KL_TERMS``): with ``d = clamp(logp - ref_logp, -c_in, c_in)``, k1 ``d``, k2 ``d^2 / 2``,
-  k3 ``exp(-d) + d - 1`` (Schulman's estimators), k3_is ``r_t * k3`` (DeepSeek-V3.2's
-  bias-corrected k3, ``_k3_is``), then clamped to ``[-c_out, c_out]``,
-  ``(c_in, c_out) = kl_clamp``. A clamp zeroes the KL gradient wherever it is active, so each
-  estimator has its own default (``KL_CLAMPS``): k3 and k3_is are clamped (20, 10) because
-  ``exp(-d)`` overflows fp32 beyond d < -88 and grows without bound; k1 (linear) and k2
-  (quadratic) cannot overflow and are not clamped. The trainer's KL-in-reward path calls
-  ``kl_penalty`` with the same clamp as the loss (and no ratio: k3_is is k3 there).
+  k3 ``exp(-d) + d - 1`` (Schulman's estimators; computed as ``expm1(-d) + d``), k3_is
+  ``r_t * k3`` (DeepSeek-V3.2's bias-corrected k3, ``_k3_is``), then clamped to
+  ``[-c_out, c_out]``, ``(c_in, c_out) = kl_clamp``. A clamp zeroes the KL gradient wherever
+  it is active, so each estimator has its own default (``KL_CLAMPS``): k3 and k3_is are
+  clamped (20, 10) because ``exp(-d)`` overflows fp32 beyond d < -88 and grows without bound;
+  k1 (linear) and k2 (quadratic) cannot overflow and are not clamped. The trainer's
+  KL-in-reward path calls ``kl_penalty`` with the same clamp as the loss (and no ratio: k3_is
+  is k3 there).
 
 Masked tokens get loss 0 and no gradient. The trainer aggregates the per-token losses.
 """
@@ -147,7 +148,9 @@ def _k2(d: Tensor, ratio: Tensor | None) -> Tensor:
 
 
 def _k3(d: Tensor, ratio: Tensor | None) -> Tensor:
-    return torch.exp(-d) + d - 1.0
+    # exp(-d) - 1 as expm1: for tiny d, exp(-d) + d - 1 ~ d^2 / 2 would cancel to fp32's
+    # rounding of 1 (6e-8, against 5e-9 at d = 1e-4); expm1 keeps the error at d's own size
+    return torch.expm1(-d) + d
 
 
 def _k3_is(d: Tensor, ratio: Tensor | None) -> Tensor:
