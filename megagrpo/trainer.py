@@ -310,8 +310,9 @@ class Trainer:
     def _bound_staleness(self, batch: Batch, lags: torch.Tensor, metrics: dict) -> None:
         """Checks every sample's lag [n] against k = rollout.max_staleness. Beyond it,
         rollout.stale_policy 'drop' takes the sample's tokens out of the loss mask (the
-        normalisers still count it, as a rollout-IS seq_mask rejection); 'weight' leaves them
-        to `_stale_scale` (after token balancing). Adds the staleness metrics."""
+        sequence count still counts it, as a rollout-IS seq_mask rejection; the token count
+        does not: docs/async.md); 'weight' leaves them to `_stale_scale` (after token
+        balancing). Adds the staleness metrics."""
         k, policy = self.cfg.staleness, self.cfg.rollout.stale_policy
         over = over_stale(lags, k)
         n_over = int(over.sum())
