@@ -11,14 +11,15 @@ OUT, IN, R, SCALE = 64, 256, 4, 2.0
 
 
 class _Adapted(torch.nn.Module):
-    """One column-parallel linear with an adapter, as `megagrpo.lora._attach` leaves it (one
-    rank: no TP group)."""
+    """One linear with an adapter, as `megagrpo.lora._attach` leaves it: column-parallel on
+    one rank (no TP group) unless told otherwise."""
 
-    def __init__(self, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+    def __init__(self, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+                 row: bool = False, group=None):
         super().__init__()
         self.weight = torch.nn.Parameter(w, requires_grad=False)
         self.lora_A, self.lora_B = torch.nn.Parameter(a), torch.nn.Parameter(b)
-        self.lora_row, self.lora_scale, self.tp_group = False, SCALE, None
+        self.lora_row, self.lora_scale, self.tp_group = row, SCALE, group
 
     def effective(self) -> torch.Tensor:
         """W + s B A in float64 [OUT, IN]: the policy's weight."""
@@ -188,3 +189,58 @@ def test_moments_are_found_in_megatrons_layouts():
     assert scale_adam_moments(dist_opt, {q: c, p: c}) == 1  # p: not this optimizer's
     torch.testing.assert_close(dist_opt.optimizer.state[shard]["exp_avg"].double(),
                                m0.double() * full[5:17])
+
+
+# ---------------------------------------------------------------------- sharded over TP
+def _tp_shard(full: _Adapted, row: bool, rank: int, tp: int, group) -> _Adapted:
+    """Rank `rank`'s shards of `full` as megatron splits them: a row layer holds a column
+    block of W and A (B replicated), a column layer a row block of W and B (A replicated)."""
+    w, a, b = (t.detach().clone() for t in (full.weight, full.lora_A, full.lora_B))
+    if row:
+        cols = slice(rank * IN // tp, (rank + 1) * IN // tp)
+        return _Adapted(w[:, cols], a[:, cols].contiguous(), b, row=True, group=group)
+    rows = slice(rank * OUT // tp, (rank + 1) * OUT // tp)
+    return _Adapted(w[rows], a, b[rows].contiguous(), group=group)
+
+
+def _tp_merge_rank(rank, world, rdzv, payload_path, out_dir):
+    from tests.support.launch import gloo_rank, save_rank
+
+    out = {}
+    with gloo_rank(rank, world, rdzv) as group:
+        for row in (False, True):
+            layer = _tp_shard(_layer(torch.bfloat16, 2e-5), row, rank, world, group)
+            scales = merge_adapters(layer, 0.3)
+            out[row] = (layer.weight.clone(), layer.lora_A.detach().clone(),
+                        layer.lora_B.detach().clone(), scales[layer.lora_A])
+    save_rank(out, out_dir, rank)
+
+
+def test_bf16_merge_over_tp2_equals_the_unsharded_one(tmp_path):
+    """At TP=2 (two spawned gloo ranks) a bf16 merge's folded residual and A's gradient scales
+    are the unsharded layer's: the row layer sums the fold's normal equations over TP (B is
+    replicated and must stay equal on both ranks), the column layer the scales' sums (B's rows
+    are split). The merged policies agree within a bf16 rounding of B's entries."""
+    from tests.support.launch import spawn_ranks
+
+    ranks = spawn_ranks(_tp_merge_rank, 2, None, tmp_path)
+    for row in (False, True):
+        whole = _layer(torch.bfloat16, 2e-5)
+        want_scale = merge_adapters(whole, 0.3)[whole.lora_A]
+        parts = [r[row] for r in ranks]
+        if row:  # B replicated: bitwise the same on both ranks
+            assert torch.equal(parts[0][2], parts[1][2])
+            w = torch.cat([p[0] for p in parts], 1)
+            eff = w.double() + SCALE * parts[0][2].double() @ torch.cat(
+                [p[1] for p in parts], 1).double()
+        else:
+            w = torch.cat([p[0] for p in parts], 0)
+            eff = w.double() + SCALE * torch.cat([p[2] for p in parts], 0).double() @ \
+                parts[0][1].double()
+        assert torch.equal(w, whole.weight)
+        for p in parts:
+            torch.testing.assert_close(p[3], want_scale, rtol=1e-6, atol=0)
+        delta = whole.effective() - whole.weight.double()
+        err = float((eff - whole.effective()).norm() / delta.norm())
+        print(f"\nrow={row}: TP=2 merged policy vs unsharded, relative to s B A: {err:.1e}")
+        assert err < 1e-2
