@@ -9,8 +9,24 @@ the greedy LPT rule (longest first, each to the least-loaded rank), then each re
 its batch from the rows assigned to it. Only where a sequence is computed changes: the
 prompts, completions, rewards and advantages stay as the rollout made them, the global
 minibatches keep their members, and the loss normalisers are global sums (`Passes.counts`), so
-loss and gradients change by float summation order only. Deterministic: the partition is a
-function of the gathered lengths (ties broken by source replica and row), no RNG is drawn.
+the GRPO loss (policy and KL terms) and its gradients change by float summation order only.
+Deterministic: the partition is a function of the gathered lengths (ties broken by source
+replica and row), no RNG is drawn.
+
+One exception, an MoE model's router losses (model.moe_aux_loss_coef, model.moe_z_loss_coef):
+megatron computes them per micro-batch from that micro-batch's tokens and averages them over
+the M micro-batches and the DP replicas, so they depend on which tokens share a micro-batch,
+as they do on compute.micro_batch_size / micro_batch_tokens and on the DP layout. Moving rows
+changes them: the z-loss (a token mean of logsumexp(logits)^2 per micro-batch) weighs each token
+1 / (M dp T_mb), unchanged only where the micro-batches' token counts are; the load-balancing
+loss E sum_i f_i P_i is a product of two micro-batch means and changes with the grouping even
+at equal counts (tests/test_balance.py, through megatron's own functions; the review measured
+43-67% on the router's aux gradient). Neither is a bias of the GRPO objective: the router
+losses are regularisers defined per micro-batch, and any layout (balanced or not) is one
+grouping among many. Megatron's `global_aux_loss` (expert shares summed over DP and the
+micro-batches so far) would not make them layout-free either: its shares are a running mean
+over micro-batches in order, and its all-reduce per micro-batch needs equal micro-batch counts
+on every replica, which micro_batch_tokens does not give.
 
 Why LPT and not Karmarkar-Karp: LPT is a few lines, places rows in one pass, and its max load
 is within 4/3 - 1/(3k) of the optimum (Graham 1969) and below mean + the longest row, which is

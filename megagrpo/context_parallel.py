@@ -140,7 +140,9 @@ class _CausalChunks(torch.autograd.Function):
         # [b, s, heads, hn] in memory, as SDPA's own output: the caller's permute to
         # [s, b, heads * hn] is then a view (b = 1), not a second copy kept by the projection
         out = q.new_empty((b, s, heads, hn)).transpose(1, 2)
-        lse = q.new_empty((b, heads, s), dtype=torch.float32)
+        # the flash kernel's own log-sum-exp dtype: float32 for 16/32-bit inputs, float64 for
+        # float64 ones (whose backward refuses a float32 one)
+        lse = q.new_empty((b, heads, s), dtype=torch.promote_types(q.dtype, torch.float32))
         for q0, k0, c, i in blocks:
             rows, diag = slice(q0, q0 + c), slice(k0 + i * c, k0 + (i + 1) * c)
             o, lj = _flash(q[:, :, rows], k[:, :, diag], v[:, :, diag], 0.0, True, scale=scale)

@@ -51,13 +51,19 @@ repeats A for each part. Merges are exact either way.
 The reference (`LoRAReference`): the policy with the adapters off (`adapters_disabled`), no
 second model. A reset with mixing weight a merges: W += a * s * B A on each rank's own shards
 (B_local A for a column layer, B A_local for a row layer: exactly the rows/columns of that
-rank's W shard, so no communication), then B *= (1 - a). The policy W + s B A is unchanged up
-to one rounding of the add, and the reference W' = W + a s B A is a * policy + (1 - a) * ref
-in weight space, as `megagrpo.reference.sync_reference` does for a full reference. A is kept
-(B = 0 makes any A a valid start, and the trained A is a good one). Adam's moments of A and B
-are kept too: the policy does not move at a reset, so the moments still describe the loss
-around it; zeroing them while keeping Adam's step count would make the next updates ~3x larger
-(bias correction would not undo the restart).
+rank's W shard), then B *= (1 - a). The policy W + s B A keeps the adapter's contribution: the
+add is rounded once into W, and where W is bf16/fp16 the part of it the rounding dropped is
+folded back into B (least squares onto A's rows, `merge_adapters`), so the policy moves by less
+than one rounding of its merged weight; the reference W' = W + a s B A is a * policy + (1 - a)
+* ref in weight space (up to that rounding), as `megagrpo.reference.sync_reference` does for a
+full reference. A is kept
+(B = 0 makes any A a valid start, and the trained A is a good one). Adam's moments are kept
+too, B's as they are (the policy does not move at a reset and B's gradient s dL/dW A^T does not
+depend on B; zeroing moments while keeping Adam's step count would make the next updates ~3x
+larger), A's scaled like A's gradient s B^T dL/dW, which B *= (1 - a) scales: first moment x
+(1 - a), second x (1 - a)^2 (`LoRAReference.rescale_moments`), so A's steps keep their size
+(kept moments would make them ~(1 - a) of it for hundreds of steps, and at a = 1 move A on
+stale momentum with a zero gradient).
 """
 from __future__ import annotations
 
@@ -74,6 +80,7 @@ import torch.nn.functional as F
 from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.train import ReferenceConfig
 from megagrpo.model import unwrap
+from megagrpo.optim import scale_adam_moments
 from megagrpo.reference import ReferenceSchedule, ReferenceState
 
 log = logging.getLogger("megagrpo")
@@ -267,19 +274,76 @@ def _delta(m: torch.nn.Module) -> torch.Tensor:
     return (m.lora_B.detach().to(dt) @ m.lora_A.detach().to(dt)) * m.lora_scale
 
 
+def _tp_sum(t: torch.Tensor, group) -> torch.Tensor:
+    """`t` summed over the adapter's TP group (in place; no-op on one rank)."""
+    if group is not None and group.size() > 1:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def _fold_residual(m: torch.nn.Module, resid: torch.Tensor) -> torch.Tensor:
+    """X [out_local, r] minimising |s X A - resid| (resid [out_local, in_local], the part of the
+    merge's add that the narrow base did not absorb): resid's projection onto A's row space,
+    where the adapter's contribution s B A lives. Row layers hold a column block of W and A, so
+    the normal equations' two products are summed over TP (B is replicated there); column
+    layers hold all of A and their own rows of B: no communication."""
+    a = m.lora_A.detach().to(torch.float64)
+    ra = resid.to(torch.float64) @ a.T  # [out_local, r]
+    gram = a @ a.T  # [r, r]
+    if m.lora_row:
+        ra, gram = _tp_sum(ra, m.tp_group), _tp_sum(gram, m.tp_group)
+    return ra @ torch.linalg.pinv(gram, hermitian=True) / m.lora_scale
+
+
+def _row_scales(m: torch.nn.Module, b_old: torch.Tensor, b_new: torch.Tensor) -> torch.Tensor:
+    """c [r, 1]: A's gradient s B^T dL/dW scales by c_k on row k when B's column k goes from
+    b_old to b_new (least squares c_k = <b_new_k, b_old_k> / |b_old_k|^2: exactly 1 - alpha
+    without a folded residual; 1 where the column was zero). Column layers sum over TP (their
+    B rows are split)."""
+    num = (b_new.double() * b_old.double()).sum(0)
+    den = b_old.double().square().sum(0)
+    if not m.lora_row:
+        both = _tp_sum(torch.stack([num, den]), m.tp_group)
+        num, den = both[0], both[1]
+    return torch.where(den > 0, num / den.clamp_min(1e-300), torch.ones_like(num))[:, None]
+
+
 @torch.no_grad()
-def merge_adapters(model: torch.nn.Module | list, alpha: float = 1.0) -> None:
-    """W += alpha * s * B A, then B *= (1 - alpha), per shard, in place, no communication.
-    The policy is unchanged (up to rounding the add); with alpha = 1 the adapter restarts from
-    B = 0 and the base (the reference) becomes the policy."""
+def merge_adapters(model: torch.nn.Module | list, alpha: float = 1.0
+                   ) -> dict[torch.nn.Parameter, torch.Tensor]:
+    """W += alpha * s * B A, then B *= (1 - alpha), per shard, in place. With alpha = 1 the
+    adapter restarts from B = 0 (in float32; below) and the base (the reference) becomes the
+    policy.
+
+    The policy W + s B A keeps the adapter's contribution: the add is computed in float32 (or
+    wider) and rounded once into W; where W is narrower (bf16/fp16) an adapter's delta can sit
+    below half an ulp of W and vanish in that rounding (W rms 0.02 in bf16, delta rms 2e-5:
+    46% of it in tests/test_lora_merge.py, more for smaller deltas), so the residual
+    (W + alpha delta) - W_new is folded back into B by least squares onto A's rows
+    (`_fold_residual`; s B A lies in them, so the adapter's part of the residual returns
+    whole and only rounding noise outside A's rows is left). B is then not
+    zero at alpha = 1 in bf16/fp16: the reference (the base) is the policy rounded once to the
+    base's dtype. Two small all-reduces over TP per layer (`_fold_residual`, `_row_scales`);
+    in float32 the add's rounding (2^-24 of W) is left as it is and nothing is communicated.
+
+    Returns, per adapter's A, its gradient scale c [r, 1] (A's gradient s B^T dL/dW follows B:
+    1 - alpha, or `_row_scales` where a residual was folded), for
+    `megagrpo.optim.scale_adam_moments`."""
+    scales = {}
     for m in adapted(model):
-        w = m.weight
-        w.copy_((w.to(torch.promote_types(w.dtype, torch.float32)) + alpha * _delta(m))
-                .to(w.dtype))
-        if alpha == 1.0:
-            m.lora_B.zero_()
-        else:
-            m.lora_B.mul_(1.0 - alpha)
+        w, b = m.weight, m.lora_B
+        dt = torch.promote_types(w.dtype, torch.float32)
+        exact = w.to(dt) + alpha * _delta(m)
+        w.copy_(exact.to(w.dtype))
+        b_old = b.detach().to(dt)
+        b_new = (1.0 - alpha) * b_old
+        scale = torch.full((b.shape[1], 1), 1.0 - alpha, dtype=torch.float64)
+        if w.dtype != dt:  # the rounding of a narrow base can eat small deltas: fold it back
+            b_new = b_new + _fold_residual(m, exact - w.to(dt)).to(dt)
+            scale = _row_scales(m, b_old, b_new.to(b.dtype).to(dt))
+        b.copy_(b_new.to(b.dtype))
+        scales[m.lora_A] = scale
+    return scales
 
 
 class MergedParams(Mapping):
@@ -328,6 +392,9 @@ class LoRAReference(ReferenceSchedule):
         self.merges = 0
         """Merges so far (the cold start's reset included): which base a checkpoint holds
         (`megagrpo.lora_checkpoint`)."""
+        self.a_grad_scales: dict[torch.nn.Parameter, torch.Tensor] = {}
+        """A's gradient scale per row [r, 1] from the last merge, until `rescale_moments` hands
+        it to the optimizer."""
 
     @property
     def model(self) -> torch.nn.Module | list:
@@ -337,8 +404,15 @@ class LoRAReference(ReferenceSchedule):
 
     def reinit(self, policy: torch.nn.Module | list, alpha: float = 1.0) -> None:
         """The reference moves to alpha * policy + (1 - alpha) * reference: a merge."""
-        merge_adapters(policy, alpha)
+        self.a_grad_scales = merge_adapters(policy, alpha)
         self.merges += 1
+
+    def rescale_moments(self, optimizer) -> None:
+        """After a merge: Adam's moments of every A scaled like A's gradient (B *= 1 - alpha
+        scales it), so A's next steps are the size they would be without the merge rather
+        than ~(1 - alpha) of it, and A does not drift on stale momentum at alpha = 1."""
+        scale_adam_moments(optimizer, self.a_grad_scales)
+        self.a_grad_scales = {}
 
     def state_dict(self) -> dict:
         """The schedule's state and the merge count."""

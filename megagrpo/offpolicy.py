@@ -15,7 +15,8 @@ Fu et al., AReaL, arXiv:2505.24298, Sec. 5.1):
 
 Per token, with advantage A:
 
-    loss_t = min(pi_prox / mu, cap) * max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)),
+    loss_t = min(pi_prox / mu, cap) * (max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
+                                       + beta * kl_t),
     r = pi_theta / pi_prox
 
 The clip keeps each update in a trust region around the proximal policy (the trainer's own,
@@ -23,7 +24,12 @@ as on-policy PPO), and the truncated importance weight pi_prox / mu (no gradient
 expectation over mu's samples to one over pi_prox's: E_mu[(pi_prox / mu) g] = E_pi_prox[g].
 Without it (the PPO ratio is 1 at the first pass, as old log-probs are recomputed under the
 trainer's weights) a stale batch follows mu's gradient, not the policy's: biased, by as much
-as the one-update lag moved the policy.
+as the one-update lag moved the policy. The weight covers the KL term too (k1/k2/k3/k3_is
+of the reference, `megagrpo.kernels.loss_from_logp`): its samples are mu's as well, so
+unweighted its gradient would be mu's expectation, not pi_prox's (on
+tests/test_offpolicy_kl.py's 6-outcome bandit: 15-29% off at a total variation of 0.04
+between them, 1.2-2.3x off at 0.31; with the weight, 1e-7). The advantage A is not
+corrected: its group baseline is the mean reward of mu's samples (docs/metrics.md).
 
 That objective is exactly `algo.rollout_is=truncate` (weights min(exp(old_logp -
 rollout_logp), algo.rollout_is_cap) times the clipped ratio to old_logp), which on a fresh

@@ -89,6 +89,52 @@ def use_fused_adam(optimizer) -> bool:
     return fused
 
 
+def _moments(opt, param: torch.nn.Parameter) -> tuple[dict, slice | None] | None:
+    """(torch Adam's state of `param` in megatron optimizer `opt`, the flat range of `param` it
+    covers, None for all) or None where `opt` holds no state for it. The distributed optimizer
+    keys a shard of the flat parameter (its own range), the float16 one an fp32 main copy
+    (`param.main_param`), the fp32 one the parameter itself."""
+    inner = opt if isinstance(opt, torch.optim.Optimizer) else getattr(opt, "optimizer", None)
+    if inner is None:
+        return None
+    index = getattr(opt, "model_param_group_index_map", None)
+    if index is not None:
+        if param not in index:
+            return None
+        gi, go = index[param]
+        rng = opt._get_model_param_range_map(param)["param"]
+        state = inner.state.get(inner.param_groups[gi]["params"][go])
+        return (state, slice(rng.start, rng.end)) if state else None
+    main = getattr(param, "main_param", None)
+    state = inner.state.get(param if main is None else main)
+    return (state, None) if state else None
+
+
+@torch.no_grad()
+def scale_adam_moments(optimizer, scales: dict[torch.nn.Parameter, torch.Tensor]) -> int:
+    """Adam's moments of each parameter p in `scales` as if its past gradients had been
+    scaled by c = scales[p] (broadcast to p's shape): exp_avg *= c, exp_avg_sq *= c^2. Adam's
+    step is invariant to a gradient scale, so after an edit that scales p's gradient by c
+    (a LoRA merge's B *= 1 - alpha scales A's) its next steps match the unscaled run's, where
+    keeping the moments would take steps off by c (stale momentum at c = 0). Parameters this
+    rank holds no state for (not stepped yet; the distributed optimizer's other shards) are
+    skipped. Returns how many moment pairs were scaled."""
+    n = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for p, c in scales.items():
+            found = _moments(opt, p)
+            if found is None or "exp_avg" not in found[0]:
+                continue
+            state, rng = found
+            c = c.to(torch.float64).expand(p.shape).reshape(-1)
+            c = c if rng is None else c[rng]
+            for key, power in (("exp_avg", 1), ("exp_avg_sq", 2)):
+                t = state[key]
+                t.copy_((t.double() * c.reshape(t.shape) ** power).to(t.dtype))
+            n += 1
+    return n
+
+
 def set_lr(optimizer, lr: float) -> None:
     for g in optimizer.param_groups:
         g["lr"] = lr
@@ -150,4 +196,4 @@ def zero_grad(ddp_model: torch.nn.Module, optimizer) -> None:
 
 
 __all__ = ["OptimConfig", "lr_at", "wrap_ddp", "build_optimizer", "set_lr", "forward_backward",
-           "optimizer_step", "zero_grad"]
+           "optimizer_step", "zero_grad", "scale_adam_moments"]

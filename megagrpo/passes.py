@@ -197,8 +197,7 @@ class Passes:
                              dtype=torch.float64)
         dist.all_reduce(local, group=self.groups.dp)
         return algo.LossCounts(num_tokens=float(local[0]), num_seqs=float(local[1]),
-                               max_len=float(self.cfg.algo.dr_grpo_max_len
-                                             or self.cfg.rollout.max_tokens),
+                               max_len=float(self.cfg.dr_grpo_len),
                                num_chunks=int(local[2]))
 
     def gradient_rows(self, batch: Batch, loss_has_kl: bool) -> torch.Tensor | None:

@@ -310,8 +310,9 @@ class Trainer:
     def _bound_staleness(self, batch: Batch, lags: torch.Tensor, metrics: dict) -> None:
         """Checks every sample's lag [n] against k = rollout.max_staleness. Beyond it,
         rollout.stale_policy 'drop' takes the sample's tokens out of the loss mask (the
-        normalisers still count it, as a rollout-IS seq_mask rejection); 'weight' leaves them
-        to `_stale_scale` (after token balancing). Adds the staleness metrics."""
+        sequence count still counts it, as a rollout-IS seq_mask rejection; the token count
+        does not: docs/async.md); 'weight' leaves them to `_stale_scale` (after token
+        balancing). Adds the staleness metrics."""
         k, policy = self.cfg.staleness, self.cfg.rollout.stale_policy
         over = over_stale(lags, k)
         n_over = int(over.sum())
@@ -631,12 +632,14 @@ class Trainer:
 
     def _after_policy_edit(self) -> None:
         """A LoRA reference reset edits the policy's parameters in place (merge, B scaled):
-        the optimizer's fp32 main copies (bf16/fp16, distributed optimizer) are re-read, and
-        an adapter-only refit sends the base next time."""
+        the optimizer's fp32 main copies (bf16/fp16, distributed optimizer) are re-read, A's
+        Adam moments follow its gradient's scale, and an adapter-only refit sends the base
+        next time."""
         if self.adapter_refit is not None:
             self.adapter_refit.base_changed()
         if not getattr(self.reference, "separate_model", True) and self.optimizer is not None:
             self.optimizer.reload_model_params()
+            self.reference.rescale_moments(self.optimizer)
 
     def phase(self, name: str) -> None:
         """Names what runs now for the stall watchdog."""

@@ -166,8 +166,46 @@ def run_layout(tag, tp, pp, dist_opt, work, results, load_from=None, sp=False):
     results.append({"tag": tag, "rank": dist.get_rank(), "dp_rank": info.dp_rank,
                     "adapter_numel": n_adapter, "opt_numel": opt_numel,
                     "opt_state_bytes": state_bytes, "base_with_grad": base_grad,
-                    "step_ok": ok, "last_stage": ps.is_pipeline_last_stage()})
+                    "step_ok": ok, "last_stage": ps.is_pipeline_last_stage(),
+                    **moment_scaling_checks(gpt, opt)})
     return ddp, opt, mcfg, parallel
+
+
+def _megatron_moments(opt, p: torch.nn.Parameter) -> list[dict]:
+    """Adam's state of model parameter `p` as megatron's optimizers hold it, read through
+    megatron's own accessors (the distributed optimizer's `_get_main_param_and_optimizer_states`,
+    the float16 one's `main_param`, the fp32 one's parameter)."""
+    out = []
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        if hasattr(o, "model_param_group_index_map"):
+            if p in o.model_param_group_index_map:
+                out.append(o._get_main_param_and_optimizer_states(p))
+        else:
+            main = getattr(p, "main_param", None)
+            state = o.optimizer.state.get(p if main is None else main)
+            if state:
+                out.append(state)
+    return out
+
+
+def moment_scaling_checks(gpt, opt) -> dict:
+    """`scale_adam_moments` on megatron's real optimizer (after one step): every A's moments
+    halved / quartered, every B's untouched, then restored exactly (powers of two)."""
+    from megagrpo.lora import adapted
+    from megagrpo.optim import scale_adam_moments
+
+    mods = adapted(gpt)
+    params = [(m.lora_A, 0.5) for m in mods] + [(m.lora_B, 1.0) for m in mods]
+    before = [[(s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for s in _megatron_moments(opt, p)]
+              for p, _ in params]
+    half = {m.lora_A: torch.full((m.lora_A.shape[0], 1), 0.5, dtype=torch.float64) for m in mods}
+    scaled = scale_adam_moments(opt, half)
+    ok = all(torch.equal(s["exp_avg"], m0 * c) and torch.equal(s["exp_avg_sq"], v0 * c * c)
+             for (p, c), saved in zip(params, before)
+             for (m0, v0), s in zip(saved, _megatron_moments(opt, p)))
+    scale_adam_moments(opt, {a: torch.full_like(c, 2.0) for a, c in half.items()})
+    return {"moments_found": sum(len(b) for b in before[:len(mods)]), "moments_scaled": scaled,
+            "moments_ok": ok}
 
 
 class Merges:

@@ -89,3 +89,41 @@ def test_multi_turn_loss_is_single_turn_loss_over_model_tokens():
     logits2 = torch.where(env[..., None], 5 * torch.randn(N, S, V, generator=g), logits)
     loss2, grad2 = loss_and_grad(p, logits2, a)
     assert torch.equal(loss2, loss) and torch.equal(grad2, grad)
+
+
+def test_dr_grpo_scale_does_not_grow_with_max_turns(monkeypatch):
+    """Dr. GRPO's constant in a multi-turn run is the trajectory's budget (agent.max_total_tokens,
+    or rollout.max_model_len), not rollout.max_tokens (one turn's): the constant is the same at
+    1, 4 and 16 turns, and trajectories of full turns (up to the budget) with a loss of 1 per
+    token give at most 1 per sequence (with max_tokens: up to max_turns)."""
+    import megagrpo.passes as passes_mod
+    from megagrpo.algo import aggregate_loss
+    from megagrpo.batch import Batch
+    from megagrpo.config.train import TrainConfig
+
+    monkeypatch.setattr(passes_mod.dist, "all_reduce", lambda t, group=None: t)  # one replica
+    losses = {}
+    for budget in (0, 96):
+        for turns in (1, 4, 16):
+            cfg = TrainConfig()
+            cfg.agent.environment, cfg.agent.max_turns = "tools", turns
+            cfg.agent.max_total_tokens = budget
+            cfg.rollout.max_tokens, cfg.rollout.max_model_len = 16, 128
+            # model tokens: every turn full, up to the budget
+            width = min(turns * cfg.rollout.max_tokens, budget or cfg.rollout.max_model_len)
+            mask = torch.ones(2, width, dtype=torch.bool)
+            batch = Batch(ids=torch.zeros(2, width, dtype=torch.long),
+                          target=torch.zeros(2, width, dtype=torch.long), mask=mask,
+                          advantages=torch.zeros(2, width), rollout_logp=torch.zeros(2, width),
+                          seq_valid=torch.ones(2, dtype=torch.bool))
+            counts = passes_mod.Passes(cfg).counts(batch, 1)
+            loss = aggregate_loss(torch.ones(2 * width, dtype=torch.float64),
+                                  mask.reshape(-1).double(),
+                                  torch.arange(2).repeat_interleave(width), mode="dr_grpo",
+                                  counts=counts, num_local_seqs=2)
+            losses[budget, turns] = (counts.max_len, float(loss))
+    print(f"\nDr. GRPO (constant, loss of full trajectories) per (budget, turns): {losses}")
+    for budget in (0, 96):
+        assert len({losses[budget, t][0] for t in (1, 4, 16)}) == 1
+    assert all(loss <= 1.0 for _, loss in losses.values())
+    assert losses[96, 16][1] == 1.0

@@ -191,3 +191,46 @@ def test_packed_exchange_rebuilds_the_rows_bit_for_bit(n_mini):
     assert _improves(lens)  # the lopsided pair above: rows move
     same = [_replica(3, 6, 2, 1), _replica(3, 6, 2, 1)]
     assert not _improves([[[int(b.lengths[r]) for r in real_rows(b, 1)[0]]] for b in same])
+
+
+def test_moe_router_losses_follow_the_micro_batches():
+    """What balancing does change (module docstring): megatron's MoE router losses, computed
+    per micro-batch and averaged over the M micro-batches. The z-loss (a token mean of
+    logsumexp^2 per micro-batch) weighs each token 1 / (M T_mb): unchanged by moving tokens
+    between micro-batches of equal token counts, changed where the counts differ; the
+    load-balancing loss E sum_i f_i P_i is a product of two micro-batch means and changes with
+    which tokens share a micro-batch even at equal counts. Through megatron's own functions,
+    float64."""
+    from megatron.core.transformer.moe.moe_utils import (
+        switch_load_balancing_loss_func,
+        z_loss_func,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    E, k, T = 4, 2, 12
+    logits = torch.randn(T, E, generator=g, dtype=torch.float64)
+    routing = torch.zeros(T, E, dtype=torch.bool).scatter(1, logits.topk(k, -1).indices, True)
+
+    def losses(layout: list[list[int]]) -> tuple[float, float, torch.Tensor, torch.Tensor]:
+        """(aux, z, d aux / d logits, d z / d logits) of the step over micro-batches `layout`."""
+        x = logits.clone().requires_grad_()
+        m = len(layout)
+        aux = sum(switch_load_balancing_loss_func(
+            torch.softmax(x[i], -1), routing[i].sum(0), len(i), k, E, 1.0) for i in layout) / m
+        z = sum(z_loss_func(x[i], 1.0) for i in layout) / m
+        (ga,) = torch.autograd.grad(aux, x, retain_graph=True)
+        (gz,) = torch.autograd.grad(z, x)
+        return float(aux), float(z), ga, gz
+
+    halves = losses([list(range(6)), list(range(6, 12))])
+    mixed = losses([[0, 1, 2, 9, 10, 11], [3, 4, 5, 6, 7, 8]])  # equal token counts
+    uneven = losses([list(range(4)), list(range(4, 12))])
+    assert mixed[1] == pytest.approx(halves[1], rel=1e-12)
+    torch.testing.assert_close(mixed[3], halves[3], rtol=1e-12, atol=0)
+    lse2 = torch.logsumexp(logits, -1) ** 2
+    assert uneven[1] == pytest.approx(float(lse2[:4].mean() + lse2[4:].mean()) / 2, rel=1e-12)
+    assert abs(uneven[1] / halves[1] - 1) > 1e-3
+    change = float((mixed[2] - halves[2]).norm() / halves[2].norm())
+    print(f"\nload-balancing loss's router gradient, another grouping of equal counts: "
+          f"{100 * change:.0f}% change")
+    assert change > 0.05

@@ -201,3 +201,38 @@ def test_async_with_nucleus_sampling_is_refused():
                                          r"or set run\.async_rollout=false"):
         preflight(load_config(demo, ["rollout.top_p=0.9", "run.async_rollout=true"]), 2)
     preflight(load_config(demo, ["run.async_rollout=true"]), 2)
+
+
+@pytest.mark.parametrize("mode", ["grpo", "dr_grpo", "dapo"])
+def test_stale_drop_counts_the_sequence_not_its_tokens(mode, monkeypatch):
+    """rollout.stale_policy=drop (docs/async.md): the dropped sample's tokens leave the mask,
+    the step's sequence count keeps it and its token count does not; so grpo and dr_grpo leave
+    the kept tokens' weights as they were, dapo raises them by (all tokens) / (kept tokens)."""
+    import megagrpo.passes as passes_mod
+
+    monkeypatch.setattr(passes_mod.dist, "all_reduce", lambda t, group=None: t)  # one replica
+    rows, width = [3, 4, 5], 6
+    mask = torch.arange(width)[None, :] < torch.tensor(rows)[:, None]
+    cfg = TrainConfig()
+    cfg.algo.dr_grpo_max_len = width
+
+    def weights(m: torch.Tensor) -> tuple[algo.LossCounts, torch.Tensor]:
+        batch = Batch(ids=torch.zeros(3, width, dtype=torch.long),
+                      target=torch.zeros(3, width, dtype=torch.long), mask=m,
+                      advantages=torch.zeros(3, width), rollout_logp=torch.zeros(3, width),
+                      seq_valid=torch.ones(3, dtype=torch.bool))
+        counts = passes_mod.Passes(cfg).counts(batch, 1)
+        w = algo.aggregation_weights(m.reshape(-1).double(), torch.arange(3).repeat_interleave(
+            width), mode=mode, counts=counts, num_local_seqs=3)
+        return counts, w.reshape(3, width)
+
+    full, w_full = weights(mask)
+    dropped = mask.clone()
+    dropped[1] = False  # what _bound_staleness does to an over-stale row
+    counts, w = weights(dropped)
+    assert counts.num_seqs == full.num_seqs == 3
+    assert counts.num_tokens == full.num_tokens - rows[1]
+    kept = dropped
+    assert not w[1].any()
+    factor = full.num_tokens / counts.num_tokens if mode == "dapo" else 1.0
+    torch.testing.assert_close(w[kept], w_full[kept] * factor, rtol=1e-12, atol=0)

@@ -27,7 +27,9 @@ class AlgoConfig(Section):
     loss_agg: str = "grpo"
     """Token-loss aggregation: grpo, bnpo, dr_grpo, dapo, gspo or cispo (see megagrpo.algo)."""
     dr_grpo_max_len: int = 0
-    """Dr. GRPO constant normaliser (tokens per sequence); 0 = use the rollout's max new tokens."""
+    """Dr. GRPO constant normaliser (tokens per sequence); 0 = the most model tokens a sample
+    can hold: rollout.max_tokens, or in multi-turn runs the trajectory's budget
+    (agent.max_total_tokens, or rollout.max_model_len when that is 0)."""
     mu: int = 1
     """Optimisation passes over each batch of rollouts (mu > 1 needs old log-probs)."""
     num_minibatches: int = 1

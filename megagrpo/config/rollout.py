@@ -71,7 +71,9 @@ class RolloutConfig(Section):
     parallel.tp x pp x dp training ranks in one torchrun world; 0 with colocated."""
     stale_policy: str = "drop"
     """What trains a sample more than rollout.max_staleness versions old: 'drop' (out of the
-    loss, counted in stale_dropped) or 'weight' (kept, its loss scaled by (k + 1) / (lag + 1))."""
+    loss, counted in stale_dropped; the step's sequence count still counts it, its token count
+    does not) or 'weight' (kept, its loss scaled by (k + 1) / (lag + 1), a heuristic
+    down-weighting: docs/async.md)."""
     inflight_updates: bool = False
     """Async only (rollout.max_staleness >= 1, vLLM tensor_parallel_size 1): the trainer's new
     weights enter the engine between decode steps of the draw that is running, without dropping

@@ -87,10 +87,11 @@ class ComputeConfig(Section):
 
     balance_tokens: bool | None = None
     """Move a step's sequences between DP replicas so each computes about the same number of
-    tokens (LPT partition of every minibatch by length, `megagrpo.balance`); loss and
-    gradients change by float summation order only. None: on at DP > 1 except with
-    algo.loss_agg=bnpo (a per-micro-batch mean) or algo.kl_in_reward (advantages set after
-    scoring, from whole groups), where true is an error."""
+    tokens (LPT partition of every minibatch by length, `megagrpo.balance`); the GRPO loss and
+    its gradients change by float summation order only (an MoE model's router aux and z-loss,
+    computed per micro-batch by megatron, change with the grouping). None: on at DP > 1
+    except with algo.loss_agg=bnpo (a per-micro-batch mean) or algo.kl_in_reward (advantages
+    set after scoring, from whole groups), where true is an error."""
 
     compile_layers: bool | str = "auto"
     """`torch.compile` (inductor) each transformer layer's forward as one graph, for the update

@@ -166,6 +166,20 @@ class TrainConfig(Section):
 
 
     @property
+    def dr_grpo_len(self) -> int:
+        """Dr. GRPO's constant normaliser, tokens per sequence: algo.dr_grpo_max_len, else the
+        most model tokens a sample can hold: rollout.max_tokens single-turn; multi-turn the
+        trajectory's budget, agent.max_total_tokens, or when that is 0 rollout.max_model_len
+        (the budget after an empty prompt: a constant, where max_model_len minus each prompt
+        is not). Not rollout.max_tokens there: that bounds one turn, and a trajectory of up
+        to agent.max_turns of them would scale the loss by up to max_turns."""
+        if self.algo.dr_grpo_max_len:
+            return self.algo.dr_grpo_max_len
+        if not self.agent.enabled:
+            return self.rollout.max_tokens
+        return self.agent.max_total_tokens or self.rollout.max_model_len
+
+    @property
     def staleness(self) -> int:
         """k, the most policy versions a sample may lag the trainer (rollout.max_staleness;
         unset: 1 with run.async_rollout, else 0). k >= 1 draws batches ahead on a side thread."""

@@ -149,8 +149,6 @@ def oracle_grpo(case) -> tuple[torch.Tensor, torch.Tensor, dict]:
             term = -obj
             low.append(bool(r < lo and a < 0))
             high.append(bool(r > hi and a > 0))
-        if "is_weight" in o:
-            term = term * min(float(o["is_weight"][i]), o.get("is_cap") or float("inf"))
         if o.get("beta", 0.0):
             est = o.get("kl_estimator", "k3")
             # documented defaults: k3 clamped (20, 10) against exp overflow, k1/k2 unclamped
@@ -159,6 +157,8 @@ def oracle_grpo(case) -> tuple[torch.Tensor, torch.Tensor, dict]:
             d = torch.clamp(logp[i] - o["ref_logp"][i].double(), -c_in, c_in)
             kls = {"k1": d, "k2": d * d / 2, "k3": torch.exp(-d) + d - 1}
             term = term + o["beta"] * torch.clamp(kls[est], -c_out, c_out)
+        if "is_weight" in o:  # the whole token loss: the KL term's samples are mu's too
+            term = term * min(float(o["is_weight"][i]), o.get("is_cap") or float("inf"))
         losses.append(term)
     loss = torch.stack(losses)
     (loss * case["g"].double()).sum().backward()

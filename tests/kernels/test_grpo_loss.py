@@ -107,6 +107,24 @@ def test_kl_estimators():
         kl_penalty(logp, ref, "k4")
 
 
+@pytest.mark.parametrize("est", ["k3", "k3_is"])
+def test_k3_keeps_its_digits_for_tiny_log_ratios(est):
+    """k3 = exp(-d) + d - 1 ~ d^2 / 2 for small d: in fp32 the sum cancels to rounding noise
+    of 1 (6e-8, against 5e-9 at d = 1e-4), so it is computed as expm1(-d) + d, whose error is
+    a rounding of d's size (2 fp32 eps |d| + eps k3 against float64 from the same fp32
+    inputs): the precision d itself has, as a difference of two fp32 log-probs."""
+    logp = torch.full((6,), -1.25)
+    d = torch.tensor([1e-6, -3e-5, 1e-4, -1e-3, 1e-2, -0.1])
+    ref = logp - d  # the fp32 inputs; d as the op sees it is (logp - ref) in fp32
+    d64 = (logp - ref).double()
+    want = torch.expm1(-d64) + d64
+    got = kl_penalty(logp, ref, est, ratio=torch.ones(6) if est == "k3_is" else None)
+    err = (got.double() - want).abs()
+    eps = torch.finfo(torch.float32).eps
+    print(f"\n{est} fp32 relative error at d = {d.tolist()}: {(err / want).tolist()}")
+    assert bool((err <= 2 * eps * d64.abs() + eps * want).all())
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("est, gap", [("k1", 15.0), ("k2", 6.0), ("k3", 30.0)])
 def test_kl_gradient_far_from_reference(est, gap, impl):
