@@ -140,6 +140,18 @@ def split_world(cfg: TrainConfig, rank: int, world: int) -> Placement:
 
 
 # ---------------------------------------------------------------------- the wire
+def streams_weights(parallel) -> bool:
+    """Whether this training rank takes part in the weight stream of a separate-placement sync:
+    the ranks of one data-parallel replica (the stream gathers over TP and PP), and with expert
+    parallelism every rank of that replica's expert groups (EP is carved out of DP: the experts
+    of replica 0 live on ranks of other DP ranks, whose gathers must run too)."""
+    from megatron.core import parallel_state as ps
+
+    if parallel.ep > 1:
+        return ps.get_expert_data_parallel_rank() == 0
+    return ps.get_data_parallel_rank() == 0
+
+
 def _bcast_json(pg, obj: object | None) -> dict:
     """Broadcasts a JSON-able object from cross rank 0 (`obj` there, None elsewhere)."""
     data = json.dumps(obj).encode() if obj is not None else b""
@@ -161,7 +173,8 @@ class RemoteEngine:
     loader: PromptLoader
     """The trainer's loader: its position at the first sync is where the rollout ranks start."""
     sends: bool
-    """DP replica 0 drives the gather (the other replicas skip it); rank 0 broadcasts."""
+    """This rank takes part in the stream (`streams_weights`; the others skip it); rank 0
+    broadcasts."""
     bucket_bytes: int
     dtype: str
     syncs: int = 0

@@ -128,8 +128,10 @@ def check_environment(cfg: TrainConfig) -> None:
         environment_class(cfg.agent.environment)
     check_tool_task(cfg)
     if cfg.algo.routing_replay:
-        raise ValueError("algo.routing_replay=true is not supported with multi-turn rollouts "
-                         f"(agent.environment={cfg.agent.environment!r}): turn it off")
+        raise ValueError("algo.routing_replay=true with multi-turn rollouts "
+                         f"(agent.environment={cfg.agent.environment!r}): vLLM's routes cover one "
+                         "turn's call, not the trajectory; set algo.routing_replay=false (the "
+                         "MoE trains, routed afresh by the trainer) or drop agent.environment")
 
 
 def check_tool_task(cfg: TrainConfig) -> None:

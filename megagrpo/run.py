@@ -52,7 +52,14 @@ from megagrpo.lora_checkpoint import lora_parts
 from megagrpo.metrics import MetricsLogger, plot_curves, read_jsonl
 from megagrpo.model import attention_impl_name, build_model, layer_spec_name, sequence_packing
 from megagrpo.optim import build_optimizer, wrap_ddp
-from megagrpo.placement import RemoteEngine, SeparateSource, serve, split_world, training_world
+from megagrpo.placement import (
+    RemoteEngine,
+    SeparateSource,
+    serve,
+    split_world,
+    streams_weights,
+    training_world,
+)
 from megagrpo.preflight import Preflight, preflight
 from megagrpo.procs import follow_parent
 from megagrpo.reference import Reference
@@ -148,7 +155,8 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     if place is not None:
         rollouts = SeparateSource(cfg=cfg, place=place, loader=loader, tokenizer=tok,
                                   ranks=ranks, groups=groups, engine=RemoteEngine(
-                                      place=place, loader=loader, sends=ranks.dp_rank == 0,
+                                      place=place, loader=loader,
+                                      sends=streams_weights(cfg.parallel),
                                       bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
                                       dtype=model_cfg.dtype))
     else:

@@ -135,4 +135,5 @@ def check_compile(compute, model: ModelConfig, parallel: ParallelConfig, lora: b
     why = compile_blocker(compute, model, parallel, lora)
     if why:
         raise ValueError(f"compute.compile_layers=true needs {why}; set "
-                         "compute.compile_layers=false (or auto)")
+                         "compute.compile_layers=auto (it runs these layers eagerly and says "
+                         "so) or false")
