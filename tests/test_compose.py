@@ -99,6 +99,15 @@ def test_recorded_refusals_are_made_before_compute(combo, tmp_path, capsys):
     assert not (out / "metrics.jsonl").exists()
 
 
+def test_separate_placement_with_expert_parallelism_runs_live(tmp_path):
+    """The default suite's live slice: the one pair the sweep found failing. With EP carved out
+    of DP, the experts of replica 0 sit on a rank of DP rank 1, which skipped the weight stream
+    while rank 0 waited in its expert gather (a hang, killed at the timeout)."""
+    models = sweep.models(tmp_path)
+    row = sweep.run_one(("ep2", "separate"), models[True], tmp_path, timeout=180)
+    assert row["status"] == "runs", row
+
+
 @pytest.mark.heavy
 def test_whole_sweep_live(tmp_path):
     """Every combination again, live (~40 min on 2 cores): none fails."""
