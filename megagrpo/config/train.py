@@ -183,8 +183,7 @@ class TrainConfig(Section):
     def staleness(self) -> int:
         """k, the most policy versions a sample may lag the trainer (rollout.max_staleness;
         unset: 1 with run.async_rollout, else 0). k >= 1 draws batches ahead on a side thread."""
-        k = self.rollout.max_staleness
-        return k if k is not None else int(self.run.async_rollout)
+        return self.rollout.staleness(self.run.async_rollout)
 
     def pipelined_by(self) -> tuple[str, str, str] | None:
         """Which setting draws batches ahead (None: none does): (its name, as set, the setting
