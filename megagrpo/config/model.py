@@ -314,6 +314,11 @@ class ParallelConfig(Section):
                 raise ValueError(f"parallel.tp={self.tp} does not divide model.{f}={n} (each "
                                  f"expert is split over the TP ranks); valid tp: {ok}")
 
+    def stage_size(self, num_layers: int) -> int:
+        """Layers one pipeline stage holds: megatron-core's even split (`validate` checks that
+        pp divides num_layers); `megagrpo.hf.params.stage_layers` says which."""
+        return num_layers // max(self.pp, 1)
+
     def padded_vocab_size(self, vocab_size: int) -> int:
         """Vocab padded so that every TP rank holds an equal slice."""
         m = self.make_vocab_size_divisible_by * self.tp
