@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from megagrpo.config.rollout import RolloutConfig
     from megagrpo.config.run import RunConfig
     from megagrpo.config.train import TrainConfig
-    from megagrpo.rollout import Rollout
+    from megagrpo.stream import Rollout
 
 log = logging.getLogger("megagrpo")
 

@@ -48,7 +48,8 @@ from megagrpo.offpolicy import StalenessPolicy
 from megagrpo.optim import build_optimizer, lr_at, optimizer_step, set_lr, zero_grad
 from megagrpo.passes import Passes
 from megagrpo.reshard import ReshardStats, iter_hf_weights, iter_vllm_slices
-from megagrpo.rollout import Rollout, RolloutCollector
+from megagrpo.rollout import RolloutCollector
+from megagrpo.stream import Rollout
 
 if TYPE_CHECKING:
     from megagrpo.config.model import ModelConfig

@@ -14,8 +14,8 @@ from megagrpo.engine import Completion
 from megagrpo.engine.inflight import InflightUpdates, token_versions
 from megagrpo.inflight import finish_refit
 from megagrpo.offpolicy import token_lag_metrics
-from megagrpo.rollout import Drawn, Rollout
-from megagrpo.stream import stamp
+from megagrpo.rollout import Drawn
+from megagrpo.stream import Rollout, stamp
 from megagrpo.trainer import Trainer
 
 G = 2

@@ -24,8 +24,8 @@ from megagrpo.console import Progress
 from megagrpo.data import Example, PromptLoader
 from megagrpo.engine import Completion
 from megagrpo.reference import ReferenceSchedule, ReferenceState
-from megagrpo.rollout import Rollout, RolloutCollector
-from megagrpo.stream import RolloutSource, stale_weights
+from megagrpo.rollout import RolloutCollector
+from megagrpo.stream import Rollout, RolloutSource, stale_weights
 from megagrpo.trainer import Trainer
 
 G = 2
