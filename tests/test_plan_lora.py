@@ -1,11 +1,11 @@
-"""The planner's LoRA-vs-full lines (megagrpo/plan_lora.py): refit bytes per step against a hand
+"""The planner's LoRA-vs-full lines (megagrpo/plan/lora.py): refit bytes per step against a hand
 count from the Hugging Face tensor shapes, the merged fallback where vLLM cannot serve the
 adapters, and the large LoRA recipe in examples/ planned without weights."""
 from pathlib import Path
 
 from megagrpo.config.train import load_config
 from megagrpo.plan import rank_memory, run_plan
-from megagrpo.plan_lora import format_lora_vs_full, refit_bytes
+from megagrpo.plan.lora import format_lora_vs_full, refit_bytes
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # vocab 100, H 8, F 12, 2 layers, 4 query heads and 2 KV heads of width 3: q 12, k = v 6 wide

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.train import TrainConfig
 from megagrpo.hf.params import adapted, param_specs, peft_modules
-from megagrpo.plan import DTYPE_BYTES, GIB, RankMemory, rank_memory, total_params
+from megagrpo.plan.memory import DTYPE_BYTES, GIB, RankMemory, rank_memory, total_params
 
 
 def peft_numel(cfg: TrainConfig, m: ModelConfig) -> int:
