@@ -41,7 +41,7 @@ memory figure the maximum over the CP ranks:
 A setting whose peak, extrapolated linearly in S from the same setting's smaller measured sizes
 (before any: 3 x the planner's figure), would pass --max-gib per process is not run; its row
 says `skipped` and why. `--table` prints the markdown table of a results file: the measured
-rows with the planner's figures at the current megagrpo/plan.py, and per setting the linear
+rows with the planner's figures at the current megagrpo/plan/memory.py, and per setting the linear
 fit peak = a + c x S (least squares over the measured sizes) and the longest S whose fitted
 peak fits 20 GiB (step peak + the process's RSS before the step; at cp > 1 the CP attention's
 causal masks, quadratic in S, are added at their exact size (`mask_mib`) rather than fitted).
@@ -249,7 +249,7 @@ def table(path: str) -> str:
     out = ["| CP | CP attention | recompute | S | step peak (RSS, max over ranks) MiB | "
            "planner MiB | error | saved activations MiB | planner activations MiB | error | "
            "step s | load |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in done:  # the planner's figures at the current megagrpo/plan.py
+    for r in done:  # the planner's figures at the current megagrpo/plan/memory.py
         if r.get("cp_attn") != "mask":
             est, act = planner_mib(r["recompute"], r["attention"], r["seq"], r["batch"],
                                    r["model"], r["cp"])
@@ -292,7 +292,7 @@ def _attn(row: dict) -> str:
 
 def plan_table(path: str) -> str:
     """Markdown for docs/performance.md: one-process rows (`--model small` unless a row names
-    its model) with the planner's figures at the current megagrpo/plan.py."""
+    its model) with the planner's figures at the current megagrpo/plan/memory.py."""
     rows = [json.loads(ln) for ln in open(path) if ln.strip()]
     pct = lambda e: f"{e * 100:+.0f}%"  # noqa: E731
     out = ["| attention | recompute | step peak (RSS) MiB | planner MiB | error | saved "

@@ -15,7 +15,7 @@ from megagrpo.batch import Batch, pack
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.config.train import TrainConfig
 from megagrpo.kernels import kl_penalty
-from megagrpo.rollout import Rollout
+from megagrpo.stream import Rollout
 
 
 @dataclass

@@ -262,15 +262,41 @@ def save_model(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike, model: ModelCo
 def load_model(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike) -> None:
     """Collective: loads a checkpoint saved at any TP/PP into this rank's shards of `gpt`. A
     LoRA run's policy holds the adapters alone and names the folder of its base (written by
-    an earlier checkpoint of the run): the base is read from there."""
-    from megagrpo.lora_checkpoint import base_folder, is_adapter_key
-
-    base = base_folder(ckpt_dir)
-    if base is None:
+    an earlier checkpoint of the run): the base is read from there (`base_folder`)."""
+    link = base_folder(ckpt_dir)
+    if link is None:
         load_sharded(ModelState(gpt, None), ckpt_dir)
         return
-    load_sharded(ModelState(gpt, None, select=lambda k: not is_adapter_key(k)), base)
-    load_sharded(ModelState(gpt, None, select=is_adapter_key), ckpt_dir)
+    base, holds = link
+    load_sharded(ModelState(gpt, None, select=lambda k: holds not in k), base)
+    load_sharded(ModelState(gpt, None, select=lambda k: holds in k), ckpt_dir)
+
+
+LEGACY_HOLDS = ".lora_"
+"""What a linked folder's keys hold where its metadata predates "holds" (LoRA runs wrote the
+first linked folders: their adapters' keys)."""
+
+
+def base_folder(policy_dir: str | os.PathLike) -> tuple[Path, str] | None:
+    """A model folder that holds part of a model (a LoRA run's adapters) names, in its
+    megagrpo_model.json, the folder of the rest ("base", relative to it) and what names the keys
+    it holds itself ("holds"): (that folder, the mark), or None where the folder holds the
+    whole model. Raises FileNotFoundError naming it when it is not there (a step folder copied
+    without it)."""
+    path = Path(policy_dir) / MODEL_JSON
+    if not path.exists():
+        return None
+    meta = json.loads(path.read_text())
+    if not (rel := meta.get("base")):
+        return None
+    base = Path(policy_dir) / rel
+    if not (base / MODEL_JSON).exists():
+        raise FileNotFoundError(
+            f"{policy_dir} holds part of a model (a LoRA run's adapters); the rest, its base "
+            f"weights, is in {rel} (= {base.resolve()}), written by an earlier checkpoint of the "
+            "run, and that folder is missing: copy it beside the step folder (checkpoints/ "
+            "keeps both)")
+    return base, meta.get("holds", LEGACY_HOLDS)
 
 
 def read_model_config(ckpt_dir: str | os.PathLike) -> tuple[ModelConfig, dict]:

@@ -24,7 +24,6 @@ from megagrpo.engine.feed import _pairs
 from megagrpo.reshard import ReshardStats, iter_hf_weights, iter_vllm_slices
 
 if TYPE_CHECKING:
-    from megagrpo.rollout import Rollout
     from megagrpo.trainer import Trainer
 
 
@@ -58,14 +57,4 @@ def finish_refit(engine, posted: dict) -> dict:
                 inflight_midway=float(slot.take_midway()))
 
 
-def token_lag_metrics(ro: Rollout, trainer_version: int) -> dict:
-    """Per-token staleness of a batch with in-flight updates: token_lag_mean (updates between
-    the weights that sampled each completion token and the trainer's) and
-    inflight_mixed_samples (completions sampled by more than one version)."""
-    lags = [trainer_version - v for c in ro.completions for v in (c.token_versions or ())]
-    mixed = sum(len(set(c.token_versions or ())) > 1 for c in ro.completions)
-    return {"token_lag_mean": sum(lags) / len(lags) if lags else 0.0,
-            "inflight_mixed_samples": float(mixed)}
-
-
-__all__ = ["finish_refit", "post_refit", "token_lag_metrics"]
+__all__ = ["finish_refit", "post_refit"]

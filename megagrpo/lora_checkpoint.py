@@ -15,12 +15,10 @@ Both are megatron dist-checkpoints: they load at any TP x PP like a whole model.
 has a manifest of its own; a checkpoint is intact only when its base is (`run_dir.verify`), and
 retention removes a base with the last checkpoint that names it (`run_dir.prune_shared`). Any
 reader of a policy folder (`checkpoint.load_model`: `convert --from-megatron`, with or without
-`--peft-adapter`) follows "base" to it.
+`--peft-adapter`) follows "base" to it (`checkpoint.base_folder`, which knows nothing of LoRA).
 """
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
@@ -29,7 +27,7 @@ import torch
 
 from megagrpo.checkpoint import ModelState
 from megagrpo.config.model import ModelConfig
-from megagrpo.run_dir import MODEL_JSON, write_manifest
+from megagrpo.run_dir import write_manifest
 
 ADAPTER_MARK = ".lora_"
 """What names an adapter tensor in a sharded state dict's keys (`megagrpo.lora`: every adapter
@@ -78,9 +76,10 @@ class Adapters(ModelState):
         self.base = base
 
     def meta(self) -> dict:
-        """megagrpo_model.json: the config, `extra`, and "base": the folder of the base,
-        relative to this policy folder (saved after the base, so `written` is current)."""
-        return {**super().meta(), "base": f"../../{self.base.written}"}
+        """megagrpo_model.json: the config, `extra`, "base": the folder of the base, relative
+        to this policy folder (saved after the base, so `written` is current), and "holds":
+        what names the keys this folder holds (`megagrpo.checkpoint.base_folder`)."""
+        return {**super().meta(), "base": f"../../{self.base.written}", "holds": ADAPTER_MARK}
 
 
 def lora_parts(model: torch.nn.Module | list, config: ModelConfig, merges: Callable[[], int],
@@ -90,21 +89,3 @@ def lora_parts(model: torch.nn.Module | list, config: ModelConfig, merges: Calla
     base = BaseWeights(model, config, merges)
     return {"base": base,
             "policy": Adapters(model, config, base, tokenizer=tokenizer, extra=extra)}
-
-
-def base_folder(policy_dir: str | os.PathLike) -> Path | None:
-    """The base folder a policy folder names (None: the policy holds its base). Raises
-    FileNotFoundError naming it when it is not there (a step folder copied without it)."""
-    path = Path(policy_dir) / MODEL_JSON
-    if not path.exists():
-        return None
-    rel = json.loads(path.read_text()).get("base")
-    if not rel:
-        return None
-    base = Path(policy_dir) / rel
-    if not (base / MODEL_JSON).exists():
-        raise FileNotFoundError(
-            f"{policy_dir} holds a LoRA run's adapters; its base weights are in {rel} "
-            f"(= {base.resolve()}), written by an earlier checkpoint of the run, and that "
-            "folder is missing: copy it beside the step folder (checkpoints/ keeps both)")
-    return base

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -33,9 +34,6 @@ from megagrpo.hf.params import param_specs
 from megagrpo.lora import adapters_disabled
 from megagrpo.model import unwrap
 
-PEFT_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "proj": ("o_proj",),
-                "fc1": ("gate_proj", "up_proj"), "fc2": ("down_proj",)}
-"""HF projections (peft's target_modules) of each megagrpo target."""
 PEFT_PREFIX = "base_model.model."
 """What peft puts before the transformers module name in adapter_model.safetensors."""
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -104,11 +102,12 @@ def gather_adapters(gpt: torch.nn.Module, model: ModelConfig, parallel: Parallel
     return {k: v for s in stages for k, v in s.items()}
 
 
-def adapter_config(cfg: LoRAConfig, base: str) -> dict:
-    """peft's adapter_config.json for these adapters (the keys peft reads; the rest default)."""
+def adapter_config(cfg: LoRAConfig, base: str, names: Iterable[str]) -> dict:
+    """peft's adapter_config.json for the adapter tensors `names` (the keys peft reads; the
+    rest default): target_modules are the HF projections the tensors sit beside."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
             "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout,
-            "target_modules": sorted(p for t in cfg.targets for p in PEFT_MODULES[t]),
+            "target_modules": sorted({n.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for n in names}),
             "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
             "inference_mode": True, "init_lora_weights": True, "modules_to_save": None}
 
@@ -124,7 +123,7 @@ def save_peft_adapter(out_dir: str | os.PathLike, tensors: dict[str, torch.Tenso
     tmp.mkdir(parents=True)
     save_file(dict(sorted(tensors.items())), str(tmp / ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
-    (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, base), indent=2))
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, base, tensors), indent=2))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out

@@ -43,9 +43,22 @@ weights only the stale samples (`sample_weights`).
 """
 from __future__ import annotations
 
+import logging
+from typing import TYPE_CHECKING
+
 import torch
 
 from megagrpo.config.algo import AlgoConfig
+from megagrpo.stream import over_stale, sample_lags, stale_weights
+
+if TYPE_CHECKING:
+    from megagrpo.batch import Batch
+    from megagrpo.config.rollout import RolloutConfig
+    from megagrpo.config.run import RunConfig
+    from megagrpo.config.train import TrainConfig
+    from megagrpo.stream import Rollout
+
+log = logging.getLogger("megagrpo")
 
 
 def is_stale(batch_version: int, trainer_version: int) -> bool:
@@ -94,4 +107,105 @@ def async_note(a: AlgoConfig, k: int = 1, stale_policy: str = "drop") -> str:
             f"is {how}")
 
 
-__all__ = ["async_note", "correction_mode", "is_stale", "sample_weights"]
+def token_lag_metrics(ro: Rollout, trainer_version: int) -> dict:
+    """Per-token staleness of a batch with in-flight updates: token_lag_mean (updates between
+    the weights that sampled each completion token and the trainer's) and
+    inflight_mixed_samples (completions sampled by more than one version)."""
+    lags = [trainer_version - v for c in ro.completions for v in (c.token_versions or ())]
+    mixed = sum(len(set(c.token_versions or ())) > 1 for c in ro.completions)
+    return {"token_lag_mean": sum(lags) / len(lags) if lags else 0.0,
+            "inflight_mixed_samples": float(mixed)}
+
+
+class StalenessPolicy:
+    """What a batch's staleness does to its training, from the samples' lags (updates between
+    the policy that sampled each one and the trainer's): which correction it trains with
+    (`correction_mode`), which samples beyond k = rollout.max_staleness leave the loss or are
+    down-weighted (rollout.stale_policy), the per-token weights, and the staleness metrics.
+    Built once by `megagrpo.run.setup` and handed to the Trainer, which calls it and holds no
+    staleness rule of its own. It reads its settings from the config sections it was built
+    over (a run's config is frozen; a test that changes one between steps is followed)."""
+
+    def __init__(self, rollout: RolloutConfig, algo: AlgoConfig, run: RunConfig):
+        self._rollout, self._algo, self._run = rollout, algo, run
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> StalenessPolicy:
+        return cls(cfg.rollout, cfg.algo, cfg.run)
+
+    @property
+    def k(self) -> int:
+        """rollout.max_staleness (unset: 1 with run.async_rollout, else 0)."""
+        return self._rollout.staleness(self._run.async_rollout)
+
+    @property
+    def stale_policy(self) -> str:
+        """rollout.stale_policy: 'drop' or 'weight'."""
+        return self._rollout.stale_policy
+
+    @property
+    def rollout_is(self) -> str:
+        """algo.rollout_is: 'none' runs the decoupled objective on stale batches."""
+        return self._algo.rollout_is
+
+    @property
+    def per_token(self) -> bool:
+        """rollout.inflight_updates: tokens carry their own versions (token_lag metrics)."""
+        return self._rollout.inflight_updates
+
+    def lags(self, ro: Rollout, version: int) -> torch.Tensor:
+        """[n] int64 per sample: updates between its sampling policy and `version`."""
+        return sample_lags(ro, version)
+
+    def mode(self, stale: bool) -> str:
+        """The rollout-IS mode the batch trains with (stale: any sample on any rank lags)."""
+        return correction_mode(self.rollout_is, stale=stale)
+
+    def metrics(self, ro: Rollout, version: int, lags: torch.Tensor, mode: str) -> dict:
+        """The replica's staleness scalars: policy_lag (batch), offpolicy_corrected (the
+        decoupled default ran), staleness_mean, stale_dropped / stale_weighted (samples beyond
+        k), with in-flight updates the per-token lags. staleness_max is the caller's to reduce
+        over replicas (`lags.max()`)."""
+        n_over = int(over_stale(lags, self.k).sum())
+        out = {"policy_lag": float(version - ro.version),
+               "offpolicy_corrected": float(mode != self.rollout_is),
+               "staleness_mean": float(lags.double().mean()) if len(lags) else 0.0,
+               "stale_dropped": float(n_over if self.stale_policy == "drop" else 0),
+               "stale_weighted": float(n_over if self.stale_policy == "weight" else 0)}
+        if self.per_token:
+            out.update(token_lag_metrics(ro, version))
+        return out
+
+    def bound(self, batch: Batch, lags: torch.Tensor, step: int, *, say: bool) -> None:
+        """Checks every sample's lag [n] against k. Beyond it, 'drop' takes the sample's tokens
+        out of `batch.mask` (the sequence count still counts it, as a rollout-IS seq_mask
+        rejection; the token count does not: docs/async.md); 'weight' leaves them to
+        `row_scale` (after token balancing). `batch.lags` holds the same lags per row; `say`:
+        this rank logs the warning."""
+        n_over = int(over_stale(lags, self.k).sum())
+        if n_over and say:
+            log.warning("step %d: %d samples are more than rollout.max_staleness=%d versions old "
+                        "(lag up to %d): %s (rollout.stale_policy=%s)", step, n_over, self.k,
+                        int(lags.max()), "dropped from the loss" if self.stale_policy == "drop"
+                        else "their loss scaled by (k + 1) / (lag + 1)", self.stale_policy)
+        if n_over and self.stale_policy == "drop":
+            batch.mask = batch.mask & ~over_stale(batch.lags, self.k)[:, None]
+
+    def row_scale(self, row_lags: torch.Tensor) -> torch.Tensor | None:
+        """rollout.stale_policy=weight: the per-row loss scale [N] of a replica's rows (their
+        lags after balancing), None where none is beyond k."""
+        if self.stale_policy != "weight" or not bool(over_stale(row_lags, self.k).any()):
+            return None
+        return stale_weights(row_lags, self.k)
+
+    def weights(self, weight: torch.Tensor | None, row_lags: torch.Tensor, valid: torch.Tensor,
+                scale: torch.Tensor | None, mode: str, width: int) -> torch.Tensor | None:
+        """The per-token importance weights [N, S] after the per-sample rules
+        (`sample_weights`): fresh rows (valid, lag 0) keep weight 1 where the decoupled
+        default ran; `scale` [N] from `row_scale`."""
+        return sample_weights(weight, valid & (row_lags == 0), scale,
+                              default_ran=mode != self.rollout_is, width=width)
+
+
+__all__ = ["StalenessPolicy", "async_note", "correction_mode", "is_stale", "sample_weights",
+           "token_lag_metrics"]

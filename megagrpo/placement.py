@@ -61,7 +61,8 @@ if TYPE_CHECKING:
     from megagrpo.config.train import TrainConfig
     from megagrpo.data import PromptLoader
     from megagrpo.distributed import Groups, Ranks
-    from megagrpo.rollout import Rollout, RolloutCollector
+    from megagrpo.rollout import RolloutCollector
+    from megagrpo.stream import Rollout
 
 log = logging.getLogger("megagrpo")
 
@@ -403,7 +404,7 @@ class SeparateSource:
     def next(self, version: int) -> Rollout:
         """Batch `taken` from the rollout ranks (waits for it), this replica's slice. `version`
         is what the last sync carried (Trainer.engine_version)."""
-        from megagrpo.rollout import Rollout
+        from megagrpo.stream import Rollout
 
         i = self.taken
         for s in range(len(self.versions), self.engine.syncs):  # the syncs since the last step

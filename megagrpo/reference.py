@@ -66,6 +66,12 @@ class ReferenceSchedule:
 
     cfg: ReferenceConfig
     state: ReferenceState
+    separate_model: ClassVar[bool] = True
+    """The reference is a model of its own (a checkpoint saves it); False: a view of the
+    policy (LoRA's adapters off), whose reset edits the policy's parameters."""
+    merges: int = 0
+    """Resets merged into the policy's own weights so far (0 where the reference is a model of
+    its own): which base a LoRA checkpoint holds."""
 
     def reinit(self, policy: torch.nn.Module, alpha: float = 1.0) -> None:
         raise NotImplementedError
@@ -109,9 +115,6 @@ class ReferenceSchedule:
 
 class Reference(ReferenceSchedule):
     """Owns the reference model, its offload and its re-initialisation schedule."""
-
-    separate_model: ClassVar[bool] = True
-    """A model of its own (`megagrpo.lora.LoRAReference` has none: the adapters off)."""
 
     def __init__(self, policy: torch.nn.Module, model: ModelConfig, parallel: ParallelConfig,
                  cfg: ReferenceConfig, *, seed: int):

@@ -32,33 +32,12 @@ from megagrpo.config.train import TrainConfig
 from megagrpo.data import encode_prompt
 from megagrpo.distributed import Groups, Ranks, any_rank
 from megagrpo.engine import Completion, SamplingSettings
-from megagrpo.stream import StreamStats, stamp
+from megagrpo.stream import Rollout, StreamStats, stamp
 
 if TYPE_CHECKING:
     from megagrpo.data import Example, PromptLoader
     from megagrpo.engine import RolloutEngine
     from megagrpo.rewards import RewardFn
-
-
-@dataclass
-class Rollout:
-    """A replica's sampled batch (identical on its TP x CP x PP ranks)."""
-
-    prompts: list[list[int]]
-    """[B] prompt token ids."""
-    answers: list[str]
-    """[B] reference answers."""
-    completions: list[Completion] = field(default_factory=list)
-    """[B*G] `Completion`s, prompt-major."""
-    rewards: torch.Tensor | None = None
-    """[B*G] summed rewards."""
-    version: int = 0
-    """Optimizer steps the sampling policy had taken (of the first draw; each completion
-    records its own in `Completion.version`)."""
-    epoch: int = 0
-    """Data epoch of the prompts."""
-    metrics: dict = field(default_factory=dict)
-    """Reward-term and sampling scalars (per replica)."""
 
 
 @dataclass

@@ -51,6 +51,7 @@ from megagrpo.lora import describe as describe_lora
 from megagrpo.lora_checkpoint import lora_parts
 from megagrpo.metrics import MetricsLogger, plot_curves, read_jsonl
 from megagrpo.model import attention_impl_name, build_model, layer_spec_name, sequence_packing
+from megagrpo.offpolicy import StalenessPolicy
 from megagrpo.optim import build_optimizer, wrap_ddp
 from megagrpo.placement import (
     RemoteEngine,
@@ -74,7 +75,7 @@ log = logging.getLogger("megagrpo")
 
 
 def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = False,
-          engine: VLLMEngine | None = None) -> Trainer:
+          engine: VLLMEngine | None = None, watchdog: Watchdog | None = None) -> Trainer:
     """Validates everything (unless the launcher's `checked` preflight, in this very process,
     already did), then starts distributed, models, optimizer, engine and data. `frozen`: the
     config refuses changes from then on (`train`; tests and benchmarks that adjust settings
@@ -82,7 +83,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     when it has one), passed on as `Trainer.model_cfg`; cfg.model stays as the recipe gave it.
     `engine`: a running vLLM engine of this rank to sample with (a test that rebuilds the
     trainer at another layout in the same processes; vLLM cannot start twice); None: one is
-    started here."""
+    started here. `watchdog`: the run's stall watchdog (`train` starts it first)."""
     rank, world, _ = torchrun_env()
     # the launcher ran these checks too; here they also cover a plain `torchrun` start, and
     # the run is built from what they loaded (prompts, tokenizer, architecture)
@@ -165,10 +166,10 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                                     groups=groups, stop_ids=tokens.stop_ids)
     tr = Trainer(cfg, model_cfg=model_cfg, policy=policy, optimizer=optimizer,
                  reference=reference, rollouts=rollouts, task=task, ranks=ranks, groups=groups,
-                 tokens=tokens)
+                 tokens=tokens, staleness=StalenessPolicy.from_config(cfg), watchdog=watchdog,
+                 eval_target=EvalTarget(cfg.eval.target_accuracy))
     if getattr(engine, "max_lora_rank", 0):  # vLLM serves the adapters: refits carry them alone
         tr.adapter_refit = lora_refit.AdapterRefit(cfg.lora, Path(engine.model_dir) / "adapters")
-    tr.eval_target = EvalTarget(cfg.eval.target_accuracy)
     return tr
 
 
@@ -253,7 +254,7 @@ def checkpoint_states(tr: Trainer) -> dict[str, Part]:
     states: dict[str, Part] = {}
     if tr.cfg.lora.enabled:  # the adapters in policy/, the frozen base only after a merge
         states.update(lora_parts(tr.policy, tr.model_cfg,
-                                 lambda: getattr(tr.reference, "merges", 0),
+                                 lambda: tr.reference.merges if tr.reference is not None else 0,
                                  tokenizer=tr.tokenizer,
                                  extra={"lora": dataclasses.asdict(tr.cfg.lora)}))
     else:
@@ -265,7 +266,7 @@ def checkpoint_states(tr: Trainer) -> dict[str, Part]:
     states["rollout"] = PerRank(tr.rollouts, what="the async batch drawn for the next step",
                                 restore=tr.cfg.staleness > 0)
     states["train_state"] = Replicated(tr)
-    if getattr(tr, "eval_target", None) is not None:  # a Trainer built by `setup` has one
+    if tr.eval_target is not None:  # a Trainer built by `setup` has one
         states["eval_target"] = Replicated(tr.eval_target)
     if tr.adapter_refit is not None:  # a merge not yet refit into vLLM (bitwise resume)
         states["adapter_refit"] = Replicated(tr.adapter_refit)
@@ -325,10 +326,9 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
     t0 = time.perf_counter()
     follow_parent()  # under torchrun: a killed agent takes this rank down with it
     said = check_out_dir(cfg.run)  # an earlier run in out_dir: refused, resumed or cleared
-    tr = setup(cfg, checked, frozen=True)
+    tr = setup(cfg, checked, frozen=True, watchdog=watchdog)
     if said and tr.ranks.rank == 0:
         log.warning("%s", said)
-    tr.watchdog = watchdog
     ckpts = checkpoints(tr, watchdog)
     resolved = dataclasses.replace(cfg, model=tr.model_cfg)  # the architecture that runs
     logger = MetricsLogger(cfg.run.out_dir, enabled=tr.ranks.rank == 0,

@@ -20,14 +20,34 @@ waited for samples (docs/metrics.md).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 if TYPE_CHECKING:
     from megagrpo.engine import Completion
-    from megagrpo.rollout import Rollout
+
+
+@dataclass
+class Rollout:
+    """A replica's sampled batch (identical on its TP x CP x PP ranks)."""
+
+    prompts: list[list[int]]
+    """[B] prompt token ids."""
+    answers: list[str]
+    """[B] reference answers."""
+    completions: list[Completion] = field(default_factory=list)
+    """[B*G] `Completion`s, prompt-major."""
+    rewards: torch.Tensor | None = None
+    """[B*G] summed rewards."""
+    version: int = 0
+    """Optimizer steps the sampling policy had taken (of the first draw; each completion
+    records its own in `Completion.version`)."""
+    epoch: int = 0
+    """Data epoch of the prompts."""
+    metrics: dict = field(default_factory=dict)
+    """Reward-term and sampling scalars (per replica)."""
 
 
 @dataclass
@@ -100,5 +120,5 @@ def stamp(completions: list[Completion], version: int) -> None:
         c.version = min(c.token_versions) if c.token_versions else version
 
 
-__all__ = ["RolloutSource", "StreamStats", "over_stale", "sample_lags", "sample_versions",
-           "stale_weights", "stamp"]
+__all__ = ["Rollout", "RolloutSource", "StreamStats", "over_stale", "sample_lags",
+           "sample_versions", "stale_weights", "stamp"]

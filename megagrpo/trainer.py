@@ -39,22 +39,23 @@ from megagrpo.config.run import ComputeConfig
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import encode_prompt
 from megagrpo.distributed import Groups, Ranks, any_rank
-from megagrpo.inflight import finish_refit, post_refit, token_lag_metrics
+from megagrpo.inflight import finish_refit, post_refit
 from megagrpo.losses import grpo_loss, sft_loss
 from megagrpo.metrics import PhaseTimer
 from megagrpo.model import sequence_packing, unwrap
 from megagrpo.moe import RoutingMonitor, enable_replay, tp_slices, tracked_losses
-from megagrpo.offpolicy import correction_mode, sample_weights
+from megagrpo.offpolicy import StalenessPolicy
 from megagrpo.optim import build_optimizer, lr_at, optimizer_step, set_lr, zero_grad
 from megagrpo.passes import Passes
 from megagrpo.reshard import ReshardStats, iter_hf_weights, iter_vllm_slices
-from megagrpo.rollout import Rollout, RolloutCollector
-from megagrpo.stream import over_stale, sample_lags, stale_weights
+from megagrpo.rollout import RolloutCollector
+from megagrpo.stream import Rollout
 
 if TYPE_CHECKING:
     from megagrpo.config.model import ModelConfig
     from megagrpo.engine import RolloutEngine
     from megagrpo.engine.inflight import InflightUpdates
+    from megagrpo.eval_target import EvalTarget
     from megagrpo.reference import Reference
     from megagrpo.tasks import Task
     from megagrpo.watchdog import Watchdog
@@ -163,15 +164,23 @@ class Trainer:
     """Consecutive steps whose update was skipped for bad values."""
     watchdog: Watchdog | None
     """The run's stall watchdog (phases name a stall)."""
+    staleness: StalenessPolicy
+    """What a stale batch trains with (rollout.max_staleness, stale_policy, algo.rollout_is)."""
+    eval_target: EvalTarget | None
+    """eval.target_accuracy's bookkeeping (None: a Trainer built without evaluation)."""
 
     def __init__(self, cfg: TrainConfig, *, model_cfg: ModelConfig | None = None,
                  policy: list | None = None, optimizer=None, reference: Reference | None = None,
                  rollouts: RolloutCollector | None = None, task: Task | None = None,
                  ranks: Ranks | None = None, groups: Groups | None = None,
-                 tokens: TokenIds | None = None):
-        """`megagrpo.run.setup` builds every part; tests may leave out what they do not use."""
+                 tokens: TokenIds | None = None, staleness: StalenessPolicy | None = None,
+                 watchdog: Watchdog | None = None, eval_target: EvalTarget | None = None):
+        """`megagrpo.run.setup` builds every part; tests may leave out what they do not use
+        (the staleness policy then comes from `cfg`)."""
         self.cfg, self.model_cfg, self.policy, self.optimizer = cfg, model_cfg, policy, optimizer
         self.reference, self.rollouts, self.task = reference, rollouts, task
+        self.staleness = staleness or StalenessPolicy.from_config(cfg)
+        self.watchdog, self.eval_target = watchdog, eval_target
         self.ranks, self.groups = ranks or Ranks(), groups or Groups()
         self.tokens = tokens or TokenIds()
         self.passes = Passes(cfg, self.ranks, self.groups,
@@ -185,7 +194,6 @@ class Trainer:
         self.adapter_refit = None
         """A LoRA policy's adapter-only refit (`megagrpo.lora_refit.AdapterRefit`) when vLLM
         serves its adapters; None: the weights (merged) are refit."""
-        self.watchdog = None
         self.routing = self._routing_monitor()
         note = balance_note(cfg.compute.balance_tokens, loss_agg=cfg.algo.loss_agg,
                             kl_in_reward=self.kl_in_reward, dp=self.ranks.dp)
@@ -264,22 +272,20 @@ class Trainer:
             batch, shaped = self.build_batch(ro)
             bad_rewards = any_rank(shaped.bad > 0, self.groups.world)
             replica = dict(shaped.metrics)
-            lags = sample_lags(ro, self.version)  # [n] per sample, from their versions
+            st = self.staleness
+            lags = st.lags(ro, self.version)  # [n] per sample, from their versions
             stale = any_rank(bool((lags != 0).any()), self.groups.world)
-            mode = correction_mode(a.rollout_is, stale=stale)
-            # updates between sampling and training; the decoupled default ran (offpolicy)
-            replica.update(policy_lag=float(self.version - ro.version),
-                           offpolicy_corrected=float(mode != a.rollout_is))
+            mode = st.mode(stale)
+            replica.update(st.metrics(ro, self.version, lags, mode))
+            replica["staleness_max"] = self._dp_max(float(lags.max()) if len(lags) else 0.0)
             batch.lags = self._rows(batch, lags)  # per row: balancing moves them with it
-            self._bound_staleness(batch, lags, replica)
-            if self.cfg.rollout.inflight_updates:
-                replica.update(token_lag_metrics(ro, self.version))
+            st.bound(batch, lags, self.step_idx + 1, say=self.ranks.rank == 0)
             if not self.kl_in_reward:
                 replica.update(self._set_advantages(batch, shaped.rewards))
             replica = self._dp_mean(replica)  # each replica saw its own prompts
             batch, balanced = self.balance(batch)
             replica.update(balanced)  # already global
-            scale = self._stale_scale(batch)
+            scale = st.row_scale(batch.lags)
         with t("score"):
             scored = self.score(batch, async_batch=stale)
             batch.old_logp, batch.ref_logp = scored.old_logp, scored.ref_logp
@@ -290,10 +296,8 @@ class Trainer:
             if batch.old_logp is not None:
                 corr = rollout_is(batch, scored.rows, a, mode=mode)
                 batch.mask, batch.is_weight = corr.mask, corr.weight
-                fresh = batch.seq_valid & (batch.lags == 0)
-                batch.is_weight = sample_weights(batch.is_weight, fresh, scale,
-                                                 default_ran=mode != a.rollout_is,
-                                                 width=batch.mask.shape[1])
+                batch.is_weight = st.weights(batch.is_weight, batch.lags, batch.seq_valid,
+                                             scale, mode, width=batch.mask.shape[1])
                 last.update(corr.metrics)
             if scored.needed:
                 replica.update(self._from_last_stage(last))
@@ -306,35 +310,6 @@ class Trainer:
         row = torch.zeros(batch.num_seqs, dtype=values.dtype)
         row[batch.seq_valid] = values
         return row
-
-    def _bound_staleness(self, batch: Batch, lags: torch.Tensor, metrics: dict) -> None:
-        """Checks every sample's lag [n] against k = rollout.max_staleness. Beyond it,
-        rollout.stale_policy 'drop' takes the sample's tokens out of the loss mask (the
-        sequence count still counts it, as a rollout-IS seq_mask rejection; the token count
-        does not: docs/async.md); 'weight' leaves them to `_stale_scale` (after token
-        balancing). Adds the staleness metrics."""
-        k, policy = self.cfg.staleness, self.cfg.rollout.stale_policy
-        over = over_stale(lags, k)
-        n_over = int(over.sum())
-        metrics.update(staleness_mean=float(lags.double().mean()) if len(lags) else 0.0,
-                       stale_dropped=float(n_over if policy == "drop" else 0),
-                       stale_weighted=float(n_over if policy == "weight" else 0))
-        metrics["staleness_max"] = self._dp_max(float(lags.max()) if len(lags) else 0.0)
-        if n_over and self.ranks.rank == 0:
-            log.warning("step %d: %d samples are more than rollout.max_staleness=%d versions old "
-                        "(lag up to %d): %s (rollout.stale_policy=%s)", self.step_idx + 1, n_over,
-                        k, int(lags.max()), "dropped from the loss" if policy == "drop"
-                        else "their loss scaled by (k + 1) / (lag + 1)", policy)
-        if n_over and policy == "drop":  # batch.lags: the same lags, one per row
-            batch.mask = batch.mask & ~over_stale(batch.lags, k)[:, None]
-
-    def _stale_scale(self, batch: Batch) -> torch.Tensor | None:
-        """rollout.stale_policy=weight: the per-row loss scale [N] of this replica's rows
-        (`batch.lags`, after balancing), None where none is beyond rollout.max_staleness."""
-        k = self.cfg.staleness
-        if self.cfg.rollout.stale_policy != "weight" or not bool(over_stale(batch.lags, k).any()):
-            return None
-        return stale_weights(batch.lags, k)
 
     def _dp_max(self, value: float) -> float:
         """The max of a per-replica scalar over the DP replicas (kept out of `_dp_mean`)."""
@@ -637,7 +612,8 @@ class Trainer:
         next time."""
         if self.adapter_refit is not None:
             self.adapter_refit.base_changed()
-        if not getattr(self.reference, "separate_model", True) and self.optimizer is not None:
+        edits_policy = self.reference is not None and not self.reference.separate_model
+        if edits_policy and self.optimizer is not None:
             self.optimizer.reload_model_params()
             self.reference.rescale_moments(self.optimizer)
 

@@ -12,9 +12,10 @@ from megagrpo.checkpoint import load_tree, save_tree
 from megagrpo.config.train import TrainConfig, load_config
 from megagrpo.engine import Completion
 from megagrpo.engine.inflight import InflightUpdates, token_versions
-from megagrpo.inflight import finish_refit, token_lag_metrics
-from megagrpo.rollout import Drawn, Rollout
-from megagrpo.stream import stamp
+from megagrpo.inflight import finish_refit
+from megagrpo.offpolicy import token_lag_metrics
+from megagrpo.rollout import Drawn
+from megagrpo.stream import Rollout, stamp
 from megagrpo.trainer import Trainer
 
 G = 2

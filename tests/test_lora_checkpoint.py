@@ -60,11 +60,13 @@ def test_retention_keeps_the_base_a_kept_checkpoint_names(tmp_path):
 
 
 def test_policy_without_its_base_says_where_it_was(tmp_path):
-    from megagrpo.lora_checkpoint import base_folder
+    from megagrpo.checkpoint import base_folder
 
     step = _step(tmp_path, 2, "base_000000")
-    with pytest.raises(FileNotFoundError, match=r"its base weights are in \.\./\.\./base_000000"):
+    with pytest.raises(FileNotFoundError, match=r"its base weights, is in \.\./\.\./base_000000"):
         base_folder(step / "policy")
     assert base_folder(_base(tmp_path, 7)) is None  # a whole model: no link to follow
     _base(tmp_path, 0)
-    assert base_folder(step / "policy").resolve() == (tmp_path / "base_000000").resolve()
+    base, holds = base_folder(step / "policy")
+    assert base.resolve() == (tmp_path / "base_000000").resolve()
+    assert holds == ".lora_"  # a folder written before "holds": LoRA's adapter keys

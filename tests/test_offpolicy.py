@@ -19,7 +19,7 @@ from megagrpo.config.train import TrainConfig
 from megagrpo.engine import Completion
 from megagrpo.losses import LossContext, grpo_loss
 from megagrpo.offpolicy import correction_mode, is_stale
-from megagrpo.rollout import Rollout
+from megagrpo.stream import Rollout
 from megagrpo.trainer import Trainer
 
 EPS = 0.2

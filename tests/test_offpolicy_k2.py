@@ -15,7 +15,7 @@ import torch
 
 from megagrpo.config.train import TrainConfig
 from megagrpo.engine import Completion
-from megagrpo.rollout import Rollout
+from megagrpo.stream import Rollout
 from megagrpo.trainer import Trainer
 from tests.test_offpolicy import _loss
 

@@ -1,11 +1,11 @@
-"""The planner's LoRA-vs-full lines (megagrpo/plan_lora.py): refit bytes per step against a hand
+"""The planner's LoRA-vs-full lines (megagrpo/plan/lora.py): refit bytes per step against a hand
 count from the Hugging Face tensor shapes, the merged fallback where vLLM cannot serve the
 adapters, and the large LoRA recipe in examples/ planned without weights."""
 from pathlib import Path
 
 from megagrpo.config.train import load_config
 from megagrpo.plan import rank_memory, run_plan
-from megagrpo.plan_lora import format_lora_vs_full, refit_bytes
+from megagrpo.plan.lora import format_lora_vs_full, refit_bytes
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # vocab 100, H 8, F 12, 2 layers, 4 query heads and 2 KV heads of width 3: q 12, k = v 6 wide
@@ -97,3 +97,26 @@ def test_large_lora_recipe_plans_without_weights(capsys):
     assert "refit path: the adapters (vLLM serves them)" in out
     assert (f"suggested: parallel.tp={cfg.parallel.tp} parallel.pp={cfg.parallel.pp} "
             f"(dp={8 // (cfg.parallel.tp * cfg.parallel.pp)})") in out
+
+
+def test_refit_bytes_of_an_moe_count_every_expert():
+    """An MoE model's adapters in peft's layout, counted by hand: per layer q/k/v/o and, for
+    each of 4 routed experts and the shared expert, gate/up/down (a count that took every
+    layer as one dense MLP of ffn_hidden_size gave 512 elements here, not 1160). And the
+    rank's share: routed experts over EP, the shared expert whole."""
+    from megagrpo.config.lora import LoRAConfig
+
+    moe = ["model.architecture=qwen2_moe", "model.num_experts=4", "model.moe_topk=2",
+           "model.moe_ffn_hidden_size=6", "model.shared_expert_ffn_hidden_size=10",
+           "model.dtype=float32"]
+    cfg = load_config(None, TINY + moe)
+    r = 2
+    attn = r * ((8 + 12) + (8 + 6) * 2 + (12 + 8))  # q, k, v, o as (in + out)
+    expert = r * ((8 + 6) * 2 + (6 + 8))  # gate, up, down of width 6
+    shared = r * ((8 + 10) * 2 + (10 + 8))
+    assert refit_bytes(cfg, cfg.model).adapters == 4 * 2 * (attn + 4 * expert + shared) == 4 * 1160
+    lcfg = LoRAConfig(rank=r)
+    # one rank at ep=2, tp=1: 2 of the 4 experts, A [r, in] + B [out, r] per fused weight
+    fused = r * (8 + 24) + r * (12 + 8) + 2 * (r * (8 + 12) + r * (6 + 8)) \
+        + r * (8 + 20) + r * (10 + 8)
+    assert lcfg.rank_numel(cfg.model, 1, 2, ep=2) == 2 * fused

@@ -24,8 +24,8 @@ from megagrpo.console import Progress
 from megagrpo.data import Example, PromptLoader
 from megagrpo.engine import Completion
 from megagrpo.reference import ReferenceSchedule, ReferenceState
-from megagrpo.rollout import Rollout, RolloutCollector
-from megagrpo.stream import RolloutSource, stale_weights
+from megagrpo.rollout import RolloutCollector
+from megagrpo.stream import Rollout, RolloutSource, stale_weights
 from megagrpo.trainer import Trainer
 
 G = 2
@@ -292,3 +292,37 @@ def test_console_shows_the_stream():
     assert line.endswith("queue=2 lag=1.5/2 stale=3 idle=0.25/1.50s"), line
     sync = dict(rec, rollout_queue_depth=0.0, staleness_max=0.0, stale_dropped=0.0)
     assert "queue=" not in Progress(4, enabled=False).figures(sync)
+
+
+def test_staleness_policy_alone():
+    """The staleness rules as a component (`megagrpo.offpolicy.StalenessPolicy`), without a
+    Trainer: lags 2 / 1 / 0 against k = 1, hand-computed metrics, the drop mask, the weight
+    scale (k + 1) / (lag + 1), the decoupled weights' fresh rows; and a Trainer built with a
+    policy of its own uses it (nothing read from the trainer's config)."""
+    from types import SimpleNamespace
+
+    from megagrpo.offpolicy import StalenessPolicy
+
+    _, ro = _stale_batch_trainer("drop")
+    for c, v in zip(ro.completions, [1, 1, 2, 2, 3, 3]):
+        c.version = v
+    st = StalenessPolicy.from_config(_config(1, stale_policy="drop"))
+    lags = st.lags(ro, 3)
+    assert lags.tolist() == [2, 2, 1, 1, 0, 0] and st.k == 1 and st.mode(True) == "truncate"
+    m = st.metrics(ro, 3, lags, st.mode(True))
+    assert m == {"policy_lag": 2.0, "offpolicy_corrected": 1.0, "staleness_mean": 1.0,
+                 "stale_dropped": 2.0, "stale_weighted": 0.0}
+    batch = SimpleNamespace(mask=torch.ones(6, 3, dtype=torch.bool), lags=lags)
+    st.bound(batch, lags, step=1, say=False)
+    assert batch.mask.all(dim=1).tolist() == [False, False, True, True, True, True]
+    assert st.row_scale(lags) is None  # 'drop' scales nothing
+    weigh = StalenessPolicy.from_config(_config(1, stale_policy="weight"))
+    assert weigh.row_scale(lags).tolist() == pytest.approx([2 / 3, 2 / 3, 1, 1, 1, 1])
+    w = weigh.weights(torch.full((6, 3), 1.5), lags, torch.ones(6, dtype=torch.bool),
+                      weigh.row_scale(lags), "truncate", width=3)
+    assert w[:, 0].tolist() == pytest.approx([1.0, 1.0, 1.5, 1.5, 1.0, 1.0])  # 1.5 * 2/3; fresh 1
+    tr = Trainer(_config(1, stale_policy="drop"), staleness=weigh)  # the policy handed in rules
+    tr.version = 3
+    tr.passes.logprobs = lambda model, batch, rows=None: torch.where(
+        batch.mask, batch.rollout_logp + 0.5, 0.0)
+    assert tr.prepare(ro)[1].metrics["stale_weighted"] == 2

@@ -106,7 +106,7 @@ def auto_reason(model: ModelConfig, parallel: ParallelConfig, work: RunWork,
     if model.hidden_size > AUTO_MAX_HIDDEN:
         return (f"auto compiles up to hidden_size {AUTO_MAX_HIDDEN}: measured no faster at "
                 "512-576, benchmarks/results/compile_ab_cpu.jsonl")
-    if (saved := work.saved_s(model, model.num_layers // parallel.pp)) < AUTO_COMPILE_S:
+    if (saved := work.saved_s(model, parallel.stage_size(model.num_layers))) < AUTO_COMPILE_S:
         return ("auto compiles where the run repays the compile: this one's "
                 f"~{_count(work.tokens)} token passes a layer would save ~{_secs(saved)} s against "
                 f"~{AUTO_COMPILE_S:.0f} s of compile; true compiles anyway")
@@ -115,7 +115,7 @@ def auto_reason(model: ModelConfig, parallel: ParallelConfig, work: RunWork,
 
 def auto_note(model: ModelConfig, parallel: ParallelConfig, work: RunWork) -> str:
     """The console's note where 'auto' compiles: what it expects the run to save."""
-    saved = work.saved_s(model, model.num_layers // parallel.pp)
+    saved = work.saved_s(model, parallel.stage_size(model.num_layers))
     return (f"auto: ~{_count(work.tokens)} token passes a layer, ~{_secs(saved)} s expected "
             f"saved against ~{AUTO_COMPILE_S:.0f} s of compile")
 

@@ -1,40 +1,12 @@
-"""The rules of context parallelism (parallel.cp) that hold before anything starts: what the
-CPU path (`megagrpo.context_parallel`) and the run loop (`megagrpo train`) are built and tested
-for, and the fields that refuse the rest, each by name."""
+"""The training rules of context parallelism (parallel.cp) that hold before anything starts:
+what the run loop (`megagrpo train`) is built and tested for, and the fields that refuse the
+rest, each by name. The layout's own rules are `ParallelConfig._validate_cp`."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megagrpo.config.model import ModelConfig, ParallelConfig
-
-
-def check_context_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
-    """The layout's part: cp >= 1; cp > 1 only with pp = 1, a dense model, no sequence
-    parallelism and megagrpo's SDPA attention on the local spec."""
-    cp = parallel.cp
-    if cp < 1:
-        raise ValueError(f"parallel.cp={cp} must be >= 1 (1 = no context parallelism)")
-    if cp == 1:
-        return
-    refusals = (
-        (parallel.pp > 1, f"parallel.pp={parallel.pp}: the chunked sequences are not passed "
-                          "between pipeline stages; set parallel.pp=1"),
-        (model.is_moe, f"model.architecture={model.architecture!r} (mixture of experts): the "
-                       "router's load-balancing statistics are not reduced over CP; use a "
-                       "dense model"),
-        (parallel.sequence_parallel, "parallel.sequence_parallel=true: not combined with "
-                                     "context parallelism yet; set sequence_parallel=false"),
-        (parallel.attention_impl == "megatron", "parallel.attention_impl='megatron': its "
-                                                "DotProductAttention has no context-parallel "
-                                                "path; set attention_impl=auto or sdpa"),
-        (parallel.transformer_impl == "transformer_engine",
-         "parallel.transformer_impl='transformer_engine': Transformer Engine's context-"
-         "parallel attention is not wired in; set transformer_impl=local"),
-    )
-    for refused, why in refusals:
-        if refused:
-            raise ValueError(f"parallel.cp={cp} with {why}")
+    from megagrpo.config.model import ParallelConfig
 
 
 def check_context_parallel_training(algo, compute, parallel: ParallelConfig, *,

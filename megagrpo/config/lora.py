@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.section import Section
+from megagrpo.hf.params import adapted, adapter_numel, layer_specs, param_specs
 
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
 """The linears an adapter can sit beside: the fused QKV projection, the attention output
@@ -109,33 +110,11 @@ class LoRAConfig(Section):
         1) plus the shared expert; 0 when off."""
         if not self.enabled:
             return 0
-        r, H = self.rank, model.hidden_size
-        q, kv = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim
-        attn = {"qkv": r * H + (q + 2 * kv) // tp * r, "proj": r * q // tp + H * r}
-
-        def mlp(F: int, t: int) -> dict[str, int]:
-            return {"fc1": r * H + 2 * F // t * r, "fc2": r * F // t + H * r}
-
-        total = 0
-        for g in (range(layers) if isinstance(layers, int) else layers):
-            per = {"qkv": attn["qkv"], "proj": attn["proj"], "fc1": 0, "fc2": 0}
-            if model.is_moe_layer(g):
-                experts = model.num_experts // ep
-                for t in ("fc1", "fc2"):
-                    per[t] = experts * mlp(model.moe_ffn_hidden_size, 1)[t]
-                    if model.shared_expert_ffn_hidden_size:
-                        per[t] += mlp(model.shared_expert_ffn_hidden_size, tp)[t]
-            else:
-                per.update(mlp(model.ffn_hidden_size, tp))
-            total += sum(per[t] for t in self.targets)
-        return total
+        layers = range(layers) if isinstance(layers, int) else layers
+        specs = [s for g in layers for s in layer_specs(model, g, 0, ep=ep, ep_rank=0)]
+        return sum(adapter_numel(s, self.rank, tp) for s in adapted(specs, self.targets))
 
     def _smallest_dim(self, model: ModelConfig) -> int:
-        H = model.hidden_size
-        q, kv = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim
-        moe = [model.is_moe_layer(g) for g in range(model.num_layers)]
-        widths = ([model.ffn_hidden_size] if not all(moe) else []) + (
-            [model.moe_ffn_hidden_size, model.shared_expert_ffn_hidden_size] if any(moe) else [])
-        F = min(w for w in widths if w > 0)
-        dims = {"qkv": (H, q + 2 * kv), "proj": (q, H), "fc1": (H, 2 * F), "fc2": (F, H)}
-        return min(d for t in self.targets for d in dims[t])
+        """The narrowest side of any weight an adapter sits beside (the rank's upper bound)."""
+        specs = param_specs(model, ParallelConfig(), 0)
+        return min(d for s in adapted(specs, self.targets) for d in s.full_shape)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megagrpo.config.context_parallel import check_context_parallel
 from megagrpo.config.section import Section
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
@@ -242,7 +241,7 @@ class ParallelConfig(Section):
                 raise ValueError(f"parallel.tp={tp} does not divide model.{f}={n}; valid tp: {ok}")
         self._validate_ep(model)
         self._validate_sequence_parallel()
-        check_context_parallel(self, model)
+        self._validate_cp(model)
         if model.num_layers % self.pp:
             ok = [d for d in range(1, model.num_layers + 1) if model.num_layers % d == 0]
             raise ValueError(
@@ -283,6 +282,33 @@ class ParallelConfig(Section):
                 f"parallel groups out of the DP ranks; launch a multiple of "
                 f"{self.tp * self.pp * self.ep} processes, or lower parallel.ep")
 
+    def _validate_cp(self, model: ModelConfig) -> None:
+        """The layout's part: cp >= 1; cp > 1 only with pp = 1, a dense model, no sequence
+        parallelism and megagrpo's SDPA attention on the local spec."""
+        cp = self.cp
+        if cp < 1:
+            raise ValueError(f"parallel.cp={cp} must be >= 1 (1 = no context parallelism)")
+        if cp == 1:
+            return
+        refusals = (
+            (self.pp > 1, f"parallel.pp={self.pp}: the chunked sequences are not passed "
+                          "between pipeline stages; set parallel.pp=1"),
+            (model.is_moe, f"model.architecture={model.architecture!r} (mixture of experts): "
+                           "the router's load-balancing statistics are not reduced over CP; "
+                           "use a dense model"),
+            (self.sequence_parallel, "parallel.sequence_parallel=true: not combined with "
+                                     "context parallelism yet; set sequence_parallel=false"),
+            (self.attention_impl == "megatron", "parallel.attention_impl='megatron': its "
+                                                "DotProductAttention has no context-parallel "
+                                                "path; set attention_impl=auto or sdpa"),
+            (self.transformer_impl == "transformer_engine",
+             "parallel.transformer_impl='transformer_engine': Transformer Engine's context-"
+             "parallel attention is not wired in; set transformer_impl=local"),
+        )
+        for refused, why in refusals:
+            if refused:
+                raise ValueError(f"parallel.cp={cp} with {why}")
+
     def _validate_sequence_parallel(self) -> None:
         if not self.sequence_parallel:
             return
@@ -313,6 +339,11 @@ class ParallelConfig(Section):
                 ok = [d for d in range(1, n + 1) if n % d == 0]
                 raise ValueError(f"parallel.tp={self.tp} does not divide model.{f}={n} (each "
                                  f"expert is split over the TP ranks); valid tp: {ok}")
+
+    def stage_size(self, num_layers: int) -> int:
+        """Layers one pipeline stage holds: megatron-core's even split (`validate` checks that
+        pp divides num_layers); `megagrpo.hf.params.stage_layers` says which."""
+        return num_layers // max(self.pp, 1)
 
     def padded_vocab_size(self, vocab_size: int) -> int:
         """Vocab padded so that every TP rank holds an equal slice."""

@@ -2,12 +2,7 @@
 ranks train, and what separate placement refuses. No torch here: the launcher imports it."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from megagrpo.config.rollout import RolloutConfig
-
-if TYPE_CHECKING:
-    from megagrpo.config.train import TrainConfig
 
 
 def training_world(rollout: RolloutConfig, world_size: int | None) -> int | None:
@@ -21,20 +16,22 @@ def training_world(rollout: RolloutConfig, world_size: int | None) -> int | None
     return world_size - rollout.rollout_ranks
 
 
-def check_separate(cfg: TrainConfig) -> None:
-    """Raise ValueError for what separate placement does not run (yet), naming the field."""
-    if cfg.rollout.placement != "separate":
+def check_separate(rollout: RolloutConfig, *, agent, algo, evaluation, cold_start, lora
+                   ) -> None:
+    """Raise ValueError for what separate placement (`rollout`) does not run (yet), naming the
+    field; the other arguments are the config's sections of those names."""
+    if rollout.placement != "separate":
         return
     refused = [
-        (cfg.agent.enabled, "agent.environment", "multi-turn rollouts run colocated only"),
-        (cfg.algo.dynamic_sampling, "algo.dynamic_sampling=true",
+        (agent.enabled, "agent.environment", "multi-turn rollouts run colocated only"),
+        (algo.dynamic_sampling, "algo.dynamic_sampling=true",
          "top-ups would need the trainer to ask the rollout ranks for more"),
-        (cfg.eval.every > 0, f"eval.every={cfg.eval.every}",
+        (evaluation.every > 0, f"eval.every={evaluation.every}",
          "the rollout ranks do not evaluate (set eval.every=0)"),
-        (cfg.cold_start.steps > 0, f"cold_start.steps={cfg.cold_start.steps}",
+        (cold_start.steps > 0, f"cold_start.steps={cold_start.steps}",
          "the cold start evaluates on colocated engines (set cold_start.steps=0)"),
-        (cfg.lora.enabled, "lora.rank > 0", "LoRA refits run colocated only"),
-        (cfg.algo.routing_replay, "algo.routing_replay=true",
+        (lora.enabled, "lora.rank > 0", "LoRA refits run colocated only"),
+        (algo.routing_replay, "algo.routing_replay=true",
          "routes are not sent back from the rollout ranks"),
     ]
     for bad, name, why in refused:

@@ -142,6 +142,10 @@ class RolloutConfig(Section):
         if self.dtype not in DTYPES:
             raise ValueError(f"rollout.dtype={self.dtype!r} must be one of {DTYPES}")
 
+    def staleness(self, async_rollout: bool) -> int:
+        """k (max_staleness; unset: 1 with run.async_rollout, else 0)."""
+        return self.max_staleness if self.max_staleness is not None else int(async_rollout)
+
     @property
     def batched_tokens(self) -> int:
         """The max_num_batched_tokens handed to vLLM (0 resolves to a large budget so that

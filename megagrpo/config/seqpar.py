@@ -9,7 +9,7 @@ def check_recompute(compute, model: ModelConfig, parallel: ParallelConfig) -> No
     """Refuses, before anything starts, the recomputation settings megatron-core's
     TransformerConfig would refuse at model build: full recomputation needs
     1 <= compute.recompute_num_layers <= the layers of a pipeline stage."""
-    per_stage = model.num_layers // max(parallel.pp, 1)
+    per_stage = parallel.stage_size(model.num_layers)
     if compute.recompute == "full" and not 1 <= compute.recompute_num_layers <= per_stage:
         raise ValueError(
             f"compute.recompute_num_layers={compute.recompute_num_layers}: full recomputation "

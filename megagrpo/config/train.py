@@ -162,7 +162,8 @@ class TrainConfig(Section):
                              f"{by[2]} or rollout.tensor_parallel_size=1")
         check_rollout_layout(self.rollout.tensor_parallel_size, self.parallel, self.model,
                              world_size)
-        check_separate(self)
+        check_separate(self.rollout, agent=self.agent, algo=self.algo, evaluation=self.eval,
+                       cold_start=self.cold_start, lora=self.lora)
 
 
     @property
@@ -183,8 +184,7 @@ class TrainConfig(Section):
     def staleness(self) -> int:
         """k, the most policy versions a sample may lag the trainer (rollout.max_staleness;
         unset: 1 with run.async_rollout, else 0). k >= 1 draws batches ahead on a side thread."""
-        k = self.rollout.max_staleness
-        return k if k is not None else int(self.run.async_rollout)
+        return self.rollout.staleness(self.run.async_rollout)
 
     def pipelined_by(self) -> tuple[str, str, str] | None:
         """Which setting draws batches ahead (None: none does): (its name, as set, the setting

@@ -78,7 +78,7 @@ def stage_layers(model: ModelConfig, parallel: ParallelConfig, stage: int) -> ra
     """Global indices of the layers pipeline stage `stage` holds: megatron-core's even split
     (`ParallelConfig.validate` checks that pp divides num_layers); the stage's layer i is
     global layer stage * L/pp + i."""
-    per = model.num_layers // parallel.pp
+    per = parallel.stage_size(model.num_layers)
     return range(stage * per, (stage + 1) * per)
 
 
@@ -186,6 +186,44 @@ def _moe_specs(model: ModelConfig, ep: int, L: str, hf: str, ep_rank: int | None
         out.append(ParamSpec(L + "mlp.shared_experts.gate_weight", "replicated",
                              (hf + "mlp.shared_expert_gate.weight",), (1, H)))
     return out
+
+
+# ---------------------------------------------------------------- LoRA's view of the specs
+ADAPTED = {"linear_qkv.weight": "qkv", "linear_proj.weight": "proj",
+           "linear_fc1.weight": "fc1", "linear_fc2.weight": "fc2"}
+"""The megatron weights an adapter can sit beside, by the end of their name, and their LoRA
+target (lora.targets): every MLP's fc1 / fc2 counts, an MoE layer's routed and shared experts'
+included."""
+
+
+def lora_target(spec: ParamSpec) -> str | None:
+    """The LoRA target (qkv, proj, fc1, fc2) whose adapter sits beside `spec`, else None."""
+    return next((t for end, t in ADAPTED.items() if spec.local.endswith(end)), None)
+
+
+def adapted(specs: Iterable[ParamSpec], targets: Iterable[str]) -> list[ParamSpec]:
+    """The specs of `specs` that get an adapter under lora.targets = `targets`."""
+    chosen = set(targets)
+    return [s for s in specs if lora_target(s) in chosen]
+
+
+def adapter_numel(spec: ParamSpec, rank: int, tp: int) -> int:
+    """Elements of the adapter beside `spec` that one TP rank holds: A [r, in] and B [out, r]
+    of the unsharded [out, in] weight, split as the weight is (column-parallel qkv / fc1: B's
+    rows; row-parallel proj / fc2: A's columns); routed experts are not TP-split."""
+    t = 1 if spec.ep_owner is not None else tp
+    out, inp = spec.full_shape
+    if spec.split_dim == 1:
+        return rank * inp // t + out * rank
+    return rank * inp + out // t * rank
+
+
+def peft_modules(specs: Iterable[ParamSpec], model: ModelConfig) -> list[tuple[str, int, int]]:
+    """(HF module name, in, out) of every HF projection the adapted `specs` are made of: peft's
+    layout, one A [r, in] and B [out, r] per projection (the fused QKV and gate/up split into
+    q/k/v and gate/up)."""
+    return [(name.removesuffix(".weight"), shape[1], shape[0])
+            for s in specs for name, shape in s.hf_tensors(model)]
 
 
 # ---------------------------------------------------------------- derived from the specs

@@ -16,25 +16,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megagrpo.config.model import ModelConfig
+from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.train import TrainConfig
-from megagrpo.plan import DTYPE_BYTES, GIB, RankMemory, rank_memory, total_params
+from megagrpo.hf.params import adapted, param_specs, peft_modules
+from megagrpo.plan.memory import DTYPE_BYTES, GIB, RankMemory, rank_memory, total_params
 
 
 def peft_numel(cfg: TrainConfig, m: ModelConfig) -> int:
     """Adapter elements of the whole model in peft's per-projection layout (what an
-    adapter-only refit sends): per HF projection (in, out), r * (in + out)."""
-    r, h, f = cfg.lora.rank, m.hidden_size, m.ffn_hidden_size
-    q, kv = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
-    projections = {"qkv": [(h, q), (h, kv), (h, kv)], "proj": [(q, h)],
-                   "fc1": [(h, f), (h, f)], "fc2": [(f, h)]}
-    per_layer = sum(r * (i + o) for t in cfg.lora.targets for i, o in projections.get(t, []))
-    return m.num_layers * per_layer
-
-
-def uncounted_targets(cfg: TrainConfig) -> list[str]:
-    """Targets `peft_numel` has no shapes for (their adapters are left out of the counts)."""
-    return [t for t in cfg.lora.targets if t not in ("qkv", "proj", "fc1", "fc2")]
+    adapter-only refit sends): per HF projection (in, out) of every adapted weight, r * (in +
+    out); an MoE layer's every routed expert and its shared expert included."""
+    specs = adapted(param_specs(m, ParallelConfig(), 0), cfg.lora.targets)
+    return sum(cfg.lora.rank * (i + o) for _, i, o in peft_modules(specs, m))
 
 
 @dataclass(kw_only=True)
@@ -123,6 +116,4 @@ def format_lora_vs_full(cfg: TrainConfig, m: ModelConfig, lora: RankMemory, worl
               f"  adapter-only refit{' (not the path that runs)' if refit.fallback else ''}: "
               f"{size(refit.adapters)} = {refit.adapters / refit.model:.3%} of the model's "
               f"{size(refit.model)}"]
-    if missing := uncounted_targets(cfg):
-        lines.append(f"  note: the adapters on {missing} are not in these counts")
     return "\n".join(lines)

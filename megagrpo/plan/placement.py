@@ -7,7 +7,7 @@ import dataclasses
 
 from megagrpo.config.model import ModelConfig
 from megagrpo.config.train import TrainConfig
-from megagrpo.plan import GIB, RankMemory, rank_memory
+from megagrpo.plan.memory import GIB, RankMemory, rank_memory
 
 
 def format_separate(cfg: TrainConfig, m: ModelConfig, train: RankMemory, train_world: int,
