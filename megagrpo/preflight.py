@@ -256,7 +256,7 @@ def check_model(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer) -> N
                          f"is checkpointed without its routes; set {by[2]} or "
                          "algo.routing_replay=false")
     if cfg.lora.enabled:  # lora.refit=adapter that vLLM cannot serve: refused before compute
-        from megagrpo.lora_refit import unavailable
+        from megagrpo.sync.adapters import unavailable
 
         unavailable(cfg.lora, cfg.rollout.tensor_parallel_size, model)
     if cfg.parallel.cp > 1 and torch.cuda.is_available():

@@ -100,5 +100,15 @@ def stamp(completions: list[Completion], version: int) -> None:
         c.version = min(c.token_versions) if c.token_versions else version
 
 
+def token_lag_metrics(ro: Rollout, trainer_version: int) -> dict:
+    """Per-token staleness of a batch with in-flight updates: token_lag_mean (updates between
+    the weights that sampled each completion token and the trainer's) and
+    inflight_mixed_samples (completions sampled by more than one version)."""
+    lags = [trainer_version - v for c in ro.completions for v in (c.token_versions or ())]
+    mixed = sum(len(set(c.token_versions or ())) > 1 for c in ro.completions)
+    return {"token_lag_mean": sum(lags) / len(lags) if lags else 0.0,
+            "inflight_mixed_samples": float(mixed)}
+
+
 __all__ = ["RolloutSource", "StreamStats", "over_stale", "sample_lags", "sample_versions",
-           "stale_weights", "stamp"]
+           "stale_weights", "stamp", "token_lag_metrics"]
