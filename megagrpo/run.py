@@ -275,9 +275,9 @@ def checkpoint_states(tr: Trainer) -> dict[str, Part]:
     states["train_state"] = Replicated(tr)
     if getattr(tr, "eval_target", None) is not None:  # a Trainer built by `setup` has one
         states["eval_target"] = Replicated(tr.eval_target)
-    if tr.weight_sync is not None:  # an adapter refit's merge not yet sent (bitwise resume)
-        states.update({name: Replicated(part)
-                       for name, part in tr.weight_sync.checkpoint_parts().items()})
+    # the weight sync's own parts: an adapter refit's merge not yet sent (bitwise resume)
+    states.update({name: Replicated(part)
+                   for name, part in tr.weight_sync.checkpoint_parts().items()})
     return states
 
 
