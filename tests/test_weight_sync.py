@@ -154,6 +154,16 @@ def test_declared_feed_is_what_source_and_transforms_emit(one_rank, tmp_path, dt
     assert set(out) == {"sync_bytes", "sync_received_bytes", "sync_gather_s", "sync_load_s"}
 
 
+def test_disk_writes_an_hf_folder_the_engine_loads(one_rank, tmp_path):
+    engine = FakeEngine()
+    ws = _build(["sync.transport=disk"], engine, tmp=tmp_path)
+    out = ws.sync(Stage(MODEL), 1)
+    declared = {n: (m.shape, m.dtype) for n, m in ws.expects(MODEL).items()}
+    assert engine.loads[-1]["tensors"] == declared
+    assert (tmp_path / "synced" / "model.safetensors.index.json").exists()
+    assert (tmp_path / "synced" / "config.json").exists() and out["sync_bytes"] > 0
+
+
 def test_the_stream_refuses_parameters_outside_the_layout(one_rank):
     """A LoRA policy streamed without its merged view would carry W alone."""
     policy = Stage(MODEL)
