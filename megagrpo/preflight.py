@@ -73,6 +73,14 @@ class Preflight:
                 f"{dropped}")
 
 
+def check_transport(name: str) -> None:
+    """sync.transport names a module of megagrpo/sync/transports/ or a registered transport
+    (found without importing it: the launcher stays quick)."""
+    from megagrpo.sync.transports import check
+
+    check(name)
+
+
 def preflight(cfg: TrainConfig, world_size: int | None = None, warn: bool = True) -> Preflight:
     """Everything checkable before compute; raises ValueError naming the field, the value and
     what is valid. `cfg` is not modified. `warn`: also look for what is suspect but not fatal
@@ -85,6 +93,7 @@ def preflight(cfg: TrainConfig, world_size: int | None = None, warn: bool = True
     parallel, sp_why = resolve_sequence_parallel(cfg, model)
     cfg = dataclasses.replace(cfg, parallel=parallel)
     cfg.validate(world_size)
+    check_transport(cfg.sync.resolved(cfg.rollout))
     check_paths(cfg.data)
     from megagrpo.rewards import resolve_terms  # imports torch: after the config-only checks
 

@@ -20,6 +20,7 @@ from megagrpo.engine.inflight import InflightUpdates
 from megagrpo.engine.types import WeightSyncStats
 from megagrpo.hf import fuse_qkv, param_specs, split_qkv, unfuse_shards
 from megagrpo.placement import RemoteEngine
+from megagrpo.preflight import check_transport
 from megagrpo.sync import CastDtype, FullWeights, WeightSync, build_weight_sync
 from megagrpo.sync.adapters import AdapterSource, MergeAdapters
 from megagrpo.sync.source import Feed
@@ -133,6 +134,9 @@ def test_refused_before_compute_naming_the_field(overrides, match):
 
 def test_unknown_transport_names_the_choices():
     assert {"reload", "inflight", "collective", "disk"} <= set(available())
+    with pytest.raises(ValueError, match=r"sync\.transport='nowhere' names no transport"):
+        check_transport("nowhere")
+    check_transport("disk")
     with pytest.raises(ValueError, match=r"sync\.transport='nowhere'.*'reload'"):
         transport_class("nowhere")
 

@@ -72,15 +72,20 @@ def available() -> list[str]:
     return sorted(set(here) | set(_REGISTRY))
 
 
-def transport_class(name: str) -> type[Transport]:
-    """The transport registered as `name`, importing this folder's module of that name first;
-    a ValueError naming sync.transport and the choices otherwise."""
-    if name not in _REGISTRY and name in available():
-        importlib.import_module(f"{__name__}.{name}")
-    if name not in _REGISTRY:
+def check(name: str) -> None:
+    """A ValueError naming sync.transport and the choices unless `name` is one (nothing is
+    imported: the launcher's preflight asks)."""
+    if name not in available():
         raise ValueError(f"sync.transport={name!r} names no transport; choose auto or one of "
                          f"{available()} (a new one: a module in megagrpo/sync/transports/)")
+
+
+def transport_class(name: str) -> type[Transport]:
+    """The transport registered as `name`, importing this folder's module of that name first."""
+    check(name)
+    if name not in _REGISTRY:
+        importlib.import_module(f"{__name__}.{name}")
     return _REGISTRY[name]
 
 
-__all__ = ["SyncContext", "Transport", "available", "register", "transport_class"]
+__all__ = ["SyncContext", "Transport", "available", "check", "register", "transport_class"]
