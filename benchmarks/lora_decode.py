@@ -1,6 +1,6 @@
 """vLLM decode with and without a LoRA adapter: what `lora.refit` chooses between.
 
-A LoRA policy reaches vLLM in one of two ways (`megagrpo.lora_refit`): the engine serves the
+A LoRA policy reaches vLLM in one of two ways (`megagrpo.sync.adapters`): the engine serves the
 adapter (`enable_lora`, a LoRA request on every generate; refits carry the adapter only), or it
 holds the merged weights W + s B A (a plain engine; every refit carries the model). Refit bytes
 favour the first; decode speed may not. This script measures the decode side: the same HF model

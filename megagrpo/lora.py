@@ -371,7 +371,10 @@ class MergedParams(Mapping):
 
 
 def parameters_for_refit(gpt: torch.nn.Module) -> Mapping[str, torch.Tensor]:
-    """Named parameters as vLLM / export should see them: merged where adapted."""
+    """Named parameters of the stage inside `gpt` (DDP-wrapped or not) as vLLM / export should
+    see them: merged where adapted (with the adapters off: W). What a LoRA policy hands the
+    weight stream (`megagrpo.sync.source`: `params=`)."""
+    gpt = unwrap(gpt)
     return MergedParams(gpt) if has_adapters(gpt) else dict(gpt.named_parameters())
 
 
@@ -446,7 +449,7 @@ class LoRAReference(ReferenceSchedule):
 
 def describe(n_adapter: int, n_total: int, cfg: LoRAConfig, no_adapter_refit: str = "") -> str:
     """One console line: what trains, and how vLLM gets it (`no_adapter_refit`: why vLLM
-    cannot serve the adapters, '' when it does; `megagrpo.lora_refit.unavailable`)."""
+    cannot serve the adapters, '' when it does; `megagrpo.sync.adapters.unavailable`)."""
     refit = ("vLLM serves the adapters (LoRA request per rollout): refits carry the adapters, "
              "the base only after a merge" if not no_adapter_refit else
              f"vLLM is refit with the merged weights (W + s B A) after each update "

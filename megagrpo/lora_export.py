@@ -31,7 +31,7 @@ from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.hf.io import unfuse_shards
 from megagrpo.hf.params import param_specs
-from megagrpo.lora import adapters_disabled
+from megagrpo.lora import adapters_disabled, parameters_for_refit
 from megagrpo.model import unwrap
 
 PEFT_PREFIX = "base_model.model."
@@ -135,10 +135,10 @@ def export_base_and_adapter(gpt: torch.nn.Module, hf_dir: str, adapter_dir: str,
     """The base (adapters off: W as held) as an HF folder and the adapters as a peft folder
     beside it. Every rank of the model-parallel group calls this; global rank 0 writes.
     Returns the adapter tensors' bytes."""
-    from megagrpo.reshard import export_hf
+    from megagrpo.sync.source import export_hf
 
-    with adapters_disabled(gpt):  # export_hf streams W, not W + s B A
-        export_hf(gpt, hf_dir, model, parallel)
+    with adapters_disabled(gpt):  # the merged view reads W, not W + s B A
+        export_hf(gpt, hf_dir, model, parallel, params=parameters_for_refit(gpt))
     tensors = gather_adapters(gpt, model, parallel)
     if not dist.is_initialized() or dist.get_rank() == 0:
         save_peft_adapter(adapter_dir, tensors, cfg, str(Path(hf_dir).resolve()))

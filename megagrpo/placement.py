@@ -12,10 +12,11 @@ The world is split before megatron-core starts (`split_world`):
 
 What flows where:
   - weights: after every optimizer step the training ranks drive the colocated refit's stream
-    (`megagrpo.reshard.iter_hf_weights`: TP gather, PP broadcast, HF names; every replica does
+    (`megagrpo.sync.source.iter_hf_weights`: TP gather, PP broadcast, HF names; every replica does
     so in colocated runs, only DP replica 0 here); training rank 0 packs the full tensors into
     flat buckets of at most rollout.sync_bucket_mb and broadcasts each over `cross`
-    (`RemoteEngine.update_weights`); every rollout rank loads them into its engine
+    (the weight sync's `collective` transport, `megagrpo.sync.transports.collective`); every
+    rollout rank loads them into its engine
     (`WeightReceiver`). Each broadcast is a numbered sync, announced in the store first.
   - completions: rollout rank j samples prompts j, j+R, ... of every global batch (groups whole,
     from a PromptLoader of the whole batch that starts where the trainer's stands), scores them,
@@ -47,14 +48,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
 
 from megagrpo.config.placement import check_separate, training_world
 from megagrpo.distributed import process_group_backend
-from megagrpo.engine import Completion, WeightSyncStats
+from megagrpo.engine import Completion
 from megagrpo.stream import StreamStats, stamp
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("megagrpo")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ---------------------------------------------------------------------- the world split
@@ -153,7 +154,7 @@ def streams_weights(parallel) -> bool:
     return ps.get_data_parallel_rank() == 0
 
 
-def _bcast_json(pg, obj: object | None) -> dict:
+def bcast_json(pg, obj: object | None) -> dict:
     """Broadcasts a JSON-able object from cross rank 0 (`obj` there, None elsewhere)."""
     data = json.dumps(obj).encode() if obj is not None else b""
     n = torch.tensor([len(data)], dtype=torch.int64)
@@ -166,9 +167,9 @@ def _bcast_json(pg, obj: object | None) -> dict:
 
 @dataclass
 class RemoteEngine:
-    """The trainer's stand-in for an engine under separate placement: `update_weights` sends
-    the policy to the rollout ranks (Trainer.sync_weights calls it as it would a colocated
-    engine's); `close` tells them to stop."""
+    """The trainer's stand-in for an engine under separate placement: the weight sync's
+    `collective` transport sends the policy to the rollout ranks through it
+    (`megagrpo.sync.transports.collective`); `close` tells them to stop."""
 
     place: Placement
     loader: PromptLoader
@@ -182,53 +183,11 @@ class RemoteEngine:
     """Syncs sent in this launch (the next one's index)."""
     max_lora_rank: int = 0
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                       partial: bool = False) -> WeightSyncStats:
-        """Collective over the training ranks of DP replica 0 (the stream's TP/PP gathers) and
-        the cross group: every full tensor reaches every rollout rank, in flat buckets of at
-        most `bucket_bytes` (or one tensor if larger). Returns what moved."""
-        t0, sync = time.perf_counter(), self.syncs
-        self.syncs += 1
-        if not self.sends:
-            return WeightSyncStats(tensors=0, bytes=0, seconds=0.0, source_seconds=0.0,
-                                   load_seconds=0.0)
-        root = self.place.cross is not None
-        if root:
-            self.place.announce(sync)
-            start = self.loader.state_dict() if sync == 0 else None
-            _bcast_json(self.place.cross, {"sync": sync, "start": start, "stop": False})
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = tensors = moved = 0
-        for name, t in named_tensors:
-            if not root:
-                continue
-            n = t.numel() * t.element_size()
-            if bucket and size + n > self.bucket_bytes:
-                moved += self._send(bucket)
-                bucket, size = [], 0
-            bucket.append((name, t.detach().to("cpu", copy=True)))
-            size, tensors = size + n, tensors + 1
-        if root:
-            moved += self._send(bucket) if bucket else 0
-            _bcast_json(self.place.cross, {"end": True})
-        s = time.perf_counter() - t0
-        return WeightSyncStats(tensors=tensors, bytes=moved, seconds=s, source_seconds=0.0,
-                               load_seconds=s)
-
-    def _send(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
-        """One bucket: a header (names, shapes, dtype), then the tensors as one flat buffer."""
-        dtype = str(bucket[0][1].dtype).removeprefix("torch.")
-        _bcast_json(self.place.cross, {"names": [n for n, _ in bucket], "dtype": dtype,
-                                       "shapes": [list(t.shape) for _, t in bucket]})
-        flat = torch.cat([t.to(_DTYPES[dtype]).reshape(-1) for _, t in bucket])
-        self.place.cross.broadcast(flat, 0).wait()
-        return flat.numel() * flat.element_size()
-
     def close(self) -> None:
         """End of run: the rollout ranks stop after the batch they are sampling."""
         if self.place.cross is not None:
             self.place.announce(self.syncs)
-            _bcast_json(self.place.cross, {"sync": self.syncs, "start": None, "stop": True})
+            bcast_json(self.place.cross, {"sync": self.syncs, "start": None, "stop": True})
 
     def rng_state(self) -> dict:
         return {}  # the samplers live on the rollout ranks; a resume redraws their batches
@@ -257,7 +216,7 @@ def receive_weights(place: Placement, engine) -> Sync:
     """Rollout rank: the next sync from the cross group, loaded into `engine` (a stop message
     carries no weights). With in-flight updates the engine's weights are labelled with the
     sync's index, which vLLM stamps on the tokens they sample."""
-    head = _bcast_json(place.cross, None)
+    head = bcast_json(place.cross, None)
     sync = Sync(index=head["sync"], start=head["start"], stop=head["stop"])
     if not sync.stop:
         engine.update_weights(_received_tensors(place.cross))
@@ -270,7 +229,7 @@ def receive_posted(place: Placement, engine) -> Sync:
     """Rollout rank, while its engine generates on another thread (rollout.inflight_updates):
     the next sync from the cross group, materialised and posted to the engine's in-flight slot
     labelled with its index; the generating thread loads it between two decode steps."""
-    head = _bcast_json(place.cross, None)
+    head = bcast_json(place.cross, None)
     sync = Sync(index=head["sync"], start=head["start"], stop=head["stop"])
     if not sync.stop:
         engine.inflight.post(list(_received_tensors(place.cross)), sync.index)
@@ -281,11 +240,11 @@ def _received_tensors(pg) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs of one sync, bucket by bucket; each bucket a fresh buffer (vLLM
     may hold a tensor until its layer is complete)."""
     while True:
-        head = _bcast_json(pg, None)
+        head = bcast_json(pg, None)
         if head.get("end"):
             return
         shapes = [torch.Size(s) for s in head["shapes"]]
-        flat = torch.empty(sum(s.numel() for s in shapes), dtype=_DTYPES[head["dtype"]])
+        flat = torch.empty(sum(s.numel() for s in shapes), dtype=WIRE_DTYPES[head["dtype"]])
         pg.broadcast(flat, 0).wait()
         off = 0
         for name, shape in zip(head["names"], shapes):

@@ -73,6 +73,14 @@ class Preflight:
                 f"{dropped}")
 
 
+def check_transport(name: str) -> None:
+    """sync.transport names a module of megagrpo/sync/transports/ or a registered transport
+    (found without importing it: the launcher stays quick)."""
+    from megagrpo.sync.transports import check
+
+    check(name)
+
+
 def preflight(cfg: TrainConfig, world_size: int | None = None, warn: bool = True) -> Preflight:
     """Everything checkable before compute; raises ValueError naming the field, the value and
     what is valid. `cfg` is not modified. `warn`: also look for what is suspect but not fatal
@@ -85,6 +93,7 @@ def preflight(cfg: TrainConfig, world_size: int | None = None, warn: bool = True
     parallel, sp_why = resolve_sequence_parallel(cfg, model)
     cfg = dataclasses.replace(cfg, parallel=parallel)
     cfg.validate(world_size)
+    check_transport(cfg.sync.resolved(cfg.rollout))
     check_paths(cfg.data)
     from megagrpo.rewards import resolve_terms  # imports torch: after the config-only checks
 
@@ -256,7 +265,7 @@ def check_model(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer) -> N
                          f"is checkpointed without its routes; set {by[2]} or "
                          "algo.routing_replay=false")
     if cfg.lora.enabled:  # lora.refit=adapter that vLLM cannot serve: refused before compute
-        from megagrpo.lora_refit import unavailable
+        from megagrpo.sync.adapters import unavailable
 
         unavailable(cfg.lora, cfg.rollout.tensor_parallel_size, model)
     if cfg.parallel.cp > 1 and torch.cuda.is_available():

@@ -14,7 +14,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from megagrpo import lora_refit, offpolicy, rng
+from megagrpo import offpolicy, rng
 from megagrpo.checkpoint import (
     CheckpointManager,
     ModelState,
@@ -68,6 +68,7 @@ from megagrpo.rewards import RewardFn
 from megagrpo.rng import RankRng
 from megagrpo.rollout import RolloutCollector
 from megagrpo.run_dir import check_out_dir
+from megagrpo.sync import adapters, build_weight_sync
 from megagrpo.trainer import BadStepsError, TokenIds, Trainer
 from megagrpo.watchdog import Watchdog, start_watchdog
 
@@ -123,9 +124,9 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
         n_adapters = add_adapters(gpt, cfg.lora, seed=cfg.run.seed)
         if rank == 0:
             log.info("%s", describe_lora(n_adapters, sum(p.numel() for p in gpt.parameters()),
-                                         cfg.lora, lora_refit.unavailable(
+                                         cfg.lora, adapters.unavailable(
                                              cfg.lora, cfg.rollout.tensor_parallel_size,
-                                             model_cfg, on_cpu=lora_refit.vllm_on_cpu())))
+                                             model_cfg, on_cpu=adapters.vllm_on_cpu())))
     compiled = _compile_layers(cfg, model_cfg, gpt, rank,
                                run_work(cfg, info.dp, checked.mean_train_prompt))
     policy = wrap_ddp(gpt, cfg.optim)
@@ -164,12 +165,14 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
         rollouts = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
                                     reward_fn=RewardFn(cfg.reward), layout=layout, ranks=ranks,
                                     groups=groups, stop_ids=tokens.stop_ids)
+    weight_sync = build_weight_sync(cfg.sync, cfg.rollout, cfg.lora, model=model_cfg,
+                                    parallel=cfg.parallel, engine=rollouts.engine,
+                                    shard_to_shard=layout.shard_to_shard,
+                                    folder=_engine_dir(cfg, rank))
     tr = Trainer(cfg, model_cfg=model_cfg, policy=policy, optimizer=optimizer,
                  reference=reference, rollouts=rollouts, task=task, ranks=ranks, groups=groups,
                  tokens=tokens, staleness=StalenessPolicy.from_config(cfg), watchdog=watchdog,
-                 eval_target=EvalTarget(cfg.eval.target_accuracy))
-    if getattr(engine, "max_lora_rank", 0):  # vLLM serves the adapters: refits carry them alone
-        tr.adapter_refit = lora_refit.AdapterRefit(cfg.lora, Path(engine.model_dir) / "adapters")
+                 eval_target=EvalTarget(cfg.eval.target_accuracy), weight_sync=weight_sync)
     return tr
 
 
@@ -226,7 +229,7 @@ def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
     """vLLM in this process, on an HF config of `model` written for this rank (weights come
     from the policy by `sync_weights`, not from disk). The ranks of one engine share its seed:
     they must sample the same tokens."""
-    d = Path(cfg.run.out_dir) / "engine" / f"rank{layout.rank}"
+    d = _engine_dir(cfg, layout.rank)
     d.mkdir(parents=True, exist_ok=True)
     hf = hf_config_dict(model)
     hf.update(eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id,
@@ -242,10 +245,15 @@ def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
         save(str(d))
     r = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + layout.engine,
                             dtype=model.dtype)
-    serve = cfg.lora.enabled and not lora_refit.unavailable(
-        cfg.lora, cfg.rollout.tensor_parallel_size, model, on_cpu=lora_refit.vllm_on_cpu())
+    serve = cfg.lora.enabled and not adapters.unavailable(
+        cfg.lora, cfg.rollout.tensor_parallel_size, model, on_cpu=adapters.vllm_on_cpu())
     return VLLMEngine(r, d, dtype=model.dtype, capture_routing=cfg.algo.routing_replay,
-                      max_lora_rank=lora_refit.vllm_max_lora_rank(cfg.lora.rank) if serve else 0)
+                      max_lora_rank=adapters.vllm_max_lora_rank(cfg.lora.rank) if serve else 0)
+
+
+def _engine_dir(cfg: TrainConfig, rank: int) -> Path:
+    """This rank's engine folder (its config.json; the weight sync's files)."""
+    return Path(cfg.run.out_dir) / "engine" / f"rank{rank}"
 
 
 def checkpoint_states(tr: Trainer) -> dict[str, Part]:
@@ -268,8 +276,9 @@ def checkpoint_states(tr: Trainer) -> dict[str, Part]:
     states["train_state"] = Replicated(tr)
     if tr.eval_target is not None:  # a Trainer built by `setup` has one
         states["eval_target"] = Replicated(tr.eval_target)
-    if tr.adapter_refit is not None:  # a merge not yet refit into vLLM (bitwise resume)
-        states["adapter_refit"] = Replicated(tr.adapter_refit)
+    # the weight sync's own parts: an adapter refit's merge not yet sent (bitwise resume)
+    states.update({name: Replicated(part)
+                   for name, part in tr.weight_sync.checkpoint_parts().items()})
     return states
 
 

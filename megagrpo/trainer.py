@@ -39,7 +39,6 @@ from megagrpo.config.run import ComputeConfig
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import encode_prompt
 from megagrpo.distributed import Groups, Ranks, any_rank
-from megagrpo.inflight import finish_refit, post_refit
 from megagrpo.losses import grpo_loss, sft_loss
 from megagrpo.metrics import PhaseTimer
 from megagrpo.model import sequence_packing, unwrap
@@ -47,16 +46,15 @@ from megagrpo.moe import RoutingMonitor, enable_replay, tp_slices, tracked_losse
 from megagrpo.offpolicy import StalenessPolicy
 from megagrpo.optim import build_optimizer, lr_at, optimizer_step, set_lr, zero_grad
 from megagrpo.passes import Passes
-from megagrpo.reshard import ReshardStats, iter_hf_weights, iter_vllm_slices
 from megagrpo.rollout import RolloutCollector
 from megagrpo.stream import Rollout
 
 if TYPE_CHECKING:
     from megagrpo.config.model import ModelConfig
     from megagrpo.engine import RolloutEngine
-    from megagrpo.engine.inflight import InflightUpdates
     from megagrpo.eval_target import EvalTarget
     from megagrpo.reference import Reference
+    from megagrpo.sync import WeightSync
     from megagrpo.tasks import Task
     from megagrpo.watchdog import Watchdog
 
@@ -144,6 +142,8 @@ class Trainer:
     """The reference model and its reset schedule (None when algo.beta = 0)."""
     rollouts: RolloutCollector | None
     """Samples, rewards and gathers rollouts; evaluates (holds the engine, loader, rewards)."""
+    weight_sync: WeightSync | None
+    """The policy's weights -> the engine after each update (`megagrpo.sync`)."""
     task: Task | None
     """Train/eval examples and the tokenizer."""
     ranks: Ranks
@@ -174,13 +174,15 @@ class Trainer:
                  rollouts: RolloutCollector | None = None, task: Task | None = None,
                  ranks: Ranks | None = None, groups: Groups | None = None,
                  tokens: TokenIds | None = None, staleness: StalenessPolicy | None = None,
-                 watchdog: Watchdog | None = None, eval_target: EvalTarget | None = None):
+                 watchdog: Watchdog | None = None, eval_target: EvalTarget | None = None,
+                 weight_sync: WeightSync | None = None):
         """`megagrpo.run.setup` builds every part; tests may leave out what they do not use
         (the staleness policy then comes from `cfg`)."""
         self.cfg, self.model_cfg, self.policy, self.optimizer = cfg, model_cfg, policy, optimizer
         self.reference, self.rollouts, self.task = reference, rollouts, task
         self.staleness = staleness or StalenessPolicy.from_config(cfg)
         self.watchdog, self.eval_target = watchdog, eval_target
+        self.weight_sync = weight_sync
         self.ranks, self.groups = ranks or Ranks(), groups or Groups()
         self.tokens = tokens or TokenIds()
         self.passes = Passes(cfg, self.ranks, self.groups,
@@ -188,12 +190,6 @@ class Trainer:
         self.step_idx, self.version, self.opt_steps, self.bad_steps = 0, 0, 0, 0
         self.total_opt_steps = max(1, cfg.run.steps * cfg.algo.mu * cfg.algo.num_minibatches)
         self.engine_version = -1
-        self._posted: dict | None = None
-        """In-flight updates: the refit posted this step (its gather metrics), not yet
-        accounted for by `sync_weights`."""
-        self.adapter_refit = None
-        """A LoRA policy's adapter-only refit (`megagrpo.lora_refit.AdapterRefit`) when vLLM
-        serves its adapters; None: the weights (merged) are refit."""
         self.routing = self._routing_monitor()
         note = balance_note(cfg.compute.balance_tokens, loss_agg=cfg.algo.loss_agg,
                             kl_in_reward=self.kl_in_reward, dp=self.ranks.dp)
@@ -218,11 +214,6 @@ class Trainer:
         return self.rollouts.engine if self.rollouts is not None else None
 
     @property
-    def inflight(self) -> InflightUpdates | None:
-        """The engine's in-flight update slot (rollout.inflight_updates), else None."""
-        return getattr(self.engine, "inflight", None)
-
-    @property
     def tokenizer(self):
         return self.task.tokenizer if self.task is not None else None
 
@@ -243,9 +234,8 @@ class Trainer:
         with t("update"):
             upd = self.update(batch, skip=prep.bad_rewards, stale=prep.stale)
         self.version += int(upd.applied > 0)
-        if self.inflight is not None:  # the running draw loads them between decode steps
-            with t("weight_sync"):
-                self._posted = post_refit(self)
+        with t("weight_sync"):  # in flight: the running draw loads them between decode steps
+            self.weight_sync.post(self.policy, self.version)
         with t("rollout_wait"):
             self.rollouts.join()
         with t("weight_sync"):
@@ -513,37 +503,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ sync, reference
     def sync_weights(self) -> dict:
-        """Reshards the policy straight into vLLM: shard to shard when the engines' TP equals
-        the training TP (each rank feeds its own slice), else full tensors (TP gather, PP
-        broadcast, unfuse) of which vLLM keeps its slice. A LoRA policy that vLLM serves:
-        the adapters alone, the base too only after a merge (`megagrpo.lora_refit`)."""
-        if self._posted is not None:  # in-flight: posted after the update, loaded by now
-            out, self._posted = finish_refit(self.engine, self._posted), None
-            self.engine_version = self.version
-            return out
-        if self.adapter_refit is not None:
-            out = self.adapter_refit.sync(self.policy, self.engine, self.model_cfg,
-                                          self.cfg.parallel, self._feed_weights)
-            self.engine_version = self.version
-            return out
-        out = self._feed_weights()
+        """The engine gets the policy's weights (`megagrpo.sync.WeightSync`: its source,
+        transforms and transport chosen at set-up); the sync metrics."""
+        out = self.weight_sync.sync(self.policy, self.version)
         self.engine_version = self.version
-        if self.inflight is not None:  # vLLM stamps this version on the tokens it samples
-            self.inflight.label(self.engine, self.version)
-            out["inflight_midway"] = float(self.inflight.take_midway())
         return out
-
-    def _feed_weights(self) -> dict:
-        """The policy's weights (merged where adapted, unless adapters are disabled) into
-        vLLM; the sync metrics."""
-        stats = ReshardStats()
-        feed = iter_vllm_slices if self.rollouts.layout.shard_to_shard else iter_hf_weights
-        pairs = feed(self.policy, self.model_cfg, self.cfg.parallel,
-                     bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, stats=stats)
-        s = self.engine.update_weights(pairs)
-        return {"sync_bytes": stats.bytes, "sync_received_bytes": stats.received_bytes,
-                "sync_gather_s": stats.gather_s,
-                "sync_load_s": s.seconds - stats.gather_s - stats.convert_s}
 
     def _reset_reference(self, reason: str | None, epoch: int) -> str:
         """Re-initialises the reference in place when its schedule gave a `reason`; the reason,
@@ -610,8 +574,8 @@ class Trainer:
         the optimizer's fp32 main copies (bf16/fp16, distributed optimizer) are re-read, A's
         Adam moments follow its gradient's scale, and an adapter-only refit sends the base
         next time."""
-        if self.adapter_refit is not None:
-            self.adapter_refit.base_changed()
+        if self.weight_sync is not None:
+            self.weight_sync.base_changed()
         edits_policy = self.reference is not None and not self.reference.separate_model
         if edits_policy and self.optimizer is not None:
             self.optimizer.reload_model_params()

@@ -107,7 +107,7 @@ def round_trip(gpt: torch.nn.Module, hf_dir: str | os.PathLike, model: ModelConf
     `compare` rank; every rank of the model-parallel group drives the stream)."""
     from megagrpo.hf import HFCheckpoint, hf_shapes
     from megagrpo.model import DTYPE
-    from megagrpo.reshard import iter_hf_weights
+    from megagrpo.sync.source import iter_hf_weights
 
     ckpt, shapes, dtype = HFCheckpoint(hf_dir), hf_shapes(model), DTYPE[model.dtype]
     seen = set()

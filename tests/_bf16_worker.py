@@ -53,7 +53,7 @@ def stream_dtypes(work: Path) -> None:
     bf16 model -> WORK/stream_dtypes.json ({dtype: [names]})."""
     from megagrpo.distributed import init_distributed
     from megagrpo.model import build_model
-    from megagrpo.reshard import iter_hf_weights
+    from megagrpo.sync.source import iter_hf_weights
 
     cfg = make_config(str(work))
     cfg.parallel.tp = cfg.parallel.pp = 1

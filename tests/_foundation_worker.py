@@ -48,7 +48,7 @@ def ce_forward(batch, model):
 def export_grads(gpt, out_dir, model_cfg, parallel):
     """Writes every parameter's DDP main_grad as an HF checkpoint (the same TP/PP gather and
     name mapping as the weights), then puts the weights back."""
-    from megagrpo.reshard import export_hf
+    from megagrpo.sync.source import export_hf
 
     params = list(gpt.parameters())
     with torch.no_grad():
@@ -77,7 +77,7 @@ def check_and_step(name, mcfg, parallel, tag, work, ref, results, *, own_slices=
         wrap_ddp,
         zero_grad,
     )
-    from megagrpo.reshard import export_hf
+    from megagrpo.sync.source import export_hf
 
     hf_dir = os.path.join(work, name)
     info = init_distributed(parallel, mcfg)
@@ -115,7 +115,7 @@ def check_and_step(name, mcfg, parallel, tag, work, ref, results, *, own_slices=
 def run_layout(tp, pp, work, results):
     from megagrpo.config.model import ParallelConfig
     from megagrpo.hf import model_config_from_hf
-    from megagrpo.reshard import export_hf
+    from megagrpo.sync.source import export_hf
 
     ref = torch.load(os.path.join(work, "ref.pt"))
     # 56: the padded vocab (112) is the same at TP=1 and TP=2, so the CE losses compare

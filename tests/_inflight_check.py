@@ -14,10 +14,15 @@ def inflight_check(tr, greedy_check, steps: int = 3) -> dict:
     engine version == trainer version], the per-token versions of the queued batches (lengths,
     monotone, version = oldest) and the greedy vLLM-vs-megatron check afterwards."""
     from megagrpo.engine.inflight import InflightUpdates
+    from megagrpo.sync import WeightSync
+    from megagrpo.sync.transports.inflight import Inflight
 
     slot = InflightUpdates()
     tr.engine.inflight = slot
     slot.label(tr.engine, tr.engine_version)
+    before = tr.weight_sync
+    tr.weight_sync = WeightSync(before.source, Inflight(tr.engine, slot), before.transforms)
+    tr.weight_sync.version = before.version
     tr.cfg.rollout.inflight_updates = True
     armed = threading.Event()
 
@@ -46,5 +51,6 @@ def inflight_check(tr, greedy_check, steps: int = 3) -> dict:
     out = {"steps": rows, "queued": len(queued), "queued_tokens_ok": tokens_ok,
            "queued_mixed": mixed, "greedy_after": greedy_check(tr)}
     tr.engine.inflight = None
+    before.version, tr.weight_sync = tr.weight_sync.version, before
     tr.cfg.rollout.inflight_updates = False
     return out

@@ -1,7 +1,7 @@
 """One family's probe of vLLM's LoRA path (tests/test_lora_families.py runs it in its own
 process: one vLLM engine per process). A tiny HF model of the family gets a random peft adapter
 on every projection (transformers + peft: the reference); the engine (`VLLMEngine` with
-`max_lora_rank`, the path `megagrpo.lora_refit` uses) is fed the base weights, then the adapter
+`max_lora_rank`, the path `megagrpo.sync.adapters` uses) is fed the base weights, then the adapter
 as a LoRA adapter; both decode greedily from one prompt, fp32. Writes a JSON result."""
 from __future__ import annotations
 

@@ -85,6 +85,7 @@ def build(work, ep, tp=1, targets=None):
 def run_moe(work, results, ce_step, merge_checks):
     """EP=2: gradients, base frozen, optimizer contents, merge checks, checkpoint + exports."""
     from megagrpo.checkpoint import save_model
+    from megagrpo.lora import parameters_for_refit
     from megagrpo.lora_export import export_base_and_adapter
     from megagrpo.optim import (
         OptimConfig,
@@ -95,7 +96,7 @@ def run_moe(work, results, ce_step, merge_checks):
         wrap_ddp,
         zero_grad,
     )
-    from megagrpo.reshard import export_hf
+    from megagrpo.sync.source import export_hf
 
     ref = torch.load(os.path.join(work, "ref_moe.pt"))
     gpt, mcfg, parallel, lcfg, info, n_adapter = build(work, ep=2)
@@ -121,7 +122,8 @@ def run_moe(work, results, ce_step, merge_checks):
                     "opt_numel": opt_numel, "base_with_grad": base_grad, "step_ok": ok})
     merge_checks(ddp, mcfg, parallel, ref["ids"], results, check="merge_moe")
     save_model(ddp, os.path.join(work, "ckpt_moe"), mcfg, extra={"lora": LORA})
-    export_hf(ddp, os.path.join(work, "export_moe"), mcfg, parallel)  # merged
+    export_hf(ddp, os.path.join(work, "export_moe"), mcfg, parallel,
+              params=parameters_for_refit(ddp))  # merged
     export_base_and_adapter(ddp, os.path.join(work, "base_moe"), os.path.join(work, "peft_moe"),
                             mcfg, parallel, lcfg)
     torch.save(expert_adapter_tensors(gpt, mcfg, parallel, grads=False),

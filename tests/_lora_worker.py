@@ -359,8 +359,9 @@ def main():
     ap.add_argument("--work", required=True)
     args = ap.parse_args()
     from megagrpo.config.lora import LoRAConfig
+    from megagrpo.lora import parameters_for_refit
     from megagrpo.lora_export import export_base_and_adapter
-    from megagrpo.reshard import export_hf
+    from megagrpo.sync.source import export_hf
 
     torch.set_num_threads(1)
     results = []
@@ -378,7 +379,8 @@ def main():
         if tag == "tp2":
             merge_checks(ddp, mcfg, parallel, ref["ids"], results)
             checkpoint_checks(ddp, opt, mcfg, args.work, results)  # the state saved from here on
-            export_hf(ddp, os.path.join(args.work, "export_tp2"), mcfg, parallel)  # merged
+            export_hf(ddp, os.path.join(args.work, "export_tp2"), mcfg, parallel,
+                      params=parameters_for_refit(ddp))  # merged
             # the base as held (after the merge checks: a merged base, B not zero) and the
             # adapters in peft's layout, gathered over TP=2
             export_base_and_adapter(ddp, os.path.join(args.work, "base_tp2"),

@@ -19,7 +19,7 @@ def feed_bytes(tr, feed) -> dict:
     """Drains one weight feed without an engine: bytes received, peak extra bytes, largest
     tensor yielded (bytes)."""
     from benchmarks._harness import _cpu_peak_bytes
-    from megagrpo.reshard import ReshardStats
+    from megagrpo.sync.source import ReshardStats
 
     stats, largest = ReshardStats(), [0]
 
@@ -63,9 +63,9 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     from megagrpo.config.data import RewardConfig, RewardTermConfig
-    from megagrpo.reshard import iter_hf_weights, iter_vllm_slices
     from megagrpo.rewards import RewardFn
     from megagrpo.run import setup
+    from megagrpo.sync.source import iter_hf_weights, iter_vllm_slices
     from tests._trainer_worker import greedy_check, known_share_eval, make_config
 
     cfg = make_config(args.work)

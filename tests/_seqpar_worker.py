@@ -206,7 +206,7 @@ def moe_layout(name: str, work: str, results: list) -> None:
         wrap_ddp,
         zero_grad,
     )
-    from megagrpo.reshard import export_hf
+    from megagrpo.sync.source import export_hf
 
     tp, ep, sp, distopt, packed = MOE[name]
     ref = torch.load(os.path.join(work, "ref.pt"))

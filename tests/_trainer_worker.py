@@ -89,7 +89,7 @@ def greedy_check(tr, n=4, max_tokens=6):
 def reshard_peak(tr, bucket_bytes):
     """Peak bytes allocated while draining the reshard stream (consumer drops each tensor)."""
     from benchmarks._harness import _cpu_peak_bytes
-    from megagrpo.reshard import iter_hf_weights
+    from megagrpo.sync.source import iter_hf_weights
 
     def drain():
         for _, t in iter_hf_weights(tr.policy, tr.model_cfg, tr.cfg.parallel,

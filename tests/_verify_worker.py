@@ -40,7 +40,7 @@ def job(spec: str, seq_len: int) -> int:
     # patched where they are looked up: the loader's fusion, the layout's MoE part
     fuse, moe_specs = hf_io.fuse_qkv, hf_params._moe_specs
     if "broken" in flags:
-        hf_io.fuse_qkv = lambda q, k, v, groups: fuse(q, v, k, groups)
+        hf_io.fuse_qkv = lambda q, k, v, model: fuse(q, v, k, model)
     if "experts_swapped" in flags:
         hf_params._moe_specs = _swap_experts_0_1(moe_specs)
     try:

@@ -67,7 +67,7 @@ def test_relative_links_resolve():
 def test_every_field_has_a_docstring():
     hints = typing.get_type_hints(TrainConfig)
     names = [f.name for f in dataclasses.fields(TrainConfig)]
-    assert names == ["model", "parallel", "optim", "rollout", "algo", "data", "arithmetic",
+    assert names == ["model", "parallel", "optim", "rollout", "sync", "algo", "data", "arithmetic",
                      "reward", "agent", "reference", "lora", "run", "compute", "checkpoint",
                      "eval", "cold_start", "log", "watchdog"]
     for name, cls, rows in docs.sections():

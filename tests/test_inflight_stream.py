@@ -12,10 +12,11 @@ from megagrpo.checkpoint import load_tree, save_tree
 from megagrpo.config.train import TrainConfig, load_config
 from megagrpo.engine import Completion
 from megagrpo.engine.inflight import InflightUpdates, token_versions
-from megagrpo.inflight import finish_refit
 from megagrpo.offpolicy import token_lag_metrics
 from megagrpo.rollout import Drawn
 from megagrpo.stream import Rollout, stamp
+from megagrpo.sync.source import Feed
+from megagrpo.sync.transports.inflight import Inflight
 from megagrpo.trainer import Trainer
 
 G = 2
@@ -139,15 +140,19 @@ class _Engine:
 
 def test_posted_weights_load_midway_or_after_the_join():
     """A post that a running draw took (midway) is not loaded again after the join; one that
-    no draw took is loaded by `finish_refit` on the main thread; both label the engine."""
+    no draw took is loaded by the inflight transport's `deliver` on the main thread; both
+    label the engine."""
     eng = _Engine()
     slot = eng.inflight
-    slot.post([("w", torch.zeros(1))], 1)
+    transport = Inflight(eng, slot)
+    feed = Feed(iter([("w", torch.zeros(1))]))
+    feed.stats.bytes = 4
+    transport.post(feed, 1)
     assert slot.apply_pending(eng, midway=True) is not None  # the draw, between decode steps
-    out = finish_refit(eng, {"sync_bytes": 4})
+    out = transport.deliver(Feed(iter(())), 1)
     assert eng.loads == [(1, False)] and out["inflight_midway"] == 1.0
     assert out["sync_bytes"] == 4 and eng.llm.llm_engine.label == "1"
-    slot.post([("w", torch.zeros(1))], 2)  # no draw ran: loaded after the join
-    out = finish_refit(eng, {})
+    transport.post(Feed(iter([("w", torch.zeros(1))])), 2)  # no draw ran: loaded after the join
+    out = transport.deliver(Feed(iter(())), 2)
     assert eng.loads[-1] == (1, True) and out["inflight_midway"] == 0.0
     assert slot.version == 2 and slot.pending_version is None

@@ -167,7 +167,7 @@ def test_expert_adapters_are_refit_merged():
     refits the merged weights and its console line says why; attention-only adapters on an MoE
     model, and a dense model's fc1/fc2, are served."""
     from megagrpo.lora import describe
-    from megagrpo.lora_refit import unavailable
+    from megagrpo.sync.adapters import unavailable
 
     moe = ModelConfig(architecture="qwen3_moe", num_experts=4, moe_ffn_hidden_size=64)
     why = unavailable(LoRAConfig(rank=4), 1, moe)
@@ -181,7 +181,7 @@ def test_lora_refit_choice():
     """lora.refit: auto serves the adapters except on vLLM's CPU build (its LoRA decode is
     slower than the merged model's) or where vLLM cannot; merged never serves them; adapter
     refuses, naming the field, what cannot be served; a bad value is refused."""
-    from megagrpo.lora_refit import unavailable
+    from megagrpo.sync.adapters import unavailable
 
     moe = ModelConfig(architecture="qwen3_moe", num_experts=4, moe_ffn_hidden_size=64)
     auto, adapter = LoRAConfig(rank=4), LoRAConfig(rank=4, refit="adapter")

@@ -1,5 +1,5 @@
 """vLLM's LoRA path (enable_lora, an adapter loaded with add_lora: what an adapter-only refit
-uses, megagrpo/lora_refit.py) on the dense families megagrpo runs, against transformers + peft
+uses, megagrpo/sync/adapters.py) on the dense families megagrpo runs, against transformers + peft
 with the same adapter: greedy tokens equal and log-probs within fp32 rounding. Heavy: one vLLM
 engine per family, each in its own process (~1 min each on a quiet 2-core CPU)."""
 import json

@@ -32,6 +32,7 @@ from megagrpo.distributed import Ranks
 from megagrpo.engine import Completion, WeightSyncStats
 from megagrpo.placement import Placement, RemoteEngine, SeparateSource, receive_weights, serve
 from megagrpo.rollout import RolloutCollector
+from megagrpo.sync.transports.collective import Collective
 from tests.support.cli import run_cli
 from tests.test_stream import Reward, Tok
 
@@ -156,7 +157,7 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
     steps_seen = []
     for _ in range(steps):
         time.sleep(train_s if version else 0.0)
-        remote.update_weights(iter(_weights(version)))  # the sync before the step
+        Collective(remote).send(iter(_weights(version)))  # the sync before the step
         rollouts = [src.next(version) for src in sources]
         steps_seen.append((version, rollouts))
         version += 1

@@ -155,7 +155,7 @@ def test_slices_are_what_vllm_narrows_from_the_full_hf_tensors(arch):
     import torch
 
     from megagrpo.hf import param_specs, unfuse_shards
-    from megagrpo.reshard import slice_pairs
+    from megagrpo.sync.source import slice_pairs
 
     tp = 2
     model = ModelConfig(architecture=arch, num_attention_heads=8, num_query_groups=2,

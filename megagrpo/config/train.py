@@ -32,6 +32,7 @@ from megagrpo.config.run import (
 from megagrpo.config.schema import build_dataclass, check_instance
 from megagrpo.config.section import Section
 from megagrpo.config.seqpar import check_recompute, check_sequence_parallel
+from megagrpo.config.sync import SyncConfig
 
 
 @dataclass(kw_only=True)
@@ -75,6 +76,8 @@ class TrainConfig(Section):
     """Optimizer and LR schedule."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """vLLM engine and sampling."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """How the weights reach the engines after each update: transport, dtype."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """GRPO variant."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -113,6 +116,7 @@ class TrainConfig(Section):
         self.parallel.validate(self.model, world_size)
         self.optim.validate()
         self.rollout.validate()
+        self.sync.validate(self.rollout)
         self.algo.validate()
         self.data.validate()
         if self.data.task == "arithmetic":

@@ -11,7 +11,7 @@ rank; tensor_parallel_size=k>1 gives world/k engines of k consecutive torchrun r
 vLLM's "external_launcher" backend (vLLM reshapes the existing world into (external DP, TP) and
 builds its TP groups with `new_group`). The ranks of one engine call `generate` with the same
 prompts; `update_weights` takes full-shape HF tensors of which vLLM reads only this rank's
-slice (`megagrpo.reshard.iter_vllm_slices` fills only that slice).
+slice (`megagrpo.sync.source.iter_vllm_slices` fills only that slice).
 
 vLLM's side effects on the process, and what this module does about them:
 - torch.distributed must be initialised before the engine (else vLLM builds a world-size-1 group
@@ -248,7 +248,7 @@ class VLLMEngine:
                        ) -> WeightSyncStats:
         """Load (hf_name, full tensor) pairs into the engine in place, then reset the prefix
         cache. `named_tensors` may be a lazy generator of pairs or of buckets (lists of pairs,
-        as `megagrpo.reshard.iter_hf_weights` yields); it is consumed once and never held whole.
+        as `megagrpo.sync.source.iter_hf_weights` yields); it is consumed once and never held whole.
         vLLM keeps a reference to a tensor until its layer is complete, so a producer must not
         overwrite a yielded buffer in place. With vLLM TP>1 every rank passes the same full
         tensors (vLLM shards them).

@@ -16,9 +16,10 @@ _EXPORTS = {
     "config": ("HF_ARCHITECTURES", "MODEL_TYPES", "hf_config_dict", "model_config_from_hf",
                "model_config_from_hf_dict"),
     "params": ("ParamSpec", "embedding_specs", "head_specs", "hf_shapes", "layer_specs",
-               "param_specs", "rank_numel", "split_numels", "stage_layers", "vllm_feed_shapes"),
+               "param_specs", "qkv_rows", "rank_numel", "split_numels", "stage_layers",
+               "vllm_feed_shapes"),
     "io": ("HFCheckpoint", "check_hf_checkpoint", "expert_parallel_rank", "fuse_qkv",
-           "load_hf_weights", "read_shard", "save_hf_dir", "unfuse_shards"),
+           "load_hf_weights", "read_shard", "save_hf_dir", "split_qkv", "unfuse_shards"),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_HOME)

@@ -2,8 +2,8 @@
 slices (only the rows/columns its TP/PP/EP shard needs, safetensors' lazy slices), the header
 check, writing a checkpoint directory, and the tensor conversions between HF tensors and fused
 megatron shards. What is fused and split how (names, shapes, TP/EP/PP) is the layout in
-`megagrpo.hf.params`; this module only moves tensors in it. Export goes through
-`megagrpo.reshard`, the same generator that feeds vLLM.
+`megagrpo.hf.params` (the QKV interleave too: `qkv_rows`); this module only moves tensors in
+it. Export goes through `megagrpo.sync.source`, the same generator that feeds vLLM.
 """
 from __future__ import annotations
 
@@ -16,16 +16,32 @@ import torch
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.hf.config import hf_config_dict
-from megagrpo.hf.params import ParamSpec, hf_shapes, param_specs
+from megagrpo.hf.params import ParamSpec, hf_shapes, param_specs, qkv_rows
 from megagrpo.model import unwrap
 
 
 # ---------------------------------------------------------------- layout conversions
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
-    """HF q [nh*hd, ...], k/v [ng*hd, ...] -> megatron [ng*(nh/ng+2)*hd, ...] (per group)."""
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelConfig
+             ) -> torch.Tensor:
+    """HF q [g*nh/ng*hd, ...], k/v [g*hd, ...] of g KV groups (all of them, or one TP rank's)
+    -> megatron's fused [g*(nh/ng+2)*hd, ...], interleaved per group as `qkv_rows` says."""
     rest = q.shape[1:]
-    parts = [t.reshape(groups, -1, *rest) for t in (q, k, v)]
-    return torch.cat(parts, dim=1).reshape(-1, *rest)
+    (q0, q1), (k0, k1), (v0, v1) = qkv_rows(model)
+    groups = k.shape[0] // (k1 - k0)
+    out = q.new_empty(groups, v1, *rest)
+    for t, lo, hi in ((q, q0, q1), (k, k0, k1), (v, v0, v1)):
+        out[:, lo:hi] = t.reshape(groups, hi - lo, *rest)
+    return out.reshape(-1, *rest)
+
+
+def split_qkv(fused: torch.Tensor, model: ModelConfig) -> list[torch.Tensor]:
+    """Megatron's fused QKV rows [g*(nh/ng+2)*hd, ...] (all groups, or one TP rank's) -> views
+    [g, rows, ...] of its q, k and v parts, per group (`qkv_rows`); `.reshape(-1, ...)` of one
+    is HF's tensor (of those groups)."""
+    rest = fused.shape[1:]
+    rows = qkv_rows(model)
+    grouped = fused.view(-1, rows[-1][1], *rest)
+    return [grouped[:, lo:hi] for lo, hi in rows]
 
 
 def unfuse_shards(shards: list[torch.Tensor], spec: ParamSpec, model: ModelConfig
@@ -47,14 +63,11 @@ def unfuse_shards(shards: list[torch.Tensor], spec: ParamSpec, model: ModelConfi
         half = shards[0].shape[0] // 2
         return [(spec.hf[0], _cat([s[:half] for s in shards], 0)),
                 (spec.hf[1], _cat([s[half:] for s in shards], 0))]
-    hd = model.head_dim
-    qper = model.num_attention_heads // model.num_query_groups * hd
     rest = shards[0].shape[1:]
-    grouped = [s.view(-1, qper + 2 * hd, *rest) for s in shards]  # [groups_r, q+k+v, ...]
+    parts = [split_qkv(s, model) for s in shards]  # per rank: q, k, v [groups_r, rows, ...]
     out = []
-    for name, lo, hi in zip(spec.hf, (0, qper, qper + hd), (qper, qper + hd, qper + 2 * hd)):
-        part = torch.cat([g[:, lo:hi] for g in grouped]) if len(grouped) > 1 \
-            else grouped[0][:, lo:hi].contiguous()
+    for i, name in enumerate(spec.hf):
+        part = torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i].contiguous()
         out.append((name, part.view(-1, *rest)))
     return out
 
@@ -140,7 +153,7 @@ def read_shard(ckpt: HFCheckpoint, spec: ParamSpec, model: ModelConfig, tp_rank:
         q = ckpt.rows(spec.hf[0], tp_rank * qn, (tp_rank + 1) * qn, spec.local)
         k = ckpt.rows(spec.hf[1], tp_rank * ng * hd, (tp_rank + 1) * ng * hd, spec.local)
         v = ckpt.rows(spec.hf[2], tp_rank * ng * hd, (tp_rank + 1) * ng * hd, spec.local)
-        return fuse_qkv(q, k, v, ng)
+        return fuse_qkv(q, k, v, model)
     # vocab: rows of this rank's padded slice that exist in HF, zero padding after
     n = spec.full_shape[0] // tp
     lo, hi = tp_rank * n, min((tp_rank + 1) * n, model.vocab_size)

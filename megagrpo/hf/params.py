@@ -3,7 +3,8 @@ pipeline stage with the HF tensors it is made of, its unsharded shape and how te
 parallelism splits it (`ParamSpec`); `stage_layers` is the pipeline split. Derived from them:
 - the HF checkpoint's tensors and shapes (`hf_shapes`: checked on load, by `verify`, `convert`),
 - the names and shapes the vLLM weight feed accepts (`vllm_feed_shapes`, `megagrpo.engine`),
-- loading and export (`megagrpo.hf.io`, `megagrpo.reshard`),
+- loading and export (`megagrpo.hf.io`, `megagrpo.sync.source`), through the QKV interleave
+  `qkv_rows`,
 - the planner's per-rank parameter counts (`rank_numel`, `megagrpo.plan`).
 
 Families: Llama, Qwen2 (QKV bias), Qwen3 (q_norm / k_norm <-> megatron's
@@ -74,6 +75,16 @@ class ParamSpec:
         return [(self.hf[0], self.full_shape)]
 
 
+def qkv_rows(model: ModelConfig) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """The QKV interleave, written once: megatron's fused ``linear_qkv`` holds, for each KV group
+    g in turn, a block of nh/ng * hd q rows (the q heads of g), then hd k rows and hd v rows.
+    Returns the [start, stop) rows of q, k and v inside one group's block (whose size is the
+    last stop). HF's q, k, v are the concatenation of those row ranges over the groups."""
+    hd = model.head_dim
+    q = model.num_attention_heads // model.num_query_groups * hd
+    return (0, q), (q, q + hd), (q + hd, q + 2 * hd)
+
+
 def stage_layers(model: ModelConfig, parallel: ParallelConfig, stage: int) -> range:
     """Global indices of the layers pipeline stage `stage` holds: megatron-core's even split
     (`ParallelConfig.validate` checks that pp divides num_layers); the stage's layer i is
@@ -130,17 +141,17 @@ def layer_specs(model: ModelConfig, layer: int, local: int, *, ep: int = 1,
     te = impl == "transformer_engine"
     L, hf = f"decoder.layers.{local}.", f"model.layers.{layer}."
     attn = hf + "self_attn."
-    qkv_rows = ng * (nh // ng + 2) * hd
+    fused = ng * qkv_rows(model)[-1][1]  # every KV group's block
     out = [ParamSpec(L + ("self_attention.linear_qkv.layer_norm_weight" if te
                           else "input_layernorm.weight"),
                      "replicated", (hf + "input_layernorm.weight",), (H,)),
            ParamSpec(L + "self_attention.linear_qkv.weight", "qkv",
                      (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
-                     (qkv_rows, H))]
+                     (fused, H))]
     if model.qkv_bias:
         out.append(ParamSpec(L + "self_attention.linear_qkv.bias", "qkv",
                              (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
-                             (qkv_rows,)))
+                             (fused,)))
     if model.qk_norm:  # per-head RMSNorm weights: [head_dim], the same on every TP rank
         out.append(ParamSpec(L + "self_attention.q_layernorm.weight", "replicated",
                              (attn + "q_norm.weight",), (hd,)))

@@ -5,7 +5,7 @@ same recipe (`megagrpo plan` prints them when lora.rank > 0). Pure arithmetic, l
 Refit bytes per step are what the trainer sends one vLLM engine after an update, in the
 policy's dtype (the engine runs in it):
 - full fine-tuning, and LoRA where vLLM cannot serve the adapters
-  (`megagrpo.lora_refit.unavailable` says why): the whole model, merged W + s B A for LoRA;
+  (`megagrpo.sync.adapters.unavailable` says why): the whole model, merged W + s B A for LoRA;
 - LoRA between merges: the adapters alone, as the peft folder carries them (one A [r, in] and
   one B [out, r] per HF projection: the fused QKV and gate/up adapters' A repeated per part);
 - LoRA on the step after a merge (a reference reset): the base W (adapters off) and the
@@ -54,7 +54,7 @@ class RefitBytes:
 
 def refit_bytes(cfg: TrainConfig, m: ModelConfig) -> RefitBytes:
     """The refit sizes of the recipe (see the module docstring)."""
-    from megagrpo.lora_refit import unavailable  # torch: only when planning a LoRA recipe
+    from megagrpo.sync.adapters import unavailable  # torch: only when planning a LoRA recipe
 
     b = DTYPE_BYTES[m.dtype]
     return RefitBytes(model=total_params(m) * b, adapters=peft_numel(cfg, m) * b,

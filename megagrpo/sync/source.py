@@ -1,4 +1,5 @@
-"""Sharded policy -> stream of (HF name, full tensor) pairs, moved in buckets of bounded bytes.
+"""The weight sync's source: sharded policy -> stream of (HF name, full tensor) pairs, moved in
+buckets of bounded bytes.
 
 One code path for the vLLM weight update and the HF export. For each pipeline stage s and each
 bucket of s's parameters (at most `bucket_bytes` of full tensors, or one tensor if larger):
@@ -16,19 +17,26 @@ its vLLM slice), step 2 moves only this TP rank's shards between the stages (its
 step 3 builds this rank's slices of the HF tensors. Only the vocab tensors are still gathered:
 vLLM pads the vocab to a multiple of 64 and splits that, so its vocab slice is not a megatron
 shard. `ReshardStats.received_bytes` counts what each rank received in either mode.
+
+What is streamed is the stage's megatron parameters as given (`params`; default: the module's
+own, refused when it holds parameters outside the layout, e.g. LoRA adapters): a LoRA policy's
+merged view W + s B A is supplied by the LoRA side (`megagrpo.lora.parameters_for_refit`; in a
+`WeightSync`, the `MergeAdapters` transform), so this module knows nothing of adapters.
+`FullWeights` and `ShardSlices` are the two sources a `megagrpo.sync.WeightSync` streams from;
+`Feed` is one refit's stream and its counters.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from megagrpo.hf import ParamSpec, hf_shapes, param_specs, save_hf_dir, unfuse_shards
-from megagrpo.lora import parameters_for_refit
+from megagrpo.engine.types import WeightSyncStats
+from megagrpo.hf import ParamSpec, hf_shapes, param_specs, save_hf_dir, split_qkv, unfuse_shards
 from megagrpo.model import DTYPE, unwrap
 
 
@@ -186,7 +194,6 @@ def slice_pairs(shard: torch.Tensor, spec: ParamSpec, model: ModelConfig, tp_ran
     tensor to exactly this TP rank's rows/columns, which for q/k/v, gate/up, o_proj and
     down_proj are the megatron shard's). Each slice is copied once, straight from the shard."""
     shapes = hf_shapes(model)
-    rest = tuple(shard.shape[1:])
     # (HF name, this rank's part of it, split dim, rows/columns of the slice along that dim)
     if spec.kind == "row":
         parts = [(spec.hf[0], shard, 1, shard.shape[1])]
@@ -194,11 +201,8 @@ def slice_pairs(shard: torch.Tensor, spec: ParamSpec, model: ModelConfig, tp_ran
         half = shard.shape[0] // 2
         parts = [(spec.hf[0], shard[:half], 0, half), (spec.hf[1], shard[half:], 0, half)]
     else:  # qkv: [groups_r, q + k + v rows, ...] per KV group
-        hd = model.head_dim
-        qper = model.num_attention_heads // model.num_query_groups * hd
-        grouped = shard.view(-1, qper + 2 * hd, *rest)
-        parts = [(name, grouped[:, lo:hi], 0, grouped.shape[0] * (hi - lo)) for name, lo, hi in
-                 zip(spec.hf, (0, qper, qper + hd), (qper, qper + hd, qper + 2 * hd))]
+        parts = [(name, part, 0, part.shape[0] * part.shape[1])
+                 for name, part in zip(spec.hf, split_qkv(shard, model))]
     for name, part, dim, n in parts:
         t0 = time.perf_counter()
         full = torch.empty(shapes[name], dtype=shard.dtype, device=shard.device)
@@ -210,17 +214,19 @@ def slice_pairs(shard: torch.Tensor, spec: ParamSpec, model: ModelConfig, tp_ran
 
 
 def _stream(gpt: torch.nn.Module, model: ModelConfig, parallel: ParallelConfig,
-            bucket_bytes: int, stats: ReshardStats, slices: bool
+            bucket_bytes: int, stats: ReshardStats, slices: bool,
+            params: Mapping[str, torch.Tensor] | None = None
             ) -> Iterator[tuple[str, torch.Tensor]]:
     from megatron.core import parallel_state as ps
 
     gpt = unwrap(gpt)
-    params = parameters_for_refit(gpt)  # adapted weights merged: W + s B A
+    my_stage = ps.get_pipeline_model_parallel_rank()
+    if params is None:
+        params = stage_parameters(gpt, model, parallel, my_stage)
     impl = "transformer_engine" if any("layer_norm_weight" in n for n in params) else "local"
     tp, pp = parallel.tp, parallel.pp
     groups = (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
               ps.get_expert_model_parallel_group() if parallel.ep > 1 else None)
-    my_stage = ps.get_pipeline_model_parallel_rank()
     tp_rank = ps.get_tensor_model_parallel_rank()
     dtype = DTYPE[model.dtype]
     esize = torch.empty((), dtype=dtype).element_size()
@@ -264,20 +270,36 @@ def _stream(gpt: torch.nn.Module, model: ModelConfig, parallel: ParallelConfig,
             yield from _counted(pairs, stats)
 
 
+def stage_parameters(gpt: torch.nn.Module, model: ModelConfig, parallel: ParallelConfig,
+                     stage: int) -> dict[str, torch.Tensor]:
+    """The stage's own named parameters, refused when it holds any the layout does not list
+    (LoRA adapters: the stream would carry W without them; pass the merged view as `params`)."""
+    params = dict(unwrap(gpt).named_parameters())
+    impl = "transformer_engine" if any("layer_norm_weight" in n for n in params) else "local"
+    extra = sorted(set(params) - {s.local for s in param_specs(model, parallel, stage, impl)})
+    if extra:
+        raise ValueError(f"the weight stream got parameters outside the layout: {extra[:3]}; "
+                         "a LoRA policy streams through params=megagrpo.lora."
+                         "parameters_for_refit(gpt) (merged) or its base (adapters off)")
+    return params
+
+
 def iter_hf_weights(
     gpt: torch.nn.Module,
     model: ModelConfig,
     parallel: ParallelConfig,
     *,
+    params: Mapping[str, torch.Tensor] | None = None,
     bucket_bytes: int = 256 << 20,
     stats: ReshardStats | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (hf_name, full tensor) for the policy of this rank's model-parallel group.
     Collective over the TP and PP groups: every rank must drive the generator to the end.
     Tensors may be views of live parameters or of the bucket buffer: copy them if kept, never
-    write to them."""
+    write to them. `params`: the stage's parameters by local name (default: `gpt`'s own,
+    `stage_parameters`)."""
     stats = stats if stats is not None else ReshardStats()
-    yield from _stream(gpt, model, parallel, bucket_bytes, stats, slices=False)
+    yield from _stream(gpt, model, parallel, bucket_bytes, stats, slices=False, params=params)
 
 
 def iter_vllm_slices(
@@ -285,6 +307,7 @@ def iter_vllm_slices(
     model: ModelConfig,
     parallel: ParallelConfig,
     *,
+    params: Mapping[str, torch.Tensor] | None = None,
     bucket_bytes: int = 256 << 20,
     stats: ReshardStats | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -296,7 +319,7 @@ def iter_vllm_slices(
     `iter_hf_weights`; the yielded tensors are fresh (or live parameters when PP = 1 for
     replicated tensors): never write to them."""
     stats = stats if stats is not None else ReshardStats()
-    yield from _stream(gpt, model, parallel, bucket_bytes, stats, slices=True)
+    yield from _stream(gpt, model, parallel, bucket_bytes, stats, slices=True, params=params)
 
 
 def _counted(pairs: list | Iterator, stats: ReshardStats) -> Iterator[tuple[str, torch.Tensor]]:
@@ -319,9 +342,74 @@ def _shares(t: torch.Tensor, buf: torch.Tensor) -> bool:
 
 
 def export_hf(gpt: torch.nn.Module, out_dir: str, model: ModelConfig, parallel: ParallelConfig,
-              *, bucket_bytes: int = 256 << 20) -> None:
+              *, params: Mapping[str, torch.Tensor] | None = None,
+              bucket_bytes: int = 256 << 20) -> None:
     """Writes the sharded policy as an HF checkpoint directory (global rank 0 writes; every rank
-    of the model-parallel group must call this)."""
+    of the model-parallel group must call this). `params` as for `iter_hf_weights` (a LoRA
+    policy: merged, `megagrpo.lora.parameters_for_refit`)."""
     write = dist.get_rank() == 0 if dist.is_initialized() else True
-    save_hf_dir(out_dir, model, iter_hf_weights(gpt, model, parallel, bucket_bytes=bucket_bytes),
-                write=write)
+    save_hf_dir(out_dir, model, iter_hf_weights(gpt, model, parallel, params=params,
+                                                bucket_bytes=bucket_bytes), write=write)
+
+
+# ---------------------------------------------------------------------- the sources
+@dataclass
+class Feed:
+    """One refit's stream: the (HF name, tensor) pairs as the engine takes them (lazy: nothing
+    is gathered until they are pulled) and the counters the source fills while they are."""
+
+    pairs: Iterator[tuple[str, torch.Tensor]]
+    stats: ReshardStats = field(default_factory=ReshardStats)
+
+    def gather_metrics(self) -> dict:
+        """What producing the pairs moved and cost (once they were all pulled)."""
+        return {"sync_bytes": self.stats.bytes, "sync_received_bytes": self.stats.received_bytes,
+                "sync_gather_s": self.stats.gather_s}
+
+    def metrics(self, load: WeightSyncStats) -> dict:
+        """The step's sync metrics after an engine consumed the pairs in `load` (vLLM's own
+        time: the whole update less the gather and the conversion it pulled)."""
+        return dict(self.gather_metrics(),
+                    sync_load_s=load.seconds - self.stats.gather_s - self.stats.convert_s)
+
+
+@dataclass(frozen=True)
+class FullWeights:
+    """Full HF tensors (TP gathered, PP broadcast, unfused), every rank of a model-parallel
+    group receiving all of them: engines of another TP than training's, the HF export, a
+    rollout rank's send."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    bucket_bytes: int = 256 << 20
+
+    def feed(self, policy: torch.nn.Module, params: Mapping[str, torch.Tensor] | None) -> Feed:
+        """The stream of `policy`'s stage (`params`: its parameters by local name; None: the
+        module's own, `stage_parameters`)."""
+        out = Feed(iter(()))
+        out.pairs = iter_hf_weights(policy, self.model, self.parallel, params=params,
+                                    bucket_bytes=self.bucket_bytes, stats=out.stats)
+        return out
+
+    def refit(self, policy: torch.nn.Module, feed: Callable[[], Feed],
+              deliver: Callable[[Feed], dict]) -> dict:
+        """One refit: the whole stream through the transport (`deliver`)."""
+        return deliver(feed())
+
+    def base_changed(self) -> None:
+        """Nothing to remember: every refit streams the whole policy."""
+
+    def checkpoint_parts(self) -> dict:
+        return {}
+
+
+@dataclass(frozen=True)
+class ShardSlices(FullWeights):
+    """Shard to shard: each rank's own vLLM slice of every tensor (`iter_vllm_slices`), for
+    engines of k = training TP ranks lined up with the training TP groups."""
+
+    def feed(self, policy: torch.nn.Module, params: Mapping[str, torch.Tensor] | None) -> Feed:
+        out = Feed(iter(()))
+        out.pairs = iter_vllm_slices(policy, self.model, self.parallel, params=params,
+                                     bucket_bytes=self.bucket_bytes, stats=out.stats)
+        return out

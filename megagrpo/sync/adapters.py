@@ -1,29 +1,34 @@
-"""Adapter-only vLLM refits for a LoRA policy.
+"""The weight sync's LoRA side: adapter-only vLLM refits (`AdapterSource`) and the merge
+(`MergeAdapters`, a transform) for a LoRA policy.
 
 vLLM serves the adapters itself (`enable_lora`, a `LoRARequest` on every generate): its engine
 holds the base W and the current adapter, and computes W x + s B A x like the trainer. After an
 update only the adapters change, so a refit writes them as a peft folder (a few MB, in the
 engine's own directory) and vLLM loads it as a new adapter, replacing the last one. The base is
 refit (W, adapters off) only when it changed: at the start and after a merge (a reference
-reset, `AdapterRefit.base_changed`). A merge leaves the policy unchanged, so vLLM's old base and
+reset, `AdapterSource.base_changed`). A merge leaves the policy unchanged, so vLLM's old base and
 old adapter still sample the policy until the next refit sends both.
 
 When vLLM cannot serve the adapters (`unavailable` says why) the merged weights W + s B A are
-refit after each update instead (`megagrpo.lora.parameters_for_refit`), as for full fine-tuning.
+refit after each update instead, as for full fine-tuning: the `MergeAdapters` transform hands
+the source `megagrpo.lora.parameters_for_refit`'s merged view of the stage's parameters.
 """
 from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 
 from megagrpo.config.lora import LoRAConfig
-from megagrpo.config.model import ModelConfig, ParallelConfig
-from megagrpo.lora import adapters_disabled
+from megagrpo.config.model import ModelConfig
+from megagrpo.lora import adapters_disabled, parameters_for_refit
 from megagrpo.lora_export import gather_adapters, save_peft_adapter
+from megagrpo.model import unwrap
+from megagrpo.sync.source import Feed, FullWeights
+from megagrpo.sync.transforms import Transform
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM 0.32 accepts as max_lora_rank (vllm/config/lora.py, MaxLoRARanks)."""
@@ -77,21 +82,46 @@ def _cannot_serve(lora: LoRAConfig, rollout_tp: int, model: ModelConfig | None) 
     return ""
 
 
-class AdapterRefit:
-    """The refit of a LoRA policy into a vLLM engine started with its LoRA support."""
+class MergeAdapters(Transform):
+    """A LoRA policy whose engine does not serve its adapters: the source streams the merged
+    weights W + s B A (read one tensor at a time, `megagrpo.lora.MergedParams`) under the
+    base's names, so names, shapes and dtypes are the base's (`emits` is the default)."""
 
-    def __init__(self, cfg: LoRAConfig, folder: str | Path):
+    def parameters(self, gpt: torch.nn.Module, params: Mapping[str, torch.Tensor] | None
+                   ) -> Mapping[str, torch.Tensor]:
+        return parameters_for_refit(unwrap(gpt))
+
+
+class AdapterSource:
+    """The refit of a LoRA policy into a vLLM engine started with its LoRA support: the base
+    through the weight stream (`base`, adapters off) when it changed, then the adapters as a
+    peft folder the engine loads as a new LoRA adapter. A checkpoint part
+    (`checkpoint_parts`): a merge not refit yet."""
+
+    def __init__(self, cfg: LoRAConfig, folder: str | Path, engine, base: FullWeights):
         self.cfg = cfg
         self.folder = Path(folder)
+        self.engine = engine
+        self.base = base
+        """The weight stream of the base (full weights or shard slices)."""
         self.base_stale = True
         """Whether vLLM's base differs from the policy's (start, after a merge)."""
         self._count = 0
         self._stale_after_first = False
         """A resumed run: whether the run it continues had a merge pending its refit."""
 
+    def feed(self, policy: torch.nn.Module, params: Mapping[str, torch.Tensor] | None) -> Feed:
+        """The base's stream: the stage's parameters without the adapters (their merged view,
+        which `refit` reads with the adapters off: W)."""
+        return self.base.feed(policy, parameters_for_refit(unwrap(policy)) if params is None
+                              else params)
+
     def base_changed(self) -> None:
         """A merge edited W: the next refit sends the base too."""
         self.base_stale = True
+
+    def checkpoint_parts(self) -> dict[str, AdapterSource]:
+        return {"adapter_refit": self}
 
     def state_dict(self) -> dict:
         """For the checkpoint (a key of trainer_state.json): a merge not refit yet."""
@@ -105,9 +135,8 @@ class AdapterRefit:
         right after a merge)."""
         self._stale_after_first = bool(state.get("adapter_base_stale", False))
 
-    def sync(self, policy, engine, model: ModelConfig, parallel: ParallelConfig,
-             full_refit: Callable[[], dict]) -> dict:
-        """The base through `full_refit` (the trainer's weight feed, run with the adapters off)
+    def refit(self, policy, feed: Callable[[], Feed], deliver: Callable[[Feed], dict]) -> dict:
+        """The base through `deliver` (the transport, the stream run with the adapters off)
         when it changed, then the adapters as a new LoRA adapter of the engine. Collective over
         the model-parallel group. Returns the sync metrics (sync_bytes: base + adapters)."""
         out = {"sync_bytes": 0, "sync_received_bytes": 0, "sync_gather_s": 0.0,
@@ -115,15 +144,15 @@ class AdapterRefit:
         base = self.base_stale
         if base:
             with adapters_disabled(policy):  # the feed streams W, not W + s B A
-                out = full_refit()
+                out = deliver(feed())
             self.base_stale, self._stale_after_first = self._stale_after_first, False
         t0 = time.perf_counter()
-        tensors = gather_adapters(policy, model, parallel)
+        tensors = gather_adapters(policy, self.base.model, self.base.parallel)
         self._count += 1
         folder = self.folder / f"adapter_{self._count}"
         save_peft_adapter(folder, tensors, self.cfg, base="")
         t1 = time.perf_counter()
-        engine.load_adapter(str(folder))
+        self.engine.load_adapter(str(folder))
         shutil.rmtree(self.folder / f"adapter_{self._count - 1}", ignore_errors=True)
         nbytes = adapter_bytes(tensors)
         out.update(sync_bytes=out["sync_bytes"] + nbytes, sync_adapter_bytes=nbytes,
