@@ -86,9 +86,9 @@ def preflight(cfg: TrainConfig, world_size: int | None = None, warn: bool = True
     cfg = dataclasses.replace(cfg, parallel=parallel)
     cfg.validate(world_size)
     check_paths(cfg.data)
-    from megagrpo.rewards import resolve_terms  # imports torch: after the config-only checks
+    from megagrpo.reward import check_source  # imports torch: after the config-only checks
 
-    resolve_terms(cfg.reward)
+    check_source(cfg.reward)
     check_environment(cfg)
     task = load_task(cfg.data, cfg.arithmetic)
     task = check_tool_environment(cfg, task)

@@ -63,7 +63,7 @@ from megagrpo.placement import (
 from megagrpo.preflight import Preflight, preflight
 from megagrpo.procs import follow_parent
 from megagrpo.reference import Reference
-from megagrpo.rewards import RewardFn
+from megagrpo.reward import build_rewards
 from megagrpo.rng import RankRng
 from megagrpo.rollout import RolloutCollector
 from megagrpo.run_dir import check_out_dir
@@ -161,8 +161,9 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                                       dtype=model_cfg.dtype))
     else:
         rollouts = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
-                                    reward_fn=RewardFn(cfg.reward), layout=layout, ranks=ranks,
-                                    groups=groups, stop_ids=tokens.stop_ids)
+                                    rewards=build_rewards(cfg.reward, _env_reward(cfg)),
+                                    layout=layout, ranks=ranks, groups=groups,
+                                    stop_ids=tokens.stop_ids)
     tr = Trainer(cfg, model_cfg=model_cfg, policy=policy, optimizer=optimizer,
                  reference=reference, rollouts=rollouts, task=task, ranks=ranks, groups=groups,
                  tokens=tokens)
@@ -312,7 +313,7 @@ def serve_rollouts(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | No
     loader = PromptLoader(task.train, cfg.data.batch_size, 0, 1, seed=cfg.data.seed,
                           shuffle=cfg.data.shuffle)
     collector = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
-                                 reward_fn=RewardFn(cfg.reward), layout=layout,
+                                 rewards=build_rewards(cfg.reward, _env_reward(cfg)), layout=layout,
                                  stop_ids=(tok.eos_id, *task.stop_ids))
     done = serve(cfg, place, collector, watchdog)
     log.info("rollout rank %d: %d batches sampled over %d weight syncs", rank, done["batches"],
@@ -444,3 +445,8 @@ def _write_summary(cfg: TrainConfig, summary: dict) -> None:
     except Exception as e:  # plotting must never cost a finished run
         log.warning("curves.png not written: %s", e)
     print("\n" + summary_table(summary, out), flush=True)
+
+
+def _env_reward(cfg: TrainConfig) -> str:
+    """How trajectories' environment rewards join the reward source's (agent.env_reward)."""
+    return cfg.agent.env_reward if cfg.agent.enabled else "none"

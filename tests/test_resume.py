@@ -343,9 +343,9 @@ if __name__ == "__main__":  # spawned helpers import this file too: keep its top
     if sys.argv[1] == "megagrpo":
         procs.watched_checkpoint_queue()
     filesystem_async._get_write_results_queue()  # what every torch_dist save calls
-    scorer = rewards.RewardFn(RewardConfig(terms=[{"name": "exact_match"}], isolation="process",
+    scorer = rewards.RuleTerms(RewardConfig(terms=[{"name": "exact_match"}], isolation="process",
                                            num_workers=1))
-    scorer.score(["a"], ["a"])
+    scorer.score_texts(["a"], ["a"])
     print(flush=True)
     time.sleep(300)
 """
