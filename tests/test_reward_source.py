@@ -204,3 +204,5 @@ def test_a_second_source_is_chosen_by_config():
         check_source(RewardConfig(source="toy_length"))
     with pytest.raises(ValueError, match="reward.source='nope'"):
         check_source(RewardConfig(source="nope"))
+    with pytest.raises(ValueError, match="reward.options=.*reward.source=rules"):
+        RewardConfig(options={"scale": 1}).validate()

@@ -173,6 +173,10 @@ class RewardConfig(Section):
         if not self.source:
             raise ValueError("reward.source is empty: use 'rules' (the terms) or a registered "
                              "source name")
+        if self.source == "rules" and self.options:
+            raise ValueError(f"reward.options={self.options} with reward.source=rules: the rules "
+                             "source reads reward.terms (put keyword arguments in a term's "
+                             "kwargs) or name the source these options are for")
         if not self.terms:
             raise ValueError("reward.terms is empty: give at least one {name, weight, kwargs}")
         for term in self.terms:
