@@ -337,7 +337,8 @@ import sys, time
 
 if __name__ == "__main__":  # spawned helpers import this file too: keep its top level bare
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from megagrpo import procs, rewards
+    from megagrpo import procs
+    from megagrpo import reward as rewards
     from megagrpo.config.data import RewardConfig
 
     if sys.argv[1] == "megagrpo":
