@@ -10,7 +10,7 @@ What is the same as grpo_step.py (benchmarks/_workloads.py defines the workloads
 reference), the precision (dtype=float32, or dtype=bfloat16 with bf16=True), the prompts (the
 task's templated training prompts, token ids checked against megagrpo's), the tokenizer (the
 arithmetic task's sentencepiece model rebuilt as a `PreTrainedTokenizerFast`, checked id for
-id; SmolLM2's own), the reward (megagrpo's `RewardFn` on the workload's reward terms: the
+id; SmolLM2's own), the reward (megagrpo's `RuleTerms` on the workload's reward terms: the
 arithmetic reward, or math-verify), G, prompts per step, the minibatch structure
 (algo.num_minibatches optimizer steps per generation, each over micro-batches of megagrpo's
 micro-batch size, so TRL computes old log-probs exactly when megagrpo must), max completion
@@ -56,7 +56,7 @@ from transformers import TrainerCallback  # noqa: E402
 
 import _workloads as W  # noqa: E402
 from megagrpo.data import encode_prompt  # noqa: E402
-from megagrpo.rewards import RewardFn  # noqa: E402
+from megagrpo.reward import RuleTerms  # noqa: E402
 from megagrpo.tasks import build_task  # noqa: E402
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -116,13 +116,13 @@ def _timed(acc: dict, phase: str, fn, *args, **kwargs):
         acc[phase] += time.perf_counter() - t0
 
 
-def make_reward(reward_fn: RewardFn, lengths: list[list[int]]):
+def make_reward(reward_fn: RuleTerms, lengths: list[list[int]]):
     """megagrpo's configured reward in TRL's signature; records each generation's completion
     lengths (tokens)."""
 
     def megagrpo_reward(prompts, completions, completion_ids, answer, **kw):
         lengths.append([len(ids) for ids in completion_ids])
-        return reward_fn.score(list(completions), list(answer))[0].tolist()
+        return reward_fn.score_texts(list(completions), list(answer))[0].tolist()
 
     return megagrpo_reward
 
@@ -185,7 +185,7 @@ def run(w: W.Workload, dtype: str, warmup: int, steps: int, threads: int,
     args, per_step = grpo_args(cfg, dtype, warmup + steps + 1)
     lengths: list[list[int]] = []
     timer = StepTimer(per_step)
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=make_reward(RewardFn(cfg.reward), lengths),
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=make_reward(RuleTerms(cfg.reward), lengths),
                           args=args, train_dataset=data, processing_class=tok, callbacks=[timer])
     # rollout: tokenize + generate + decode; rollout+score: + rewards, advantages, old and
     # reference log-probs (TRL's whole "make a batch" call)

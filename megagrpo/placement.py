@@ -275,7 +275,9 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
         before = loader.state_dict()
         examples = next(loader)
         prompts = [_encode(tok, e.prompt) for e in examples]
-        args, first = (prompts, [e.answer for e in examples], mine, collector.sampling()), sync
+        args = (prompts, [e.answer for e in examples], mine, collector.sampling(),
+                [e.record for e in examples], [e.prompt for e in examples])
+        first = sync
         if getattr(collector.engine, "inflight", None) is None:
             comps, rewards, metrics = collector._generate(*args)
         else:

@@ -95,9 +95,9 @@ def preflight(cfg: TrainConfig, world_size: int | None = None, warn: bool = True
     cfg.validate(world_size)
     check_transport(cfg.sync.resolved(cfg.rollout))
     check_paths(cfg.data)
-    from megagrpo.rewards import resolve_terms  # imports torch: after the config-only checks
+    from megagrpo.reward import check_source  # imports torch: after the config-only checks
 
-    resolve_terms(cfg.reward)
+    check_source(cfg.reward)
     check_environment(cfg)
     task = load_task(cfg.data, cfg.arithmetic)
     task = check_tool_environment(cfg, task)

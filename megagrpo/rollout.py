@@ -11,8 +11,11 @@ colocated `megagrpo.stream.RolloutSource`: with k = rollout.max_staleness >= 1 i
 batches drawn ahead, drawing them on a side thread that runs no collective (gloo groups are not
 for concurrent use) while a step trains; k = 0 draws each batch when the step asks.
 With the agent on (cfg.agent), sampling and evaluation run multi-turn trajectories through
-`megagrpo.agent.runner.TrajectoryRunner` (the prompts' data records build the environments) and
-the environments' rewards join the reward terms'.
+`megagrpo.agent.runner.TrajectoryRunner` (the prompts' data records build the environments).
+Scoring goes through the reward component (`megagrpo.reward.Rewards`, built once at set-up) on
+whole samples (prompt, completion or trajectory, data record; the environments' per-turn rewards
+join there); a batch drawn ahead keeps its pending scores until it is gathered, so a source that
+scores asynchronously overlaps later sampling.
 """
 from __future__ import annotations
 
@@ -32,12 +35,12 @@ from megagrpo.config.train import TrainConfig
 from megagrpo.data import encode_prompt
 from megagrpo.distributed import Groups, Ranks, any_rank
 from megagrpo.engine import Completion, SamplingSettings
+from megagrpo.reward import PendingScores, Rewards, samples_of
 from megagrpo.stream import Rollout, StreamStats, stamp
 
 if TYPE_CHECKING:
     from megagrpo.data import Example, PromptLoader
     from megagrpo.engine import RolloutEngine
-    from megagrpo.rewards import RewardFn
 
 
 @dataclass
@@ -56,9 +59,22 @@ class Drawn:
     loader_state: dict = field(default_factory=dict)
     """The loader's position before this batch was drawn: where a resume that cannot restore
     the batch itself draws it again."""
+    pending: PendingScores | None = None
+    """Scores not awaited yet (`resolve` fills `rewards`, `metrics` and each `correct`)."""
+
+    def resolve(self) -> Drawn:
+        """Waits for pending scores and records them (no-op once scored)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            rewards, metrics = record_scores(self.completions, pending)
+            self.rewards, self.metrics = rewards.tolist(), dict(self.metrics, **metrics)
+        return self
 
     def state_dict(self) -> dict:
-        return dataclasses.asdict(self)  # completions included, as dicts
+        self.resolve()
+        state = dataclasses.asdict(dataclasses.replace(self, pending=None))
+        del state["pending"]
+        return state  # completions included, as dicts
 
     @classmethod
     def from_state(cls, state: dict) -> Drawn:
@@ -87,7 +103,8 @@ class RolloutCollector:
     loader: PromptLoader
     """This DP replica's prompt stream."""
     tokenizer: object
-    reward_fn: RewardFn
+    rewards: Rewards
+    """The reward component (`megagrpo.reward.build_rewards`)."""
     layout: RolloutLayout
     """Which ranks form this rank's engine and which prompts it samples."""
     ranks: Ranks = field(default_factory=Ranks)
@@ -114,21 +131,23 @@ class RolloutCollector:
                 agent=self.cfg.agent, max_model_len=self.cfg.rollout.max_model_len)
 
     # ------------------------------------------------------------------ shared
-    def score(self, comps: list[Completion], answers: list[str]
-              ) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """Decodes and rewards completions: (rewards [n], correct [n] bool, reward metrics)."""
-        if not comps:
-            return torch.zeros(0), torch.zeros(0, dtype=torch.bool), {}
-        texts = [c.text or self.tokenizer.decode(c.token_ids) for c in comps]
-        rewards, per_term, metrics = self.reward_fn.score(texts, answers)
-        return rewards, self.reward_fn.correct(per_term).bool(), metrics
-
     def _generate(self, prompts: list[list[int]], answers: list[str], mine: list[int],
-                  sampling: SamplingSettings, records: list[dict] | None = None
+                  sampling: SamplingSettings, records: list[dict] | None = None,
+                  texts: list[str] | None = None
                   ) -> tuple[list[Completion], torch.Tensor, dict]:
+        """`_sample`, its scores awaited: (completions, rewards [n], reward metrics)."""
+        comps, pending = self._sample(prompts, answers, mine, sampling, records, texts)
+        rewards, metrics = record_scores(comps, pending)
+        return comps, rewards, metrics
+
+    def _sample(self, prompts: list[list[int]], answers: list[str], mine: list[int],
+                sampling: SamplingSettings, records: list[dict] | None = None,
+                texts: list[str] | None = None) -> tuple[list[Completion], PendingScores]:
         """Generates the `mine` prompts on this rank's engine (multi-turn trajectories through
-        `runner` when the agent is on: `records` are the prompts' data records); the engine's
-        leader (its TP rank 0) scores and reports them, the other ranks report nothing."""
+        `runner` when the agent is on) and submits them to the reward component as whole
+        samples (`records`: the prompts' data records, `texts`: their text, decoded from the
+        ids when not given); the engine's leader (its TP rank 0) scores and reports them, the
+        other ranks report nothing. Each completion's `prompt_index` indexes `prompts`."""
         if not mine:
             comps = []
         elif self.runner is not None:
@@ -139,13 +158,18 @@ class RolloutCollector:
             comps = self.engine.generate([prompts[i] for i in mine], sampling)
         if not self.layout.is_leader:
             comps = []
-        rewards, correct, metrics = self.score(comps, [answers[mine[c.prompt_index]]
-                                                        for c in comps])
-        if self.runner is not None and comps:  # agent.env_reward joined them per trajectory
-            rewards = rewards + torch.tensor([c.env_reward for c in comps], dtype=rewards.dtype)
-        for c, ok in zip(comps, correct.tolist()):
-            c.prompt_index, c.correct = mine[c.prompt_index], bool(ok)
-        return comps, rewards, metrics
+        for c in comps:
+            c.prompt_index = mine[c.prompt_index]
+        if texts is None:  # decoded where no caller had the text: only the prompts scored
+            texts = {p: self.tokenizer.decode(prompts[p]) for p in {c.prompt_index for c in comps}}
+        samples = samples_of(comps, [c.prompt_index for c in comps], prompts=prompts,
+                             texts=texts, answers=answers,
+                             records=records if records is not None else [{}] * len(prompts),
+                             decode=self._decode)
+        return comps, self.rewards.submit(samples)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
 
     # ------------------------------------------------------------------ rollouts
     def sampling(self) -> SamplingSettings:
@@ -172,23 +196,24 @@ class RolloutCollector:
         examples, epoch, before = self._next_examples()
         prompts = [encode_prompt(self.tokenizer, e.prompt) for e in examples]
         answers = [e.answer for e in examples]
-        # the environments' inputs; not gathered (pooled layout) when no environment reads them
-        records = [e.record if self.runner else {} for e in examples]
-        pool = (self._pool(prompts, answers, records) if self.layout.pooled
-                else (prompts, answers, records))
+        # the environments' and the reward source's inputs
+        records, texts = [e.record for e in examples], [e.prompt for e in examples]
+        pool = (self._pool(prompts, answers, records, texts) if self.layout.pooled
+                else (prompts, answers, records, texts))
         mine = self.layout.prompt_indices(len(pool[0]))  # this rank's engine's slice
-        comps, rewards, metrics = self._generate(pool[0], pool[1], mine, self.sampling(),
-                                                 pool[2])
+        comps, pending = self._sample(pool[0], pool[1], mine, self.sampling(), pool[2], pool[3])
         stamp(comps, version)
         self.stats.draw_s += time.perf_counter() - t0  # one thread draws at a time
-        return Drawn(prompts, answers, epoch, version, comps, rewards.tolist(), metrics,
-                     loader_state=before)
+        # scores are awaited when the batch is gathered (`Drawn.resolve`)
+        return Drawn(prompts, answers, epoch, version, comps, [], {}, loader_state=before,
+                     pending=pending)
 
     def gather(self, drawn: Drawn) -> Rollout:
         """All-gathers the slices over the replica (pooled layout: the world, then keeps this
         replica's prompts), so every rank of the replica holds the whole batch."""
         pooled, n = self.layout.pooled, len(drawn.prompts)
         group = self.groups.world if pooled else self.groups.replica
+        drawn.resolve()
         local = (drawn.completions, drawn.rewards, drawn.metrics)
         size = dist.get_world_size(group=group) if dist.is_initialized() else 1
         parts = [local] if size == 1 else [None] * size
@@ -208,16 +233,16 @@ class RolloutCollector:
                        rewards=torch.tensor([rw for _, rw in merged]), version=drawn.version,
                        epoch=drawn.epoch, metrics=metrics)
 
-    def _pool(self, prompts: list[list[int]], answers: list[str], records: list[dict]
-              ) -> tuple[list, list, list]:
-        """Pooled layout: every replica's prompts, answers and records, replica-major
-        [dp * B]."""
+    def _pool(self, prompts: list[list[int]], answers: list[str], records: list[dict],
+              texts: list[str]) -> tuple[list, list, list, list]:
+        """Pooled layout: every replica's prompts, answers, records and prompt texts,
+        replica-major [dp * B]."""
         parts = [None] * dist.get_world_size(group=self.groups.world)
-        dist.all_gather_object(parts, (self.ranks.dp_rank, prompts, answers, records),
+        dist.all_gather_object(parts, (self.ranks.dp_rank, prompts, answers, records, texts),
                                group=self.groups.world)
-        by_replica = {d: (p, a, r) for d, p, a, r in parts}
+        by_replica = {d: rest for d, *rest in parts}
         dp = self.ranks.dp
-        return tuple([x for d in range(dp) for x in by_replica[d][k]] for k in range(3))
+        return tuple([x for d in range(dp) for x in by_replica[d][k]] for k in range(4))
 
     def rollout(self, version: int, drawn: Drawn | None = None) -> Rollout:
         """Samples G completions for a batch of prompts; with dynamic sampling, tops the batch
@@ -329,7 +354,8 @@ class RolloutCollector:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, examples: list[Example]) -> float:
         """Greedy accuracy on held-out examples, split over the vLLM engines: the share whose
-        correctness term (`RewardFn.correct`) scores >= 1, whatever the other terms add.
+        reward source calls correct (the rules source: its correctness term scores >= 1,
+        whatever the other terms add).
         With the agent on: greedy multi-turn trajectories, turns ending at rollout.stop too."""
         lay = self.layout  # each engine evaluates its slice; its TP rank 0 counts it
         mine = list(range(lay.engine, len(examples), lay.num_engines))
@@ -338,7 +364,7 @@ class RolloutCollector:
                              stop_token_ids=self.stop_ids)
         prompts = [encode_prompt(self.tokenizer, e.prompt) for e in examples]
         comps, _, _ = self._generate(prompts, [e.answer for e in examples], mine, s,
-                                     [e.record for e in examples])
+                                     [e.record for e in examples], [e.prompt for e in examples])
         counted = float(len(mine)) if lay.is_leader else 0.0
         v = torch.tensor([float(sum(c.correct for c in comps)), counted], dtype=torch.float64)
         if dist.is_initialized():
@@ -347,6 +373,18 @@ class RolloutCollector:
 
 
 # ---------------------------------------------------------------------- helpers
+def record_scores(comps: list[Completion], pending: PendingScores) -> tuple[torch.Tensor, dict]:
+    """Awaits a batch's scores and marks each completion's verdict (`correct`) and joined
+    environment reward: (rewards [n] float32, reward metrics)."""
+    scores = pending.result()
+    env = scores.per_term.get("environment")
+    for i, (c, ok) in enumerate(zip(comps, scores.correctness().tolist(), strict=True)):
+        c.correct = bool(ok)
+        if env is not None:
+            c.env_reward = float(env[i])
+    return scores.rewards, scores.metrics
+
+
 def _sum_dicts(dicts: list[dict]) -> dict:
     out: dict = {}
     for d in dicts:

@@ -64,7 +64,7 @@ from megagrpo.placement import (
 from megagrpo.preflight import Preflight, preflight
 from megagrpo.procs import follow_parent
 from megagrpo.reference import Reference
-from megagrpo.rewards import RewardFn
+from megagrpo.reward import build_rewards
 from megagrpo.rng import RankRng
 from megagrpo.rollout import RolloutCollector
 from megagrpo.run_dir import check_out_dir
@@ -163,8 +163,9 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                                       dtype=model_cfg.dtype))
     else:
         rollouts = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
-                                    reward_fn=RewardFn(cfg.reward), layout=layout, ranks=ranks,
-                                    groups=groups, stop_ids=tokens.stop_ids)
+                                    rewards=build_rewards(cfg.reward, _env_reward(cfg)),
+                                    layout=layout, ranks=ranks, groups=groups,
+                                    stop_ids=tokens.stop_ids)
     weight_sync = build_weight_sync(cfg.sync, cfg.rollout, cfg.lora, model=model_cfg,
                                     parallel=cfg.parallel, engine=rollouts.engine,
                                     shard_to_shard=layout.shard_to_shard,
@@ -322,7 +323,7 @@ def serve_rollouts(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | No
     loader = PromptLoader(task.train, cfg.data.batch_size, 0, 1, seed=cfg.data.seed,
                           shuffle=cfg.data.shuffle)
     collector = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
-                                 reward_fn=RewardFn(cfg.reward), layout=layout,
+                                 rewards=build_rewards(cfg.reward, _env_reward(cfg)), layout=layout,
                                  stop_ids=(tok.eos_id, *task.stop_ids))
     done = serve(cfg, place, collector, watchdog)
     log.info("rollout rank %d: %d batches sampled over %d weight syncs", rank, done["batches"],
@@ -453,3 +454,8 @@ def _write_summary(cfg: TrainConfig, summary: dict) -> None:
     except Exception as e:  # plotting must never cost a finished run
         log.warning("curves.png not written: %s", e)
     print("\n" + summary_table(summary, out), flush=True)
+
+
+def _env_reward(cfg: TrainConfig) -> str:
+    """How trajectories' environment rewards join the reward source's (agent.env_reward)."""
+    return cfg.agent.env_reward if cfg.agent.enabled else "none"

@@ -63,7 +63,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     from megagrpo.config.data import RewardConfig, RewardTermConfig
-    from megagrpo.rewards import RewardFn
+    from megagrpo.reward import RuleTerms
     from megagrpo.run import setup
     from megagrpo.sync.source import iter_hf_weights, iter_vllm_slices
     from tests._trainer_worker import greedy_check, known_share_eval, make_config
@@ -85,7 +85,7 @@ def main():
     res["step"] = {k: v for k, v in tr.step().items() if isinstance(v, (int, float))}
     res["greedy_after_step"] = greedy_check(tr)
     res["logprob_gap"] = logprob_gap(tr)
-    res["eval_accuracy"] = known_share_eval(tr, RewardFn(RewardConfig(
+    res["eval_accuracy"] = known_share_eval(tr, RuleTerms(RewardConfig(
         terms=[RewardTermConfig(name="arithmetic")])))
     write_results(res, args.work)
 

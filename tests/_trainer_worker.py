@@ -227,12 +227,14 @@ def main():
 class HugeReward:
     """A reward function gone wrong: finite but absurd values (1e30 x a length score)."""
 
-    def score(self, texts, answers):
-        values = torch.tensor([1e30 * (1 + len(t)) for t in texts])
-        return values, {"huge": values}, {}
+    def score(self, samples):
+        from megagrpo.reward import Scores
 
-    def correct(self, per_term):
-        return per_term["huge"] >= 1.0
+        values = torch.tensor([1e30 * (1 + len(s.completion)) for s in samples])
+        return Scores(rewards=values, per_term={"huge": values}, correct=values >= 1.0)
+
+    def close(self):
+        pass
 
 
 def kl_in_reward_check(tr):
@@ -292,7 +294,8 @@ def known_share_eval(tr, reward_fn) -> dict:
     """evaluate() on the held-out prompts with answers chosen so that a known share is right:
     the greedy completions, decoded here on the engine with eval's sampling settings (rank 0's,
     broadcast: every engine must agree with them), are the answers of EVAL_RIGHT, and a wrong
-    answer (completion + "9") of the others. `reward_fn` is installed for the evaluation.
+    answer (completion + "9") of the others. `reward_fn` (a reward source) is installed for
+    the evaluation.
     Returns what evaluate() reports, the share the task's own check (arithmetic.reward) scores
     on the completions decoded here, and the share by construction."""
     from megagrpo.data import Example, encode_prompt
@@ -308,11 +311,13 @@ def known_share_eval(tr, reward_fn) -> dict:
     texts = box[0]
     examples = [Example(prompt=e.prompt, answer=t.strip() if i in EVAL_RIGHT else t.strip() + "9")
                 for i, (e, t) in enumerate(zip(evals, texts))]
-    saved, tr.rollouts.reward_fn = tr.rollouts.reward_fn, reward_fn
+    from megagrpo.reward import Rewards
+
+    saved, tr.rollouts.rewards = tr.rollouts.rewards, Rewards(reward_fn)
     try:
         acc = tr.evaluate(examples)
     finally:
-        tr.rollouts.reward_fn = saved
+        tr.rollouts.rewards = saved
     ref = sum(reward(t, e.answer) for t, e in zip(texts, examples)) / len(examples)
     return {"accuracy": acc, "reference": ref, "expected": len(EVAL_RIGHT) / len(examples)}
 
@@ -321,9 +326,9 @@ def eval_accuracy_check(tr):
     """known_share_eval with a second term that always pays 1: a summed reward >= 1 everywhere,
     so an accuracy counted on the sum instead of the correctness term would be 1."""
     from megagrpo.config.data import RewardConfig, RewardTermConfig
-    from megagrpo.rewards import RewardFn
+    from megagrpo.reward import RuleTerms
 
-    return known_share_eval(tr, RewardFn(RewardConfig(terms=[
+    return known_share_eval(tr, RuleTerms(RewardConfig(terms=[
         RewardTermConfig(name="arithmetic"),
         RewardTermConfig(name="format", kwargs={"pattern": ".*"})])))
 
@@ -413,7 +418,9 @@ def bad_steps_check(tr):
     for key, value in (("std_mode", "none"), ("mu", 1), ("loss_agg", "grpo")):
         setattr(tr.cfg.algo, key, value)
     tr.cfg.run.max_bad_steps = 2
-    saved, tr.rollouts.reward_fn = tr.rollouts.reward_fn, HugeReward()
+    from megagrpo.reward import Rewards
+
+    saved, tr.rollouts.rewards = tr.rollouts.rewards, Rewards(HugeReward())
     p0, opt0, version0 = local_params(tr.policy), tr.opt_steps, tr.version
     m = tr.step()
     out = {"rewards_step": {k: m[k] for k in ("nonfinite_rewards", "update_skipped",
@@ -431,7 +438,7 @@ def bad_steps_check(tr):
     p1 = local_params(tr.policy)
     out["params_unchanged"] = all(torch.equal(p0[n], p1[n]) for n in p0)
     out["opt_steps"], out["versions"] = tr.opt_steps - opt0, tr.version - version0
-    tr.rollouts.reward_fn = saved
+    tr.rollouts.rewards = saved
     return out
 
 

@@ -13,6 +13,7 @@ from megagrpo.checkpoint import load_tree, save_tree
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import Example, PromptLoader
+from megagrpo.reward import EnvironmentRewards, Rewards, Scores
 from megagrpo.rollout import RolloutCollector
 from tests.test_agent_runner import VOCAB, FakeEngine
 
@@ -30,12 +31,14 @@ class Tok:
 
 
 class Reward:
-    def score(self, texts, answers):
-        r = torch.tensor([float(len(t) % 2) for t in texts])
-        return r, {"r": r}, {}
+    """A reward source: 1 for an odd-length last turn."""
 
-    def correct(self, per_term):
-        return per_term["r"] >= 1
+    def score(self, samples):
+        r = torch.tensor([float(len(s.completion) % 2) for s in samples])
+        return Scores(rewards=r, per_term={"r": r}, correct=r >= 1)
+
+    def close(self):
+        pass
 
 
 def collector(tmp_path) -> RolloutCollector:
@@ -44,7 +47,8 @@ def collector(tmp_path) -> RolloutCollector:
     cfg.run.async_rollout, cfg.algo.group_size, cfg.rollout.max_tokens = True, 2, 8
     data = [Example(prompt=f"p{i}", answer="a", record={"k": i}) for i in range(8)]
     return RolloutCollector(cfg=cfg, engine=FakeEngine(), loader=PromptLoader(data, 4, seed=1),
-                            tokenizer=Tok(), reward_fn=Reward(),
+                            tokenizer=Tok(),
+                            rewards=Rewards(Reward(), EnvironmentRewards(cfg.agent.env_reward)),
                             layout=RolloutLayout(rank=0, world_size=1, engine_tp=1, train_tp=1,
                                                  train_pp=1))
 

@@ -104,7 +104,8 @@ def test_token_sequence_masks_and_calls():
         assert c.loss_mask == mask and c.logprobs == lps
         assert c.turns == 3 and c.truncation == "" and c.finish_reason == "stop"
         assert c.text == " ".join(map(str, c.token_ids[-4:]))  # the last turn's
-        assert (c.tool_calls, c.tool_errors, c.tool_seconds, c.env_reward) == (2, 1, 0.5, 2.0)
+        assert (c.tool_calls, c.tool_errors, c.tool_seconds) == (2, 1, 0.5)
+        assert c.turn_rewards == [0.5, 0.5, 1.0]  # joined by megagrpo.reward.environment
         # later turns continued from the exact token prefix
         k = c.prompt_index * 2 + c.sample_index
         assert eng.calls[1][0][k] == want_prefixes[1] and eng.calls[2][0][k] == want_prefixes[2]
@@ -149,7 +150,7 @@ def test_truncation_causes():
     c, _, _ = run(Endless, max_turns=2, env_reward="last")
     for x in c:  # the last observation is not appended
         assert x.truncation == "max_turns" and x.turns == 2 and len(x.token_ids) == 4 + 3 + 4
-        assert x.loss_mask == [True] * 4 + [False] * 3 + [True] * 4 and x.env_reward == 1.0
+        assert x.loss_mask == [True] * 4 + [False] * 3 + [True] * 4 and x.turn_rewards == [0.0, 1.0]
     c, eng, _ = run(Endless, max_total_tokens=13, max_turns=4)
     # turn 1: 4 + obs 3, turn 2: 4 (11 used), the observation would reach 14 > 13: stop
     assert all(x.truncation == "token_budget" and len(x.token_ids) == 11 for x in c)

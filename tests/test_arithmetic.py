@@ -2,7 +2,7 @@
 import pytest
 
 from megagrpo.config.data import ArithmeticConfig, DataConfig, RewardConfig
-from megagrpo.rewards import RewardFn
+from megagrpo.reward import RuleTerms
 from megagrpo.tasks import arithmetic, build_task
 
 
@@ -51,7 +51,8 @@ def test_reward():
     assert arithmetic.reward("19=3", "19", strict=False) == 1.0
     assert arithmetic.reward("-4x", "-4", strict=False) == 1.0
     assert arithmetic.reward("", "0", strict=False) == 0.0
-    total, _, metrics = RewardFn(RewardConfig()).score(["19", "20"], ["19", "19"])  # default term
+    # the default term
+    total, _, metrics = RuleTerms(RewardConfig()).score_texts(["19", "20"], ["19", "19"])
     assert total.tolist() == [1.0, 0.0] and metrics["reward_errors"] == 0
 
 

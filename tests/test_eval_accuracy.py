@@ -5,15 +5,15 @@ import pytest
 import torch
 
 from megagrpo.config.data import RewardConfig, RewardTermConfig
-from megagrpo.rewards import RewardFn
+from megagrpo.reward import RuleTerms
 
 ALWAYS = dict(name="format", kwargs={"pattern": ".*"})  # 1.0 for any completion
 
 
 def test_first_term_decides_by_default():
-    fn = RewardFn(RewardConfig(terms=[RewardTermConfig(name="arithmetic"),
+    fn = RuleTerms(RewardConfig(terms=[RewardTermConfig(name="arithmetic"),
                                       RewardTermConfig(**ALWAYS)]))
-    total, per_term, _ = fn.score(["19", "5", ""], ["19", "19", "3"])
+    total, per_term, _ = fn.score_texts(["19", "5", ""], ["19", "19", "3"])
     assert total.tolist() == [2.0, 1.0, 1.0]  # the sum would call every answer correct
     assert fn.correctness_label == "arithmetic"
     assert fn.correct(per_term).tolist() == [True, False, False]
@@ -22,8 +22,8 @@ def test_first_term_decides_by_default():
 def test_marked_term_decides_and_weights_do_not_count():
     terms = [RewardTermConfig(**ALWAYS, weight=0.1),
              RewardTermConfig(name="arithmetic", weight=0.5, correctness=True)]
-    fn = RewardFn(RewardConfig(terms=terms))
-    total, per_term, _ = fn.score(["19", "5"], ["19", "19"])
+    fn = RuleTerms(RewardConfig(terms=terms))
+    total, per_term, _ = fn.score_texts(["19", "5"], ["19", "19"])
     assert torch.allclose(total, torch.tensor([0.6, 0.1]))  # weighted sums stay below 1
     assert fn.correct(per_term).tolist() == [True, False]  # the unweighted term is 1
 

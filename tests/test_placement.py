@@ -31,6 +31,7 @@ from megagrpo.data import Example, PromptLoader
 from megagrpo.distributed import Ranks
 from megagrpo.engine import Completion, WeightSyncStats
 from megagrpo.placement import Placement, RemoteEngine, SeparateSource, receive_weights, serve
+from megagrpo.reward import Rewards
 from megagrpo.rollout import RolloutCollector
 from megagrpo.sync.transports.collective import Collective
 from tests.support.cli import run_cli
@@ -138,7 +139,8 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
     engines, served = [engine(), engine()], {}
     rollout_threads = []
     for j in range(2):
-        col = RolloutCollector(cfg=cfg, engine=engines[j], tokenizer=Tok(), reward_fn=Reward(),
+        col = RolloutCollector(cfg=cfg, engine=engines[j], tokenizer=Tok(),
+                               rewards=Rewards(Reward()),
                                loader=PromptLoader(data, B, seed=3),
                                layout=RolloutLayout(rank=0, world_size=1, engine_tp=1,
                                                     train_tp=1, train_pp=1))

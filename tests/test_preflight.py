@@ -189,13 +189,13 @@ def user_rewards(tmp_path, monkeypatch) -> str:
     ("[{name: nonsense}]", r"reward 'nonsense': use one of \["),
 ])
 def test_reward_terms_resolve_and_bind_before_start(user_rewards, terms, match):
-    from megagrpo.rewards import RewardFn
+    from megagrpo.reward import RuleTerms
 
     cfg = load_config(DEMO, [f"reward.terms={terms}"])
     with pytest.raises(ValueError, match=match):
         preflight(cfg, 2)
     with pytest.raises(ValueError, match=match):  # the direct API refuses the same
-        RewardFn(cfg.reward)
+        RuleTerms(cfg.reward)
 
 
 def test_reward_keywords_that_bind_pass(user_rewards):

@@ -337,15 +337,16 @@ import sys, time
 
 if __name__ == "__main__":  # spawned helpers import this file too: keep its top level bare
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from megagrpo import procs, rewards
+    from megagrpo import procs
+    from megagrpo import reward as rewards
     from megagrpo.config.data import RewardConfig
 
     if sys.argv[1] == "megagrpo":
         procs.watched_checkpoint_queue()
     filesystem_async._get_write_results_queue()  # what every torch_dist save calls
-    scorer = rewards.RewardFn(RewardConfig(terms=[{"name": "exact_match"}], isolation="process",
+    scorer = rewards.RuleTerms(RewardConfig(terms=[{"name": "exact_match"}], isolation="process",
                                            num_workers=1))
-    scorer.score(["a"], ["a"])
+    scorer.score_texts(["a"], ["a"])
     print(flush=True)
     time.sleep(300)
 """

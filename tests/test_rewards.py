@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from megagrpo import rewards
+from megagrpo import reward as rewards
 from megagrpo.config.data import RewardConfig, RewardTermConfig
 
 USER_MODULE = """
@@ -60,7 +60,7 @@ def test_format_reward():
 
 def test_math_verify_reward_in_worker_threads():
     cfg = RewardConfig(terms=[RewardTermConfig(name="math")], timeout_s=20.0)
-    total, _, metrics = rewards.RewardFn(cfg).score(
+    total, _, metrics = rewards.RuleTerms(cfg).score_texts(
         ["The answer is $\\frac{1}{2}$.", "so \\boxed{0.5}", "it is $3$"],
         ["0.5", "$\\frac12$", "4"],
     )
@@ -78,7 +78,7 @@ def test_weighted_sum_and_user_function(user_module):
         {"name": f"{user_module}:length", "weight": 0.5, "kwargs": {"scale": 0.1}},
         {"name": "exact_match", "weight": 1.0, "kwargs": {"pattern": r"(\d+)$"}},
     ])
-    total, per_term, metrics = rewards.RewardFn(cfg).score(["7", "ab 8"], ["7", "8"])
+    total, per_term, metrics = rewards.RuleTerms(cfg).score_texts(["7", "ab 8"], ["7", "8"])
     em = [1.0, 0.0]
     length = [0.1 * 1, 0.1 * 4]
     em2 = [1.0, 1.0]
@@ -96,7 +96,7 @@ def test_errors_and_timeouts_score_zero_and_are_counted(user_module):
         timeout_s=0.2,
     )
     t0 = time.perf_counter()
-    total, per_term, metrics = rewards.RewardFn(cfg).score(["5", "6"], ["5", "5"])
+    total, per_term, metrics = rewards.RuleTerms(cfg).score_texts(["5", "6"], ["5", "5"])
     elapsed = time.perf_counter() - t0
     assert elapsed < 1.0  # two 0.2 s deadlines, not two 1 s sleeps
     assert total.tolist() == [10.0, 0.0]
@@ -119,7 +119,7 @@ def test_resolve_errors_and_config_validation():
 
 def test_no_isolation_calls_directly():
     cfg = RewardConfig(terms=[{"name": "exact_match"}], isolation="none")
-    total, _, _ = rewards.RewardFn(cfg).score(["a"], ["A"])
+    total, _, _ = rewards.RuleTerms(cfg).score_texts(["a"], ["A"])
     assert torch.equal(total, torch.tensor([1.0]))
 
 
@@ -130,9 +130,9 @@ def test_process_isolation_kills_overrunning_calls(user_module):
                {"name": f"{user_module}:length", "kwargs": {"scale": 2.0}}],
         timeout_s=0.2, isolation="process", num_workers=1,
     )
-    scorer = rewards.RewardFn(cfg)
+    scorer = rewards.RuleTerms(cfg)
     try:
-        total, per_term, metrics = scorer.score(["abc"], [""])
+        total, per_term, metrics = scorer.score_texts(["abc"], [""])
         assert per_term[f"{user_module}:slow"].tolist() == [0.0]
         assert total.tolist() == [6.0]  # the pool came back after the kill
         assert metrics["reward_timeouts"] == 1 and metrics["reward_errors"] == 1
@@ -156,12 +156,12 @@ def test_hanging_reward_leaves_a_bounded_number_of_threads(user_module, caplog):
     assert rewards.stuck_reward_threads() == 0
     cfg = RewardConfig(terms=[{"name": f"{user_module}:hang"}, {"name": "exact_match"}],
                        timeout_s=0.1, max_stuck_threads=3, num_workers=1)
-    scorer = rewards.RewardFn(cfg)
+    scorer = rewards.RuleTerms(cfg)
     stuck, isolation = [], []
     try:
         with caplog.at_level(logging.WARNING, logger="megagrpo"):
             for _ in range(3):
-                total, per_term, m = scorer.score(["7", "8"], ["7", "7"])
+                total, per_term, m = scorer.score_texts(["7", "8"], ["7", "7"])
                 assert total.tolist() == [1.0, 0.0]  # exact_match still counts, the hang is 0
                 assert per_term[f"{user_module}:hang"].tolist() == [0.0, 0.0]
                 assert m["reward_timeouts"] == 2

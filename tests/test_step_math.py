@@ -11,6 +11,7 @@ from megagrpo.advantage import advantages, kl_penalized_rewards
 from megagrpo.batch import pack
 from megagrpo.config.train import TrainConfig
 from megagrpo.losses import LossContext, grpo_loss
+from megagrpo.reward import Rewards, Scores
 from megagrpo.trainer import Trainer
 
 G, BETA = 4, 0.04
@@ -168,7 +169,7 @@ def test_trainer_state_round_trips_through_json():
         data = [Example(prompt=f"p{i}", answer=str(i)) for i in range(12)]
         loader = PromptLoader(data, 4, seed=3)
         rollouts = RolloutCollector(cfg=cfg, engine=None, loader=loader, tokenizer=None,
-                                    reward_fn=None, layout=None)
+                                    rewards=None, layout=None)
         ref = Reference.__new__(Reference)  # the schedule's state only: no model needed here
         ref.state = ReferenceState()
         return Trainer(cfg, reference=ref, rollouts=rollouts)
@@ -212,17 +213,17 @@ def test_async_rollout_thread_failure_stops_the_step():
             return [1, 2]
 
     class Reward:
-        def score(self, texts, answers):
-            return torch.zeros(len(texts)), {"r": torch.ones(len(texts))}, {}
+        def score(self, samples):
+            return Scores(rewards=torch.zeros(len(samples)), correct=torch.ones(len(samples)))
 
-        def correct(self, per_term):
-            return per_term["r"] >= 1
+        def close(self):
+            pass
 
     cfg = TrainConfig()
     cfg.run.async_rollout, cfg.algo.group_size = True, 2
     loader = PromptLoader([Example(prompt=f"p{i}", answer="a") for i in range(8)], 4)
     c = RolloutCollector(cfg=cfg, engine=Engine(), loader=loader, tokenizer=Tok(),
-                         reward_fn=Reward(), layout=RolloutLayout(rank=0, world_size=1,
+                         rewards=Rewards(Reward()), layout=RolloutLayout(rank=0, world_size=1,
                                                                   engine_tp=1, train_tp=1,
                                                                   train_pp=1))
     ro = c.next(version=0)  # this step's batch; the next one is drawn on the thread

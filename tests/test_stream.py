@@ -24,6 +24,7 @@ from megagrpo.console import Progress
 from megagrpo.data import Example, PromptLoader
 from megagrpo.engine import Completion
 from megagrpo.reference import ReferenceSchedule, ReferenceState
+from megagrpo.reward import Rewards, Scores
 from megagrpo.rollout import RolloutCollector
 from megagrpo.stream import Rollout, RolloutSource, stale_weights
 from megagrpo.trainer import Trainer
@@ -51,12 +52,14 @@ class Tok:
 
 
 class Reward:
-    def score(self, texts, answers):
-        r = torch.tensor([float(t == a) for t, a in zip(texts, answers)])
-        return r, {"r": r}, {}
+    """A reward source: 1 where the completion is the answer."""
 
-    def correct(self, per_term):
-        return per_term["r"] >= 1
+    def score(self, samples):
+        r = torch.tensor([float(s.completion == s.answer) for s in samples])
+        return Scores(rewards=r, per_term={"r": r}, correct=r >= 1)
+
+    def close(self):
+        pass
 
 
 def _config(k: int | None = None, **rollout) -> TrainConfig:
@@ -70,7 +73,8 @@ def _config(k: int | None = None, **rollout) -> TrainConfig:
 
 def _collector(k: int, n_prompts: int = 12, batch: int = 2) -> RolloutCollector:
     data = [Example(prompt=str(100 + i), answer=str(100 + i)) for i in range(n_prompts)]
-    return RolloutCollector(cfg=_config(k), engine=Engine(), tokenizer=Tok(), reward_fn=Reward(),
+    return RolloutCollector(cfg=_config(k), engine=Engine(), tokenizer=Tok(),
+                            rewards=Rewards(Reward()),
                             loader=PromptLoader(data, batch, seed=3),
                             layout=RolloutLayout(rank=0, world_size=1, engine_tp=1, train_tp=1,
                                                  train_pp=1))

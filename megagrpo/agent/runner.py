@@ -225,14 +225,11 @@ class TrajectoryRunner:
             self._env_error(t, e, "closing")
 
     def _completion(self, t: _Trajectory) -> Completion:
-        mode = self.agent.env_reward
-        env_reward = (sum(t.rewards) if mode == "sum"
-                      else (t.rewards[-1] if t.rewards else 0.0) if mode == "last" else 0.0)
         return Completion(prompt_index=t.prompt_index, sample_index=t.sample_index,
                           token_ids=t.ids, logprobs=t.logprobs, finish_reason=t.finish,
                           text=t.text, loss_mask=t.mask, turns=t.turns, tool_calls=t.calls,
                           tool_errors=t.errors, tool_seconds=t.seconds,
-                          env_reward=float(env_reward), truncation=t.truncation)
+                          turn_rewards=list(t.rewards), truncation=t.truncation)
 
 
 def agent_metrics(comps: list[Completion]) -> dict[str, float]:

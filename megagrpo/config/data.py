@@ -144,8 +144,14 @@ class RewardTermConfig(Section):
 
 @dataclass(kw_only=True)
 class RewardConfig(Section):
-    """Rule-based rewards: a weighted sum of terms, each call under a deadline."""
+    """Rewards: a source scoring whole samples (default 'rules': a weighted sum of rule terms,
+    each call under a deadline)."""
 
+    source: str = "rules"
+    """Reward source (megagrpo.reward): 'rules' (the terms below), another registered name (a
+    module of megagrpo/reward/ registering it) or 'module:Class'."""
+    options: dict = field(default_factory=dict)
+    """Keyword options of a source other than 'rules' (it reads them from this section)."""
     terms: list[RewardTermConfig] = field(
         default_factory=lambda: [RewardTermConfig(name="arithmetic")]
     )
@@ -164,6 +170,13 @@ class RewardConfig(Section):
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field and what would be valid."""
+        if not self.source:
+            raise ValueError("reward.source is empty: use 'rules' (the terms) or a registered "
+                             "source name")
+        if self.source == "rules" and self.options:
+            raise ValueError(f"reward.options={self.options} with reward.source=rules: the rules "
+                             "source reads reward.terms (put keyword arguments in a term's "
+                             "kwargs) or name the source these options are for")
         if not self.terms:
             raise ValueError("reward.terms is empty: give at least one {name, weight, kwargs}")
         for term in self.terms:

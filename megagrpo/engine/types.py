@@ -76,8 +76,11 @@ class Completion:
     """Of those, the failed ones."""
     tool_seconds: float = 0.0
     """Wall time the environment spent in tools."""
+    turn_rewards: list[float] | None = None
+    """Multi-turn: the environment's reward after each assistant turn (None: single-turn)."""
     env_reward: float = 0.0
-    """The environment's rewards, joined as agent.env_reward says (added to the reward terms')."""
+    """The environment's rewards as the reward component joined them (agent.env_reward; set
+    when the sample is scored, megagrpo.reward.environment)."""
     truncation: str = ""
     """Why the trajectory was cut short: '' (it ended: done, or a single-turn sample),
     'turn_length' (a turn hit rollout.max_tokens: not continued), 'max_turns', 'token_budget'

@@ -1,0 +1,117 @@
+"""The reward seam: a `RewardSource` scores a batch of whole samples; a registry builds the
+configured one by name.
+
+`score(samples)` returns `Scores` or a `concurrent.futures.Future` of them: a source that runs
+elsewhere (a reward model on another device, a remote service, a pool) returns at once and the
+collector awaits the result when it gathers the batch, so scoring overlaps later sampling.
+Adding a source is one module in this folder that registers a builder under a name
+(`@register_source("name")`), selected by `reward.source: name`; `module:Class` names a source
+outside the package. A builder is called with the `RewardConfig` (its `options` are the
+source's own keyword arguments) and may define `check(cfg)` (run in the preflight, before
+compute).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from megagrpo.config.data import RewardConfig
+from megagrpo.names import import_object
+from megagrpo.reward.sample import Sample
+
+
+@dataclass
+class Scores:
+    """A batch's rewards."""
+
+    rewards: Tensor
+    """[n] float32 total reward per sample."""
+    per_term: dict[str, Tensor] = field(default_factory=dict)
+    """{term label: [n] float32 unweighted value}."""
+    correct: Tensor | None = None
+    """[n] bool: the sample counts as solved (held-out accuracy); None = rewards >= 1."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Scalars for the step's log (the trainer averages them over ranks by key)."""
+
+    def correctness(self) -> Tensor:
+        """[n] bool `correct`, or rewards >= 1 where the source gave none."""
+        return self.correct.bool() if self.correct is not None else self.rewards >= 1.0
+
+
+class RewardSource(Protocol):
+    """Scores whole samples, batched."""
+
+    def score(self, samples: list[Sample]) -> Scores | Future[Scores]: ...
+
+    def close(self) -> None: ...
+
+
+SourceBuilder = Callable[[RewardConfig], RewardSource]
+SOURCES: dict[str, SourceBuilder] = {}
+"""Registered reward sources by name (`reward.source`)."""
+
+
+def register_source(name: str) -> Callable[[SourceBuilder], SourceBuilder]:
+    """Class/function decorator: `reward.source: name` builds it with the `RewardConfig`."""
+    def add(builder: SourceBuilder) -> SourceBuilder:
+        SOURCES[name] = builder
+        return builder
+    return add
+
+
+def source_builder(name: str) -> SourceBuilder:
+    """The builder of `reward.source` name: registered, a module of this folder that registers
+    it (imported on first use), or `module:Class`. Raises ValueError naming the field."""
+    if name not in SOURCES and ":" not in name and name.isidentifier():
+        module = f"{__package__}.{name}"
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
+    if name in SOURCES:
+        return SOURCES[name]
+    if ":" in name:
+        try:
+            return import_object(name, f"reward.source {name!r}")
+        except ValueError as e:
+            raise ValueError(f"reward.source: {e}") from None
+    raise ValueError(f"reward.source={name!r}: use one of {sorted(SOURCES)} (or a module of "
+                     f"megagrpo/reward/ that registers that name), or 'module:Class'")
+
+
+def check_source(cfg: RewardConfig) -> None:
+    """Preflight: the configured source resolves and accepts its section (no scoring)."""
+    builder = source_builder(cfg.source)
+    check = getattr(builder, "check", None)
+    if check is not None:
+        check(cfg)
+
+
+class PendingScores:
+    """Scores that may still be computing: `result()` waits for them."""
+
+    def __init__(self, parts: list[Scores | Future[Scores]],
+                 join: Callable[[list[Scores]], Scores]) -> None:
+        self.parts, self.join = parts, join
+        self._done: Scores | None = None
+
+    def done(self) -> bool:
+        return self._done is not None or all(
+            not isinstance(p, Future) or p.done() for p in self.parts)
+
+    def result(self) -> Scores:
+        """The joined scores (waits for any future; a source's exception is raised here)."""
+        if self._done is None:
+            self._done = self.join([p.result() if isinstance(p, Future) else p
+                                    for p in self.parts])
+            self.parts = []
+        return self._done
+
+
+def empty_scores() -> Scores:
+    return Scores(rewards=torch.zeros(0), correct=torch.zeros(0, dtype=torch.bool))
