@@ -28,7 +28,9 @@ WORKER = os.path.join(os.path.dirname(__file__), "_compile_worker.py")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     if not (shutil.which("g++") or shutil.which("c++")):
-        pytest.skip("inductor needs a C++ compiler")
+        # compute.compile_layers=auto (the default) compiles wherever a compiler is found; CI
+        # must have one (scripts/setup_venv.sh refuses to set up without it), so never skip there
+        (pytest.fail if os.environ.get("CI") else pytest.skip)("inductor needs a C++ compiler")
     return torchrun_results(WORKER, 1, tmp_path_factory.mktemp("compile"))[0]
 
 
