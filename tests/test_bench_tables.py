@@ -1,0 +1,73 @@
+"""The benchmarks' table generators on one synthetic row each, against the row written out by
+hand (ratios, percentages and rounding computed here, not by the generator): the doc checks
+compare a generator with itself on the committed results, which a wrong ratio passes."""
+import json
+from pathlib import Path
+
+from tests.test_benchmarks import _bench_module
+
+
+def _jsonl(tmp_path, *rows) -> str:
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_multiturn_table(tmp_path):
+    row = {"workload": "calc", "mode": "async", "turns": 2.5, "tool_calls": 1.5,
+           "model_tokens_per_traj": 30.3, "env_tokens_per_traj": 10.04, "step_s": 4.0,
+           "rollout_s": 1.0, "model_tokens_per_s": 242.4, "env_tokens_per_s": 80.3,
+           "tool_share": 0.125, "loadavg_1m_start": 1.0, "loadavg_1m_end": 3.5,
+           "cpu": "CPU X", "cores": 2, "nproc": 2}
+    lines = _bench_module("multiturn").table(Path(_jsonl(tmp_path, row))).splitlines()
+    assert lines[2] == ("| calc | async | 2.50 | 1.50 | 30.3 | 10.0 | 4.00 | 1.00 | 242 | 80 "
+                        "| 12.5% |")
+    assert lines[-1] == "CPU X, 2 cores, 2 ranks; 1-minute load average 1.0-3.5 during the runs."
+
+
+def test_weight_sync_table(tmp_path):
+    row = {"size": "tiny", "bytes": 3.2e6, "sync_s": 0.5, "disk_total_s": 2.0, "memcpy_s": 0.1,
+           "engine_load_s": 0.25, "repack_s": 0.3, "plain_copy_s": 0.2, "decode_plain_s": 1.5,
+           "decode_packed_s": 1.0}
+    lines = _bench_module("weight_sync").table(_jsonl(tmp_path, {"other": 1}, row)).splitlines()
+    assert lines[2:] == ["| tiny | 3 MB | 0.500 | 2.000 | 4.00x | 5.0x | 0.250 | 0.300 | 0.200 "
+                         "| 3.0x | 1.50x |"]
+
+
+def test_lora_decode_table_groups_a_run_from_its_merged_row(tmp_path):
+    first = {"model": "/m/SmolLM2-135M", "rank": 8, "prompts": 4, "new_tokens": 256,
+             "cpu": "EPYC", "cpu_capability": "avx2", "threads": 2, "load_avg": 1.5}
+    rows = [dict(first, mode="merged", tokens_per_s=400.4),
+            dict(first, mode="adapter", tokens_per_s=100.0, vs_merged=0.25),
+            dict(first, mode="base", tokens_per_s=380.0, vs_merged=0.949),
+            dict(first, mode="merged", tokens_per_s=50.0, rank=16)]
+    lines = _bench_module("lora_decode").table(_jsonl(tmp_path, *rows)).splitlines()
+    assert lines[2:] == [
+        "| SmolLM2-135M, r8, 4 x 64 tokens | EPYC (avx2, 2 threads) | 1.5 | 400 | 100 (0.25x) "
+        "| 380 (0.95x) |",
+        "| SmolLM2-135M, r16, 4 x 64 tokens | EPYC (avx2, 2 threads) | 1.5 | 50 |  |  |"]
+
+
+def test_rollout_settings_table(tmp_path):
+    row = {"variant": "a", "overrides": ["rollout.max_num_seqs=32"],
+           "env": {"OMP_NUM_THREADS": "2"}, "best_s": 1.5, "median_s": 2.0,
+           "gen_tokens_per_s": 512.6, "floor_frac": 0.4567, "gemm_gflops": 100.0,
+           "mem_read_gbs": 20.0, "loadavg_1m": 1.0}
+    plain = dict(row, variant="b", overrides=[], env={})
+    lines = _bench_module("rollout_settings").table(
+        _jsonl(tmp_path, {"machine": 1}, row, plain)).splitlines()
+    assert lines[2:] == [
+        "| a | rollout.max_num_seqs=32, OMP_NUM_THREADS=2 | 1.500 s | 2.000 s | 513 | 45.7% "
+        "| 100 GFLOP/s / 20 GB/s | 1.00 |",
+        "| b | the workload as is | 1.500 s | 2.000 s | 513 | 45.7% | 100 GFLOP/s / 20 GB/s "
+        "| 1.00 |"]
+
+
+def test_moe_routing_table(tmp_path):
+    row = {"dtype": "bf16", "cpu": "X", "tokens_compared": 100, "routing_mismatch_pairs": 0.0123,
+           "routing_mismatch_tokens": 0.05, "logp_gap_mean": 1.5e-3, "logp_gap_max": 0.02,
+           "logp_gap_mean_same_routing": 1e-6, "logp_gap_mean_replayed": 2e-7,
+           "logp_gap_max_replayed": 3e-6}
+    lines = _bench_module("moe_routing").table(_jsonl(tmp_path, row)).splitlines()
+    assert lines[2:] == ["| bf16 | X | 100 | 1.23% | 5.00% | 1.50e-03 / 2.00e-02 | 1.00e-06 "
+                         "| 2.00e-07 / 3.00e-06 |"]
