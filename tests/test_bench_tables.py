@@ -71,3 +71,17 @@ def test_moe_routing_table(tmp_path):
     lines = _bench_module("moe_routing").table(_jsonl(tmp_path, row)).splitlines()
     assert lines[2:] == ["| bf16 | X | 100 | 1.23% | 5.00% | 1.50e-03 / 2.00e-02 | 1.00e-06 "
                          "| 2.00e-07 / 3.00e-06 |"]
+
+
+def test_rollout_floor_table_keeps_the_newest_record_per_workload(tmp_path):
+    row = {"system": "megagrpo", "workload": "tiny", "dtype": "float32", "nproc": 2,
+           "mem_read_gbs": 12.34, "time_rollout_s": 2.0, "floor_rollout_flops_only_s": 0.5,
+           "floor_rollout_s": 1.0, "floor_frac_rollout": 0.5, "rollout_decode_flop_s": 0.25,
+           "rollout_decode_byte_s": 0.75, "rollout_decode_steps": 10,
+           "rollout_bandwidth_bound_steps": 4, "gemm_gflops": 99.6, "loadavg_1m": 1.5}
+    older = dict(row, time_rollout_s=9.0)
+    lines = _bench_module("rollout_floor").table(
+        _jsonl(tmp_path, older, dict(row, system="trl"), row)).splitlines()
+    assert lines[2:] == [
+        "| tiny | float32 | 2 | 2.000 s | 0.500 s (25.0%) | 1.000 s (50.0%) | 0.250 / 0.750 s "
+        "| FLOPs on 6, bandwidth on 4 of 10 decode steps | 100 GFLOP/s | 12.3 GB/s | 1.50 |"]
