@@ -85,3 +85,16 @@ def test_rollout_floor_table_keeps_the_newest_record_per_workload(tmp_path):
     assert lines[2:] == [
         "| tiny | float32 | 2 | 2.000 s | 0.500 s (25.0%) | 1.000 s (50.0%) | 0.250 / 0.750 s "
         "| FLOPs on 6, bandwidth on 4 of 10 decode steps | 100 GFLOP/s | 12.3 GB/s | 1.50 |"]
+
+
+def test_kernels_table(tmp_path):
+    rows = [{"check": "grads vs float64", "ok": True},
+            {"V_local": 1024, "path": "triton", "fwd_bwd_s": 0.00125, "peak_extra_pct": 12.34,
+             "frac_of_copy": 0.456, "T": 4096, "dtype": "bf16", "device": "H200"},
+            {"V_local": 512, "path": "torch", "fwd_bwd_s": 0.004, "peak_extra_pct": 200.0,
+             "T": 4096, "dtype": "bf16", "device": "H200"}]
+    lines = _bench_module("kernels").table(_jsonl(tmp_path, *rows)).splitlines()
+    assert lines[2:] == [
+        "| 1024 | triton | 1.25 ms | 12.3% | 46% |", "| 512 | torch | 4.00 ms | 200.0% | - |", "",
+        "T = 4096 tokens, bf16, on H200; V_local = V/tp stands for TP = 1, 2, 4 on one device; "
+        "float64 check: grads vs float64, passed."]
