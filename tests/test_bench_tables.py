@@ -98,3 +98,38 @@ def test_kernels_table(tmp_path):
         "| 1024 | triton | 1.25 ms | 12.3% | 46% |", "| 512 | torch | 4.00 ms | 200.0% | - |", "",
         "T = 4096 tokens, bf16, on H200; V_local = V/tp stands for TP = 1, 2, 4 on one device; "
         "float64 check: grads vs float64, passed."]
+
+
+def test_lora_memory_table(tmp_path):
+    mib = 2**20
+    common = {"workload": "tiny", "params": 1_000_000, "dtype": "float32", "cpu": "X",
+              "threads": 2, "seq": 64, "repeats": 3, "reference_bytes": 0}
+    full = dict(common, mode="full", trainable=1_000_000, memory_per_rank_bytes=16 * mib,
+                weights_bytes=4 * mib, grad_buffer_bytes=4 * mib, opt_state_bytes=8 * mib,
+                refit_full_bytes=4 * mib, refit_full_s=0.1, step_s=0.2, loadavg_1m=1.0)
+    lora = dict(common, mode="lora", lora_rank=8, lora_targets=["qkv", "proj"],
+                trainable=10_000, memory_per_rank_bytes=4 * mib, weights_bytes=4 * mib,
+                grad_buffer_bytes=mib // 2, opt_state_bytes=mib, refit_adapter_bytes=mib // 64,
+                refit_after_merge_bytes=4 * mib + mib // 64, refit_merged_bytes=4 * mib,
+                refit_adapter_s=0.01, refit_after_merge_s=0.11, refit_merged_s=0.1, step_s=0.1,
+                loadavg_1m=2.5)
+    stale = dict(full, weights_bytes=1)  # an older line of the same (workload, mode)
+    text = _bench_module("lora_memory").table(_jsonl(tmp_path, stale, full, lora))
+    assert text.splitlines() == [
+        "**tiny** (1,000,000 parameters, float32, LoRA rank 8 on qkv,proj; X, 2 thread(s), "
+        "load average 1.00 / 2.50, seq 64, median of 3)", "",
+        "| | full | LoRA | LoRA / full |", "|---|---|---|---|",
+        "| trainable parameters | 1,000,000 | 10,000 | 1.0% |",
+        "| memory per rank (weights + grads + Adam + reference) | 16.00 MiB | 4.00 MiB | 25.0% |",
+        "| weights | 4.00 MiB | 4.00 MiB | 100.0% |",
+        "| DDP grad buffers (fp32) | 4.00 MiB | 0.50 MiB | 12.5% |",
+        "| Adam state | 8.00 MiB | 1.00 MiB | 12.5% |",
+        "| reference copy | 0 | 0 | - |",
+        "| refit bytes per step, between merges (adapters) | 4.00 MiB | 0.02 MiB | 0.4% |",
+        "| refit bytes, step after a merge (base + adapters) | 4.00 MiB | 4.02 MiB | 100.4% |",
+        "| refit bytes per step, merged fallback | 4.00 MiB | 4.00 MiB | 100.0% |",
+        "| refit time per step, between merges (trainer side) | 100.0 ms | 10.0 ms | 10.0% |",
+        "| refit time, step after a merge | 100.0 ms | 110.0 ms | 110.0% |",
+        "| refit time per step, merged fallback | 100.0 ms | 100.0 ms | 100.0% |",
+        "| step time (fwd + bwd + Adam, 1 x seq tokens) | 200.0 ms | 100.0 ms | 50.0% |", "",
+        "Refit bytes between merges: 0.39% of full fine-tuning's (target <= 2%: met)."]
