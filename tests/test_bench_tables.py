@@ -133,3 +133,21 @@ def test_lora_memory_table(tmp_path):
         "| refit time per step, merged fallback | 100.0 ms | 100.0 ms | 100.0% |",
         "| step time (fwd + bwd + Adam, 1 x seq tokens) | 200.0 ms | 100.0 ms | 50.0% |", "",
         "Refit bytes between merges: 0.39% of full fine-tuning's (target <= 2%: met)."]
+
+
+def test_layer_split_compiled_table_pairs_each_compiled_row_with_the_faster_eager_one(tmp_path):
+    shapes = {"hidden": 64, "ffn": 128, "layers": 2}
+    eager = {"preset": "tiny", "shapes": shapes, "threads": 1, "neighbour_threads": 0,
+             "tokens": 32, "dtype": "float32", "rest_share": 0.25, "floor_frac": 0.1}
+    compiled = dict(eager, step_s=0.15, load_avg_1m=1.5, rest_s=0.02, rest_share=0.1333,
+                    floor_frac=0.125,
+                    compiled={"graphs": 1.0, "compile_s": 12.3, "grad_max_rel_diff": 3.2e-7})
+    rows = [dict(eager, step_s=0.2, load_avg_1m=1.0, rest_s=0.07),
+            compiled,
+            dict(eager, step_s=0.18, load_avg_1m=2.0, rest_s=0.05),  # the faster eager row
+            dict(compiled, neighbour_threads=2),  # beside a busy process: not compared
+            dict(compiled, preset="other")]  # no eager row of its shapes: left out
+    lines = _bench_module("layer_split").compiled_table(_jsonl(tmp_path, *rows)).splitlines()
+    assert lines[2:] == [
+        "| tiny (h 64, ffn 128, 2 layers, 32 tokens, float32) | 1 | 1.0/2.0 / 1.5 | 200 / 180 ms "
+        "| 150 ms | 0.83x | 50 -> 20 ms (25% -> 13%) | 10.0% -> 12.5% | 2 | 12.3 s | 3.2e-07 |"]
