@@ -151,3 +151,24 @@ def test_layer_split_compiled_table_pairs_each_compiled_row_with_the_faster_eage
     assert lines[2:] == [
         "| tiny (h 64, ffn 128, 2 layers, 32 tokens, float32) | 1 | 1.0/2.0 / 1.5 | 200 / 180 ms "
         "| 150 ms | 0.83x | 50 -> 20 ms (25% -> 13%) | 10.0% -> 12.5% | 2 | 12.3 s | 3.2e-07 |"]
+
+
+def test_tools_demo_table_windows(tmp_path):
+    """12 steps: the first and last WINDOW = 5 steps' means, by hand."""
+    summary = {"eval_accuracy_init": 0.01, "eval_accuracy_before": 0.25,
+               "eval_accuracy_after": 0.875, "steps": 12, "sft_steps": 40, "sft_seconds": 90.0,
+               "wall_seconds": 600.0}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    steps = [{"step": k, "reward_mean": k / 10, "tool_calls": 2, "tool_errors": int(k <= 5)}
+             for k in range(1, 13)]
+    _jsonl(tmp_path, {"step": 6, "eval_accuracy": 0.5}, *steps)
+    (tmp_path / "r.jsonl").rename(tmp_path / "metrics.jsonl")
+    lines = _bench_module("tools_demo_report").table(tmp_path).splitlines()
+    assert lines[2:] == [
+        "| held-out accuracy (greedy): initial weights -> after the cold start | 0.010 | 0.250 |",
+        "| held-out accuracy: before -> after 12 GRPO steps | 0.250 | 0.875 |",
+        "| sampled trajectories (steps 1-5 -> steps 8-12): reward | 0.300 | 1.000 |",
+        "| well-formed tool calls per trajectory | 1.000 | 2.000 |",
+        "| malformed tool calls per trajectory | 1.000 | 0.000 |",
+        "| steps: cold start -> GRPO | 40 | 12 |",
+        "| wall time of the run (minutes): cold start -> all | 1.5 | 10.0 |"]
