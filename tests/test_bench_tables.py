@@ -172,3 +172,32 @@ def test_tools_demo_table_windows(tmp_path):
         "| malformed tool calls per trajectory | 1.000 | 0.000 |",
         "| steps: cold start -> GRPO | 40 | 12 |",
         "| wall time of the run (minutes): cold start -> all | 1.5 | 10.0 |"]
+
+
+def test_gpu_step_table_orders_and_keeps_the_newest_row(tmp_path):
+    base = {"bench": "gpu_step", "processed_tokens": 1024, "update_s": 0.25,
+            "tflops_update": 123.4, "mfu_update": 0.126, "score_s": 0.1, "tflops_score": 50.0,
+            "mfu_score": 0.05, "tokens_per_s_update": 4096.0, "tokens_per_s_score": 10240.0,
+            "peak_gib_update": 12.34, "peak_gib_score": 5.0, "compile_s": 0.0,
+            "loss_rel_diff": 1.5e-3, "grad_rel_diff": 2e-2, "device": "H200", "torch": "2.9",
+            "dtype": "bf16", "params": 1.5e9, "rows": 8, "seq": 512, "real_tokens": 3000,
+            "loss_tokens": 2000, "mm_tflops": 700.4, "mm_n": 8192, "layer_spec": "local",
+            "attention": "sdpa"}
+
+    def row(compile_layers, layout, output, **kw):
+        return dict(base, compile_layers=compile_layers, layout=layout, output=output, **kw)
+
+    rows = [row(False, "packed", "logits"), row(True, "padded", "fused", update_s=9.0),
+            row(False, "padded", "fused"), {"bench": "other"},
+            row(True, "padded", "fused", compile_s=12.6),
+            {"bench": "gpu_step", "compile_layers": True, "layout": "packed", "output": "logits",
+             "error": "OOM"}]
+    figures = "250 ms | 123 (13%) | 100 ms | 50 (5%) | 4096 / 10240 | 12.3 / 5.0"
+    lines = _bench_module("gpu_step").table(_jsonl(tmp_path, *rows)).splitlines()
+    assert lines[2:] == [
+        f"| off | padded (1024 tokens) | fused | {figures} | - | 1.5e-03 / 2.0e-02 |",
+        f"| off | packed (1024 tokens) | logits | {figures} | - | 1.5e-03 / 2.0e-02 |",
+        f"| on | padded (1024 tokens) | fused | {figures} | 13 s | 1.5e-03 / 2.0e-02 |",
+        "| on | packed | logits | failed: OOM | | | | | | | |", "",
+        "H200, torch 2.9, bf16, 1.50B parameters, 8 rows of up to 512 tokens (3000 real, 2000 "
+        "loss tokens); torch.mm 700 TFLOP/s at 8192^3; local layer spec, sdpa attention."]
