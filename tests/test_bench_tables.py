@@ -201,3 +201,25 @@ def test_gpu_step_table_orders_and_keeps_the_newest_row(tmp_path):
         "| on | packed | logits | failed: OOM | | | | | | | |", "",
         "H200, torch 2.9, bf16, 1.50B parameters, 8 rows of up to 512 tokens (3000 real, 2000 "
         "loss tokens); torch.mm 700 TFLOP/s at 8192^3; local layer spec, sdpa attention."]
+
+
+def test_demo_seeds_table_rows_and_spread(tmp_path):
+    """Two seeds of one tag (one reached the target, one hit the cap), seed 10 sorted after 2."""
+    bench = _bench_module("demo_seeds_report")
+    tag = "compiled-epyc25"
+    runs = {2: ({"sft_steps": 50, "sft_eval_accuracy": 0.3125, "steps": 120,
+                 "eval_target_step": 120, "eval_target_accuracy": 0.92,
+                 "eval_accuracy_after": 0.9375},
+                {"wall_seconds_command": 605.4, "load_mean": 3.04}),
+            10: ({"sft_steps": 100, "sft_eval_accuracy": 0.3, "steps": 600,
+                  "eval_target_accuracy": 0.92, "eval_accuracy_after": 0.875},
+                 {"wall_seconds_command": 3599.6, "load_mean": 5.26})}
+    for seed, (summary, run) in runs.items():
+        (tmp_path / f"seed{seed}-{tag}-summary.json").write_text(json.dumps(summary))
+        (tmp_path / f"seed{seed}-{tag}-run.json").write_text(json.dumps(run))
+    cpu = bench.TAGS[tag]
+    lines = bench.table(tmp_path).splitlines()
+    assert lines[2:] == [
+        f"| {cpu} | 2 | 50 -> 0.312 | 120 (reached 0.92) | 0.938 | 10 min 05 s (3.0) |",
+        f"| {cpu} | 10 | 100 -> 0.300 | 600 (cap; 0.92 not reached) | 0.875 | 60 min 00 s (5.3) |",
+        f"| {cpu} | spread | | | 0.875 - 0.938 | 10 min 05 s - 60 min 00 s |"]
