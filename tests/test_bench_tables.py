@@ -223,3 +223,17 @@ def test_demo_seeds_table_rows_and_spread(tmp_path):
         f"| {cpu} | 2 | 50 -> 0.312 | 120 (reached 0.92) | 0.938 | 10 min 05 s (3.0) |",
         f"| {cpu} | 10 | 100 -> 0.300 | 600 (cap; 0.92 not reached) | 0.875 | 60 min 00 s (5.3) |",
         f"| {cpu} | spread | | | 0.875 - 0.938 | 10 min 05 s - 60 min 00 s |"]
+
+
+def test_fused_output_fit_table(tmp_path):
+    fit = {"fit": True, "fixed_bytes": 10 * 2**20}
+    rows = [dict(fit, budget_gib=8, path="fused", bytes_per_token=1_234_567,
+                 fixed_bytes=3 * 2**20, max_tokens=5000, tokens_vs_logits_path=2.5),
+            dict(fit, budget_gib=8, path="logits", bytes_per_token=1, max_tokens=1),  # older
+            {"path": "logits", "T": 1},  # a timing row: not a fit line
+            dict(fit, budget_gib=8, path="logits", bytes_per_token=3e6, max_tokens=2000),
+            dict(fit, budget_gib=4, path="logits", bytes_per_token=3e6, max_tokens=900)]
+    lines = _bench_module("fused_output").fit_table(_jsonl(tmp_path, *rows)).splitlines()
+    assert lines == ["| (a) logits | 3.000 MB | 10 MiB | 900 tokens |",
+                     "| (a) logits | 3.000 MB | 10 MiB | 2000 tokens |",
+                     "| (b) fused output layer | 1.235 MB | 3 MiB | 5000 tokens (2.50x) |"]
