@@ -43,7 +43,8 @@ def rows(results: Path = RESULTS, tag: str = "compiled-epyc25") -> list[dict]:
 
 
 def _minutes(seconds: float) -> str:
-    return f"{int(seconds // 60)} min {int(round(seconds % 60)):02d} s"
+    m, s = divmod(round(seconds), 60)  # rounded first: 3599.6 s is 60 min 00 s, not 59 min 60 s
+    return f"{m} min {s:02d} s"
 
 
 def table(results: Path = RESULTS) -> str:

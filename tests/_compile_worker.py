@@ -80,6 +80,37 @@ def rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-30)) for x, y in zip(a, b))
 
 
+def weights_changed_in_place(model) -> dict[str, dict]:
+    """After tracing, the weights change in place as a run changes them (an optimizer step;
+    a reference reset copying the policy into the compiled reference): the compiled layers'
+    gradients and no-grad logits against the eager ones at the new weights, and the graphs
+    each made (none: the parameters are the graphs' inputs, not constants)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    grads(model, *SHAPES[1])
+    opt.step()
+    out = {"step": _compiled_vs_eager(model)}
+    g = torch.Generator().manual_seed(11)
+    source = [p.detach() * 0.9 + 0.02 * torch.randn(p.shape, generator=g)
+              for p in model.parameters()]
+    with torch.no_grad():
+        for p, src in zip(model.parameters(), source):
+            p.copy_(src)
+    out["reset"] = _compiled_vs_eager(model)
+    return out
+
+
+def _compiled_vs_eager(model) -> dict:
+    from megagrpo.compile import graph_count, use_compiled
+
+    use_compiled(model, False)
+    want, want_logits = grads(model, *SHAPES[1]), no_grad_logits(model)
+    use_compiled(model, True)
+    before = graph_count()
+    got, got_logits = grads(model, *SHAPES[1]), no_grad_logits(model)
+    return {"grad_rel_diff": rel(got, want), "no_grad_rel_diff": rel([got_logits], [want_logits]),
+            "new_graphs": graph_count() - before}
+
+
 def main() -> None:
     from torch._dynamo.utils import counters
 
@@ -119,6 +150,7 @@ def main() -> None:
     out["switched_on"] = use_compiled(model, True)
     out["switched_compiled_rel_diff"] = rel(grads(model, *SHAPES[0]), eager[0])
     out["switched_new_graphs"] = graph_count() - before
+    out["changed"] = weights_changed_in_place(model)
     out["graph_breaks"] = sum(counters["graph_break"].values())
     out["counters"] = {k: {str(n): v for n, v in c.items()} for k, c in counters.items()}
     write_results(out, args.work)

@@ -147,7 +147,9 @@ def run_layout(tag, tp, pp, dist_opt, work, results, load_from=None, sp=False):
     ddp = wrap_ddp(gpt, ocfg)
     opt = build_optimizer(ddp, ocfg)
     zero_grad(ddp, opt)
-    ids, labels = ref["ids"], ref["labels"]
+    # each DP rank its own rows (equal lengths: the mean over DP of the ranks' token means is
+    # the whole batch's), so the gradients equal the reference only through DDP's all-reduce
+    ids, labels = (t.chunk(info.dp)[info.dp_rank] for t in (ref["ids"], ref["labels"]))
     mbs = [(ids[i:i + 1], labels[i:i + 1]) for i in range(ids.shape[0])]
     forward_backward(ddp, ce_step(mcfg), mbs, len(mbs), seq_length=ids.shape[1],
                      micro_batch_size=1)

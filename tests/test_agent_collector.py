@@ -15,7 +15,7 @@ from megagrpo.config.train import TrainConfig
 from megagrpo.data import Example, PromptLoader
 from megagrpo.reward import EnvironmentRewards, Rewards, Scores
 from megagrpo.rollout import RolloutCollector
-from tests.test_agent_runner import VOCAB, FakeEngine
+from tests.test_agent_runner import VOCAB, FakeEngine, sample
 
 
 class Tok:
@@ -80,13 +80,33 @@ def test_pending_multi_turn_batch_survives_checkpoint(tmp_path):
     assert torch.equal(b1.rollout_logp, b2.rollout_logp)
 
 
+def greedy_text(i: int) -> str:
+    """The last turn's text of example `i`'s greedy trajectory, replayed from the fake engine's
+    rule: prompt 'p<i>' -> [1, 2 + i]; three turns of 4 ids (sample index 0), the Counter's
+    observation '<turn> <k>' between them."""
+    seq = [1, 2 + i]
+    for turn in range(3):
+        ids, _ = sample(seq, 0, 64, 4)
+        seq += ids
+        if turn < 2:
+            seq += [VOCAB + turn, VOCAB + i]
+    return " ".join(map(str, ids))
+
+
 def test_evaluation_runs_multi_turn(tmp_path):
+    """Greedy multi-turn evaluation: every turn's call is greedy with rollout.stop, and the
+    accuracy is the hand-counted share whose correctness term (odd text length) is met; the
+    Counter's env reward (2 per trajectory) must not count (summed rewards are all >= 2)."""
     c = collector(tmp_path)
-    data = [Example(prompt=f"p{i}", answer="a", record={"k": i}) for i in range(3)]
+    c.cfg.rollout.stop = ["</answer>"]
+    data = [Example(prompt=f"p{i}", answer="a", record={"k": i}) for i in range(8)]
+    want = sum(len(greedy_text(i)) % 2 for i in range(8)) / 8
+    assert 0 < want < 1  # the reference tells right from wrong
     acc = c.evaluate(data)
     calls = c.engine.calls
     assert len(calls) == 3 and all(s.temperature == 0.0 and s.n == 1 for _, s in calls)
-    assert 0.0 <= acc <= 1.0
+    assert all(s.stop == ("</answer>",) for _, s in calls)  # rollout.stop reaches the engine
+    assert acc == want
 
 
 def test_console_line_shows_turns_and_tool_calls_when_the_agent_is_on():

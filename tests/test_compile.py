@@ -28,7 +28,9 @@ WORKER = os.path.join(os.path.dirname(__file__), "_compile_worker.py")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     if not (shutil.which("g++") or shutil.which("c++")):
-        pytest.skip("inductor needs a C++ compiler")
+        # compute.compile_layers=auto (the default) compiles wherever a compiler is found; CI
+        # must have one (scripts/setup_venv.sh refuses to set up without it), so never skip there
+        (pytest.fail if os.environ.get("CI") else pytest.skip)("inductor needs a C++ compiler")
     return torchrun_results(WORKER, 1, tmp_path_factory.mktemp("compile"))[0]
 
 
@@ -39,6 +41,17 @@ def test_gradients_equal_eager(run):
     for p in run["passes"]:
         assert p["grad_rel_diff"] <= 1e-6, p
     assert run["no_grad_rel_diff"] <= 1e-6, run
+
+
+@pytest.mark.parametrize("change", ["step", "reset"])
+def test_compiled_layers_follow_weights_changed_in_place(run, change):
+    """After tracing, an optimizer step and a reference reset (a copy into the weights) change
+    the parameters in place: the compiled layers' gradients and no-grad logits still equal the
+    eager ones at the new weights within 1e-6 (weights baked in at tracing would not), with no
+    new graph."""
+    got = run["changed"][change]
+    assert got["grad_rel_diff"] <= 1e-6 and got["no_grad_rel_diff"] <= 1e-6, got
+    assert got["new_graphs"] == 0, got
 
 
 def test_one_graph_a_layer_no_breaks_no_recompiles(run):

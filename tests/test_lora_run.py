@@ -2,15 +2,16 @@
 reset after every step: it completes, each reset is a merge (the next step's reference equals
 the policy), vLLM serves the adapters (refit alone between merges, with the base after one) and
 its sampling log-probs stay within fp32 rounding of the trainer's, and the console names the path
-that runs. Heavy: a resume from the
-run's last checkpoint continues it with the adapters and the schedule."""
+that runs. Both refits: the adapters (lora.refit=adapter) and the merged weights W + s B A
+(lora.refit=merged, what `auto` picks on vLLM's CPU build). Heavy: a resume from the run's last
+checkpoint continues it with the adapters and the schedule."""
 import json
 
 import pytest
 
 from tests.support.cli import run_cli
 
-COMMON = ("lora.rank=8", "lora.alpha=16", "lora.refit=adapter", "reference.sync_every_steps=1",
+COMMON = ("lora.rank=8", "lora.alpha=16", "reference.sync_every_steps=1",
           "cold_start.steps=1",
           "eval.every=0", "arithmetic.num_eval=8", "data.batch_size=8", "algo.group_size=4",
           "algo.num_minibatches=2", "optim.lr=3e-3", "checkpoint.at_end=true",
@@ -29,18 +30,23 @@ def _records(out):
     return [r for r in map(json.loads, lines) if "reference_sync" in r]
 
 
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory):
+@pytest.fixture(scope="module", params=["adapter", "merged"])
+def lora_run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_run") / "run"
-    p = _demo(out, "run.steps=2")
-    return out, p.returncode, p.stdout + p.stderr
+    p = _demo(out, "run.steps=2", f"lora.refit={request.param}")
+    return out, p.returncode, p.stdout + p.stderr, request.param
+
+
+SAYS = {"adapter": "vLLM serves the adapters (LoRA request per rollout)",
+        "merged": "vLLM is refit with the merged weights (W + s B A) after each update "
+                  "(no adapter-only refit: lora.refit=merged)"}
 
 
 def test_lora_run_completes_and_says_what_runs(lora_run):
-    out, rc, console = lora_run
+    out, rc, console, refit = lora_run
     assert rc == 0, console[-4000:]
     assert "lora: rank 8, alpha 16" in console, console
-    assert "vLLM serves the adapters (LoRA request per rollout)" in console, console
+    assert SAYS[refit] in console, console
 
 
 def _peft_adapter_bytes(hf: dict, r: int) -> int:
@@ -55,19 +61,24 @@ def _peft_adapter_bytes(hf: dict, r: int) -> int:
 
 def test_lora_refit_is_adapter_only_between_merges(lora_run):
     """Step 1 follows the cold start's sync (which sent the merged base): its refit is the
-    adapters alone; step 1's reset merges, so step 2's refit sends the base again."""
-    out, rc, console = lora_run
+    adapters alone; step 1's reset merges, so step 2's refit sends the base again. Merged
+    refits send the whole model (merged) every time and no adapter."""
+    out, rc, console, refit = lora_run
     assert rc == 0, console[-4000:]
     recs = _records(out)
     hf = json.loads((out / "engine" / "rank0" / "config.json").read_text())
     want = _peft_adapter_bytes(hf, 8)
+    if refit == "merged":
+        assert all("sync_adapter_bytes" not in r for r in recs), recs
+        assert recs[0]["sync_bytes"] == recs[1]["sync_bytes"] > 4 * want
+        return
     assert [r["sync_adapter_bytes"] for r in recs] == [want, want]
     assert recs[0]["sync_base"] == 0.0 and recs[0]["sync_bytes"] == want
     assert recs[1]["sync_base"] == 1.0 and recs[1]["sync_bytes"] > 4 * want
 
 
 def test_lora_reset_is_a_merge_and_vllm_stays_in_step(lora_run):
-    out, rc, console = lora_run
+    out, rc, console, _ = lora_run
     assert rc == 0, console[-4000:]
     recs = _records(out)
     assert [r["reference_sync"] for r in recs] == ["steps", "steps"]
@@ -82,9 +93,10 @@ def test_lora_reset_is_a_merge_and_vllm_stays_in_step(lora_run):
 
 @pytest.mark.heavy
 def test_lora_run_resumes_from_its_checkpoint(lora_run):
-    out, rc, console = lora_run
+    out, rc, console, refit = lora_run
     assert rc == 0, console[-4000:]
-    p = _demo(out, "run.steps=3", "run.resume=true", "run.overwrite=false")
+    p = _demo(out, "run.steps=3", "run.resume=true", "run.overwrite=false",
+              f"lora.refit={refit}")
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     recs = _records(out)
     assert [r["step"] for r in recs][-1] == 3 and recs[-1]["logp_gap_vllm_mean"] < 1e-4

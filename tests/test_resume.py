@@ -162,12 +162,12 @@ def test_resumed_run_is_bitwise_the_uninterrupted_run(e2e):
             assert any(k.startswith("rollout.") and ".loss_mask." in k for k in state)
 
 
+@pytest.mark.heavy  # the LoRA runs are heavy; the default run's mode has no base to check
+@pytest.mark.parametrize("e2e", ["lora", "lora+merged"], indirect=True)  # the same runs
 def test_lora_resumes_with_and_without_the_base(e2e):
     """LoRA: the base is in a checkpoint only after a merge (and in the first one); the run
     resumed bitwise (above) from step 3, whose checkpoint wrote the base, and from step 5,
     whose checkpoint names the one step 3 wrote; the kept checkpoints keep theirs."""
-    if not e2e["mode"].startswith("lora"):
-        pytest.skip("LoRA runs only")
     from megagrpo.run_dir import refs_of
 
     root = e2e["cut"] / "checkpoints"

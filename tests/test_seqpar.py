@@ -146,14 +146,28 @@ def test_sp_packed_passes_equal_padded_layout_without_sp(run):
             assert rec[key] <= 1e-5, (key, rec)
 
 
+# Forward calls per micro-batch of the update pass, counted by the worker's hooks on the first
+# layer and its core attention: selective recomputes only the core attention in the backward,
+# full the whole layer (so its core attention too); none replays nothing.
+RECOMPUTED_FORWARDS = {
+    "tp2_sp": {"layer": 1, "core_attention": 1},
+    "tp2_sp_selective": {"layer": 1, "core_attention": 2},
+    "tp2_sp_full": {"layer": 2, "core_attention": 2},
+}
+
+
 @pytest.mark.parametrize("layout", ["tp2_sp_selective", "tp2_sp_full"])
 def test_recompute_grads_equal_none(run, layout):
     """compute.recompute selective / full: the same gradients as none (recomputation replays
-    the forward exactly: 1e-6 relative)."""
+    the forward exactly: 1e-6 relative), and the recomputation really happened: the hooks
+    counted the forwards each mode replays (equal gradients alone pass with recompute off)."""
     for rec in _dense(run[1], layout):
         assert rec["logp_diff"] <= 1e-6, rec
         for key in RUNS:
             assert rec[key] <= 1e-5, (key, rec)
+    for name in (layout, "tp2_sp"):
+        for rec in _dense(run[1], name):
+            assert rec["forwards"] == RECOMPUTED_FORWARDS[name], (name, rec)
 
 
 # ------------------------------------------------------------------ MoE
