@@ -1,12 +1,14 @@
-"""`AdapterRefit` (megagrpo/lora_refit.py) against a fake engine: which syncs send the base and
+"""`AdapterSource` (megagrpo/sync/adapters.py) against a fake engine: which syncs send the base and
 which only the adapters, for a fresh run and for a run resumed from a checkpoint with and
 without a merge pending its refit. No ranks: the adapters' gather is replaced by a fixed set
 of tensors, the base feed by a recorder that notes whether the adapters were off."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from megagrpo import lora_refit
 from megagrpo.config.lora import LoRAConfig
+from megagrpo.sync import adapters as lora_refit
 
 FULL_METRICS = {"sync_bytes": 1000, "sync_received_bytes": 1000, "sync_gather_s": 0.0,
                 "sync_load_s": 0.0}
@@ -41,7 +43,9 @@ class Harness:
                             dict(ADAPTER))
         self.policy = torch.nn.Sequential(Adapted())
         self.engine = FakeEngine()
-        self.refit = lora_refit.AdapterRefit(LoRAConfig(rank=4), tmp_path / "adapters")
+        self.refit = lora_refit.AdapterSource(LoRAConfig(rank=4), tmp_path / "adapters",
+                                              self.engine, SimpleNamespace(model=None,
+                                                                           parallel=None))
         self.log: list[str] = []
 
     def full_refit(self) -> dict:
@@ -50,7 +54,7 @@ class Harness:
         return dict(FULL_METRICS)
 
     def sync(self) -> dict:
-        out = self.refit.sync(self.policy, self.engine, None, None, self.full_refit)
+        out = self.refit.refit(self.policy, lambda: None, lambda feed: self.full_refit())
         self.log.append("adapter")
         assert self.policy[0].lora_enabled  # back on after the base feed
         assert self.engine.adapters[-1].endswith(f"adapter_{len(self.engine.adapters)}")
