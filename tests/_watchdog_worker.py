@@ -4,8 +4,8 @@ collectives, which then stalls as --scenario says:
 
 - freeze: rank 1 stops itself with SIGSTOP 0.3 s into phase 'update' of step 3;
 - slow: rank 0 sleeps in phase 'score' of step 2 while rank 1 waits in a collective;
-- collective: no watchdog; `init_distributed` with parallel.collective_timeout_s=5, then rank 1
-  enters a world-group and then a megatron TP-group collective 12 s late; every rank writes
+- collective: no watchdog; `init_distributed` with parallel.collective_timeout_s=2, then rank 1
+  enters a world-group and then a megatron TP-group collective 4 s late; every rank writes
   WORK/collective_rank<r>.json with how long it waited and what it raised.
 
 Each rank writes its pid to WORK/pid_rank<r> first, so the test can make sure none is left,
@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+LATE_S = 4.0  # twice the 2 s timeout: a rank that waited for the peer waited ~4 s, not ~2 s
 
 
 def timed_all_reduce(group=None) -> dict:
@@ -52,11 +54,11 @@ def collective(work: Path, rank: int) -> None:
     if rank == 0:
         _release(store)
     store.wait(["collective_go"])
-    init_distributed(ParallelConfig(tp=2, collective_timeout_s=5.0))
+    init_distributed(ParallelConfig(tp=2, collective_timeout_s=2.0))
     rounds = {}
     for name, group in (("world", None), ("megatron_tp", tp_group())):
         if rank == 1:
-            time.sleep(12.0)
+            time.sleep(LATE_S)
         rounds[name] = timed_all_reduce(group)
     (work / f"collective_rank{rank}.json").write_text(json.dumps(rounds))
     os._exit(0)  # the groups are broken now; skip the teardown

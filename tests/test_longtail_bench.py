@@ -1,7 +1,8 @@
 """benchmarks/longtail.py: its reward and target lengths by hand, its per-step figures and
-its projection against hand computations, one real (smallest) separate-placement run with a
-refused configuration beside it, and docs/performance.md's tables are the ones it prints from
-the committed results."""
+its projection against hand computations, a refused configuration, one real (smallest)
+separate-placement run (heavy; by default tests/test_placement.py summarizes its own
+separate-placement run with this script), and docs/performance.md's tables are the ones it
+prints from the committed results."""
 from __future__ import annotations
 
 import importlib.util
@@ -83,6 +84,16 @@ def test_projection_by_hand():
     assert scored["colocated_sync_s"] == p["colocated_sync_s"]  # a sync step scores nothing
 
 
+def test_longtail_refused_configuration_is_recorded_not_launched(monkeypatch):
+    bench = _bench()
+    monkeypatch.setitem(bench.CONFIGS, "separate-eval", [*bench.SEPARATE, "eval.every=5"])
+    refused = bench.measure("separate-eval", steps=2)
+    assert "eval.every=5" in refused["refused"] and "wall_s" not in refused
+
+
+# heavy: a launch of its own (~30 s on 2 cores); by default its figures are checked on the
+# separate-placement run's metrics (tests/test_placement.py, the same configuration at DP=2)
+@pytest.mark.heavy
 def test_longtail_benchmark_smallest(tmp_path, monkeypatch):
     """One real run (2 steps, separate placement with in-flight updates, k = 1) and a
     configuration the config check refuses (recorded, not launched)."""

@@ -183,7 +183,7 @@ def test_moe_verify_passes_at_every_layout_and_fails_on_swapped_experts(verified
 
 # ------------------------------------------------------------------------------- GRPO
 def _grpo(hf_dir: Path, run: Path, *overrides: str):
-    p = run_cli("train", "--config", DEMO, "--nproc", "2", f"run.init={hf_dir}", "run.steps=3",
+    p = run_cli("train", "--config", DEMO, "--nproc", "2", f"run.init={hf_dir}", "run.steps=2",
              f"run.out_dir={run}", "data.batch_size=4", "algo.group_size=4",
              "algo.num_minibatches=1", "reference.sync_every_steps=1", "checkpoint.at_end=true",
              "cold_start.steps=0", "eval.every=0", "log.tensorboard=false", "log.progress=false",
@@ -200,19 +200,20 @@ def _grpo(hf_dir: Path, run: Path, *overrides: str):
     ("qwen2_moe", ("parallel.tp=2", "rollout.tensor_parallel_size=2", "algo.routing_replay=true",
                    "compute.pack_sequences=false"))])
 def test_moe_grpo_with_vllm_reference_reset_and_export(hf_dirs, tmp_path, family, layout):
-    """3 GRPO steps at 2 ranks (Qwen3-MoE: EP=2, a vLLM engine per rank fed full tensors,
+    """2 GRPO steps at 2 ranks (Qwen3-MoE: EP=2, a vLLM engine per rank fed full tensors,
     packed micro-batches; Qwen2-MoE: TP=2 with a TP=2 vLLM engine fed shard to shard, padded
     micro-batches), the reference reset every step, routing replay on. vLLM scores its samples
-    as the trainer does before and after every update (a stale expert repack after the in-place
-    reload gave 1.7e-2); in fp32 the routes vLLM used, replayed in the trainer's order of tokens,
-    are the trainer's own everywhere (a transposed [S, B] order gave a 70% mismatch and a 7e-3
+    as the trainer does before and after an update (step 2 samples from the weights reloaded
+    in place after step 1's; a stale expert repack after that reload gave 1.7e-2); in fp32
+    the routes vLLM used, replayed in the trainer's order of tokens, are the trainer's own
+    everywhere (a transposed [S, B] order gave a 70% mismatch and a 7e-3
     gap); routing statistics are logged, and the export loads in transformers with every
     expert trained."""
     from transformers import AutoModelForCausalLM
 
     run, out = tmp_path / "run", tmp_path / "export"
     console, steps = _grpo(hf_dirs / family, run, *layout)
-    assert len(steps) == 3
+    assert len(steps) == 2
     assert all(m["logp_gap_vllm_mean"] < 1e-5 for m in steps), [m["logp_gap_vllm_mean"]
                                                                 for m in steps]
     # loads are expert tokens / mean over the experts: 1 is balanced, E / k = 2 the worst
@@ -222,7 +223,7 @@ def test_moe_grpo_with_vllm_reference_reset_and_export(hf_dirs, tmp_path, family
     assert all(m["moe_routing_mismatch"] == 0.0 and m["moe_replay_missing"] == 0.0
                for m in steps), steps
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["reference_syncs"] == 3
+    assert summary["reference_syncs"] == 2
     p = run_cli("convert", "--from-megatron", str(run), "--to-hf", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(out)

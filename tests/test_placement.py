@@ -362,3 +362,30 @@ def test_separate_run_resumes_at_the_first_untrained_batch(tmp_path):
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert steps[2]["staleness_max"] == 0 and steps[2]["logp_gap_vllm_mean"] < 1e-5
     assert all(r["staleness_max"] <= 1 and r["update_skipped"] == 0 for r in steps)
+
+
+def test_longtail_summary_of_the_separate_run(separate_run, tmp_path):
+    """benchmarks/longtail.py's figures from this run's metrics (separate placement, in-flight
+    updates, k = 1: its separate-k1-inflight configuration, here at DP=2), in place of a run
+    of its own (tests/test_longtail_bench.py launches one under -m heavy): the summary of the
+    steps after the first and the table row it renders."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_longtail", Path(__file__).resolve().parents[1] / "benchmarks" / "longtail.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    _, steps = separate_run
+    r = bench.summarize(steps, dp=2)
+    assert r["steps_kept"] == len(steps) - 1 and len(r["reward_curve"]) == len(steps)
+    assert r["gen_tokens_per_s"] > 0 and r["trained_tokens_per_s"] <= r["gen_tokens_per_s"]
+    assert 1 <= r["completion_len"] <= 6  # rollout.max_tokens
+    # the steps after the first train batches sampled at most k = 1 version behind
+    assert 0.0 <= r["lag_mean"] <= r["lag_max"] <= 1.0 and r["stale_dropped"] == 0
+    assert r["phases"]["time_update"] > 0 and "time_weight_sync" in r["phases"]
+    rec = dict(r, config="separate-k1-inflight", seed=0, steps=len(steps), nproc=3, cpu="cpu",
+               cores=2, loadavg_1m_start=1.0, loadavg_1m_end=1.0, eval_accuracy=None)
+    out = tmp_path / "r.jsonl"
+    out.write_text(json.dumps(dict(rec, config="colocated-sync")) + "\n" + json.dumps(rec) + "\n")
+    text = bench.table(out)
+    assert "| separate-k1-inflight | 0 |" in text and "| 8 | 4 |" in text

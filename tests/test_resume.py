@@ -37,6 +37,10 @@ import resume_stress as stress  # noqa: E402 - the stress script shares its harn
 
 WORKER = os.path.join(os.path.dirname(__file__), "_resume_worker.py")
 STEPS = 6  # checkpoints at 2, 4, 6
+# the kill-and-resume runs: a checkpoint every step, killed in step 4 once step 3's is complete,
+# resumed from step 2 (step 3's damaged), so steps 3 and 4 run again; LoRA keeps 6 (its merges)
+E2E = {"steps": 4, "kill_after": 3, "every": ("checkpoint.every=1",)}
+E2E_LORA = {"steps": STEPS, "kill_after": 4, "every": ()}
 
 
 class Plant:
@@ -95,28 +99,31 @@ def e2e(request, tmp_path_factory):
     multi-turn step; tests/test_agent_resume.py checks their pending batch by default). The
     interrupted run's launcher is SIGKILLed once step 4's checkpoint is complete (in step 5);
     its checkpoints are damaged and it is resumed (from step 2: its checkpoint holds the async
-    batch for step 3) while the uninterrupted run finishes. LoRA (a checkpoint every step, a
-    merge after steps 3 and 6): resumed from step 3, whose checkpoint wrote the base, then
-    killed again in step 6 and resumed from step 5, whose checkpoint names the base step 3
-    wrote."""
-    extra = stress.MODES[request.param]
+    batch for step 3) while the uninterrupted run finishes: 4 steps, a checkpoint every step,
+    killed in step 4 once step 3's checkpoint is complete. LoRA (6 steps, a checkpoint every
+    step, a merge after steps 3 and 6): killed in step 5, resumed from step 3, whose
+    checkpoint wrote the base, then killed again in step 6 and resumed from step 5, whose
+    checkpoint names the base step 3 wrote."""
+    lora = request.param.startswith("lora")
+    plan = E2E_LORA if lora else E2E
+    extra, steps = (*stress.MODES[request.param], *plan["every"]), plan["steps"]
     work = tmp_path_factory.mktemp("resume")
     ref, cut, marker = work / "uninterrupted", work / "interrupted", work / "pickle_was_run"
-    ref_proc = stress.launch(ref, STEPS, work / "uninterrupted.log", *extra)
-    proc = stress.launch(cut, STEPS, work / "interrupted.log", *extra)
+    ref_proc = stress.launch(ref, steps, work / "uninterrupted.log", *extra)
+    proc = stress.launch(cut, steps, work / "interrupted.log", *extra)
     below: set[int] = set()
     try:
-        stress.wait_for_step(proc, cut, 4, checkpoint=True)
+        stress.wait_for_step(proc, cut, plan["kill_after"], checkpoint=True)
         below, orphans = kill_run(proc)
         newest, older = damage(cut, marker)
         last_log = work / "resumed.log"
-        resumed = stress.launch(cut, STEPS, last_log, *extra)
-        if request.param.startswith("lora"):  # again, now from a checkpoint without the base
+        resumed = stress.launch(cut, steps, last_log, *extra)
+        if lora:  # again, now from a checkpoint without the base
             stress.wait_for_step(resumed, cut, 5, checkpoint=True)
             again, left = kill_run(resumed)
             below, orphans = below | again, orphans + left
             last_log = work / "resumed_again.log"
-            resumed = stress.launch(cut, STEPS, last_log, *extra)
+            resumed = stress.launch(cut, steps, last_log, *extra)
         stress.finish(resumed, last_log)
         stress.finish(ref_proc, work / "uninterrupted.log")
     finally:  # never leave processes behind, whatever failed
@@ -127,7 +134,7 @@ def e2e(request, tmp_path_factory):
             stress.kill_tree(ref_proc)
     return {"ref": ref, "cut": cut, "below": below, "orphans": orphans, "newest": newest,
             "older": older, "marker": marker, "log": (work / "resumed.log").read_text(),
-            "mode": request.param}
+            "mode": request.param, "steps": steps}
 
 
 def test_killed_launcher_takes_torchrun_and_ranks_down(e2e):
@@ -146,13 +153,14 @@ def test_resumed_run_is_bitwise_the_uninterrupted_run(e2e):
     ref, cut = e2e["ref"], e2e["cut"]
     assert stress.compare(ref, cut, stress.NEAR.get(e2e["mode"])) == []
     steps = [r["step"] for r in stress.history(cut) if "reward_mean" in r]
-    assert steps == list(range(1, STEPS + 1))  # one history, no repeated steps
+    assert steps == list(range(1, e2e["steps"] + 1))  # one history, no repeated steps
+    assert int(e2e["older"].name[5:]) <= e2e["steps"] - 2  # resumed mid-run: 2+ steps again
     state = stress.final_state(cut)
     assert len(state) > 20  # policy, reference and optimizer tensors were compared
     # the reference model, or LoRA's frozen base (the reference is the adapters off)
     lora = e2e["mode"].startswith("lora")
     assert any(k.startswith("base." if lora else "reference.") for k in state)
-    assert stress.trainer_state(cut)["step"] == STEPS  # and the trainer state
+    assert stress.trainer_state(cut)["step"] == e2e["steps"]  # and the trainer state
     assert any(".exp_avg_sq." in k for k in state) and any(k.startswith("rng.") for k in state)
     if "run.async_rollout=true" in stress.MODES[e2e["mode"]]:  # the batch drawn ahead, too
         assert any(k.startswith("rollout.") and ".token_ids." in k for k in state)
