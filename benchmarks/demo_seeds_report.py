@@ -13,7 +13,7 @@ shared machine), then the spread of the final accuracies and of the wall times.
 `--summary`: the README's short table, one line per CPU kind (`KINDS`) over each seed's newest
 run of today's recipe and code on it: held-out accuracy at the start, after the cold start and
 after GRPO, the steps of both phases, the wall time.
-tests/test_eval_target.py checks the README and docs/performance.md hold exactly these tables.
+tests/test_demo_seeds_report.py checks the README and docs/performance.md hold exactly these tables.
 """
 from __future__ import annotations
 
