@@ -1,20 +1,25 @@
-"""The README's demo table: `make demo`'s recipe (examples/demo.yaml) run with run.seed 1, 2, 3,
-from the kept runs in benchmarks/results/demo_seeds_cpu/ (`seedN-TAG-{summary.json,run.json}`;
-TAG names the CPU and the conditions, `TAGS` lists the ones the README shows).
+"""The demo's tables: `make demo`'s recipe (examples/demo.yaml) run with run.seed 1, 2, 3, from
+the kept runs in benchmarks/results/demo_seeds_cpu/ (`seedN-TAG-{summary.json,run.json}`; TAG
+names the CPU and the conditions, `TAGS` lists the ones docs/performance.md shows).
 
-    .venv/bin/python benchmarks/demo_seeds_report.py [benchmarks/results/demo_seeds_cpu]
+    .venv/bin/python benchmarks/demo_seeds_report.py [--summary] [benchmarks/results/demo_seeds_cpu]
 
 Per CPU and seed: the cold start's steps and the held-out accuracy it stopped at, the GRPO steps
 run (the recipe stops at eval.target_accuracy, run.steps is the cap), the final held-out
 accuracy, the whole command's wall time with the mean 1-minute load it ran under (sampled every
 20 s; the demo's own 2 ranks hold it near 3, so a mean near 3 is a run alone and a higher one a
 shared machine), then the spread of the final accuracies and of the wall times.
-tests/test_eval_target.py checks the README holds exactly this table.
+
+`--summary`: the README's short table, one line per CPU kind (`KINDS`) over each seed's newest
+run of today's recipe and code on it: held-out accuracy at the start, after the cold start and
+after GRPO, the steps of both phases, the wall time.
+tests/test_demo_seeds_report.py checks the README and docs/performance.md hold exactly these tables.
 """
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "demo_seeds_cpu"
@@ -30,6 +35,11 @@ TAGS = {"compiled-epyc25-balanced": "AMD EPYC (family 25), AVX-512 + avx512_bf16
         "target-epyc25": "AMD EPYC (family 25), AVX-512 + avx512_bf16, eager (before auto)",
         "target-epyc": "AMD EPYC, AVX-512 + avx512_bf16 (3 seeds at once, beside other jobs)"}
 """Run tag -> the CPU (and conditions) the table names, newest first."""
+
+KINDS = {"AMD EPYC (family 25), AVX-512 + avx512_bf16, 2 cores":
+         ("compiled-epyc25-balanced", "compiled-epyc25")}
+"""CPU kind -> the tags of its runs with today's recipe and code, alone on the machine, newest
+first (the summary takes each seed's run from the first tag that has it)."""
 
 
 def rows(results: Path = RESULTS, tag: str = "compiled-epyc25") -> list[dict]:
@@ -71,5 +81,49 @@ def table(results: Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
+def newest_runs(results: Path, tags: tuple[str, ...]) -> list[dict]:
+    """Each seed's run from the first of `tags` that holds it, by seed."""
+    by_seed: dict[int, dict] = {}
+    for tag in tags:
+        for r in rows(results, tag):
+            by_seed.setdefault(r["seed"], r)
+    return [by_seed[seed] for seed in sorted(by_seed)]
+
+
+def _accuracy(value: float) -> str:
+    return f"{value:.3f}"
+
+
+def _span(values: list[float], fmt: Callable[[float], str] = _accuracy, sep: str = "-") -> str:
+    """'lo-hi' of `values` as `fmt` writes them, one figure where both read the same."""
+    lo, hi = fmt(min(values)), fmt(max(values))
+    return lo if lo == hi else f"{lo}{sep}{hi}"
+
+
+def summary(results: Path = RESULTS, kinds: dict[str, tuple[str, ...]] = KINDS) -> str:
+    """The README's table: one line per CPU kind with runs, spans over its seeds' newest runs."""
+    lines = ["| CPU | run.seed | held-out accuracy: start -> cold start -> GRPO | steps: cold "
+             "start + GRPO | wall time, whole command |",
+             "|---|---|---|---|---|"]
+    for cpu, tags in kinds.items():
+        runs = newest_runs(results, tags)
+        if not runs:
+            continue
+        s = [r["summary"] for r in runs]
+        target = s[0]["eval_target_accuracy"]
+        reached = sum(x.get("eval_target_step") is not None for x in s)
+        acc = " -> ".join(_span([x[k] for x in s]) for k in (
+            "eval_accuracy_init", "sft_eval_accuracy", "eval_accuracy_after"))
+        steps = (f"{_span([x['sft_steps'] for x in s], str)} + "
+                 f"{_span([x['steps'] for x in s], str)} ({reached} of {len(s)} reached "
+                 f"{target:g})")
+        wall = _span([r["run"]["wall_seconds_command"] for r in runs], _minutes, " - ")
+        lines.append(f"| {cpu} | {', '.join(str(r['seed']) for r in runs)} | {acc} | {steps} | "
+                     f"{wall} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(table(Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS))
+    args = [a for a in sys.argv[1:] if a != "--summary"]
+    results = Path(args[0]) if args else RESULTS
+    print(summary(results) if "--summary" in sys.argv[1:] else table(results))

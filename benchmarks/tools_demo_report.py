@@ -1,4 +1,4 @@
-"""The README's tool-demo table from a run of examples/tools-demo.yaml (its summary.json and
+"""docs/agentic.md's tool-demo table from a run of examples/tools-demo.yaml (its summary.json and
 metrics.jsonl, kept in benchmarks/results/tools_demo_cpu/).
 
     .venv/bin/python benchmarks/tools_demo_report.py [benchmarks/results/tools_demo_cpu]
@@ -6,7 +6,7 @@ metrics.jsonl, kept in benchmarks/results/tools_demo_cpu/).
 Rows: held-out greedy accuracy (initial weights, after the cold start, after GRPO), and over the
 first and the last `WINDOW` GRPO steps the sampled trajectories' mean reward, well-formed tool
 calls (tool_calls - tool_errors) and malformed calls per trajectory; then the steps and wall
-time. tests/test_tool_task.py checks the README holds exactly this table.
+time. tests/test_tool_task.py checks docs/agentic.md holds exactly this table.
 """
 from __future__ import annotations
 

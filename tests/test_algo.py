@@ -264,7 +264,7 @@ def test_algo_config_validation():
 
 @pytest.mark.parametrize("module", ["megagrpo/config/algo.py", "megagrpo/config/data.py"])
 def test_every_config_field_has_a_docstring(module):
-    """The README generator reads the string literal after each dataclass field via ast."""
+    """docs/config.md's generator reads the string literal after each dataclass field via ast."""
     import ast
     from pathlib import Path
     tree = ast.parse((Path(__file__).parents[1] / module).read_text())

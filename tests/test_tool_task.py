@@ -200,8 +200,8 @@ def test_tools_demo_runs(tmp_path):
     assert summary["sft_steps"] == 30 and "eval_accuracy_after" in summary
 
 
-def test_readme_tool_demo_table_is_generated():
-    """The README's tool-demo figures are benchmarks/tools_demo_report.py's table of the kept
+def test_agentic_doc_tool_demo_table_is_generated():
+    """docs/agentic.md's tool-demo figures are benchmarks/tools_demo_report.py's table of the kept
     run (benchmarks/results/tools_demo_cpu), none typed by hand."""
     import importlib.util
 
@@ -211,5 +211,5 @@ def test_readme_tool_demo_table_is_generated():
         "tools_demo_report", ROOT / "benchmarks" / "tools_demo_report.py")
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
-    assert_generated_table(ROOT / "README.md", "<!-- tools-demo:start", "<!-- tools-demo:end",
-                           report.table())
+    assert_generated_table(ROOT / "docs" / "agentic.md", "<!-- tools-demo:start",
+                           "<!-- tools-demo:end", report.table())
