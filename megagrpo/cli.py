@@ -139,7 +139,7 @@ def _convert_ranks(args: argparse.Namespace, model, parallel) -> int:
             from megagrpo.lora_export import export_base_and_adapter
 
             nbytes = export_base_and_adapter(gpt, args.to_hf, args.peft_adapter, model,
-                                             parallel, lora)
+                                             parallel, lora, export_hf)
             if info.rank == 0:
                 print(f"lora: {args.to_hf} holds the checkpoint's base weights (adapters not "
                       f"merged); the peft adapter ({_lora_line(lora)}, {nbytes:,} bytes) is "

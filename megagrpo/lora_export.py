@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.params import param_specs
 from megagrpo.hf.io import unfuse_shards
-from megagrpo.hf.params import param_specs
 from megagrpo.lora import adapters_disabled, parameters_for_refit
 from megagrpo.model import unwrap
 
@@ -130,13 +130,12 @@ def save_peft_adapter(out_dir: str | os.PathLike, tensors: dict[str, torch.Tenso
 
 
 def export_base_and_adapter(gpt: torch.nn.Module, hf_dir: str, adapter_dir: str,
-                            model: ModelConfig, parallel: ParallelConfig, cfg: LoRAConfig
-                            ) -> int:
-    """The base (adapters off: W as held) as an HF folder and the adapters as a peft folder
-    beside it. Every rank of the model-parallel group calls this; global rank 0 writes.
-    Returns the adapter tensors' bytes."""
-    from megagrpo.sync.source import export_hf
-
+                            model: ModelConfig, parallel: ParallelConfig, cfg: LoRAConfig,
+                            export_hf: Callable) -> int:
+    """The base (adapters off: W as held) as an HF folder, written by `export_hf`
+    (`megagrpo.sync.source.export_hf`), and the adapters as a peft folder beside it. Every rank
+    of the model-parallel group calls this; global rank 0 writes. Returns the adapter tensors'
+    bytes."""
     with adapters_disabled(gpt):  # the merged view reads W, not W + s B A
         export_hf(gpt, hf_dir, model, parallel, params=parameters_for_refit(gpt))
     tensors = gather_adapters(gpt, model, parallel)

@@ -22,8 +22,8 @@ def expert_adapter_tensors(gpt, mcfg, parallel, grads: bool):
     gate_proj and up_proj, its B split into the two."""
     from megatron.core import parallel_state as ps
 
+    from megagrpo.config.params import param_specs
     from megagrpo.hf.io import unfuse_shards
-    from megagrpo.hf.params import param_specs
 
     specs = {s.local: s for s in param_specs(mcfg, parallel, 0,
                                              ep_rank=ps.get_expert_model_parallel_rank())}
@@ -47,7 +47,7 @@ def randomize_b_by_name(gpt, mcfg, parallel, seed: int) -> None:
     the same values on every rank, each expert its own."""
     from megatron.core import parallel_state as ps
 
-    from megagrpo.hf.params import param_specs
+    from megagrpo.config.params import param_specs
 
     specs = {s.local: s for s in param_specs(mcfg, parallel, 0,
                                              ep_rank=ps.get_expert_model_parallel_rank())}
@@ -125,7 +125,7 @@ def run_moe(work, results, ce_step, merge_checks):
     export_hf(ddp, os.path.join(work, "export_moe"), mcfg, parallel,
               params=parameters_for_refit(ddp))  # merged
     export_base_and_adapter(ddp, os.path.join(work, "base_moe"), os.path.join(work, "peft_moe"),
-                            mcfg, parallel, lcfg)
+                            mcfg, parallel, lcfg, export_hf)
     torch.save(expert_adapter_tensors(gpt, mcfg, parallel, grads=False),
                os.path.join(work, f"moe_saved_rank{r}.pt"))
     dist.barrier()
@@ -136,13 +136,14 @@ def load_moe_ep1(work):
     peft export from this layout."""
     from megagrpo.checkpoint import load_model
     from megagrpo.lora_export import export_base_and_adapter
+    from megagrpo.sync.source import export_hf
 
     gpt, mcfg, parallel, lcfg, _, _ = build(work, ep=1)
     load_model(gpt, os.path.join(work, "ckpt_moe"))
     torch.save(expert_adapter_tensors(gpt, mcfg, parallel, grads=False),
                os.path.join(work, f"moe_ep1_loaded_rank{dist.get_rank()}.pt"))
     export_base_and_adapter(gpt, os.path.join(work, "base_moe_ep1"),
-                            os.path.join(work, "peft_moe_ep1"), mcfg, parallel, lcfg)
+                            os.path.join(work, "peft_moe_ep1"), mcfg, parallel, lcfg, export_hf)
     dist.barrier()
 
 

@@ -60,8 +60,8 @@ def adapter_tensors(gpt, mcfg, parallel, grads: bool):
     parts' names, its B split into the parts."""
     from megatron.core import parallel_state as ps
 
+    from megagrpo.config.params import layer_specs
     from megagrpo.hf.io import unfuse_shards
-    from megagrpo.hf.params import layer_specs
 
     tp_group = ps.get_tensor_model_parallel_group()
     out = {}
@@ -137,9 +137,11 @@ def run_layout(tag, tp, pp, dist_opt, work, results, load_from=None, sp=False):
         torch.save(adapter_tensors(gpt, mcfg, parallel, grads=False),
                    os.path.join(work, f"{tag}_rank{dist.get_rank()}.pt"))
         from megagrpo.lora_export import export_base_and_adapter
+        from megagrpo.sync.source import export_hf
 
         export_base_and_adapter(gpt, os.path.join(work, "base_pp2"),
-                                os.path.join(work, "peft_pp2"), mcfg, parallel, lcfg)
+                                os.path.join(work, "peft_pp2"), mcfg, parallel, lcfg,
+                                export_hf)
         return None, None, mcfg, parallel
     randomize_b(gpt, seed=5)
     values = adapter_tensors(gpt, mcfg, parallel, grads=False)
@@ -387,7 +389,7 @@ def main():
             # adapters in peft's layout, gathered over TP=2
             export_base_and_adapter(ddp, os.path.join(args.work, "base_tp2"),
                                     os.path.join(args.work, "peft_tp2"), mcfg, parallel,
-                                    LoRAConfig(rank=4, alpha=8.0))
+                                    LoRAConfig(rank=4, alpha=8.0), export_hf)
             torch.save(adapter_tensors(ddp.module, mcfg, parallel, grads=False),
                        os.path.join(args.work, f"saved_rank{dist.get_rank()}.pt"))
         dist.barrier()

@@ -5,8 +5,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.params import adapted, adapter_numel, layer_specs, param_specs
 from megagrpo.config.section import Section
-from megagrpo.hf.params import adapted, adapter_numel, layer_specs, param_specs
 
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
 """The linears an adapter can sit beside: the fused QKV projection, the attention output
