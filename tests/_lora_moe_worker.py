@@ -64,7 +64,7 @@ def build(work, ep, tp=1, targets=None):
     from megagrpo.config.model import ParallelConfig
     from megagrpo.distributed import init_distributed
     from megagrpo.hf import load_hf_weights, model_config_from_hf
-    from megagrpo.lora import add_adapters
+    from megagrpo.lora.layers import add_adapters
     from megagrpo.model import build_model
 
     # no load-balancing loss: the parent's reference is the plain cross-entropy
@@ -85,8 +85,8 @@ def build(work, ep, tp=1, targets=None):
 def run_moe(work, results, ce_step, merge_checks):
     """EP=2: gradients, base frozen, optimizer contents, merge checks, checkpoint + exports."""
     from megagrpo.checkpoint import save_model
-    from megagrpo.lora import parameters_for_refit
-    from megagrpo.lora_export import export_base_and_adapter
+    from megagrpo.lora.export import export_base_and_adapter
+    from megagrpo.lora.layers import parameters_for_refit
     from megagrpo.optim import (
         OptimConfig,
         build_optimizer,
@@ -135,7 +135,7 @@ def load_moe_ep1(work):
     """The EP=2 checkpoint loaded at EP=1 (each rank every expert): adapter values, and the
     peft export from this layout."""
     from megagrpo.checkpoint import load_model
-    from megagrpo.lora_export import export_base_and_adapter
+    from megagrpo.lora.export import export_base_and_adapter
     from megagrpo.sync.source import export_hf
 
     gpt, mcfg, parallel, lcfg, _, _ = build(work, ep=1)

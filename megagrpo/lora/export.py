@@ -8,7 +8,7 @@ the merged export's (W + s B A). The adapter folder is peft's own format: `adapt
 `base_model.model.<HF module>.lora_A.weight` [r, in] / `.lora_B.weight` [out, r] pair per
 projection.
 
-megagrpo's fused layers carry one adapter over the fused output (`megagrpo.lora`): the fused
+megagrpo's fused layers carry one adapter over the fused output (`megagrpo.lora.layers`): the fused
 QKV's A is shared by q, k and v and its B has the weight's row layout (interleaved per KV group),
 fc1's A is shared by gate and up and its B is cat(gate, up) per TP rank. peft has one adapter
 per projection, so the export repeats A for each part and splits B's rows exactly as the weight
@@ -31,7 +31,7 @@ from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.params import param_specs
 from megagrpo.hf.io import unfuse_shards
-from megagrpo.lora import adapters_disabled, parameters_for_refit
+from megagrpo.lora.layers import adapters_disabled, parameters_for_refit
 from megagrpo.model import unwrap
 
 PEFT_PREFIX = "base_model.model."
