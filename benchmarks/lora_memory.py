@@ -57,7 +57,7 @@ def _median_s(fn, repeats: int) -> float:
 
 def _stream_model(gpt, model_cfg, parallel) -> int:
     """Drives the full refit's stream to its end, copying each tensor out; returns its bytes."""
-    from megagrpo.lora import parameters_for_refit
+    from megagrpo.lora.layers import parameters_for_refit
     from megagrpo.sync.source import iter_hf_weights
 
     return sum(t.clone().numel() * t.element_size()
@@ -67,7 +67,7 @@ def _stream_model(gpt, model_cfg, parallel) -> int:
 
 def _adapter_refit(gpt, model_cfg, parallel, lora_cfg, folder: str) -> int:
     """Gathers the adapters and writes the peft folder an adapter refit hands vLLM."""
-    from megagrpo.lora_export import gather_adapters, save_peft_adapter
+    from megagrpo.lora.export import gather_adapters, save_peft_adapter
     from megagrpo.sync.adapters import adapter_bytes
 
     tensors = gather_adapters(gpt, model_cfg, parallel)
@@ -81,7 +81,7 @@ def _refits(gpt, model_cfg, parallel, lora_cfg, repeats: int) -> dict:
         return {"refit_full_bytes": _stream_model(gpt, model_cfg, parallel),
                 "refit_full_s": _median_s(lambda: _stream_model(gpt, model_cfg, parallel),
                                           repeats)}
-    from megagrpo.lora import adapters_disabled
+    from megagrpo.lora.layers import adapters_disabled
 
     with tempfile.TemporaryDirectory() as d:
         def adapter() -> int:
@@ -106,7 +106,7 @@ def _measure(model_cfg, lora_cfg, *, seq: int, repeats: int, seed: int = 1) -> d
     from megagrpo.config.model import ParallelConfig
     from megagrpo.config.optim import OptimConfig
     from megagrpo.distributed import init_distributed
-    from megagrpo.lora import add_adapters
+    from megagrpo.lora.layers import add_adapters
     from megagrpo.model import build_model
     from megagrpo.optim import (
         build_optimizer,

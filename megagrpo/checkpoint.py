@@ -11,7 +11,7 @@ Each part says how it is kept (`megagrpo.run.checkpoint_states` builds the run's
   `Trainer.state_dict()` (counters, loader position, reference schedule) plus the manager's
   own keys (the layout, the metrics history's length);
 - shared (`Shared`, resharded too): a part that rarely changes, a LoRA run's frozen base
-  (`megagrpo.lora_checkpoint`), in a folder of its own beside the checkpoints,
+  (`megagrpo.lora.checkpoint`), in a folder of its own beside the checkpoints,
   `checkpoints/<name>_<version>/`, written only when its version moved (after a merge) and
   named by each checkpoint's manifest (`refs`); a kept checkpoint keeps the folder it names;
 and last the manifest that marks the checkpoint complete (layout in `megagrpo.run_dir`).
@@ -514,7 +514,7 @@ class Replicated:
 
 class Shared(Sharded, Protocol):
     """A resharded part that rarely changes (a LoRA run's frozen base:
-    `megagrpo.lora_checkpoint.BaseWeights`), kept beside the checkpoints in
+    `megagrpo.lora.checkpoint.BaseWeights`), kept beside the checkpoints in
     `checkpoints/<name>_<version:06d>/` (a dist-checkpoint with its own manifest), written only
     when `version()` names a folder other than `written`, the one the manager last wrote or
     loaded; each checkpoint's manifest names the folder it uses."""

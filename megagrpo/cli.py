@@ -136,16 +136,16 @@ def _convert_ranks(args: argparse.Namespace, model, parallel) -> int:
         lora = _add_checkpoint_adapters(gpt, args.from_megatron)
         load_model(gpt, args.from_megatron)
         if args.peft_adapter:
-            from megagrpo.lora_export import export_base_and_adapter
+            from megagrpo.lora.export import export_base_and_adapter
 
             nbytes = export_base_and_adapter(gpt, args.to_hf, args.peft_adapter, model,
-                                             parallel, lora)
+                                             parallel, lora, export_hf)
             if info.rank == 0:
                 print(f"lora: {args.to_hf} holds the checkpoint's base weights (adapters not "
                       f"merged); the peft adapter ({_lora_line(lora)}, {nbytes:,} bytes) is "
                       f"in {args.peft_adapter}")
         else:
-            from megagrpo.lora import parameters_for_refit
+            from megagrpo.lora.layers import parameters_for_refit
 
             export_hf(gpt, args.to_hf, model, parallel,
                       params=parameters_for_refit(gpt))  # adapted weights export merged
@@ -173,7 +173,7 @@ def _checkpoint_lora(ckpt: str):
 def _add_checkpoint_adapters(gpt, ckpt: str):
     """A LoRA run's checkpoint holds adapters beside the base: the model gets the same ones
     before loading (else they would not be read). Returns their LoRAConfig, or None."""
-    from megagrpo.lora import add_adapters
+    from megagrpo.lora.layers import add_adapters
 
     cfg = _checkpoint_lora(ckpt)
     if cfg is not None:

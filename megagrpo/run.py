@@ -46,9 +46,9 @@ from megagrpo.distributed import init_distributed, torchrun_env, training_layout
 from megagrpo.engine import VLLMEngine
 from megagrpo.eval_target import EvalTarget
 from megagrpo.hf import hf_config_dict, load_hf_weights
-from megagrpo.lora import LoRAReference, add_adapters
-from megagrpo.lora import describe as describe_lora
-from megagrpo.lora_checkpoint import lora_parts
+from megagrpo.lora.checkpoint import lora_parts
+from megagrpo.lora.layers import LoRAReference, add_adapters
+from megagrpo.lora.layers import describe as describe_lora
 from megagrpo.metrics import MetricsLogger, plot_curves, read_jsonl
 from megagrpo.model import attention_impl_name, build_model, layer_spec_name, sequence_packing
 from megagrpo.offpolicy import StalenessPolicy

@@ -22,8 +22,8 @@ def expert_adapter_tensors(gpt, mcfg, parallel, grads: bool):
     gate_proj and up_proj, its B split into the two."""
     from megatron.core import parallel_state as ps
 
+    from megagrpo.config.params import param_specs
     from megagrpo.hf.io import unfuse_shards
-    from megagrpo.hf.params import param_specs
 
     specs = {s.local: s for s in param_specs(mcfg, parallel, 0,
                                              ep_rank=ps.get_expert_model_parallel_rank())}
@@ -47,7 +47,7 @@ def randomize_b_by_name(gpt, mcfg, parallel, seed: int) -> None:
     the same values on every rank, each expert its own."""
     from megatron.core import parallel_state as ps
 
-    from megagrpo.hf.params import param_specs
+    from megagrpo.config.params import param_specs
 
     specs = {s.local: s for s in param_specs(mcfg, parallel, 0,
                                              ep_rank=ps.get_expert_model_parallel_rank())}
@@ -64,7 +64,7 @@ def build(work, ep, tp=1, targets=None):
     from megagrpo.config.model import ParallelConfig
     from megagrpo.distributed import init_distributed
     from megagrpo.hf import load_hf_weights, model_config_from_hf
-    from megagrpo.lora import add_adapters
+    from megagrpo.lora.layers import add_adapters
     from megagrpo.model import build_model
 
     # no load-balancing loss: the parent's reference is the plain cross-entropy
@@ -85,8 +85,8 @@ def build(work, ep, tp=1, targets=None):
 def run_moe(work, results, ce_step, merge_checks):
     """EP=2: gradients, base frozen, optimizer contents, merge checks, checkpoint + exports."""
     from megagrpo.checkpoint import save_model
-    from megagrpo.lora import parameters_for_refit
-    from megagrpo.lora_export import export_base_and_adapter
+    from megagrpo.lora.export import export_base_and_adapter
+    from megagrpo.lora.layers import parameters_for_refit
     from megagrpo.optim import (
         OptimConfig,
         build_optimizer,
@@ -125,7 +125,7 @@ def run_moe(work, results, ce_step, merge_checks):
     export_hf(ddp, os.path.join(work, "export_moe"), mcfg, parallel,
               params=parameters_for_refit(ddp))  # merged
     export_base_and_adapter(ddp, os.path.join(work, "base_moe"), os.path.join(work, "peft_moe"),
-                            mcfg, parallel, lcfg)
+                            mcfg, parallel, lcfg, export_hf)
     torch.save(expert_adapter_tensors(gpt, mcfg, parallel, grads=False),
                os.path.join(work, f"moe_saved_rank{r}.pt"))
     dist.barrier()
@@ -135,14 +135,15 @@ def load_moe_ep1(work):
     """The EP=2 checkpoint loaded at EP=1 (each rank every expert): adapter values, and the
     peft export from this layout."""
     from megagrpo.checkpoint import load_model
-    from megagrpo.lora_export import export_base_and_adapter
+    from megagrpo.lora.export import export_base_and_adapter
+    from megagrpo.sync.source import export_hf
 
     gpt, mcfg, parallel, lcfg, _, _ = build(work, ep=1)
     load_model(gpt, os.path.join(work, "ckpt_moe"))
     torch.save(expert_adapter_tensors(gpt, mcfg, parallel, grads=False),
                os.path.join(work, f"moe_ep1_loaded_rank{dist.get_rank()}.pt"))
     export_base_and_adapter(gpt, os.path.join(work, "base_moe_ep1"),
-                            os.path.join(work, "peft_moe_ep1"), mcfg, parallel, lcfg)
+                            os.path.join(work, "peft_moe_ep1"), mcfg, parallel, lcfg, export_hf)
     dist.barrier()
 
 

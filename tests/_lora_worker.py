@@ -6,9 +6,9 @@ a token-mean cross-entropy runs through megatron's schedule and DDP, and each ad
 and reduced gradients are saved as full tensors under HF projection names (WORK/<tag>_rank<r>.pt)
 for the parent's float64 transformers reference. At TP=2 the merge (reference reset) is checked,
 then checkpoints are written by megagrpo's CheckpointManager over a LoRA policy's parts (the base
-only after a merge, megagrpo.lora_checkpoint; their bytes measured) and loaded at PP=2 (the
+only after a merge, megagrpo.lora.checkpoint; their bytes measured) and loaded at PP=2 (the
 adapters and the base reshard; a checkpoint of the older one-folder format too); at both layouts
-the base and a peft adapter are exported (megagrpo.lora_export). Then the MoE checks
+the base and a peft adapter are exported (megagrpo.lora.export). Then the MoE checks
 (tests/_lora_moe_worker.py: expert adapters at EP=2, reloaded at EP=1). Scalars go to
 WORK/results.json."""
 import argparse
@@ -60,8 +60,8 @@ def adapter_tensors(gpt, mcfg, parallel, grads: bool):
     parts' names, its B split into the parts."""
     from megatron.core import parallel_state as ps
 
+    from megagrpo.config.params import layer_specs
     from megagrpo.hf.io import unfuse_shards
-    from megagrpo.hf.params import layer_specs
 
     tp_group = ps.get_tensor_model_parallel_group()
     out = {}
@@ -92,7 +92,7 @@ def randomize_b(gpt, seed: int) -> None:
     from megatron.core import parallel_state as ps
 
     tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    from megagrpo.lora import adapted
+    from megagrpo.lora.layers import adapted
 
     with torch.no_grad():
         for i, m in enumerate(adapted(gpt)):
@@ -110,7 +110,7 @@ def run_layout(tag, tp, pp, dist_opt, work, results, load_from=None, sp=False):
     from megagrpo.config.model import ParallelConfig
     from megagrpo.distributed import init_distributed
     from megagrpo.hf import load_hf_weights, model_config_from_hf
-    from megagrpo.lora import add_adapters
+    from megagrpo.lora.layers import add_adapters
     from megagrpo.model import build_model
     from megagrpo.optim import (
         OptimConfig,
@@ -136,10 +136,12 @@ def run_layout(tag, tp, pp, dist_opt, work, results, load_from=None, sp=False):
         load_checks(gpt, mcfg, load_from, results)
         torch.save(adapter_tensors(gpt, mcfg, parallel, grads=False),
                    os.path.join(work, f"{tag}_rank{dist.get_rank()}.pt"))
-        from megagrpo.lora_export import export_base_and_adapter
+        from megagrpo.lora.export import export_base_and_adapter
+        from megagrpo.sync.source import export_hf
 
         export_base_and_adapter(gpt, os.path.join(work, "base_pp2"),
-                                os.path.join(work, "peft_pp2"), mcfg, parallel, lcfg)
+                                os.path.join(work, "peft_pp2"), mcfg, parallel, lcfg,
+                                export_hf)
         return None, None, mcfg, parallel
     randomize_b(gpt, seed=5)
     values = adapter_tensors(gpt, mcfg, parallel, grads=False)
@@ -193,7 +195,7 @@ def _megatron_moments(opt, p: torch.nn.Parameter) -> list[dict]:
 def moment_scaling_checks(gpt, opt) -> dict:
     """`scale_adam_moments` on megatron's real optimizer (after one step): every A's moments
     halved / quartered, every B's untouched, then restored exactly (powers of two)."""
-    from megagrpo.lora import adapted
+    from megagrpo.lora.layers import adapted
     from megagrpo.optim import scale_adam_moments
 
     mods = adapted(gpt)
@@ -243,8 +245,8 @@ def checkpoint_checks(ddp, opt, mcfg, work, results) -> None:
     names 2's; the bytes of each; and the older one-folder format (base and adapters in
     policy/) of the same state as 3, for the loader."""
     from megagrpo.checkpoint import CheckpointManager, ModelState, OptimizerState, Replicated, _Pair
-    from megagrpo.lora import merge_adapters
-    from megagrpo.lora_checkpoint import lora_parts
+    from megagrpo.lora.checkpoint import lora_parts
+    from megagrpo.lora.layers import merge_adapters
     from megagrpo.run_dir import manifest_bytes
 
     merges = Merges()
@@ -279,7 +281,7 @@ def load_checks(gpt, mcfg, work, results) -> None:
     recorded, the base then written anew), then the run's newest checkpoint (3, no base of its
     own: 2's), and a checkpoint 4 from here (the base not written again)."""
     from megagrpo.checkpoint import CheckpointManager, Replicated
-    from megagrpo.lora_checkpoint import lora_parts
+    from megagrpo.lora.checkpoint import lora_parts
 
     merges = Merges()
     parts = lora_parts(gpt, mcfg, lambda: merges.n, extra={"lora": {"rank": 4, "alpha": 8.0}})
@@ -307,7 +309,7 @@ def merge_checks(ddp, mcfg, parallel, ids, results, check="merge"):
     space (base' = base + a s B A, policy weights unchanged)."""
     from megagrpo.config.train import ReferenceConfig
     from megagrpo.cpu_compat import megatron_scope
-    from megagrpo.lora import LoRAReference, MergedParams, adapted, merge_adapters
+    from megagrpo.lora.layers import LoRAReference, MergedParams, adapted, merge_adapters
     from megagrpo.model import unwrap
 
     gpt = unwrap(ddp)
@@ -361,8 +363,8 @@ def main():
     ap.add_argument("--work", required=True)
     args = ap.parse_args()
     from megagrpo.config.lora import LoRAConfig
-    from megagrpo.lora import parameters_for_refit
-    from megagrpo.lora_export import export_base_and_adapter
+    from megagrpo.lora.export import export_base_and_adapter
+    from megagrpo.lora.layers import parameters_for_refit
     from megagrpo.sync.source import export_hf
 
     torch.set_num_threads(1)
@@ -387,7 +389,7 @@ def main():
             # adapters in peft's layout, gathered over TP=2
             export_base_and_adapter(ddp, os.path.join(args.work, "base_tp2"),
                                     os.path.join(args.work, "peft_tp2"), mcfg, parallel,
-                                    LoRAConfig(rank=4, alpha=8.0))
+                                    LoRAConfig(rank=4, alpha=8.0), export_hf)
             torch.save(adapter_tensors(ddp.module, mcfg, parallel, grads=False),
                        os.path.join(args.work, f"saved_rank{dist.get_rank()}.pt"))
         dist.barrier()

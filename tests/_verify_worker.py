@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+import megagrpo.config.params as hf_params
 import megagrpo.hf as hf
 import megagrpo.hf.io as hf_io
-import megagrpo.hf.params as hf_params
 from megagrpo.config.model import ParallelConfig
 from megagrpo.distributed import shutdown
 from megagrpo.verify import verify

@@ -1,5 +1,5 @@
-"""LoRA on megatron-core (megagrpo.lora): the adapters' reduced gradients at TP=2, PP=2 and DP=2
-equal a float64 plain-torch LoRA on transformers' model; the base gets no gradient and the
+"""LoRA on megatron-core (megagrpo.lora.layers): the adapters' reduced gradients at TP=2, PP=2 and
+DP=2 equal a float64 plain-torch LoRA on transformers' model; the base gets no gradient and the
 optimizer (plain and distributed) holds the adapters only; a merge (the reference reset) leaves
 the policy's logits unchanged within fp32 rounding, makes the reference's logits equal them
 bitwise (KL 0), and mixing with alpha moves the reference to alpha * policy + (1 - alpha) *
@@ -166,7 +166,7 @@ def test_expert_adapters_are_refit_merged():
     """vLLM does not serve adapters on MoE experts (no CPU fused-MoE LoRA kernels): the run
     refits the merged weights and its console line says why; attention-only adapters on an MoE
     model, and a dense model's fc1/fc2, are served."""
-    from megagrpo.lora import describe
+    from megagrpo.lora.layers import describe
     from megagrpo.sync.adapters import unavailable
 
     moe = ModelConfig(architecture="qwen3_moe", num_experts=4, moe_ffn_hidden_size=64)

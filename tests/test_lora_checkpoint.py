@@ -1,4 +1,4 @@
-"""A LoRA run's checkpoints name a base folder beside them (megagrpo.lora_checkpoint): the
+"""A LoRA run's checkpoints name a base folder beside them (megagrpo.lora.checkpoint): the
 manifest's refs are verified with the checkpoint, retention removes a base with the last
 checkpoint naming it, and a policy folder whose base is gone says where it should be. Files
 only (no ranks); the manager itself runs in tests/_lora_worker.py (tests/test_lora.py) and, end

@@ -1,17 +1,17 @@
-"""A LoRA merge (the reference reset, `megagrpo.lora.merge_adapters`) in float64 on one linear
-of a bf16 base: the merged policy W_new + s B_new A keeps the adapter's contribution s B A even
-where it sits below half an ulp of W (which a plain rounded add drops), and its output differs
+"""A LoRA merge (the reference reset, `megagrpo.lora.layers.merge_adapters`) in float64 on one
+linear of a bf16 base: the merged policy W_new + s B_new A keeps the adapter's contribution s B A
+even where it sits below half an ulp of W (which a plain rounded add drops), and its output differs
 from the exact policy by no more than one bf16 rounding of the merged weight does."""
 import pytest
 import torch
 
-from megagrpo.lora import merge_adapters
+from megagrpo.lora.layers import merge_adapters
 
 OUT, IN, R, SCALE = 64, 256, 4, 2.0
 
 
 class _Adapted(torch.nn.Module):
-    """One linear with an adapter, as `megagrpo.lora._attach` leaves it: column-parallel on
+    """One linear with an adapter, as `megagrpo.lora.layers._attach` leaves it: column-parallel on
     one rank (no TP group) unless told otherwise."""
 
     def __init__(self, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,

@@ -18,7 +18,7 @@ ADAPTER_BYTES = 2 * 32 * 4  # two float32 tensors of 32 elements
 
 
 class Adapted(torch.nn.Module):
-    """A linear carrying an adapter, as `megagrpo.lora.adapted` finds them."""
+    """A linear carrying an adapter, as `megagrpo.lora.layers.adapted` finds them."""
 
     def __init__(self):
         super().__init__()

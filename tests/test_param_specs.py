@@ -1,4 +1,4 @@
-"""The one parameter layout (`megagrpo.hf.params`) against independent references, for every
+"""The one parameter layout (`megagrpo.config.params`) against independent references, for every
 family: the tensors a transformers checkpoint holds, the state dict of a transformers model
 built from the same config (what the vLLM feed used to be checked against), and the parameters
 of the megatron-core model each rank actually builds at TP / PP / EP layouts (2 real ranks).

@@ -1,6 +1,6 @@
 """The weight sync (`megagrpo.sync`) against fake engines, in this process (no ranks): the
 transport `sync.transport=auto` picks is today's (placement, in-flight updates, LoRA serving),
-the refusals before compute, what the engine's feed is declared to get (`hf.params` plus the
+the refusals before compute, what the engine's feed is declared to get (`config.params` plus the
 transforms) against what the source and transforms really emit, the in-flight transport's
 post -> join -> deliver order, a fourth transport registered from this module and selected by
 config alone (trainer.py and run.py untouched), and the QKV interleave against an index

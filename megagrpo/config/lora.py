@@ -1,12 +1,12 @@
-"""LoRA adapters on the policy's linear layers (megagrpo.lora)."""
+"""LoRA adapters on the policy's linear layers (megagrpo.lora.layers)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.params import adapted, adapter_numel, layer_specs, param_specs
 from megagrpo.config.section import Section
-from megagrpo.hf.params import adapted, adapter_numel, layer_specs, param_specs
 
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
 """The linears an adapter can sit beside: the fused QKV projection, the attention output
@@ -105,7 +105,7 @@ class LoRAConfig(Section):
                    ep: int = 1) -> int:
         """Adapter elements one rank holds for `layers` (a count from layer 0, or the global
         indices of a stage's layers): per column-parallel target (qkv, fc1) r * in + out / tp *
-        r, per row-parallel one (proj, fc2) r * in / tp + out * r (see megagrpo.lora); an MoE
+        r, per row-parallel one (proj, fc2) r * in / tp + out * r (see megagrpo.lora.layers); an MoE
         layer's fc1 / fc2 once per routed expert of this EP rank (num_experts / ep, expert TP
         1) plus the shared expert; 0 when off."""
         if not self.enabled:

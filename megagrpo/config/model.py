@@ -342,7 +342,7 @@ class ParallelConfig(Section):
 
     def stage_size(self, num_layers: int) -> int:
         """Layers one pipeline stage holds: megatron-core's even split (`validate` checks that
-        pp divides num_layers); `megagrpo.hf.params.stage_layers` says which."""
+        pp divides num_layers); `megagrpo.config.params.stage_layers` says which."""
         return num_layers // max(self.pp, 1)
 
     def padded_vocab_size(self, vocab_size: int) -> int:

@@ -12,11 +12,11 @@ import torch
 
 def expected_hf_params(hf_config) -> tuple[dict[str, torch.Size], set[str]]:
     """Names and shapes of the HF checkpoint tensors for `hf_config` (a transformers config),
-    derived from megagrpo's parameter layout (`megagrpo.hf.params.vllm_feed_shapes`). Returns
+    derived from megagrpo's parameter layout (`megagrpo.config.params.vllm_feed_shapes`). Returns
     (required, optional): tied output weights (`lm_head.weight` when tie_word_embeddings) are
     optional, since vLLM reuses the embedding."""
+    from megagrpo.config.params import vllm_feed_shapes
     from megagrpo.hf.config import MODEL_TYPES, model_config_from_hf_dict
-    from megagrpo.hf.params import vllm_feed_shapes
 
     cfg = hf_config.to_dict()
     if not cfg.get("architectures") and cfg.get("model_type") in MODEL_TYPES:

@@ -28,14 +28,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from megagrpo.engine.types import Completion, WeightSyncStats
-
-if TYPE_CHECKING:
-    from megagrpo.engine.vllm_engine import VLLMEngine
 
 
 @dataclass
@@ -79,7 +75,7 @@ class InflightUpdates:
         with self._lock:
             return None if self._pending is None else self._pending.version
 
-    def apply_pending(self, engine: VLLMEngine, *, midway: bool = False
+    def apply_pending(self, engine, *, midway: bool = False
                       ) -> WeightSyncStats | None:
         """Loads the posted refit, if any (None: nothing was pending), and labels the engine's
         weights with its version. `midway`: requests are running, whose KV cache is kept (the
@@ -94,13 +90,13 @@ class InflightUpdates:
         self.last_stats = stats
         return stats
 
-    def label(self, engine: VLLMEngine, version: int) -> None:
+    def label(self, engine, version: int) -> None:
         """Records that the engine holds policy `version`; vLLM stamps it on every token sampled
         from now on."""
         self.version = version
         engine.llm.llm_engine.set_weight_version(str(version))
 
-    def _load_between_steps(self, engine: VLLMEngine, ids: list[str], steps: int
+    def _load_between_steps(self, engine, ids: list[str], steps: int
                             ) -> WeightSyncStats | None:
         """`apply_pending` inside `run`; a load that fails aborts the draw's requests (none is
         left running in the engine) and raises, naming the version and the step."""
@@ -117,7 +113,7 @@ class InflightUpdates:
         return n
 
     # -- the step loop --------------------------------------------------------------------
-    def run(self, engine: VLLMEngine, prompts: list[dict], params, lora_request=None) -> list:
+    def run(self, engine, prompts: list[dict], params, lora_request=None) -> list:
         """Generates `prompts` (vLLM prompt dicts) with `params` (SamplingParams) by stepping
         vLLM's engine, loading a posted update before any step. Returns vLLM's finished
         RequestOutputs in request order (as `LLM.generate`)."""

@@ -1,8 +1,10 @@
-"""Hugging Face interop, in three modules:
+"""Hugging Face interop, in two modules, over the parameter layout:
 - `config`: HF config.json <-> ModelConfig (reading with refusals, writing, RoPE);
-- `params`: the model's parameter layout, written once (HF tensor names <-> megatron
-  parameters, shapes, TP/EP splits, the pipeline split) and what derives from it;
-- `io`: checkpoint files <-> megatron shards (reading slices, loading, writing, checking).
+- `io`: checkpoint files <-> megatron shards (reading slices, loading, writing, checking);
+- the model's parameter layout, written once (HF tensor names <-> megatron parameters, shapes,
+  TP/EP splits, the pipeline split) and what derives from it, is `megagrpo.config.params`
+  (pure arithmetic on the config, which LoRA's and the planner's counts read too); its names
+  are re-exported here.
 
 The names below are re-exported here and imported on first use (PEP 562), so that `config` and
 `params`, which need no torch, stay cheap for the launcher and the planner; `io` loads torch and
@@ -28,7 +30,9 @@ __all__ = sorted(_HOME)
 def __getattr__(name: str):
     if name not in _HOME:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    home = _HOME[name]
+    module = "megagrpo.config.params" if home == "params" else f"{__name__}.{home}"
+    return getattr(importlib.import_module(module), name)
 
 
 def __dir__() -> list[str]:

@@ -2,7 +2,7 @@
 slices (only the rows/columns its TP/PP/EP shard needs, safetensors' lazy slices), the header
 check, writing a checkpoint directory, and the tensor conversions between HF tensors and fused
 megatron shards. What is fused and split how (names, shapes, TP/EP/PP) is the layout in
-`megagrpo.hf.params` (the QKV interleave too: `qkv_rows`); this module only moves tensors in
+`megagrpo.config.params` (the QKV interleave too: `qkv_rows`); this module only moves tensors in
 it. Export goes through `megagrpo.sync.source`, the same generator that feeds vLLM.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Iterable
 import torch
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.params import ParamSpec, hf_shapes, param_specs, qkv_rows
 from megagrpo.hf.config import hf_config_dict
-from megagrpo.hf.params import ParamSpec, hf_shapes, param_specs, qkv_rows
 from megagrpo.model import unwrap
 
 

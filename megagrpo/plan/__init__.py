@@ -13,9 +13,9 @@ no GPU.
 from __future__ import annotations
 
 from megagrpo.config.model import ModelConfig
+from megagrpo.config.params import stage_layers
 from megagrpo.config.seqpar import megatron_aux_loss_coeff
 from megagrpo.config.train import TrainConfig, load_config
-from megagrpo.hf.params import stage_layers
 from megagrpo.plan.memory import (
     DTYPE_BYTES,
     GIB,

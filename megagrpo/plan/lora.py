@@ -17,8 +17,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.params import adapted, param_specs, peft_modules
 from megagrpo.config.train import TrainConfig
-from megagrpo.hf.params import adapted, param_specs, peft_modules
 from megagrpo.plan.memory import DTYPE_BYTES, GIB, RankMemory, rank_memory, total_params
 
 

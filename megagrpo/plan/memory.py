@@ -65,9 +65,7 @@ from pathlib import Path
 
 from megagrpo.config.layout import check_rollout_layout
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from megagrpo.config.seqpar import sequence_parallel_auto
-from megagrpo.config.train import TrainConfig
-from megagrpo.hf.params import (
+from megagrpo.config.params import (
     embedding_specs,
     head_specs,
     layer_specs,
@@ -75,6 +73,8 @@ from megagrpo.hf.params import (
     split_numels,
     stage_layers,
 )
+from megagrpo.config.seqpar import sequence_parallel_auto
+from megagrpo.config.train import TrainConfig
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -82,7 +82,7 @@ MAX_TP = 8  # tensor parallelism stays inside one node (NVLink); more GPUs go to
 
 
 # ------------------------------------------------------------------------ parameter counts
-# Every count is derived from the one parameter layout (`megagrpo.hf.params`): the TP-split
+# Every count is derived from the one parameter layout (`megagrpo.config.params`): the TP-split
 # parameters' total / tp plus the replicated ones, per layer as megatron holds them.
 def layer_params(m: ModelConfig, tp: int = 1, layer: int = 0, ep: int = 1, *,
                  active: bool = False) -> int:

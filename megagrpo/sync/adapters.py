@@ -11,7 +11,7 @@ old adapter still sample the policy until the next refit sends both.
 
 When vLLM cannot serve the adapters (`unavailable` says why) the merged weights W + s B A are
 refit after each update instead, as for full fine-tuning: the `MergeAdapters` transform hands
-the source `megagrpo.lora.parameters_for_refit`'s merged view of the stage's parameters.
+the source `megagrpo.lora.layers.parameters_for_refit`'s merged view of the stage's parameters.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import torch
 
 from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig
-from megagrpo.lora import adapters_disabled, parameters_for_refit
-from megagrpo.lora_export import gather_adapters, save_peft_adapter
+from megagrpo.lora.export import gather_adapters, save_peft_adapter
+from megagrpo.lora.layers import adapters_disabled, parameters_for_refit
 from megagrpo.model import unwrap
 from megagrpo.sync.source import Feed, FullWeights
 from megagrpo.sync.transforms import Transform
@@ -84,7 +84,7 @@ def _cannot_serve(lora: LoRAConfig, rollout_tp: int, model: ModelConfig | None) 
 
 class MergeAdapters(Transform):
     """A LoRA policy whose engine does not serve its adapters: the source streams the merged
-    weights W + s B A (read one tensor at a time, `megagrpo.lora.MergedParams`) under the
+    weights W + s B A (read one tensor at a time, `megagrpo.lora.layers.MergedParams`) under the
     base's names, so names, shapes and dtypes are the base's (`emits` is the default)."""
 
     def parameters(self, gpt: torch.nn.Module, params: Mapping[str, torch.Tensor] | None

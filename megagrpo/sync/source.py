@@ -20,8 +20,8 @@ shard. `ReshardStats.received_bytes` counts what each rank received in either mo
 
 What is streamed is the stage's megatron parameters as given (`params`; default: the module's
 own, refused when it holds parameters outside the layout, e.g. LoRA adapters): a LoRA policy's
-merged view W + s B A is supplied by the LoRA side (`megagrpo.lora.parameters_for_refit`; in a
-`WeightSync`, the `MergeAdapters` transform), so this module knows nothing of adapters.
+merged view W + s B A is supplied by the LoRA side (`megagrpo.lora.layers.parameters_for_refit`;
+in a `WeightSync`, the `MergeAdapters` transform), so this module knows nothing of adapters.
 `FullWeights` and `ShardSlices` are the two sources a `megagrpo.sync.WeightSync` streams from;
 `Feed` is one refit's stream and its counters.
 """
@@ -346,7 +346,7 @@ def export_hf(gpt: torch.nn.Module, out_dir: str, model: ModelConfig, parallel: 
               bucket_bytes: int = 256 << 20) -> None:
     """Writes the sharded policy as an HF checkpoint directory (global rank 0 writes; every rank
     of the model-parallel group must call this). `params` as for `iter_hf_weights` (a LoRA
-    policy: merged, `megagrpo.lora.parameters_for_refit`)."""
+    policy: merged, `megagrpo.lora.layers.parameters_for_refit`)."""
     write = dist.get_rank() == 0 if dist.is_initialized() else True
     save_hf_dir(out_dir, model, iter_hf_weights(gpt, model, parallel, params=params,
                                                 bucket_bytes=bucket_bytes), write=write)

@@ -3,7 +3,7 @@ transport. A transform may act on the stage's megatron parameters before they ar
 (`parameters`: the LoRA merge W + s B A) and on the (HF name, tensor) pairs streamed
 (`pairs`: a dtype cast; later a quantisation with scale tensors, a delta against what the
 engine last received), and declares what it emits (`emits`), so what an engine's feed expects
-is `megagrpo.hf.params` plus the transforms' declarations (`expected_feed`), never a second
+is `megagrpo.config.params` plus the transforms' declarations (`expected_feed`), never a second
 table. The default of each hook passes everything through unchanged.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from megagrpo.config.model import ModelConfig
-from megagrpo.hf.params import hf_shapes
+from megagrpo.config.params import hf_shapes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """The dtypes a weight sync may carry, by their config names."""
@@ -65,7 +65,7 @@ class CastDtype(Transform):
 def expected_feed(model: ModelConfig, transforms: Sequence[Transform] = ()
                   ) -> dict[str, TensorMeta]:
     """HF name -> shape and dtype of every tensor a sync through `transforms` delivers: the HF
-    checkpoint's tensors in the model's dtype (`megagrpo.hf.params.hf_shapes`), then each
+    checkpoint's tensors in the model's dtype (`megagrpo.config.params.hf_shapes`), then each
     transform's declaration in order."""
     dtype = DTYPES[model.dtype]
     out = {n: TensorMeta(tuple(s), dtype) for n, s in hf_shapes(model).items()}

@@ -92,7 +92,7 @@ class WeightSync:
         return self.source.checkpoint_parts()
 
     def expects(self, model: ModelConfig) -> dict[str, TensorMeta]:
-        """HF name -> shape and dtype of what the transport delivers (`hf.params` plus the
+        """HF name -> shape and dtype of what the transport delivers (`config.params` plus the
         transforms' declarations)."""
         return expected_feed(model, self.transforms)
 

@@ -394,7 +394,7 @@ class LoRAReference(ReferenceSchedule):
         self._scoring: contextlib.ExitStack | None = None
         self.merges = 0
         """Merges so far (the cold start's reset included): which base a checkpoint holds
-        (`megagrpo.lora_checkpoint`)."""
+        (`megagrpo.lora.checkpoint`)."""
         self.a_grad_scales: dict[torch.nn.Parameter, torch.Tensor] = {}
         """A's gradient scale per row [r, 1] from the last merge, until `rescale_moments` hands
         it to the optimizer."""

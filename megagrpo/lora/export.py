@@ -8,7 +8,7 @@ the merged export's (W + s B A). The adapter folder is peft's own format: `adapt
 `base_model.model.<HF module>.lora_A.weight` [r, in] / `.lora_B.weight` [out, r] pair per
 projection.
 
-megagrpo's fused layers carry one adapter over the fused output (`megagrpo.lora`): the fused
+megagrpo's fused layers carry one adapter over the fused output (`megagrpo.lora.layers`): the fused
 QKV's A is shared by q, k and v and its B has the weight's row layout (interleaved per KV group),
 fc1's A is shared by gate and up and its B is cat(gate, up) per TP rank. peft has one adapter
 per projection, so the export repeats A for each part and splits B's rows exactly as the weight
@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.params import param_specs
 from megagrpo.hf.io import unfuse_shards
-from megagrpo.hf.params import param_specs
-from megagrpo.lora import adapters_disabled, parameters_for_refit
+from megagrpo.lora.layers import adapters_disabled, parameters_for_refit
 from megagrpo.model import unwrap
 
 PEFT_PREFIX = "base_model.model."
@@ -130,13 +130,12 @@ def save_peft_adapter(out_dir: str | os.PathLike, tensors: dict[str, torch.Tenso
 
 
 def export_base_and_adapter(gpt: torch.nn.Module, hf_dir: str, adapter_dir: str,
-                            model: ModelConfig, parallel: ParallelConfig, cfg: LoRAConfig
-                            ) -> int:
-    """The base (adapters off: W as held) as an HF folder and the adapters as a peft folder
-    beside it. Every rank of the model-parallel group calls this; global rank 0 writes.
-    Returns the adapter tensors' bytes."""
-    from megagrpo.sync.source import export_hf
-
+                            model: ModelConfig, parallel: ParallelConfig, cfg: LoRAConfig,
+                            export_hf: Callable) -> int:
+    """The base (adapters off: W as held) as an HF folder, written by `export_hf`
+    (`megagrpo.sync.source.export_hf`), and the adapters as a peft folder beside it. Every rank
+    of the model-parallel group calls this; global rank 0 writes. Returns the adapter tensors'
+    bytes."""
     with adapters_disabled(gpt):  # the merged view reads W, not W + s B A
         export_hf(gpt, hf_dir, model, parallel, params=parameters_for_refit(gpt))
     tensors = gather_adapters(gpt, model, parallel)

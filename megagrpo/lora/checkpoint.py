@@ -1,7 +1,7 @@
 """A LoRA run's checkpoint: the adapters in every checkpoint, the frozen base only when it changed.
 
 Between two reference resets only the adapters (and their Adam moments) move: the base changes
-only at a merge (`megagrpo.lora.merge_adapters`), so writing it into every checkpoint would
+only at a merge (`megagrpo.lora.layers.merge_adapters`), so writing it into every checkpoint would
 write the same model again and again. The policy is saved as two parts
 (`megagrpo.run.checkpoint_states`):
 - `Adapters` ("policy/" of every checkpoint): the lora_A / lora_B tensors, the config, the
@@ -30,8 +30,8 @@ from megagrpo.config.model import ModelConfig
 from megagrpo.run_dir import write_manifest
 
 ADAPTER_MARK = ".lora_"
-"""What names an adapter tensor in a sharded state dict's keys (`megagrpo.lora`: every adapter
-parameter is a module's `lora_*` attribute)."""
+"""What names an adapter tensor in a sharded state dict's keys (`megagrpo.lora.layers`: every
+adapter parameter is a module's `lora_*` attribute)."""
 
 
 def is_adapter_key(key: str) -> bool:
