@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {
-    "config": ("HF_ARCHITECTURES", "MODEL_TYPES", "hf_config_dict", "model_config_from_hf",
-               "model_config_from_hf_dict"),
-    "params": ("ParamSpec", "embedding_specs", "head_specs", "hf_shapes", "layer_specs",
-               "param_specs", "qkv_rows", "rank_numel", "split_numels", "stage_layers",
-               "vllm_feed_shapes"),
-    "io": ("HFCheckpoint", "check_hf_checkpoint", "expert_parallel_rank", "fuse_qkv",
-           "load_hf_weights", "read_shard", "save_hf_dir", "split_qkv", "unfuse_shards"),
+_EXPORTS = {  # module -> the names it lends this package
+    "megagrpo.hf.config": (
+        "HF_ARCHITECTURES", "MODEL_TYPES", "hf_config_dict", "model_config_from_hf",
+        "model_config_from_hf_dict"),
+    "megagrpo.config.params": (
+        "ParamSpec", "embedding_specs", "head_specs", "hf_shapes", "layer_specs", "param_specs",
+        "qkv_rows", "rank_numel", "split_numels", "stage_layers", "vllm_feed_shapes"),
+    "megagrpo.hf.io": (
+        "HFCheckpoint", "check_hf_checkpoint", "expert_parallel_rank", "fuse_qkv",
+        "load_hf_weights", "read_shard", "save_hf_dir", "split_qkv", "unfuse_shards"),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_HOME)
@@ -30,9 +32,7 @@ __all__ = sorted(_HOME)
 def __getattr__(name: str):
     if name not in _HOME:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    home = _HOME[name]
-    module = "megagrpo.config.params" if home == "params" else f"{__name__}.{home}"
-    return getattr(importlib.import_module(module), name)
+    return getattr(importlib.import_module(_HOME[name]), name)
 
 
 def __dir__() -> list[str]:
