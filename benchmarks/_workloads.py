@@ -62,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-from megagrpo.machine import gemm_gflops  # noqa: F401 - the benchmarks' FLOP floor
+from megagrpo.runtime.machine import gemm_gflops  # noqa: F401 - the benchmarks' FLOP floor
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "benchmarks" / ".cache"

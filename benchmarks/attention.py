@@ -73,7 +73,7 @@ def model_step(model_kw: dict, dtype: str, impl: str,
     the attention kernels torch ran in that forward) for a model built with
     parallel.attention_impl=impl (same seed, so same weights)."""
     from megagrpo.config.model import ModelConfig, ParallelConfig
-    from megagrpo.model import build_model
+    from megagrpo.model.gpt import build_model
 
     mcfg = ModelConfig(**model_kw, dtype=dtype, max_position_embeddings=512)
     gpt = build_model(mcfg, ParallelConfig(attention_impl=impl), seed=0)
@@ -98,9 +98,9 @@ def attention_step(model_kw: dict, dtype: str, impl: str, batch: int,
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megagrpo.attention import SdpaAttention
+    from megagrpo.parallel.attention import SdpaAttention
     from megagrpo.config.model import ModelConfig, ParallelConfig
-    from megagrpo.model import DTYPE, transformer_config
+    from megagrpo.model.gpt import DTYPE, transformer_config
 
     mcfg = ModelConfig(**model_kw, dtype=dtype)
     cfg = transformer_config(mcfg, ParallelConfig())
@@ -155,7 +155,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from megagrpo.config.model import ParallelConfig
-    from megagrpo.distributed import init_distributed
+    from megagrpo.runtime.distributed import init_distributed
 
     torch.set_num_threads(args.threads)
     init_distributed(ParallelConfig())

@@ -297,7 +297,7 @@ shapes only)."""
 
 
 def _step_batch(n: int, prompt: int, completion: int, vocab: int):
-    from megagrpo.batch import pack
+    from megagrpo.parallel.batch import pack
 
     g = torch.Generator().manual_seed(n)
     prompts = [torch.randint(1, vocab, (prompt,), generator=g).tolist() for _ in range(n)]
@@ -318,11 +318,11 @@ def fit_rows(args) -> None:
     from functools import partial
 
     from megagrpo.config.train import load_config
-    from megagrpo.distributed import init_distributed, training_layout
-    from megagrpo.losses import grpo_loss
-    from megagrpo.model import build_model
-    from megagrpo.optim import build_optimizer, wrap_ddp, zero_grad
-    from megagrpo.passes import Passes
+    from megagrpo.runtime.distributed import init_distributed, training_layout
+    from megagrpo.train.losses import grpo_loss
+    from megagrpo.model.gpt import build_model
+    from megagrpo.model.optim import build_optimizer, wrap_ddp, zero_grad
+    from megagrpo.train.passes import Passes
 
     cfg = load_config(None, SMOLLM2_135M + [f"model.num_layers={args.fit_layers}",
         "algo.beta=0.04", "algo.kl_estimator=k3", "compute.skip_zero_advantage=false",

@@ -1,11 +1,11 @@
 """The GRPO training step's two model passes on one device, as megagrpo runs them: its
-megatron-core `GPTModel` (`megagrpo.model.build_model`, megatron DDP around it), the update pass
-(forward + backward through the fused GRPO loss, `megagrpo.losses.grpo_loss`) and the scoring
-pass (forward only, log-probs, `losses.logprob_loss`), both through `megagrpo.passes.Passes.run`
-(megatron's schedule). Timed for each compute.compile_layers mode, micro-batch layout (padded:
-rows right-padded to their longest; packed: rows end to end) and output path (the fused output
-layer: hidden states -> loss, no logits; the logits path: megatron's output layer and the
-logits kernels).
+megatron-core `GPTModel` (`megagrpo.model.gpt.build_model`, megatron DDP around it), the update pass
+(forward + backward through the fused GRPO loss, `megagrpo.train.losses.grpo_loss`) and the scoring
+pass (forward only, log-probs, `losses.logprob_loss`), both through
+`megagrpo.train.passes.Passes.run` (megatron's schedule). Timed for each compute.compile_layers
+mode, micro-batch layout (padded: rows right-padded to their longest; packed: rows end to end) and
+output path (the fused output layer: hidden states -> loss, no logits; the logits path: megatron's
+output layer and the logits kernels).
 
     python benchmarks/gpu_step.py --device cuda --compile both --compiled-layouts padded \
         --out F.jsonl                                                # the H200 run
@@ -112,7 +112,7 @@ def lengths_of(s: dict) -> list[int]:
 def make_batch(s: dict):
     """The GRPO batch (CPU tensors, as megagrpo's trainer builds it): random ids, one advantage
     per sequence, vLLM log-probs of -1."""
-    from megagrpo.batch import pack
+    from megagrpo.parallel.batch import pack
 
     g = torch.Generator().manual_seed(0)
     lens = lengths_of(s)
@@ -128,7 +128,7 @@ def init(device: torch.device, cfg):
     (`Passes.counts`) all-reduce CPU tensors, which NCCL alone refuses."""
     import torch.distributed as dist
 
-    from megagrpo.distributed import init_distributed, torchrun_env, training_layout
+    from megagrpo.runtime.distributed import init_distributed, torchrun_env, training_layout
 
     if device.type == "cuda" and not dist.is_initialized():
         rank, world, local = torchrun_env()
@@ -144,7 +144,7 @@ def init(device: torch.device, cfg):
 def mm_tflops(device: torch.device, dtype: torch.dtype) -> tuple[float, int]:
     """torch.mm's rate at n^3 on `device` in `dtype` (best of the timed calls), TFLOP/s."""
     if device.type != "cuda":
-        from megagrpo.machine import gemm_gflops
+        from megagrpo.runtime.machine import gemm_gflops
 
         rate, n = gemm_gflops(str(dtype).removeprefix("torch."), torch.get_num_threads(),
                               size=512, iters=3)
@@ -163,9 +163,9 @@ class Step:
 
     def __init__(self, s: dict, device: torch.device, output: str = "fused"):
         from megagrpo.config.train import load_config
-        from megagrpo.model import build_model
-        from megagrpo.optim import wrap_ddp
-        from megagrpo.passes import Passes
+        from megagrpo.model.gpt import build_model
+        from megagrpo.model.optim import wrap_ddp
+        from megagrpo.train.passes import Passes
 
         self.s, self.device = s, device
         self.cfg = load_config(None, overrides(s, fused=output == "fused"))
@@ -192,13 +192,13 @@ class Step:
 
     def plan(self) -> list:
         # on the device before the timed passes (forward_step would copy them in each pass)
-        from megagrpo.batch import to_device
+        from megagrpo.parallel.batch import to_device
 
         return [to_device(mb, self.device) for mb in self.passes.plan(self.batch, self.m)]
 
     def update(self, plan: list | None = None) -> float:
         """One update pass (gradients into DDP's buffers, zeroed first); the step loss."""
-        from megagrpo.losses import grpo_loss
+        from megagrpo.train.losses import grpo_loss
 
         plan = plan or self.plan()
         P = self.passes
@@ -210,8 +210,8 @@ class Step:
 
     def score(self, plan: list | None = None) -> tuple[list, torch.Tensor]:
         """One scoring pass: the micro-batches' reports and the log-probs [N, S] (CPU)."""
-        from megagrpo.batch import unplan
-        from megagrpo.losses import logprob_loss
+        from megagrpo.parallel.batch import unplan
+        from megagrpo.train.losses import logprob_loss
 
         plan = plan or self.plan()
         P = self.passes
@@ -311,7 +311,7 @@ def device_name(device: torch.device) -> str:
 
 def describe(step: Step, shape: str, rate: float, n: int) -> dict:
     """The fields every row of this process shares: device, model, batch, torch.mm rate."""
-    from megagrpo.model import attention_impl_name, layer_spec_name
+    from megagrpo.model.gpt import attention_impl_name, layer_spec_name
 
     s = step.s
     common = dict(bench="gpu_step", device=device_name(step.device), torch=torch.__version__,
@@ -353,7 +353,7 @@ def run(args) -> bool:
     for compiled in modes:
         dynamo_before = 0.0
         if compiled:
-            from megagrpo.compile import compile_layers
+            from megagrpo.model.compile import compile_layers
 
             compile_layers(step.gpt)
             dynamo_before = _dynamo_seconds()
@@ -397,10 +397,10 @@ def one_row(step: Step, r: dict, ref: dict, args, rate: float, dynamo_before: fl
 
 def _graphs() -> dict:
     """Graphs dynamo made so far and its graph breaks (one graph a layer shape and grad mode
-    is the goal: `megagrpo.compile`)."""
+    is the goal: `megagrpo.model.compile`)."""
     from torch._dynamo.utils import counters
 
-    from megagrpo.compile import graph_count
+    from megagrpo.model.compile import graph_count
 
     return dict(graphs=graph_count(), graph_breaks=int(sum(counters["graph_break"].values())))
 

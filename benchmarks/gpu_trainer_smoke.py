@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from megagrpo.config.train import load_config
-    from megagrpo.distributed import shutdown
-    from megagrpo.model import unwrap
+    from megagrpo.runtime.distributed import shutdown
+    from megagrpo.model.gpt import unwrap
     from megagrpo.run import setup
 
     engine_kind = args.engine if args.engine != "auto" else (

@@ -47,7 +47,7 @@ per rank); rank 0 reports the means over the measured steps, one JSON line per n
                       compute.compile_layers' compile land there)
   compile_s           dynamo's and inductor's own seconds on rank 0 where the layers were
                       compiled (null where not)
-  cpu                 megagrpo.machine.cpu_name(): model name, family / model, capability
+  cpu                 megagrpo.runtime.machine.cpu_name(): model name, family / model, capability
   model               the model's shape: hidden, ffn, layers, vocab
   eager               with --compile-ab: the eager steps' step_s and time_<phase>_s means (the
                       record's own are the compiled steps')
@@ -76,7 +76,7 @@ import _workloads as W  # noqa: E402
 import rollout_floor as RF  # noqa: E402
 
 from megagrpo.cli import torchrun_command  # noqa: E402
-from megagrpo.machine import cpu_name  # noqa: E402
+from megagrpo.runtime.machine import cpu_name  # noqa: E402
 
 ROOT = W.ROOT
 PHASES = ("rollout", "advantage", "score", "update", "weight_sync", "reference_sync")
@@ -147,8 +147,8 @@ class StepCounter:
         return fn(ro)
 
     def _forward(self, fn, micro, *args, **kwargs):
-        # a megagrpo.batch.MicroBatch (its rows, trimmed to their width, maybe packed end to
-        # end: then the model processes the packed tokens) or a plain Batch
+        # a megagrpo.parallel.batch.MicroBatch (its rows, trimmed to their width, maybe packed end
+        # to end: then the model processes the packed tokens) or a plain Batch
         mb = getattr(micro, "batch", micro)
         packed = getattr(micro, "packed", None)
         n = row_lengths(mb.ids, mb.mask, self.pad_id)
@@ -167,7 +167,7 @@ def _measure(tr, counter: StepCounter, warmup: int, steps: int,
     """Runs warmup + steps trainer steps; per measured step the trainer's metrics plus the
     world's token, FLOP and CPU counts (every rank of a replica counted the replica's batch).
     compile_ab: one eager warm-up step more, then each measured step is paired with one with
-    the layers eager, in ABBA order (`megagrpo.compile.use_compiled`); the eager steps'
+    the layers eager, in ABBA order (`megagrpo.model.compile.use_compiled`); the eager steps'
     metrics come back apart and leave no lengths or rollouts in `counter`."""
     import torch.distributed as dist
 
@@ -205,7 +205,7 @@ def _measure(tr, counter: StepCounter, warmup: int, steps: int,
 
 def _use_compiled(tr, on: bool) -> None:
     """The policy's and the reference's compiled layers switched on or off."""
-    from megagrpo.compile import use_compiled
+    from megagrpo.model.compile import use_compiled
 
     use_compiled(tr.policy, on)
     if getattr(tr.reference, "model", None) is not None:
@@ -215,7 +215,7 @@ def _use_compiled(tr, on: bool) -> None:
 def compile_seconds(tr) -> float | None:
     """Dynamo's and inductor's own seconds in this process where compute.compile_layers
     compiled the policy's layers (None where it did not): the first steps pay them."""
-    from megagrpo.compile import compiled_layers
+    from megagrpo.model.compile import compiled_layers
 
     if not compiled_layers(tr.policy):
         return None
@@ -333,7 +333,7 @@ FLOOR_PHASES = ("rollout", "score", "update")
 def measure_bandwidth(bw: dict, threads: int) -> tuple[float, str]:
     """The memory read bandwidth at `threads` (`machine.memory_read_gbs`), the best of every
     measurement so far (as `measure_gemm`: a busy moment lowers one)."""
-    from megagrpo.machine import memory_read_gbs
+    from megagrpo.runtime.machine import memory_read_gbs
 
     rate, method = memory_read_gbs(threads)
     if threads not in bw or rate > bw[threads][0]:

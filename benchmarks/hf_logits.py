@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def run(model_name: str, dtype: str, work: str) -> dict:
     from megagrpo.config.model import ParallelConfig
     from megagrpo.hf import load_hf_weights, model_config_from_hf
-    from megagrpo.model import DTYPE, build_model
+    from megagrpo.model.gpt import DTYPE, build_model
     from tests.support.tiny import tiny_llama, tiny_qwen2
 
     path = os.path.join(work, model_name)
@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from megagrpo.config.model import ParallelConfig
-    from megagrpo.distributed import init_distributed
+    from megagrpo.runtime.distributed import init_distributed
 
     init_distributed(ParallelConfig())
     with tempfile.TemporaryDirectory() as work:

@@ -61,8 +61,8 @@ def linear_shapes(p: dict) -> list[tuple[int, int]]:
 
 def build(p: dict, dtype: str):
     from megagrpo.config.model import ModelConfig, ParallelConfig
-    from megagrpo.distributed import init_distributed
-    from megagrpo.model import build_model
+    from megagrpo.runtime.distributed import init_distributed
+    from megagrpo.model.gpt import build_model
 
     m = ModelConfig(hidden_size=p["hidden"], ffn_hidden_size=p["ffn"], num_layers=p["layers"],
                     num_attention_heads=p["heads"], num_query_groups=p["kv"],
@@ -142,13 +142,13 @@ def grads(model, p: dict, dev: torch.device = CPU) -> list[torch.Tensor]:
 
 
 def compile_layers(model, p: dict, dev: torch.device = CPU) -> dict:
-    """compute.compile_layers on the model (`megagrpo.compile`: torch.compile, inductor, dynamic
-    shapes, of each decoder layer's forward): the compile time of the first pass, the graphs
+    """compute.compile_layers on the model (`megagrpo.model.compile`: torch.compile, inductor,
+    dynamic shapes, of each decoder layer's forward): the compile time of the first pass, the graphs
     dynamo made of one layer, and the largest gradient difference against the eager pass
     relative to the gradient's scale."""
     import torch._dynamo
 
-    from megagrpo.compile import compile_layers as compile_model, graph_count
+    from megagrpo.model.compile import compile_layers as compile_model, graph_count
 
     eager = grads(model, p, dev)
     torch._dynamo.reset()
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
             p[key] = int(value)
         name = "custom"
     model = build(p, args.dtype)
-    from megagrpo.machine import gemm_gflops
+    from megagrpo.runtime.machine import gemm_gflops
 
     rates = {}
     if dev.type == "cuda":  # the device's rate, whatever the host's threads

@@ -98,8 +98,8 @@ def target_length(completion: str, answer: str) -> float:
 
 # ---------------------------------------------------------------------- one run
 def cpu_name() -> str:
-    """megagrpo.machine.cpu_name, imported here (the launcher starts without torch)."""
-    from megagrpo.machine import cpu_name as name
+    """megagrpo.runtime.machine.cpu_name, imported here (the launcher starts without torch)."""
+    from megagrpo.runtime.machine import cpu_name as name
 
     return name()
 

@@ -65,7 +65,7 @@ def measure(args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
-    from megagrpo import machine
+    from megagrpo.runtime import machine
 
     kw = dict(model=args.model, dtype="float32", max_model_len=args.max_model_len, seed=0,
               enforce_eager=True, max_num_seqs=args.prompts, skip_tokenizer_init=True)

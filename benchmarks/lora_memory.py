@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _harness import emit  # noqa: E402
 from benchmarks._workloads import get_workload  # noqa: E402
-from megagrpo.machine import cpu_name  # noqa: E402
+from megagrpo.runtime.machine import cpu_name  # noqa: E402
 
 TARGET_REFIT_SHARE = 0.02
 """The issue's target: an adapter-only refit <= 2% of full fine-tuning's refit bytes."""
@@ -105,10 +105,10 @@ def _refits(gpt, model_cfg, parallel, lora_cfg, repeats: int) -> dict:
 def _measure(model_cfg, lora_cfg, *, seq: int, repeats: int, seed: int = 1) -> dict:
     from megagrpo.config.model import ParallelConfig
     from megagrpo.config.optim import OptimConfig
-    from megagrpo.distributed import init_distributed
+    from megagrpo.runtime.distributed import init_distributed
     from megagrpo.lora.layers import add_adapters
-    from megagrpo.model import build_model
-    from megagrpo.optim import (
+    from megagrpo.model.gpt import build_model
+    from megagrpo.model.optim import (
         build_optimizer,
         forward_backward,
         optimizer_step,

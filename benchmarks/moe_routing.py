@@ -3,8 +3,8 @@ to other experts than megatron does when the trainer scores the same sequence.
 
 On the `moe` workload's model (benchmarks/_workloads.py; or --hf DIR), one process:
 1. vLLM (in-process, the engine megagrpo uses) samples G completions for each prompt.
-   `megagrpo.moe.RouteCapture` (the capture routing replay uses) hooks every MoE layer's router
-   and the model runner's batch layout at each forward, so each token row maps to (request,
+   `megagrpo.model.moe.RouteCapture` (the capture routing replay uses) hooks every MoE layer's
+   router and the model runner's batch layout at each forward, so each token row maps to (request,
    position): the routing vLLM actually used while decoding, no re-run.
 2. megatron (the trainer's GPTModel at TP=1, loaded from the same HF folder) runs each prompt +
    completion once, as the scoring pass does; a hook on every router records its top-k.
@@ -15,7 +15,7 @@ Prints one JSON line per dtype: the share of (token, layer) pairs whose top-k se
 share of tokens that differ in at least one layer, the mean and max |log-prob| gap between
 vLLM's sampling log-probs and the trainer's, the same gap over the tokens whose routing agrees
 in every layer, and the gap when the trainer's forward replays vLLM's routes (routing replay,
-`algo.routing_replay`: `megagrpo.moe.replay`, megatron's RouterReplay).
+`algo.routing_replay`: `megagrpo.model.moe.replay`, megatron's RouterReplay).
 
     python benchmarks/moe_routing.py [--dtypes float32,bfloat16] [--prompts 16] [--out FILE]
     python benchmarks/moe_routing.py --table benchmarks/results/moe_routing_cpu.jsonl  # markdown
@@ -42,8 +42,8 @@ def megatron_routes(gpt, ids: torch.Tensor, topk: int, vocab: int,
                     replayed: torch.Tensor | None = None) -> tuple[list, torch.Tensor]:
     """([S][L_moe] top-k lists, [S, V] fp32 log-probs) of one sequence through the trainer's
     model (eval mode, like a scoring pass); `replayed` [S, L_moe, k]: routed as given
-    (`megagrpo.moe.replay`, the path of algo.routing_replay) instead of by its own routers."""
-    from megagrpo.moe import replay
+    (`megagrpo.model.moe.replay`, the path of algo.routing_replay) instead of by its own routers."""
+    from megagrpo.model.moe import replay
 
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -70,10 +70,10 @@ def measure(hf_dir: Path, dtype: str, prompts: list[list[int]], group: int, max_
     from vllm import LLM, SamplingParams
 
     from megagrpo.config.model import ParallelConfig
-    from megagrpo.distributed import init_distributed
+    from megagrpo.runtime.distributed import init_distributed
     from megagrpo.hf import load_hf_weights, model_config_from_hf
-    from megagrpo.model import build_model
-    from megagrpo.moe import RouteCapture
+    from megagrpo.model.gpt import build_model
+    from megagrpo.model.moe import RouteCapture
 
     init_distributed(ParallelConfig())  # again: a closed vLLM engine takes the group down
     model = model_config_from_hf(hf_dir, dtype=dtype)
@@ -163,7 +163,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from megagrpo.config.model import ParallelConfig
     from megagrpo.data import encode_prompt
-    from megagrpo.distributed import init_distributed
+    from megagrpo.runtime.distributed import init_distributed
     from megagrpo.tasks import build_task
 
     init_distributed(ParallelConfig())

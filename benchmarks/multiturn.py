@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from megagrpo.agent import Environment, Observation, Turn
-from megagrpo.machine import cpu_name
+from megagrpo.runtime.machine import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "multiturn_cpu" / "results.jsonl"

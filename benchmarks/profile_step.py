@@ -14,7 +14,7 @@ record_function by wrapping what the trainer calls:
                op ran inside it (matched by autograd sequence number)
   output+loss  the `output_layer` module and the trainer's loss functions (the vocab pass:
                fused log-prob / GRPO loss kernels), forward and backward as above
-  optimizer    megagrpo.trainer.optimizer_step
+  optimizer    megagrpo.train.trainer.optimizer_step
   other        the rest of the phase (micro-batch slicing, zero_grad, metrics, reductions)
 forward and backward are reported without their attention and output+loss parts.
 
@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _workloads as W  # noqa: E402
 import grpo_step  # noqa: E402
 
-from megagrpo.machine import cpu_name  # noqa: E402
+from megagrpo.runtime.machine import cpu_name  # noqa: E402
 
 LABELS = ("forward", "backward", "attention", "output_loss", "optimizer")
 ROWS = ("forward", "backward", "attention", "output_loss", "optimizer", "other")
@@ -65,8 +65,8 @@ def _labeled(label: str, fn, *args, **kwargs):
 
 def install_labels(tr) -> None:
     """record_function ranges around what the trainer calls (see the module docstring)."""
-    import megagrpo.passes as passes_mod
-    import megagrpo.trainer as trainer_mod
+    import megagrpo.train.passes as passes_mod
+    import megagrpo.train.trainer as trainer_mod
     from megatron.core.pipeline_parallel import schedules
 
     tr.passes.forward = partial(_labeled, "forward", tr.passes.forward)
@@ -199,11 +199,11 @@ def kernel_breakdown(events, total_s: float, span: list[tuple[float, float]],
 
 
 def shim_cost(tr, steps: int = 1, reps: int = 20000) -> dict:
-    """The CPU shim's cost (`megagrpo.cpu_compat`, the torch function mode megatron-core needs
-    without CUDA): its calls per trainer step (counted over `steps` unprofiled steps) and the
+    """The CPU shim's cost (`megagrpo.runtime.cpu_compat`, the torch function mode megatron-core
+    needs without CUDA): its calls per trainer step (counted over `steps` unprofiled steps) and the
     microseconds one call adds (a small op timed with the mode on and with torch functions
     disabled, best of 5 x `reps`). {} when the shim is not on (a CUDA machine)."""
-    import megagrpo.cpu_compat as cc
+    import megagrpo.runtime.cpu_compat as cc
 
     if not cc.active():
         return {}
@@ -330,8 +330,8 @@ def table(rec: dict) -> str:
             for g in rec[p].get("kernels", {}).get("top_other", [])))
     if rec.get("shim"):
         sh = rec["shim"]
-        lines.append(f"CPU shim (megagrpo.cpu_compat): {sh['calls_per_step']} calls a step x "
-                     f"{sh['us_per_call']} us = {sh['seconds_per_step']:.3f} s a step")
+        lines.append(f"CPU shim (megagrpo.runtime.cpu_compat): {sh['calls_per_step']} calls a "
+                     f"step x {sh['us_per_call']} us = {sh['seconds_per_step']:.3f} s a step")
     return "\n".join(lines)
 
 

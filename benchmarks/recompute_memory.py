@@ -15,7 +15,7 @@ groups, FFN 1024, vocab 1024; `midsize`: benchmarks/_workloads.py's midsize Llam
 4 layers, 8 heads x 64, 4 KV groups, FFN 1536, vocab 19 padded to 128; random init, fp32),
 then one forward + backward of a per-token CE loss on [b, S] random tokens in training mode
 (under CP each rank runs its 2 load-balanced chunks of the row, RoPE at their global positions,
-megagrpo's CP attention: `megagrpo/context_parallel.py`). One JSON line per setting, each
+megagrpo's CP attention: `megagrpo/parallel/context_parallel.py`). One JSON line per setting, each
 memory figure the maximum over the CP ranks:
   step_peak_mib   peak RSS during the step minus the RSS just before it (what the step's
                   activations and gradients add)
@@ -72,8 +72,8 @@ MODELS = {
 FIT_GIB = 20  # the longest sequence whose fitted peak fits this (the issue's budget)
 CP_ATTN = "blocks"
 """The CP attention a cp > 1 row ran (its `cp_attn`): "blocks", the unmasked and causal blocks
-merged by log-sum-exp (`megagrpo.context_parallel.causal_chunk_attention`); "mask", the bool
-mask [S/cp, S] given to SDPA before it (rows measured before the change)."""
+merged by log-sum-exp (`megagrpo.parallel.context_parallel.causal_chunk_attention`); "mask", the
+bool mask [S/cp, S] given to SDPA before it (rows measured before the change)."""
 
 
 def rss_mib() -> float:
@@ -87,10 +87,10 @@ def child(recompute: str, attention: str, seq: int, batch: int, threads: int, mo
 
     torch.set_num_threads(threads)
     from megagrpo.config.model import ModelConfig, ParallelConfig
-    from megagrpo.context_parallel import chunk_columns, padded_width
-    from megagrpo.distributed import init_distributed
-    from megagrpo.model import build_model
-    from megagrpo.positions import RotaryPositions
+    from megagrpo.parallel.context_parallel import chunk_columns, padded_width
+    from megagrpo.runtime.distributed import init_distributed
+    from megagrpo.model.gpt import build_model
+    from megagrpo.parallel.positions import RotaryPositions
 
     shape = MODELS[model]
     mcfg = ModelConfig(**shape, max_position_embeddings=seq)
@@ -352,7 +352,7 @@ def main() -> None:
                                args.model, int(args.cp))))
         return
     from benchmarks._harness import emit
-    from megagrpo.machine import cpu_name
+    from megagrpo.runtime.machine import cpu_name
 
     cpu = cpu_name()
     done: dict[tuple, list[dict]] = {}

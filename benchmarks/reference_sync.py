@@ -5,7 +5,7 @@
 
 One JSON line per (size, TP). Each runs in its own process (TP=1) or torchrun group (TP=2), on
 a megatron policy / reference pair of the same layout (fp32, CPU):
-  inplace_a1_s     megagrpo.reference.sync_reference(ref, policy, 1.0): copy_ per shard
+  inplace_a1_s     megagrpo.model.reference.sync_reference(ref, policy, 1.0): copy_ per shard
   inplace_a05_s    the same with alpha=0.5: lerp_ per shard
   reload_s         the alternative: export_hf(policy) writes safetensors (rank 0 gathers the
                    TP shards), then load_hf_weights(ref) reads this rank's shards back; split
@@ -86,10 +86,10 @@ def run_one(size: str, tp: int, repeats: int) -> dict | None:
     import torch.distributed as dist
 
     from megagrpo.config.model import ModelConfig, ParallelConfig
-    from megagrpo.distributed import init_distributed
+    from megagrpo.runtime.distributed import init_distributed
     from megagrpo.hf import load_hf_weights
-    from megagrpo.model import build_model
-    from megagrpo.reference import sync_reference
+    from megagrpo.model.gpt import build_model
+    from megagrpo.model.reference import sync_reference
     from megagrpo.sync.source import export_hf
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
@@ -172,7 +172,7 @@ def main() -> None:
         rec = run_one(args.one, args.tp, args.repeats)
         if rec is not None:
             print("RESULT " + json.dumps(rec), flush=True)
-        from megagrpo.distributed import shutdown
+        from megagrpo.runtime.distributed import shutdown
 
         shutdown()
         return

@@ -57,7 +57,7 @@ def run_variant(workload: str, variant: str, rollouts: int) -> dict:
     import torch
 
     from megagrpo.engine import SamplingSettings, VLLMEngine
-    from megagrpo.machine import gemm_gflops, memory_read_gbs
+    from megagrpo.runtime.machine import gemm_gflops, memory_read_gbs
     from megagrpo.tasks import build_task
 
     w = W.get_workload(workload)

@@ -1,4 +1,5 @@
-"""Token imbalance over DP replicas before and after `megagrpo.balance` on long-tailed lengths.
+"""Token imbalance over DP replicas before and after `megagrpo.train.balance` on long-tailed
+lengths.
 
     .venv/bin/python benchmarks/token_balance.py [--seqs 512] [--dp 2,4,8] [--seeds 20]
         [--mu 7] [--sigma 1.2] [--cap 32768] [--out benchmarks/results/token_balance.jsonl]
@@ -20,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def main() -> None:
     from benchmarks._harness import emit
-    from megagrpo.balance import imbalance, lpt_partition
+    from megagrpo.train.balance import imbalance, lpt_partition
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", type=int, default=512)

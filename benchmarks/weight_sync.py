@@ -142,9 +142,9 @@ def run_one(size: str, repeats: int) -> dict:
 
     from megagrpo.config.model import ModelConfig, ParallelConfig
     from megagrpo.config.rollout import RolloutConfig
-    from megagrpo.distributed import init_distributed
+    from megagrpo.runtime.distributed import init_distributed
     from megagrpo.hf import hf_config_dict
-    from megagrpo.model import build_model
+    from megagrpo.model.gpt import build_model
     from megagrpo.sync.source import ReshardStats, export_hf, iter_hf_weights
     from megagrpo.engine import VLLMEngine
 
@@ -207,9 +207,9 @@ def run_tp(size: str, repeats: int, k: int) -> dict | None:
 
     from megagrpo.config.model import ModelConfig, ParallelConfig
     from megagrpo.config.rollout import RolloutConfig
-    from megagrpo.distributed import init_distributed
+    from megagrpo.runtime.distributed import init_distributed
     from megagrpo.hf import hf_config_dict
-    from megagrpo.model import build_model
+    from megagrpo.model.gpt import build_model
     from megagrpo.sync.source import ReshardStats, export_hf, iter_hf_weights, iter_vllm_slices
     from megagrpo.engine import VLLMEngine
 

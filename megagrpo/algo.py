@@ -107,7 +107,7 @@ class LossCounts:
     """Micro-batches x DP ranks of the step (bnpo only: it normalises per chunk)."""
     seq_tokens: Tensor | None = None
     """[S] valid tokens of each of the chunk's sequences where the chunk holds only part of
-    them (context parallelism: `megagrpo.context_parallel.ChunkBatch`); None: the chunk's
+    them (context parallelism: `megagrpo.parallel.context_parallel.ChunkBatch`); None: the chunk's
     own count."""
 
     @classmethod

@@ -14,7 +14,7 @@ Each part says how it is kept (`megagrpo.run.checkpoint_states` builds the run's
   (`megagrpo.lora.checkpoint`), in a folder of its own beside the checkpoints,
   `checkpoints/<name>_<version>/`, written only when its version moved (after a merge) and
   named by each checkpoint's manifest (`refs`); a kept checkpoint keeps the folder it names;
-and last the manifest that marks the checkpoint complete (layout in `megagrpo.run_dir`).
+and last the manifest that marks the checkpoint complete (layout in `megagrpo.runtime.run_dir`).
 
 Models and optimizer: megatron-core's `dist_checkpointing` format, resharding on load (save at
 one TP x PP x DP, load at another), the model config beside them. The optimizer state is
@@ -54,13 +54,13 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from megagrpo.cpu_compat import megatron_scope
-from megagrpo.export import save_tokenizer
-from megagrpo.metrics import history_size, rewind_history
-from megagrpo.model import unwrap
-from megagrpo.optim import use_fused_adam
-from megagrpo.procs import watched_checkpoint_queue
-from megagrpo.run_dir import (
+from megagrpo.hf.export import save_tokenizer
+from megagrpo.model.gpt import unwrap
+from megagrpo.model.optim import use_fused_adam
+from megagrpo.runtime.cpu_compat import megatron_scope
+from megagrpo.runtime.metrics import history_size, rewind_history
+from megagrpo.runtime.procs import watched_checkpoint_queue
+from megagrpo.runtime.run_dir import (
     MANIFEST,
     MODEL_JSON,
     TRAINER_STATE,

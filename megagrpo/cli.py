@@ -14,9 +14,9 @@ import yaml
 
 from megagrpo.config.model import ParallelConfig
 from megagrpo.config.train import load_config, to_dict
-from megagrpo.console import PREFLIGHT_SHOWN_ENV, VERBOSE_ENV, configure
-from megagrpo.procs import free_port, run_child
-from megagrpo.run_dir import check_out_dir
+from megagrpo.runtime.console import PREFLIGHT_SHOWN_ENV, VERBOSE_ENV, configure
+from megagrpo.runtime.procs import free_port, run_child
+from megagrpo.runtime.run_dir import check_out_dir
 
 
 def torchrun_command(nproc: int, *target: str) -> list[str]:
@@ -70,7 +70,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.from_megatron and not args.to_hf:
         raise SystemExit("convert: --from-megatron needs --to-hf DIR")
     if args.from_megatron:  # a step directory or a run's out_dir name the policy inside
-        from megagrpo.export import resolve_megatron_dir
+        from megagrpo.hf.export import resolve_megatron_dir
 
         args.from_megatron = str(resolve_megatron_dir(args.from_megatron))
     _check_peft_adapter(args)
@@ -94,8 +94,8 @@ def _ranks(args: argparse.Namespace) -> int:
 
 def _convert_gguf(args: argparse.Namespace) -> int:
     """GGUF -> complete HF folder, in this process (no ranks: transformers dequantizes it)."""
-    from megagrpo.gguf import gguf_to_hf, resolve_gguf
     from megagrpo.hf import check_hf_checkpoint, model_config_from_hf
+    from megagrpo.hf.gguf import gguf_to_hf, resolve_gguf
 
     if not args.to_hf:
         raise SystemExit("convert: --from-gguf needs --to-hf DIR")
@@ -120,9 +120,9 @@ def _model_config(args: argparse.Namespace):
 
 def _convert_ranks(args: argparse.Namespace, model, parallel) -> int:
     from megagrpo.checkpoint import load_model, save_model
-    from megagrpo.distributed import init_distributed, shutdown
     from megagrpo.hf import load_hf_weights
-    from megagrpo.model import build_model
+    from megagrpo.model.gpt import build_model
+    from megagrpo.runtime.distributed import init_distributed, shutdown
     from megagrpo.sync.source import export_hf
 
     info = init_distributed(parallel, model)
@@ -203,7 +203,7 @@ def _check_peft_adapter(args: argparse.Namespace) -> None:
 def _complete_output(args: argparse.Namespace) -> str:
     """Rank 0, after the weights: the tokenizer snapshot into a megatron checkpoint, or the
     tokenizer, special ids and generation config into an HF export. One console line."""
-    from megagrpo.export import finish_hf_export, save_hf_source_tokenizer, save_tokenizer
+    from megagrpo.hf.export import finish_hf_export, save_hf_source_tokenizer, save_tokenizer
 
     if args.to_hf:
         return finish_hf_export(args.to_hf, args.from_megatron, tokenizer=args.tokenizer)
@@ -235,7 +235,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                          f"{model.max_position_embeddings}")
     if _needs_relaunch(_ranks(args)):
         return _relaunch(_ranks(args))
-    from megagrpo.distributed import shutdown
+    from megagrpo.runtime.distributed import shutdown
     from megagrpo.verify import verify
 
     rc = verify(args.hf, model, parallel, n_prompts=args.prompts, seq_len=args.seq_len,
@@ -247,8 +247,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     """Loads the recipe and, when started by hand (not under torchrun), runs the whole
     preflight here, before torchrun, a process group or vLLM exists; then trains."""
-    from megagrpo.machine import busy_cores_since, busy_note, cpu_sample
     from megagrpo.preflight import preflight
+    from megagrpo.runtime.machine import busy_cores_since, busy_note, cpu_sample
 
     cfg = load_config(args.config, args.overrides)
     if args.nproc is not None and args.nproc < 1:
@@ -271,8 +271,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_out_dir(cfg.run)  # an earlier run in out_dir: refused or cleared, before any start
     if _needs_relaunch(nproc):
         return _relaunch(nproc)
-    from megagrpo.distributed import shutdown
     from megagrpo.run import train
+    from megagrpo.runtime.distributed import shutdown
 
     train(cfg, checked)  # one process: setup reuses the launcher's preflight
     shutdown()

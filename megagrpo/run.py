@@ -14,7 +14,6 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from megagrpo import offpolicy, rng
 from megagrpo.checkpoint import (
     CheckpointManager,
     ModelState,
@@ -25,9 +24,6 @@ from megagrpo.checkpoint import (
     layout_of,
     load_model,
 )
-from megagrpo.cold_start import cold_start
-from megagrpo.compile import compile_layers, compiled_layers
-from megagrpo.compile import summary as compile_summary
 from megagrpo.config.compile import (
     RunWork,
     auto_note,
@@ -40,20 +36,21 @@ from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.section import freeze
 from megagrpo.config.train import TrainConfig
-from megagrpo.console import PREFLIGHT_SHOWN_ENV, attach_log_file, summary_table, what_runs
 from megagrpo.data import PromptLoader
-from megagrpo.distributed import init_distributed, torchrun_env, training_layout
 from megagrpo.engine import VLLMEngine
-from megagrpo.eval_target import EvalTarget
 from megagrpo.hf import hf_config_dict, load_hf_weights
 from megagrpo.lora.checkpoint import lora_parts
 from megagrpo.lora.layers import LoRAReference, add_adapters
 from megagrpo.lora.layers import describe as describe_lora
-from megagrpo.metrics import MetricsLogger, plot_curves, read_jsonl
-from megagrpo.model import attention_impl_name, build_model, layer_spec_name, sequence_packing
-from megagrpo.offpolicy import StalenessPolicy
-from megagrpo.optim import build_optimizer, wrap_ddp
-from megagrpo.placement import (
+from megagrpo.model.compile import compile_layers, compiled_layers
+from megagrpo.model.compile import summary as compile_summary
+from megagrpo.model.gpt import attention_impl_name, build_model, layer_spec_name, sequence_packing
+from megagrpo.model.optim import build_optimizer, wrap_ddp
+from megagrpo.model.reference import Reference
+from megagrpo.preflight import Preflight, preflight
+from megagrpo.reward import build_rewards
+from megagrpo.rollout.collect import RolloutCollector
+from megagrpo.rollout.placement import (
     RemoteEngine,
     SeparateSource,
     serve,
@@ -61,16 +58,20 @@ from megagrpo.placement import (
     streams_weights,
     training_world,
 )
-from megagrpo.preflight import Preflight, preflight
-from megagrpo.procs import follow_parent
-from megagrpo.reference import Reference
-from megagrpo.reward import build_rewards
-from megagrpo.rng import RankRng
-from megagrpo.rollout import RolloutCollector
-from megagrpo.run_dir import check_out_dir
+from megagrpo.runtime import rng
+from megagrpo.runtime.console import PREFLIGHT_SHOWN_ENV, attach_log_file, summary_table, what_runs
+from megagrpo.runtime.distributed import init_distributed, torchrun_env, training_layout
+from megagrpo.runtime.metrics import MetricsLogger, plot_curves, read_jsonl
+from megagrpo.runtime.procs import follow_parent
+from megagrpo.runtime.rng import RankRng
+from megagrpo.runtime.run_dir import check_out_dir
+from megagrpo.runtime.watchdog import Watchdog, start_watchdog
 from megagrpo.sync import adapters, build_weight_sync
-from megagrpo.trainer import BadStepsError, TokenIds, Trainer
-from megagrpo.watchdog import Watchdog, start_watchdog
+from megagrpo.train import offpolicy
+from megagrpo.train.cold_start import cold_start
+from megagrpo.train.eval_target import EvalTarget
+from megagrpo.train.offpolicy import StalenessPolicy
+from megagrpo.train.trainer import BadStepsError, TokenIds, Trainer
 
 log = logging.getLogger("megagrpo")
 
@@ -211,7 +212,7 @@ def _reference(cfg: TrainConfig, policy, model_cfg: ModelConfig):
 
 def async_note(cfg: TrainConfig) -> str:
     """What one-step-off-policy sampling means for this run, and which correction runs
-    (`megagrpo.offpolicy`)."""
+    (`megagrpo.train.offpolicy`)."""
     return offpolicy.async_note(cfg.algo, cfg.staleness, cfg.rollout.stale_policy)
 
 
@@ -307,7 +308,7 @@ def train(cfg: TrainConfig, checked: Preflight | None = None) -> dict:
 
 
 def serve_rollouts(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> dict:
-    """A rollout rank of separate placement (`megagrpo.placement`): its own engine, sampling
+    """A rollout rank of separate placement (`megagrpo.rollout.placement`): its own engine, sampling
     for the trainer until it says stop. Returns what it did."""
     follow_parent()
     rank, world, _ = torchrun_env()

@@ -60,7 +60,7 @@ def prompts(hf_dir: str | os.PathLike, vocab: int, *, n: int, seq_len: int,
             seed: int = 0) -> list[torch.Tensor]:
     """[S] token-id tensors: the fixed sentences through the folder's tokenizer (if any), then
     `n` seeded random sequences of lengths spread up to `seq_len`."""
-    from megagrpo.export import has_hf_tokenizer
+    from megagrpo.hf.export import has_hf_tokenizer
 
     out: list[torch.Tensor] = []
     if has_hf_tokenizer(hf_dir):
@@ -81,7 +81,7 @@ def megatron_logits(gpt: torch.nn.Module, ids: torch.Tensor, vocab: int) -> torc
     the last pipeline stage (None elsewhere). Collective over the model-parallel group."""
     from megatron.core import parallel_state as ps
 
-    from megagrpo.optim import forward_backward
+    from megagrpo.model.optim import forward_backward
 
     def step(batch, model):
         out = model(batch, torch.arange(batch.shape[1], device=batch.device)[None], None)
@@ -106,7 +106,7 @@ def round_trip(gpt: torch.nn.Module, hf_dir: str | os.PathLike, model: ModelConf
     """Streams the shards back to HF tensors and compares each with the checkpoint's (on the
     `compare` rank; every rank of the model-parallel group drives the stream)."""
     from megagrpo.hf import HFCheckpoint, hf_shapes
-    from megagrpo.model import DTYPE
+    from megagrpo.model.gpt import DTYPE
     from megagrpo.sync.source import iter_hf_weights
 
     ckpt, shapes, dtype = HFCheckpoint(hf_dir), hf_shapes(model), DTYPE[model.dtype]
@@ -126,7 +126,7 @@ def round_trip(gpt: torch.nn.Module, hf_dir: str | os.PathLike, model: ModelConf
 def hf_reference(hf_dir: str | os.PathLike, dtype: str, device: torch.device):
     from transformers import AutoModelForCausalLM
 
-    from megagrpo.model import DTYPE
+    from megagrpo.model.gpt import DTYPE
 
     return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=DTYPE[dtype]).to(device).eval()
 
@@ -142,11 +142,11 @@ def compare_logits(report: Report, ours: torch.Tensor, ref: torch.Tensor) -> Non
 def verify(hf_dir: str | os.PathLike, model: ModelConfig, parallel: ParallelConfig, *,
            n_prompts: int = 4, seq_len: int = 64, tolerance: float | None = None) -> int:
     """Runs on every rank; starts the process group if none is up (a later call may take
-    another layout of the same world) and leaves it up (`megagrpo.distributed.shutdown`).
+    another layout of the same world) and leaves it up (`megagrpo.runtime.distributed.shutdown`).
     Returns the exit status, the same on all ranks, and prints the figures on one rank."""
-    from megagrpo.distributed import init_distributed
     from megagrpo.hf import load_hf_weights
-    from megagrpo.model import build_model
+    from megagrpo.model.gpt import build_model
+    from megagrpo.runtime.distributed import init_distributed
 
     tol = TOLERANCE[model.dtype] if tolerance is None else tolerance
     info = init_distributed(parallel, model)

@@ -156,7 +156,7 @@ def wait_for_step(proc: subprocess.Popen, out_dir: Path, step: int, *,
                   checkpoint: bool = False, timeout: float = 600) -> None:
     """Returns once metrics.jsonl holds step `step` (the run is then inside step + 1), and with
     `checkpoint` once that step's checkpoint is complete as well."""
-    from megagrpo.run_dir import MANIFEST, checkpoint_root
+    from megagrpo.runtime.run_dir import MANIFEST, checkpoint_root
 
     manifest = checkpoint_root(out_dir) / f"step_{step:06d}" / MANIFEST
     t0 = time.monotonic()
@@ -183,7 +183,7 @@ def final_state(out_dir: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     from megagrpo.checkpoint import load_tree
-    from megagrpo.run_dir import checkpoint_root, refs_of, step_dirs
+    from megagrpo.runtime.run_dir import checkpoint_root, refs_of, step_dirs
 
     ckpt = step_dirs(checkpoint_root(out_dir))[-1]
     out = {}
@@ -203,7 +203,7 @@ def final_state(out_dir: Path) -> dict[str, torch.Tensor]:
 def trainer_state(out_dir: Path) -> dict:
     """The newest checkpoint's trainer_state.json (counters, data position, reference
     schedule, layout) less `metrics_bytes`: the size of a log whose timing fields differ."""
-    from megagrpo.run_dir import TRAINER_STATE, checkpoint_root, step_dirs
+    from megagrpo.runtime.run_dir import TRAINER_STATE, checkpoint_root, step_dirs
 
     ckpt = step_dirs(checkpoint_root(out_dir))[-1]
     state = json.loads((ckpt / TRAINER_STATE).read_text())

@@ -123,7 +123,7 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return out
 
 
-def outside_sets(mods: dict[str, Path], owner: str = "megagrpo.trainer") -> list[str]:
+def outside_sets(mods: dict[str, Path], owner: str = "megagrpo.train.trainer") -> list[str]:
     """`tr.attr = ...` / `trainer.attr = ...` assignments in the package outside `owner`."""
     found = []
     for name, f in mods.items():
@@ -161,13 +161,13 @@ def figures() -> dict:
     top = sorted(m for m, f in mods.items() if m.count(".") == 1 and f.name != "__init__.py")
     subs = sorted(m for m, f in mods.items() if m.count(".") == 1 and f.name == "__init__.py")
     pkg = package_graph(graph)
-    return {"top_level_modules": top, "subpackages": subs,
+    return {"top_level_modules": top, "subpackages": subs, "package_graph": pkg,
             "module_cycles": cycles(graph),
             "package_cycles": cycles({p: d for p, d in pkg.items() if "." in p}),
             "trainer_set_from_outside": outside_sets(mods),
             "run_tr_paths": tr_paths(PKG / "run.py") if (PKG / "run.py").exists() else [],
-            "trainer_lines": (len((PKG / "trainer.py").read_text().splitlines())
-                              if (PKG / "trainer.py").exists() else None)}
+            "trainer_lines": (len((PKG / "train" / "trainer.py").read_text().splitlines())
+                              if (PKG / "train" / "trainer.py").exists() else None)}
 
 
 def main() -> None:

@@ -51,9 +51,9 @@ def module_case(dtype, nh, ng, seed):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megagrpo.attention import SdpaAttention
     from megagrpo.config.model import ModelConfig, ParallelConfig
-    from megagrpo.model import DTYPE, transformer_config
+    from megagrpo.model.gpt import DTYPE, transformer_config
+    from megagrpo.parallel.attention import SdpaAttention
 
     mcfg = ModelConfig(num_attention_heads=nh, num_query_groups=ng, head_dim=32,
                        hidden_size=nh * 32, dtype=dtype)
@@ -90,9 +90,9 @@ def model_pass(work, ref, tp, impl, tensors):
     from megatron.core import parallel_state as ps
 
     from megagrpo.config.model import ParallelConfig
-    from megagrpo.distributed import init_distributed
     from megagrpo.hf import load_hf_weights, model_config_from_hf
-    from megagrpo.model import build_model
+    from megagrpo.model.gpt import build_model
+    from megagrpo.runtime.distributed import init_distributed
 
     hf_dir = os.path.join(work, "llama")
     mcfg = model_config_from_hf(hf_dir)
@@ -128,7 +128,7 @@ def main():
     ap.add_argument("--work", required=True)
     args = ap.parse_args()
     from megagrpo.config.model import ParallelConfig
-    from megagrpo.distributed import init_distributed
+    from megagrpo.runtime.distributed import init_distributed
 
     torch.set_num_threads(1)
     info = init_distributed(ParallelConfig())

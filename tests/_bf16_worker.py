@@ -51,8 +51,8 @@ def is_check(tr) -> dict:
 def stream_dtypes(work: Path) -> None:
     """One process, TP=1: the dtypes of the HF tensors the weight sync / export streams from a
     bf16 model -> WORK/stream_dtypes.json ({dtype: [names]})."""
-    from megagrpo.distributed import init_distributed
-    from megagrpo.model import build_model
+    from megagrpo.model.gpt import build_model
+    from megagrpo.runtime.distributed import init_distributed
     from megagrpo.sync.source import iter_hf_weights
 
     cfg = make_config(str(work))

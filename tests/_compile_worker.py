@@ -1,7 +1,7 @@
 """Run under torchrun (1 process, gloo) by tests/test_compile.py: a 2-layer megatron-core GPT
 (megagrpo's model, local spec, SDPA, fp32), every parameter's gradient of a fixed loss on
 micro-batches of three shapes (rows x length) and one no-grad forward, eager; then the same
-with compute.compile_layers (`megagrpo.compile.compile_layers`), counting the graphs dynamo
+with compute.compile_layers (`megagrpo.model.compile.compile_layers`), counting the graphs dynamo
 made and its graph breaks at each pass. Rank 0 writes WORK/results.json."""
 import argparse
 
@@ -15,8 +15,8 @@ VOCAB = 128  # a multiple of the padding, so the logits are [b, s, VOCAB]
 
 def build():
     from megagrpo.config.model import ModelConfig, ParallelConfig
-    from megagrpo.distributed import init_distributed
-    from megagrpo.model import build_model
+    from megagrpo.model.gpt import build_model
+    from megagrpo.runtime.distributed import init_distributed
 
     m = ModelConfig(hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
                     num_query_groups=2, head_dim=16, vocab_size=VOCAB,
@@ -49,9 +49,9 @@ def no_grad_logits(model) -> torch.Tensor:
 
 
 def packed_plan() -> list:
-    """Packed micro-batches (megagrpo.batch.PackedRows: rows end to end, SDPA over a padded
+    """Packed micro-batches (megagrpo.parallel.batch.PackedRows: rows end to end, SDPA over a padded
     grid) of 7 sequences of varied lengths, 2 micro-batches of different sizes and grids."""
-    from megagrpo.batch import pack, plan_micro_batches
+    from megagrpo.parallel.batch import pack, plan_micro_batches
 
     g = torch.Generator().manual_seed(5)
     lens = torch.randint(2, 12, (7, 2), generator=g).tolist()
@@ -65,7 +65,7 @@ def packed_plan() -> list:
 def packed_grads(model, plan: list) -> list[torch.Tensor]:
     """Every parameter's gradient of a fixed weighting of the logits at the loss positions,
     summed over the packed micro-batches (megagrpo's forward_step: positions, rotary hook)."""
-    from megagrpo.passes import forward_step
+    from megagrpo.train.passes import forward_step
 
     model.zero_grad(set_to_none=True)
     for i, mb in enumerate(plan):
@@ -100,7 +100,7 @@ def weights_changed_in_place(model) -> dict[str, dict]:
 
 
 def _compiled_vs_eager(model) -> dict:
-    from megagrpo.compile import graph_count, use_compiled
+    from megagrpo.model.compile import graph_count, use_compiled
 
     use_compiled(model, False)
     want, want_logits = grads(model, *SHAPES[1]), no_grad_logits(model)
@@ -114,7 +114,7 @@ def _compiled_vs_eager(model) -> dict:
 def main() -> None:
     from torch._dynamo.utils import counters
 
-    from megagrpo.compile import compile_layers, graph_count, use_compiled
+    from megagrpo.model.compile import compile_layers, graph_count, use_compiled
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)

@@ -50,7 +50,7 @@ def make_config(work: Path, run: str, cp: int):
 
 
 def params(tr) -> dict:
-    from megagrpo.model import unwrap
+    from megagrpo.model.gpt import unwrap
 
     return {n: p.detach().clone() for n, p in unwrap(tr.policy).named_parameters()}
 

@@ -51,7 +51,7 @@ def global_batch():
 
 def run_passes(passes, ddp, opt, batch, cfg, runs) -> dict:
     """{run: (gradient list, report)} for `runs` over this replica's `batch`."""
-    from megagrpo.losses import grpo_loss, sft_loss
+    from megagrpo.train.losses import grpo_loss, sft_loss
 
     fns = {"grpo": grpo_loss, "sft": sft_loss}
     out = {}
@@ -65,9 +65,9 @@ def run_passes(passes, ddp, opt, batch, cfg, runs) -> dict:
 
 
 def plant(defect: str):
-    """Undo-able monkeypatches of megagrpo.context_parallel for one defect: [(module, attr,
+    """Undo-able monkeypatches of megagrpo.parallel.context_parallel for one defect: [(module, attr,
     replacement)]."""
-    import megagrpo.context_parallel as cp
+    import megagrpo.parallel.context_parallel as cp
 
     if defect == "full_mask":  # every key visible: the diagonal block's causal mask dropped
         flash, flash_backward = cp._flash, cp._flash_backward
@@ -96,7 +96,7 @@ def _across_rows(query, key, value, rows, *, group, scale):
     """The packing defect: this rank's packed queries attend to every key of the gathered
     stream (rows end to end, `rows.kv_order`) up to their own place in it, the keys of the
     rows before theirs included (an explicit mask, SDPA)."""
-    import megagrpo.context_parallel as cp
+    import megagrpo.parallel.context_parallel as cp
 
     k, v = (cp.gather_sequence(t, group).index_select(0, rows.kv_order) for t in (key, value))
     T, rank = query.shape[0], dist.get_rank(group)
@@ -121,10 +121,10 @@ def planted(defect: str, fn):
 
 
 def layout(name: str, work: str, results: list) -> None:
-    from megagrpo.distributed import init_distributed, training_layout
-    from megagrpo.model import build_model
-    from megagrpo.optim import build_optimizer, optimizer_step, wrap_ddp
-    from megagrpo.passes import Passes
+    from megagrpo.model.gpt import build_model
+    from megagrpo.model.optim import build_optimizer, optimizer_step, wrap_ddp
+    from megagrpo.runtime.distributed import init_distributed, training_layout
+    from megagrpo.train.passes import Passes
 
     tp, cp = LAYOUTS[name]
     cfg = make_config(tp, 1, True)

@@ -16,7 +16,7 @@ from tests.support.launch import write_results
 def logits_of(gpt, ids, model_cfg, parallel):
     from megatron.core import parallel_state as ps
 
-    from megagrpo.optim import forward_backward
+    from megagrpo.model.optim import forward_backward
 
     def fwd(batch, model):
         pos = torch.arange(batch.shape[1]).expand_as(batch)
@@ -66,10 +66,9 @@ def check_and_step(name, mcfg, parallel, tag, work, ref, results, *, own_slices=
     step on ref's batch and export its reduced gradients with the optimizer's grad norm.
     `own_slices`: each DP rank trains on its own equal slice of ref's rows (else every rank on
     all of them). Returns (gpt, info)."""
-    from megagrpo.distributed import init_distributed
     from megagrpo.hf import load_hf_weights
-    from megagrpo.model import build_model
-    from megagrpo.optim import (
+    from megagrpo.model.gpt import build_model
+    from megagrpo.model.optim import (
         OptimConfig,
         build_optimizer,
         forward_backward,
@@ -77,6 +76,7 @@ def check_and_step(name, mcfg, parallel, tag, work, ref, results, *, own_slices=
         wrap_ddp,
         zero_grad,
     )
+    from megagrpo.runtime.distributed import init_distributed
     from megagrpo.sync.source import export_hf
 
     hf_dir = os.path.join(work, name)

@@ -48,7 +48,7 @@ def make_config(tp: int, pp: int, tied: bool):
 
 
 def make_batch(seed: int, multiple: int):
-    from megagrpo.batch import pack
+    from megagrpo.parallel.batch import pack
 
     g = torch.Generator().manual_seed(seed)
     n = 8
@@ -62,7 +62,7 @@ def make_batch(seed: int, multiple: int):
 
 def grads(passes, ddp, opt, loss_fn, batch, m, algo):
     """Finalized gradients (fp32 copies) and summed reports of one pass over `batch`."""
-    from megagrpo.optim import zero_grad
+    from megagrpo.model.optim import zero_grad
 
     plan = passes.plan(batch, m)
     ctx = passes.loss_context(scale=len(plan) * passes.ranks.dp,
@@ -101,11 +101,11 @@ def small_chunks() -> None:
 
 
 def run_layout(name: str, results: list, calls: list[int], paths: dict[str, int]) -> None:
-    from megagrpo.distributed import init_distributed, training_layout
-    from megagrpo.losses import grpo_loss, sft_loss
-    from megagrpo.model import build_model
-    from megagrpo.optim import build_optimizer, wrap_ddp
-    from megagrpo.passes import Passes
+    from megagrpo.model.gpt import build_model
+    from megagrpo.model.optim import build_optimizer, wrap_ddp
+    from megagrpo.runtime.distributed import init_distributed, training_layout
+    from megagrpo.train.losses import grpo_loss, sft_loss
+    from megagrpo.train.passes import Passes
 
     tp, pp, tied, packed = LAYOUTS[name]
     cfg = make_config(tp, pp, tied)

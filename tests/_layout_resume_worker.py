@@ -27,9 +27,9 @@ GLOBAL_BATCH, SEQ, VOCAB = 4, 8, 32
 def build(layout: str, distributed_optimizer: bool):
     from megagrpo.config.model import ModelConfig, ParallelConfig
     from megagrpo.config.optim import OptimConfig
-    from megagrpo.distributed import init_distributed
-    from megagrpo.model import build_model
-    from megagrpo.optim import build_optimizer, wrap_ddp
+    from megagrpo.model.gpt import build_model
+    from megagrpo.model.optim import build_optimizer, wrap_ddp
+    from megagrpo.runtime.distributed import init_distributed
 
     tp, pp = LAYOUTS[layout]
     model = ModelConfig(vocab_size=VOCAB, hidden_size=64, ffn_hidden_size=128, num_layers=2,
@@ -48,7 +48,7 @@ def step(policy, optimizer, k: int) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from megagrpo.optim import forward_backward, optimizer_step, zero_grad
+    from megagrpo.model.optim import forward_backward, optimizer_step, zero_grad
 
     ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(k))
     dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

@@ -62,10 +62,10 @@ def randomize_b_by_name(gpt, mcfg, parallel, seed: int) -> None:
 def build(work, ep, tp=1, targets=None):
     from megagrpo.config.lora import LoRAConfig
     from megagrpo.config.model import ParallelConfig
-    from megagrpo.distributed import init_distributed
     from megagrpo.hf import load_hf_weights, model_config_from_hf
     from megagrpo.lora.layers import add_adapters
-    from megagrpo.model import build_model
+    from megagrpo.model.gpt import build_model
+    from megagrpo.runtime.distributed import init_distributed
 
     # no load-balancing loss: the parent's reference is the plain cross-entropy
     mcfg = dataclasses.replace(model_config_from_hf(os.path.join(work, MOE)),
@@ -87,7 +87,7 @@ def run_moe(work, results, ce_step, merge_checks):
     from megagrpo.checkpoint import save_model
     from megagrpo.lora.export import export_base_and_adapter
     from megagrpo.lora.layers import parameters_for_refit
-    from megagrpo.optim import (
+    from megagrpo.model.optim import (
         OptimConfig,
         build_optimizer,
         forward_backward,
@@ -151,7 +151,7 @@ def run_moe_tp2_sp(work, results, ce_step, adapter_tensors):
     """TP=2 with sequence parallelism (megagrpo's default for an MoE at tp > 1), attention
     adapters (qkv, proj), both rows on both ranks: the adapters' reduced gradients as full
     tensors (WORK/moe_tp2_sp_rank<r>.pt) for the parent's float64 reference, and the step."""
-    from megagrpo.optim import (
+    from megagrpo.model.optim import (
         OptimConfig,
         build_optimizer,
         forward_backward,

@@ -108,11 +108,10 @@ def run_layout(tag, tp, pp, dist_opt, work, results, load_from=None, sp=False):
 
     from megagrpo.config.lora import LoRAConfig
     from megagrpo.config.model import ParallelConfig
-    from megagrpo.distributed import init_distributed
     from megagrpo.hf import load_hf_weights, model_config_from_hf
     from megagrpo.lora.layers import add_adapters
-    from megagrpo.model import build_model
-    from megagrpo.optim import (
+    from megagrpo.model.gpt import build_model
+    from megagrpo.model.optim import (
         OptimConfig,
         build_optimizer,
         forward_backward,
@@ -121,6 +120,7 @@ def run_layout(tag, tp, pp, dist_opt, work, results, load_from=None, sp=False):
         wrap_ddp,
         zero_grad,
     )
+    from megagrpo.runtime.distributed import init_distributed
 
     ref = torch.load(os.path.join(work, "ref.pt"))
     mcfg = model_config_from_hf(os.path.join(work, "llama"))
@@ -196,7 +196,7 @@ def moment_scaling_checks(gpt, opt) -> dict:
     """`scale_adam_moments` on megatron's real optimizer (after one step): every A's moments
     halved / quartered, every B's untouched, then restored exactly (powers of two)."""
     from megagrpo.lora.layers import adapted
-    from megagrpo.optim import scale_adam_moments
+    from megagrpo.model.optim import scale_adam_moments
 
     mods = adapted(gpt)
     params = [(m.lora_A, 0.5) for m in mods] + [(m.lora_B, 1.0) for m in mods]
@@ -247,7 +247,7 @@ def checkpoint_checks(ddp, opt, mcfg, work, results) -> None:
     from megagrpo.checkpoint import CheckpointManager, ModelState, OptimizerState, Replicated, _Pair
     from megagrpo.lora.checkpoint import lora_parts
     from megagrpo.lora.layers import merge_adapters
-    from megagrpo.run_dir import manifest_bytes
+    from megagrpo.runtime.run_dir import manifest_bytes
 
     merges = Merges()
     lora = {"lora": {"rank": 4, "alpha": 8.0}}
@@ -308,9 +308,9 @@ def merge_checks(ddp, mcfg, parallel, ids, results, check="merge"):
     (adapters off) after it, the KL estimate between them, and the alpha-mix identity in weight
     space (base' = base + a s B A, policy weights unchanged)."""
     from megagrpo.config.train import ReferenceConfig
-    from megagrpo.cpu_compat import megatron_scope
     from megagrpo.lora.layers import LoRAReference, MergedParams, adapted, merge_adapters
-    from megagrpo.model import unwrap
+    from megagrpo.model.gpt import unwrap
+    from megagrpo.runtime.cpu_compat import megatron_scope
 
     gpt = unwrap(ddp)
     fwd = vocab_logits

@@ -25,8 +25,8 @@ def grads_and_report(tr, mini, trained=None) -> tuple[list[torch.Tensor], dict, 
     """One forward/backward of the GRPO loss over `mini` (no optimizer step; `trained`: the
     rows that run, default all): the DP-reduced gradients, the summed reports, the
     micro-batch count and the tokens each processed."""
-    from megagrpo.losses import grpo_loss
-    from megagrpo.optim import zero_grad
+    from megagrpo.model.optim import zero_grad
+    from megagrpo.train.losses import grpo_loss
 
     m = tr.passes.micro_size(mini.num_seqs)
     plan = tr.passes.plan(mini if trained is None else trained, m)
@@ -106,7 +106,7 @@ def skip_check(tr, batch) -> dict:
 
 def score_stage(tr, b):
     """The step's scoring stage on `b` (old log-probs, then the rollout-IS correction)."""
-    from megagrpo.advantage import rollout_is
+    from megagrpo.train.advantage import rollout_is
 
     s = tr.score(b, async_batch=False)
     b.old_logp, b.ref_logp = s.old_logp, s.ref_logp
@@ -120,7 +120,7 @@ def reuse_check(tr, batch) -> dict:
     """compute.reuse_equal_reference: while the reference is bitwise the policy, its log-probs are
     taken from the policy's scoring pass, bitwise what its own pass gives; after an optimizer
     step they are computed again."""
-    from megagrpo.model import unwrap
+    from megagrpo.model.gpt import unwrap
 
     def scored(reuse: bool):
         tr.cfg.compute.reuse_equal_reference = reuse
@@ -146,7 +146,7 @@ def epoch_check(tr, async_rollout: bool, k: int | None = None) -> dict:
     where the stream draws an epoch's prompts two steps before the trainer consumes them. Per
     step: (epoch, reference_sync, reference_pass_reused)."""
     from megagrpo.data import PromptLoader
-    from megagrpo.reference import ReferenceState
+    from megagrpo.model.reference import ReferenceState
 
     c = tr.cfg
     c.algo.beta, c.algo.rollout_is = 0.05, "none"  # (skip_check left beta 0: no KL in the loss)

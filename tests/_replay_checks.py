@@ -6,7 +6,7 @@ each: "own", the experts transformers' float64 model chooses itself, and "permut
 with every MoE layer of one position of each sequence and of all after it sent to other
 experts. This rank scores its
 sequences with `Passes.logprobs` (the packed and the padded micro-batch layouts, whose router
-rows are ordered differently: `megagrpo.passes._router_rows`) without replay, replaying "own"
+rows are ordered differently: `megagrpo.train.passes._router_rows`) without replay, replaying "own"
 and replaying "permuted", and records the [n, S] log-probs at the loss positions for the parent
 to compare with float64 forwards that route as told."""
 from __future__ import annotations
@@ -35,13 +35,13 @@ def replay_scores(work: str, results: list) -> None:
     """Scores this DP rank's slice under each (layout, routes) case; appends one record."""
     from megatron.core import parallel_state as ps
 
-    from megagrpo.batch import pack
-    from megagrpo.distributed import init_distributed, training_layout
     from megagrpo.hf import load_hf_weights
-    from megagrpo.model import build_model
-    from megagrpo.moe import enable_replay
-    from megagrpo.optim import wrap_ddp
-    from megagrpo.passes import Passes
+    from megagrpo.model.gpt import build_model
+    from megagrpo.model.moe import enable_replay
+    from megagrpo.model.optim import wrap_ddp
+    from megagrpo.parallel.batch import pack
+    from megagrpo.runtime.distributed import init_distributed, training_layout
+    from megagrpo.train.passes import Passes
 
     cfg = replay_config(work)
     info = init_distributed(cfg.parallel, cfg.model)

@@ -28,9 +28,9 @@ from tests.support.launch import write_results
 def build(seed: int = 0):
     from megagrpo.config.model import ModelConfig, ParallelConfig
     from megagrpo.config.optim import OptimConfig
-    from megagrpo.distributed import init_distributed
-    from megagrpo.model import build_model
-    from megagrpo.optim import build_optimizer, wrap_ddp
+    from megagrpo.model.gpt import build_model
+    from megagrpo.model.optim import build_optimizer, wrap_ddp
+    from megagrpo.runtime.distributed import init_distributed
 
     model = ModelConfig(vocab_size=32, hidden_size=64, ffn_hidden_size=128, num_layers=2,
                         num_attention_heads=2, num_query_groups=1, head_dim=32,
@@ -43,7 +43,7 @@ def build(seed: int = 0):
 
 
 def train_step(policy, optimizer, seed: int) -> None:
-    from megagrpo.optim import forward_backward, optimizer_step, zero_grad
+    from megagrpo.model.optim import forward_backward, optimizer_step, zero_grad
 
     g = torch.Generator().manual_seed(seed + 100 * dist.get_rank())
     ids = torch.randint(0, 32, (2, 8), generator=g)
@@ -64,7 +64,7 @@ def params(policy) -> list[torch.Tensor]:
 def optimizer_roundtrip(work: Path) -> bool:
     from megagrpo.checkpoint import load_tree, save_tree
     from megagrpo.config.optim import OptimConfig
-    from megagrpo.optim import build_optimizer
+    from megagrpo.model.optim import build_optimizer
 
     _, policy, opt = build()
     train_step(policy, opt, 0)

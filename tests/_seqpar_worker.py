@@ -68,11 +68,11 @@ def dense_native(work: str, results: list) -> None:
 
 def dense_passes(name: str, base: dict, results: list) -> None:
     """One DENSE layout's scoring and update passes; `base`: the first layout's tensors."""
-    from megagrpo.distributed import init_distributed, training_layout
-    from megagrpo.losses import grpo_loss, sft_loss
-    from megagrpo.model import build_model
-    from megagrpo.optim import build_optimizer, wrap_ddp
-    from megagrpo.passes import Passes
+    from megagrpo.model.gpt import build_model
+    from megagrpo.model.optim import build_optimizer, wrap_ddp
+    from megagrpo.runtime.distributed import init_distributed, training_layout
+    from megagrpo.train.losses import grpo_loss, sft_loss
+    from megagrpo.train.passes import Passes
 
     sp, recompute, packed = DENSE[name]
     cfg = make_config(2, 1, True)
@@ -159,9 +159,9 @@ def expert_counter(gpt) -> list[int]:
 
 
 def packed_rows(ids: torch.Tensor, lengths: tuple[int, ...]):
-    """One packed micro-batch (`megagrpo.batch.MicroBatch`) of rows `ids` [b, S] cut to
+    """One packed micro-batch (`megagrpo.parallel.batch.MicroBatch`) of rows `ids` [b, S] cut to
     `lengths`, every next token of a row (not the row's last) a loss position."""
-    from megagrpo.batch import Batch, plan_micro_batches
+    from megagrpo.parallel.batch import Batch, plan_micro_batches
 
     n = torch.tensor(lengths)
     col = torch.arange(ids.shape[1])
@@ -175,12 +175,12 @@ def packed_rows(ids: torch.Tensor, lengths: tuple[int, ...]):
 
 
 def packed_ce_forward(mb, model):
-    """megagrpo's forward step (`megagrpo.passes.forward_step`: packed, logits at the loss
+    """megagrpo's forward step (`megagrpo.train.passes.forward_step`: packed, logits at the loss
     positions) with the mean next-token cross-entropy (vocab-parallel) as its loss."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from megagrpo.passes import forward_step
-    from megagrpo.positions import take
+    from megagrpo.parallel.positions import take
+    from megagrpo.train.passes import forward_step
 
     def ce(b, logits, positions):  # logits [1, n, V_local]
         tok = vocab_parallel_cross_entropy(logits.float(), take(b.target, positions)[None])
@@ -194,11 +194,10 @@ def moe_layout(name: str, work: str, results: list) -> None:
     from megatron.core import parallel_state as ps
 
     from megagrpo.config.model import ParallelConfig
-    from megagrpo.distributed import init_distributed
     from megagrpo.hf import load_hf_weights, model_config_from_hf
-    from megagrpo.model import build_model
-    from megagrpo.moe import RoutingMonitor, tp_slices, tracked_losses
-    from megagrpo.optim import (
+    from megagrpo.model.gpt import build_model
+    from megagrpo.model.moe import RoutingMonitor, tp_slices, tracked_losses
+    from megagrpo.model.optim import (
         OptimConfig,
         build_optimizer,
         forward_backward,
@@ -206,6 +205,7 @@ def moe_layout(name: str, work: str, results: list) -> None:
         wrap_ddp,
         zero_grad,
     )
+    from megagrpo.runtime.distributed import init_distributed
     from megagrpo.sync.source import export_hf
 
     tp, ep, sp, distopt, packed = MOE[name]

@@ -25,7 +25,7 @@ def smollm2_hf_dir() -> Path:
     """The converted HF folder (fp32), converting on first use; safe against a concurrent
     conversion (each writes its own temp folder and renames it into place)."""
     require_packages()
-    from megagrpo.gguf import gguf_to_hf, resolve_gguf
+    from megagrpo.hf.gguf import gguf_to_hf, resolve_gguf
 
     src = resolve_gguf("smollm2")
     st = src.stat()

@@ -27,7 +27,7 @@ def _all_logits(batch, model):
 def full_logits(gpt, ids: torch.Tensor, vocab: int) -> torch.Tensor | None:
     """[S, V] logits of one sequence through megatron's schedule (PP stages pass activations);
     on the last stage, else None. TP=1: the last stage holds the whole (padded) vocabulary."""
-    from megagrpo.optim import forward_backward
+    from megagrpo.model.optim import forward_backward
 
     out = forward_backward(gpt, _all_logits, [ids], 1, seq_length=ids.shape[1],
                            micro_batch_size=1, forward_only=True)
@@ -37,9 +37,9 @@ def full_logits(gpt, ids: torch.Tensor, vocab: int) -> torch.Tensor | None:
 def load_layout(hf: str, pp: int, build: bool = True):
     """init_distributed at TP=1 x PP=pp; this rank's stage loaded from the HF folder."""
     from megagrpo.config.model import ParallelConfig
-    from megagrpo.distributed import init_distributed
     from megagrpo.hf import load_hf_weights, model_config_from_hf
-    from megagrpo.model import build_model
+    from megagrpo.model.gpt import build_model
+    from megagrpo.runtime.distributed import init_distributed
 
     model = model_config_from_hf(hf)
     parallel = ParallelConfig(pp=pp)
@@ -55,7 +55,7 @@ def logits_checks(work: Path, hf: str, ids: torch.Tensor) -> None:
     """PP=2 logits and checkpoint, then TP=1 logits on rank 0 only (one full model in memory:
     the machine is shared)."""
     from megagrpo.checkpoint import save_model
-    from megagrpo.export import save_hf_source_tokenizer
+    from megagrpo.hf.export import save_hf_source_tokenizer
 
     gpt, model = load_layout(hf, 2)
     logits = full_logits(gpt, ids, model.vocab_size)

@@ -48,7 +48,7 @@ def _last_position(batch, model):
 
 def megatron_greedy(tr, prompts, max_tokens):
     """A plain argmax loop over the sharded megatron policy (PP schedule, TP-gathered logits)."""
-    from megagrpo.optim import forward_backward
+    from megagrpo.model.optim import forward_backward
 
     outs = []
     for prompt in prompts:
@@ -100,7 +100,7 @@ def reshard_peak(tr, bucket_bytes):
 
 
 def local_params(module):
-    from megagrpo.model import unwrap
+    from megagrpo.model.gpt import unwrap
 
     return {n: p.detach().clone() for n, p in unwrap(module).named_parameters()}
 
@@ -110,8 +110,8 @@ def main():
     ap.add_argument("--work", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from megagrpo.optim import torch_adams
-    from megagrpo.reference import ReferenceState, sync_reference
+    from megagrpo.model.optim import torch_adams
+    from megagrpo.model.reference import ReferenceState, sync_reference
     from megagrpo.run import checkpoints, setup
 
     def fused_flags():
@@ -269,7 +269,7 @@ def kl_in_reward_check(tr):
 def empty_minibatch_check(tr):
     """One prompt's group (G=4 sequences) in 8 minibatches: 4 hold no real sequence. They must
     be skipped (no optimizer step, no LR advance) and the logged loss stay finite."""
-    from megagrpo.rollout import select_groups
+    from megagrpo.rollout.collect import select_groups
 
     tr.cfg.algo.kl_in_reward = False
     tr.cfg.algo.num_minibatches = 8
@@ -413,7 +413,7 @@ def multi_turn_check(tr):
 def bad_steps_check(tr):
     """Absurd rewards (1e30) skip the update; unbounded (max_abs_reward=0) they overflow the
     gradient norm, which skips it too; the second bad step in a row raises BadStepsError."""
-    from megagrpo.trainer import BadStepsError
+    from megagrpo.train.trainer import BadStepsError
 
     for key, value in (("std_mode", "none"), ("mu", 1), ("loss_agg", "grpo")):
         setattr(tr.cfg.algo, key, value)

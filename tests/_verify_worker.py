@@ -15,7 +15,7 @@ import megagrpo.config.params as hf_params
 import megagrpo.hf as hf
 import megagrpo.hf.io as hf_io
 from megagrpo.config.model import ParallelConfig
-from megagrpo.distributed import shutdown
+from megagrpo.runtime.distributed import shutdown
 from megagrpo.verify import verify
 
 

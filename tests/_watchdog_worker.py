@@ -44,7 +44,7 @@ def collective(work: Path, rank: int) -> None:
     import megatron.core.parallel_state  # noqa: F401 - imported before the barrier below
 
     from megagrpo.config.model import ParallelConfig
-    from megagrpo.distributed import init_distributed, tp_group
+    from megagrpo.runtime.distributed import init_distributed, tp_group
 
     # The timeout also bounds connecting each new group: start both ranks together (a slow
     # import on a loaded machine must not eat into it)
@@ -66,8 +66,8 @@ def collective(work: Path, rank: int) -> None:
 
 def stall_loop(work: Path, scenario: str, rank: int, world: int) -> None:
     from megagrpo.config.run import WatchdogConfig
-    from megagrpo.metrics import PhaseTimer
-    from megagrpo.watchdog import start_watchdog
+    from megagrpo.runtime.metrics import PhaseTimer
+    from megagrpo.runtime.watchdog import start_watchdog
 
     # freeze: only the heartbeat check can fire; slow: only the stall check can (the heartbeat
     # timeout is far longer, so a rank starved by a loaded machine is not taken for frozen)

@@ -8,13 +8,13 @@ import dataclasses
 
 import torch
 
-from megagrpo.advantage import build_batch
 from megagrpo.checkpoint import load_tree, save_tree
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import Example, PromptLoader
 from megagrpo.reward import EnvironmentRewards, Rewards, Scores
-from megagrpo.rollout import RolloutCollector
+from megagrpo.rollout.collect import RolloutCollector
+from megagrpo.train.advantage import build_batch
 from tests.test_agent_runner import VOCAB, FakeEngine, sample
 
 
@@ -110,7 +110,7 @@ def test_evaluation_runs_multi_turn(tmp_path):
 
 
 def test_console_line_shows_turns_and_tool_calls_when_the_agent_is_on():
-    from megagrpo.console import Progress
+    from megagrpo.runtime.console import Progress
 
     p = Progress(10, enabled=False)
     assert p.figures({"reward_mean": 1.0, "turns": 2.5, "tool_calls": 1.25}) == (

@@ -1,4 +1,4 @@
-"""The GRPO loss of multi-turn trajectories (megagrpo.losses.grpo_loss on a packed batch with
+"""The GRPO loss of multi-turn trajectories (megagrpo.train.losses.grpo_loss on a packed batch with
 per-token loss masks) against a float64 formula over the model tokens only, and the
 environment tokens carrying no loss and no gradient whatever their log-probs."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from megagrpo.algo import LossCounts
-from megagrpo.batch import pack
 from megagrpo.config.algo import AlgoConfig
-from megagrpo.losses import LossContext, grpo_loss
+from megagrpo.parallel.batch import pack
+from megagrpo.train.losses import LossContext, grpo_loss
 
 V = 40
 
@@ -96,10 +96,10 @@ def test_dr_grpo_scale_does_not_grow_with_max_turns(monkeypatch):
     or rollout.max_model_len), not rollout.max_tokens (one turn's): the constant is the same at
     1, 4 and 16 turns, and trajectories of full turns (up to the budget) with a loss of 1 per
     token give at most 1 per sequence (with max_tokens: up to max_turns)."""
-    import megagrpo.passes as passes_mod
+    import megagrpo.train.passes as passes_mod
     from megagrpo.algo import aggregate_loss
-    from megagrpo.batch import Batch
     from megagrpo.config.train import TrainConfig
+    from megagrpo.parallel.batch import Batch
 
     monkeypatch.setattr(passes_mod.dist, "all_reduce", lambda t, group=None: t)  # one replica
     losses = {}

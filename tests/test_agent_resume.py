@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from megagrpo.checkpoint import load_tree, save_tree
-from megagrpo.rollout import Drawn
+from megagrpo.rollout.collect import Drawn
 from tests.test_agent_runner import Counter, Endless, run
 
 

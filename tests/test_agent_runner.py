@@ -9,9 +9,9 @@ import torch
 
 from megagrpo.agent import Environment, Observation, Turn
 from megagrpo.agent.runner import TrajectoryRunner, agent_metrics, environment_class
-from megagrpo.batch import pack
 from megagrpo.config.agent import AgentConfig
 from megagrpo.engine import Completion, SamplingSettings
+from megagrpo.parallel.batch import pack
 
 VOCAB = 50
 

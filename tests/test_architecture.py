@@ -20,6 +20,34 @@ def test_no_import_cycle_and_nothing_set_on_the_trainer_from_outside():
     assert f["trainer_set_from_outside"] == [], f["trainer_set_from_outside"]
 
 
+def _layers() -> dict[str, int]:
+    """{package or top-level module: its row} of docs/architecture.md's layer table."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text[text.index("| layer | what it holds |"):].split("\n\n")[0]
+    rows = [line for line in table.splitlines()[2:] if line.strip().startswith("|")]
+    return {name.strip().strip("`/"): i for i, row in enumerate(rows)
+            for name in row.split("|")[1].split(",")}
+
+
+def test_imports_follow_the_documented_layers():
+    """Every package and top-level module has a row in docs/architecture.md's layer table, and
+    each imports only from its own row or rows above it (the table is the design; an import
+    that goes upwards, say model/ -> train/, fails here even before it closes a cycle)."""
+    layers = _layers()
+    f = structure.figures()
+    names = {m.split(".", 1)[1] for m in f["top_level_modules"] + f["subpackages"]}
+    assert names - {"__main__"} <= set(layers), sorted(names - {"__main__"} - set(layers))
+    upward = sorted(f"{a} -> {b}" for a, deps in f["package_graph"].items() if "." in a
+                    for b in deps if "." in b
+                    if layers[b.split(".", 1)[1]] > layers.get(a.split(".", 1)[1], 99))
+    assert upward == [], upward
+
+
+def test_top_level_is_small():
+    """The subsystems are folders: at most ten modules directly in megagrpo/."""
+    assert len(structure.figures()["top_level_modules"]) <= 10
+
+
 def test_every_package_is_installed():
     """setuptools finds the packages (none listed by hand): each folder with an __init__.py."""
     from setuptools import find_packages

@@ -107,7 +107,7 @@ def test_cold_start_stops_at_the_target_accuracy(monkeypatch):
     without a target it runs all steps with no check."""
     from types import SimpleNamespace
 
-    import megagrpo.cold_start as cs
+    import megagrpo.train.cold_start as cs
     from megagrpo.config.train import TrainConfig
 
     calls, accuracies = [], iter([0.1, 0.25, 0.31, 0.9])

@@ -1,6 +1,6 @@
-"""SdpaAttention (megagrpo/attention.py) against independent references: a float64 naive softmax
-attention and megatron's DotProductAttention (module level, fp32 and bf16, GQA, right padding),
-transformers' LlamaForCausalLM (whole model, TP=1), and the TP=1 result at TP=2 in real
+"""SdpaAttention (megagrpo/parallel/attention.py) against independent references: a float64 naive
+softmax attention and megatron's DotProductAttention (module level, fp32 and bf16, GQA, right
+padding), transformers' LlamaForCausalLM (whole model, TP=1), and the TP=1 result at TP=2 in real
 processes. One torchrun launch (2 ranks) covers the multi-process part; see
 tests/_attention_worker.py."""
 import os
@@ -100,7 +100,7 @@ def test_attention_impl_validated():
 
 
 def test_attention_impl_name_on_the_local_spec():
-    from megagrpo.model import attention_impl_name
+    from megagrpo.model.gpt import attention_impl_name
 
     assert attention_impl_name(ParallelConfig(transformer_impl="local")) == "sdpa"  # auto
     assert attention_impl_name(ParallelConfig(transformer_impl="local",
@@ -110,8 +110,8 @@ def test_attention_impl_name_on_the_local_spec():
 def test_dropout_refused_at_construction():
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megagrpo.attention import SdpaAttention
-    from megagrpo.model import transformer_config
+    from megagrpo.model.gpt import transformer_config
+    from megagrpo.parallel.attention import SdpaAttention
 
     cfg = transformer_config(ModelConfig(), ParallelConfig())
     cfg.attention_dropout = 0.1
@@ -133,8 +133,8 @@ def test_benchmark_smallest(tmp_path):
 
 
 def test_console_line_names_the_attention():
-    from megagrpo.console import what_runs
-    from megagrpo.model import attention_impl_name
+    from megagrpo.model.gpt import attention_impl_name
+    from megagrpo.runtime.console import what_runs
 
     line = what_runs("local", "auto", attention_impl_name(ParallelConfig(transformer_impl="local")))
     assert line.startswith("layer spec: local") and ", attention: torch sdpa;" in line

@@ -1,4 +1,4 @@
-"""Token-balanced DP (compute.balance_tokens, megagrpo.balance): the LPT partition against
+"""Token-balanced DP (compute.balance_tokens, megagrpo.train.balance): the LPT partition against
 brute-force optimum and the list-scheduling bound, the rebalanced replicas' batches against
 the rows they came from, and the config rules. The DP=2 check that loss and gradients with
 balancing equal those without runs in tests/_microbatch_worker.py (tests/test_microbatch.py)."""
@@ -8,7 +8,9 @@ import random
 import pytest
 import torch
 
-from megagrpo.balance import (
+from megagrpo.config.train import TrainConfig
+from megagrpo.parallel.batch import pack
+from megagrpo.train.balance import (
     _rows_of,
     balance_enabled,
     imbalance,
@@ -16,8 +18,6 @@ from megagrpo.balance import (
     real_rows,
     rebalance,
 )
-from megagrpo.batch import pack
-from megagrpo.config.train import TrainConfig
 
 
 def _optimum(weights: list[int], k: int) -> int:
@@ -160,7 +160,7 @@ def test_token_balance_benchmark_smallest(capsys):
 
 
 def test_balance_note_says_why_it_stays_off():
-    from megagrpo.balance import balance_note
+    from megagrpo.train.balance import balance_note
 
     assert balance_note(None, loss_agg="grpo", kl_in_reward=False, dp=2) is None
     assert balance_note(None, loss_agg="bnpo", kl_in_reward=False, dp=1) is None
@@ -175,7 +175,7 @@ def test_packed_exchange_rebuilds_the_rows_bit_for_bit(n_mini):
     unpacks to `_rows_of`'s row dicts exactly: the same fields, shapes, dtypes and values, so
     the rebalanced batch is the one the row-by-row exchange built; `_improves` takes
     `rebalance`'s keep-or-move decision from the lengths alone."""
-    from megagrpo.balance import _improves, _pack_rows, _unpack_rows
+    from megagrpo.train.balance import _improves, _pack_rows, _unpack_rows
 
     reps = [_replica(s, n, 4, n_mini, sigma) for s, n, sigma in ((1, 13, 0.9), (2, 15, 1.2))]
     for b in reps:

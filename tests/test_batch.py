@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megagrpo import algo
-from megagrpo.batch import pack
+from megagrpo.parallel.batch import pack
 
 
 def test_pack_aligns_targets_mask_and_logprobs():

@@ -394,7 +394,7 @@ def test_grpo_step_benchmark_one_rank_one_step(demo_compile_ab):
     assert [json.loads(ln) for ln in out.read_text().splitlines()] == [row]
     assert row["gen_tokens_per_s"] > 0 and row["nproc"] == 1 and row["workload"] == "demo"
     assert 0 <= row["padded_token_share"] < 1 and row["gemm_gflops"] > 0
-    from megagrpo.machine import cpu_name
+    from megagrpo.runtime.machine import cpu_name
 
     assert row["cpu"] == cpu_name()
     # the warm-up step and --compile-ab's eager warm-up step, neither in the means
@@ -774,7 +774,7 @@ def test_lora_memory_benchmark_demo():
     """LoRA vs full fine-tuning on the demo model: the adapters are all that trains, their Adam
     state is 2 fp32 moments each, the reference copy is gone, and a refit between merges is the
     adapters alone (the base with them after a merge)."""
-    from megagrpo.procs import free_port
+    from megagrpo.runtime.procs import free_port
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",

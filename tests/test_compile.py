@@ -1,5 +1,5 @@
-"""compute.compile_layers (megagrpo/compile.py): the compiled layers against the eager ones on a
-2-layer model (gradients of every parameter at three micro-batch shapes, a no-grad forward),
+"""compute.compile_layers (megagrpo/model/compile.py): the compiled layers against the eager ones on
+a 2-layer model (gradients of every parameter at three micro-batch shapes, a no-grad forward),
 one graph for all layers per grad mode with no graph break and no recompile when the shape
 changes (tests/_compile_worker.py, one single-rank launch); and the config rules."""
 import os

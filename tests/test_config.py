@@ -52,7 +52,7 @@ def test_bad_config_names_the_field(overrides, match):
 def test_sequence_packing_runs_where_it_can():
     """Unset, packing is on exactly where its path runs (pp = 1, SDPA attention, its levers
     on); explicit false is always honoured."""
-    from megagrpo.model import sequence_packing
+    from megagrpo.model.gpt import sequence_packing
 
     def packed(*overrides):
         cfg = load_config(DEMO, ["parallel.transformer_impl=local", *overrides])
@@ -259,13 +259,13 @@ def test_process_group_backend_keeps_cpu_collectives_on_gloo(backend, cuda, want
     """On CUDA the default group (and megatron's groups, which inherit its backend string)
     must carry CPU tensors too: the loss normalisers and metric means all-reduce CPU tensors,
     which a plain 'nccl' group refuses. Catches a return to backend='nccl'."""
-    from megagrpo.distributed import process_group_backend
+    from megagrpo.runtime.distributed import process_group_backend
 
     assert process_group_backend(backend, cuda) == want
 
 
 def test_process_group_backend_nccl_without_cuda_names_the_field():
-    from megagrpo.distributed import process_group_backend
+    from megagrpo.runtime.distributed import process_group_backend
 
     with pytest.raises(ValueError, match="parallel.backend='nccl' needs CUDA"):
         process_group_backend("nccl", False)

@@ -9,7 +9,7 @@ from contextlib import redirect_stdout
 
 import pytest
 
-from megagrpo.console import ConsoleFilter, Progress, attach_log_file
+from megagrpo.runtime.console import ConsoleFilter, Progress, attach_log_file
 from tests.support.cli import run_cli
 
 
@@ -33,7 +33,7 @@ def test_console_filter(rank, name, level, msg, shown):
 
 
 def test_log_file_gets_everything_including_what_came_before_it(tmp_path):
-    from megagrpo.console import _Buffer
+    from megagrpo.runtime.console import _Buffer
 
     root = logging.getLogger()
     buf = _Buffer()
@@ -106,7 +106,7 @@ def test_demo_console_is_short_and_has_no_traceback(tmp_path):
 def test_summary_names_tensorboard_only_when_it_was_written(tmp_path):
     """The end-of-run table points at `tensorboard --logdir` only where the run wrote tb/
     (log.tensorboard=false, or tensorboard not installed, writes none)."""
-    from megagrpo.console import summary_table
+    from megagrpo.runtime.console import summary_table
 
     table = summary_table({"steps": 3, "wall_seconds": 75.0}, tmp_path)
     assert re.search(r"wall_time +1m15s", table) and "--logdir" not in table

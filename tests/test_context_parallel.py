@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megagrpo.config.train import load_config
-from megagrpo.context_parallel import chunk_columns, local_batch, padded_width
+from megagrpo.parallel.context_parallel import chunk_columns, local_batch, padded_width
 from tests._cp_worker import PACKED_DEFECT, PACKED_RUNS, RUNS
 from tests.support.launch import torchrun
 
@@ -141,7 +141,7 @@ def test_bad_settings_refused(overrides, message):
 def test_packing_under_cp_runs_when_set_only():
     """compute.pack_sequences=true is accepted at cp > 1 (`ChunkSplit` cuts each packed row);
     unset, packing stays off under CP (on at cp = 1)."""
-    from megagrpo.model import sequence_packing
+    from megagrpo.model.gpt import sequence_packing
 
     for overrides, packed in [(["parallel.cp=2", "compute.pack_sequences=true"], True),
                               (["parallel.cp=2", "parallel.tp=2"], False), ([], True)]:
@@ -348,7 +348,7 @@ def test_causal_chunk_attention_equals_masked_float64(cp, rank, groups, dtype):
     float64 attention under the explicit causal mask over the global positions, output and
     the gradients of q, k and v, GQA included (`groups` query heads per KV group); float64
     inputs run in float64 throughout (their log-sum-exps too)."""
-    from megagrpo.context_parallel import causal_chunk_attention
+    from megagrpo.parallel.context_parallel import causal_chunk_attention
 
     gen = torch.Generator().manual_seed(cp * 10 + rank)
     b, heads, hn, c = 2, 4, 16, 5
@@ -381,7 +381,7 @@ def test_packed_chunks_attend_within_their_rows(cp, lengths):
     attention under the explicit block-diagonal causal mask over the packed rows (output and
     the gradients of q, k and v, GQA), and each token's RoPE position is its column in its
     row."""
-    from megagrpo.context_parallel import ChunkRows, _CausalChunks, row_chunks, row_columns
+    from megagrpo.parallel.context_parallel import ChunkRows, _CausalChunks, row_chunks, row_columns
 
     gen = torch.Generator().manual_seed(cp)
     chunks = row_chunks(torch.tensor(lengths), cp)

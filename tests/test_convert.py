@@ -50,7 +50,7 @@ def test_world_size_must_be_multiple_of_tp_pp():
 
 def test_world_size_checked_before_process_group(tmp_path):
     code = ("from megagrpo.config.model import *; "
-            "from megagrpo.distributed import init_distributed; "
+            "from megagrpo.runtime.distributed import init_distributed; "
             "init_distributed(ParallelConfig(tp=2), ModelConfig())")
     e = dict(os.environ, WORLD_SIZE="3", RANK="0", LOCAL_RANK="0")
     # were the check after init_process_group, this would hang waiting for 2 more ranks

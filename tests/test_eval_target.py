@@ -1,5 +1,5 @@
 """eval.target_accuracy: GRPO stops at the first periodic evaluation that reaches it
-(`megagrpo.eval_target`). End to end, as a user runs it: a tiny 1-rank run whose every greedy
+(`megagrpo.train.eval_target`). End to end, as a user runs it: a tiny 1-rank run whose every greedy
 answer counts as correct (`full_marks`, the correctness term) stops after the first evaluation,
 says so, and records the step in its metrics, summary and checkpoint; resumed with a larger
 run.steps it runs no further step (`-m heavy`: a second launch). The rest: the config checks
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megagrpo.config.train import load_config
-from megagrpo.eval_target import EvalTarget
+from megagrpo.train.eval_target import EvalTarget
 from tests.support.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]

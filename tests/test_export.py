@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megagrpo.checkpoint import MODEL_JSON
-from megagrpo.export import finish_hf_export, resolve_megatron_dir, save_tokenizer
-from megagrpo.run_dir import TRAINER_STATE, write_manifest
+from megagrpo.hf.export import finish_hf_export, resolve_megatron_dir, save_tokenizer
+from megagrpo.runtime.run_dir import TRAINER_STATE, write_manifest
 from tests.support.cli import run_cli
 from tests.support.tiny import load_dir, tiny_llama
 

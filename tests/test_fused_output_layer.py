@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megagrpo.config.train import load_config
-from megagrpo.positions import OutputPositions
+from megagrpo.parallel.positions import OutputPositions
 from tests.support.launch import torchrun_results
 
 WORKER = os.path.join(os.path.dirname(__file__), "_fused_output_worker.py")
@@ -67,7 +67,7 @@ def test_auto_on_a_gpu_takes_the_logits_path_while_they_fit(caplog):
     """auto on a GPU: the logits path while the micro-batch's logits [n, V_local] take at most
     1/LOGITS_SHARE_GPU of the free memory (it is faster there, docs/performance.md), the fused
     layer beyond; off a GPU (free memory None) always the fused layer. Each choice is named."""
-    from megagrpo import positions
+    from megagrpo.parallel import positions
 
     gib, share = 1 << 30, positions.LOGITS_SHARE_GPU
     v, b = 151936, 2

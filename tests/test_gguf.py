@@ -37,7 +37,7 @@ def test_logits_equal_the_gguf_and_generate_stops_at_eos(exported):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megagrpo.gguf import resolve_gguf
+    from megagrpo.hf.gguf import resolve_gguf
 
     src = resolve_gguf("smollm2")
     tok = AutoTokenizer.from_pretrained(exported)

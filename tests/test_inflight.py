@@ -21,7 +21,7 @@ import vllm  # noqa: F401  (a CPU requirement: a broken install fails here, neve
 
 from megagrpo.config.rollout import RolloutConfig
 from megagrpo.engine import SamplingSettings, VLLMEngine
-from megagrpo.stream import stamp
+from megagrpo.rollout.stream import stamp
 from tests._rollout_model import EOS, build_tiny_llama, hf_greedy, hf_token_logprobs
 
 PROMPTS = [[0, 40, 41, 42], [0, 70, 80, 90, 5, 6], [0, 33], [0, 50, 51, 52, 53, 54, 55, 56]]

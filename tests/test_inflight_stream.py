@@ -12,12 +12,12 @@ from megagrpo.checkpoint import load_tree, save_tree
 from megagrpo.config.train import TrainConfig, load_config
 from megagrpo.engine import Completion
 from megagrpo.engine.inflight import InflightUpdates, token_versions
-from megagrpo.offpolicy import token_lag_metrics
-from megagrpo.rollout import Drawn
-from megagrpo.stream import Rollout, stamp
+from megagrpo.rollout.collect import Drawn
+from megagrpo.rollout.stream import Rollout, stamp
 from megagrpo.sync.source import Feed
 from megagrpo.sync.transports.inflight import Inflight
-from megagrpo.trainer import Trainer
+from megagrpo.train.offpolicy import token_lag_metrics
+from megagrpo.train.trainer import Trainer
 
 G = 2
 

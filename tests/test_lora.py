@@ -106,7 +106,7 @@ def test_base_frozen_and_optimizer_holds_adapters(run, tag):
         assert all(r["opt_numel"] == r["adapter_numel"] for r in rows)
     for r in rows:  # Adam's two moments per adapter element held by this rank, in fp32
         assert r["opt_state_bytes"] == 2 * 4 * r["opt_numel"]
-    # a merge's moment scaling (megagrpo.optim.scale_adam_moments) reaches A's moments as
+    # a merge's moment scaling (megagrpo.model.optim.scale_adam_moments) reaches A's moments as
     # megatron holds them (each distributed-optimizer rank: the A shards it owns), not B's
     assert all(r["moments_ok"] and r["moments_scaled"] == r["moments_found"] for r in rows)
     assert all(r["moments_found"] > 0 for r in rows)

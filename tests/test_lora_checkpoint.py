@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from megagrpo.run_dir import newest_intact, prune_shared, refs_of, write_manifest
+from megagrpo.runtime.run_dir import newest_intact, prune_shared, refs_of, write_manifest
 
 
 def _base(root, merges: int):

@@ -126,7 +126,7 @@ def test_a_steps_after_a_merge_match_a_run_without(alpha):
     (`_steps_on_fixed_grads`; with the moments kept, the ratio falls toward 1 - alpha)."""
     import copy
 
-    from megagrpo.optim import scale_adam_moments
+    from megagrpo.model.optim import scale_adam_moments
 
     layer, opt = _trained()
     twin = copy.deepcopy(layer)
@@ -143,7 +143,7 @@ def test_a_steps_after_a_merge_match_a_run_without(alpha):
 
 def test_a_does_not_drift_on_stale_momentum_at_alpha_1():
     """alpha = 1: B = 0, so A's gradient is 0; with its moments scaled to 0, A stays put."""
-    from megagrpo.optim import scale_adam_moments
+    from megagrpo.model.optim import scale_adam_moments
 
     layer, opt = _trained()
     scale_adam_moments(opt, merge_adapters(layer, 1.0))
@@ -159,7 +159,7 @@ def test_moments_are_found_in_megatrons_layouts():
     `_get_model_param_range_map(p)["param"]`); every element gets its row's scale."""
     from types import SimpleNamespace
 
-    from megagrpo.optim import scale_adam_moments
+    from megagrpo.model.optim import scale_adam_moments
 
     def stepped(main: torch.nn.Parameter) -> torch.optim.Adam:
         opt = torch.optim.Adam([main], lr=1e-3)

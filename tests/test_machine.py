@@ -1,7 +1,8 @@
-"""megagrpo.machine.cpu_name: what every results file records as the CPU a figure came from."""
+"""megagrpo.runtime.machine.cpu_name: what every results file records as the CPU a figure
+came from."""
 import torch
 
-import megagrpo.machine as machine
+import megagrpo.runtime.machine as machine
 
 
 def test_cpu_name_names_model_family_and_capability(monkeypatch):

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from megagrpo.batch import pack, plan_micro_batches, unplan
-from megagrpo.positions import loss_positions, put, take
+from megagrpo.parallel.batch import pack, plan_micro_batches, unplan
+from megagrpo.parallel.positions import loss_positions, put, take
 from tests.support.launch import torchrun_results
 
 WORKER = os.path.join(os.path.dirname(__file__), "_microbatch_worker.py")

@@ -1,7 +1,7 @@
 """Stale (async) batches train with the decoupled PPO objective by default (issue 30, item 4).
 
-The objective (megagrpo/offpolicy.py): loss_t = min(pi_old / mu, cap) * ppo_clip(pi / pi_old, A),
-mu = vLLM's behaviour log-probs, pi_old = the trainer's recomputed ones. Checked here against a
+The objective (megagrpo/train/offpolicy.py): loss_t = min(pi_old / mu, cap) * ppo_clip(pi / pi_old,
+A), mu = vLLM's behaviour log-probs, pi_old = the trainer's recomputed ones. Checked here against a
 float64 implementation (loss and gradient, cap and clips active); the trainer's choice of it is
 checked from the batch's recorded version through `Trainer.prepare`; and on a three-token
 bandit the expected gradient of the default async configuration is the policy's gradient,
@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from megagrpo import algo
-from megagrpo.advantage import rollout_is
-from megagrpo.batch import Batch
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.config.train import TrainConfig
 from megagrpo.engine import Completion
-from megagrpo.losses import LossContext, grpo_loss
-from megagrpo.offpolicy import correction_mode, is_stale
-from megagrpo.stream import Rollout
-from megagrpo.trainer import Trainer
+from megagrpo.parallel.batch import Batch
+from megagrpo.rollout.stream import Rollout
+from megagrpo.train.advantage import rollout_is
+from megagrpo.train.losses import LossContext, grpo_loss
+from megagrpo.train.offpolicy import correction_mode, is_stale
+from megagrpo.train.trainer import Trainer
 
 EPS = 0.2
 
@@ -208,7 +208,7 @@ def test_stale_drop_counts_the_sequence_not_its_tokens(mode, monkeypatch):
     """rollout.stale_policy=drop (docs/async.md): the dropped sample's tokens leave the mask,
     the step's sequence count keeps it and its token count does not; so grpo and dr_grpo leave
     the kept tokens' weights as they were, dapo raises them by (all tokens) / (kept tokens)."""
-    import megagrpo.passes as passes_mod
+    import megagrpo.train.passes as passes_mod
 
     monkeypatch.setattr(passes_mod.dist, "all_reduce", lambda t, group=None: t)  # one replica
     rows, width = [3, 4, 5], 6

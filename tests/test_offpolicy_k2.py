@@ -17,8 +17,8 @@ import torch
 
 from megagrpo.config.train import TrainConfig
 from megagrpo.engine import Completion
-from megagrpo.stream import Rollout
-from megagrpo.trainer import Trainer
+from megagrpo.rollout.stream import Rollout
+from megagrpo.train.trainer import Trainer
 from tests.test_offpolicy import _loss
 
 R = torch.tensor([0.0, 1.0, 0.3], dtype=torch.float64)

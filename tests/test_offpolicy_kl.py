@@ -1,4 +1,4 @@
-"""The KL term on a stale batch (decoupled objective, megagrpo.offpolicy): its tokens were
+"""The KL term on a stale batch (decoupled objective, megagrpo.train.offpolicy): its tokens were
 sampled by the behaviour policy mu, so the loss weights it by min(pi_prox / mu, cap) like the
 policy term. On a categorical bandit, enumerated exactly over the support: the KL term's
 expected gradient over mu's samples equals the on-policy one (samples from pi_prox, no

@@ -1,9 +1,9 @@
-"""megagrpo.optim.use_fused_adam: torch's fused AdamW kernel applies the same update rule as the
-per-parameter loop megatron-core builds without TE/Apex (checked against float64 math), and the
+"""megagrpo.model.optim.use_fused_adam: torch's fused AdamW kernel applies the same update rule as
+the per-parameter loop megatron-core builds without TE/Apex (checked against float64 math), and the
 switch reaches megatron's optimizer wrappers (tests/_trainer_worker.py checks the trainer's)."""
 import torch
 
-from megagrpo.optim import torch_adams, use_fused_adam
+from megagrpo.model.optim import torch_adams, use_fused_adam
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
 

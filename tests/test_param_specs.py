@@ -166,9 +166,9 @@ def _worker(out: Path, jobs: list[str]) -> None:
     """Builds each job's model on this rank and records its parameters' names and shapes."""
     import torch.distributed as dist
 
-    from megagrpo.distributed import init_distributed, shutdown
     from megagrpo.hf import expert_parallel_rank
-    from megagrpo.model import build_model, unwrap
+    from megagrpo.model.gpt import build_model, unwrap
+    from megagrpo.runtime.distributed import init_distributed, shutdown
 
     records = []
     for job in jobs:

@@ -28,11 +28,17 @@ from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.placement import training_world
 from megagrpo.config.train import TrainConfig, load_config
 from megagrpo.data import Example, PromptLoader
-from megagrpo.distributed import Ranks
 from megagrpo.engine import Completion, WeightSyncStats
-from megagrpo.placement import Placement, RemoteEngine, SeparateSource, receive_weights, serve
 from megagrpo.reward import Rewards
-from megagrpo.rollout import RolloutCollector
+from megagrpo.rollout.collect import RolloutCollector
+from megagrpo.rollout.placement import (
+    Placement,
+    RemoteEngine,
+    SeparateSource,
+    receive_weights,
+    serve,
+)
+from megagrpo.runtime.distributed import Ranks
 from megagrpo.sync.transports.collective import Collective
 from tests.support.cli import run_cli
 from tests.test_stream import Reward, Tok

@@ -178,7 +178,7 @@ def test_plan_measures_which_dtype_is_faster_on_this_cpu(capsys):
 
 def test_dtype_advice_follows_the_rate_for_a_large_model(capsys):
     """For a 135M-parameter model the advice follows the measured matmul ratio alone."""
-    from megagrpo.machine import dtype_advice
+    from megagrpo.runtime.machine import dtype_advice
 
     line = dtype_advice(params=135_000_000)
     ratio = float(re.search(r"bf16/fp32 = ([\d.]+)x", line).group(1))
@@ -205,7 +205,7 @@ def test_busy_cores_sees_a_busy_process_and_not_its_own_work():
     import sys
     import time
 
-    from megagrpo.machine import BUSY_NOTE_CORES, busy_cores_since, busy_note, cpu_sample
+    from megagrpo.runtime.machine import BUSY_NOTE_CORES, busy_cores_since, busy_note, cpu_sample
 
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -258,8 +258,8 @@ def _worker_parallel() -> ParallelConfig:
 
 
 if __name__ == "__main__":  # the worker of the test above, one per rank under torchrun
-    from megagrpo.distributed import init_distributed, shutdown
-    from megagrpo.model import build_model
+    from megagrpo.model.gpt import build_model
+    from megagrpo.runtime.distributed import init_distributed, shutdown
 
     info = init_distributed(_worker_parallel(), _worker_model())
     gpt = build_model(_worker_model(), _worker_parallel())

@@ -9,8 +9,8 @@ alpha * policy + (1 - alpha) * ref computed in float64.
 import torch
 
 from megagrpo.config.train import TrainConfig
-from megagrpo.reference import Reference, ReferenceState
-from megagrpo.trainer import Trainer
+from megagrpo.model.reference import Reference, ReferenceState
+from megagrpo.train.trainer import Trainer
 
 ALPHA = 0.3
 

@@ -8,9 +8,9 @@ each pass by the model it ran on; without routing replay the copy is still taken
 """
 import torch
 
-from megagrpo.batch import Batch
 from megagrpo.config.train import TrainConfig
-from megagrpo.trainer import Trainer, may_reuse_reference
+from megagrpo.parallel.batch import Batch
+from megagrpo.train.trainer import Trainer, may_reuse_reference
 
 
 class Scoring:

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from megagrpo.checkpoint import load_tree, save_tree
-from megagrpo.metrics import rewind_history
-from megagrpo.run_dir import newest_intact, prepare_out_dir, verify, write_manifest
+from megagrpo.runtime.metrics import rewind_history
+from megagrpo.runtime.run_dir import newest_intact, prepare_out_dir, verify, write_manifest
 from tests.support.cli import run_cli
 from tests.support.launch import torchrun_results
 
@@ -176,7 +176,7 @@ def test_lora_resumes_with_and_without_the_base(e2e):
     """LoRA: the base is in a checkpoint only after a merge (and in the first one); the run
     resumed bitwise (above) from step 3, whose checkpoint wrote the base, and from step 5,
     whose checkpoint names the one step 3 wrote; the kept checkpoints keep theirs."""
-    from megagrpo.run_dir import refs_of
+    from megagrpo.runtime.run_dir import refs_of
 
     root = e2e["cut"] / "checkpoints"
     assert "at step 3" in e2e["log"]
@@ -307,7 +307,7 @@ def test_out_of_disk_and_optimizer_state_on_real_megatron(tmp_path):
     assert other["type"] == "RuntimeError" and "failed on another rank" in other["msg"], other
 
 
-_LAUNCHER = ("import sys; from megagrpo.procs import run_child; "
+_LAUNCHER = ("import sys; from megagrpo.runtime.procs import run_child; "
              "raise SystemExit(run_child([sys.executable, '-c', sys.argv[1]], {}))")
 _CHILD = ("import signal, sys, time, pathlib; p = pathlib.Path({path!r}); "
           "signal.signal(signal.SIGTERM, lambda *a: (p.write_text('TERM'), sys.exit(3))); "
@@ -345,7 +345,7 @@ import sys, time
 
 if __name__ == "__main__":  # spawned helpers import this file too: keep its top level bare
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from megagrpo import procs
+    from megagrpo.runtime import procs
     from megagrpo import reward as rewards
     from megagrpo.config.data import RewardConfig
 

@@ -26,7 +26,7 @@ from megagrpo.reward import (
     register_source,
     resolve_reward,
 )
-from megagrpo.rollout import RolloutCollector
+from megagrpo.rollout.collect import RolloutCollector
 from megagrpo.tasks.arithmetic import reward as arithmetic_reward
 from tests.test_agent_collector import Tok
 from tests.test_agent_runner import FakeEngine

@@ -1,5 +1,5 @@
-"""megagrpo.rng: every stream put back as captured, the engine's sampler streams apart from the
-trainer's (main thread and async thread), and the CPU shim's mode entered only inside its scope.
+"""megagrpo.runtime.rng: every stream put back as captured, the engine's sampler streams apart from
+the trainer's (main thread and async thread), and the CPU shim's mode entered only inside its scope.
 
 The references are plain generators seeded as each stream is documented to be (torch's default
 generator for the engine's main-thread stream, a fresh Generator at seed + 1 for its thread
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from megagrpo.rng import EngineRng, capture_rng, kept, restore_rng
+from megagrpo.runtime.rng import EngineRng, capture_rng, kept, restore_rng
 
 SEED = 13
 
@@ -131,7 +131,7 @@ def _shim_checks() -> None:
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megagrpo import cpu_compat
+    from megagrpo.runtime import cpu_compat
 
     assert cpu_compat.apply() and cpu_compat.active()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megagrpo.config.model import ModelConfig
-from megagrpo.machine import memory_read_gbs
+from megagrpo.runtime.machine import memory_read_gbs
 from tests.support.docs import assert_generated_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,10 +80,11 @@ def test_grpo_step_record_prices_the_rollout_at_both_limits(monkeypatch):
     """add_mfu: with the rollouts' costs and a bandwidth, the rollout floor (and the step's) is
     rollout_floor's per measured step; without, the FLOP floor as before (rates given: the
     measurements are replaced by 1000 FLOP/s and 1000 B/s)."""
-    import megagrpo.machine
+    import megagrpo.runtime.machine
 
     monkeypatch.setattr(W, "gemm_gflops", lambda dtype, threads: (1e-6, 8))
-    monkeypatch.setattr(megagrpo.machine, "memory_read_gbs", lambda threads: (1e-6, "given"))
+    monkeypatch.setattr(megagrpo.runtime.machine, "memory_read_gbs",
+                        lambda threads: (1e-6, "given"))
     prefill, costs = RF.rollout_costs(TINY, 4, PROMPTS, COMPLETIONS)
     flops = W.rollout_flops(TINY, PROMPTS, COMPLETIONS)
     rec = dict(nproc=1, threads=1, steps=2, step_s=1.0, time_rollout_s=0.5, time_score_s=0.1,

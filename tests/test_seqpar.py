@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.seqpar import megatron_aux_loss_coeff
 from megagrpo.config.train import load_config
-from megagrpo.seqpar import packed_inputs, padded_inputs
+from megagrpo.parallel.seqpar import packed_inputs, padded_inputs
 from tests._replay_checks import replay_reference
 from tests.support.launch import torchrun
 from tests.support.tiny import load_dir, tiny_llama, tiny_qwen3_moe
@@ -340,8 +340,8 @@ def test_bad_settings_refused(overrides, message):
 
 def test_sequence_parallel_keeps_packed_micro_batches():
     """Packed micro-batches run under sequence parallelism: set both, the config validates and
-    the model packs (`megagrpo.model.sequence_packing`)."""
-    from megagrpo.model import sequence_packing
+    the model packs (`megagrpo.model.gpt.sequence_packing`)."""
+    from megagrpo.model.gpt import sequence_packing
 
     cfg = load_config(None, ["parallel.sequence_parallel=true", "parallel.tp=2",
                              "compute.pack_sequences=true"])

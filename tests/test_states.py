@@ -111,7 +111,7 @@ def test_on_disk_format(two_ranks):
     """Per-rank parts as rank files under their names, replicated keys at the top level of
     trainer_state.json beside the manager's, a manifest, keep_last complete checkpoints."""
     from megagrpo.checkpoint import load_tree
-    from megagrpo.run_dir import checkpoint_root, verify
+    from megagrpo.runtime.run_dir import checkpoint_root, verify
 
     out, results = two_ranks
     dirs = sorted(p.name for p in checkpoint_root(out).iterdir())

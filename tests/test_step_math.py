@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from megagrpo import algo
-from megagrpo.advantage import advantages, kl_penalized_rewards
-from megagrpo.batch import pack
 from megagrpo.config.train import TrainConfig
-from megagrpo.losses import LossContext, grpo_loss
+from megagrpo.parallel.batch import pack
 from megagrpo.reward import Rewards, Scores
-from megagrpo.trainer import Trainer
+from megagrpo.train.advantage import advantages, kl_penalized_rewards
+from megagrpo.train.losses import LossContext, grpo_loss
+from megagrpo.train.trainer import Trainer
 
 G, BETA = 4, 0.04
 
@@ -161,8 +161,8 @@ def test_trainer_state_round_trips_through_json():
     import json
 
     from megagrpo.data import Example, PromptLoader
-    from megagrpo.reference import Reference, ReferenceState
-    from megagrpo.rollout import RolloutCollector
+    from megagrpo.model.reference import Reference, ReferenceState
+    from megagrpo.rollout.collect import RolloutCollector
 
     def make():
         cfg = TrainConfig()
@@ -193,7 +193,7 @@ def test_async_rollout_thread_failure_stops_the_step():
     from megagrpo.config.layout import RolloutLayout
     from megagrpo.data import Example, PromptLoader
     from megagrpo.engine import Completion
-    from megagrpo.rollout import RolloutCollector
+    from megagrpo.rollout.collect import RolloutCollector
 
     class Engine:
         calls = 0

@@ -20,14 +20,14 @@ import torch
 from megagrpo.checkpoint import load_tree, save_tree
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.train import ReferenceConfig, TrainConfig, load_config
-from megagrpo.console import Progress
 from megagrpo.data import Example, PromptLoader
 from megagrpo.engine import Completion
-from megagrpo.reference import ReferenceSchedule, ReferenceState
+from megagrpo.model.reference import ReferenceSchedule, ReferenceState
 from megagrpo.reward import Rewards, Scores
-from megagrpo.rollout import RolloutCollector
-from megagrpo.stream import Rollout, RolloutSource, stale_weights
-from megagrpo.trainer import Trainer
+from megagrpo.rollout.collect import RolloutCollector
+from megagrpo.rollout.stream import Rollout, RolloutSource, stale_weights
+from megagrpo.runtime.console import Progress
+from megagrpo.train.trainer import Trainer
 
 G = 2
 
@@ -299,13 +299,13 @@ def test_console_shows_the_stream():
 
 
 def test_staleness_policy_alone():
-    """The staleness rules as a component (`megagrpo.offpolicy.StalenessPolicy`), without a
+    """The staleness rules as a component (`megagrpo.train.offpolicy.StalenessPolicy`), without a
     Trainer: lags 2 / 1 / 0 against k = 1, hand-computed metrics, the drop mask, the weight
     scale (k + 1) / (lag + 1), the decoupled weights' fresh rows; and a Trainer built with a
     policy of its own uses it (nothing read from the trainer's config)."""
     from types import SimpleNamespace
 
-    from megagrpo.offpolicy import StalenessPolicy
+    from megagrpo.train.offpolicy import StalenessPolicy
 
     _, ro = _stale_batch_trainer("drop")
     for c, v in zip(ro.completions, [1, 1, 2, 2, 3, 3]):

@@ -14,12 +14,10 @@ import torch
 
 from megagrpo.agent.env import Turn
 from megagrpo.algo import LossCounts
-from megagrpo.batch import sft_batch
-from megagrpo.cold_start import encode_completion
 from megagrpo.config.agent import AgentConfig
 from megagrpo.config.data import ArithmeticConfig, DataConfig
 from megagrpo.config.train import load_config
-from megagrpo.losses import LossContext, sft_loss
+from megagrpo.parallel.batch import sft_batch
 from megagrpo.preflight import preflight
 from megagrpo.tasks import arithmetic, build_task
 from megagrpo.tasks.arithmetic_tools import (
@@ -28,6 +26,8 @@ from megagrpo.tasks.arithmetic_tools import (
     CalculatorEnvironment,
     parse_call,
 )
+from megagrpo.train.cold_start import encode_completion
+from megagrpo.train.losses import LossContext, sft_loss
 from tests.support.cli import run_cli
 from tests.test_agent_tools import tokenizer  # noqa: F401 - the Hermes-style tool tokenizer
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.run import WatchdogConfig
-from megagrpo.watchdog import EXIT_STALLED, Watchdog, WatchdogSettings
+from megagrpo.runtime.watchdog import EXIT_STALLED, Watchdog, WatchdogSettings
 from tests.support.launch import torchrun_command, worker_env
 
 WORKER = os.path.join(os.path.dirname(__file__), "_watchdog_worker.py")

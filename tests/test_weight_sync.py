@@ -19,8 +19,8 @@ from megagrpo.config.train import TrainConfig, load_config
 from megagrpo.engine.inflight import InflightUpdates
 from megagrpo.engine.types import WeightSyncStats
 from megagrpo.hf import fuse_qkv, param_specs, split_qkv, unfuse_shards
-from megagrpo.placement import RemoteEngine
 from megagrpo.preflight import check_transport
+from megagrpo.rollout.placement import RemoteEngine
 from megagrpo.sync import CastDtype, FullWeights, WeightSync, build_weight_sync
 from megagrpo.sync.adapters import AdapterSource, MergeAdapters
 from megagrpo.sync.source import Feed
@@ -28,7 +28,7 @@ from megagrpo.sync.transports import Transport, available, register, transport_c
 from megagrpo.sync.transports.collective import Collective
 from megagrpo.sync.transports.inflight import Inflight
 from megagrpo.sync.transports.reload import Reload
-from megagrpo.trainer import Trainer
+from megagrpo.train.trainer import Trainer
 
 MODEL = ModelConfig(vocab_size=19, hidden_size=16, ffn_hidden_size=24, num_layers=2,
                     num_attention_heads=4, num_query_groups=2, head_dim=4, qkv_bias=True)

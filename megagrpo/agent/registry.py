@@ -21,7 +21,7 @@ from megagrpo.agent.tools import Tool, load_tools
 from megagrpo.config.agent import AgentConfig
 from megagrpo.config.data import DataConfig
 from megagrpo.data import Example, get_field
-from megagrpo.names import import_object
+from megagrpo.runtime.names import import_object
 
 TOOL_ENV_KWARGS = ("max_calls_per_turn",)
 

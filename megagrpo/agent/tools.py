@@ -41,7 +41,7 @@ from megagrpo.agent.sandbox import (
     run_code,
 )
 from megagrpo.agent.tool_schema import FIELD, function_schema
-from megagrpo.names import import_failure
+from megagrpo.runtime.names import import_failure
 
 
 def calculator(expression: str) -> str:

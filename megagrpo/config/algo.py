@@ -84,7 +84,7 @@ class AlgoConfig(Section):
     rollout_is: str = "none"
     """vLLM-vs-trainer mismatch correction: none, truncate (TIS), token_mask or seq_mask. A
     stale batch (async: sampled one update behind) trains with truncate under none: the
-    decoupled objective (megagrpo.offpolicy)."""
+    decoupled objective (megagrpo.train.offpolicy)."""
     rollout_is_cap: float = 2.0
     """truncate (and stale batches under none): per-token weight
     min(exp(logp_old - logp_vllm), cap)."""

@@ -1,5 +1,5 @@
 """compute.compile_layers: where a compiled layer runs, and what 'auto' picks (pure config
-rules; `megagrpo.compile` does the compiling)."""
+rules; `megagrpo.model.compile` does the compiling)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""Config checks of rollout.placement (megagrpo.placement runs it): how many of the world's
+"""Config checks of rollout.placement (megagrpo.rollout.placement runs it): how many of the world's
 ranks train, and what separate placement refuses. No torch here: the launcher imports it."""
 from __future__ import annotations
 

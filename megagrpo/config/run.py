@@ -87,7 +87,7 @@ class ComputeConfig(Section):
 
     balance_tokens: bool | None = None
     """Move a step's sequences between DP replicas so each computes about the same number of
-    tokens (LPT partition of every minibatch by length, `megagrpo.balance`); the GRPO loss and
+    tokens (LPT partition of every minibatch by length, `megagrpo.train.balance`); the GRPO loss and
     its gradients change by float summation order only (an MoE model's router aux and z-loss,
     computed per micro-batch by megatron, change with the grouping). None: on at DP > 1
     except with algo.loss_agg=bnpo (a per-micro-batch mean) or algo.kl_in_reward (advantages
@@ -95,7 +95,7 @@ class ComputeConfig(Section):
 
     compile_layers: bool | str = "auto"
     """`torch.compile` (inductor) each transformer layer's forward as one graph, for the update
-    and the scoring passes (`megagrpo.compile`): fuses RMSNorm, RoPE, SwiGLU and the residual
+    and the scoring passes (`megagrpo.model.compile`): fuses RMSNorm, RoPE, SwiGLU and the residual
     adds, same gradients to float rounding; the first steps pay the compile (9-21 s on 2
     cores). 'auto' (default): on where whole steps were measured faster, dense fp32 models on
     CPU up to hidden_size 256, in runs whose tokens x layers repay the compile at the least

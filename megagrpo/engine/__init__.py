@@ -7,7 +7,7 @@
 - `vllm_compat`: the vLLM 0.32 workarounds (stale caches after a reload, OpenMP binding, stale
   shared memory, compiled helpers run eagerly).
 - `vllm_engine`: `VLLMEngine`, vLLM inside the torchrun process that trains.
-The engine's sampler streams live in `megagrpo.rng` (`EngineRng`).
+The engine's sampler streams live in `megagrpo.runtime.rng` (`EngineRng`).
 """
 from megagrpo.engine.feed import expected_hf_params
 from megagrpo.engine.types import Completion, RolloutEngine, SamplingSettings, WeightSyncStats

@@ -10,13 +10,13 @@ them between two decode steps. Running requests are not dropped or restarted: th
 is kept, so the tokens sampled after the update attend to keys and values that earlier
 weights computed (PipelineRL and open-instruct accept the same). vLLM's log-probs of those
 tokens are of exactly that mixed computation: the behaviour policy that sampled them, which
-is what the decoupled correction needs (`megagrpo.offpolicy`).
+is what the decoupled correction needs (`megagrpo.train.offpolicy`).
 
 Per-token versions: after every load the engine's weight label is set to the policy version
 (vLLM 0.32's `set_weight_version`); vLLM labels every step's output with it and hands each
 finished completion its spans (`CompletionOutput.weight_versions`), from which
 `token_versions` gives `Completion.token_versions` (one int per completion token,
-non-decreasing). `Completion.version` is then the oldest of them (`megagrpo.stream.stamp`).
+non-decreasing). `Completion.version` is then the oldest of them (`megagrpo.rollout.stream.stamp`).
 
 Limits: one engine rank (vLLM TP > 1 would need every rank of an engine to load at the same
 decode step); the prefix cache cannot be reset while requests hold blocks, so it is reset when

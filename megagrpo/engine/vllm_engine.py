@@ -19,8 +19,8 @@ vLLM's side effects on the process, and what this module does about them:
 - vLLM CPU replaces `torch.set_num_threads` with a no-op: set threads before the engine starts.
 - vLLM seeds the global RNGs (python, numpy, torch) at start and samples from the global torch
   generator. The engine puts the caller's RNG states back after start and samples from its own
-  streams (`megagrpo.rng.EngineRng`: swapped in around `generate` on the main thread, handed to
-  the sampler's random ops on the async thread), so rollouts neither consume nor reset the
+  streams (`megagrpo.runtime.rng.EngineRng`: swapped in around `generate` on the main thread, handed
+  to the sampler's random ops on the async thread), so rollouts neither consume nor reset the
   trainer's RNG streams, every rank of a vLLM TP group samples the same tokens, and an async run
   samples reproducibly as well.
 - vLLM compiles two small helpers with torch.compile even with enforce_eager; tracing them on the
@@ -51,7 +51,7 @@ from megagrpo.engine.vllm_compat import (
     _run_compiled_helpers_eagerly,
     _set_omp_binding,
 )
-from megagrpo.rng import EngineRng, preserve_global_rng
+from megagrpo.runtime.rng import EngineRng, preserve_global_rng
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class VLLMEngine:
         between decode steps (`megagrpo.engine.inflight`); None: `LLM.generate`."""
         self.routes = None
         if capture_routing:
-            from megagrpo.moe import RouteCapture
+            from megagrpo.model.moe import RouteCapture
 
             self.routes = RouteCapture(self.llm, self.hf_config.num_experts_per_tok)
 

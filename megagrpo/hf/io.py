@@ -17,7 +17,7 @@ import torch
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.params import ParamSpec, hf_shapes, param_specs, qkv_rows
 from megagrpo.hf.config import hf_config_dict
-from megagrpo.model import unwrap
+from megagrpo.model.gpt import unwrap
 
 
 # ---------------------------------------------------------------- layout conversions

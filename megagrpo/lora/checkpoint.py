@@ -27,7 +27,7 @@ import torch
 
 from megagrpo.checkpoint import ModelState
 from megagrpo.config.model import ModelConfig
-from megagrpo.run_dir import write_manifest
+from megagrpo.runtime.run_dir import write_manifest
 
 ADAPTER_MARK = ".lora_"
 """What names an adapter tensor in a sharded state dict's keys (`megagrpo.lora.layers`: every

@@ -32,7 +32,7 @@ from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.params import param_specs
 from megagrpo.hf.io import unfuse_shards
 from megagrpo.lora.layers import adapters_disabled, parameters_for_refit
-from megagrpo.model import unwrap
+from megagrpo.model.gpt import unwrap
 
 PEFT_PREFIX = "base_model.model."
 """What peft puts before the transformers module name in adapter_model.safetensors."""

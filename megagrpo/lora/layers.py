@@ -55,7 +55,7 @@ rank's W shard), then B *= (1 - a). The policy W + s B A keeps the adapter's con
 add is rounded once into W, and where W is bf16/fp16 the part of it the rounding dropped is
 folded back into B (least squares onto A's rows, `merge_adapters`), so the policy moves by less
 than one rounding of its merged weight; the reference W' = W + a s B A is a * policy + (1 - a)
-* ref in weight space (up to that rounding), as `megagrpo.reference.sync_reference` does for a
+* ref in weight space (up to that rounding), as `megagrpo.model.reference.sync_reference` does for a
 full reference. A is kept
 (B = 0 makes any A a valid start, and the trained A is a good one). Adam's moments are kept
 too, B's as they are (the policy does not move at a reset and B's gradient s dL/dW A^T does not
@@ -79,9 +79,9 @@ import torch.nn.functional as F
 
 from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.train import ReferenceConfig
-from megagrpo.model import unwrap
-from megagrpo.optim import scale_adam_moments
-from megagrpo.reference import ReferenceSchedule, ReferenceState
+from megagrpo.model.gpt import unwrap
+from megagrpo.model.optim import scale_adam_moments
+from megagrpo.model.reference import ReferenceSchedule, ReferenceState
 
 log = logging.getLogger("megagrpo")
 
@@ -207,7 +207,7 @@ def _attach(linear: torch.nn.Module, cfg: LoRAConfig, row: bool, seed: int, laye
 
 def add_adapters(gpt: torch.nn.Module, cfg: LoRAConfig, *, seed: int) -> int:
     """Freezes every parameter of this rank's GPTModel stage and puts an adapter beside each
-    targeted linear of its layers (before `megagrpo.optim.wrap_ddp`). Returns the adapters'
+    targeted linear of its layers (before `megagrpo.model.optim.wrap_ddp`). Returns the adapters'
     element count on this rank."""
     from megatron.core import parallel_state as ps
 
@@ -328,7 +328,7 @@ def merge_adapters(model: torch.nn.Module | list, alpha: float = 1.0
 
     Returns, per adapter's A, its gradient scale c [r, 1] (A's gradient s B^T dL/dW follows B:
     1 - alpha, or `_row_scales` where a residual was folded), for
-    `megagrpo.optim.scale_adam_moments`."""
+    `megagrpo.model.optim.scale_adam_moments`."""
     scales = {}
     for m in adapted(model):
         w, b = m.weight, m.lora_B
@@ -381,7 +381,7 @@ def parameters_for_refit(gpt: torch.nn.Module) -> Mapping[str, torch.Tensor]:
 # ---------------------------------------------------------------------- the reference
 class LoRAReference(ReferenceSchedule):
     """The KL reference of a LoRA policy: the policy with its adapters off. Same schedule and
-    interface as `megagrpo.reference.Reference`; `onload` / `offload` bracket a scoring pass
+    interface as `megagrpo.model.reference.Reference`; `onload` / `offload` bracket a scoring pass
     (adapters off / back on), `sync` merges."""
 
     separate_model: ClassVar[bool] = False

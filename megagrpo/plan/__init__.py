@@ -173,7 +173,7 @@ def run_plan(config: str | None, overrides: list[str], *, gpus: int = 0,
     if not gpus:  # planning for this machine: which dtype is faster on its CPU, measured
         import torch  # only once the memory plan is out (the planner starts nothing)
 
-        from megagrpo.machine import dtype_advice
+        from megagrpo.runtime.machine import dtype_advice
 
         if not torch.cuda.is_available():
             print("\n" + dtype_advice(params=total_params(m)))

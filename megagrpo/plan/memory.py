@@ -42,7 +42,7 @@ What is counted, per rank, on the worst pipeline stage:
   CP attention saves q, its output and lse for the rank's tokens and the K and V all-gathered
   over the row, 2 x c s b x KV heads x head_dim / tp values a layer, instead of the rank's own
   K and fused QKV output (no mask: its causal structure is blocks,
-  `megagrpo.context_parallel.causal_chunk_attention`). The logits path counts the rank's
+  `megagrpo.parallel.context_parallel.causal_chunk_attention`). The logits path counts the rank's
   tokens (T / c). Measured against CPU peaks by benchmarks/recompute_memory.py
   (docs/performance.md, docs/context-parallel.md).
 - vLLM: colocated in every rank, in engines of k = rollout.tensor_parallel_size ranks, so each

@@ -22,8 +22,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from megagrpo.procs import exit_with_parent
 from megagrpo.reward.rules import RewardCallable, resolve_reward
+from megagrpo.runtime.procs import exit_with_parent
 
 _THREAD_PREFIX = "megagrpo-reward"
 

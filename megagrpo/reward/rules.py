@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 
 from megagrpo.config.data import RewardConfig
-from megagrpo.names import import_object
+from megagrpo.runtime.names import import_object
 
 RewardCallable = Callable[..., float]
 

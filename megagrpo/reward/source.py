@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from megagrpo.config.data import RewardConfig
-from megagrpo.names import import_object
 from megagrpo.reward.sample import Sample
+from megagrpo.runtime.names import import_object
 
 
 @dataclass

@@ -26,7 +26,7 @@ from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig
 from megagrpo.lora.export import gather_adapters, save_peft_adapter
 from megagrpo.lora.layers import adapters_disabled, parameters_for_refit
-from megagrpo.model import unwrap
+from megagrpo.model.gpt import unwrap
 from megagrpo.sync.source import Feed, FullWeights
 from megagrpo.sync.transforms import Transform
 

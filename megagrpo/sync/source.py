@@ -37,7 +37,7 @@ import torch.distributed as dist
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.engine.types import WeightSyncStats
 from megagrpo.hf import ParamSpec, hf_shapes, param_specs, save_hf_dir, split_qkv, unfuse_shards
-from megagrpo.model import DTYPE, unwrap
+from megagrpo.model.gpt import DTYPE, unwrap
 
 
 @dataclass

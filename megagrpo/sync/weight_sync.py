@@ -22,7 +22,7 @@ from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.rollout import RolloutConfig
 from megagrpo.config.sync import SyncConfig
-from megagrpo.model import DTYPE
+from megagrpo.model.gpt import DTYPE
 from megagrpo.sync.adapters import AdapterSource, MergeAdapters
 from megagrpo.sync.source import Feed, FullWeights, ShardSlices
 from megagrpo.sync.transforms import CastDtype, TensorMeta, Transform, expected_feed

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tests.kernels.kernels_oracle import GRPO_OPTIONS, edge_targets, oracle_grpo
 from tests.support.launch import count_collectives, gloo_rank, save_rank
 
-PAD_LOGIT = -1e9  # megagrpo.losses.PAD_LOGIT (not imported: that module pulls in megatron)
+PAD_LOGIT = -1e9  # megagrpo.train.losses.PAD_LOGIT (not imported: that module pulls in megatron)
 
 
 def fused_case(n: int, hdim: int, v: int, tp: int, dtype: torch.dtype, seed: int, *,

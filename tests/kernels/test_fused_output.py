@@ -253,7 +253,7 @@ AGG_CASE = {"gspo": "grpo_gspo_sequence", "cispo": "grpo_cispo"}
 
 @pytest.mark.parametrize("mode", sorted(LOSS_AGGREGATIONS))
 def test_weighted_loss_each_loss_agg_matches_float64(mode):
-    """Each loss_agg: `aggregation_weights` (what megagrpo.losses hands the op) against the
+    """Each loss_agg: `aggregation_weights` (what megagrpo.train.losses hands the op) against the
     aggregation's closed form, and the op's loss, dh, dW against float64 with those weights."""
     case = TP1_GRPO[AGG_CASE.get(mode, "grpo_kl_k3_clamped")]
     n = case["h"].shape[0]

@@ -231,7 +231,7 @@ def _algo(**kw):
 
 
 def test_spec_from_the_algo_config():
-    from megagrpo.losses import loss_spec
+    from megagrpo.train.losses import loss_spec
 
     s = loss_spec(_algo(policy_loss="sapo", sapo_tau_pos=0.7, sapo_tau_neg=1.3,
                         kl_estimator="k3_is", kl_clamp_output=0.0), 0.9)
@@ -258,7 +258,7 @@ def test_algo_config_checks_the_new_options(overrides, field):
 
 def _batch(rows: list[int], width: int, seed: int):
     """A Batch of len(rows) real sequences with rows[i] loss tokens each (0: none)."""
-    from megagrpo.batch import Batch
+    from megagrpo.parallel.batch import Batch
 
     g = torch.Generator().manual_seed(seed)
     n = len(rows)
@@ -274,7 +274,7 @@ def _batch(rows: list[int], width: int, seed: int):
 
 def test_one_spec_per_context_not_per_micro_batch(monkeypatch):
     from megagrpo import algo
-    from megagrpo.losses import LossContext, grpo_loss
+    from megagrpo.train.losses import LossContext, grpo_loss
 
     built = [0]
     init = LossSpec.__post_init__
@@ -301,7 +301,7 @@ def test_num_seqs_counts_sequences_without_loss_tokens(mode, monkeypatch):
     """Sequence 2 has no loss token (e.g. masked as truncated): it still counts, as TRL's
     grpo (`.mean()` over the batch) and dr_grpo (`size(0) * max_completion_length`) count
     it: the step loss is 1/4 of the per-sequence sum, not 1/3."""
-    import megagrpo.passes as passes_mod
+    import megagrpo.train.passes as passes_mod
     from megagrpo import algo
     from megagrpo.config.train import TrainConfig
 

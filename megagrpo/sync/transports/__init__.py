@@ -28,7 +28,7 @@ class SyncContext:
 
     engine: object
     """This rank's engine: a `megagrpo.engine.VLLMEngine` colocated, the
-    `megagrpo.placement.RemoteEngine` stand-in under separate placement."""
+    `megagrpo.rollout.placement.RemoteEngine` stand-in under separate placement."""
     model: ModelConfig
     """The policy's architecture (what an HF folder's config.json describes)."""
     folder: Path

@@ -1,8 +1,8 @@
-"""`sync.transport=collective` (separate placement, `megagrpo.placement`): the training ranks
-of DP replica 0 drive the full-weight stream (its TP gathers and PP broadcasts) and training
+"""`sync.transport=collective` (separate placement, `megagrpo.rollout.placement`): the training
+ranks of DP replica 0 drive the full-weight stream (its TP gathers and PP broadcasts) and training
 rank 0 broadcasts every tensor to the rollout ranks over the cross group, in flat buckets of at
 most rollout.sync_bucket_mb (or one tensor if larger), each announced in the store first; every
-rollout rank loads them into its own engine (`megagrpo.placement.receive_weights`)."""
+rollout rank loads them into its own engine (`megagrpo.rollout.placement.receive_weights`)."""
 from __future__ import annotations
 
 import time
@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 
 from megagrpo.engine import WeightSyncStats
-from megagrpo.placement import WIRE_DTYPES, RemoteEngine, bcast_json
+from megagrpo.rollout.placement import WIRE_DTYPES, RemoteEngine, bcast_json
 from megagrpo.sync.source import Feed
 from megagrpo.sync.transports import SyncContext, Transport, register
 

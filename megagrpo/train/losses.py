@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from megagrpo.algo import LossCounts, aggregate_loss, aggregation_weights, kl_clamp
-from megagrpo.batch import Batch
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.kernels import (
     LossSpec,
@@ -34,7 +33,8 @@ from megagrpo.kernels import (
     token_logprob,
     token_loss,
 )
-from megagrpo.positions import put, take
+from megagrpo.parallel.batch import Batch
+from megagrpo.parallel.positions import put, take
 
 PAD_LOGIT = -1e9
 """Logit given to vocab padding columns: exp() underflows to exactly 0, and 0 * PAD_LOGIT

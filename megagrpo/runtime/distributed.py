@@ -1,7 +1,7 @@
 """Process start-up: torchrun environment -> torch.distributed -> megatron parallel_state.
 
 The only module that decides devices. On a machine without CUDA it installs the megatron-core
-compatibility shim (`megagrpo.cpu_compat`) before megatron builds anything; parallel_state
+compatibility shim (`megagrpo.runtime.cpu_compat`) before megatron builds anything; parallel_state
 starts inside the shim's scope.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megagrpo import cpu_compat, rng
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from megagrpo.procs import free_port
+from megagrpo.runtime import cpu_compat, rng
+from megagrpo.runtime.procs import free_port
 
 log = logging.getLogger("megagrpo")
 
@@ -172,7 +172,7 @@ class Ranks:
     @property
     def reports(self) -> bool:
         """TP rank 0 and CP rank 0 of the last stage: the rank that counts a replica's loss
-        reports once (every CP rank holds them whole: `megagrpo.context_parallel`)."""
+        reports once (every CP rank holds them whole: `megagrpo.parallel.context_parallel`)."""
         return self.is_last_stage and self.tp_rank == 0 and self.cp_rank == 0
 
 

@@ -213,12 +213,12 @@ class RotaryPositions:
     """Rotary embeddings at chosen per-token positions while `at` is active.
 
     megatron's GPTModel builds its RoPE table for positions 0..S-1 of the sequence it is given
-    and its layers apply row t to token t. A packed micro-batch (`megagrpo.batch.PackedRows`) is
-    one sequence of T tokens whose positions restart on every row, so a forward hook on the
-    model's `rotary_pos_emb` module gathers the table's rows at those positions ([S, 1, 1, d] ->
-    [T, 1, 1, d]); the layers' ordinary (bshd) RoPE then rotates each token by its own position.
-    (megatron's `thd` RoPE does the same per sequence, with a Python loop over sequences that
-    cost a third of a packed forward at ~100 sequences per micro-batch.)"""
+    and its layers apply row t to token t. A packed micro-batch
+    (`megagrpo.parallel.batch.PackedRows`) is one sequence of T tokens whose positions restart on
+    every row, so a forward hook on the model's `rotary_pos_emb` module gathers the table's rows at
+    those positions ([S, 1, 1, d] -> [T, 1, 1, d]); the layers' ordinary (bshd) RoPE then rotates
+    each token by its own position. (megatron's `thd` RoPE does the same per sequence, with a Python
+    loop over sequences that cost a third of a packed forward at ~100 sequences per micro-batch.)"""
 
     def __init__(self, rotary: torch.nn.Module):
         self.positions: Tensor | None = None

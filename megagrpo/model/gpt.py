@@ -2,8 +2,9 @@
 
 Transformer Engine's layer spec is used when TE imports (GPU machines), megatron-core's local
 spec otherwise; `layer_spec_name()` says which one runs. All fusions are off on CPU. On the local
-spec, `parallel.attention_impl` puts `megagrpo.attention.SdpaAttention` (torch's fused SDPA) or
-megatron's DotProductAttention in the `core_attention` slot; `attention_impl_name()` says which.
+spec, `parallel.attention_impl` puts `megagrpo.parallel.attention.SdpaAttention` (torch's fused
+SDPA) or megatron's DotProductAttention in the `core_attention` slot; `attention_impl_name()` says
+which.
 """
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from megagrpo import rng
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.seqpar import megatron_aux_loss_coeff, recompute_fields
 from megagrpo.config.train import packing_blocker
-from megagrpo.cpu_compat import megatron_scope
+from megagrpo.runtime import rng
+from megagrpo.runtime.cpu_compat import megatron_scope
 
 log = logging.getLogger("megagrpo")
 
@@ -49,7 +50,8 @@ def layer_spec_name(parallel: ParallelConfig) -> str:
 
 def attention_impl_name(parallel: ParallelConfig) -> str:
     """The core attention that runs: 'transformer_engine' (TE spec, unchanged), 'sdpa' (torch's
-    fused kernel, `megagrpo.attention`) or 'megatron' (the local spec's DotProductAttention)."""
+    fused kernel, `megagrpo.parallel.attention`) or 'megatron' (the local spec's
+    DotProductAttention)."""
     if layer_spec_name(parallel) == "transformer_engine":
         if parallel.attention_impl == "sdpa":
             raise RuntimeError(
@@ -102,13 +104,13 @@ def _layer_spec(model: ModelConfig, parallel: ParallelConfig, config=None):
     if parallel.sequence_parallel and not te:  # norms whose weight grads TP sums
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-        from megagrpo.seqpar import sequence_parallel_norms
+        from megagrpo.parallel.seqpar import sequence_parallel_norms
 
         if not model.is_moe:  # a block spec, so that the final norm is ours too (pp = 1)
             block = TransformerBlockSubmodules(layer_specs=[block] * model.num_layers)
         sequence_parallel_norms(layers, block)
     if attention_impl_name(parallel) == "sdpa":
-        from megagrpo.attention import SdpaAttention
+        from megagrpo.parallel.attention import SdpaAttention
 
         for spec in layers:
             spec.submodules.self_attention.submodules.core_attention = \
@@ -242,7 +244,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 123
                 recompute: tuple[str, int] = ("none", 1)):
     """Returns this rank's `GPTModel` stage (its TP shard of its PP stage's layers).
 
-    Needs `megagrpo.distributed.init_distributed` first (which checks `parallel` against
+    Needs `megagrpo.runtime.distributed.init_distributed` first (which checks `parallel` against
     `model`; a run's preflight checked both before). Weights are randomly initialised from
     `seed` (identically to any other layout's shards of the same model); load real weights with
     `megagrpo.hf.load_hf_weights`. `recompute`: as `transformer_config` (the policy's
@@ -277,7 +279,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 123
             raise ValueError(f"parallel.cp={parallel.cp}: only megagrpo's own context-parallel "
                              "attention (local spec) is built; Transformer Engine's is not wired "
                              "in; set parallel.transformer_impl=local")
-        from megagrpo.context_parallel import prepare_model
+        from megagrpo.parallel.context_parallel import prepare_model
 
         prepare_model(gpt)
     if model.is_moe and parallel.tp > 1 and not parallel.sequence_parallel:

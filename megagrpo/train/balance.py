@@ -33,7 +33,7 @@ is within 4/3 - 1/(3k) of the optimum (Graham 1969) and below mean + the longest
 what matters for a long tail (the longest row sets the floor for any partition). Why rows and
 not whole groups: a GRPO group is G rows whose lengths vary as much as the batch's, so moving
 groups leaves most of the imbalance; once advantages are set a row needs nothing of its group.
-Micro-batches within a replica keep the length-sorted plan (`megagrpo.batch`): they run one
+Micro-batches within a replica keep the length-sorted plan (`megagrpo.parallel.batch`): they run one
 after another on the rank, so their balance does not change its step time, and sorting by
 length keeps padding (and the packed attention grid) smallest.
 """
@@ -44,7 +44,7 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 
-from megagrpo.batch import Batch
+from megagrpo.parallel.batch import Batch
 
 _ROW_FILL = {"ids": None, "target": None, "routes": -2}
 """Fill of a padding row per field (None: the pad id); every other field is 0 / False."""

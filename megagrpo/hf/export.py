@@ -21,7 +21,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from megagrpo.data import HFTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
-from megagrpo.run_dir import MODEL_JSON, checkpoint_root, newest_intact, verify
+from megagrpo.runtime.run_dir import MODEL_JSON, checkpoint_root, newest_intact, verify
 
 log = logging.getLogger("megagrpo")
 

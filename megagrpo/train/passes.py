@@ -13,17 +13,18 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megagrpo import algo, cpu_compat
-from megagrpo.batch import Batch, MicroBatch, plan_micro_batches, to_device, unplan
+from megagrpo import algo
 from megagrpo.config.train import TrainConfig
-from megagrpo.context_parallel import ChunkSplit
-from megagrpo.distributed import Groups, Ranks
-from megagrpo.losses import LossContext, logprob_loss
-from megagrpo.model import unwrap
-from megagrpo.moe import replay, replay_state
-from megagrpo.optim import forward_backward
-from megagrpo.positions import OutputPositions, RotaryPositions, loss_positions
-from megagrpo.seqpar import packed_inputs, padded_inputs, sp_size
+from megagrpo.model.gpt import unwrap
+from megagrpo.model.moe import replay, replay_state
+from megagrpo.model.optim import forward_backward
+from megagrpo.parallel.batch import Batch, MicroBatch, plan_micro_batches, to_device, unplan
+from megagrpo.parallel.context_parallel import ChunkSplit
+from megagrpo.parallel.positions import OutputPositions, RotaryPositions, loss_positions
+from megagrpo.parallel.seqpar import packed_inputs, padded_inputs, sp_size
+from megagrpo.runtime import cpu_compat
+from megagrpo.runtime.distributed import Groups, Ranks
+from megagrpo.train.losses import LossContext, logprob_loss
 
 DEFAULT_MICRO_BATCH_TOKENS = 1024
 """compute.micro_batch_tokens when unset (pp = 1): small enough that length-sorted micro-batches
@@ -34,7 +35,7 @@ def forward_step(mb: MicroBatch, model, *, loss_fn, at_loss_positions: bool = Tr
                  fused_output: bool | str = False):
     """megatron forward_step: logits on the last stage, hidden states elsewhere. With
     `at_loss_positions` the last stage's output layer runs only where mb's mask is set
-    (`megagrpo.positions`), and the loss function is told which positions those are. With
+    (`megagrpo.parallel.positions`), and the loss function is told which positions those are. With
     `fused_output` (compute.fused_output_layer) the last stage returns the hidden states
     [n, h] at those positions instead of logits, and the loss gets the output weight
     (`weight=`) to run the fused output layer on them."""
@@ -130,7 +131,7 @@ class Passes:
     ranks: Ranks = field(default_factory=Ranks)
     groups: Groups = field(default_factory=Groups)
     packed: bool = False
-    """Micro-batches run packed end to end (`megagrpo.batch.PackedRows`)."""
+    """Micro-batches run packed end to end (`megagrpo.parallel.batch.PackedRows`)."""
     forward: Callable = forward_step
     """megatron's forward_step for every pass (wrap it to observe micro-batches)."""
 

@@ -19,7 +19,7 @@ replicas route their own tokens) into scalars:
   perfectly balanced router (HF's form of the same loss is k times it). Under sequence
   parallelism megatron's per-rank value is the rank's part of the sum (added over TP here), the
   z-loss the rank's token mean (averaged over TP); without it at TP > 1 both are what megatron
-  computes there (the load-balancing loss at 1/tp: see `megagrpo.model._moe_layer_without_sp`);
+  computes there (the load-balancing loss at 1/tp: see `megagrpo.model.gpt._moe_layer_without_sp`);
 - with routing replay (`algo.routing_replay`): ``moe_routing_mismatch``, the share of (token,
   MoE layer) pairs of the update whose own top-k differs from the replayed one (vLLM's; before
   the first optimizer step of the step that is the train-inference mismatch itself, after it
@@ -42,7 +42,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from megagrpo.model import unwrap
+from megagrpo.model.gpt import unwrap
 
 REPLAY_ATTR = "megagrpo_routing_replay"
 """Set on a GPTModel (`enable_replay`) whose forwards replay the batch's vLLM routes: its
@@ -234,7 +234,7 @@ class ReplayState:
 
 
 def enable_replay(model: torch.nn.Module, monitor: RoutingMonitor | None = None) -> None:
-    """Makes `model`'s forwards through `megagrpo.passes.forward_step` replay the batch's
+    """Makes `model`'s forwards through `megagrpo.train.passes.forward_step` replay the batch's
     routes (the policy's; the reference routes by itself)."""
     setattr(unwrap(model), REPLAY_ATTR, ReplayState(monitor))
 

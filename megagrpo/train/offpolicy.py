@@ -3,8 +3,8 @@
 A sample is *stale* when the policy version that sampled it (`Completion.version`, the optimizer
 updates vLLM's weights had taken) differs from the trainer's when it trains on it: async
 rollouts (rollout.max_staleness = k >= 1; run.async_rollout is k = 1) sample the next batches
-while the current one trains, so they are up to k updates behind (`megagrpo.stream`); a batch
-is stale when any of its samples is. Three policies then meet in the loss (decoupled PPO;
+while the current one trains, so they are up to k updates behind (`megagrpo.rollout.stream`); a
+batch is stale when any of its samples is. Three policies then meet in the loss (decoupled PPO;
 Fu et al., AReaL, arXiv:2505.24298, Sec. 5.1):
 
 - behaviour mu: the policy that sampled the tokens; its per-token log-probs are vLLM's
@@ -49,14 +49,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from megagrpo.config.algo import AlgoConfig
-from megagrpo.stream import over_stale, sample_lags, stale_weights
+from megagrpo.rollout.stream import over_stale, sample_lags, stale_weights
 
 if TYPE_CHECKING:
-    from megagrpo.batch import Batch
     from megagrpo.config.rollout import RolloutConfig
     from megagrpo.config.run import RunConfig
     from megagrpo.config.train import TrainConfig
-    from megagrpo.stream import Rollout
+    from megagrpo.parallel.batch import Batch
+    from megagrpo.rollout.stream import Rollout
 
 log = logging.getLogger("megagrpo")
 

@@ -7,8 +7,8 @@ slice of their DP replica's prompts and the replica's TP x CP x PP ranks all-gat
 results.
 Evaluation splits the held-out set over the engines the same way and scores greedy completions
 with the same generate -> decode -> score path (`RolloutCollector.score`). The collector is the
-colocated `megagrpo.stream.RolloutSource`: with k = rollout.max_staleness >= 1 it keeps up to k
-batches drawn ahead, drawing them on a side thread that runs no collective (gloo groups are not
+colocated `megagrpo.rollout.stream.RolloutSource`: with k = rollout.max_staleness >= 1 it keeps up
+to k batches drawn ahead, drawing them on a side thread that runs no collective (gloo groups are not
 for concurrent use) while a step trains; k = 0 draws each batch when the step asks.
 With the agent on (cfg.agent), sampling and evaluation run multi-turn trajectories through
 `megagrpo.agent.runner.TrajectoryRunner` (the prompts' data records build the environments).
@@ -33,10 +33,10 @@ from megagrpo.agent.runner import TrajectoryRunner, environment_factory
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import encode_prompt
-from megagrpo.distributed import Groups, Ranks, any_rank
 from megagrpo.engine import Completion, SamplingSettings
 from megagrpo.reward import PendingScores, Rewards, samples_of
-from megagrpo.stream import Rollout, StreamStats, stamp
+from megagrpo.rollout.stream import Rollout, StreamStats, stamp
+from megagrpo.runtime.distributed import Groups, Ranks, any_rank
 
 if TYPE_CHECKING:
     from megagrpo.data import Example, PromptLoader
@@ -95,7 +95,7 @@ class Returned:
 @dataclass(kw_only=True)
 class RolloutCollector:
     """Samples, scores and gathers a step's rollouts; evaluates held-out accuracy. The colocated
-    `megagrpo.stream.RolloutSource` (sync at k = 0, async at k >= 1)."""
+    `megagrpo.rollout.stream.RolloutSource` (sync at k = 0, async at k >= 1)."""
 
     cfg: TrainConfig
     engine: RolloutEngine
@@ -273,8 +273,8 @@ class RolloutCollector:
         return _truncate(kept, want, G)
 
     def next(self, version: int) -> Rollout:
-        """This step's rollout (`megagrpo.stream.RolloutSource`). k = cfg.staleness >= 1: the
-        oldest batch drawn ahead (drawn now when none is), then the side thread draws with the
+        """This step's rollout (`megagrpo.rollout.stream.RolloutSource`). k = cfg.staleness >= 1:
+        the oldest batch drawn ahead (drawn now when none is), then the side thread draws with the
         engine's current weights until k batches are queued again (k at the first step, one a
         step after), so a batch is at most k versions old; the collectives (gather,
         dynamic-sampling top-ups) stay on the main thread."""

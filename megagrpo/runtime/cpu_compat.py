@@ -1,5 +1,5 @@
-"""Runs megatron-core on machines without CUDA. Installed by `megagrpo.distributed` only when
-`torch.cuda.is_available()` is False; the megagrpo functions that call megatron-core enter its
+"""Runs megatron-core on machines without CUDA. Installed by `megagrpo.runtime.distributed` only
+when `torch.cuda.is_available()` is False; the megagrpo functions that call megatron-core enter its
 scope (`megatron_scope`), which does nothing where CUDA is present.
 
 megatron-core hard-codes CUDA in places that are device-agnostic in spirit (see

@@ -6,10 +6,10 @@
   vLLM -> reference schedule -> log record.
 Each stage returns a small typed result; control flow reads those (agreement across ranks is an
 explicit all-reduce), and the log record is built once, at the end. The stages live in their
-own modules: rollouts and evaluation (`megagrpo.rollout`), batch building and advantages
-(`megagrpo.advantage`), the forward/backward passes (`megagrpo.passes`), the reference
-(`megagrpo.reference`), the cold start (`megagrpo.cold_start`, over `sft_step`), checkpoints
-(`megagrpo.checkpoint`: a manager over the run's Stateful parts, of which this trainer's
+own modules: rollouts and evaluation (`megagrpo.rollout.collect`), batch building and advantages
+(`megagrpo.train.advantage`), the forward/backward passes (`megagrpo.train.passes`), the reference
+(`megagrpo.model.reference`), the cold start (`megagrpo.train.cold_start`, over `sft_step`),
+checkpoints (`megagrpo.checkpoint`: a manager over the run's Stateful parts, of which this trainer's
 `state_dict` is the replicated one, `train_state`).
 
 Nothing wrong is trained on silently: minibatches without a loss token are skipped, and so is
@@ -17,8 +17,8 @@ the update of a step with non-finite / absurd rewards or a non-finite gradient n
 run.max_bad_steps such steps in a row raise `BadStepsError`. Departures from the paper:
 process supervision is not implemented (outcome rewards only); the reference can be mixed
 (alpha < 1) as well as reset, at most once per policy version; async mode trains up to
-k = rollout.max_staleness steps off-policy (`megagrpo.stream`), a stale sample with the
-decoupled correction (`megagrpo.offpolicy`), one beyond k dropped or down-weighted.
+k = rollout.max_staleness steps off-policy (`megagrpo.rollout.stream`), a stale sample with the
+decoupled correction (`megagrpo.train.offpolicy`), one beyond k dropped or down-weighted.
 """
 from __future__ import annotations
 
@@ -30,33 +30,33 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megagrpo.advantage import advantages, build_batch, kl_penalized_rewards, rollout_is
-from megagrpo.balance import balance_batch, balance_enabled, balance_note
-from megagrpo.batch import Batch, MicroBatch, sft_batch
-from megagrpo.cold_start import Completion, encode_completion
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.config.run import ComputeConfig
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import encode_prompt
-from megagrpo.distributed import Groups, Ranks, any_rank
-from megagrpo.losses import grpo_loss, sft_loss
-from megagrpo.metrics import PhaseTimer
-from megagrpo.model import sequence_packing, unwrap
-from megagrpo.moe import RoutingMonitor, enable_replay, tp_slices, tracked_losses
-from megagrpo.offpolicy import StalenessPolicy
-from megagrpo.optim import build_optimizer, lr_at, optimizer_step, set_lr, zero_grad
-from megagrpo.passes import Passes
-from megagrpo.rollout import RolloutCollector
-from megagrpo.stream import Rollout
+from megagrpo.model.gpt import sequence_packing, unwrap
+from megagrpo.model.moe import RoutingMonitor, enable_replay, tp_slices, tracked_losses
+from megagrpo.model.optim import build_optimizer, lr_at, optimizer_step, set_lr, zero_grad
+from megagrpo.parallel.batch import Batch, MicroBatch, sft_batch
+from megagrpo.rollout.collect import RolloutCollector
+from megagrpo.rollout.stream import Rollout
+from megagrpo.runtime.distributed import Groups, Ranks, any_rank
+from megagrpo.runtime.metrics import PhaseTimer
+from megagrpo.train.advantage import advantages, build_batch, kl_penalized_rewards, rollout_is
+from megagrpo.train.balance import balance_batch, balance_enabled, balance_note
+from megagrpo.train.cold_start import Completion, encode_completion
+from megagrpo.train.losses import grpo_loss, sft_loss
+from megagrpo.train.offpolicy import StalenessPolicy
+from megagrpo.train.passes import Passes
 
 if TYPE_CHECKING:
     from megagrpo.config.model import ModelConfig
     from megagrpo.engine import RolloutEngine
-    from megagrpo.eval_target import EvalTarget
-    from megagrpo.reference import Reference
+    from megagrpo.model.reference import Reference
+    from megagrpo.runtime.watchdog import Watchdog
     from megagrpo.sync import WeightSync
     from megagrpo.tasks import Task
-    from megagrpo.watchdog import Watchdog
+    from megagrpo.train.eval_target import EvalTarget
 
 log = logging.getLogger("megagrpo")
 
@@ -361,7 +361,7 @@ class Trainer:
 
     def balance(self, batch: Batch) -> tuple[Batch, dict]:
         """The batch with its sequences moved between DP replicas by token count
-        (compute.balance_tokens, `megagrpo.balance`); its token_imbalance metrics."""
+        (compute.balance_tokens, `megagrpo.train.balance`); its token_imbalance metrics."""
         a = self.cfg.algo
         on = balance_enabled(self.cfg.compute.balance_tokens, loss_agg=a.loss_agg,
                              kl_in_reward=self.kl_in_reward, dp=self.ranks.dp)

@@ -9,11 +9,11 @@ ranks); only the forward splits it:
 
 - `ChunkSplit` cuts the micro-batch's per-token tensors (ids, targets, loss mask, old and
   reference log-probs, advantages, importance weights) to the rank's columns, and the RoPE
-  table is read at those columns' global positions (`megagrpo.positions.RotaryPositions`;
+  table is read at those columns' global positions (`megagrpo.parallel.positions.RotaryPositions`;
   megatron's own per-CP-rank slicing of the table is switched off in `prepare_model`).
-- Attention (`cp_attention`, called by `megagrpo.attention.SdpaAttention`): the keys and values
-  are all-gathered over the CP group (backward: the gradient summed over the group, this rank's
-  rows kept, i.e. a reduce-scatter) and each local query attends to the keys at global
+- Attention (`cp_attention`, called by `megagrpo.parallel.attention.SdpaAttention`): the keys and
+  values are all-gathered over the CP group (backward: the gradient summed over the group, this
+  rank's rows kept, i.e. a reduce-scatter) and each local query attends to the keys at global
   positions up to its own: the causal mask is exact.
 - The loss runs per CP rank on its own tokens (the output layer and the fused output layer
   too) with the step's global normalisers, which every CP rank computes from the whole batch;
@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megagrpo.batch import Batch, MicroBatch, PackedRows
-from megagrpo.positions import RotaryPositions
+from megagrpo.parallel.batch import Batch, MicroBatch, PackedRows
+from megagrpo.parallel.positions import RotaryPositions
 
 
 def padded_width(width: int, cp: int) -> int:

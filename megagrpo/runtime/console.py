@@ -135,9 +135,9 @@ def attach_log_file(out_dir: str | os.PathLike, rank: int) -> Path:
 def what_runs(layer_spec: str, kernel_impl: str, attention: str = "",
               packed: bool | None = None, cp: int = 1) -> str:
     """One line naming the implementations in use and why (instead of the libraries' fallback
-    warnings on every rank). `attention`: `megagrpo.model.attention_impl_name`'s answer;
-    `packed`: `megagrpo.model.sequence_packing`'s (None: not said); `cp`: parallel.cp (at
-    cp > 1 megagrpo's SDPA slot runs `megagrpo.context_parallel.cp_attention`)."""
+    warnings on every rank). `attention`: `megagrpo.model.gpt.attention_impl_name`'s answer;
+    `packed`: `megagrpo.model.gpt.sequence_packing`'s (None: not said); `cp`: parallel.cp (at
+    cp > 1 megagrpo's SDPA slot runs `megagrpo.parallel.context_parallel.cp_attention`)."""
     import importlib.util
 
     import torch
@@ -148,7 +148,7 @@ def what_runs(layer_spec: str, kernel_impl: str, attention: str = "",
         else ""
     apex = importlib.util.find_spec("apex") is not None
     norms = "apex" if apex else "torch (Apex not installed)"
-    # megatron-core's choice (megatron/core/optimizer/__init__.py); torch's: megagrpo.optim
+    # megatron-core's choice (megatron/core/optimizer/__init__.py); torch's: megagrpo.model.optim
     optimizer = ("Transformer Engine FusedAdam" if te_installed
                  else "Apex FusedAdam" if apex else "torch AdamW, fused kernel")
     kernels = kernel_impl if kernel_impl != "auto" else ("triton" if cuda else "torch (no CUDA)")

@@ -2,7 +2,7 @@
 
 A rank's streams: python's `random`, numpy's global generator, torch's default CPU (and CUDA)
 generators, megatron-core's model-parallel RNG tracker (named CUDA generator states; without CUDA
-the shim redirects them to the CPU generator, `megagrpo.cpu_compat`), and the vLLM engine's
+the shim redirects them to the CPU generator, `megagrpo.runtime.cpu_compat`), and the vLLM engine's
 sampler (`EngineRng`).
 
 - Seeding: `seed_process` (the run's start), `seed_tracker` (megatron's tracker, when
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megagrpo import cpu_compat
+from megagrpo.runtime import cpu_compat
 
 
 # ---------------------------------------------------------------------- seeding

@@ -88,7 +88,7 @@ class Batch:
 class PackedRows:
     """A micro-batch's b rows laid end to end as one sequence of T = sum(lengths) tokens (what
     megatron calls the `thd` layout): no padding reaches the dense layers; attention keeps each
-    row to itself (`megagrpo.attention`) and positions restart at 0 on every row."""
+    row to itself (`megagrpo.parallel.attention`) and positions restart at 0 on every row."""
 
     ids: Tensor
     """[1, T] int64 the rows' real tokens, row after row."""
@@ -125,18 +125,18 @@ class PackedRows:
         return self.cu_seqlens[:-1].long()[flat // width] + flat % width
 
     def seq_params(self):
-        """megatron-core's PackedSeqParams carrying this packing to `megagrpo.attention`.
+        """megatron-core's PackedSeqParams carrying this packing to `megagrpo.parallel.attention`.
 
         Format 'sbhd', not 'thd': megatron then keeps its ordinary layout and RoPE (each token's
-        position comes from `megagrpo.positions.RotaryPositions`), and hands the parameters to
-        the core attention, which keeps each row to itself. max_seqlen = T makes GPTModel build
+        position comes from `megagrpo.parallel.positions.RotaryPositions`), and hands the parameters
+        to the core attention, which keeps each row to itself. max_seqlen = T makes GPTModel build
         its RoPE table for T positions, enough for every row."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         T = int(self.ids.shape[1])
         p = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=self.cu_seqlens,
                             cu_seqlens_kv=self.cu_seqlens, max_seqlen_q=T, max_seqlen_kv=T)
-        p.megagrpo_rows = self  # read by megagrpo.attention.SdpaAttention
+        p.megagrpo_rows = self  # read by megagrpo.parallel.attention.SdpaAttention
         return p
 
 

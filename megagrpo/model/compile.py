@@ -3,7 +3,7 @@
 
 What stands between a megatron-core layer and one dynamo graph on CPU, and how it is removed:
 
-- The CPU shim (`megagrpo.cpu_compat`) enters its torch function mode around the backward of
+- The CPU shim (`megagrpo.runtime.cpu_compat`) enters its torch function mode around the backward of
   megatron's tensor-parallel mapping Functions; entering a mode is a side effect dynamo cannot
   put in a traced backward. While dynamo traces, the shim's wrapper now leaves the mode alone
   (tracing runs inside the layer's scope already, and a compiled graph runs no Python modes).

@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from megagrpo.config.data import ArithmeticConfig
     from megagrpo.config.run import ColdStartConfig
     from megagrpo.data import Example
-    from megagrpo.distributed import Ranks
-    from megagrpo.metrics import MetricsLogger
+    from megagrpo.runtime.distributed import Ranks
+    from megagrpo.runtime.metrics import MetricsLogger
 
 Completion = str | tuple[tuple[str, bool], ...]
 """A supervised completion: text, or a multi-turn trajectory as (text, trained) segments."""

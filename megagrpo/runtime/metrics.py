@@ -10,10 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megagrpo.console import Progress
+from megagrpo.runtime.console import Progress
 
 if TYPE_CHECKING:  # the watchdog is only passed through here
-    from megagrpo.watchdog import Watchdog
+    from megagrpo.runtime.watchdog import Watchdog
 
 log = logging.getLogger("megagrpo")
 

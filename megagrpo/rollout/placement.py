@@ -54,16 +54,16 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.config.placement import check_separate, training_world
-from megagrpo.distributed import process_group_backend
 from megagrpo.engine import Completion
-from megagrpo.stream import StreamStats, stamp
+from megagrpo.rollout.stream import StreamStats, stamp
+from megagrpo.runtime.distributed import process_group_backend
 
 if TYPE_CHECKING:
     from megagrpo.config.train import TrainConfig
     from megagrpo.data import PromptLoader
-    from megagrpo.distributed import Groups, Ranks
-    from megagrpo.rollout import RolloutCollector
-    from megagrpo.stream import Rollout
+    from megagrpo.rollout.collect import RolloutCollector
+    from megagrpo.rollout.stream import Rollout
+    from megagrpo.runtime.distributed import Groups, Ranks
 
 log = logging.getLogger("megagrpo")
 
@@ -341,7 +341,7 @@ class SeparateLayout:
 
 @dataclass(kw_only=True)
 class SeparateSource:
-    """The separate-placement `megagrpo.stream.RolloutSource`: the trainer's side of the
+    """The separate-placement `megagrpo.rollout.stream.RolloutSource`: the trainer's side of the
     stream the rollout ranks feed (module docstring)."""
 
     cfg: TrainConfig
@@ -365,7 +365,7 @@ class SeparateSource:
     def next(self, version: int) -> Rollout:
         """Batch `taken` from the rollout ranks (waits for it), this replica's slice. `version`
         is what the last sync carried (Trainer.engine_version)."""
-        from megagrpo.stream import Rollout
+        from megagrpo.rollout.stream import Rollout
 
         i = self.taken
         for s in range(len(self.versions), self.engine.syncs):  # the syncs since the last step

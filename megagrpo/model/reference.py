@@ -16,7 +16,7 @@ import torch
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.train import ReferenceConfig
-from megagrpo.model import build_model, unwrap
+from megagrpo.model.gpt import build_model, unwrap
 
 log = logging.getLogger("megagrpo")
 

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 import torch
 
 from megagrpo.config.optim import OptimConfig
-from megagrpo.cpu_compat import megatron_scope
+from megagrpo.runtime.cpu_compat import megatron_scope
 
 
 def lr_at(cfg: OptimConfig, step: int, total_steps: int) -> float:

@@ -7,10 +7,10 @@ is k = rollout.max_staleness (`TrainConfig.staleness`; run.async_rollout: true i
 - k = 0, colocated-sync: the batch is drawn when the step asks, by the weights that train it;
 - k >= 1, colocated-async: the engines on the training ranks draw on a side thread while a step
   trains, keeping up to k batches queued, so the batch a step takes was sampled k versions
-  back at most (`megagrpo.rollout.RolloutCollector` is both);
-- separate placement (rollout.placement=separate, `megagrpo.placement.SeparateSource`): rollout
-  ranks of their own feed finished groups through the store; the same protocol, so the trainer
-  does not change (docs/async.md).
+  back at most (`megagrpo.rollout.collect.RolloutCollector` is both);
+- separate placement (rollout.placement=separate, `megagrpo.rollout.placement.SeparateSource`):
+  rollout ranks of their own feed finished groups through the store; the same protocol, so the
+  trainer does not change (docs/async.md).
 
 Colocated pipelining bounds the lag by construction; the trainer still checks every sample
 against k (`over_stale`) and drops or down-weights those beyond it (rollout.stale_policy), as a

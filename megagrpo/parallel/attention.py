@@ -15,7 +15,7 @@ Two deliberate departures from megatron's module, neither of which changes resul
 - Padding beyond a row's length needs no mask: attention is causal and megagrpo right-pads, so a
   padded position is never attended to by an earlier (real) one.
 
-Packed micro-batches (`megagrpo.batch.PackedRows`, rows laid end to end and handed over as
+Packed micro-batches (`megagrpo.parallel.batch.PackedRows`, rows laid end to end and handed over as
 `packed_seq_params`) are computed too: the rows are gathered into a padded grid for one SDPA
 call, so only attention, not the dense layers, sees padding.
 """
@@ -108,7 +108,7 @@ class SdpaAttention(MegatronModule):
         self.softmax_scale = (1.0 / math.sqrt(self.head_dim) if softmax_scale is None
                               else softmax_scale)
         self.cp_group = _cp_group(config, pg_collection)
-        """The context-parallel group (None at cp = 1): `megagrpo.context_parallel`."""
+        """The context-parallel group (None at cp = 1): `megagrpo.parallel.context_parallel`."""
 
     def forward(
         self,
@@ -157,15 +157,15 @@ class SdpaAttention(MegatronModule):
                           attention_mask: Tensor | None, packed_seq_params) -> Tensor:
         """This CP rank's 2 chunks of each row: query [s, b, np, hn], key/value [s, b, ng, hn]
         -> [s, b, np * hn], attending causally over the whole row
-        (`megagrpo.context_parallel.cp_attention`); packed rows (b = 1, the rank's chunks of
-        every row end to end: `ChunkRows`) each over its own row (`cp_packed_attention`)."""
-        from megagrpo.context_parallel import ChunkRows, cp_attention, cp_packed_attention
+        (`megagrpo.parallel.context_parallel.cp_attention`); packed rows (b = 1, the rank's chunks
+        of every row end to end: `ChunkRows`) each over its own row (`cp_packed_attention`)."""
+        from megagrpo.parallel.context_parallel import ChunkRows, cp_attention, cp_packed_attention
 
         rows = getattr(packed_seq_params, "megagrpo_rows", None)
         if attention_mask is not None or (packed_seq_params is not None
                                           and not isinstance(rows, ChunkRows)):
             raise ValueError("context parallelism (parallel.cp > 1) runs causal rows, padded "
-                             "or packed by megagrpo.context_parallel.ChunkSplit: no "
+                             "or packed by megagrpo.parallel.context_parallel.ChunkSplit: no "
                              "attention_mask or other packed_seq_params")
         if rows is None:
             out = cp_attention(query, key, value, group=self.cp_group, scale=self.softmax_scale,
@@ -178,17 +178,18 @@ class SdpaAttention(MegatronModule):
                                                self.num_heads * self.head_dim)
 
     def _packed(self, query: Tensor, key: Tensor, value: Tensor, params) -> Tensor:
-        """Rows laid end to end (`megagrpo.batch.PackedRows`): query [T', 1, np, hn] (one
+        """Rows laid end to end (`megagrpo.parallel.batch.PackedRows`): query [T', 1, np, hn] (one
         sequence, 'sbhd'), key/value [T', 1, ng, hn] -> [T', 1, np * hn], each row attending
         causally to itself only. The rows are placed in a zero-padded [b, max_len] grid for one
         batched SDPA call and gathered back; a row's padding sits after its real tokens, which
         a causal query never reads. T' >= T, the rows' tokens: sequence parallelism pads the
-        stream to a multiple of tp (`megagrpo.seqpar.packed_inputs`); those last T' - T tokens
-        belong to no row, attend to nothing and get 0."""
+        stream to a multiple of tp (`megagrpo.parallel.seqpar.packed_inputs`); those last T' - T
+        tokens belong to no row, attend to nothing and get 0."""
         rows = getattr(params, "megagrpo_rows", None)
         if rows is None or query.dim() != 4 or query.shape[1] != 1:
-            raise ValueError("SdpaAttention's packed path takes megagrpo.batch.PackedRows' "
-                             "seq_params() (one 'sbhd' sequence); other packed formats need "
+            raise ValueError("SdpaAttention's packed path takes "
+                             "megagrpo.parallel.batch.PackedRows' seq_params() (one 'sbhd' "
+                             "sequence); other packed formats need "
                              "Transformer Engine")
         T, extra = rows.unpad_index.numel(), query.shape[0] - rows.unpad_index.numel()
         query, key, value = (t[:T].squeeze(1) for t in (query, key, value))

@@ -4,11 +4,11 @@ megatron-core's GPTModel scatters the embedding output along the sequence over t
 its layers work on [S/tp, b, h]; the sequence must divide by tp. megagrpo's micro-batches are
 trimmed to their longest row, so `padded_inputs` pads the token ids on the right (causal
 attention: no real position reads a padding one, so no result changes) and the output layer's
-hook (`megagrpo.positions.OutputPositions`) gathers the hidden states and drops the padding
-before the vocab pass. A packed micro-batch (`megagrpo.batch.PackedRows`, one sequence of T
+hook (`megagrpo.parallel.positions.OutputPositions`) gathers the hidden states and drops the padding
+before the vocab pass. A packed micro-batch (`megagrpo.parallel.batch.PackedRows`, one sequence of T
 tokens) is padded the same way (`packed_inputs`): the padding tokens belong to no row, so the
-packed attention leaves them out (`megagrpo.attention.SdpaAttention._packed`), no loss position
-addresses them, and megatron's router is told to leave them out of the load-balancing and
+packed attention leaves them out (`megagrpo.parallel.attention.SdpaAttention._packed`), no loss
+position addresses them, and megatron's router is told to leave them out of the load-balancing and
 z-losses (GPTModel's `padding_mask`). A MoE router sees this rank's slice of the [S, b] tokens
 (routing replay, which would hand it that slice of vLLM's routes, is refused under SP for now).
 """

@@ -11,11 +11,11 @@ import torch.distributed as dist
 
 from megagrpo import algo
 from megagrpo.agent.runner import agent_metrics
-from megagrpo.batch import Batch, pack
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.config.train import TrainConfig
 from megagrpo.kernels import kl_penalty
-from megagrpo.stream import Rollout
+from megagrpo.parallel.batch import Batch, pack
+from megagrpo.rollout.stream import Rollout
 
 
 @dataclass
@@ -116,7 +116,7 @@ def rollout_is(batch: Batch, scored_rows: torch.Tensor | None, a: AlgoConfig,
     """Rollout-IS weights / masks from old vs rollout log-probs over the scored rows
     (`scored_rows` [N] bool, None = all); the other rows keep their mask and weight 1.
     `mode`: the mode to run (None = algo.rollout_is; a stale batch's is
-    `megagrpo.offpolicy.correction_mode`)."""
+    `megagrpo.train.offpolicy.correction_mode`)."""
     mode = a.rollout_is if mode is None else mode
     mask = batch.mask if scored_rows is None else batch.mask & scored_rows[:, None]
     old, rollout = batch.old_logp.reshape(-1), batch.rollout_logp.reshape(-1)
