@@ -73,7 +73,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         from megagrpo.hf.export import resolve_megatron_dir
 
         args.from_megatron = str(resolve_megatron_dir(args.from_megatron))
-    _check_peft_adapter(args)
+    from megagrpo.lora.checkpoint import check_peft_adapter
+
+    check_peft_adapter(getattr(args, "peft_adapter", None), args.from_megatron, args.to_hf)
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep)
     # validate before any process is started
     model = _model_config(args)
@@ -119,7 +121,7 @@ def _model_config(args: argparse.Namespace):
 
 
 def _convert_ranks(args: argparse.Namespace, model, parallel) -> int:
-    from megagrpo.checkpoint import load_model, save_model
+    from megagrpo.checkpoint import save_model
     from megagrpo.hf import load_hf_weights
     from megagrpo.model.gpt import build_model
     from megagrpo.runtime.distributed import init_distributed, shutdown
@@ -133,25 +135,10 @@ def _convert_ranks(args: argparse.Namespace, model, parallel) -> int:
         save_model(gpt, args.to_megatron, model, extra={"source": str(args.from_hf)})
         out = args.to_megatron
     else:
-        lora = _add_checkpoint_adapters(gpt, args.from_megatron)
-        load_model(gpt, args.from_megatron)
-        if args.peft_adapter:
-            from megagrpo.lora.export import export_base_and_adapter
+        from megagrpo.lora.export import export_checkpoint
 
-            nbytes = export_base_and_adapter(gpt, args.to_hf, args.peft_adapter, model,
-                                             parallel, lora, export_hf)
-            if info.rank == 0:
-                print(f"lora: {args.to_hf} holds the checkpoint's base weights (adapters not "
-                      f"merged); the peft adapter ({_lora_line(lora)}, {nbytes:,} bytes) is "
-                      f"in {args.peft_adapter}")
-        else:
-            from megagrpo.lora.layers import parameters_for_refit
-
-            export_hf(gpt, args.to_hf, model, parallel,
-                      params=parameters_for_refit(gpt))  # adapted weights export merged
-            if lora and info.rank == 0:
-                print(f"lora: the checkpoint's adapters ({_lora_line(lora)}) are merged into "
-                      "the export")
+        export_checkpoint(gpt, args.from_megatron, args.to_hf, model, parallel, export_hf,
+                          adapter_dir=args.peft_adapter, loud=info.rank == 0)
         out = args.to_hf
     if info.rank == 0:
         ep = f" ep={parallel.ep}" if parallel.ep > 1 else ""
@@ -159,45 +146,6 @@ def _convert_ranks(args: argparse.Namespace, model, parallel) -> int:
         print(_complete_output(args))
     shutdown()
     return 0
-
-
-def _checkpoint_lora(ckpt: str):
-    """The LoRA settings a checkpoint was saved with (a LoRAConfig), or None."""
-    from megagrpo.checkpoint import read_model_config
-    from megagrpo.config.lora import LoRAConfig
-
-    meta = read_model_config(ckpt)[1].get("lora")
-    return LoRAConfig(**meta) if meta else None
-
-
-def _add_checkpoint_adapters(gpt, ckpt: str):
-    """A LoRA run's checkpoint holds adapters beside the base: the model gets the same ones
-    before loading (else they would not be read). Returns their LoRAConfig, or None."""
-    from megagrpo.lora.layers import add_adapters
-
-    cfg = _checkpoint_lora(ckpt)
-    if cfg is not None:
-        add_adapters(gpt, cfg, seed=0)
-    return cfg
-
-
-def _lora_line(cfg) -> str:
-    return f"rank {cfg.rank} on {','.join(cfg.targets)}"
-
-
-def _check_peft_adapter(args: argparse.Namespace) -> None:
-    """--peft-adapter needs a LoRA checkpoint and a folder of its own (before any rank starts)."""
-    if not getattr(args, "peft_adapter", None):
-        return
-    if not args.from_megatron:
-        raise SystemExit("convert: --peft-adapter DIR exports a LoRA checkpoint's adapters; "
-                         "it needs --from-megatron CKPT --to-hf DIR")
-    if _checkpoint_lora(args.from_megatron) is None:
-        raise SystemExit(f"convert: --peft-adapter: {args.from_megatron} holds no LoRA "
-                         "adapters (trained with lora.rank=0); drop --peft-adapter")
-    if os.path.realpath(args.peft_adapter) == os.path.realpath(args.to_hf):
-        raise SystemExit("convert: --peft-adapter DIR must differ from --to-hf DIR (the base "
-                         "goes to --to-hf, the adapter beside it)")
 
 
 def _complete_output(args: argparse.Namespace) -> str:

@@ -19,7 +19,6 @@ max_model_len tokens or more, on one rank, which leaves the others waiting in a 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -98,7 +97,15 @@ def preflight(cfg: TrainConfig, world_size: int | None = None, warn: bool = True
     from megagrpo.reward import check_source  # imports torch: after the config-only checks
 
     check_source(cfg.reward)
+    from megagrpo.agent.preflight import (
+        check_agent_budget,
+        check_environment,
+        check_tool_environment,
+    )
+    from megagrpo.tasks.arithmetic_tools import check_tool_task
+
     check_environment(cfg)
+    check_tool_task(cfg)
     task = load_task(cfg.data, cfg.arithmetic)
     task = check_tool_environment(cfg, task)
     check_model(cfg, model, task.tokenizer)
@@ -125,59 +132,6 @@ def preflight(cfg: TrainConfig, world_size: int | None = None, warn: bool = True
                      seconds=time.perf_counter() - t0)
 
 
-def check_environment(cfg: TrainConfig) -> None:
-    """agent.environment imports and names an Environment subclass; multi-turn runs without
-    routing replay (vLLM's routes would cover one turn's call, not the trajectory)."""
-    if not cfg.agent.enabled:
-        check_tool_task(cfg)
-        return
-    from megagrpo.agent.runner import environment_class
-
-    if cfg.agent.environment != "tools":  # 'tools' needs the tokenizer: check_tool_environment
-        environment_class(cfg.agent.environment)
-    check_tool_task(cfg)
-    if cfg.algo.routing_replay:
-        raise ValueError("algo.routing_replay=true with multi-turn rollouts "
-                         f"(agent.environment={cfg.agent.environment!r}): vLLM's routes cover one "
-                         "turn's call, not the trajectory; set algo.routing_replay=false (the "
-                         "MoE trains, routed afresh by the trainer) or drop agent.environment")
-
-
-def check_tool_task(cfg: TrainConfig) -> None:
-    """arithmetic.tools=true (the built-in calculator task) runs with its environment."""
-    from megagrpo.tasks.arithmetic_tools import ENVIRONMENT
-
-    if cfg.data.task == "arithmetic" and cfg.arithmetic.tools \
-            and cfg.agent.environment != ENVIRONMENT:
-        raise ValueError(f"arithmetic.tools=true needs agent.environment={ENVIRONMENT} (the "
-                         "model calls the calculator between turns); it is "
-                         f"{cfg.agent.environment!r}")
-
-
-def check_tool_environment(cfg: TrainConfig, task: Task) -> Task:
-    """agent.environment=tools: the tools load, the tokenizer's chat template renders them
-    (`megagrpo.agent.registry.load_environment`), and the prompts carry the tool list."""
-    if cfg.agent.environment != "tools":
-        return task
-    from megagrpo.agent.registry import load_environment, with_tool_prompts
-
-    factory = load_environment(cfg.agent, task.tokenizer)
-    return dataclasses.replace(task, train=with_tool_prompts(task.train, factory, cfg.data),
-                               eval=with_tool_prompts(task.eval, factory, cfg.data))
-
-
-def check_agent_budget(cfg: TrainConfig, longest_prompt: int) -> None:
-    """agent.max_total_tokens (when set) fits rollout.max_model_len after the longest prompt
-    (each turn's rollout.max_tokens already does: `fit_prompts`)."""
-    budget, max_len = cfg.agent.max_total_tokens, cfg.rollout.max_model_len
-    if cfg.agent.enabled and budget and longest_prompt + budget > max_len:
-        raise ValueError(
-            f"agent.max_total_tokens={budget} does not fit rollout.max_model_len={max_len} "
-            f"after the longest prompt ({longest_prompt} tokens): lower it to <= "
-            f"{max_len - longest_prompt}, raise rollout.max_model_len, or set it to 0 "
-            "(rollout.max_model_len minus each prompt)")
-
-
 def check_init(init: str) -> None:
     """run.init is 'random' or a folder holding an HF or a megagrpo checkpoint."""
     if init == "random":
@@ -191,11 +145,9 @@ def check_init(init: str) -> None:
 
     if not (path / "config.json").is_file() and not (path / MODEL_JSON).is_file():
         raise ValueError(f"run.init={init!r} holds neither config.json nor {MODEL_JSON}; {what}")
-    if (path / MODEL_JSON).is_file() and json.loads((path / MODEL_JSON).read_text()).get("lora"):
-        raise ValueError(
-            f"run.init={init!r} is a LoRA run's checkpoint (base + adapters), which a new run "
-            "does not load; export it merged (megagrpo convert --from-megatron "
-            f"{init} --to-hf DIR) and set run.init=DIR, or resume that run (run.resume)")
+    from megagrpo.lora.checkpoint import refuse_lora_init
+
+    refuse_lora_init(init, path / MODEL_JSON)
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:
@@ -256,18 +208,12 @@ def check_model(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer) -> N
     check_head_dim(model.head_dim, on_cpu=not torch.cuda.is_available())
     check_cpu_moe_width(model.moe_ffn_hidden_size, cfg.rollout.tensor_parallel_size,
                         on_cpu=not torch.cuda.is_available())
-    if cfg.algo.routing_replay and not model.is_moe:
-        raise ValueError(f"algo.routing_replay=true: model.architecture={model.architecture!r} "
-                         "has no experts to route; set algo.routing_replay=false")
-    by = cfg.pipelined_by()
-    if cfg.algo.routing_replay and by:
-        raise ValueError(f"algo.routing_replay=true with {by[1]}: each batch drawn ahead "
-                         f"is checkpointed without its routes; set {by[2]} or "
-                         "algo.routing_replay=false")
-    if cfg.lora.enabled:  # lora.refit=adapter that vLLM cannot serve: refused before compute
-        from megagrpo.sync.adapters import unavailable
+    from megagrpo.model.moe import check_routing_replay
+    from megagrpo.sync.adapters import unavailable
 
-        unavailable(cfg.lora, cfg.rollout.tensor_parallel_size, model)
+    check_routing_replay(cfg.algo.routing_replay, model, cfg.pipelined_by())
+    # lora.refit=adapter that vLLM cannot serve: refused before compute
+    unavailable(cfg.lora, cfg.rollout.tensor_parallel_size, model)
     if cfg.parallel.cp > 1 and torch.cuda.is_available():
         raise ValueError(
             f"parallel.cp={cfg.parallel.cp} on a CUDA machine: megagrpo's context-parallel "

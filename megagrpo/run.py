@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from megagrpo.checkpoint import (
     CheckpointManager,
-    ModelState,
     OptimizerState,
     Part,
     PerRank,
@@ -25,11 +24,6 @@ from megagrpo.checkpoint import (
     load_model,
 )
 from megagrpo.config.compile import (
-    RunWork,
-    auto_note,
-    auto_reason,
-    compile_blocker,
-    compile_layers_on,
     run_work,
 )
 from megagrpo.config.layout import RolloutLayout
@@ -39,14 +33,14 @@ from megagrpo.config.train import TrainConfig
 from megagrpo.data import PromptLoader
 from megagrpo.engine import VLLMEngine
 from megagrpo.hf import hf_config_dict, load_hf_weights
-from megagrpo.lora.checkpoint import lora_parts
-from megagrpo.lora.layers import LoRAReference, add_adapters
-from megagrpo.lora.layers import describe as describe_lora
-from megagrpo.model.compile import compile_layers, compiled_layers
-from megagrpo.model.compile import summary as compile_summary
+from megagrpo.model.compile import (
+    FirstStepLine,
+    compile_for_run,
+    compile_reference,
+    compiled_layers,
+)
 from megagrpo.model.gpt import attention_impl_name, build_model, layer_spec_name, sequence_packing
 from megagrpo.model.optim import build_optimizer, wrap_ddp
-from megagrpo.model.reference import Reference
 from megagrpo.preflight import Preflight, preflight
 from megagrpo.reward import build_rewards
 from megagrpo.rollout.collect import RolloutCollector
@@ -72,6 +66,7 @@ from megagrpo.train.cold_start import cold_start
 from megagrpo.train.eval_target import EvalTarget
 from megagrpo.train.offpolicy import StalenessPolicy
 from megagrpo.train.trainer import BadStepsError, TokenIds, Trainer
+from megagrpo.train.tuning import build_tuning
 
 log = logging.getLogger("megagrpo")
 
@@ -121,27 +116,22 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     gpt = build_model(model_cfg, cfg.parallel, seed=cfg.run.seed,
                       recompute=(cfg.compute.recompute, cfg.compute.recompute_num_layers))
     _load_init(gpt, cfg.run.init, model_cfg, cfg.parallel, info)
-    if cfg.lora.enabled:  # the base frozen before DDP: grad buffers and Adam for adapters only
-        n_adapters = add_adapters(gpt, cfg.lora, seed=cfg.run.seed)
-        if rank == 0:
-            log.info("%s", describe_lora(n_adapters, sum(p.numel() for p in gpt.parameters()),
-                                         cfg.lora, adapters.unavailable(
-                                             cfg.lora, cfg.rollout.tensor_parallel_size,
-                                             model_cfg, on_cpu=adapters.vllm_on_cpu())))
-    compiled = _compile_layers(cfg, model_cfg, gpt, rank,
-                               run_work(cfg, info.dp, checked.mean_train_prompt))
+    tuning = build_tuning(cfg.lora)
+    tuning.prepare(gpt, model_cfg, cfg.rollout.tensor_parallel_size, seed=cfg.run.seed,
+                   loud=rank == 0)
+    compiled = compile_for_run(cfg, model_cfg, gpt, loud=rank == 0,
+                               work=run_work(cfg, info.dp, checked.mean_train_prompt))
     policy = wrap_ddp(gpt, cfg.optim)
     optimizer = build_optimizer(policy, cfg.optim)
-    reference = _reference(cfg, policy, model_cfg)
-    if compiled and isinstance(reference, Reference):
-        compile_layers(reference.model)
+    reference = None if cfg.algo.beta == 0 else tuning.reference(policy, model_cfg, cfg)
+    compile_reference(reference, compiled)
     layout = RolloutLayout(rank=rank, world_size=world, engine_tp=cfg.rollout.tensor_parallel_size,
                            train_tp=cfg.parallel.tp, train_pp=cfg.parallel.pp,
                            train_cp=cfg.parallel.cp)
     if rank == 0:
         log.info("%s", place.describe(cfg, info.dp) if place else layout.describe())
-        if cfg.staleness:
-            log.info("%s", async_note(cfg))
+        if line := offpolicy.start_line(cfg):
+            log.info("%s", line)
     tok = task.tokenizer
     if engine is None and place is None:
         engine = _start_engine(cfg, model_cfg, tok, layout)
@@ -164,7 +154,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                                       dtype=model_cfg.dtype))
     else:
         rollouts = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
-                                    rewards=build_rewards(cfg.reward, _env_reward(cfg)),
+                                    rewards=build_rewards(cfg.reward, cfg.agent.reward_join),
                                     layout=layout, ranks=ranks, groups=groups,
                                     stop_ids=tokens.stop_ids)
     weight_sync = build_weight_sync(cfg.sync, cfg.rollout, cfg.lora, model=model_cfg,
@@ -176,44 +166,6 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                  tokens=tokens, staleness=StalenessPolicy.from_config(cfg), watchdog=watchdog,
                  eval_target=EvalTarget(cfg.eval.target_accuracy), weight_sync=weight_sync)
     return tr
-
-
-def _compile_layers(cfg: TrainConfig, model_cfg: ModelConfig, gpt, rank: int,
-                    work: RunWork) -> int:
-    """compute.compile_layers: the policy's layers compiled (the reference's follow); one
-    console line says whether, and what 'auto' weighed (the run's work against the compile)."""
-    import torch
-
-    cuda = torch.cuda.is_available()
-    on = compile_layers_on(cfg.compute, model_cfg, cfg.parallel, lora=cfg.lora.enabled,
-                           cuda=cuda, work=work)
-    n = compile_layers(gpt) if on else 0
-    if rank == 0 and cfg.compute.compile_layers is not False:  # set off: no line
-        why = compile_blocker(cfg.compute, model_cfg, cfg.parallel, cfg.lora.enabled)
-        auto = cfg.compute.compile_layers == "auto"
-        log.info("compute.compile_layers=%s: %s", str(cfg.compute.compile_layers).lower(),
-                 f"{n} layers torch.compile'd (inductor, dynamic shapes; compiled in the first "
-                 "steps" + (f"; {auto_note(model_cfg, cfg.parallel, work)})" if auto else ")")
-                 if on else "layers run eagerly (" + (
-                     f"needs {why}" if why
-                     else auto_reason(model_cfg, cfg.parallel, work, cuda)) + ")")
-    return n
-
-
-def _reference(cfg: TrainConfig, policy, model_cfg: ModelConfig):
-    """The KL reference (None at algo.beta = 0): the policy with its adapters off under LoRA,
-    else a second model of the policy's layout."""
-    if cfg.algo.beta == 0:
-        return None
-    if cfg.lora.enabled:
-        return LoRAReference(policy, cfg.reference)
-    return Reference(policy, model_cfg, cfg.parallel, cfg.reference, seed=cfg.run.seed)
-
-
-def async_note(cfg: TrainConfig) -> str:
-    """What one-step-off-policy sampling means for this run, and which correction runs
-    (`megagrpo.train.offpolicy`)."""
-    return offpolicy.async_note(cfg.algo, cfg.staleness, cfg.rollout.stale_policy)
 
 
 def _load_init(gpt, init: str, model: ModelConfig, parallel: ParallelConfig, info) -> None:
@@ -261,16 +213,7 @@ def _engine_dir(cfg: TrainConfig, rank: int) -> Path:
 def checkpoint_states(tr: Trainer) -> dict[str, Part]:
     """What a checkpoint of the run holds, by its name on disk, in the order it is written and
     read (the policy before the optimizer, whose load needs the weights)."""
-    states: dict[str, Part] = {}
-    if tr.cfg.lora.enabled:  # the adapters in policy/, the frozen base only after a merge
-        states.update(lora_parts(tr.policy, tr.model_cfg,
-                                 lambda: tr.reference.merges if tr.reference is not None else 0,
-                                 tokenizer=tr.tokenizer,
-                                 extra={"lora": dataclasses.asdict(tr.cfg.lora)}))
-    else:
-        states["policy"] = ModelState(tr.policy, tr.model_cfg, tokenizer=tr.tokenizer)
-    if tr.reference is not None and tr.reference.separate_model:
-        states["reference"] = ModelState(tr.reference.model, tr.model_cfg, if_missing="")
+    states: dict[str, Part] = build_tuning(tr.cfg.lora).model_parts(tr)
     states["optimizer"] = OptimizerState(tr)  # the cold start replaces tr.optimizer
     states["rng"] = PerRank(RankRng(tr.engine), what="the per-rank random streams")
     states["rollout"] = PerRank(tr.rollouts, what="the async batch drawn for the next step",
@@ -324,8 +267,8 @@ def serve_rollouts(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | No
     loader = PromptLoader(task.train, cfg.data.batch_size, 0, 1, seed=cfg.data.seed,
                           shuffle=cfg.data.shuffle)
     collector = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
-                                 rewards=build_rewards(cfg.reward, _env_reward(cfg)), layout=layout,
-                                 stop_ids=(tok.eos_id, *task.stop_ids))
+                                 rewards=build_rewards(cfg.reward, cfg.agent.reward_join),
+                                 layout=layout, stop_ids=(tok.eos_id, *task.stop_ids))
     done = serve(cfg, place, collector, watchdog)
     log.info("rollout rank %d: %d batches sampled over %d weight syncs", rank, done["batches"],
              done["syncs"])
@@ -362,13 +305,11 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
     if target.reached and lead:
         log.info("resume: held-out accuracy %.3f reached eval.target_accuracy=%g after GRPO step "
                  "%d: no step left to run", target.accuracy, target.target, target.reached_step)
-    compiled = compiled_layers(tr.policy)
+    compile_line = FirstStepLine(compiled_layers(tr.policy), loud=tr.ranks.rank == 0)
     while tr.step_idx < cfg.run.steps and not target.reached:
         try:
             m = tr.step()
-            if compiled and tr.ranks.rank == 0:  # once: the first step paid the compile
-                log.info("%s", compile_summary(compiled))
-                compiled = 0
+            compile_line.after_step()
         except BadStepsError as e:
             logger.log(e.metrics)
             logger.close()
@@ -456,7 +397,3 @@ def _write_summary(cfg: TrainConfig, summary: dict) -> None:
         log.warning("curves.png not written: %s", e)
     print("\n" + summary_table(summary, out), flush=True)
 
-
-def _env_reward(cfg: TrainConfig) -> str:
-    """How trajectories' environment rewards join the reward source's (agent.env_reward)."""
-    return cfg.agent.env_reward if cfg.agent.enabled else "none"

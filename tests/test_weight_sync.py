@@ -15,7 +15,9 @@ import torch
 
 from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.params import hf_shapes
 from megagrpo.config.train import TrainConfig, load_config
+from megagrpo.engine.feed import _WeightFeed
 from megagrpo.engine.inflight import InflightUpdates
 from megagrpo.engine.types import WeightSyncStats
 from megagrpo.hf import fuse_qkv, param_specs, split_qkv, unfuse_shards
@@ -24,6 +26,7 @@ from megagrpo.rollout.placement import RemoteEngine
 from megagrpo.sync import CastDtype, FullWeights, WeightSync, build_weight_sync
 from megagrpo.sync.adapters import AdapterSource, MergeAdapters
 from megagrpo.sync.source import Feed
+from megagrpo.sync.transforms import expected_feed
 from megagrpo.sync.transports import Transport, available, register, transport_class
 from megagrpo.sync.transports.collective import Collective
 from megagrpo.sync.transports.inflight import Inflight
@@ -49,9 +52,17 @@ class FakeEngine:
         self.llm = type("LLM", (), {"llm_engine": self._Core()})()
         self.loads: list[dict] = []
 
-    def update_weights(self, pairs, *, reset_prefix_cache: bool = True) -> WeightSyncStats:
-        got = {n: (tuple(t.shape), t.dtype) for n, t in pairs}
-        self.loads.append({"tensors": got, "reset_prefix_cache": reset_prefix_cache})
+    def update_weights(self, pairs, *, reset_prefix_cache: bool = True,
+                       dtypes=None) -> WeightSyncStats:
+        """Pulls the pairs through the real engine's checked feed (names, shapes and, when the
+        sync declared them, dtypes), with no fused groups to hold back."""
+        shapes = {n: torch.Size(s) for n, s in hf_shapes(MODEL).items()}
+        feed = _WeightFeed(pairs, shapes, set(), {}, dtypes)
+        got = {n: (tuple(t.shape), t.dtype) for n, t in feed}
+        if feed.error is not None:
+            raise feed.error
+        self.loads.append({"tensors": got, "reset_prefix_cache": reset_prefix_cache,
+                           "dtypes": dtypes})
         return WeightSyncStats(tensors=len(got), bytes=0, seconds=0.0, source_seconds=0.0,
                                load_seconds=0.0)
 
@@ -156,6 +167,26 @@ def test_declared_feed_is_what_source_and_transforms_emit(one_rank, tmp_path, dt
     assert len(declared) == 3 + MODEL.num_layers * 12
     assert ws.version == 3 and out["sync_bytes"] > 0
     assert set(out) == {"sync_bytes", "sync_received_bytes", "sync_gather_s", "sync_load_s"}
+
+
+def test_the_engine_checks_what_the_transforms_declared(one_rank, tmp_path):
+    """The declaration reaches the engine with every feed, and its checked feed holds the
+    pairs to it: a transform whose `pairs` forget the cast its `emits` declares is refused by
+    name, before vLLM would load weights of another precision than the run thinks it syncs."""
+    engine = FakeEngine()
+    ws = _build(["sync.dtype=bfloat16"], engine, tmp=tmp_path)
+    ws.sync(Stage(MODEL), 1)
+    assert engine.loads[-1]["dtypes"] == {n: m.dtype for n, m in ws.expects(MODEL).items()}
+
+    class Forgets(CastDtype):
+        def pairs(self, pairs):
+            return pairs  # declares bfloat16 (CastDtype.emits), sends float32
+
+    liar = WeightSync(ws.source, Reload(engine), [Forgets(torch.bfloat16)],
+                      declared=expected_feed(MODEL, [Forgets(torch.bfloat16)]))
+    with pytest.raises(ValueError, match=r"arrived as torch.float32; the sync declared "
+                                         r"torch.bfloat16"):
+        liar.sync(Stage(MODEL), 2)
 
 
 def test_disk_writes_an_hf_folder_the_engine_loads(one_rank, tmp_path):

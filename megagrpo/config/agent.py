@@ -83,5 +83,11 @@ class AgentConfig(Section):
                 raise ValueError(f"agent.{name}={value} must be > 0")
 
     @property
+    def reward_join(self) -> str:
+        """How trajectories' environment rewards join the reward source's: agent.env_reward,
+        'none' without the agent."""
+        return self.env_reward if self.enabled else "none"
+
+    @property
     def enabled(self) -> bool:
         return bool(self.environment)

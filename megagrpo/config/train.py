@@ -184,6 +184,17 @@ class TrainConfig(Section):
             return self.rollout.max_tokens
         return self.agent.max_total_tokens or self.rollout.max_model_len
 
+    def length_limits(self, prompt_lengths: list[int]) -> list[int]:
+        """The length that truncates each sample, for prompts of these lengths (DAPO's overlong
+        penalty measures a sample's length against it): single-turn the completion's budget,
+        rollout.max_tokens; multi-turn every token after the prompt (model and environment)
+        against the trajectory's budget, agent.max_total_tokens capped by rollout.max_model_len
+        minus the prompt (that alone when agent.max_total_tokens is 0)."""
+        if not self.agent.enabled:
+            return [self.rollout.max_tokens] * len(prompt_lengths)
+        cap = self.agent.max_total_tokens or self.rollout.max_model_len
+        return [min(self.rollout.max_model_len - n, cap) for n in prompt_lengths]
+
     @property
     def staleness(self) -> int:
         """k, the most policy versions a sample may lag the trainer (rollout.max_staleness;

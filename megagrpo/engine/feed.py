@@ -30,11 +30,15 @@ class _WeightFeed:
     """Checks each (name, tensor) from the source before vLLM sees it, and hands vLLM only
     whole fused groups (q/k/v, gate/up of one layer), so a feed stopped early leaves every vLLM
     layer either fully updated or untouched. On the first bad item it records the error and ends
-    the stream cleanly (vLLM then finishes its reload and restores the layers it did not get)."""
+    the stream cleanly (vLLM then finishes its reload and restores the layers it did not get).
+    `dtypes`: what the sender declared it emits, name by name (`megagrpo.sync`'s transforms);
+    a tensor of another dtype, or one it did not declare, is refused."""
 
     def __init__(self, source: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, torch.Size],
-                 optional: set[str], packed: Mapping[str, Sequence[str]]):
+                 optional: set[str], packed: Mapping[str, Sequence[str]],
+                 dtypes: Mapping[str, torch.dtype] | None = None):
         self.source, self.shapes, self.optional, self.packed = source, shapes, optional, packed
+        self.dtypes = dtypes
         self.seen: set[str] = set()
         self.error: BaseException | None = None
         self.tensors = self.bytes = 0
@@ -52,6 +56,10 @@ class _WeightFeed:
         if tuple(tensor.shape) != tuple(self.shapes[name]):
             raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(self.shapes[name])}")
+        if self.dtypes is not None and self.dtypes.get(name) != tensor.dtype:
+            declared = self.dtypes.get(name, "nothing: the sync did not declare it")
+            raise ValueError(f"update_weights: {name!r} arrived as {tensor.dtype}; the sync "
+                             f"declared {declared} (a transform's `emits` and `pairs` disagree)")
         self.seen.add(name)
 
     def _group(self, name: str) -> tuple[str, set[str]] | None:

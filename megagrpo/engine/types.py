@@ -2,7 +2,7 @@
 knobs, one sampled completion, what a weight update moved, and the engine protocol itself."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -109,7 +109,8 @@ class RolloutEngine(Protocol):
                  n: int | None = None) -> list[Completion]: ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                       partial: bool = False) -> WeightSyncStats: ...
+                       partial: bool = False,
+                       dtypes: Mapping[str, torch.dtype] | None = None) -> WeightSyncStats: ...
 
     def sleep(self) -> None: ...
 

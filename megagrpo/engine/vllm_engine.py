@@ -244,8 +244,8 @@ class VLLMEngine:
         return dict(self._shapes)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                       partial: bool = False, reset_prefix_cache: bool = True
-                       ) -> WeightSyncStats:
+                       partial: bool = False, reset_prefix_cache: bool = True,
+                       dtypes: Mapping[str, torch.dtype] | None = None) -> WeightSyncStats:
         """Load (hf_name, full tensor) pairs into the engine in place, then reset the prefix
         cache. `named_tensors` may be a lazy generator of pairs or of buckets (lists of pairs,
         as `megagrpo.sync.source.iter_hf_weights` yields); it is consumed once and never held whole.
@@ -259,15 +259,17 @@ class VLLMEngine:
         weights for every layer it did not get in full, and ValueError says how many tensors had
         been loaded. Unless `partial`, every required name must be present. `reset_prefix_cache`
         False: an in-flight load between decode steps (`megagrpo.engine.inflight`), where vLLM
-        cannot reset it while requests hold blocks; the caller resets it afterwards."""
+        cannot reset it while requests hold blocks; the caller resets it afterwards. `dtypes`:
+        the dtype the sender declared for each name (`megagrpo.sync.WeightSync.expects`), checked
+        like the shapes."""
         if self.asleep and not self.on_cpu:
             raise RuntimeError("wake() the engine before update_weights")
         t0 = time.perf_counter()
-        feed = _WeightFeed(named_tensors, self._shapes, self._optional, self._packed)
+        feed = _WeightFeed(named_tensors, self._shapes, self._optional, self._packed, dtypes)
         if isinstance(named_tensors, Mapping):
             feed.source = named_tensors = list(named_tensors.items())
         if isinstance(named_tensors, Sequence):
-            self._precheck(named_tensors, partial)
+            self._precheck(named_tensors, partial, dtypes)
         self.llm.collective_rpc("reload_weights", kwargs={
             "weights_iterator": iter(feed), "is_checkpoint_format": True})
         self.llm.collective_rpc(_refresh_tied_modules)
@@ -306,8 +308,9 @@ class VLLMEngine:
         engine.add_lora(self.lora_request)
         self.llm.reset_prefix_cache()
 
-    def _precheck(self, items: Sequence[tuple[str, torch.Tensor]], partial: bool) -> None:
-        probe = _WeightFeed((), self._shapes, self._optional, self._packed)
+    def _precheck(self, items: Sequence[tuple[str, torch.Tensor]], partial: bool,
+                  dtypes: Mapping[str, torch.dtype] | None = None) -> None:
+        probe = _WeightFeed((), self._shapes, self._optional, self._packed, dtypes)
         for name, tensor in _pairs(items):
             probe.check(name, tensor)
         if not partial and probe.missing():

@@ -19,6 +19,8 @@ reader of a policy folder (`checkpoint.load_model`: `convert --from-megatron`, w
 """
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
@@ -26,6 +28,7 @@ from typing import ClassVar
 import torch
 
 from megagrpo.checkpoint import ModelState
+from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig
 from megagrpo.runtime.run_dir import write_manifest
 
@@ -89,3 +92,37 @@ def lora_parts(model: torch.nn.Module | list, config: ModelConfig, merges: Calla
     base = BaseWeights(model, config, merges)
     return {"base": base,
             "policy": Adapters(model, config, base, tokenizer=tokenizer, extra=extra)}
+
+
+def refuse_lora_init(init: str, model_json: Path) -> None:
+    """run.init (`init`) must not be a LoRA run's checkpoint (its `model_json` says so): a new
+    run does not load base + adapters."""
+    if model_json.is_file() and json.loads(model_json.read_text()).get("lora"):
+        raise ValueError(
+            f"run.init={init!r} is a LoRA run's checkpoint (base + adapters), which a new run "
+            "does not load; export it merged (megagrpo convert --from-megatron "
+            f"{init} --to-hf DIR) and set run.init=DIR, or resume that run (run.resume)")
+
+
+def checkpoint_lora(ckpt: str) -> LoRAConfig | None:
+    """The LoRA settings a megagrpo checkpoint was saved with, or None (a full-parameter run's)."""
+    from megagrpo.checkpoint import read_model_config
+
+    meta = read_model_config(ckpt)[1].get("lora")
+    return LoRAConfig(**meta) if meta else None
+
+
+def check_peft_adapter(adapter_dir: str | None, ckpt: str | None, hf_dir: str | None) -> None:
+    """`convert --peft-adapter DIR` needs a LoRA checkpoint (`--from-megatron`) and a folder of
+    its own beside `--to-hf` (checked before any rank starts)."""
+    if not adapter_dir:
+        return
+    if not ckpt:
+        raise SystemExit("convert: --peft-adapter DIR exports a LoRA checkpoint's adapters; "
+                         "it needs --from-megatron CKPT --to-hf DIR")
+    if checkpoint_lora(ckpt) is None:
+        raise SystemExit(f"convert: --peft-adapter: {ckpt} holds no LoRA "
+                         "adapters (trained with lora.rank=0); drop --peft-adapter")
+    if os.path.realpath(adapter_dir) == os.path.realpath(hf_dir):
+        raise SystemExit("convert: --peft-adapter DIR must differ from --to-hf DIR (the base "
+                         "goes to --to-hf, the adapter beside it)")

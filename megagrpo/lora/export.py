@@ -142,3 +142,32 @@ def export_base_and_adapter(gpt: torch.nn.Module, hf_dir: str, adapter_dir: str,
     if not dist.is_initialized() or dist.get_rank() == 0:
         save_peft_adapter(adapter_dir, tensors, cfg, str(Path(hf_dir).resolve()))
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def export_checkpoint(gpt: torch.nn.Module, ckpt: str, hf_dir: str, model: ModelConfig,
+                      parallel: ParallelConfig, export_hf: Callable, *,
+                      adapter_dir: str | None = None, loud: bool = False) -> None:
+    """`convert --from-megatron CKPT --to-hf DIR` on this rank's stage `gpt`: a LoRA run's
+    checkpoint gets its adapters before loading (else they would not be read), then exports
+    merged, or with `adapter_dir` as the base unmerged plus a peft adapter there; a full-parameter
+    checkpoint exports as it is. `loud`: print what was done (rank 0)."""
+    from megagrpo.checkpoint import load_model
+    from megagrpo.lora.checkpoint import checkpoint_lora
+    from megagrpo.lora.layers import add_adapters
+
+    lora = checkpoint_lora(ckpt)
+    if lora is not None:
+        add_adapters(gpt, lora, seed=0)
+    load_model(gpt, ckpt)
+    what = f"rank {lora.rank} on {','.join(lora.targets)}" if lora is not None else ""
+    if adapter_dir:
+        nbytes = export_base_and_adapter(gpt, hf_dir, adapter_dir, model, parallel, lora,
+                                         export_hf)
+        if loud:
+            print(f"lora: {hf_dir} holds the checkpoint's base weights (adapters not merged); "
+                  f"the peft adapter ({what}, {nbytes:,} bytes) is in {adapter_dir}")
+        return
+    export_hf(gpt, hf_dir, model, parallel,
+              params=parameters_for_refit(gpt))  # adapted weights export merged
+    if lora is not None and loud:
+        print(f"lora: the checkpoint's adapters ({what}) are merged into the export")

@@ -25,6 +25,15 @@ from collections.abc import Callable
 
 import torch
 
+from megagrpo.config.compile import (
+    RunWork,
+    auto_note,
+    auto_reason,
+    compile_blocker,
+    compile_layers_on,
+)
+from megagrpo.config.model import ModelConfig
+
 log = logging.getLogger("megagrpo")
 
 
@@ -140,3 +149,43 @@ def summary(layers: int) -> str:
             f"compile time {spent.get('total_wall_time', 0.0):.1f} s (forward "
             f"{spent.get('entire_frame_compile', 0.0):.1f} s, backward "
             f"{spent.get('entire_backward_compile', 0.0):.1f} s)")
+
+
+def compile_for_run(cfg, model: ModelConfig, gpt: torch.nn.Module, *, loud: bool,
+                    work: RunWork) -> int:
+    """compute.compile_layers for a run (`cfg`: its TrainConfig): the policy's layers compiled
+    when the config says so (auto weighs the run's `work` against the compile); returns how many.
+    `loud`: one console line says whether, and what 'auto' weighed."""
+    cuda = torch.cuda.is_available()
+    on = compile_layers_on(cfg.compute, model, cfg.parallel, lora=cfg.lora.enabled,
+                           cuda=cuda, work=work)
+    n = compile_layers(gpt) if on else 0
+    if loud and cfg.compute.compile_layers is not False:  # set off: no line
+        why = compile_blocker(cfg.compute, model, cfg.parallel, cfg.lora.enabled)
+        auto = cfg.compute.compile_layers == "auto"
+        log.info("compute.compile_layers=%s: %s", str(cfg.compute.compile_layers).lower(),
+                 f"{n} layers torch.compile'd (inductor, dynamic shapes; compiled in the first "
+                 "steps" + (f"; {auto_note(model, cfg.parallel, work)})" if auto else ")")
+                 if on else "layers run eagerly (" + (
+                     f"needs {why}" if why
+                     else auto_reason(model, cfg.parallel, work, cuda)) + ")")
+    return n
+
+
+def compile_reference(reference, layers: int) -> None:
+    """A reference of its own (`Reference.separate_model`) compiles like the policy when the
+    policy's `layers` were; a LoRA reference is the policy itself."""
+    if layers and reference is not None and reference.separate_model:
+        compile_layers(reference.model)
+
+
+class FirstStepLine:
+    """The console line of what compiling cost, once, after the first step (which paid it)."""
+
+    def __init__(self, layers: int, *, loud: bool):
+        self.layers = layers if loud else 0
+
+    def after_step(self) -> None:
+        if self.layers:
+            log.info("%s", summary(self.layers))
+            self.layers = 0

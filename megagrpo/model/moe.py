@@ -287,3 +287,41 @@ def replay(model: torch.nn.Module, routes: torch.Tensor, monitor: RoutingMonitor
             router.router_replay.clear_router_replay_action()
         if monitor is not None:
             monitor.replaying(None)
+
+
+def check_routing_replay(on: bool, model, pipelined_by: tuple | None) -> None:
+    """algo.routing_replay (`on`) needs experts to route (`model`, the run's ModelConfig) and no
+    batch drawn ahead (`pipelined_by`: `TrainConfig.pipelined_by()`), whose checkpoint would
+    lack its routes."""
+    if on and not model.is_moe:
+        raise ValueError(f"algo.routing_replay=true: model.architecture={model.architecture!r} "
+                         "has no experts to route; set algo.routing_replay=false")
+    if on and pipelined_by:
+        raise ValueError(f"algo.routing_replay=true with {pipelined_by[1]}: each batch drawn "
+                         f"ahead is checkpointed without its routes; set {pipelined_by[2]} or "
+                         "algo.routing_replay=false")
+
+
+class NoRouting:
+    """A dense policy's routing statistics: none (`routing_monitor`)."""
+
+    def reset(self) -> None:
+        pass
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+def routing_monitor(policy, model_cfg, parallel, *, replay: bool, tp_rank: int, group
+                    ) -> RoutingMonitor | NoRouting:
+    """The update's routing statistics of an MoE `policy` (tokens per expert, megatron's
+    auxiliary losses; counted on TP rank 0, reduced over `group`), with routing replay
+    switched on when `replay` (algo.routing_replay); `NoRouting` for a dense one."""
+    if model_cfg is None or not model_cfg.is_moe or policy is None:
+        return NoRouting()
+    monitor = RoutingMonitor(policy, model_cfg.num_layers, model_cfg.num_experts,
+                             losses=tracked_losses(model_cfg), counts_here=tp_rank == 0,
+                             group=group, tp_slices=tp_slices(parallel))
+    if replay:
+        enable_replay(policy, monitor)
+    return monitor

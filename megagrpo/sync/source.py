@@ -360,6 +360,9 @@ class Feed:
 
     pairs: Iterator[tuple[str, torch.Tensor]]
     stats: ReshardStats = field(default_factory=ReshardStats)
+    dtypes: Mapping[str, torch.dtype] | None = None
+    """What the pairs are declared to be, name by name (`WeightSync.expects`: the layout plus
+    each transform's declaration); the engine's feed refuses a tensor that differs."""
 
     def gather_metrics(self) -> dict:
         """What producing the pairs moved and cost (once they were all pulled)."""

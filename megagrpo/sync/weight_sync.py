@@ -54,9 +54,12 @@ class WeightSync:
     """The policy version the engine holds (-1: none yet)."""
 
     def __init__(self, source: Source, transport: Transport,
-                 transforms: Sequence[Transform] = ()) -> None:
+                 transforms: Sequence[Transform] = (), *,
+                 declared: Mapping[str, TensorMeta] | None = None) -> None:
         self.source, self.transport, self.transforms = source, transport, tuple(transforms)
         self.version = -1
+        self.dtypes = None if declared is None else {n: m.dtype for n, m in declared.items()}
+        """Each name's declared dtype (`expects`), carried by every feed to the engine."""
 
     def feed(self, policy: torch.nn.Module) -> Feed:
         """One refit's stream (lazy: nothing moves until its pairs are pulled): the source over
@@ -67,6 +70,7 @@ class WeightSync:
         out = self.source.feed(policy, params)
         for t in self.transforms:
             out.pairs = t.pairs(out.pairs)
+        out.dtypes = self.dtypes
         return out
 
     def post(self, policy: torch.nn.Module, version: int) -> None:
@@ -120,7 +124,8 @@ def build_weight_sync(cfg: SyncConfig, rollout: RolloutConfig, lora: LoRAConfig,
     if isinstance(source, AdapterSource) and name != "reload":
         raise ValueError(f"sync.transport={name} with an adapter-only LoRA refit: the adapters "
                          "load in-process; set sync.transport=auto or lora.refit=merged")
-    return WeightSync(source, transport, transforms)
+    return WeightSync(source, transport, transforms,
+                      declared=expected_feed(model, transforms))
 
 
 __all__ = ["Source", "WeightSync", "build_weight_sync"]

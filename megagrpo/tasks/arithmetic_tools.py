@@ -66,3 +66,12 @@ class CalculatorEnvironment(Environment):
         return Observation(text=f"{RESULT}{value or ''}{RESULT_END}", tool_calls=1,
                            tool_errors=int(value is None),
                            tool_seconds=time.perf_counter() - t0)
+
+
+def check_tool_task(cfg) -> None:
+    """arithmetic.tools=true (the built-in calculator task) runs with its environment."""
+    if cfg.data.task == "arithmetic" and cfg.arithmetic.tools \
+            and cfg.agent.environment != ENVIRONMENT:
+        raise ValueError(f"arithmetic.tools=true needs agent.environment={ENVIRONMENT} (the "
+                         "model calls the calculator between turns); it is "
+                         f"{cfg.agent.environment!r}")

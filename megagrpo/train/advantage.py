@@ -74,17 +74,12 @@ def build_batch(ro: Rollout, cfg: TrainConfig, *, pad_id: int, multiple: int
 
 
 def _overlong(lengths: torch.Tensor, prompts: list[list[int]], cfg: TrainConfig) -> torch.Tensor:
-    """DAPO's overlong penalty [n]. Single-turn: completion tokens against rollout.max_tokens.
-    Multi-turn: every token after the prompt (model and environment: what fills the budget)
-    against the trajectory's budget (agent.max_total_tokens, or rollout.max_model_len minus the
-    prompt), the limit that truncates it (the penalty depends on length - limit only)."""
-    a = cfg.algo
-    if not cfg.agent.enabled:
-        return algo.overlong_penalty(lengths, cfg.rollout.max_tokens, a.overlong_buffer,
-                                     a.overlong_penalty)
-    room = torch.tensor([cfg.rollout.max_model_len - len(p) for p in prompts])
-    budget = room.clamp(max=cfg.agent.max_total_tokens) if cfg.agent.max_total_tokens else room
-    return algo.overlong_penalty(lengths - budget, 0, a.overlong_buffer, a.overlong_penalty)
+    """DAPO's overlong penalty [n]: each sample's tokens after its prompt against the limit that
+    truncates it (`TrainConfig.length_limits`: one turn's rollout.max_tokens, or a trajectory's
+    budget); the penalty depends on length - limit only."""
+    limits = torch.tensor(cfg.length_limits([len(p) for p in prompts]))
+    return algo.overlong_penalty(lengths - limits, 0, cfg.algo.overlong_buffer,
+                                 cfg.algo.overlong_penalty)
 
 
 def advantages(rewards: torch.Tensor, a: AlgoConfig, dp_group=None) -> torch.Tensor:

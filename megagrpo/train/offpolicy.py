@@ -207,5 +207,14 @@ class StalenessPolicy:
                               default_ran=mode != self.rollout_is, width=width)
 
 
+
+def start_line(cfg) -> str | None:
+    """The start-up line of an async run (`cfg`: its TrainConfig; None when it samples
+    on-policy): what its staleness means and which correction runs (`async_note`)."""
+    if not cfg.staleness:
+        return None
+    return async_note(cfg.algo, cfg.staleness, cfg.rollout.stale_policy)
+
+
 __all__ = ["StalenessPolicy", "async_note", "correction_mode", "is_stale", "sample_weights",
-           "token_lag_metrics"]
+           "start_line", "token_lag_metrics"]

@@ -35,7 +35,7 @@ from megagrpo.config.run import ComputeConfig
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import encode_prompt
 from megagrpo.model.gpt import sequence_packing, unwrap
-from megagrpo.model.moe import RoutingMonitor, enable_replay, tp_slices, tracked_losses
+from megagrpo.model.moe import routing_monitor
 from megagrpo.model.optim import build_optimizer, lr_at, optimizer_step, set_lr, zero_grad
 from megagrpo.parallel.batch import Batch, MicroBatch, sft_batch
 from megagrpo.rollout.collect import RolloutCollector
@@ -190,23 +190,13 @@ class Trainer:
         self.step_idx, self.version, self.opt_steps, self.bad_steps = 0, 0, 0, 0
         self.total_opt_steps = max(1, cfg.run.steps * cfg.algo.mu * cfg.algo.num_minibatches)
         self.engine_version = -1
-        self.routing = self._routing_monitor()
+        self.routing = routing_monitor(self.policy, self.model_cfg, self.cfg.parallel,
+                                       replay=self.cfg.algo.routing_replay,
+                                       tp_rank=self.ranks.tp_rank, group=self.groups.world)
         note = balance_note(cfg.compute.balance_tokens, loss_agg=cfg.algo.loss_agg,
                             kl_in_reward=self.kl_in_reward, dp=self.ranks.dp)
         if note and self.ranks.rank == 0:
             log.info(note)
-
-    def _routing_monitor(self) -> RoutingMonitor | None:
-        """Tokens-per-expert and auxiliary-loss statistics of an MoE policy's update."""
-        m = self.model_cfg
-        if m is None or not m.is_moe or self.policy is None:
-            return None
-        monitor = RoutingMonitor(self.policy, m.num_layers, m.num_experts,
-                                 losses=tracked_losses(m), counts_here=self.ranks.tp_rank == 0,
-                                 group=self.groups.world, tp_slices=tp_slices(self.cfg.parallel))
-        if self.cfg.algo.routing_replay:
-            enable_replay(self.policy, monitor)
-        return monitor
 
     @property
     def engine(self) -> RolloutEngine | None:
@@ -444,8 +434,7 @@ class Trainer:
         m = P.micro_size(batch.num_seqs)
         res = UpdateResult()
         reports, gnorms, gap = [], [], (0.0, 0.0)
-        if self.routing is not None:
-            self.routing.reset()
+        self.routing.reset()
         for _ in range(0 if skip else a.mu):
             for k in range(n_mini):
                 mini = batch.rows(k * rows, (k + 1) * rows)
@@ -470,8 +459,7 @@ class Trainer:
                 gnorms.append(gnorm)
         res.applied = len(gnorms)
         res.kl, res.metrics = self._update_metrics(reports, gnorms, gap, len(gnorms), stale)
-        if self.routing is not None:
-            res.metrics.update(self.routing.metrics())
+        res.metrics.update(self.routing.metrics())
         return res
 
     def _update_metrics(self, reports: list[dict], gnorms: list[float],

@@ -30,7 +30,7 @@ class Disk(Transport):
         t0 = time.perf_counter()
         save_hf_dir(self.folder, self.model, feed.pairs)  # this rank's own folder
         t1 = time.perf_counter()
-        self.engine.update_weights(read_hf_folder(self.folder))
+        self.engine.update_weights(read_hf_folder(self.folder), dtypes=feed.dtypes)
         return dict(feed.gather_metrics(), sync_load_s=time.perf_counter() - t1,
                     sync_write_s=t1 - t0 - feed.stats.gather_s - feed.stats.convert_s)
 

@@ -17,4 +17,4 @@ class Reload(Transport):
         return cls(ctx.engine)
 
     def deliver(self, feed: Feed, version: int) -> dict:
-        return feed.metrics(self.engine.update_weights(feed.pairs))
+        return feed.metrics(self.engine.update_weights(feed.pairs, dtypes=feed.dtypes))
