@@ -60,22 +60,42 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 
 def group_advantages(
-    rewards: Tensor, group_size: int, std_mode: str = "group", eps: float = 1e-6
+    rewards: Tensor, group_size: int, std_mode: str = "group", eps: float = 1e-6,
+    valid: Tensor | None = None,
 ) -> Tensor:
     """Group-relative advantages (outcome supervision: one value per completion).
 
     A_i = (r_i - mean(group)) / (std + eps), std being the group's std ('group', GRPO), the std of
     all of `rewards` ('batch'; pass the DP-gathered rewards for a global one) or 1 ('none', Dr.
     GRPO). Stds are unbiased (Bessel), as torch.std. rewards: [B*G] -> [B*G].
+
+    `valid` [B*G] bool: the samples that count (None: all). A dropped sample (its environment
+    failed: `Completion.dropped`) takes no part in its group's mean and std nor in the batch std,
+    as if the group had been drawn without it; its own advantage is 0. A group with one valid
+    sample gets 0 (no baseline to compare it with), as a group of one would.
     """
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    grouped = rewards.view(-1, group_size)
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if valid is None:
+        grouped = rewards.view(-1, group_size)
+        centred = grouped - grouped.mean(dim=1, keepdim=True)
+        if std_mode == "group":
+            centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+        elif std_mode == "batch":
+            centred = centred / (rewards.std() + eps)
+        elif std_mode != "none":
+            raise ValueError(f"std_mode={std_mode!r}: use 'group', 'batch' or 'none'")
+        return centred.reshape(-1)
+    keep = valid.view(-1, group_size)
+    grouped = torch.where(keep, rewards.view(-1, group_size), 0.0)
+    n = keep.sum(dim=1, keepdim=True)
+    mean = grouped.sum(dim=1, keepdim=True) / n.clamp(min=1)
+    centred = torch.where(keep & (n > 1), grouped - mean, 0.0)
     if std_mode == "group":
-        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+        var = (centred ** 2).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)
+        centred = centred / (var.sqrt() + eps)
     elif std_mode == "batch":
-        centred = centred / (rewards.std() + eps)
+        centred = centred / (rewards[valid].std() + eps)
     elif std_mode != "none":
         raise ValueError(f"std_mode={std_mode!r}: use 'group', 'batch' or 'none'")
     return centred.reshape(-1)

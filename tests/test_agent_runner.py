@@ -171,6 +171,113 @@ def test_raising_environment_ends_its_trajectory_only(caplog):
     assert runner.reported
 
 
+class Flaky(Environment):
+    """Fails the first `fails` calls of its step (raise, NaN reward, a non-Observation, or a
+    hang of 2 s), then answers like Counter; `calls` counts every call on the class."""
+
+    calls = 0
+    fails = 1
+    how = "raise"
+
+    def step(self, turn: Turn) -> Observation:
+        type(self).calls += 1
+        if type(self).calls <= type(self).fails:
+            if self.how == "raise":
+                raise RuntimeError("flaky tool server")
+            if self.how == "nan":
+                return Observation(text="x", reward=float("nan"))
+            if self.how == "none":
+                return None
+            if self.how == "hang":
+                import time
+
+                time.sleep(2.0)
+        return Counter.step(self, turn)
+
+
+def _flaky(how: str, fails: int):
+    return type(f"Flaky_{how}_{fails}", (Flaky,), {"calls": 0, "fails": fails, "how": how})
+
+
+@pytest.mark.parametrize("how", ["raise", "nan", "none"])
+def test_a_failing_step_is_asked_again(how):
+    """A step that raises or answers with garbage is asked again with the same turn: one
+    failure within agent.env_retries leaves the trajectory exactly as a clean run's."""
+    env = _flaky(how, 1)
+    comps, _, _ = run(env, G=1, prompts=((1, 2, 3),), env_retries=2)
+    clean, _, _ = run(Counter, G=1, prompts=((1, 2, 3),))
+    (c,), (want,) = comps, clean
+    assert (c.token_ids, c.loss_mask, c.turn_rewards) == (want.token_ids, want.loss_mask,
+                                                          want.turn_rewards)
+    assert c.truncation == "" and c.dropped == "" and c.env_retries == 1
+    assert env.calls == 3 + 1  # three turns, one asked twice
+
+
+@pytest.mark.parametrize("how", ["raise", "nan"])
+def test_a_step_failing_every_try_drops_the_trajectory(how, caplog):
+    env = _flaky(how, 10 ** 6)
+    with caplog.at_level(logging.WARNING, logger="megagrpo"):
+        comps, _, _ = run(env, G=2, prompts=((1, 2, 3),), env_retries=2)
+    assert env.calls == 2 * 3  # each trajectory: 1 + env_retries tries of its first step
+    assert all(c.truncation == "env_error" and c.dropped == "env_error" and c.turns == 1
+               and c.env_retries == 2 for c in comps)
+    assert sum("after 3 tries" in r.message and "dropped from training" in r.message
+               for r in caplog.records) == 1
+    kept, _, _ = run(_flaky(how, 10 ** 6), G=2, prompts=((1, 2, 3),), env_retries=0,
+                     on_env_error="keep")
+    assert all(c.truncation == "env_error" and c.dropped == "" for c in kept)
+
+
+def test_a_hanging_step_fails_at_the_deadline_without_a_retry():
+    import time
+
+    env = _flaky("hang", 1)
+    t0 = time.perf_counter()
+    comps, _, _ = run(env, G=1, prompts=((1, 2, 3),), env_retries=3, env_timeout_s=0.2)
+    assert time.perf_counter() - t0 < 1.5  # not the 2 s the step sleeps
+    (c,) = comps
+    assert c.dropped == "env_error" and c.env_retries == 0 and env.calls == 1
+
+
+def test_a_close_that_raises_keeps_the_finished_trajectory():
+    class BadClose(Counter):
+        def close(self):
+            raise OSError("socket gone")
+
+    comps, _, _ = run(BadClose)
+    assert all(c.truncation == "" and c.dropped == "" and c.turns == 3 for c in comps)
+
+
+def test_dropped_samples_leave_the_groups_and_the_loss():
+    """build_batch on a rollout with dropped trajectories: they have no loss token and
+    advantage 0, and the others' advantages are those of groups drawn without them."""
+    from megagrpo.config.train import TrainConfig
+    from megagrpo.rollout.stream import Rollout
+    from megagrpo.train.advantage import advantages, build_batch
+
+    G = 4
+    cfg = TrainConfig()
+    cfg.algo.group_size = G
+    prompts = [[1, 2, 3], [4, 5]]
+    rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 0.0, 1.0, 0.25])
+    drop = [False, True, False, False, False, False, False, True]
+    comps = [Completion(prompt_index=i // G, sample_index=i % G, token_ids=[7, 8, 9],
+                        logprobs=[-0.1] * 3, finish_reason="stop", text="",
+                        dropped="env_error" if d else "") for i, d in enumerate(drop)]
+    ro = Rollout(prompts=prompts, answers=["", ""], completions=comps, rewards=rewards)
+    batch, shaped = build_batch(ro, cfg, pad_id=0, multiple=1)
+    adv = advantages(shaped.rewards, cfg.algo, valid=shaped.valid)
+    keep = ~torch.tensor(drop)
+    # the reference: each group without its dropped sample (3 of 4), the plain GRPO formula
+    want = torch.zeros(8)
+    want[keep] = torch.cat([(g - g.mean()) / (g.std() + cfg.algo.std_eps)
+                            for g in rewards[keep].view(2, 3)])
+    assert torch.allclose(adv, want, atol=1e-6)
+    assert shaped.metrics["dropped_frac"] == 2 / 8
+    real = batch.real(batch.mask)
+    assert not real[~keep].any() and real[keep].any(dim=1).all()
+
+
 def test_env_tokens_masked_in_batch():
     comps, _, _ = run(Counter)
     prompts = [[1, 2, 3], [4, 5]]

@@ -40,6 +40,33 @@ def test_group_advantages(std_mode):
         algo.group_advantages(rewards, 5)
 
 
+@pytest.mark.parametrize("std_mode", ["group", "batch", "none"])
+def test_group_advantages_without_dropped_samples(std_mode):
+    """A dropped sample (`valid` False) is as if its group had been drawn without it: the
+    others' advantages use the mean and std of the valid members only (the batch std over the
+    valid rewards); its own is 0, and so is a group left with one sample."""
+    g = 4
+    rewards = torch.tensor([1, 0, 0, 1, 1, 0, 0.25, 1, 0.5, 0, 2, 7], dtype=F64)
+    valid = torch.tensor([1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1], dtype=torch.bool)
+    got = algo.group_advantages(rewards, g, std_mode, eps=1e-6, valid=valid)
+    r, v = rewards.tolist(), valid.tolist()
+    kept = [x for x, ok in zip(r, v) if ok]
+    for b in range(3):
+        grp = [r[b * g + j] for j in range(g) if v[b * g + j]]
+        for j in range(g):
+            i = b * g + j
+            if not v[i] or len(grp) < 2:
+                assert got[i].item() == 0.0
+                continue
+            mean = sum(grp) / len(grp)
+            scale = {"group": _std(grp) + 1e-6, "batch": _std(kept) + 1e-6,
+                     "none": 1.0}[std_mode]
+            assert got[i].item() == pytest.approx((r[i] - mean) / scale, abs=1e-12)
+    every = torch.ones(12, dtype=torch.bool)  # all valid: the unmasked advantages
+    assert torch.allclose(algo.group_advantages(rewards, g, std_mode, valid=every),
+                          algo.group_advantages(rewards, g, std_mode), rtol=0, atol=1e-14)
+
+
 def _reference_loss(mode, loss, mask, seq_ids, n_seqs, n_tok, max_len):
     per_seq_sum, per_seq_cnt = {}, {}
     for t in range(len(loss)):

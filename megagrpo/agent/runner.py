@@ -21,9 +21,14 @@ prefix of a sample is a sample with the shorter limit). Ends (`Completion.trunca
                 not appended: nothing would read it);
   'token_budget' a turn was cut at B, or an observation would leave no room for a model token
                 (the observation is not appended);
-  'env_error'   the environment raised (counted, reported once per runner; not the rank's end).
+  'env_error'   the environment failed: raised, took longer than agent.env_timeout_s or answered
+                with garbage, on every one of its 1 + agent.env_retries tries (reported once per
+                runner; never the rank's end). With agent.on_env_error=drop (the default) the
+                trajectory is dropped (`Completion.dropped`): it leaves its group's advantages
+                and the loss instead of training on what it had when it stopped.
 The first three set finish_reason 'length' (algo.mask_truncated and overlong shaping read it);
-the others 'stop'.
+the others 'stop'. An error while closing an environment is logged; the trajectory keeps what
+it finished with.
 
 With rollout.tensor_parallel_size > 1 every rank of an engine runs its own environments from
 the same records and must get the same observations (the next call's prompts must agree across
@@ -32,6 +37,9 @@ the engine's ranks): environments must be deterministic given the record and the
 from __future__ import annotations
 
 import logging
+import math
+import numbers
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -87,6 +95,9 @@ class _Trajectory:
     calls: int = 0
     errors: int = 0
     seconds: float = 0.0
+    retries: int = 0
+    """Environment calls asked again after a failure."""
+    dropped: str = ""
     done: bool = False
 
     def limit(self, max_tokens: int) -> int:
@@ -132,11 +143,28 @@ class TrajectoryRunner:
         return min(self.agent.max_total_tokens, room) if self.agent.max_total_tokens else room
 
     def _make_env(self, t: _Trajectory, record: dict) -> Environment | None:
-        try:
-            return self.factory(record)
-        except Exception as e:  # noqa: BLE001 - one trajectory fails, not the rank
-            self._env_error(t, e, "creating")
-            return None
+        return self._call(t, "creating", lambda: self.factory(record))
+
+    def _call(self, t: _Trajectory, doing: str, fn: Callable, check: Callable | None = None):
+        """fn() (an environment call) under agent.env_timeout_s, its answer through `check`;
+        asked again after a failure up to agent.env_retries times (not after a timeout: its
+        thread may still be running on the environment). None when every try failed: the
+        trajectory failed (`_env_error`)."""
+        error: BaseException | None = None
+        for attempt in range(self.agent.env_retries + 1):
+            t.retries += attempt > 0
+            try:
+                out = _with_deadline(fn, self.agent.env_timeout_s)
+                if check is not None:
+                    check(out)
+                return out
+            except EnvTimeout as e:
+                error = e
+                break
+            except Exception as e:  # noqa: BLE001 - one trajectory fails, not the rank
+                error = e
+        self._env_error(t, error, doing)
+        return None
 
     def _turn(self, active: list[_Trajectory], prompts: list[list[int]],
               sampling: SamplingSettings, first: bool) -> None:
@@ -181,10 +209,8 @@ class TrajectoryRunner:
             return
         turn = Turn(index=t.turns - 1, text=t.text, token_ids=t.turn_ids,
                     finish_reason=t.finish)
-        try:
-            obs = t.env.step(turn)
-        except Exception as e:  # noqa: BLE001 - one trajectory fails, not the rank
-            self._env_error(t, e, "stepping")
+        obs = self._call(t, "stepping", lambda: t.env.step(turn), check_observation)
+        if obs is None:
             return
         t.rewards.append(float(obs.reward))
         t.calls += obs.tool_calls
@@ -208,28 +234,75 @@ class TrajectoryRunner:
         t.logprobs += [0.0] * len(ids)
         t.mask += [False] * len(ids)
 
-    def _env_error(self, t: _Trajectory, e: Exception, doing: str) -> None:
+    def _env_error(self, t: _Trajectory, e: BaseException, doing: str) -> None:
         t.done, t.finish, t.truncation = True, "stop", "env_error"
+        drop = self.agent.on_env_error == "drop"
+        t.dropped = "env_error" if drop else ""
         if not self.reported:
             self.reported = True
-            log.warning("agent.environment=%s raised while %s a trajectory (%s: %s); that "
-                        "trajectory ends (truncation 'env_error', counted in the step's "
-                        "metrics); later errors are counted only", self.agent.environment,
-                        doing, type(e).__name__, e)
+            log.warning("agent.environment=%s failed while %s a trajectory after %d tries "
+                        "(%s: %s); that trajectory %s (truncation 'env_error', counted in the "
+                        "step's metrics); later failures are counted only",
+                        self.agent.environment, doing, t.retries + 1, type(e).__name__, e,
+                        "is dropped from training (agent.on_env_error=drop)" if drop
+                        else "trains with what it had (agent.on_env_error=keep)")
 
     def _close(self, t: _Trajectory) -> None:
         env, t.env = t.env, None
         try:
             env.close()
-        except Exception as e:  # noqa: BLE001
-            self._env_error(t, e, "closing")
+        except Exception as e:  # noqa: BLE001 - the trajectory finished; only the close failed
+            log.warning("agent.environment=%s raised while closing (%s: %s); the trajectory "
+                        "keeps what it finished with", self.agent.environment,
+                        type(e).__name__, e)
 
     def _completion(self, t: _Trajectory) -> Completion:
         return Completion(prompt_index=t.prompt_index, sample_index=t.sample_index,
                           token_ids=t.ids, logprobs=t.logprobs, finish_reason=t.finish,
                           text=t.text, loss_mask=t.mask, turns=t.turns, tool_calls=t.calls,
                           tool_errors=t.errors, tool_seconds=t.seconds,
-                          turn_rewards=list(t.rewards), truncation=t.truncation)
+                          turn_rewards=list(t.rewards), truncation=t.truncation,
+                          env_retries=t.retries, dropped=t.dropped)
+
+
+class EnvTimeout(TimeoutError):
+    """An environment call ran past agent.env_timeout_s."""
+
+
+def _with_deadline(fn: Callable, seconds: float):
+    """fn() on this thread (seconds <= 0), else on a daemon thread joined for `seconds`; past
+    them EnvTimeout (the thread is left to finish: Python cannot stop it)."""
+    if seconds <= 0:
+        return fn()
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = e
+
+    worker = threading.Thread(target=run, name="megagrpo-env-call", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise EnvTimeout(f"no answer within agent.env_timeout_s={seconds:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
+def check_observation(obs) -> None:
+    """An environment's answer is an Observation with a finite reward and, when it gives ids,
+    non-negative integers; ValueError / TypeError naming what is wrong otherwise."""
+    if not isinstance(obs, Observation):
+        raise TypeError(f"step returned {type(obs).__name__}, not an Observation")
+    if not isinstance(obs.reward, numbers.Real) or not math.isfinite(obs.reward):
+        raise ValueError(f"step's reward {obs.reward!r} is not a finite number")
+    if obs.token_ids is not None and not all(isinstance(i, numbers.Integral) and i >= 0
+                                             for i in obs.token_ids):
+        raise ValueError(f"step's token_ids {list(obs.token_ids)[:4]}... are not all "
+                         "non-negative integers")
 
 
 def agent_metrics(comps: list[Completion]) -> dict[str, float]:
@@ -244,7 +317,8 @@ def agent_metrics(comps: list[Completion]) -> dict[str, float]:
            "tool_errors": sum(c.tool_errors for c in comps) / n,
            "tool_seconds": sum(c.tool_seconds for c in comps) / n,
            "env_reward": sum(c.env_reward for c in comps) / n,
-           "env_token_share": env / max(total, 1)}
+           "env_token_share": env / max(total, 1),
+           "env_retries": sum(c.env_retries for c in comps) / n}
     for cause in TRUNCATIONS:
         out[f"truncated/{cause}"] = sum(c.truncation == cause for c in comps) / n
     return out

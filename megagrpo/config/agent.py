@@ -7,6 +7,7 @@ from megagrpo.config.section import Section
 
 REWARD_MODES = ("sum", "last", "none")
 SANDBOX_MODES = ("kernel", "weak")
+ENV_ERROR_MODES = ("drop", "keep")
 
 
 @dataclass(kw_only=True)
@@ -37,6 +38,20 @@ class AgentConfig(Section):
     env_reward: str = "sum"
     """How the environment's per-turn rewards join the reward terms' score: 'sum' adds them all,
     'last' adds the final turn's, 'none' ignores them."""
+    env_retries: int = 2
+    """An environment that raises while it is created or stepped, takes longer than
+    agent.env_timeout_s, or answers with garbage (not an Observation, a non-finite reward, ids
+    outside the vocabulary) is asked again, the same turn, up to this many times; then the
+    trajectory fails (truncation 'env_error') and agent.on_env_error says what becomes of it. A
+    step that timed out is not asked again (its thread may still run on the environment)."""
+    env_timeout_s: float = 0.0
+    """Wall-clock limit of one environment call (creating, stepping); 0 = none. A call past it
+    fails the trajectory; Python cannot stop its thread, which is left to finish on its own
+    (tools run in the kernel sandbox and are killed at agent.tool_timeout_s)."""
+    on_env_error: str = "drop"
+    """A failed trajectory: 'drop' takes it out of training (its group's advantages are those
+    of the other samples, it has no loss; counted in the step's dropped_frac), 'keep' trains
+    it with the rewards it had when it stopped."""
     tool_timeout_s: float = 10.0
     """Wall-clock limit of one tool call (the child process is killed after it)."""
     tool_cpu_s: float = 5.0
@@ -67,6 +82,13 @@ class AgentConfig(Section):
         if self.environment and self.environment != "tools" and ":" not in self.environment:
             raise ValueError(f"agent.environment={self.environment!r}: name a class as "
                              "'module:Class' or use 'tools' (the built-in tool environment)")
+        if self.env_retries < 0:
+            raise ValueError(f"agent.env_retries={self.env_retries} must be >= 0")
+        if self.env_timeout_s < 0:
+            raise ValueError(f"agent.env_timeout_s={self.env_timeout_s} must be >= 0 (0 = none)")
+        if self.on_env_error not in ENV_ERROR_MODES:
+            raise ValueError(f"agent.on_env_error={self.on_env_error!r}: use one of "
+                             f"{ENV_ERROR_MODES}")
         if self.sandbox not in SANDBOX_MODES:
             raise ValueError(f"agent.sandbox={self.sandbox!r}: use one of {SANDBOX_MODES} "
                              "('weak' only where kernel namespaces are unavailable)")

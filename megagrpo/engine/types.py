@@ -84,7 +84,14 @@ class Completion:
     truncation: str = ""
     """Why the trajectory was cut short: '' (it ended: done, or a single-turn sample),
     'turn_length' (a turn hit rollout.max_tokens: not continued), 'max_turns', 'token_budget'
-    or 'env_error' (the environment raised). finish_reason is 'length' for the first three."""
+    or 'env_error' (the environment failed). finish_reason is 'length' for the first three."""
+    env_retries: int = 0
+    """Multi-turn: environment calls asked again after a failure (agent.env_retries)."""
+    dropped: str = ""
+    """Why the sample takes no part in training ('' = it does): 'env_error', its environment
+    failed after agent.env_retries (agent.on_env_error=drop). A dropped sample leaves its
+    group's advantage statistics and the loss (megagrpo.algo.group_advantages `valid`); it is
+    never trained as if its reward were 0."""
 
 
 @dataclass(kw_only=True)

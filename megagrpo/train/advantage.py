@@ -28,6 +28,9 @@ class ShapedRewards:
     """Sequences whose reward is non-finite or above algo.max_abs_reward."""
     metrics: dict
     """Reward, pass-rate, length and truncation scalars of this replica."""
+    valid: torch.Tensor | None = None
+    """[n] bool: the samples that train (None: all); a dropped one (`Completion.dropped`)
+    leaves its group's advantage statistics and has no loss."""
 
 
 @dataclass
@@ -54,7 +57,11 @@ def build_batch(ro: Rollout, cfg: TrainConfig, *, pad_id: int, multiple: int
     rewards = ro.rewards.float()
     if a.overlong_buffer:
         rewards = rewards + _overlong(lengths, prompts, cfg)
+    dropped = torch.tensor([bool(c.dropped) for c in ro.completions], dtype=torch.bool)
+    valid = ~dropped if bool(dropped.any()) else None
     keep = ~truncated if a.mask_truncated else None
+    if valid is not None:
+        keep = valid if keep is None else keep & valid
     batch = pack(prompts, [c.token_ids for c in ro.completions],
                  [c.logprobs for c in ro.completions], torch.zeros(len(rewards)),
                  pad_id=pad_id, multiple=multiple, blocks=a.num_minibatches,
@@ -66,11 +73,12 @@ def build_batch(ro: Rollout, cfg: TrainConfig, *, pad_id: int, multiple: int
     bad = int(algo.bad_rewards(rewards, a.max_abs_reward).sum())
     metrics = dict(algo.reward_metrics(ro.rewards.float(), a.group_size, correct), **ro.metrics)
     metrics.update(completion_len=float(model_lengths.float().mean()),
-                   truncated_frac=float(truncated.float().mean()), nonfinite_rewards=float(bad))
+                   truncated_frac=float(truncated.float().mean()), nonfinite_rewards=float(bad),
+                   dropped_frac=float(dropped.float().mean()))
     if cfg.agent.enabled:
         metrics.update(agent_metrics(ro.completions),
                        trajectory_len=float(lengths.float().mean()))
-    return batch, ShapedRewards(rewards=rewards, bad=bad, metrics=metrics)
+    return batch, ShapedRewards(rewards=rewards, bad=bad, metrics=metrics, valid=valid)
 
 
 def _overlong(lengths: torch.Tensor, prompts: list[list[int]], cfg: TrainConfig) -> torch.Tensor:
@@ -82,12 +90,14 @@ def _overlong(lengths: torch.Tensor, prompts: list[list[int]], cfg: TrainConfig)
                                  cfg.algo.overlong_penalty)
 
 
-def advantages(rewards: torch.Tensor, a: AlgoConfig, dp_group=None) -> torch.Tensor:
+def advantages(rewards: torch.Tensor, a: AlgoConfig, dp_group=None,
+               valid: torch.Tensor | None = None) -> torch.Tensor:
     """[n] group advantages of the real sequences' rewards [n] (algo.std_mode; 'batch' takes
-    the std of the DP-global batch, a collective over `dp_group`)."""
+    the std of the DP-global batch, a collective over `dp_group`). `valid` [n]: the samples
+    that count (`algo.group_advantages`; None: all)."""
     if a.std_mode == "batch":
-        return _batch_std_advantages(rewards, a.group_size, a.std_eps, dp_group)
-    return algo.group_advantages(rewards, a.group_size, a.std_mode, a.std_eps)
+        return _batch_std_advantages(rewards, a.group_size, a.std_eps, dp_group, valid)
+    return algo.group_advantages(rewards, a.group_size, a.std_mode, a.std_eps, valid)
 
 
 def kl_penalized_rewards(batch: Batch, a: AlgoConfig) -> tuple[torch.Tensor, dict]:
@@ -135,14 +145,17 @@ def rollout_is(batch: Batch, scored_rows: torch.Tensor | None, a: AlgoConfig,
                       metrics=metrics)
 
 
-def _batch_std_advantages(rewards: torch.Tensor, G: int, eps: float, dp_group) -> torch.Tensor:
-    """Group-mean baseline divided by the std of the rewards of the whole (DP-global) batch."""
-    stats = torch.tensor([rewards.sum(), (rewards ** 2).sum(), rewards.numel()],
+def _batch_std_advantages(rewards: torch.Tensor, G: int, eps: float, dp_group,
+                          valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Group-mean baseline divided by the std of the (valid) rewards of the whole (DP-global)
+    batch."""
+    counted = rewards if valid is None else rewards[valid]
+    stats = torch.tensor([counted.sum(), (counted ** 2).sum(), counted.numel()],
                          dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(stats, group=dp_group)
     n = stats[2]
     mean = stats[0] / n
     std = ((stats[1] / n - mean ** 2) * n / max(n - 1, 1)).clamp(min=0).sqrt()
-    centred = algo.group_advantages(rewards, G, "none")
+    centred = algo.group_advantages(rewards, G, "none", valid=valid)
     return (centred / (std.float() + eps)).float()

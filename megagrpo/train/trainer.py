@@ -261,7 +261,7 @@ class Trainer:
             batch.lags = self._rows(batch, lags)  # per row: balancing moves them with it
             st.bound(batch, lags, self.step_idx + 1, say=self.ranks.rank == 0)
             if not self.kl_in_reward:
-                replica.update(self._set_advantages(batch, shaped.rewards))
+                replica.update(self._set_advantages(batch, shaped.rewards, shaped.valid))
             replica = self._dp_mean(replica)  # each replica saw its own prompts
             batch, balanced = self.balance(batch)
             replica.update(balanced)  # already global
@@ -272,7 +272,7 @@ class Trainer:
             last = self._score_metrics(scored)  # computed where the log-probs live
             if self.kl_in_reward and batch.old_logp is not None:
                 rewards, kl_metrics = kl_penalized_rewards(batch, a)
-                last.update(self._set_advantages(batch, rewards), **kl_metrics)
+                last.update(self._set_advantages(batch, rewards, shaped.valid), **kl_metrics)
             if batch.old_logp is not None:
                 corr = rollout_is(batch, scored.rows, a, mode=mode)
                 batch.mask, batch.is_weight = corr.mask, corr.weight
@@ -360,8 +360,9 @@ class Trainer:
                              pad_id=self.tokens.pad_id, dp_rank=self.ranks.dp_rank,
                              dp=self.ranks.dp, group=self.groups.dp, enabled=on)
 
-    def _set_advantages(self, batch: Batch, rewards: torch.Tensor) -> dict:
-        adv = advantages(rewards, self.cfg.algo, self.groups.dp)
+    def _set_advantages(self, batch: Batch, rewards: torch.Tensor,
+                        valid: torch.Tensor | None = None) -> dict:
+        adv = advantages(rewards, self.cfg.algo, self.groups.dp, valid)
         batch.set_advantages(adv)
         return {"advantage_abs": float(adv.abs().mean())}
 
