@@ -60,7 +60,7 @@ from megagrpo.runtime.procs import follow_parent
 from megagrpo.runtime.rng import RankRng
 from megagrpo.runtime.run_dir import check_out_dir
 from megagrpo.runtime.watchdog import Watchdog, start_watchdog
-from megagrpo.sync import adapters, build_weight_sync
+from megagrpo.sync import build_weight_sync
 from megagrpo.train import offpolicy
 from megagrpo.train.cold_start import cold_start
 from megagrpo.train.eval_target import EvalTarget
@@ -199,10 +199,9 @@ def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
         save(str(d))
     r = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + layout.engine,
                             dtype=model.dtype)
-    serve = cfg.lora.enabled and not adapters.unavailable(
-        cfg.lora, cfg.rollout.tensor_parallel_size, model, on_cpu=adapters.vllm_on_cpu())
+    lora_rank = build_tuning(cfg.lora).engine_lora_rank(cfg.rollout.tensor_parallel_size, model)
     return VLLMEngine(r, d, dtype=model.dtype, capture_routing=cfg.algo.routing_replay,
-                      max_lora_rank=adapters.vllm_max_lora_rank(cfg.lora.rank) if serve else 0)
+                      max_lora_rank=lora_rank)
 
 
 def _engine_dir(cfg: TrainConfig, rank: int) -> Path:

@@ -119,7 +119,7 @@ def test_async_runs_name_their_staleness_correction():
     """run.async_rollout: the start-up console says the batch is one update stale and which
     rollout-IS correction (or none) handles it."""
     from megagrpo.config.train import load_config
-    from megagrpo.run import async_note
+    from megagrpo.train.offpolicy import start_line as async_note
 
     on = async_note(load_config(None, ["run.async_rollout=true", "algo.rollout_is=truncate"]))
     assert "one update behind" in on and "algo.rollout_is=truncate" in on

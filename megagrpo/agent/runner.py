@@ -240,10 +240,12 @@ class TrajectoryRunner:
         t.dropped = "env_error" if drop else ""
         if not self.reported:
             self.reported = True
-            log.warning("agent.environment=%s failed while %s a trajectory after %d tries "
+            tries = t.retries + 1
+            log.warning("agent.environment=%s failed while %s a trajectory after %d tr%s "
                         "(%s: %s); that trajectory %s (truncation 'env_error', counted in the "
                         "step's metrics); later failures are counted only",
-                        self.agent.environment, doing, t.retries + 1, type(e).__name__, e,
+                        self.agent.environment, doing, tries, "y" if tries == 1 else "ies",
+                        type(e).__name__, e,
                         "is dropped from training (agent.on_env_error=drop)" if drop
                         else "trains with what it had (agent.on_env_error=keep)")
 

@@ -241,6 +241,8 @@ class Progress:
         parts = [f"{short}={record[k]:.3g}" for k, short in self.KEYS if k in record]
         if self.last_acc is not None:
             parts.append(f"acc={self.last_acc:.3f}")
+        if record.get("dropped_frac"):  # samples out of training (an environment failed)
+            parts.append(f"dropped={record['dropped_frac']:.3g}")
         if record.get("reference_sync"):
             parts.append("ref reset")
         return " ".join(parts + self.stream_figures(record))

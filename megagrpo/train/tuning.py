@@ -16,7 +16,7 @@ from megagrpo.config.train import TrainConfig
 from megagrpo.lora.checkpoint import lora_parts
 from megagrpo.lora.layers import LoRAReference, add_adapters, describe
 from megagrpo.model.reference import Reference
-from megagrpo.sync.adapters import unavailable, vllm_on_cpu
+from megagrpo.sync.adapters import unavailable, vllm_max_lora_rank, vllm_on_cpu
 
 log = logging.getLogger("megagrpo")
 
@@ -27,6 +27,10 @@ class FullTuning:
     def prepare(self, gpt: torch.nn.Module, model: ModelConfig, rollout_tp: int, *, seed: int,
                 loud: bool) -> None:
         """Nothing to add before DDP."""
+
+    def engine_lora_rank(self, rollout_tp: int, model: ModelConfig) -> int:
+        """The engine serves no adapter."""
+        return 0
 
     def reference(self, policy, model: ModelConfig, cfg: TrainConfig) -> Reference:
         return Reference(policy, model, cfg.parallel, cfg.reference, seed=cfg.run.seed)
@@ -55,6 +59,13 @@ class LoRATuning:
         if loud:
             why = unavailable(self.lora, rollout_tp, model, on_cpu=vllm_on_cpu())
             log.info("%s", describe(n, sum(p.numel() for p in gpt.parameters()), self.lora, why))
+
+    def engine_lora_rank(self, rollout_tp: int, model: ModelConfig) -> int:
+        """The max_lora_rank the engines start with: the adapters' (vLLM's next size) where
+        vLLM serves them, 0 where the merged weights are refit instead."""
+        if unavailable(self.lora, rollout_tp, model, on_cpu=vllm_on_cpu()):
+            return 0
+        return vllm_max_lora_rank(self.lora.rank)
 
     def reference(self, policy, model: ModelConfig, cfg: TrainConfig) -> LoRAReference:
         return LoRAReference(policy, cfg.reference)
