@@ -23,9 +23,7 @@ from megagrpo.checkpoint import (
     layout_of,
     load_model,
 )
-from megagrpo.config.compile import (
-    run_work,
-)
+from megagrpo.config.compile import run_work
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.section import freeze
@@ -61,10 +59,9 @@ from megagrpo.runtime.rng import RankRng
 from megagrpo.runtime.run_dir import check_out_dir
 from megagrpo.runtime.watchdog import Watchdog, start_watchdog
 from megagrpo.sync import build_weight_sync
-from megagrpo.train import offpolicy
 from megagrpo.train.cold_start import cold_start
 from megagrpo.train.eval_target import EvalTarget
-from megagrpo.train.offpolicy import StalenessPolicy
+from megagrpo.train.offpolicy import StalenessPolicy, start_line
 from megagrpo.train.trainer import BadStepsError, TokenIds, Trainer
 from megagrpo.train.tuning import build_tuning
 
@@ -130,7 +127,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                            train_cp=cfg.parallel.cp)
     if rank == 0:
         log.info("%s", place.describe(cfg, info.dp) if place else layout.describe())
-        if line := offpolicy.start_line(cfg):
+        if line := start_line(cfg):
             log.info("%s", line)
     tok = task.tokenizer
     if engine is None and place is None:
