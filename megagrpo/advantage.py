@@ -55,6 +55,9 @@ def build_batch(ro: Rollout, cfg: TrainConfig, *, pad_id: int, multiple: int
     if a.overlong_buffer:
         rewards = rewards + _overlong(lengths, prompts, cfg)
     keep = ~truncated if a.mask_truncated else None
+    failed = torch.tensor([c.reward_failed for c in ro.completions], dtype=torch.bool)
+    if bool(failed.any()):  # a reward source could not score them: no gradient from them
+        keep = ~failed if keep is None else keep & ~failed
     batch = pack(prompts, [c.token_ids for c in ro.completions],
                  [c.logprobs for c in ro.completions], torch.zeros(len(rewards)),
                  pad_id=pad_id, multiple=multiple, blocks=a.num_minibatches,

@@ -66,7 +66,11 @@ class Drawn:
         """Waits for pending scores and records them (no-op once scored)."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
+            t0 = time.perf_counter()
             rewards, metrics = record_scores(self.completions, pending)
+            # what scoring still took once sampling was done: a source scoring in the
+            # background (a future) overlapped the rest (its own time is its *_time_s metric)
+            metrics["reward_wait_s"] = time.perf_counter() - t0
             self.rewards, self.metrics = rewards.tolist(), dict(self.metrics, **metrics)
         return self
 
@@ -382,7 +386,32 @@ def record_scores(comps: list[Completion], pending: PendingScores) -> tuple[torc
         c.correct = bool(ok)
         if env is not None:
             c.env_reward = float(env[i])
-    return scores.rewards, scores.metrics
+    rewards, metrics = scores.rewards, dict(scores.metrics)
+    if comps:  # the same key on every rank that scored (averaged by key)
+        metrics["reward_failed"] = 0.0
+    if scores.valid is not None:
+        rewards = impute_failed(comps, rewards, scores.valid.bool())
+        metrics["reward_failed"] = float((~scores.valid.bool()).sum())
+    return rewards, metrics
+
+
+def impute_failed(comps: list[Completion], rewards: torch.Tensor, valid: torch.Tensor
+                  ) -> torch.Tensor:
+    """Samples a source could not score (`valid` False) are marked `reward_failed` (left out
+    of the loss) and given their group's mean reward over the scored ones (0 when none was
+    scored), so they shift neither the group's mean nor, under dynamic sampling, its spread."""
+    out = rewards.clone().to(torch.float32)
+    by_prompt: dict[int, list[int]] = {}
+    for i, c in enumerate(comps):
+        by_prompt.setdefault(c.prompt_index, []).append(i)
+    for idx in by_prompt.values():
+        ok = [i for i in idx if bool(valid[i])]
+        fill = float(out[ok].mean()) if ok else 0.0
+        for i in idx:
+            if not bool(valid[i]):
+                comps[i].reward_failed = True
+                out[i] = fill
+    return out
 
 
 def _sum_dicts(dicts: list[dict]) -> dict:

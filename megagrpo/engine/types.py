@@ -81,6 +81,9 @@ class Completion:
     env_reward: float = 0.0
     """The environment's rewards as the reward component joined them (agent.env_reward; set
     when the sample is scored, megagrpo.reward.environment)."""
+    reward_failed: bool = False
+    """A reward source could not score it (a remote call failed after its retries, with
+    on_failure=drop): it is left out of the loss, its reward replaced by its group's mean."""
     truncation: str = ""
     """Why the trajectory was cut short: '' (it ended: done, or a single-turn sample),
     'turn_length' (a turn hit rollout.max_tokens: not continued), 'max_turns', 'token_budget'

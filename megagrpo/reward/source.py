@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -39,6 +40,9 @@ class Scores:
     """[n] bool: the sample counts as solved (held-out accuracy); None = rewards >= 1."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Scalars for the step's log (the trainer averages them over ranks by key)."""
+    valid: Tensor | None = None
+    """[n] bool: False where the source could not score the sample (its reward is not used:
+    the sample is left out of the loss); None = every sample scored."""
 
     def correctness(self) -> Tensor:
         """[n] bool `correct`, or rewards >= 1 where the source gave none."""
@@ -111,6 +115,32 @@ class PendingScores:
                                     for p in self.parts])
             self.parts = []
         return self._done
+
+
+def all_of(parts: list[Scores | Future[Scores]],
+           join: Callable[[list[Scores]], Scores]) -> Scores | Future[Scores]:
+    """`join` of the parts: at once when none is a future, else a future completed (by the
+    last part's callback, no thread of its own) with the join or the first part's exception."""
+    futures = [p for p in parts if isinstance(p, Future)]
+    if not futures:
+        return join(parts)  # type: ignore[arg-type]
+    out: Future[Scores] = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:
+            out.set_result(join([p.result() if isinstance(p, Future) else p for p in parts]))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever awaits `out`
+            out.set_exception(e)
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    return out
 
 
 def empty_scores() -> Scores:
