@@ -10,7 +10,8 @@ import torch
 
 from megagrpo.config.data import RewardConfig
 from megagrpo.reward import Sample, build_rewards, check_source, exact_match_reward
-from megagrpo.reward.reward_model import RewardModelSource, parameter_count
+from megagrpo.plan.reward import parameter_count
+from megagrpo.reward.reward_model import RewardModelSource
 from tests.support.tiny import tiny_qwen2, tiny_reward_model
 
 QUESTIONS = ["What is 2+3?", "Name a colour.", "12*12=?"]
@@ -98,12 +99,27 @@ def test_truncation_keeps_the_last_tokens_and_is_counted(rm_dir):
             [Sample(prompt="p", prompt_ids=[1], completion="c", completion_ids=[2], answer="")])
 
 
-def test_parameter_count_for_the_plan(rm_dir):
+def test_its_memory_in_the_plan(rm_dir, capsys):
+    """`megagrpo plan` counts the reward model's parameters from its safetensors headers (as
+    many as transformers loads) and adds weights + one batch's activations (by hand: batch 4 x
+    T 16 tokens x (hidden 64 + 2 x FFN 128 + 4 heads x T 16) values of 4 bytes) beside vLLM."""
     from transformers import AutoModelForSequenceClassification
+
+    from megagrpo.plan import run_plan
+    from tests.test_plan import TINY
 
     model = AutoModelForSequenceClassification.from_pretrained(rm_dir)
     n, _ = parameter_count(str(rm_dir))
     assert n == sum(p.numel() for p in model.parameters())
+    opts = f"{{path: '{rm_dir}', batch_size: 4, max_length: 16}}"
+    assert run_plan(None, [*TINY, "reward.source=reward_model", f"reward.options={opts}"],
+                    gpus=4, gpu_mem_gib=1.0) == 0
+    out = capsys.readouterr().out
+    act = 4 * 16 * (64 + 2 * 128 + 4 * 16) * 4
+    assert (f"reward model (reward.options.path): {n / 1e6:.1f}M params, weights "
+            f"{n * 4 / 2**30:.2f} GiB (float32) + activations {act / 2**30:.2f} GiB") in out
+    assert run_plan(None, [*TINY, "reward.source=reward_model", f"reward.options={opts}"],
+                    gpus=4, gpu_mem_gib=n * 4 / 2**30) == 1  # the model alone fills the GPU
 
 
 def test_bad_options_are_refused_naming_the_field(rm_dir, tmp_path):

@@ -150,6 +150,7 @@ def test_a_future_is_awaited_when_the_batch_is_gathered():
     assert len(ro.completions) == 8 and drawn.pending is None
     assert ro.rewards.tolist() == [float(len(text(x))) for x in ro.completions]
     assert [x.correct for x in ro.completions] == [len(text(x)) > 5 for x in ro.completions]
+    assert ro.metrics["reward_wait_s"] >= 0 and ro.metrics["reward_failed"] == 0
 
 
 def test_environment_rewards_join_through_the_seam():

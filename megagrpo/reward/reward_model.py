@@ -19,7 +19,6 @@ classification heads we could check against (docs/rewards.md).
 from __future__ import annotations
 
 import json
-import struct
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -172,21 +171,3 @@ class RewardModelSource:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-
-def parameter_count(path: str) -> tuple[int, str]:
-    """(parameters, where the count came from) of an HF folder without loading it: the
-    safetensors headers' shapes (0 when none is there)."""
-    folder = Path(path).expanduser()
-    total = 0
-    files = sorted(folder.glob("*.safetensors"))
-    for f in files:
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name, meta in header.items():
-            if name != "__metadata__":
-                count = 1
-                for d in meta["shape"]:
-                    count *= d
-                total += count
-    return total, f"{len(files)} safetensors file(s)" if files else "no weights found"
