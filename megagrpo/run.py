@@ -64,7 +64,7 @@ from megagrpo.placement import (
 from megagrpo.preflight import Preflight, preflight
 from megagrpo.procs import follow_parent
 from megagrpo.reference import Reference
-from megagrpo.reward import build_rewards
+from megagrpo.reward import RewardContext, build_rewards
 from megagrpo.rng import RankRng
 from megagrpo.rollout import RolloutCollector
 from megagrpo.run_dir import check_out_dir
@@ -162,8 +162,10 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                                       bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
                                       dtype=model_cfg.dtype))
     else:
+        context = RewardContext(engine=engine, tokenizer=tok, stop_ids=tokens.stop_ids,
+                                engine_tp=layout.engine_tp)
         rollouts = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
-                                    rewards=build_rewards(cfg.reward, _env_reward(cfg)),
+                                    rewards=build_rewards(cfg.reward, _env_reward(cfg), context),
                                     layout=layout, ranks=ranks, groups=groups,
                                     stop_ids=tokens.stop_ids)
     weight_sync = build_weight_sync(cfg.sync, cfg.rollout, cfg.lora, model=model_cfg,
@@ -322,9 +324,11 @@ def serve_rollouts(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | No
     engine = _start_engine(cfg, model_cfg, tok, layout)
     loader = PromptLoader(task.train, cfg.data.batch_size, 0, 1, seed=cfg.data.seed,
                           shuffle=cfg.data.shuffle)
+    stop_ids = (tok.eos_id, *task.stop_ids)
+    context = RewardContext(engine=engine, tokenizer=tok, stop_ids=stop_ids)
     collector = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
-                                 rewards=build_rewards(cfg.reward, _env_reward(cfg)), layout=layout,
-                                 stop_ids=(tok.eos_id, *task.stop_ids))
+                                 rewards=build_rewards(cfg.reward, _env_reward(cfg), context),
+                                 layout=layout, stop_ids=stop_ids)
     done = serve(cfg, place, collector, watchdog)
     log.info("rollout rank %d: %d batches sampled over %d weight syncs", rank, done["batches"],
              done["syncs"])

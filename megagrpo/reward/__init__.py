@@ -10,6 +10,7 @@
 - remote.py: the `remote` source, an HTTP endpoint (batched JSON, timeouts, bounded retries,
   a concurrency limit).
 - reward_model.py: the `reward_model` source, an HF sequence-classification model, batched.
+- judge.py: the `judge` source, a generative LLM judge on the rollout engine (template, regex).
 - combine.py: `reward.sources`, several sources summed with weights.
 - options.py: a source's options read into its dataclass, errors naming the field.
 
@@ -37,8 +38,10 @@ from megagrpo.reward.rules import (
 from megagrpo.reward.sample import Sample, samples_of
 from megagrpo.reward.source import (
     PendingScores,
+    RewardContext,
     RewardSource,
     Scores,
+    build_source,
     empty_scores,
     register_source,
     source_builder,
@@ -51,7 +54,7 @@ __all__ = [
     "RuleTerms", "Sample", "Scores", "build_rewards", "call_with_deadline", "check_reward_kwargs",
     "check_source", "exact_match_reward", "format_reward", "math_reward", "normalize_answer",
     "register_source", "resolve_reward", "resolve_terms", "samples_of", "stuck_reward_threads",
-    "WeightedSources",
+    "RewardContext", "WeightedSources",
 ]
 
 
@@ -81,10 +84,13 @@ class Rewards:
         self.source.close()
 
 
-def build_rewards(cfg: RewardConfig, env_reward: str = "none") -> Rewards:
+def build_rewards(cfg: RewardConfig, env_reward: str = "none",
+                  context: RewardContext | None = None) -> Rewards:
     """The reward component from the `reward` section (checked: `RewardConfig.validate`);
-    `env_reward` is agent.env_reward where multi-turn rollouts run ('none' otherwise)."""
-    source = WeightedSources.build(cfg) if cfg.sources else source_builder(cfg.source)(cfg)
+    `env_reward` is agent.env_reward where multi-turn rollouts run ('none' otherwise);
+    `context` (the engine, the tokenizer) for sources that need it (the judge)."""
+    source = (WeightedSources.build(cfg, context) if cfg.sources
+              else build_source(source_builder(cfg.source), cfg, context))
     return Rewards(source, EnvironmentRewards(env_reward) if env_reward != "none" else None)
 
 

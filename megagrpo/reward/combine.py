@@ -15,7 +15,14 @@ import torch
 from megagrpo.config.data import RewardConfig
 from megagrpo.reward.options import WHERE
 from megagrpo.reward.sample import Sample
-from megagrpo.reward.source import RewardSource, Scores, all_of, source_builder
+from megagrpo.reward.source import (
+    RewardContext,
+    RewardSource,
+    Scores,
+    all_of,
+    build_source,
+    source_builder,
+)
 
 
 @dataclass
@@ -68,8 +75,8 @@ class WeightedSources:
         self.parts, self.correctness = parts, correctness
 
     @classmethod
-    def build(cls, cfg: RewardConfig) -> WeightedSources:
-        sources = each_source(cfg, lambda builder, sub: builder(sub))
+    def build(cls, cfg: RewardConfig, context: RewardContext | None = None) -> WeightedSources:
+        sources = each_source(cfg, lambda builder, sub: build_source(builder, sub, context))
         marked = [i for i, s in enumerate(cfg.sources) if s.correctness]
         return cls([Part(label, s.weight, src) for label, s, src
                     in zip(labels(cfg), cfg.sources, sources, strict=True)],

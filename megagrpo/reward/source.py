@@ -57,7 +57,22 @@ class RewardSource(Protocol):
     def close(self) -> None: ...
 
 
-SourceBuilder = Callable[[RewardConfig], RewardSource]
+@dataclass(frozen=True)
+class RewardContext:
+    """What the run hands a source that needs more than its config (`needs_context = True` on
+    the builder: called as `builder(cfg, context)`), e.g. the judge's engine."""
+
+    engine: object = None
+    """This rank's rollout engine (`megagrpo.engine.RolloutEngine`), None where there is none."""
+    tokenizer: object = None
+    """The run's tokenizer (`megagrpo.data.Tokenizer`)."""
+    stop_ids: tuple[int, ...] = ()
+    """Token ids that end a completion."""
+    engine_tp: int = 1
+    """Ranks of the engine (rollout.tensor_parallel_size)."""
+
+
+SourceBuilder = Callable[..., RewardSource]
 SOURCES: dict[str, SourceBuilder] = {}
 """Registered reward sources by name (`reward.source`)."""
 
@@ -86,6 +101,14 @@ def source_builder(name: str) -> SourceBuilder:
             raise ValueError(f"reward.source: {e}") from None
     raise ValueError(f"reward.source={name!r}: use one of {sorted(SOURCES)} (or a module of "
                      f"megagrpo/reward/ that registers that name), or 'module:Class'")
+
+
+def build_source(builder: SourceBuilder, cfg: RewardConfig,
+                 context: RewardContext | None) -> RewardSource:
+    """`builder(cfg)`, or `builder(cfg, context)` for a builder with `needs_context`."""
+    if getattr(builder, "needs_context", False):
+        return builder(cfg, context or RewardContext())
+    return builder(cfg)
 
 
 def check_source(cfg: RewardConfig) -> None:
