@@ -18,11 +18,11 @@ from megagrpo.reward import Sample, build_rewards, check_source
 
 class Verifier:
     """The server's behaviour and what it saw. The reward of a sample is len(completion) / 10;
-    a completion containing 'bad' makes its request answer 503; 'slow' makes the first request
+    a completion containing 'bad' (or a record {k: fail_record}) makes its request answer 503; 'slow' makes the first request
     that holds it sleep past the client's deadline; 'junk' makes it answer a wrong length."""
 
-    def __init__(self, hold_s: float = 0.0) -> None:
-        self.hold_s = hold_s
+    def __init__(self, hold_s: float = 0.0, fail_record: int | None = None) -> None:
+        self.hold_s, self.fail_record = hold_s, fail_record
         self.lock = threading.Lock()
         self.requests: list[list[str]] = []
         self.in_flight = self.max_in_flight = 0
@@ -38,7 +38,9 @@ class Verifier:
             self.slow_seen |= first_slow
         try:
             time.sleep(1.5 if first_slow else self.hold_s)
-            if any("bad" in c for c in completions):
+            if any("bad" in c for c in completions) or any(
+                    self.fail_record is not None and s["record"].get("k") == self.fail_record
+                    for s in samples):
                 return 503, {"error": "overloaded"}
             rewards = [len(c) / 10 for c in completions]
             if any("junk" in c for c in completions):
@@ -181,3 +183,25 @@ def test_bad_options_are_refused_naming_the_field():
     for options, msg in cases:
         with pytest.raises(ValueError, match=msg):
             check_source(RewardConfig(source="remote", options=options))
+
+
+def test_unscored_samples_leave_the_loss_through_the_collector(server):
+    """Collector -> remote source -> gather -> build_batch: the group of the record the server
+    refuses is marked, its rewards are 0 (no scored sample in the group), none of its tokens
+    is in the loss mask, and every other sample keeps its server reward and its tokens."""
+    from megagrpo.advantage import build_batch
+    from tests.test_reward_source import collector
+
+    v = Verifier(fail_record=1)
+    c = collector(build_rewards(remote(server(v), batch_size=2, max_retries=1)))
+    ro = c.next(version=0)
+    failed = [x.reward_failed for x in ro.completions]
+    prompts_failed = {x.prompt_index for x in ro.completions if x.reward_failed}
+    assert sum(failed) == 2 and len(prompts_failed) == 1  # one group of G=2
+    assert ro.metrics["reward_failed"] == 2 and ro.metrics["remote_failed"] == 2
+    texts = [x.text or c.tokenizer.decode(x.token_ids) for x in ro.completions]
+    want = [0.0 if f else len(t) / 10 for f, t in zip(failed, texts)]
+    assert torch.allclose(ro.rewards, torch.tensor(want))
+    batch, _ = build_batch(ro, c.cfg, pad_id=0, multiple=1)
+    assert int(batch.mask.sum()) == sum(len(x.token_ids) for x in ro.completions
+                                        if not x.reward_failed)
