@@ -104,3 +104,18 @@ def test_bad_options_are_refused_naming_the_field():
     for options, msg in cases:
         with pytest.raises(ValueError, match=msg):
             check_source(RewardConfig(source="judge", options=options))
+
+
+def test_the_preflight_checks_the_judge_against_the_recipe():
+    from megagrpo.reward.judge import check_with_run
+
+    one = RewardConfig(source="judge", options={"template": "{completion}", "base_model": True})
+    with pytest.raises(ValueError, match=r"reward.options\) with rollout.tensor_parallel_size=2"):
+        check_with_run(one, engine_tp=2, lora_enabled=True, lora_refit="auto")
+    with pytest.raises(ValueError, match=r"reward.options.base_model=true needs vLLM serving"):
+        check_with_run(one, engine_tp=1, lora_enabled=False, lora_refit="auto")
+    listed = RewardConfig(sources=[{"source": "rules"}, {"source": "judge", "options": {
+        "template": "{completion}", "base_model": True}}])
+    with pytest.raises(ValueError, match=r"reward.sources\[1\].options.base_model=true"):
+        check_with_run(listed, engine_tp=1, lora_enabled=True, lora_refit="merged")
+    check_with_run(listed, engine_tp=1, lora_enabled=True, lora_refit="adapter")  # passes

@@ -89,6 +89,25 @@ class JudgeOptions:
             raise ValueError(f"{where}.system_prompt is set but {where}.chat is false")
 
 
+def check_with_run(cfg: RewardConfig, *, engine_tp: int, lora_enabled: bool,
+                   lora_refit: str) -> None:
+    """Preflight: a judge source against the rest of the recipe (errors name the fields)."""
+    judges = ([("reward.options", cfg.options)] if not cfg.sources and cfg.source == "judge"
+              else [(f"reward.sources[{i}].options", s.options)
+                    for i, s in enumerate(cfg.sources) if s.source == "judge"])
+    for where, options in judges:
+        if engine_tp > 1:
+            raise ValueError(f"a judge reward ({where}) with rollout.tensor_parallel_size="
+                             f"{engine_tp}: only an engine's leader rank scores, but every rank "
+                             "of the engine would have to generate; set "
+                             "rollout.tensor_parallel_size=1 or use a remote judge")
+        if options.get("base_model") and (not lora_enabled or lora_refit == "merged"):
+            raise ValueError(f"{where}.base_model=true needs vLLM serving a LoRA adapter to "
+                             f"switch off (lora.rank > 0, lora.refit adapter or auto; now "
+                             f"lora.enabled={lora_enabled}, lora.refit={lora_refit!r}); drop "
+                             "base_model to judge with the policy")
+
+
 @register_source("judge")
 class JudgeSource:
     """Scores samples with the run's engine as a judge (module docstring)."""
