@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megagrpo.config.data import RewardConfig
-from megagrpo.reward import Sample, build_rewards, check_source, exact_match_reward
 from megagrpo.plan.reward import parameter_count
+from megagrpo.reward import Sample, build_rewards, check_source, exact_match_reward
 from megagrpo.reward.reward_model import RewardModelSource
 from tests.support.tiny import tiny_qwen2, tiny_reward_model
 

@@ -18,8 +18,9 @@ from megagrpo.reward import Sample, build_rewards, check_source
 
 class Verifier:
     """The server's behaviour and what it saw. The reward of a sample is len(completion) / 10;
-    a completion containing 'bad' (or a record {k: fail_record}) makes its request answer 503; 'slow' makes the first request
-    that holds it sleep past the client's deadline; 'junk' makes it answer a wrong length."""
+    a completion containing 'bad' (or a record {k: fail_record}) makes its request answer 503;
+    'slow' makes the first request that holds it sleep past the client's deadline; 'junk'
+    makes it answer a wrong length."""
 
     def __init__(self, hold_s: float = 0.0, fail_record: int | None = None) -> None:
         self.hold_s, self.fail_record = hold_s, fail_record

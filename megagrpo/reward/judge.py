@@ -147,8 +147,9 @@ class JudgeSource:
         parsed = [self.parse(t) for t in texts]
         failed = [i for i, v in enumerate(parsed) if v is None]
         if failed:
+            first = texts[failed[0]][:80]
             msg = (f"reward judge: {len(failed)} of {len(samples)} answers did not match "
-                   f"reward.options.pattern={self.opts.pattern!r} (first: {texts[failed[0]][:80]!r})")
+                   f"reward.options.pattern={self.opts.pattern!r} (first: {first!r})")
             if self.opts.on_failure == "error":
                 raise RuntimeError(f"{msg}; reward.options.on_failure=error stops the run (set "
                                    "it to 'drop' to leave such samples out of the loss)")

@@ -163,9 +163,8 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 def tiny_char_tokenizer(path):
     """A character-level HF tokenizer (printable ASCII + newline, ChatML specials, <pad> = 0)
     with the ChatML chat template, saved to `path`; returns it."""
-    from tokenizers import Regex
+    from tokenizers import Regex, models, pre_tokenizers
     from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
@@ -184,8 +183,12 @@ def tiny_char_tokenizer(path):
 def tiny_reward_model(path, *, arch: str = "qwen2", seed: int = 6):
     """A random *ForSequenceClassification reward model (one output, the layout of Qwen /
     Skywork reward checkpoints) with the character tokenizer, saved to `path`; returns it."""
-    from transformers import (LlamaConfig, LlamaForSequenceClassification, Qwen2Config,
-                              Qwen2ForSequenceClassification)
+    from transformers import (
+        LlamaConfig,
+        LlamaForSequenceClassification,
+        Qwen2Config,
+        Qwen2ForSequenceClassification,
+    )
 
     torch.manual_seed(seed)
     vocab = len(tiny_char_tokenizer(path))
