@@ -77,6 +77,7 @@ def test_format_template_and_the_policys_prompt_text(rm_dir):
     cfg = rm_config(rm_dir, batch_size=4, prompt_field="",
                     template="Q: {prompt}\nA: {completion}")
     src = RewardModelSource(cfg)
+    assert src.model is None  # a rank that never scores (not an engine's leader) holds none
     fut = src.score(samples())
     assert isinstance(fut, Future)  # scored in the source's thread
     texts = [f"Q: <templated>{QUESTIONS[i % 3]}\nA: {c}" for i, c in enumerate(COMPLETIONS)]

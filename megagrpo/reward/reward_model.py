@@ -11,7 +11,8 @@ real token (what transformers computes for one unpadded sample). A multi-turn tr
 scored on its last assistant turn (`Sample.completion`).
 
 The model runs in this process, on the rollout engine's leader rank (colocated: one copy per
-engine; its memory is a line of `megagrpo plan`), in a thread of its own: `score` returns a
+engine, loaded by the first batch it scores, so other ranks hold none; its memory is a line of
+`megagrpo plan`), in a thread of its own: `score` returns a
 future, so scoring a batch overlaps what the rank does next (with rollout.max_staleness >= 1,
 sampling the next batch). vLLM's pooling API is not used here: the CPU build serves no
 classification heads we could check against (docs/rewards.md).
@@ -96,31 +97,43 @@ class RewardModelSource:
         parse_options(RewardModelOptions, cfg.options)
 
     def __init__(self, cfg: RewardConfig) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.opts = o = parse_options(RewardModelOptions, cfg.options)
         device = ("cuda" if torch.cuda.is_available() else "cpu") if o.device == "auto" \
             else o.device
+        self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(Path(o.path).expanduser())
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            Path(o.path).expanduser(), dtype=DTYPES[o.dtype]).to(device).eval()
-        if not hasattr(self.model, "score"):
-            raise ValueError(f"reward.options.path={o.path!r}: {type(self.model).__name__} has "
-                             "no `score` head (transformers' *ForSequenceClassification layout)")
-        if o.label >= self.model.score.out_features:
-            raise ValueError(f"reward.options.label={o.label}: the head has "
-                             f"{self.model.score.out_features} output(s)")
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
-        self.device = torch.device(device)
+        self.model: torch.nn.Module | None = None
+        """Loaded by the first `score` (only an engine's leader rank scores: no other rank
+        holds the weights)."""
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="megagrpo-reward-model")
+
+    def _load(self) -> torch.nn.Module:
+        from transformers import AutoModelForSequenceClassification
+
+        o = self.opts
+        model = AutoModelForSequenceClassification.from_pretrained(
+            Path(o.path).expanduser(), dtype=DTYPES[o.dtype]).to(self.device).eval()
+        if not hasattr(model, "score"):
+            raise ValueError(f"reward.options.path={o.path!r}: {type(model).__name__} has no "
+                             "`score` head (transformers' *ForSequenceClassification layout)")
+        if o.label >= model.score.out_features:
+            raise ValueError(f"reward.options.label={o.label}: the head has "
+                             f"{model.score.out_features} output(s)")
+        return model
 
     def score(self, samples: list[Sample]) -> Future[Scores]:
         """A future of the samples' scores (computed in this source's thread)."""
         return self.pool.submit(self.score_now, samples)
 
     def score_now(self, samples: list[Sample]) -> Scores:
+        """The samples' scores, computed here (the model loaded on first use)."""
         start = time.perf_counter()
+        if self.model is None:
+            self.model = self._load()
         ids = [self.encode(s) for s in samples]
         keep = self.opts.max_length
         truncated = sum(keep > 0 and len(x) > keep for x in ids)
@@ -162,6 +175,7 @@ class RewardModelSource:
         for i, x in enumerate(batch):
             ids[i, :len(x)] = torch.tensor(x)
         mask = torch.arange(width)[None, :] < lengths[:, None]
+        assert self.model is not None  # score_now loads it
         base = getattr(self.model, self.model.base_model_prefix)
         hidden = base(input_ids=ids.to(self.device),
                       attention_mask=mask.long().to(self.device)).last_hidden_state
