@@ -147,8 +147,8 @@ class RewardSourceConfig(Section):
     """One reward source of a weighted combination (`reward.sources`)."""
 
     source: str
-    """Its kind: 'rules' (reward.terms), 'remote', 'reward_model', another registered name or
-    'module:Class' (as reward.source)."""
+    """Its kind: 'rules' (reward.terms), 'remote', 'reward_model', 'judge', another registered
+    name or 'module:Class' (as reward.source)."""
     weight: float = 1.0
     """Multiplier of this source's reward in the summed reward."""
     options: dict = field(default_factory=dict)
@@ -163,7 +163,7 @@ class RewardSourceConfig(Section):
         """Raise ValueError naming the first invalid field (`where` = reward.sources[i])."""
         if not self.source:
             raise ValueError(f"{where}.source is empty: use 'rules', 'remote', 'reward_model', "
-                             "a registered name or 'module:Class'")
+                             "'judge', a registered name or 'module:Class'")
         if self.source == "rules" and self.options:
             raise ValueError(f"{where}.options={self.options} with {where}.source=rules: the "
                              "rules source reads reward.terms; drop these options")
@@ -175,9 +175,10 @@ class RewardConfig(Section):
     each call under a deadline)."""
 
     source: str = "rules"
-    """Reward source (megagrpo.reward): 'rules' (the terms below), 'remote' (an HTTP endpoint),
-    'reward_model' (an HF sequence-classification model), another registered name (a module of
-    megagrpo/reward/ registering it) or 'module:Class'. Ignored when `sources` is set."""
+    """Reward source (megagrpo.reward, docs/rewards.md): 'rules' (the terms below), 'remote' (an
+    HTTP endpoint), 'reward_model' (an HF sequence-classification model), 'judge' (the rollout
+    engine as an LLM judge), another registered name (a module of megagrpo/reward/ registering
+    it) or 'module:Class'. Ignored when `sources` is set."""
     options: dict = field(default_factory=dict)
     """Keyword options of a source other than 'rules' (it reads them from this section)."""
     sources: list[RewardSourceConfig] = field(default_factory=list)
