@@ -38,7 +38,7 @@ class Verifier:
             first_slow = any("slow" in c for c in completions) and not self.slow_seen
             self.slow_seen |= first_slow
         try:
-            time.sleep(1.5 if first_slow else self.hold_s)
+            time.sleep(3.0 if first_slow else self.hold_s)
             if any("bad" in c for c in completions) or any(
                     self.fail_record is not None and s["record"].get("k") == self.fail_record
                     for s in samples):
@@ -114,7 +114,7 @@ def test_batched_in_order_with_the_servers_verdicts(server):
 
 def test_a_timeout_is_retried_and_then_scores(server):
     v = Verifier()
-    cfg = remote(server(v), batch_size=2, timeout_s=0.3, max_retries=1)
+    cfg = remote(server(v), batch_size=2, timeout_s=1.0, max_retries=1)  # 1 s: loaded CPUs
     scores = build_rewards(cfg).score([sample("slow one"), sample("ok")])
     assert len(v.requests) == 2  # the first timed out, the retry answered
     assert torch.allclose(scores.rewards, torch.tensor([0.8, 0.2]))
@@ -149,7 +149,7 @@ def test_on_failure_error_stops_the_step(server):
 
 
 def test_concurrency_limit_as_the_server_saw_it(server):
-    v = Verifier(hold_s=0.15)
+    v = Verifier(hold_s=0.3)
     rewards = build_rewards(remote(server(v), batch_size=1, concurrency=2))
     handle = rewards.submit([sample("x" * i) for i in range(8)])
     assert not handle.done()  # submit returned before the server answered: the future
