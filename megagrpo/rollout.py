@@ -68,9 +68,9 @@ class Drawn:
             pending, self.pending = self.pending, None
             t0 = time.perf_counter()
             rewards, metrics = record_scores(self.completions, pending)
-            # what scoring still took once sampling was done: a source scoring in the
-            # background (a future) overlapped the rest (its own time is its *_time_s metric)
-            metrics["reward_wait_s"] = time.perf_counter() - t0
+            # the reward phase: what scoring blocked, overlapped and still kept the gather
+            # waiting for (docs/rewards.md#overlap-and-the-metrics)
+            metrics.update(pending.timing(t0, time.perf_counter()))
             self.rewards, self.metrics = rewards.tolist(), dict(self.metrics, **metrics)
         return self
 

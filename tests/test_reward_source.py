@@ -4,6 +4,7 @@ hold, the environment's per-turn rewards join through the seam, and a second sou
 here is selected by config alone (fake engine, no vLLM, no torchrun)."""
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future
 
@@ -150,7 +151,26 @@ def test_a_future_is_awaited_when_the_batch_is_gathered():
     assert len(ro.completions) == 8 and drawn.pending is None
     assert ro.rewards.tolist() == [float(len(text(x))) for x in ro.completions]
     assert [x.correct for x in ro.completions] == [len(text(x)) > 5 for x in ro.completions]
-    assert ro.metrics["reward_wait_s"] >= 0 and ro.metrics["reward_failed"] == 0
+    assert ro.metrics["reward_failed"] == 0
+    assert ro.metrics["reward_overlap_s"] > 0  # scored between the draw and the gather
+
+
+def test_the_reward_phase_says_what_it_blocked_overlapped_and_waited_for():
+    """A synchronous source blocks the sampling thread and overlaps nothing; a future that
+    completes only after the gather began overlapped everything up to the gather and kept it
+    waiting."""
+    ro = collector(Rewards(Recording())).next(version=0)
+    assert ro.metrics["reward_overlap_s"] == 0 and ro.metrics["reward_blocking_s"] > 0
+    src = Later()
+    c = collector(Rewards(src))
+    drawn = c.draw(version=0)
+    (fut, scores), = src.futures
+    timer = threading.Timer(0.05, fut.set_result, args=(scores,))
+    timer.start()  # completes while the gather below waits
+    ro = c.gather(drawn)
+    timer.join()
+    assert ro.metrics["reward_wait_s"] > 0 and ro.metrics["reward_overlap_s"] > 0
+    assert len(ro.completions) == 8
 
 
 def test_environment_rewards_join_through_the_seam():

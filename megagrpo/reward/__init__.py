@@ -19,6 +19,8 @@ awaits the handle when it gathers the batch.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from megagrpo.config.data import RewardConfig
@@ -71,10 +73,11 @@ class Rewards:
         """Starts scoring (a synchronous source scores here); `result()` on the handle waits."""
         if not samples:
             return PendingScores([empty_scores()], _first)
+        start = time.perf_counter()
         parts = [self.source.score(samples)]
         if self.environment is not None:
             parts.append(self.environment.score(samples))
-        return PendingScores(parts, _join)
+        return PendingScores(parts, _join, submitted=start)
 
     def score(self, samples: list[Sample]) -> Scores:
         """`submit(samples).result()`."""

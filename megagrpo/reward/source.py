@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -120,12 +121,41 @@ def check_source(cfg: RewardConfig) -> None:
 
 
 class PendingScores:
-    """Scores that may still be computing: `result()` waits for them."""
+    """Scores that may still be computing: `result()` waits for them. Keeps when scoring was
+    submitted, when the submitting call returned and when the last part was ready (perf_counter
+    seconds), from which the collector tells what scoring blocked and what it overlapped."""
 
     def __init__(self, parts: list[Scores | Future[Scores]],
-                 join: Callable[[list[Scores]], Scores]) -> None:
+                 join: Callable[[list[Scores]], Scores], submitted: float | None = None
+                 ) -> None:
         self.parts, self.join = parts, join
         self._done: Scores | None = None
+        self.returned = time.perf_counter()
+        """When the submitting call returned (sampling went on from here)."""
+        self.submitted = self.returned if submitted is None else submitted
+        """When scoring was submitted (submitted..returned: scoring that blocked sampling)."""
+        futures = [p for p in parts if isinstance(p, Future)]
+        self.ready = self.returned
+        """When the last part was ready (a future's completion; `returned` when none)."""
+        self._left = len(futures)
+        self._lock = threading.Lock()
+        for f in futures:
+            f.add_done_callback(self._one_ready)
+
+    def _one_ready(self, _: Future) -> None:
+        with self._lock:
+            self._left -= 1
+            if not self._left:
+                self.ready = time.perf_counter()
+
+    def timing(self, gather_start: float, gather_end: float) -> dict[str, float]:
+        """The reward phase of a batch gathered over [gather_start, gather_end] (after
+        `result()`): seconds scoring blocked the sampling thread (a synchronous source),
+        overlapped other work (a future computing between the submit and the gather), and kept
+        the gather waiting."""
+        return {"reward_blocking_s": self.returned - self.submitted,
+                "reward_overlap_s": max(0.0, min(self.ready, gather_start) - self.returned),
+                "reward_wait_s": gather_end - gather_start}
 
     def done(self) -> bool:
         return self._done is not None or all(
