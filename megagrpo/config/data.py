@@ -184,6 +184,10 @@ class RewardConfig(Section):
     sources: list[RewardSourceConfig] = field(default_factory=list)
     """Several sources in one recipe, their rewards summed with weights:
     [{source, weight, options, label, correctness}, ...]; empty = the single `source`."""
+    score_chunks: int = 1
+    """Sample each engine's share of a batch in this many consecutive slices, each scored as
+    soon as it is sampled: a source answering with a future (remote, reward_model) scores the
+    first groups while the later ones sample (smaller vLLM batches; 1 = one call)."""
     terms: list[RewardTermConfig] = field(
         default_factory=lambda: [RewardTermConfig(name="arithmetic")]
     )
@@ -223,6 +227,9 @@ class RewardConfig(Section):
             raise ValueError(f"reward.sources[{marked[1]}].correctness and reward.sources"
                              f"[{marked[0]}].correctness are both true: mark at most one source "
                              "(held-out accuracy is measured on it)")
+        if self.score_chunks < 1:
+            raise ValueError(f"reward.score_chunks={self.score_chunks}: need >= 1 (1 = sample "
+                             "a batch in one call)")
         if not self.terms:
             raise ValueError("reward.terms is empty: give at least one {name, weight, kwargs}")
         for term in self.terms:

@@ -44,6 +44,8 @@ from megagrpo.reward.source import (
     RewardSource,
     Scores,
     build_source,
+    chain,
+    concat_scores,
     empty_scores,
     register_source,
     source_builder,
@@ -56,7 +58,7 @@ __all__ = [
     "RuleTerms", "Sample", "Scores", "build_rewards", "call_with_deadline", "check_reward_kwargs",
     "check_source", "exact_match_reward", "format_reward", "math_reward", "normalize_answer",
     "register_source", "resolve_reward", "resolve_terms", "samples_of", "stuck_reward_threads",
-    "RewardContext", "WeightedSources",
+    "RewardContext", "WeightedSources", "chain", "concat_scores",
 ]
 
 
@@ -115,9 +117,11 @@ def _join(parts: list[Scores]) -> Scores:
     merged, correctness the source's."""
     head, *rest = parts
     out = Scores(rewards=head.rewards.to(torch.float32), per_term=dict(head.per_term),
-                 correct=head.correctness(), metrics=dict(head.metrics), valid=head.valid)
+                 correct=head.correctness(), metrics=dict(head.metrics), valid=head.valid,
+                 gauges=head.gauges)
     for p in rest:
         out.rewards = out.rewards + p.rewards.to(out.rewards.dtype)
         out.per_term.update(p.per_term)
         out.metrics.update(p.metrics)
+        out.gauges = out.gauges | p.gauges
     return out

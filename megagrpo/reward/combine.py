@@ -96,6 +96,7 @@ class WeightedSources:
         valid = torch.ones(n, dtype=torch.bool)
         per_term: dict[str, torch.Tensor] = {}
         metrics: dict[str, float] = {}
+        gauges: set[str] = set()
         for part, s in zip(self.parts, scores, strict=True):
             raw = s.rewards.to(torch.float32)
             total += part.weight * raw
@@ -107,10 +108,14 @@ class WeightedSources:
             for key, v in s.per_term.items():
                 per_term[key if key not in per_term else f"{part.label}/{key}"] = v
             for key, v in s.metrics.items():
-                metrics[key if key not in metrics else f"{part.label}/{key}"] = v
+                name = key if key not in metrics else f"{part.label}/{key}"
+                metrics[name] = v
+                if key in s.gauges:
+                    gauges.add(name)
         head = scores[self.correctness]
         return Scores(rewards=total, per_term=per_term, correct=head.correctness(),
-                      metrics=metrics, valid=None if bool(valid.all()) else valid)
+                      metrics=metrics, valid=None if bool(valid.all()) else valid,
+                      gauges=frozenset(gauges))
 
     def close(self) -> None:
         for p in self.parts:

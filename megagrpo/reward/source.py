@@ -44,6 +44,9 @@ class Scores:
     valid: Tensor | None = None
     """[n] bool: False where the source could not score the sample (its reward is not used:
     the sample is left out of the loss); None = every sample scored."""
+    gauges: frozenset[str] = frozenset()
+    """Metric keys that are levels, not amounts (merged over slices of a batch by max; keys
+    `reward/*` are means over the samples, every other key adds up)."""
 
     def correctness(self) -> Tensor:
         """[n] bool `correct`, or rewards >= 1 where the source gave none."""
@@ -126,14 +129,15 @@ class PendingScores:
     seconds), from which the collector tells what scoring blocked and what it overlapped."""
 
     def __init__(self, parts: list[Scores | Future[Scores]],
-                 join: Callable[[list[Scores]], Scores], submitted: float | None = None
-                 ) -> None:
+                 join: Callable[[list[Scores]], Scores], submitted: float | None = None,
+                 *, returned: float | None = None, blocked: float | None = None) -> None:
         self.parts, self.join = parts, join
         self._done: Scores | None = None
-        self.returned = time.perf_counter()
-        """When the submitting call returned (sampling went on from here)."""
-        self.submitted = self.returned if submitted is None else submitted
-        """When scoring was submitted (submitted..returned: scoring that blocked sampling)."""
+        self.returned = time.perf_counter() if returned is None else returned
+        """When the (first) submitting call returned (sampling went on from here)."""
+        self.blocked = (self.returned - (self.returned if submitted is None else submitted)
+                        if blocked is None else blocked)
+        """Seconds the submitting call(s) took: scoring that blocked sampling."""
         futures = [p for p in parts if isinstance(p, Future)]
         self.ready = self.returned
         """When the last part was ready (a future's completion; `returned` when none)."""
@@ -153,7 +157,7 @@ class PendingScores:
         `result()`): seconds scoring blocked the sampling thread (a synchronous source),
         overlapped other work (a future computing between the submit and the gather), and kept
         the gather waiting."""
-        return {"reward_blocking_s": self.returned - self.submitted,
+        return {"reward_blocking_s": self.blocked,
                 "reward_overlap_s": max(0.0, min(self.ready, gather_start) - self.returned),
                 "reward_wait_s": gather_end - gather_start}
 
@@ -168,6 +172,58 @@ class PendingScores:
                                     for p in self.parts])
             self.parts = []
         return self._done
+
+
+def chain(pendings: list[PendingScores]) -> PendingScores:
+    """The scores of consecutive slices of one batch, submitted one after another, as one
+    pending batch (`concat_scores` of the slices' scores). Its blocking time is the slices'
+    sum; its overlap spans from the first slice's return to the last slice's scores."""
+    if len(pendings) == 1:
+        return pendings[0]
+    return PendingScores([p for pend in pendings for p in pend.parts], _SliceJoin(pendings),
+                         returned=pendings[0].returned,
+                         blocked=sum(p.blocked for p in pendings))
+
+
+class _SliceJoin:
+    """Joins each slice's parts with the slice's own join, then concatenates the slices."""
+
+    def __init__(self, pendings: list[PendingScores]) -> None:
+        self.sizes = [len(p.parts) for p in pendings]
+        self.joins = [p.join for p in pendings]
+
+    def __call__(self, results: list[Scores]) -> Scores:
+        out, i = [], 0
+        for n, join in zip(self.sizes, self.joins, strict=True):
+            out.append(join(results[i:i + n]))
+            i += n
+        return concat_scores(out)
+
+
+def concat_scores(parts: list[Scores]) -> Scores:
+    """Scores of consecutive slices of a batch as one: tensors concatenated in order; metrics
+    merged as `Scores.gauges` says (`reward/*` means weighted by the slices' sizes, gauges by
+    max, every other key added)."""
+    sizes = [len(p.rewards) for p in parts]
+    n = max(sum(sizes), 1)
+    gauges = frozenset().union(*(p.gauges for p in parts))
+    metrics: dict[str, float] = {}
+    for p, size in zip(parts, sizes, strict=True):
+        for key, v in p.metrics.items():
+            if key in gauges:
+                metrics[key] = max(metrics.get(key, v), v)
+            elif key.startswith("reward/"):
+                metrics[key] = metrics.get(key, 0.0) + v * size / n
+            else:
+                metrics[key] = metrics.get(key, 0.0) + v
+    valid = (torch.cat([p.valid.bool() if p.valid is not None
+                        else torch.ones(len(p.rewards), dtype=torch.bool) for p in parts])
+             if any(p.valid is not None for p in parts) else None)
+    return Scores(rewards=torch.cat([p.rewards.to(torch.float32) for p in parts]),
+                  per_term={k: torch.cat([p.per_term[k] for p in parts])
+                            for k in parts[0].per_term},
+                  correct=torch.cat([p.correctness() for p in parts]), metrics=metrics,
+                  valid=valid, gauges=gauges)
 
 
 def all_of(parts: list[Scores | Future[Scores]],
