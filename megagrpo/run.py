@@ -163,7 +163,8 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                                       dtype=model_cfg.dtype))
     else:
         context = RewardContext(engine=engine, tokenizer=tok, stop_ids=tokens.stop_ids,
-                                engine_tp=layout.engine_tp)
+                                engine_tp=layout.engine_tp,
+                                max_model_len=cfg.rollout.max_model_len)
         rollouts = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
                                     rewards=build_rewards(cfg.reward, _env_reward(cfg), context),
                                     layout=layout, ranks=ranks, groups=groups,
@@ -325,7 +326,8 @@ def serve_rollouts(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | No
     loader = PromptLoader(task.train, cfg.data.batch_size, 0, 1, seed=cfg.data.seed,
                           shuffle=cfg.data.shuffle)
     stop_ids = (tok.eos_id, *task.stop_ids)
-    context = RewardContext(engine=engine, tokenizer=tok, stop_ids=stop_ids)
+    context = RewardContext(engine=engine, tokenizer=tok, stop_ids=stop_ids,
+                            max_model_len=cfg.rollout.max_model_len)
     collector = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
                                  rewards=build_rewards(cfg.reward, _env_reward(cfg), context),
                                  layout=layout, stop_ids=stop_ids)

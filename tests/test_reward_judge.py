@@ -77,7 +77,7 @@ def test_parse_failures_are_counted_and_dropped_not_zero(tok, caplog):
     assert scores.valid.tolist() == [True, False, False]
     assert scores.metrics["judge_parse_failures"] == 2
     assert scores.metrics["reward/judge"] == pytest.approx(0.8)  # over the parsed one only
-    assert "2 of 3 answers did not match" in caplog.text
+    assert "2 of 3 samples unscored: 2 answers did not match" in caplog.text
     with pytest.raises(RuntimeError, match="on_failure=error stops the run"):
         build(tok, JudgeEngine(["no"] * 3), on_failure="error").score(samples())
 
@@ -119,3 +119,19 @@ def test_the_preflight_checks_the_judge_against_the_recipe():
     with pytest.raises(ValueError, match=r"reward.sources\[1\].options.base_model=true"):
         check_with_run(listed, engine_tp=1, lora_enabled=True, lora_refit="merged")
     check_with_run(listed, engine_tp=1, lora_enabled=True, lora_refit="adapter")  # passes
+
+
+def test_a_judge_prompt_too_long_for_the_engine_is_not_sent_but_counted(tok):
+    """rollout.max_model_len leaves room for 'five' (3 characters longer) only without the
+    judge's answer: that sample is not sent (vLLM would refuse it) and counts as too long."""
+    engine = JudgeEngine(["Score: 3", "Score: 4"])
+    cfg = judge(tok, engine, max_tokens=8)
+    probe = build_rewards(cfg, context=RewardContext(engine=JudgeEngine([]), tokenizer=tok))
+    short = len(probe.source.judge_prompt(samples()[0]))
+    context = RewardContext(engine=engine, tokenizer=tok, max_model_len=short + 8 + 1)
+    scores = build_rewards(cfg, context=context).score(samples())
+    (prompts, _, _), = engine.calls
+    assert len(prompts) == 2  # "5" and "6"
+    torch.testing.assert_close(scores.rewards[:2], torch.tensor([0.3, 0.4]))
+    assert scores.valid.tolist() == [True, True, False]
+    assert scores.metrics["judge_too_long"] == 1 and scores.metrics["judge_parse_failures"] == 0

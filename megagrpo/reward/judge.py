@@ -133,6 +133,9 @@ class JudgeSource:
                              "LoRA adapter (lora.enabled with an adapter refit), so the adapter "
                              "can be switched off; this engine holds merged or full weights")
         self.engine, self.tokenizer = context.engine, context.tokenizer
+        self.max_prompt = (context.max_model_len - o.max_tokens - 1 if context.max_model_len
+                           else None)
+        """The longest judge prompt the engine takes with room for the answer (None: any)."""
         self.pattern = re.compile(o.pattern)
         self.settings = SamplingSettings(temperature=0.0, max_tokens=o.max_tokens, n=1,
                                          stop_token_ids=tuple(context.stop_ids))
@@ -141,15 +144,24 @@ class JudgeSource:
         """Judges the samples in one generate call (synchronous: the engine is not shared)."""
         start = time.perf_counter()
         prompts = [self.judge_prompt(s) for s in samples]
+        fits = [i for i, p in enumerate(prompts)
+                if self.max_prompt is None or len(p) <= self.max_prompt]
         kwargs = {"adapter": False} if self.opts.base_model else {}
-        answers = self.engine.generate(prompts, self.settings, **kwargs) if prompts else []
-        texts = [c.text or self.tokenizer.decode(c.token_ids) for c in answers]
-        parsed = [self.parse(t) for t in texts]
+        answers = (self.engine.generate([prompts[i] for i in fits], self.settings, **kwargs)
+                   if fits else [])
+        texts = [""] * len(samples)
+        for i, c in zip(fits, answers, strict=True):
+            texts[i] = c.text or self.tokenizer.decode(c.token_ids)
+        sent = set(fits)
+        parsed = [self.parse(t) if i in sent else None for i, t in enumerate(texts)]
+        too_long = len(samples) - len(fits)
         failed = [i for i, v in enumerate(parsed) if v is None]
         if failed:
             first = texts[failed[0]][:80]
-            msg = (f"reward judge: {len(failed)} of {len(samples)} answers did not match "
-                   f"reward.options.pattern={self.opts.pattern!r} (first: {first!r})")
+            msg = (f"reward judge: {len(failed)} of {len(samples)} samples unscored: "
+                   f"{len(failed) - too_long} answers did not match reward.options.pattern="
+                   f"{self.opts.pattern!r} (first: {first!r}), {too_long} judge prompts longer "
+                   f"than rollout.max_model_len - reward.options.max_tokens")
             if self.opts.on_failure == "error":
                 raise RuntimeError(f"{msg}; reward.options.on_failure=error stops the run (set "
                                    "it to 'drop' to leave such samples out of the loss)")
@@ -161,7 +173,9 @@ class JudgeSource:
         return Scores(rewards=rewards, per_term={"judge": rewards},
                       correct=(rewards >= self.opts.correct_at) & valid,
                       valid=None if bool(valid.all()) else valid,
-                      metrics={"reward/judge": mean, "judge_parse_failures": float(len(failed)),
+                      metrics={"reward/judge": mean,
+                               "judge_parse_failures": float(len(failed) - too_long),
+                               "judge_too_long": float(too_long),
                                "judge_time_s": time.perf_counter() - start})
 
     def judge_prompt(self, s: Sample) -> list[int]:

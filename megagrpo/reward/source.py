@@ -74,6 +74,8 @@ class RewardContext:
     """Token ids that end a completion."""
     engine_tp: int = 1
     """Ranks of the engine (rollout.tensor_parallel_size)."""
+    max_model_len: int = 0
+    """The engine's context (rollout.max_model_len); 0 = unknown."""
 
 
 SourceBuilder = Callable[..., RewardSource]
