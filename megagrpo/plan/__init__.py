@@ -161,9 +161,11 @@ def run_plan(config: str | None, overrides: list[str], *, gpus: int = 0,
 
     reward_text, reward_bytes = format_reward_models(cfg)
     if reward_text:
+        print(reward_text)
+    if reward_bytes:
         peak = current.total + reward_bytes
-        print(f"{reward_text}\n  with the reward model: {peak / GIB:.2f} GiB on an engine's "
-              f"leader rank; fits: {'yes' if peak <= gpu_mem_gib * GIB else 'no'}")
+        print(f"  with the reward model: {peak / GIB:.2f} GiB on an engine's leader rank; "
+              f"fits: {'yes' if peak <= gpu_mem_gib * GIB else 'no'}")
     if cfg.lora.enabled:
         from megagrpo.plan.lora import format_lora_vs_full
 
