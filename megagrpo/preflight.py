@@ -97,6 +97,11 @@ def preflight(cfg: TrainConfig, world_size: int | None = None, warn: bool = True
     from megagrpo.reward import check_source  # imports torch: after the config-only checks
 
     check_source(cfg.reward)
+    from megagrpo.reward.judge import check_with_run
+
+    check_with_run(cfg.reward, engine_tp=cfg.rollout.tensor_parallel_size,
+                   lora_enabled=cfg.lora.enabled, lora_refit=cfg.lora.refit)
+
     from megagrpo.agent.preflight import (
         check_agent_budget,
         check_environment,

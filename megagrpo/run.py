@@ -40,7 +40,7 @@ from megagrpo.model.compile import (
 from megagrpo.model.gpt import attention_impl_name, build_model, layer_spec_name, sequence_packing
 from megagrpo.model.optim import build_optimizer, wrap_ddp
 from megagrpo.preflight import Preflight, preflight
-from megagrpo.reward import build_rewards
+from megagrpo.reward import RewardContext, build_rewards
 from megagrpo.rollout.collect import RolloutCollector
 from megagrpo.rollout.placement import (
     RemoteEngine,
@@ -150,9 +150,12 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                                       bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
                                       dtype=model_cfg.dtype))
     else:
+        context = RewardContext(engine=engine, tokenizer=tok, stop_ids=tokens.stop_ids,
+                                engine_tp=layout.engine_tp,
+                                max_model_len=cfg.rollout.max_model_len)
+        rewards = build_rewards(cfg.reward, cfg.agent.reward_join, context)
         rollouts = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
-                                    rewards=build_rewards(cfg.reward, cfg.agent.reward_join),
-                                    layout=layout, ranks=ranks, groups=groups,
+                                    rewards=rewards, layout=layout, ranks=ranks, groups=groups,
                                     stop_ids=tokens.stop_ids)
     weight_sync = build_weight_sync(cfg.sync, cfg.rollout, cfg.lora, model=model_cfg,
                                     parallel=cfg.parallel, engine=rollouts.engine,
@@ -262,9 +265,12 @@ def serve_rollouts(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | No
     engine = _start_engine(cfg, model_cfg, tok, layout)
     loader = PromptLoader(task.train, cfg.data.batch_size, 0, 1, seed=cfg.data.seed,
                           shuffle=cfg.data.shuffle)
+    stop_ids = (tok.eos_id, *task.stop_ids)
+    context = RewardContext(engine=engine, tokenizer=tok, stop_ids=stop_ids,
+                            max_model_len=cfg.rollout.max_model_len)
     collector = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
-                                 rewards=build_rewards(cfg.reward, cfg.agent.reward_join),
-                                 layout=layout, stop_ids=(tok.eos_id, *task.stop_ids))
+                                 rewards=build_rewards(cfg.reward, cfg.agent.reward_join, context),
+                                 layout=layout, stop_ids=stop_ids)
     done = serve(cfg, place, collector, watchdog)
     log.info("rollout rank %d: %d batches sampled over %d weight syncs", rank, done["batches"],
              done["syncs"])

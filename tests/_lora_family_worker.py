@@ -61,6 +61,10 @@ def main(family: str, work: str) -> None:
         engine.update_weights(iter(base.items()))
         engine.load_adapter(str(root / "adapter"))
         comp = engine.generate([prompt], greedy)[0]
+        # the judge's base_model: the same engine with the adapter off is the frozen base, and
+        # the adapter is still served afterwards
+        off = engine.generate([prompt], greedy, adapter=False)[0]
+        again = engine.generate([prompt], greedy)[0]
     finally:
         engine.close()
     with torch.no_grad():
@@ -69,7 +73,10 @@ def main(family: str, work: str) -> None:
             base_tokens, base_lp = hf_greedy(peft_model, prompt, 8)
     out = {"family": family, "vllm": comp.token_ids, "peft": ref, "base": base_tokens,
            "gap": max(abs(a - b) for a, b in zip(comp.logprobs, ref_lp)),
-           "adapter_moves_logprobs": max(abs(a - b) for a, b in zip(ref_lp, base_lp))}
+           "adapter_moves_logprobs": max(abs(a - b) for a, b in zip(ref_lp, base_lp)),
+           "vllm_adapter_off": off.token_ids,
+           "adapter_off_gap": max(abs(a - b) for a, b in zip(off.logprobs, base_lp)),
+           "vllm_again": again.token_ids}
     (root / "result.json").write_text(json.dumps(out))
 
 

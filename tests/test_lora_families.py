@@ -1,7 +1,8 @@
 """vLLM's LoRA path (enable_lora, an adapter loaded with add_lora: what an adapter-only refit
 uses, megagrpo/sync/adapters.py) on the dense families megagrpo runs, against transformers + peft
-with the same adapter: greedy tokens equal and log-probs within fp32 rounding. Heavy: one vLLM
-engine per family, each in its own process (~1 min each on a quiet 2-core CPU)."""
+with the same adapter: greedy tokens equal and log-probs within fp32 rounding; with the adapter
+off for one call (the judge reward's base_model), the base's. Heavy: one vLLM engine per
+family, each in its own process (~1 min each on a quiet 2-core CPU)."""
 import json
 import os
 import subprocess
@@ -27,3 +28,6 @@ def test_vllm_serves_the_family_adapter_like_peft(family, tmp_path):
     assert r["adapter_moves_logprobs"] > 1e-3  # the adapter matters, so the check can fail
     assert r["vllm"] == r["peft"], r
     assert r["gap"] < 1e-4, r
+    # generate(adapter=False), the judge's base_model: the frozen base through the same engine
+    assert r["vllm_adapter_off"] == r["base"] and r["adapter_off_gap"] < 1e-4, r
+    assert r["vllm_again"] == r["vllm"], r

@@ -4,6 +4,7 @@ hold, the environment's per-turn rewards join through the seam, and a second sou
 here is selected by config alone (fake engine, no vLLM, no torchrun)."""
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future
 
@@ -150,6 +151,26 @@ def test_a_future_is_awaited_when_the_batch_is_gathered():
     assert len(ro.completions) == 8 and drawn.pending is None
     assert ro.rewards.tolist() == [float(len(text(x))) for x in ro.completions]
     assert [x.correct for x in ro.completions] == [len(text(x)) > 5 for x in ro.completions]
+    assert ro.metrics["reward_failed"] == 0
+    assert ro.metrics["reward_overlap_s"] > 0  # scored between the draw and the gather
+
+
+def test_the_reward_phase_says_what_it_blocked_overlapped_and_waited_for():
+    """A synchronous source blocks the sampling thread and overlaps nothing; a future that
+    completes only after the gather began overlapped everything up to the gather and kept it
+    waiting."""
+    ro = collector(Rewards(Recording())).next(version=0)
+    assert ro.metrics["reward_overlap_s"] == 0 and ro.metrics["reward_blocking_s"] > 0
+    src = Later()
+    c = collector(Rewards(src))
+    drawn = c.draw(version=0)
+    (fut, scores), = src.futures
+    timer = threading.Timer(0.05, fut.set_result, args=(scores,))
+    timer.start()  # completes while the gather below waits
+    ro = c.gather(drawn)
+    timer.join()
+    assert ro.metrics["reward_wait_s"] > 0 and ro.metrics["reward_overlap_s"] > 0
+    assert len(ro.completions) == 8
 
 
 def test_environment_rewards_join_through_the_seam():
@@ -206,3 +227,63 @@ def test_a_second_source_is_chosen_by_config():
         check_source(RewardConfig(source="nope"))
     with pytest.raises(ValueError, match="reward.options=.*reward.source=rules"):
         RewardConfig(options={"scale": 1}).validate()
+
+
+def test_score_chunks_score_the_first_groups_while_the_later_ones_sample():
+    """reward.score_chunks=2: the engine samples half the prompts, the source gets those
+    samples at once (a future), then the engine samples the rest; the gathered batch equals the
+    one-call batch (same completions, same rewards, in the same order)."""
+    events: list[tuple[str, int]] = []
+
+    class LoggedEngine(FakeEngine):
+        def generate(self, prompts, sampling):
+            events.append(("generate", len(prompts)))
+            return super().generate(prompts, sampling)
+
+    class ByRecord(Recording):
+        """The record's k plus a hundredth of the completion's length: slices out of order
+        would give other samples' rewards."""
+
+        def score(self, samples):
+            r = torch.tensor([s.record["k"] + len(s.completion) / 100 for s in samples])
+            return Scores(rewards=r, correct=r > 1.5)
+
+    class LoggedSource(Later):
+        def score(self, samples):
+            events.append(("score", len(samples)))
+            fut: Future = Future()
+            self.futures.append((fut, ByRecord().score(samples)))
+            return fut
+
+    whole = collector(Rewards(ByRecord())).next(version=0)
+    assert len(set(whole.rewards.tolist())) > 2
+    src = LoggedSource()
+    c = collector(Rewards(src))
+    c.cfg.reward.score_chunks = 2
+    c.engine = LoggedEngine()
+    drawn = c.draw(version=0)
+    assert events == [("generate", 2), ("score", 4), ("generate", 2), ("score", 4)]
+    assert not any(f.done() for f, _ in src.futures)  # both still scoring after the draw
+    for fut, scores in src.futures:
+        fut.set_result(scores)
+    ro = c.gather(drawn)
+    assert [x.token_ids for x in ro.completions] == [x.token_ids for x in whole.completions]
+    assert torch.equal(ro.rewards, whole.rewards)
+    assert [x.correct for x in ro.completions] == [x.correct for x in whole.completions]
+
+
+def test_slices_of_a_batch_merge_their_metrics_by_kind():
+    """Means weighted by the slices' sizes, gauges by max, amounts added (by hand)."""
+    from megagrpo.reward import concat_scores
+
+    a = Scores(rewards=torch.tensor([1.0]), per_term={"t": torch.tensor([1.0])},
+               metrics={"reward/t": 1.0, "reward_errors": 2.0, "reward_stuck_threads": 1.0},
+               gauges=frozenset({"reward_stuck_threads"}))
+    b = Scores(rewards=torch.tensor([4.0, 4.0, 4.0]), per_term={"t": torch.tensor([4.0] * 3)},
+               metrics={"reward/t": 4.0, "reward_errors": 3.0, "reward_stuck_threads": 4.0},
+               valid=torch.tensor([True, False, True]))
+    out = concat_scores([a, b])
+    assert out.rewards.tolist() == [1.0, 4.0, 4.0, 4.0]
+    assert out.metrics == {"reward/t": 3.25, "reward_errors": 5.0, "reward_stuck_threads": 4.0}
+    assert out.valid.tolist() == [True, True, False, True]
+    assert out.correct.tolist() == [True, True, True, True]

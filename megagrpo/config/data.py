@@ -143,15 +143,51 @@ class RewardTermConfig(Section):
 
 
 @dataclass(kw_only=True)
+class RewardSourceConfig(Section):
+    """One reward source of a weighted combination (`reward.sources`)."""
+
+    source: str
+    """Its kind: 'rules' (reward.terms), 'remote', 'reward_model', 'judge', another registered
+    name or 'module:Class' (as reward.source)."""
+    weight: float = 1.0
+    """Multiplier of this source's reward in the summed reward."""
+    options: dict = field(default_factory=dict)
+    """Its own keyword options (as reward.options for a single source)."""
+    label: str = ""
+    """Name in the metrics (`reward/<label>`) and per-term values; empty = the source's name
+    (suffixed '#k' from its second occurrence on)."""
+    correctness: bool = False
+    """Held-out accuracy is this source's verdict (none marked: the first source's)."""
+
+    def validate(self, where: str) -> None:
+        """Raise ValueError naming the first invalid field (`where` = reward.sources[i])."""
+        if not self.source:
+            raise ValueError(f"{where}.source is empty: use 'rules', 'remote', 'reward_model', "
+                             "'judge', a registered name or 'module:Class'")
+        if self.source == "rules" and self.options:
+            raise ValueError(f"{where}.options={self.options} with {where}.source=rules: the "
+                             "rules source reads reward.terms; drop these options")
+
+
+@dataclass(kw_only=True)
 class RewardConfig(Section):
     """Rewards: a source scoring whole samples (default 'rules': a weighted sum of rule terms,
     each call under a deadline)."""
 
     source: str = "rules"
-    """Reward source (megagrpo.reward): 'rules' (the terms below), another registered name (a
-    module of megagrpo/reward/ registering it) or 'module:Class'."""
+    """Reward source (megagrpo.reward, docs/rewards.md): 'rules' (the terms below), 'remote' (an
+    HTTP endpoint), 'reward_model' (an HF sequence-classification model), 'judge' (the rollout
+    engine as an LLM judge), another registered name (a module of megagrpo/reward/ registering
+    it) or 'module:Class'. Ignored when `sources` is set."""
     options: dict = field(default_factory=dict)
     """Keyword options of a source other than 'rules' (it reads them from this section)."""
+    sources: list[RewardSourceConfig] = field(default_factory=list)
+    """Several sources in one recipe, their rewards summed with weights:
+    [{source, weight, options, label, correctness}, ...]; empty = the single `source`."""
+    score_chunks: int = 1
+    """Sample each engine's share of a batch in this many consecutive slices, each scored as
+    soon as it is sampled: a source answering with a future (remote, reward_model) scores the
+    first groups while the later ones sample (smaller vLLM batches; 1 = one call)."""
     terms: list[RewardTermConfig] = field(
         default_factory=lambda: [RewardTermConfig(name="arithmetic")]
     )
@@ -167,6 +203,8 @@ class RewardConfig(Section):
 
     def __post_init__(self) -> None:
         self.terms = [RewardTermConfig(**t) if isinstance(t, dict) else t for t in self.terms]
+        self.sources = [RewardSourceConfig(**s) if isinstance(s, dict) else s
+                        for s in self.sources]
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field and what would be valid."""
@@ -177,6 +215,21 @@ class RewardConfig(Section):
             raise ValueError(f"reward.options={self.options} with reward.source=rules: the rules "
                              "source reads reward.terms (put keyword arguments in a term's "
                              "kwargs) or name the source these options are for")
+        if self.sources and (self.source != "rules" or self.options):
+            raise ValueError(f"reward.sources is set together with reward.source="
+                             f"{self.source!r} / reward.options: name every source in "
+                             "reward.sources (with its options there) and leave reward.source "
+                             "and reward.options unset")
+        for i, s in enumerate(self.sources):
+            s.validate(f"reward.sources[{i}]")
+        marked = [i for i, s in enumerate(self.sources) if s.correctness]
+        if len(marked) > 1:
+            raise ValueError(f"reward.sources[{marked[1]}].correctness and reward.sources"
+                             f"[{marked[0]}].correctness are both true: mark at most one source "
+                             "(held-out accuracy is measured on it)")
+        if self.score_chunks < 1:
+            raise ValueError(f"reward.score_chunks={self.score_chunks}: need >= 1 (1 = sample "
+                             "a batch in one call)")
         if not self.terms:
             raise ValueError("reward.terms is empty: give at least one {name, weight, kwargs}")
         for term in self.terms:

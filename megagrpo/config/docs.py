@@ -19,13 +19,13 @@ import textwrap
 import typing
 from pathlib import Path
 
-from megagrpo.config.data import RewardTermConfig
+from megagrpo.config.data import RewardSourceConfig, RewardTermConfig
 from megagrpo.config.train import TrainConfig
 
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
 # Dataclasses held in lists: documented as `section.field[].sub` rows after their section.
-NESTED = {("reward", "terms"): RewardTermConfig}
+NESTED = {("reward", "terms"): RewardTermConfig, ("reward", "sources"): RewardSourceConfig}
 
 
 @dataclasses.dataclass(frozen=True)

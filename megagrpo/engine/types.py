@@ -89,9 +89,10 @@ class Completion:
     """Multi-turn: environment calls asked again after a failure (agent.env_retries)."""
     dropped: str = ""
     """Why the sample takes no part in training ('' = it does): 'env_error', its environment
-    failed after agent.env_retries (agent.on_env_error=drop). A dropped sample leaves its
-    group's advantage statistics and the loss (megagrpo.algo.group_advantages `valid`); it is
-    never trained as if its reward were 0."""
+    failed after agent.env_retries (agent.on_env_error=drop); 'reward_error', a reward source
+    could not score it (a remote call failed after its retries, with on_failure=drop). A
+    dropped sample leaves its group's advantage statistics and the loss
+    (megagrpo.algo.group_advantages `valid`); it is never trained as if its reward were 0."""
 
 
 @dataclass(kw_only=True)

@@ -164,9 +164,10 @@ class VLLMEngine:
     # -- rollout -----------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]],
                  sampling: SamplingSettings | RolloutConfig | None = None, *,
-                 n: int | None = None) -> list[Completion]:
+                 n: int | None = None, adapter: bool = True) -> list[Completion]:
         """Sample `n` completions per prompt (default `sampling.n`; the engine's config's
-        sampling settings, n=1, when `sampling` is None).
+        sampling settings, n=1, when `sampling` is None). `adapter=False`: with the LoRA
+        adapter vLLM serves switched off (the frozen base; the judge's `base_model`).
         Returns len(prompts) * n completions, prompt-major: completions[i*n:(i+1)*n] is the
         group of prompt i. Safe on a side thread (async rollout) as long as no update_weights
         runs at the same time; with rollout.inflight_updates, weights posted to `inflight` are
@@ -197,12 +198,12 @@ class VLLMEngine:
             # attention would build its schedule with one count and run with the other
             # ("Check failed: input->metadata->thread_num == thread_num"). Set it up front.
             self._set_num_threads(self._threads)
+        lora = self.lora_request if adapter else None
         with self.rng.sampling():
             if self.inflight is not None:
-                outputs = self.inflight.run(self, prompts, params, self.lora_request)
+                outputs = self.inflight.run(self, prompts, params, lora)
             else:
-                outputs = self.llm.generate(prompts, params, use_tqdm=False,
-                                            lora_request=self.lora_request)
+                outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         done = [self._completion(i, j, c) for i, out in enumerate(outputs)
                 for j, c in enumerate(sorted(out.outputs, key=lambda c: c.index))]
         if self.inflight is not None:

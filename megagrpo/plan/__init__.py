@@ -8,6 +8,7 @@ no GPU.
   vLLM) and the layouts that fit; the whole count is in its docstring;
 - `lora`: a LoRA recipe next to full fine-tuning of the same recipe (refit bytes, state);
 - `placement`: separate placement's rollout ranks;
+- `reward`: a reward_model source's weights and activations beside vLLM;
 - here: the report (`run_plan`).
 """
 from __future__ import annotations
@@ -156,6 +157,15 @@ def run_plan(config: str | None, overrides: list[str], *, gpus: int = 0,
         print(format_separate(cfg, m, current, world, gpu_mem_gib))
     else:
         _print_vllm(cfg, m, current, world, gpu_mem_gib)
+    from megagrpo.plan.reward import format_reward_models
+
+    reward_text, reward_bytes = format_reward_models(cfg)
+    if reward_text:
+        print(reward_text)
+    if reward_bytes:
+        peak = current.total + reward_bytes
+        print(f"  with the reward model: {peak / GIB:.2f} GiB on an engine's leader rank; "
+              f"fits: {'yes' if peak <= gpu_mem_gib * GIB else 'no'}")
     if cfg.lora.enabled:
         from megagrpo.plan.lora import format_lora_vs_full
 
@@ -177,7 +187,7 @@ def run_plan(config: str | None, overrides: list[str], *, gpus: int = 0,
 
         if not torch.cuda.is_available():
             print("\n" + dtype_advice(params=total_params(m)))
-    return 0 if current.total <= gpu_mem_gib * GIB else 1
+    return 0 if current.total + reward_bytes <= gpu_mem_gib * GIB else 1
 
 
 __all__ = ["DTYPE_BYTES", "GIB", "MAX_TP", "RankMemory", "activation_bytes", "expert_params",

@@ -25,6 +25,9 @@ from megagrpo.reward.source import Scores, register_source
 
 log = logging.getLogger("megagrpo")
 
+GAUGES = frozenset({"reward_stuck_threads", "reward_pool_restarts", "reward_process_isolation"})
+"""Metrics that are levels of the process, not amounts of a batch."""
+
 
 @register_source("rules")
 class RuleTerms:
@@ -51,7 +54,7 @@ class RuleTerms:
         total, per_term, metrics = self.score_texts([s.completion for s in samples],
                                                     [s.answer for s in samples])
         return Scores(rewards=total, per_term=per_term, correct=self.correct(per_term).bool(),
-                      metrics=metrics)
+                      metrics=metrics, gauges=GAUGES)
 
     def score_texts(
         self, completions: Sequence[str], answers: Sequence[str]

@@ -34,7 +34,7 @@ from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import encode_prompt
 from megagrpo.engine import Completion, SamplingSettings
-from megagrpo.reward import PendingScores, Rewards, samples_of
+from megagrpo.reward import PendingScores, Rewards, chain, samples_of
 from megagrpo.rollout.stream import Rollout, StreamStats, stamp
 from megagrpo.runtime.distributed import Groups, Ranks, any_rank
 
@@ -66,7 +66,11 @@ class Drawn:
         """Waits for pending scores and records them (no-op once scored)."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
+            t0 = time.perf_counter()
             rewards, metrics = record_scores(self.completions, pending)
+            # the reward phase: what scoring blocked, overlapped and still kept the gather
+            # waiting for (docs/rewards.md#overlap-and-the-metrics)
+            metrics.update(pending.timing(t0, time.perf_counter()))
             self.rewards, self.metrics = rewards.tolist(), dict(self.metrics, **metrics)
         return self
 
@@ -142,31 +146,46 @@ class RolloutCollector:
 
     def _sample(self, prompts: list[list[int]], answers: list[str], mine: list[int],
                 sampling: SamplingSettings, records: list[dict] | None = None,
-                texts: list[str] | None = None) -> tuple[list[Completion], PendingScores]:
+                texts: list[str] | None = None, chunks: int = 1
+                ) -> tuple[list[Completion], PendingScores]:
         """Generates the `mine` prompts on this rank's engine (multi-turn trajectories through
         `runner` when the agent is on) and submits them to the reward component as whole
         samples (`records`: the prompts' data records, `texts`: their text, decoded from the
         ids when not given); the engine's leader (its TP rank 0) scores and reports them, the
-        other ranks report nothing. Each completion's `prompt_index` indexes `prompts`."""
-        if not mine:
-            comps = []
-        elif self.runner is not None:
-            recs = records if records is not None else [{}] * len(prompts)
-            comps = self.runner.run([prompts[i] for i in mine], [recs[i] for i in mine],
+        other ranks report nothing. Each completion's `prompt_index` indexes `prompts`.
+        `chunks` > 1 (reward.score_chunks): `mine` is sampled in that many consecutive slices,
+        each submitted as soon as it is sampled, so a source answering with a future scores
+        the first groups while the later ones sample."""
+        recs = records if records is not None else [{}] * len(prompts)
+        comps: list[Completion] = []
+        pendings: list[PendingScores] = []
+        for part in _slices(mine, chunks):
+            got = self._generate_slice(prompts, part, sampling, recs)
+            if not got:  # off the engine's leader: nothing to score
+                continue
+            shown = texts if texts is not None else {  # decoded where no caller had the text
+                p: self.tokenizer.decode(prompts[p]) for p in {c.prompt_index for c in got}}
+            samples = samples_of(got, [c.prompt_index for c in got], prompts=prompts,
+                                 texts=shown, answers=answers, records=recs,
+                                 decode=self._decode)
+            pendings.append(self.rewards.submit(samples))
+            comps += got
+        return comps, chain(pendings) if pendings else self.rewards.submit([])
+
+    def _generate_slice(self, prompts: list[list[int]], part: list[int],
+                        sampling: SamplingSettings, records: list[dict]) -> list[Completion]:
+        """This engine's completions of the prompts `part` indexes (the leader's; [] on the
+        engine's other ranks), `prompt_index` indexing `prompts`."""
+        if self.runner is not None:
+            comps = self.runner.run([prompts[i] for i in part], [records[i] for i in part],
                                     sampling)
         else:
-            comps = self.engine.generate([prompts[i] for i in mine], sampling)
+            comps = self.engine.generate([prompts[i] for i in part], sampling)
         if not self.layout.is_leader:
-            comps = []
+            return []
         for c in comps:
-            c.prompt_index = mine[c.prompt_index]
-        if texts is None:  # decoded where no caller had the text: only the prompts scored
-            texts = {p: self.tokenizer.decode(prompts[p]) for p in {c.prompt_index for c in comps}}
-        samples = samples_of(comps, [c.prompt_index for c in comps], prompts=prompts,
-                             texts=texts, answers=answers,
-                             records=records if records is not None else [{}] * len(prompts),
-                             decode=self._decode)
-        return comps, self.rewards.submit(samples)
+            c.prompt_index = part[c.prompt_index]
+        return comps
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -201,7 +220,8 @@ class RolloutCollector:
         pool = (self._pool(prompts, answers, records, texts) if self.layout.pooled
                 else (prompts, answers, records, texts))
         mine = self.layout.prompt_indices(len(pool[0]))  # this rank's engine's slice
-        comps, pending = self._sample(pool[0], pool[1], mine, self.sampling(), pool[2], pool[3])
+        comps, pending = self._sample(pool[0], pool[1], mine, self.sampling(), pool[2], pool[3],
+                                      chunks=self.cfg.reward.score_chunks)
         stamp(comps, version)
         self.stats.draw_s += time.perf_counter() - t0  # one thread draws at a time
         # scores are awaited when the batch is gathered (`Drawn.resolve`)
@@ -382,7 +402,39 @@ def record_scores(comps: list[Completion], pending: PendingScores) -> tuple[torc
         c.correct = bool(ok)
         if env is not None:
             c.env_reward = float(env[i])
-    return scores.rewards, scores.metrics
+    rewards, metrics = scores.rewards, dict(scores.metrics)
+    if comps:  # the same key on every rank that scored (averaged by key)
+        metrics["reward_failed"] = 0.0
+    if scores.valid is not None:
+        rewards = impute_failed(comps, rewards, scores.valid.bool())
+        metrics["reward_failed"] = float((~scores.valid.bool()).sum())
+    return rewards, metrics
+
+
+def impute_failed(comps: list[Completion], rewards: torch.Tensor, valid: torch.Tensor
+                  ) -> torch.Tensor:
+    """Samples a source could not score (`valid` False) are dropped (`Completion.dropped =
+    'reward_error'`: out of the loss and of their group's advantage statistics) and given their
+    group's mean reward over the scored ones (0 when none was scored), so that under dynamic
+    sampling they do not change the group's spread either."""
+    out = rewards.clone().to(torch.float32)
+    by_prompt: dict[int, list[int]] = {}
+    for i, c in enumerate(comps):
+        by_prompt.setdefault(c.prompt_index, []).append(i)
+    for idx in by_prompt.values():
+        ok = [i for i in idx if bool(valid[i])]
+        fill = float(out[ok].mean()) if ok else 0.0
+        for i in idx:
+            if not bool(valid[i]):
+                comps[i].dropped = "reward_error"
+                out[i] = fill
+    return out
+
+
+def _slices(items: list[int], k: int) -> list[list[int]]:
+    """`items` in k consecutive slices of near-equal size, the empty ones left out."""
+    n = len(items)
+    return [part for i in range(k) if (part := items[i * n // k:(i + 1) * n // k])]
 
 
 def _sum_dicts(dicts: list[dict]) -> dict:

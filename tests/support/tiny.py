@@ -153,3 +153,51 @@ def load_dir(path) -> dict[str, torch.Tensor]:
         if f.endswith(".safetensors"):
             out.update(load_file(os.path.join(path, f)))
     return out
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""A ChatML template (Qwen's layout) for the tiny tokenizer."""
+
+
+def tiny_char_tokenizer(path):
+    """A character-level HF tokenizer (printable ASCII + newline, ChatML specials, <pad> = 0)
+    with the ChatML chat template, saved to `path`; returns it."""
+    from tokenizers import Regex, models, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    raw = RawTokenizer(models.WordLevel({w: i for i, w in enumerate(specials + chars)},
+                                        unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", unk_token="<unk>",
+                                  eos_token="<|im_end|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = CHATML
+    tok.save_pretrained(path)
+    return tok
+
+
+def tiny_reward_model(path, *, arch: str = "qwen2", seed: int = 6):
+    """A random *ForSequenceClassification reward model (one output, the layout of Qwen /
+    Skywork reward checkpoints) with the character tokenizer, saved to `path`; returns it."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForSequenceClassification,
+        Qwen2Config,
+        Qwen2ForSequenceClassification,
+    )
+
+    torch.manual_seed(seed)
+    vocab = len(tiny_char_tokenizer(path))
+    common = dict(vocab_size=vocab, num_hidden_layers=2, max_position_embeddings=512,
+                  num_labels=1, pad_token_id=0, **_SMALL)
+    if arch == "qwen2":
+        model = Qwen2ForSequenceClassification(Qwen2Config(use_sliding_window=False, **common))
+    else:
+        model = LlamaForSequenceClassification(LlamaConfig(**common))
+    with torch.no_grad():  # a score head as large as the rest: rewards that differ visibly
+        model.score.weight.normal_(0, 1.0)
+    return _finish(model, path, biases=arch == "qwen2")
