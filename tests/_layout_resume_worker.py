@@ -10,7 +10,11 @@ build there, load WORK/<case>/ckpt, re-save what was loaded to reloaded_<target>
 as that layout holds them; the test compares them with ckpt offline), take the same third step
 and save continued_<target>. Every layout trains on the same global batch (each DP replica
 takes its slice), so the third step agrees across layouts to float tolerance, and bitwise at
-the same layout. Layouts: "tp2", "pp2", "dp2" (2 ranks each). Rank 0 writes WORK/results.json.
+the same layout. Layouts: "tp2", "pp2", "dp2" (2 ranks each). With `--full DIR`, the same
+launch then runs tests/_resume_worker.py's checks (optimizer state through save_tree, a full
+disk simulated at DIR; its FullDisk installed before megagrpo is imported, inert until it
+fills), each rank's results under "full_disk": one launch of the two ranks instead of two.
+Rank 0 writes WORK/results.json.
 """
 import argparse
 import json
@@ -90,8 +94,16 @@ def case_name(distributed: bool, src: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
+    ap.add_argument("--full", default=None,
+                    help="then tests/_resume_worker.py's checks, this directory's disk filling up")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    disk = None
+    if args.full:  # before megagrpo.checkpoint is imported (it binds safetensors' save_file)
+        from tests._resume_worker import FullDisk
+
+        disk = FullDisk(Path(args.full))
+        disk.install()
     from megagrpo.checkpoint import load_model, load_optimizer, save_model, save_optimizer
 
     def save(policy, model, opt, where: Path) -> None:
@@ -119,6 +131,13 @@ def main() -> None:
             load_model(policy, work / "ckpt" / "policy")
             results[f"{work.name}/fresh_adam"] = step(policy, opt, 2)
             save(policy, model, opt, work / "continued_fresh_adam")
+    if disk is not None:  # its own layout (DP=2) and model, started by its first build
+        from tests._resume_worker import full_disk_checks
+
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, full_disk_checks(Path(args.work) / "full_disk_work",
+                                                       Path(args.full), disk))
+        results["full_disk"] = ranks
     if dist.get_rank() == 0:
         (Path(args.work) / "results.json").write_text(json.dumps(results))
     dist.barrier()

@@ -1,4 +1,5 @@
-"""Run under torchrun (2 ranks, gloo, DP=2) by tests/test_resume.py. With a real megatron-core
+"""Run under torchrun (2 ranks, gloo, DP=2), by tests/_layout_resume_worker.py --full in the same
+launch as its layouts (tests/test_resume.py), or alone. With a real megatron-core
 model and optimizer: (1) the optimizer state survives save_tree / load_tree bitwise (the next
 step from the restored state equals the next step from the original); (2) a model save into a
 full filesystem fails on every rank with "no space left on device" and the path, and the
@@ -24,6 +25,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tests.support.launch import write_results
 
+_started: list[bool] = []
+
 
 def build(seed: int = 0):
     from megagrpo.config.model import ModelConfig, ParallelConfig
@@ -36,8 +39,9 @@ def build(seed: int = 0):
                         num_attention_heads=2, num_query_groups=1, head_dim=32,
                         max_position_embeddings=32)
     parallel = ParallelConfig(tp=1, pp=1, make_vocab_size_divisible_by=16)
-    if not dist.is_initialized():
+    if not _started:  # the first build starts this layout (after another worker's, too)
         init_distributed(parallel, model, seed=seed)
+        _started.append(True)
     policy = wrap_ddp(build_model(model, parallel, seed=seed), OptimConfig(lr=1e-2))
     return model, policy, build_optimizer(policy, OptimConfig(lr=1e-2))
 
@@ -159,17 +163,12 @@ class FullDisk:
         safetensors.torch.save_file = save_file
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--full", required=True, help="a directory whose filesystem will fill up")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    work, full = Path(args.work), Path(args.full)
-    disk = FullDisk(full)
-    disk.install()
+def full_disk_checks(work: Path, full: Path, disk: "FullDisk") -> dict:
+    """This rank's results of (1)-(3) (see the module doc); `disk` installed before megagrpo
+    was imported, `work` a directory with room."""
     from megagrpo.checkpoint import load_model, on_every_rank, save_model, save_tree
 
+    work.mkdir(parents=True, exist_ok=True)
     res = {"rank": dist.get_rank() if dist.is_initialized() else None}
     res["optimizer_bitwise"] = optimizer_roundtrip(work)
     model, policy, opt = build()
@@ -187,7 +186,19 @@ def main() -> None:
     res["per_rank"] = error_of(lambda: on_every_rank(
         lambda: save_tree(target, opt.state_dict()), target))
     disk.full = False
-    write_results(res, work)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--full", required=True, help="a directory whose filesystem will fill up")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    work, full = Path(args.work), Path(args.full)
+    disk = FullDisk(full)
+    disk.install()
+    write_results(full_disk_checks(work, full, disk), work)
 
 
 if __name__ == "__main__":

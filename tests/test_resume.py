@@ -35,7 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import resume_stress as stress  # noqa: E402 - the stress script shares its harness
 
-WORKER = os.path.join(os.path.dirname(__file__), "_resume_worker.py")
 STEPS = 6  # checkpoints at 2, 4, 6
 # the kill-and-resume runs: a checkpoint every step, killed in step 4 once step 3's is complete,
 # resumed from step 2 (step 3's damaged), so steps 3 and 4 run again; LoRA keeps 6 (its merges)
@@ -288,13 +287,13 @@ def test_rewind_history_keeps_the_checkpoint_prefix(tmp_path):
     assert rewind_history(tmp_path, size) == 0
 
 
-def test_out_of_disk_and_optimizer_state_on_real_megatron(tmp_path):
+def test_out_of_disk_and_optimizer_state_on_real_megatron(layouts):
     """A full disk (simulated in tests/_resume_worker.py: no mount needed, so it runs
     everywhere): every rank's error says so and names the path, the checkpoint written before
-    the disk filled up loads bitwise, a per-rank write failing on one rank fails on both."""
-    full = tmp_path / "full"
-    full.mkdir()
-    ranks = torchrun_results(WORKER, 2, tmp_path, "--full", str(full), timeout=300)
+    the disk filled up loads bitwise, a per-rank write failing on one rank fails on both. (Run
+    in the layouts' launch, after them: `layouts` below.)"""
+    work, results = layouts
+    full, ranks = work / "full", results["full_disk"]
     for r in ranks:
         assert r["optimizer_bitwise"]
         e = r["save_model"]
@@ -424,9 +423,13 @@ def _max_gap(a: dict, b: dict) -> float:
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     """One 2-rank launch (tests/_layout_resume_worker.py): the plain and the distributed
-    optimizer saved at TP=2, PP=2 and DP=2 and loaded at other layouts."""
+    optimizer saved at TP=2, PP=2 and DP=2 and loaded at other layouts; then, in the same
+    launch, tests/_resume_worker.py's optimizer round trip and full disk at WORK/full
+    (results["full_disk"], one per rank)."""
     work = tmp_path_factory.mktemp("layouts")
-    return work, torchrun_results(LAYOUT_WORKER, 2, work, timeout=300)
+    (work / "full").mkdir()
+    return work, torchrun_results(LAYOUT_WORKER, 2, work, "--full", str(work / "full"),
+                                  timeout=420)
 
 
 @pytest.mark.parametrize("case,dst", [("distopt_dp2", "dp2"), ("distopt_dp2", "tp2"),

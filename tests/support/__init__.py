@@ -7,7 +7,9 @@
 - `tiny`: tiny random HF checkpoints (Llama, Qwen2/3, MoE) built from config classes;
 - `cli`: `python -m megagrpo ...` as a subprocess;
 - `dispatch`: TorchDispatchModes that watch the ops a call runs (tensor sizes, matmul counts);
-- `docs`: generated tables in the docs compared between their markers.
+- `docs`: generated tables in the docs compared between their markers;
+- `site/sitecustomize.py`: not a module of the package but a folder tests/conftest.py puts on
+  PYTHONPATH, so that every child process skips the final garbage collections at its exit.
 
 Worker scripts that torchrun starts run as `__main__` files: `child_env` puts the repository
 root first on PYTHONPATH so that they import `tests.support` the same way.
