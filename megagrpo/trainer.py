@@ -44,8 +44,15 @@ from megagrpo.metrics import PhaseTimer
 from megagrpo.model import sequence_packing, unwrap
 from megagrpo.moe import RoutingMonitor, enable_replay, tp_slices, tracked_losses
 from megagrpo.offpolicy import StalenessPolicy
-from megagrpo.optim import (build_optimizer, loss_scale, lr_at, optimizer_step,
-                            scaler_can_back_off, set_lr, zero_grad)
+from megagrpo.optim import (
+    build_optimizer,
+    loss_scale,
+    lr_at,
+    optimizer_step,
+    scaler_can_back_off,
+    set_lr,
+    zero_grad,
+)
 from megagrpo.passes import Passes
 from megagrpo.rollout import RolloutCollector
 from megagrpo.stream import Rollout
