@@ -34,10 +34,13 @@ class OptimConfig(Section):
     """model.dtype=float16 only: a constant loss scale (e.g. 1024), or 0 for megatron's dynamic
     scaler (below). The loss is multiplied by the scale before backward, so that small fp16
     gradients do not flush to zero, and the gradients are divided by it in fp32 before the
-    step; a step whose scaled gradients overflow (inf/NaN) is skipped (metric nonfinite_grad)."""
+    step. A step whose scaled gradients overflow (inf/NaN) is skipped: metric
+    loss_scale_overflows while the dynamic scaler can still lower its scale, else
+    nonfinite_grad (which counts towards run.max_bad_steps)."""
     initial_loss_scale: float = 65536.0
     """Dynamic loss scaling (model.dtype=float16, optim.loss_scale=0): the first scale (2^16, as
-    torch's GradScaler; megatron's own default 2^32 skips ~32 steps before its first update)."""
+    torch's GradScaler; from megatron's own default, 2^32, reaching 2^16 skips 32 steps: 16
+    halvings of 2 overflows each at the default hysteresis)."""
     min_loss_scale: float = 1.0
     """Dynamic loss scaling: the scale is never halved below this."""
     loss_scale_window: int = 1000
