@@ -85,6 +85,10 @@ MODES = {
 MODES["async2"] = ("rollout.max_staleness=2",)
 # LoRA with the merged-weight refit (lora.refit=auto's choice on vLLM's CPU build)
 MODES["lora+merged"] = (*MODES["lora"][:2], "lora.refit=merged", *MODES["lora"][3:])
+# bf16 mixed precision (bf16 weights and vLLM engine, fp32 main parameters and Adam moments,
+# truncated rollout IS): a resume must be as bitwise as in fp32
+BF16 = ("model.dtype=bfloat16", "rollout.dtype=bfloat16", "algo.rollout_is=truncate")
+MODES["distopt+async+bf16"] = (*MODES["distopt+async"], *BF16)
 
 
 def launch(out_dir: Path, steps: int, log: Path, *extra: str) -> subprocess.Popen:

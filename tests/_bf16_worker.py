@@ -1,12 +1,13 @@
 """Run under torchrun (2 ranks, TP=2, gloo) by tests/test_bf16.py: the trainer in bf16 mixed
 precision on CPU (bf16 policy and vLLM engine, fp32 main parameters in the optimizer, truncated
-rollout IS). Rank 0 writes WORK/results.json."""
+rollout IS), then fp16 loss scaling (tests/_fp16_checks.py). Rank 0 writes WORK/results.json."""
 import argparse
 import json
 from pathlib import Path
 
 import torch
 
+from tests._fp16_checks import fp16_checks
 from tests._trainer_worker import local_params, make_config
 from tests.support.launch import write_results
 
@@ -95,6 +96,8 @@ def main():
     res["moved_main"] = sum(not torch.equal(a, b) for a, b in zip(main_before, main_after)) / len(
         main_before)
     res["dtypes_after"] = optimizer_dtypes(tr)
+    # fp16 loss scaling on the same process groups (megatron's model and optimizer, no vLLM)
+    res["fp16"] = fp16_checks(cfg, Path(args.work))
     write_results(res, args.work)
     tr.engine.close()
 

@@ -13,15 +13,10 @@ import sys
 
 import pytest
 
+from tests.support.bf16 import BF16_GAP_MAX  # measured 5.2e-4 / 6.8e-4 here
 from tests.support.launch import torchrun_results, worker_env
 
 WORKER = os.path.join(os.path.dirname(__file__), "_bf16_worker.py")
-# mean |vLLM - trainer| log-prob gap that bf16 rounding alone opens on this model: measured
-# 5.2e-4 before and 6.8e-4 after the step (deterministic run to run; bf16 keeps 8 mantissa bits,
-# ~2e-3 relative per op, and the per-token errors partly cancel). 7e-3 is ~10x that, a margin
-# for rounding only: a sync or precision defect on top of it (a stale or mis-sharded weight, a
-# norm in fp32 on one side only) has no 700x room to hide in, as under the old bound of 0.5.
-BF16_GAP_MAX = 7e-3
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +63,41 @@ def test_weight_stream_is_in_the_model_dtype_at_tp1(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     seen = json.loads((tmp_path / "stream_dtypes.json").read_text())
     assert list(seen) == ["torch.bfloat16"], {k: v[:3] for k, v in seen.items()}
+
+
+# fp16 keeps 11 significant bits: one rounding is off by up to u = 2^-11 (relative). The main
+# gradients went through a few fp16 roundings (logit gradient, each layer's activation
+# gradients, the weight gradient before it is accumulated into the fp32 main grad), measured
+# 2.1u in relative L2 norm per parameter; 8u = 2^-8 leaves 4x for other CPUs' kernels, while a
+# gradient left unscaled (or scaled and never unscaled) is off by ~1 (measured 1.36).
+FP16_GRAD_MAX = 8 * 2.0 ** -11
+
+
+def test_fp16_loss_scaling_keeps_small_gradients(results):
+    for r in results:
+        g = r["fp16"]["grads"]
+        d, u = g["dynamic"], g["unscaled"]
+        assert d["dtypes"] == ["torch.float16"] and d["scale"] == 2.0 ** 16, d["scale"]
+        assert not d["found_inf"] and d["max_rel_err"] < FP16_GRAD_MAX, d["errs"]
+        assert d["flushed"] < 1e-3, d["flushed"]
+        # the same loss without scaling: fp16 flushes its gradients (the case is a real one)
+        assert u["scale"] == 1.0 and u["flushed"] > 0.1 and u["max_rel_err"] > 0.5, u["errs"]
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale(results):
+    for r in results:
+        o = r["fp16"]["overflow"]
+        steps = o["steps"]
+        assert steps[0]["scale"] == 2.0 ** 24 and not steps[0]["applied"], steps
+        assert [s["applied"] for s in steps] == [False] * (len(steps) - 1) + [True], steps
+        # hysteresis 1: every overflowing step halves the scale for the next one
+        assert all(b["scale"] == a["scale"] / 2 for a, b in zip(steps, steps[1:])), steps
+        assert all(s["probe"] for s in steps) and not o["probe_at_floor"], o
+        assert o["skipped_left_state"] and o["applied_moved"], o
+
+
+def test_fp16_loss_scale_is_checkpointed(results):
+    for r in results:
+        res = r["fp16"]["overflow"]["resume"]
+        assert res["fresh_scale"] != res["saved"]["scale"], res  # a load has work to do
+        assert res["loaded"] == res["saved"], res

@@ -165,6 +165,13 @@ def test_defaults_and_every_recipe_round_trip_through_yaml(tmp_path):
     (["optim.adam_eps=-1e-8"], r"optim\.adam_eps=-1e-08: need > 0"),
     (["optim.clip_grad=-1"], r"optim\.clip_grad=-1\.0: need >= 0"),
     (["optim.weight_decay=-0.1"], r"optim\.weight_decay=-0\.1: need >= 0"),
+    (["optim.loss_scale=1024"], r"optim\.loss_scale=1024\.0 with model\.dtype='float32': loss "
+                                r"scaling applies to model\.dtype=float16 only.*set optim\.loss_"),
+    (["model.dtype=float16", "optim.loss_scale=-1"], r"optim\.loss_scale=-1\.0: need a finite"),
+    (["model.dtype=float16", "optim.initial_loss_scale=0.5"],
+     r"optim\.initial_loss_scale=0\.5 and optim\.min_loss_scale=1\.0: need 0 < min_loss_scale"),
+    (["model.dtype=float16", "optim.loss_scale_hysteresis=0"],
+     r"optim\.loss_scale_hysteresis=0 must be >= 1"),
     (["eval.every=-1"], r"eval\.every=-1 must be >= 0"),
     (["checkpoint.every=-5"], r"checkpoint\.every=-5 must be >= 0"),
     (["cold_start.lr=-1e-3"], r"cold_start\.lr=-0\.001 must be > 0"),

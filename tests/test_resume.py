@@ -4,10 +4,11 @@ End to end (real `python -m megagrpo train` launches, 2 ranks, vLLM, see
 scripts/resume_stress.py): a run whose launcher is SIGKILLed mid-step takes torchrun and its
 ranks down with it; resumed (its newest checkpoint damaged, a crafted pickle planted) it falls
 back to the older intact checkpoint, never unpickles the plant, and ends bitwise equal to the
-uninterrupted run with one metrics history (with the distributed optimizer and async rollouts;
-`-m heavy` adds the plain synchronous run, and multi-turn runs sync and async). Optimizer state
-reshards: saved at TP=2, PP=2 or DP=2 and loaded at another layout, the moments are the saved
-ones and the next step agrees with the uninterrupted run (tests/_layout_resume_worker.py). A
+uninterrupted run with one metrics history (with the distributed optimizer and async rollouts,
+in fp32 and in bf16, the latter on CPUs with native bf16: tests.support.bf16; `-m heavy` adds
+the plain synchronous run, and multi-turn runs sync and async). Optimizer state reshards:
+saved at TP=2, PP=2 or DP=2 and loaded at another layout, the moments are the saved ones and
+the next step agrees with the uninterrupted run (tests/_layout_resume_worker.py). A
 non-empty out_dir is refused before anything starts. Out of disk says so and leaves the earlier
 checkpoint intact (a simulated full disk, tests/_resume_worker.py). The rest are unit tests of
 the manifest, the pickle-free state files and the metrics rewind.
@@ -28,6 +29,7 @@ import torch
 from megagrpo.checkpoint import load_tree, save_tree
 from megagrpo.runtime.metrics import rewind_history
 from megagrpo.runtime.run_dir import newest_intact, prepare_out_dir, verify, write_manifest
+from tests.support.bf16 import needs_fast_bf16
 from tests.support.cli import run_cli
 from tests.support.launch import torchrun_results
 
@@ -85,7 +87,7 @@ def kill_run(proc: subprocess.Popen) -> tuple[set[int], list[int]]:
 
 
 @pytest.fixture(scope="module", params=[
-    "distopt+async", pytest.param("sync", marks=pytest.mark.heavy),
+    "distopt+async", "distopt+async+bf16", pytest.param("sync", marks=pytest.mark.heavy),
     pytest.param("agent", marks=pytest.mark.heavy),
     pytest.param("agent+async", marks=pytest.mark.heavy),
     pytest.param("lora", marks=pytest.mark.heavy),
@@ -103,6 +105,8 @@ def e2e(request, tmp_path_factory):
     step, a merge after steps 3 and 6): killed in step 5, resumed from step 3, whose
     checkpoint wrote the base, then killed again in step 6 and resumed from step 5, whose
     checkpoint names the base step 3 wrote."""
+    if request.param.endswith("+bf16"):
+        needs_fast_bf16()
     lora = request.param.startswith("lora")
     plan = E2E_LORA if lora else E2E
     extra, steps = (*stress.MODES[request.param], *plan["every"]), plan["steps"]
@@ -161,6 +165,10 @@ def test_resumed_run_is_bitwise_the_uninterrupted_run(e2e):
     assert any(k.startswith("base." if lora else "reference.") for k in state)
     assert stress.trainer_state(cut)["step"] == e2e["steps"]  # and the trainer state
     assert any(".exp_avg_sq." in k for k in state) and any(k.startswith("rng.") for k in state)
+    if e2e["mode"].endswith("+bf16"):  # bf16 weights, fp32 main copies and moments, bitwise
+        dtypes = {k.split(".")[0]: v.dtype for k, v in state.items() if k.endswith("weight")}
+        assert dtypes["policy"] == torch.bfloat16, dtypes
+        assert {v.dtype for k, v in state.items() if ".exp_avg_sq." in k} == {torch.float32}
     if "run.async_rollout=true" in stress.MODES[e2e["mode"]]:  # the batch drawn ahead, too
         assert any(k.startswith("rollout.") and ".token_ids." in k for k in state)
     if e2e["mode"].startswith("agent"):  # multi-turn steps were run and resumed

@@ -115,6 +115,7 @@ class TrainConfig(Section):
         self.model.validate()
         self.parallel.validate(self.model, world_size)
         self.optim.validate()
+        self.optim.check_dtype(self.model.dtype)
         self.rollout.validate()
         self.sync.validate(self.rollout)
         self.algo.validate()

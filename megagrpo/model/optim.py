@@ -48,17 +48,52 @@ def build_optimizer(ddp_model: torch.nn.Module, cfg: OptimConfig):
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    dtype = ddp_model.module.config.params_dtype
+    config = ddp_model.module.config
+    dtype = config.params_dtype
+    fp16 = dtype == torch.float16
     ocfg = OptimizerConfig(
         optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
-        clip_grad=cfg.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        clip_grad=cfg.clip_grad, bf16=dtype == torch.bfloat16, fp16=fp16,
         params_dtype=dtype, use_distributed_optimizer=cfg.distributed_optimizer,
+        **(loss_scaling(cfg) if fp16 else {}),
     )
-    ddp_model.module.config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(ocfg, [ddp_model])
+    # megatron's schedule multiplies the last stage's loss by grad_scale_func before backward
+    # (megatron-LM's training loop sets it); its fp16 optimizer divides the main grads by the
+    # same scale in prepare_grads. Without it the fp16 grads would be unscaled by 1/scale.
+    config.grad_scale_func = optimizer.scale_loss if loss_scale(optimizer) is not None else None
     use_fused_adam(optimizer)
     return optimizer
+
+
+def loss_scaling(cfg: OptimConfig) -> dict:
+    """megatron's OptimizerConfig fields of the fp16 loss scaler: a ConstantGradScaler for
+    optim.loss_scale > 0, else a DynamicGradScaler (halves on overflow, doubles after a window
+    of clean steps)."""
+    return {"loss_scale": cfg.loss_scale or None, "initial_loss_scale": cfg.initial_loss_scale,
+            "min_loss_scale": cfg.min_loss_scale, "loss_scale_window": cfg.loss_scale_window,
+            "hysteresis": cfg.loss_scale_hysteresis}
+
+
+def scaler_can_back_off(optimizer) -> bool:
+    """Whether an fp16 overflow now is the dynamic scaler probing (it will lower the scale:
+    its scale is above min_loss_scale) rather than a gradient that is not finite at any scale
+    (a constant scaler, or a dynamic one already at its floor)."""
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    return any(isinstance(s, DynamicGradScaler) and bool(s.scale.item() > s.min_scale.item())
+               for s in (getattr(o, "grad_scaler", None)
+                         for o in getattr(optimizer, "chained_optimizers", [optimizer])))
+
+
+def loss_scale(optimizer) -> float | None:
+    """The fp16 loss scale the next backward multiplies the loss by; None without a scaler
+    (fp32, bf16)."""
+    scalers = [o.grad_scaler for o in getattr(optimizer, "chained_optimizers", [optimizer])
+               if getattr(o, "grad_scaler", None) is not None]
+    return float(scalers[0].scale.item()) if scalers else None
 
 
 FUSED_ADAM_DEVICES = ("cpu", "cuda")
@@ -174,12 +209,13 @@ def optimizer_step(ddp_model: torch.nn.Module, optimizer) -> tuple[bool, float]:
     """Applies the accumulated grads unless their norm is not finite. Returns (applied,
     grad_norm).
 
-    megatron skips a step on inf/NaN only for fp16 (its grad scaler's found_inf); in fp32/bf16
+    megatron skips a step on inf/NaN only for fp16 (its grad scaler's found_inf after dividing
+    the main grads by the loss scale; the scaler halves or grows the scale); in fp32/bf16
     it clips by clip_grad / inf = 0, which turns inf grads into NaN weights and still moves
     Adam's moments. So the norm (all-reduced over the model-parallel group, the same on every
     rank) is checked first and a non-finite one leaves weights and optimizer state untouched."""
     norm = 0.0
-    if not getattr(getattr(optimizer, "config", None), "fp16", False):
+    if loss_scale(optimizer) is None:
         # fp16 keeps megatron's check: a second prepare_grads would update the scaler twice
         optimizer.prepare_grads()  # main grads -> .grad, where the norm reads them
         norm = float(optimizer.get_grad_norm() or 0.0)
@@ -196,4 +232,5 @@ def zero_grad(ddp_model: torch.nn.Module, optimizer) -> None:
 
 
 __all__ = ["OptimConfig", "lr_at", "wrap_ddp", "build_optimizer", "set_lr", "forward_backward",
-           "optimizer_step", "zero_grad", "scale_adam_moments"]
+           "optimizer_step", "zero_grad", "scale_adam_moments", "loss_scale", "loss_scaling",
+           "scaler_can_back_off"]

@@ -36,7 +36,15 @@ from megagrpo.config.train import TrainConfig
 from megagrpo.data import encode_prompt
 from megagrpo.model.gpt import sequence_packing, unwrap
 from megagrpo.model.moe import routing_monitor
-from megagrpo.model.optim import build_optimizer, lr_at, optimizer_step, set_lr, zero_grad
+from megagrpo.model.optim import (
+    build_optimizer,
+    loss_scale,
+    lr_at,
+    optimizer_step,
+    scaler_can_back_off,
+    set_lr,
+    zero_grad,
+)
 from megagrpo.parallel.batch import Batch, MicroBatch, sft_batch
 from megagrpo.rollout.collect import RolloutCollector
 from megagrpo.rollout.stream import Rollout
@@ -110,6 +118,9 @@ class UpdateResult:
     """Optimizer steps applied."""
     nonfinite_grad: int = 0
     """Optimizer steps skipped for a non-finite gradient norm."""
+    scale_overflows: int = 0
+    """fp16: optimizer steps skipped because the loss-scaled gradients overflowed while the
+    dynamic scaler could still lower its scale (not a bad step: the scaler's probe)."""
     empty_minibatches: int = 0
     """Minibatches skipped because no replica held a loss token."""
     kl: float = 0.0
@@ -315,6 +326,7 @@ class Trainer:
         record = dict(prepared)
         record.update(upd.metrics, skipped_minibatches=float(upd.empty_minibatches),
                       nonfinite_grad=float(upd.nonfinite_grad),
+                      loss_scale_overflows=float(upd.scale_overflows),
                       update_skipped=float(upd.applied == 0))
         record.update(sync)
         record["reference_sync"] = reset
@@ -449,7 +461,11 @@ class Trainer:
                 set_lr(self.optimizer, lr_at(self.cfg.optim, self.opt_steps, self.total_opt_steps))
                 zero_grad(self.policy, self.optimizer)
                 out = P.run(self.policy, partial(grpo_loss, ctx), plan, batch.ids.shape[1], m)
+                probing = scaler_can_back_off(self.optimizer)
                 applied, gnorm = optimizer_step(self.policy, self.optimizer)
+                if not applied and probing:  # fp16: the scaler lowers its scale and goes on
+                    res.scale_overflows += 1
+                    continue
                 if not applied:
                     res.nonfinite_grad += 1
                     continue
@@ -460,6 +476,9 @@ class Trainer:
                 gnorms.append(gnorm)
         res.applied = len(gnorms)
         res.kl, res.metrics = self._update_metrics(reports, gnorms, gap, len(gnorms), stale)
+        scale = loss_scale(self.optimizer)
+        if scale is not None:  # fp16: the scale the next backward uses (after this update's)
+            res.metrics["loss_scale"] = scale
         res.metrics.update(self.routing.metrics())
         return res
 
