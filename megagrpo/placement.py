@@ -20,9 +20,10 @@ What flows where:
     (`WeightReceiver`). Each broadcast is a numbered sync, announced in the store first.
   - completions: rollout rank j samples prompts j, j+R, ... of every global batch (groups whole,
     from a PromptLoader of the whole batch that starts where the trainer's stands), scores them,
-    stamps them with the sync they were sampled by, and puts them in the store under
-    (batch, j); the trainer takes batch i when every rollout rank has put its part
-    (`SeparateSource.next`), each DP replica keeping its contiguous slice of the batch.
+    stamps them with the sync they were sampled by, and sends them as packed tensors over the
+    `samples` gloo group of the whole world (`megagrpo.sample_channel.TensorChannel`: each
+    training rank receives its DP replica's contiguous slice of the batch from every rollout
+    rank, when it asks for batch i; `SeparateSource.next`).
   - staleness: a rollout rank samples batch i only with a sync >= i - k (k =
     rollout.max_staleness), taking every newer announced sync between batches, so a sample is at
     most k syncs (hence at most k optimizer updates) older than the step that trains it. k = 0 is
@@ -40,7 +41,6 @@ What flows where:
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from megagrpo.config.placement import check_separate, training_world
 from megagrpo.distributed import process_group_backend
-from megagrpo.engine import Completion
+from megagrpo.sample_channel import Part, TensorChannel
 from megagrpo.stream import StreamStats, stamp
 
 if TYPE_CHECKING:
@@ -88,6 +88,16 @@ class Placement:
     None on the other training ranks."""
     timeout_s: float
     """How long a wait for weights or a batch may take (parallel.collective_timeout_s)."""
+    samples: object | None = None
+    """Gloo group of the whole world (ranks as in torchrun): the finished samples travel over
+    it (`megagrpo.sample_channel.TensorChannel`)."""
+
+    def channel(self, batch_size: int, replica: tuple[int, int] | None = None
+                ) -> TensorChannel:
+        """This rank's end of the sample channel; `replica` = (dp_rank, dp) on training ranks."""
+        return TensorChannel(group=self.samples, store=self.store, rank=self.rank,
+                             train_world=self.train_world, rollout_ranks=self.rollout_ranks,
+                             batch_size=batch_size, timeout_s=self.timeout_s, replica=replica)
 
     @property
     def is_rollout(self) -> bool:
@@ -137,8 +147,10 @@ def split_world(cfg: TrainConfig, rank: int, world: int) -> Placement:
     if rank == 0 or rollout:
         cross = dist.ProcessGroupGloo(dist.PrefixStore("cross/", store),
                                       rank - T + 1 if rollout else 0, R + 1, timeout)
+    samples = dist.ProcessGroupGloo(dist.PrefixStore("samples/", store), rank, T + R, timeout)
     return Placement(rank=rank, train_world=T, rollout_ranks=R, store=dist.PrefixStore(
-        "stream/", store), cross=cross, timeout_s=cfg.parallel.collective_timeout_s)
+        "stream/", store), cross=cross, timeout_s=cfg.parallel.collective_timeout_s,
+        samples=samples)
 
 
 # ---------------------------------------------------------------------- the wire
@@ -264,6 +276,7 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
     if sync.start is not None:
         loader.load_state_dict(sync.start)
     mine = list(range(j, B, R))  # groups whole: every sample of a prompt on one engine
+    channel = place.channel(B)
     i = 0
     while not sync.stop:
         if sync.index < i - k or place.announced(sync.index + 1):
@@ -283,12 +296,12 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
         else:
             (comps, rewards, metrics), sync = _generate_inflight(place, collector, args, sync)
         stamp(comps, first.index)  # sync indices (per token in flight); the trainer maps them
-        part = {"loader": before, "epoch": loader.epoch, "draw_s": time.perf_counter() - t0,
-                "completions": [_jsonable(c) for c in comps], "rewards": rewards.tolist(),
-                "metrics": metrics}
-        place.store.set(f"batch/{i}/{j}", json.dumps(part))
+        channel.put(Part(batch=i, rollout=j, loader=before, epoch=loader.epoch,
+                         draw_s=time.perf_counter() - t0, metrics=metrics, completions=comps,
+                         rewards=rewards.tolist()))
         i += 1
-    return {"batches": i, "syncs": sync.index}
+    channel.close()
+    return {"batches": i, "syncs": sync.index, "sample_bytes": channel.bytes_sent}
 
 
 def _generate_inflight(place: Placement, collector: RolloutCollector, args: tuple, sync: Sync
@@ -326,10 +339,6 @@ def _encode(tokenizer, prompt) -> list[int]:
     return encode_prompt(tokenizer, prompt)
 
 
-def _jsonable(c: Completion) -> dict:
-    return dataclasses.asdict(dataclasses.replace(c, routes=None))
-
-
 # ---------------------------------------------------------------------- the trainer's source
 @dataclass(frozen=True)
 class SeparateLayout:
@@ -361,6 +370,13 @@ class SeparateSource:
     """Sync index -> the policy version it carried."""
     queue: list = field(default_factory=list)
     """Always empty: batches sampled ahead stay with the rollout ranks (a resume redraws them)."""
+    channel: TensorChannel | None = None
+    """This rank's end of the sample channel (built from `place` when not given)."""
+
+    def __post_init__(self) -> None:
+        if self.channel is None:
+            self.channel = self.place.channel(self.cfg.data.batch_size,
+                                              (self.ranks.dp_rank, self.ranks.dp))
 
     def next(self, version: int) -> Rollout:
         """Batch `taken` from the rollout ranks (waits for it), this replica's slice. `version`
@@ -372,16 +388,15 @@ class SeparateSource:
             self.versions[s] = version
         before = self.loader.state_dict()
         examples = next(self.loader)
-        parts = self._parts(i)
-        bad = [p["loader"] for p in parts if _position(p["loader"]) != _position(before)]
+        parts = self.channel.take(i)
+        bad = [p.loader for p in parts if _position(p.loader) != _position(before)]
         if bad:
             raise RuntimeError(f"separate placement: rollout ranks sampled batch {bad[0]} where "
                                f"the trainer expected {before}")
         n, R = len(examples), self.place.rollout_ranks
         lo = self.ranks.dp_rank * n
-        merged = sorted(((Completion(**c), r) for p in parts
-                         for c, r in zip(p["completions"], p["rewards"])
-                         if lo <= c["prompt_index"] < lo + n),
+        merged = sorted(((c, r) for p in parts for c, r in zip(p.completions, p.rewards)
+                         if lo <= c.prompt_index < lo + n),
                         key=lambda x: (x[0].prompt_index, x[0].sample_index))
         for c, _ in merged:
             c.prompt_index -= lo
@@ -390,13 +405,12 @@ class SeparateSource:
                 c.token_versions = [self.versions[v] for v in c.token_versions]
         metrics = {}
         for p in parts:  # counts over the whole batch: per replica on average
-            for key, v in p["metrics"].items():
+            for key, v in p.metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + v / self.ranks.dp
         self.stats = StreamStats(queue_depth=self._waiting(i + 1),
-                                 draw_s=max(p["draw_s"] for p in parts) if R else 0.0)
+                                 draw_s=max(p.draw_s for p in parts) if R else 0.0)
         if self.ranks.rank == 0 and i >= 2:
-            for j in range(R):
-                self.place.store.delete_key(f"batch/{i - 2}/{j}")
+            self.channel.forget(i - 2)
         self.taken += 1
         comps = [c for c, _ in merged]
         return Rollout(prompts=[_encode(self.tokenizer, e.prompt) for e in examples],
@@ -405,16 +419,10 @@ class SeparateSource:
                        version=min((c.version for c in comps), default=version),
                        epoch=self.loader.epoch, metrics=metrics)
 
-    def _parts(self, i: int) -> list[dict]:
-        keys = [f"batch/{i}/{j}" for j in range(self.place.rollout_ranks)]
-        self.place.store.wait(keys, timedelta(seconds=self.place.timeout_s))
-        return [json.loads(self.place.store.get(k)) for k in keys]
-
     def _waiting(self, first: int) -> int:
         """Finished batches from `first` on (every rollout rank's part in)."""
         n = 0
-        while all(self.place.store.check([f"batch/{first + n}/{j}"])
-                  for j in range(self.place.rollout_ranks)):
+        while self.channel.finished(first + n):
             n += 1
         return n
 

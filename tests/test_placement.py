@@ -128,13 +128,18 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
     def group(r):
         groups[r] = dist.ProcessGroupGloo(dist.PrefixStore("cross/", store), r, 3, timeout)
 
+    def sample_group(r):
+        samples[r] = dist.ProcessGroupGloo(dist.PrefixStore("samples/", store), r, 4, timeout)
+
+    samples: dict[int, object] = {}
     threads = [threading.Thread(target=group, args=(r,)) for r in range(3)]
+    threads += [threading.Thread(target=sample_group, args=(r,)) for r in range(4)]
     [t.start() for t in threads]
     [t.join() for t in threads]
     stream = dist.PrefixStore("stream/", store)
     places = [Placement(rank=r, train_world=2, rollout_ranks=2, store=stream,
                         cross=groups[0] if r == 0 else groups.get(r - 1) if r >= 2 else None,
-                        timeout_s=60)
+                        timeout_s=60, samples=samples[r])
               for r in range(4)]
     engines, served = [engine(), engine()], {}
     rollout_threads = []
