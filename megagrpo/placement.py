@@ -28,6 +28,9 @@ What flows where:
     rollout.max_staleness), taking every newer announced sync between batches, so a sample is at
     most k syncs (hence at most k optimizer updates) older than the step that trains it. k = 0 is
     a synchronous hand-off: batch i waits for the weights the step that trains it starts from.
+    The last batch of a launch (`RemoteEngine.batches`, told at the first sync) is drawn at
+    k = 0 whatever k is: the run ends on-policy, and its vLLM-vs-trainer gap checks the
+    weights that crossed the wire after every sync.
   - in-flight updates (rollout.inflight_updates): a rollout rank's engine generates on a
     thread while its main thread keeps receiving the syncs the trainer sends and posts each to
     the engine's in-flight slot (`megagrpo.engine.inflight`), which loads the newest between
@@ -194,6 +197,10 @@ class RemoteEngine:
     syncs: int = 0
     """Syncs sent in this launch (the next one's index)."""
     max_lora_rank: int = 0
+    batches: int | None = None
+    """The batches this launch will take (run.steps less the steps a resume restored; set
+    before the first sync, which tells the rollout ranks): the last one is drawn on-policy,
+    with the weights of the step that trains it (k = 0), whatever rollout.max_staleness is."""
 
     def close(self) -> None:
         """End of run: the rollout ranks stop after the batch they are sampling."""
@@ -222,6 +229,8 @@ class Sync:
     start: dict | None
     """The trainer's loader position at the first sync (where sampling starts)."""
     stop: bool
+    batches: int | None = None
+    """The first sync: the batches the trainer will take in this launch (None: unknown)."""
 
 
 def receive_weights(place: Placement, engine) -> Sync:
@@ -229,7 +238,8 @@ def receive_weights(place: Placement, engine) -> Sync:
     carries no weights). With in-flight updates the engine's weights are labelled with the
     sync's index, which vLLM stamps on the tokens they sample."""
     head = bcast_json(place.cross, None)
-    sync = Sync(index=head["sync"], start=head["start"], stop=head["stop"])
+    sync = Sync(index=head["sync"], start=head["start"], stop=head["stop"],
+                batches=head.get("batches"))
     if not sync.stop:
         engine.update_weights(_received_tensors(place.cross))
         if getattr(engine, "inflight", None) is not None:
@@ -275,11 +285,13 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
     sync = receive_weights(place, collector.engine)
     if sync.start is not None:
         loader.load_state_dict(sync.start)
+    last = sync.batches - 1 if sync.batches is not None else None
     mine = list(range(j, B, R))  # groups whole: every sample of a prompt on one engine
     channel = place.channel(B)
     i = 0
     while not sync.stop:
-        if sync.index < i - k or place.announced(sync.index + 1):
+        # at most k syncs behind; the launch's last batch on-policy (k = 0)
+        if sync.index < i - (0 if i == last else k) or place.announced(sync.index + 1):
             watchdog.set_phase("weight_sync", i)
             sync = receive_weights(place, collector.engine)
             continue

@@ -349,6 +349,8 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
     restored = ckpts.load(ckpt) if ckpt is not None else {}  # per-rank states put back
     # a resumed run's weight sync and evaluation are work the run it continues never did: they
     # leave the streams the checkpoint restored (once, by the manager) as they found them
+    if isinstance(tr.engine, RemoteEngine):  # separate placement: its last batch on-policy
+        tr.engine.batches = max(cfg.run.steps - tr.step_idx, 0)
     with rng.kept(tr.engine) if "rng" in restored else contextlib.nullcontext():
         tr.sync_weights()
         summary = _evaluate_before(tr, logger, resumed=ckpt is not None)

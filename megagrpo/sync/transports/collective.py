@@ -44,8 +44,10 @@ class Collective(Transport):
         root = r.place.cross is not None
         if root:
             r.place.announce(sync)
-            start = r.loader.state_dict() if sync == 0 else None
-            bcast_json(r.place.cross, {"sync": sync, "start": start, "stop": False})
+            first = sync == 0
+            bcast_json(r.place.cross, {"sync": sync, "stop": False,
+                                       "start": r.loader.state_dict() if first else None,
+                                       "batches": r.batches if first else None})
         bucket: list[tuple[str, torch.Tensor]] = []
         size = tensors = moved = 0
         for name, t in named_tensors:  # every sending rank drives the stream's collectives
