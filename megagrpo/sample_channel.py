@@ -19,7 +19,8 @@ messages: the buffer's length, then the buffer. A rollout rank marks a part fini
 store at once (the trainer's queue depth counts the marks) and sends it from a thread of its
 own once the trainer asks for that batch (`take/{i}`), so it keeps sampling ahead while
 batches wait; parts the trainer never asks for (drawn ahead of the run's end) are dropped when
-the trainer says stop.
+the trainer says stop. The sender thread only polls the store (`check`): a TCP store client
+serialises its calls, so a blocking `wait` there would hold up the main thread's.
 """
 from __future__ import annotations
 
@@ -245,7 +246,12 @@ class TensorChannel:
     def _send_loop(self) -> None:
         try:
             keys = [f"replica/{t}" for t in range(self.T)]
-            self.store.wait(keys, timedelta(seconds=self.timeout_s))
+            deadline = time.monotonic() + self.timeout_s
+            while not self.store.check(keys):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the training ranks did not publish their replicas in "
+                                       f"{self.timeout_s:.0f} s (parallel.collective_timeout_s)")
+                time.sleep(0.005)
             ranges = [replica_range(*json.loads(self.store.get(k)), self.B) for k in keys]
             while True:
                 part = self._queue.get()
