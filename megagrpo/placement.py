@@ -56,8 +56,10 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 import torch.distributed as dist
 
+from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.placement import check_separate, training_world
 from megagrpo.distributed import process_group_backend
+from megagrpo.engine.shard_feed import received_tensors as received_shards
 from megagrpo.sample_channel import Part, TensorChannel
 from megagrpo.stream import StreamStats, stamp
 
@@ -94,6 +96,13 @@ class Placement:
     samples: object | None = None
     """Gloo group of the whole world (ranks as in torchrun): the finished samples travel over
     it (`megagrpo.sample_channel.TensorChannel`)."""
+    weights: object | None = None
+    """sync.transport=shards: gloo group of the whole world the training ranks' shards travel
+    over (`megagrpo.engine.shard_feed`); None otherwise."""
+    model: ModelConfig | None = None
+    """The policy's architecture (a rollout rank reassembles shards by it)."""
+    parallel: ParallelConfig | None = None
+    """The training layout (whose shards a rollout rank receives)."""
 
     def channel(self, batch_size: int, replica: tuple[int, int] | None = None
                 ) -> TensorChannel:
@@ -123,17 +132,24 @@ class Placement:
         p, T, R = cfg.parallel, self.train_world, self.rollout_ranks
         how = ", loaded between decode steps (in flight)" if cfg.rollout.inflight_updates else ""
         ep = f" x ep={p.ep}" if p.ep > 1 else ""
+        how_sent = ("each training rank's own shards, reassembled on the rollout ranks"
+                    if cfg.sync.resolved(cfg.rollout, p) == "shards"
+                    else "full tensors from rank 0")
         return (f"placement: separate; training ranks 0-{T - 1} (megatron-core tp={p.tp} x "
                 f"pp={p.pp} x dp={dp}{ep}), rollout ranks {T}-{T + R - 1} (one vLLM engine of "
-                f"TP 1 each, {cfg.rollout.dtype}); weights from rank 0 over a gloo group in "
-                f"buckets of <= {cfg.rollout.sync_bucket_mb} MiB after every step"
+                f"TP 1 each, {cfg.rollout.dtype}); weights as {how_sent}, over gloo in "
+                f"buckets of <= {cfg.rollout.sync_bucket_mb} MiB after every step; samples as "
+                "packed tensors over gloo"
                 f"{how}"
                 f"; samples at most {cfg.staleness} version(s) old")
 
 
-def split_world(cfg: TrainConfig, rank: int, world: int) -> Placement:
+def split_world(cfg: TrainConfig, rank: int, world: int, model: ModelConfig | None = None
+                ) -> Placement:
     """Collective over the whole torchrun world: opens this rank's default process group (the
-    training ranks', or the rollout ranks') and the cross group (module docstring)."""
+    training ranks', or the rollout ranks'), the cross group, the samples group and, for
+    sync.transport=shards, the weights group (module docstring). `model`: the policy's
+    architecture as the preflight resolved it."""
     T, R = training_world(cfg.rollout, world), cfg.rollout.rollout_ranks
     timeout = timedelta(seconds=cfg.parallel.collective_timeout_s)
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))
@@ -151,9 +167,13 @@ def split_world(cfg: TrainConfig, rank: int, world: int) -> Placement:
         cross = dist.ProcessGroupGloo(dist.PrefixStore("cross/", store),
                                       rank - T + 1 if rollout else 0, R + 1, timeout)
     samples = dist.ProcessGroupGloo(dist.PrefixStore("samples/", store), rank, T + R, timeout)
+    weights = None
+    if cfg.sync.resolved(cfg.rollout, cfg.parallel) == "shards":
+        weights = dist.ProcessGroupGloo(dist.PrefixStore("weights/", store), rank, T + R,
+                                        timeout)
     return Placement(rank=rank, train_world=T, rollout_ranks=R, store=dist.PrefixStore(
         "stream/", store), cross=cross, timeout_s=cfg.parallel.collective_timeout_s,
-        samples=samples)
+        samples=samples, weights=weights, model=model or cfg.model, parallel=cfg.parallel)
 
 
 # ---------------------------------------------------------------------- the wire
@@ -202,6 +222,19 @@ class RemoteEngine:
     before the first sync, which tells the rollout ranks): the last one is drawn on-policy,
     with the weights of the step that trains it (k = 0), whatever rollout.max_staleness is."""
 
+    def begin_sync(self, via: str) -> int:
+        """Every training rank, at the start of a sync: its index; training rank 0 announces
+        it and broadcasts its header over the cross group (`via`: the transport whose tensors
+        follow, so the rollout ranks know how to receive them)."""
+        sync, self.syncs = self.syncs, self.syncs + 1
+        if self.sends and self.place.cross is not None:
+            first = sync == 0
+            self.place.announce(sync)
+            bcast_json(self.place.cross, {"sync": sync, "stop": False, "via": via,
+                                          "start": self.loader.state_dict() if first else None,
+                                          "batches": self.batches if first else None})
+        return sync
+
     def close(self) -> None:
         """End of run: the rollout ranks stop after the batch they are sampling."""
         if self.place.cross is not None:
@@ -241,7 +274,7 @@ def receive_weights(place: Placement, engine) -> Sync:
     sync = Sync(index=head["sync"], start=head["start"], stop=head["stop"],
                 batches=head.get("batches"))
     if not sync.stop:
-        engine.update_weights(_received_tensors(place.cross))
+        engine.update_weights(_incoming(place, head))
         if getattr(engine, "inflight", None) is not None:
             engine.inflight.label(engine, sync.index)
     return sync
@@ -254,8 +287,16 @@ def receive_posted(place: Placement, engine) -> Sync:
     head = bcast_json(place.cross, None)
     sync = Sync(index=head["sync"], start=head["start"], stop=head["stop"])
     if not sync.stop:
-        engine.inflight.post(list(_received_tensors(place.cross)), sync.index)
+        engine.inflight.post(list(_incoming(place, head)), sync.index)
     return sync
+
+
+def _incoming(place: Placement, head: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of the sync whose header is `head`, as the transport it names sent them:
+    `shards` (each training rank's own shards, reassembled here) or `collective`."""
+    if head.get("via") == "shards":
+        return received_shards(place.weights, place.store, place.model, place.parallel)
+    return _received_tensors(place.cross)
 
 
 def _received_tensors(pg) -> Iterator[tuple[str, torch.Tensor]]:

@@ -101,7 +101,8 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
         for w in checked.warnings:
             log.warning("warning: %s", w)
     rng.seed_process(cfg.run.seed)
-    place = split_world(cfg, rank, world) if cfg.rollout.placement == "separate" else None
+    place = (split_world(cfg, rank, world, model_cfg) if cfg.rollout.placement == "separate"
+             else None)
     info = init_distributed(cfg.parallel, model_cfg, seed=cfg.run.seed)
     log_file = attach_log_file(cfg.run.out_dir, rank)  # out_dir is ready once all ranks met
     packed = sequence_packing(cfg.compute, cfg.parallel)
@@ -315,7 +316,7 @@ def serve_rollouts(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | No
     freeze(cfg)
     task, model_cfg = checked.task, checked.model
     rng.seed_process(cfg.run.seed)
-    place = split_world(cfg, rank, world)
+    place = split_world(cfg, rank, world, model_cfg)
     attach_log_file(cfg.run.out_dir, rank)
     tok = task.tokenizer
     layout = RolloutLayout(rank=rank, world_size=world, engine_tp=1, train_tp=1, train_pp=1)
