@@ -92,7 +92,7 @@ def preflight(cfg: TrainConfig, world_size: int | None = None, warn: bool = True
     parallel, sp_why = resolve_sequence_parallel(cfg, model)
     cfg = dataclasses.replace(cfg, parallel=parallel)
     cfg.validate(world_size)
-    check_transport(cfg.sync.resolved(cfg.rollout))
+    check_transport(cfg.sync.resolved(cfg.rollout, cfg.parallel))
     check_paths(cfg.data)
     from megagrpo.reward import check_source  # imports torch: after the config-only checks
 

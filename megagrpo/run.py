@@ -94,7 +94,8 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
         for w in checked.warnings:
             log.warning("warning: %s", w)
     rng.seed_process(cfg.run.seed)
-    place = split_world(cfg, rank, world) if cfg.rollout.placement == "separate" else None
+    place = (split_world(cfg, rank, world, model_cfg) if cfg.rollout.placement == "separate"
+             else None)
     info = init_distributed(cfg.parallel, model_cfg, seed=cfg.run.seed)
     log_file = attach_log_file(cfg.run.out_dir, rank)  # out_dir is ready once all ranks met
     packed = sequence_packing(cfg.compute, cfg.parallel)
@@ -258,7 +259,7 @@ def serve_rollouts(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | No
     freeze(cfg)
     task, model_cfg = checked.task, checked.model
     rng.seed_process(cfg.run.seed)
-    place = split_world(cfg, rank, world)
+    place = split_world(cfg, rank, world, model_cfg)
     attach_log_file(cfg.run.out_dir, rank)
     tok = task.tokenizer
     layout = RolloutLayout(rank=rank, world_size=world, engine_tp=1, train_tp=1, train_pp=1)
@@ -295,6 +296,8 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
     restored = ckpts.load(ckpt) if ckpt is not None else {}  # per-rank states put back
     # a resumed run's weight sync and evaluation are work the run it continues never did: they
     # leave the streams the checkpoint restored (once, by the manager) as they found them
+    if isinstance(tr.engine, RemoteEngine):  # separate placement: its last batch on-policy
+        tr.engine.batches = max(cfg.run.steps - tr.step_idx, 0)
     with rng.kept(tr.engine) if "rng" in restored else contextlib.nullcontext():
         tr.sync_weights()
         summary = _evaluate_before(tr, logger, resumed=ckpt is not None)

@@ -123,7 +123,7 @@ class InflightMarkerEngine(MarkerEngine):
 
 
 def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEngine,
-            train_s: float = 0.0) -> dict:
+            train_s: float = 0.0, batches: int | None = None) -> dict:
     """One launch of a separate-placement world in this process: 2 rollout ranks (threads) and
     2 training replicas (both read here, replica 0 sends; a step "trains" `train_s` seconds
     before its sync). Returns what each side saw."""
@@ -134,13 +134,18 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
     def group(r):
         groups[r] = dist.ProcessGroupGloo(dist.PrefixStore("cross/", store), r, 3, timeout)
 
+    def sample_group(r):
+        samples[r] = dist.ProcessGroupGloo(dist.PrefixStore("samples/", store), r, 4, timeout)
+
+    samples: dict[int, object] = {}
     threads = [threading.Thread(target=group, args=(r,)) for r in range(3)]
+    threads += [threading.Thread(target=sample_group, args=(r,)) for r in range(4)]
     [t.start() for t in threads]
     [t.join() for t in threads]
     stream = dist.PrefixStore("stream/", store)
     places = [Placement(rank=r, train_world=2, rollout_ranks=2, store=stream,
                         cross=groups[0] if r == 0 else groups.get(r - 1) if r >= 2 else None,
-                        timeout_s=60)
+                        timeout_s=60, samples=samples[r])
               for r in range(4)]
     engines, served = [engine(), engine()], {}
     rollout_threads = []
@@ -157,7 +162,7 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
     if start is not None:
         [ld.load_state_dict(start) for ld in loaders]
     remote = RemoteEngine(place=places[0], loader=loaders[0], sends=True, bucket_bytes=2000,
-                          dtype="float32")
+                          dtype="float32", batches=batches)
     sources = [SeparateSource(cfg=cfg, place=places[d], engine=remote, loader=loaders[d],
                               tokenizer=Tok(), ranks=Ranks(rank=d, dp=2, dp_rank=d),
                               groups=None) for d in range(2)]
@@ -182,7 +187,9 @@ def _data() -> list[Example]:
 
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_stream_versions_slices_and_weights(k):
-    run = _launch(_data(), k, steps=5, start=None, store=dist.HashStore())
+    """The launch's last batch (the trainer says which at the first sync) is drawn
+    on-policy whatever k is."""
+    run = _launch(_data(), k, steps=5, start=None, store=dist.HashStore(), batches=5)
     reference = PromptLoader(_data(), B, seed=3)  # the global batch order the trainer must see
     for version, (ro0, ro1) in run["steps"]:
         want = [int(e.prompt) for e in next(reference)]
@@ -193,7 +200,7 @@ def test_stream_versions_slices_and_weights(k):
                 assert c.token_ids[0] == ro.prompts[c.prompt_index][-1]
                 assert c.logprobs[0] == c.version  # stamped with the weights that sampled it
                 assert 0 <= version - c.version <= k
-        if k == 0:
+        if k == 0 or version == 4:  # k = 0, or the last of the 5 batches
             assert all(c.version == version for c in ro0.completions + ro1.completions)
     assert sorted(run["served"]) == [0, 1]  # close() stopped both rollout ranks
     for eng in run["engines"]:  # every sync arrived bitwise, through several buckets
@@ -328,6 +335,9 @@ def test_separate_run_versions_and_gap(separate_run):
     # the first batch is sampled by the weights that train on it: vLLM on the rollout rank and
     # the trainer agree to fp32 precision (after the weights crossed the gloo group)
     assert steps[0]["staleness_max"] == 0 and steps[0]["logp_gap_vllm_mean"] < 1e-5
+    # the run ends on-policy (the last batch at k = 0): after every sync crossed the wire,
+    # vLLM's weights are still the trainer's (a skipped or garbled sync fails here)
+    assert steps[-1]["staleness_max"] == 0 and steps[-1]["logp_gap_vllm_mean"] < 1e-5
     assert all(r["staleness_max"] <= 1 for r in steps)  # per-sample lags, k = 1
     # in flight: per-token lags, trainer versions (sync indices mapped), within the bound
     assert all(0 <= r["token_lag_mean"] <= 1 for r in steps)

@@ -22,15 +22,16 @@ from megagrpo.engine.inflight import InflightUpdates
 from megagrpo.engine.types import WeightSyncStats
 from megagrpo.hf import fuse_qkv, param_specs, split_qkv, unfuse_shards
 from megagrpo.preflight import check_transport
-from megagrpo.rollout.placement import RemoteEngine
+from megagrpo.rollout.placement import Placement, RemoteEngine
 from megagrpo.sync import CastDtype, FullWeights, WeightSync, build_weight_sync
 from megagrpo.sync.adapters import AdapterSource, MergeAdapters
-from megagrpo.sync.source import Feed
+from megagrpo.sync.source import Feed, OwnShards
 from megagrpo.sync.transforms import expected_feed
 from megagrpo.sync.transports import Transport, available, register, transport_class
 from megagrpo.sync.transports.collective import Collective
 from megagrpo.sync.transports.inflight import Inflight
 from megagrpo.sync.transports.reload import Reload
+from megagrpo.sync.transports.shards import Shards
 from megagrpo.train.trainer import Trainer
 
 MODEL = ModelConfig(vocab_size=19, hidden_size=16, ffn_hidden_size=24, num_layers=2,
@@ -102,8 +103,10 @@ def _build(overrides: list[str], engine, lora_rank: int = 0, shard_to_shard: boo
 
 
 # ---------------------------------------------------------------------- the choice
-def test_auto_picks_todays_transport_and_source():
-    remote = RemoteEngine(place=None, loader=None, sends=False, bucket_bytes=1,
+def test_auto_picks_todays_transport_and_source(one_rank):
+    place = Placement(rank=0, train_world=1, rollout_ranks=1, store=None, cross=None,
+                      timeout_s=1.0, weights="a group")  # built, never used: nothing is sent
+    remote = RemoteEngine(place=place, loader=None, sends=False, bucket_bytes=1,
                           dtype="float32")
     reload = _build([], FakeEngine())
     assert type(reload.transport) is Reload and type(reload.source) is FullWeights
@@ -112,7 +115,13 @@ def test_auto_picks_todays_transport_and_source():
                       FakeEngine(inflight=True))
     assert type(inflight.transport) is Inflight
     separate = _build(["rollout.placement=separate", "rollout.rollout_ranks=1"], remote)
-    assert type(separate.transport) is Collective
+    assert type(separate.transport) is Shards and type(separate.source) is OwnShards
+    with_ep = _build(["rollout.placement=separate", "rollout.rollout_ranks=1", "parallel.ep=2"],
+                     remote)  # experts are not sent shard to shard yet
+    assert type(with_ep.transport) is Collective and type(with_ep.source) is FullWeights
+    with pytest.raises(ValueError, match=r"sync\.transport=shards with parallel\.ep=2"):
+        _build(["rollout.placement=separate", "rollout.rollout_ranks=1", "parallel.ep=2",
+                "sync.transport=shards"], remote)
     slices = _build([], FakeEngine(), shard_to_shard=True)
     assert type(slices.source).__name__ == "ShardSlices"
     served = _build([], FakeEngine(max_lora_rank=8), lora_rank=4)  # vLLM serves the adapters

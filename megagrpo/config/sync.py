@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megagrpo.config.model import ParallelConfig
 from megagrpo.config.rollout import DTYPES, RolloutConfig
 from megagrpo.config.section import Section
 
-BUILT_IN = ("reload", "inflight", "collective", "disk")
+BUILT_IN = ("reload", "inflight", "collective", "shards", "disk")
 """The transports in megagrpo/sync/transports/ (a new module there adds one)."""
 
 
@@ -16,20 +17,23 @@ class SyncConfig(Section):
     """The weight sync after each update: policy shards -> (transforms) -> a transport."""
 
     transport: str = "auto"
-    """auto (reload; inflight with rollout.inflight_updates; collective under separate
-    placement), reload (the engine's in-process update), inflight (posted, loaded between
-    decode steps), collective (to the rollout ranks), disk (an HF folder the engine loads), or
-    a transport registered in megagrpo/sync/transports/."""
+    """auto (reload; inflight with rollout.inflight_updates; under separate placement shards,
+    or collective with parallel.ep > 1), reload (the engine's in-process update), inflight
+    (posted, loaded between decode steps), collective (full tensors from training rank 0 to
+    the rollout ranks), shards (every training rank's own shards to the rollout ranks,
+    reassembled there), disk (an HF folder the engine loads), or a transport registered in
+    megagrpo/sync/transports/."""
     dtype: str = "auto"
     """auto (the model's dtype, no cast), float32, bfloat16 or float16: the weights are cast to
     it on their way to the engine."""
 
-    def resolved(self, rollout: RolloutConfig) -> str:
-        """The transport this run uses: sync.transport, or for auto the placement's choice."""
+    def resolved(self, rollout: RolloutConfig, parallel: ParallelConfig) -> str:
+        """The transport this run uses: sync.transport, or for auto the placement's choice
+        (separate: shards, collective with expert parallelism)."""
         if self.transport != "auto":
             return self.transport
         if rollout.placement == "separate":
-            return "collective"
+            return "collective" if parallel.ep > 1 else "shards"
         return "inflight" if rollout.inflight_updates else "reload"
 
     def validate(self, rollout: RolloutConfig) -> None:
@@ -44,11 +48,11 @@ class SyncConfig(Section):
         if t == "auto" or t not in BUILT_IN:
             return
         separate = rollout.placement == "separate"
-        if separate != (t == "collective"):
+        if separate != (t in ("collective", "shards")):
             raise ValueError(
                 f"sync.transport={t} with rollout.placement={rollout.placement}: the weights go "
-                "to the rollout ranks over the cross group exactly when placement is separate; "
-                "set sync.transport=auto" + ("" if separate else " (or reload)"))
+                "to rollout ranks of their own (collective or shards) exactly when placement "
+                "is separate; set sync.transport=auto" + ("" if separate else " (or reload)"))
         if not separate and rollout.inflight_updates != (t == "inflight"):
             raise ValueError(
                 f"sync.transport={t} with rollout.inflight_updates="

@@ -20,13 +20,17 @@ What flows where:
     (`WeightReceiver`). Each broadcast is a numbered sync, announced in the store first.
   - completions: rollout rank j samples prompts j, j+R, ... of every global batch (groups whole,
     from a PromptLoader of the whole batch that starts where the trainer's stands), scores them,
-    stamps them with the sync they were sampled by, and puts them in the store under
-    (batch, j); the trainer takes batch i when every rollout rank has put its part
-    (`SeparateSource.next`), each DP replica keeping its contiguous slice of the batch.
+    stamps them with the sync they were sampled by, and sends them as packed tensors over the
+    `samples` gloo group of the whole world (`megagrpo.rollout.sample_channel.TensorChannel`: each
+    training rank receives its DP replica's contiguous slice of the batch from every rollout
+    rank, when it asks for batch i; `SeparateSource.next`).
   - staleness: a rollout rank samples batch i only with a sync >= i - k (k =
     rollout.max_staleness), taking every newer announced sync between batches, so a sample is at
     most k syncs (hence at most k optimizer updates) older than the step that trains it. k = 0 is
     a synchronous hand-off: batch i waits for the weights the step that trains it starts from.
+    The last batch of a launch (`RemoteEngine.batches`, told at the first sync) is drawn at
+    k = 0 whatever k is: the run ends on-policy, and its vLLM-vs-trainer gap checks the
+    weights that crossed the wire after every sync.
   - in-flight updates (rollout.inflight_updates): a rollout rank's engine generates on a
     thread while its main thread keeps receiving the syncs the trainer sends and posts each to
     the engine's in-flight slot (`megagrpo.engine.inflight`), which loads the newest between
@@ -40,7 +44,6 @@ What flows where:
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -53,8 +56,10 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 import torch.distributed as dist
 
+from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.placement import check_separate, training_world
-from megagrpo.engine import Completion
+from megagrpo.engine.shard_feed import received_tensors as received_shards
+from megagrpo.rollout.sample_channel import Part, TensorChannel
 from megagrpo.rollout.stream import StreamStats, stamp
 from megagrpo.runtime.distributed import process_group_backend
 
@@ -88,6 +93,23 @@ class Placement:
     None on the other training ranks."""
     timeout_s: float
     """How long a wait for weights or a batch may take (parallel.collective_timeout_s)."""
+    samples: object | None = None
+    """Gloo group of the whole world (ranks as in torchrun): the finished samples travel over
+    it (`megagrpo.rollout.sample_channel.TensorChannel`)."""
+    weights: object | None = None
+    """sync.transport=shards: gloo group of the whole world the training ranks' shards travel
+    over (`megagrpo.engine.shard_feed`); None otherwise."""
+    model: ModelConfig | None = None
+    """The policy's architecture (a rollout rank reassembles shards by it)."""
+    parallel: ParallelConfig | None = None
+    """The training layout (whose shards a rollout rank receives)."""
+
+    def channel(self, batch_size: int, replica: tuple[int, int] | None = None
+                ) -> TensorChannel:
+        """This rank's end of the sample channel; `replica` = (dp_rank, dp) on training ranks."""
+        return TensorChannel(group=self.samples, store=self.store, rank=self.rank,
+                             train_world=self.train_world, rollout_ranks=self.rollout_ranks,
+                             batch_size=batch_size, timeout_s=self.timeout_s, replica=replica)
 
     @property
     def is_rollout(self) -> bool:
@@ -110,17 +132,24 @@ class Placement:
         p, T, R = cfg.parallel, self.train_world, self.rollout_ranks
         how = ", loaded between decode steps (in flight)" if cfg.rollout.inflight_updates else ""
         ep = f" x ep={p.ep}" if p.ep > 1 else ""
+        how_sent = ("each training rank's own shards, reassembled on the rollout ranks"
+                    if cfg.sync.resolved(cfg.rollout, p) == "shards"
+                    else "full tensors from rank 0")
         return (f"placement: separate; training ranks 0-{T - 1} (megatron-core tp={p.tp} x "
                 f"pp={p.pp} x dp={dp}{ep}), rollout ranks {T}-{T + R - 1} (one vLLM engine of "
-                f"TP 1 each, {cfg.rollout.dtype}); weights from rank 0 over a gloo group in "
-                f"buckets of <= {cfg.rollout.sync_bucket_mb} MiB after every step"
+                f"TP 1 each, {cfg.rollout.dtype}); weights as {how_sent}, over gloo in "
+                f"buckets of <= {cfg.rollout.sync_bucket_mb} MiB after every step; samples as "
+                "packed tensors over gloo"
                 f"{how}"
                 f"; samples at most {cfg.staleness} version(s) old")
 
 
-def split_world(cfg: TrainConfig, rank: int, world: int) -> Placement:
+def split_world(cfg: TrainConfig, rank: int, world: int, model: ModelConfig | None = None
+                ) -> Placement:
     """Collective over the whole torchrun world: opens this rank's default process group (the
-    training ranks', or the rollout ranks') and the cross group (module docstring)."""
+    training ranks', or the rollout ranks'), the cross group, the samples group and, for
+    sync.transport=shards, the weights group (module docstring). `model`: the policy's
+    architecture as the preflight resolved it."""
     T, R = training_world(cfg.rollout, world), cfg.rollout.rollout_ranks
     timeout = timedelta(seconds=cfg.parallel.collective_timeout_s)
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))
@@ -137,8 +166,14 @@ def split_world(cfg: TrainConfig, rank: int, world: int) -> Placement:
     if rank == 0 or rollout:
         cross = dist.ProcessGroupGloo(dist.PrefixStore("cross/", store),
                                       rank - T + 1 if rollout else 0, R + 1, timeout)
+    samples = dist.ProcessGroupGloo(dist.PrefixStore("samples/", store), rank, T + R, timeout)
+    weights = None
+    if cfg.sync.resolved(cfg.rollout, cfg.parallel) == "shards":
+        weights = dist.ProcessGroupGloo(dist.PrefixStore("weights/", store), rank, T + R,
+                                        timeout)
     return Placement(rank=rank, train_world=T, rollout_ranks=R, store=dist.PrefixStore(
-        "stream/", store), cross=cross, timeout_s=cfg.parallel.collective_timeout_s)
+        "stream/", store), cross=cross, timeout_s=cfg.parallel.collective_timeout_s,
+        samples=samples, weights=weights, model=model or cfg.model, parallel=cfg.parallel)
 
 
 # ---------------------------------------------------------------------- the wire
@@ -182,6 +217,23 @@ class RemoteEngine:
     syncs: int = 0
     """Syncs sent in this launch (the next one's index)."""
     max_lora_rank: int = 0
+    batches: int | None = None
+    """The batches this launch will take (run.steps less the steps a resume restored; set
+    before the first sync, which tells the rollout ranks): the last one is drawn on-policy,
+    with the weights of the step that trains it (k = 0), whatever rollout.max_staleness is."""
+
+    def begin_sync(self, via: str) -> int:
+        """Every training rank, at the start of a sync: its index; training rank 0 announces
+        it and broadcasts its header over the cross group (`via`: the transport whose tensors
+        follow, so the rollout ranks know how to receive them)."""
+        sync, self.syncs = self.syncs, self.syncs + 1
+        if self.sends and self.place.cross is not None:
+            first = sync == 0
+            self.place.announce(sync)
+            bcast_json(self.place.cross, {"sync": sync, "stop": False, "via": via,
+                                          "start": self.loader.state_dict() if first else None,
+                                          "batches": self.batches if first else None})
+        return sync
 
     def close(self) -> None:
         """End of run: the rollout ranks stop after the batch they are sampling."""
@@ -210,6 +262,8 @@ class Sync:
     start: dict | None
     """The trainer's loader position at the first sync (where sampling starts)."""
     stop: bool
+    batches: int | None = None
+    """The first sync: the batches the trainer will take in this launch (None: unknown)."""
 
 
 def receive_weights(place: Placement, engine) -> Sync:
@@ -217,9 +271,10 @@ def receive_weights(place: Placement, engine) -> Sync:
     carries no weights). With in-flight updates the engine's weights are labelled with the
     sync's index, which vLLM stamps on the tokens they sample."""
     head = bcast_json(place.cross, None)
-    sync = Sync(index=head["sync"], start=head["start"], stop=head["stop"])
+    sync = Sync(index=head["sync"], start=head["start"], stop=head["stop"],
+                batches=head.get("batches"))
     if not sync.stop:
-        engine.update_weights(_received_tensors(place.cross))
+        engine.update_weights(_incoming(place, head))
         if getattr(engine, "inflight", None) is not None:
             engine.inflight.label(engine, sync.index)
     return sync
@@ -232,8 +287,16 @@ def receive_posted(place: Placement, engine) -> Sync:
     head = bcast_json(place.cross, None)
     sync = Sync(index=head["sync"], start=head["start"], stop=head["stop"])
     if not sync.stop:
-        engine.inflight.post(list(_received_tensors(place.cross)), sync.index)
+        engine.inflight.post(list(_incoming(place, head)), sync.index)
     return sync
+
+
+def _incoming(place: Placement, head: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of the sync whose header is `head`, as the transport it names sent them:
+    `shards` (each training rank's own shards, reassembled here) or `collective`."""
+    if head.get("via") == "shards":
+        return received_shards(place.weights, place.store, place.model, place.parallel)
+    return _received_tensors(place.cross)
 
 
 def _received_tensors(pg) -> Iterator[tuple[str, torch.Tensor]]:
@@ -263,10 +326,13 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
     sync = receive_weights(place, collector.engine)
     if sync.start is not None:
         loader.load_state_dict(sync.start)
+    last = sync.batches - 1 if sync.batches is not None else None
     mine = list(range(j, B, R))  # groups whole: every sample of a prompt on one engine
+    channel = place.channel(B)
     i = 0
     while not sync.stop:
-        if sync.index < i - k or place.announced(sync.index + 1):
+        # at most k syncs behind; the launch's last batch on-policy (k = 0)
+        if sync.index < i - (0 if i == last else k) or place.announced(sync.index + 1):
             watchdog.set_phase("weight_sync", i)
             sync = receive_weights(place, collector.engine)
             continue
@@ -283,12 +349,12 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
         else:
             (comps, rewards, metrics), sync = _generate_inflight(place, collector, args, sync)
         stamp(comps, first.index)  # sync indices (per token in flight); the trainer maps them
-        part = {"loader": before, "epoch": loader.epoch, "draw_s": time.perf_counter() - t0,
-                "completions": [_jsonable(c) for c in comps], "rewards": rewards.tolist(),
-                "metrics": metrics}
-        place.store.set(f"batch/{i}/{j}", json.dumps(part))
+        channel.put(Part(batch=i, rollout=j, loader=before, epoch=loader.epoch,
+                         draw_s=time.perf_counter() - t0, metrics=metrics, completions=comps,
+                         rewards=rewards.tolist()))
         i += 1
-    return {"batches": i, "syncs": sync.index}
+    channel.close()
+    return {"batches": i, "syncs": sync.index, "sample_bytes": channel.bytes_sent}
 
 
 def _generate_inflight(place: Placement, collector: RolloutCollector, args: tuple, sync: Sync
@@ -326,10 +392,6 @@ def _encode(tokenizer, prompt) -> list[int]:
     return encode_prompt(tokenizer, prompt)
 
 
-def _jsonable(c: Completion) -> dict:
-    return dataclasses.asdict(dataclasses.replace(c, routes=None))
-
-
 # ---------------------------------------------------------------------- the trainer's source
 @dataclass(frozen=True)
 class SeparateLayout:
@@ -361,6 +423,13 @@ class SeparateSource:
     """Sync index -> the policy version it carried."""
     queue: list = field(default_factory=list)
     """Always empty: batches sampled ahead stay with the rollout ranks (a resume redraws them)."""
+    channel: TensorChannel | None = None
+    """This rank's end of the sample channel (built from `place` when not given)."""
+
+    def __post_init__(self) -> None:
+        if self.channel is None:
+            self.channel = self.place.channel(self.cfg.data.batch_size,
+                                              (self.ranks.dp_rank, self.ranks.dp))
 
     def next(self, version: int) -> Rollout:
         """Batch `taken` from the rollout ranks (waits for it), this replica's slice. `version`
@@ -372,16 +441,15 @@ class SeparateSource:
             self.versions[s] = version
         before = self.loader.state_dict()
         examples = next(self.loader)
-        parts = self._parts(i)
-        bad = [p["loader"] for p in parts if _position(p["loader"]) != _position(before)]
+        parts = self.channel.take(i)
+        bad = [p.loader for p in parts if _position(p.loader) != _position(before)]
         if bad:
             raise RuntimeError(f"separate placement: rollout ranks sampled batch {bad[0]} where "
                                f"the trainer expected {before}")
         n, R = len(examples), self.place.rollout_ranks
         lo = self.ranks.dp_rank * n
-        merged = sorted(((Completion(**c), r) for p in parts
-                         for c, r in zip(p["completions"], p["rewards"])
-                         if lo <= c["prompt_index"] < lo + n),
+        merged = sorted(((c, r) for p in parts for c, r in zip(p.completions, p.rewards)
+                         if lo <= c.prompt_index < lo + n),
                         key=lambda x: (x[0].prompt_index, x[0].sample_index))
         for c, _ in merged:
             c.prompt_index -= lo
@@ -390,13 +458,12 @@ class SeparateSource:
                 c.token_versions = [self.versions[v] for v in c.token_versions]
         metrics = {}
         for p in parts:  # counts over the whole batch: per replica on average
-            for key, v in p["metrics"].items():
+            for key, v in p.metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + v / self.ranks.dp
         self.stats = StreamStats(queue_depth=self._waiting(i + 1),
-                                 draw_s=max(p["draw_s"] for p in parts) if R else 0.0)
+                                 draw_s=max(p.draw_s for p in parts) if R else 0.0)
         if self.ranks.rank == 0 and i >= 2:
-            for j in range(R):
-                self.place.store.delete_key(f"batch/{i - 2}/{j}")
+            self.channel.forget(i - 2)
         self.taken += 1
         comps = [c for c, _ in merged]
         return Rollout(prompts=[_encode(self.tokenizer, e.prompt) for e in examples],
@@ -405,16 +472,10 @@ class SeparateSource:
                        version=min((c.version for c in comps), default=version),
                        epoch=self.loader.epoch, metrics=metrics)
 
-    def _parts(self, i: int) -> list[dict]:
-        keys = [f"batch/{i}/{j}" for j in range(self.place.rollout_ranks)]
-        self.place.store.wait(keys, timedelta(seconds=self.place.timeout_s))
-        return [json.loads(self.place.store.get(k)) for k in keys]
-
     def _waiting(self, first: int) -> int:
         """Finished batches from `first` on (every rollout rank's part in)."""
         n = 0
-        while all(self.place.store.check([f"batch/{first + n}/{j}"])
-                  for j in range(self.place.rollout_ranks)):
+        while self.channel.finished(first + n):
             n += 1
         return n
 

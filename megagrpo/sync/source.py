@@ -407,6 +407,25 @@ class FullWeights:
 
 
 @dataclass(frozen=True)
+class OwnShards(FullWeights):
+    """This rank's own megatron shards by local name, nothing gathered or converted (the
+    pairs are the stage's live parameters, or the transforms' view of them): what the
+    `shards` transport sends to rollout ranks of their own (`megagrpo.engine.shard_feed`)."""
+
+    def feed(self, policy: torch.nn.Module, params: Mapping[str, torch.Tensor] | None) -> Feed:
+        from megatron.core import parallel_state as ps
+
+        stage = ps.get_pipeline_model_parallel_rank()
+        if params is None:
+            params = stage_parameters(policy, self.model, self.parallel, stage)
+        impl = "transformer_engine" if any("layer_norm_weight" in n for n in params) else "local"
+        specs = _exported(param_specs(self.model, self.parallel, stage, impl), self.model)
+        out = Feed(iter(()))
+        out.pairs = _counted([(s.local, params[s.local]) for s in specs], out.stats)
+        return out
+
+
+@dataclass(frozen=True)
 class ShardSlices(FullWeights):
     """Shard to shard: each rank's own vLLM slice of every tensor (`iter_vllm_slices`), for
     engines of k = training TP ranks lined up with the training TP groups."""

@@ -24,7 +24,7 @@ from megagrpo.config.rollout import RolloutConfig
 from megagrpo.config.sync import SyncConfig
 from megagrpo.model.gpt import DTYPE
 from megagrpo.sync.adapters import AdapterSource, MergeAdapters
-from megagrpo.sync.source import Feed, FullWeights, ShardSlices
+from megagrpo.sync.source import Feed, FullWeights, OwnShards, ShardSlices
 from megagrpo.sync.transforms import CastDtype, TensorMeta, Transform, expected_feed
 from megagrpo.sync.transports import SyncContext, Transport, transport_class
 
@@ -108,8 +108,10 @@ def build_weight_sync(cfg: SyncConfig, rollout: RolloutConfig, lora: LoRAConfig,
     tensors; a LoRA policy's adapters alone when the engine serves them (`engine.max_lora_rank`),
     else merged; the cast of sync.dtype; the transport sync.transport names (auto: reload,
     inflight with rollout.inflight_updates, collective under separate placement)."""
-    base = (ShardSlices if shard_to_shard else FullWeights)(model, parallel,
-                                                             rollout.sync_bucket_mb << 20)
+    name = cfg.resolved(rollout, parallel)
+    kind = transport_class(name)
+    base = (OwnShards if kind.own_shards else ShardSlices if shard_to_shard else FullWeights)(
+        model, parallel, rollout.sync_bucket_mb << 20)
     transforms: list[Transform] = []
     source: Source = base
     if lora.enabled and engine.max_lora_rank:
@@ -118,9 +120,8 @@ def build_weight_sync(cfg: SyncConfig, rollout: RolloutConfig, lora: LoRAConfig,
         transforms.append(MergeAdapters())
     if cfg.dtype not in ("auto", model.dtype):
         transforms.append(CastDtype(DTYPE[cfg.dtype]))
-    name = cfg.resolved(rollout)
-    transport = transport_class(name).build(SyncContext(engine=engine, model=model,
-                                                        folder=folder))
+    transport = kind.build(SyncContext(engine=engine, model=model, folder=folder,
+                                       parallel=parallel))
     if isinstance(source, AdapterSource) and name != "reload":
         raise ValueError(f"sync.transport={name} with an adapter-only LoRA refit: the adapters "
                          "load in-process; set sync.transport=auto or lora.refit=merged")

@@ -3,9 +3,11 @@
 One module per transport in this folder, each registering its class with `@register(name)`
 (the name is `sync.transport`'s value and the module's name): `reload` (the engine's in-process
 update), `inflight` (posted to the engine's in-flight slot, loaded between decode steps),
-`collective` (separate placement: to the rollout ranks over the cross group), `disk` (an HF
-folder the engine loads). A new transport is a new module here (found by its name when a
-config asks for it) or a class registered from anywhere: neither run.py nor trainer.py changes.
+`collective` (separate placement: full tensors from training rank 0 to the rollout ranks over
+the cross group), `shards` (separate placement: every training rank of replica 0 sends its own
+shards to the rollout ranks, which reassemble them), `disk` (an HF folder the engine loads).
+A new transport is a new module here (found by its name when a config asks for it) or a class
+registered from anywhere: neither run.py nor trainer.py changes.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from megagrpo.config.model import ModelConfig
+from megagrpo.config.model import ModelConfig, ParallelConfig
 
 if TYPE_CHECKING:
     from megagrpo.sync.source import Feed
@@ -33,6 +35,8 @@ class SyncContext:
     """The policy's architecture (what an HF folder's config.json describes)."""
     folder: Path
     """This rank's engine folder (the disk transport writes under it)."""
+    parallel: ParallelConfig | None = None
+    """The training layout (the shards transport cuts its buckets by it)."""
 
 
 class Transport:
@@ -40,6 +44,9 @@ class Transport:
     `deliver` (the in-flight slot); every other transport moves them in `deliver`."""
 
     name: ClassVar[str] = ""
+    own_shards: ClassVar[bool] = False
+    """True: it takes this rank's own megatron shards by local name (`sync.source.OwnShards`,
+    nothing gathered); False: (HF name, tensor) pairs from the gathered or sliced stream."""
 
     @classmethod
     def build(cls, ctx: SyncContext) -> Transport:

@@ -36,16 +36,12 @@ class Collective(Transport):
         """Collective over the training ranks of DP replica 0 (the stream's TP/PP gathers) and
         the cross group: every full tensor reaches every rollout rank. Returns what moved."""
         r = self.remote
-        t0, sync = time.perf_counter(), r.syncs
-        r.syncs += 1
+        t0 = time.perf_counter()
+        r.begin_sync("collective")
         if not r.sends:
             return WeightSyncStats(tensors=0, bytes=0, seconds=0.0, source_seconds=0.0,
                                    load_seconds=0.0)
         root = r.place.cross is not None
-        if root:
-            r.place.announce(sync)
-            start = r.loader.state_dict() if sync == 0 else None
-            bcast_json(r.place.cross, {"sync": sync, "start": start, "stop": False})
         bucket: list[tuple[str, torch.Tensor]] = []
         size = tensors = moved = 0
         for name, t in named_tensors:  # every sending rank drives the stream's collectives

@@ -1,0 +1,127 @@
+"""Shard-to-shard weight sync to rollout ranks of their own (`sync.transport=shards`, separate
+placement): the wire both sides speak.
+
+Each training rank of DP replica 0 (TP rank r of pipeline stage s) sends its own megatron
+shards, nothing gathered, straight to every rollout rank over a gloo group of the whole world
+(`Placement.weights`): in buckets of at most rollout.sync_bucket_mb of its shards, each bucket
+a small JSON header (the stage, the layer spec, the local parameter names, the dtype) and one
+flat buffer; an `end` header closes a rank's sync. Every TP rank of a stage holds shards of the
+same shapes, so the ranks of a stage cut the same buckets. A rollout rank receives bucket b of
+stage s from each of its TP ranks and reassembles the HF tensors of the bucket's parameters
+from their shards in TP rank order (`megagrpo.hf.unfuse_shards`, the same conversion as the
+gathered stream's: QKV split per KV group, gate/up split, vocab padding stripped), stage after
+stage, into its engine's layout (one engine of TP 1: whole tensors). Senders announce
+themselves in the store as `shards/{stage}/{tp_rank}` -> global rank.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from megagrpo.config.model import ModelConfig, ParallelConfig
+from megagrpo.config.params import param_specs
+from megagrpo.hf import unfuse_shards
+
+TAG = 1
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def send_json(group, obj: dict, dst: int) -> int:
+    """A small header to rank `dst`: its length, then its bytes. Returns the bytes sent."""
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    group.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, TAG).wait()
+    group.send([data], dst, TAG).wait()
+    return data.numel() + 8
+
+
+def recv_json(group, src: int) -> dict:
+    n = torch.empty(1, dtype=torch.int64)
+    group.recv([n], src, TAG).wait()
+    data = torch.empty(int(n.item()), dtype=torch.uint8)
+    group.recv([data], src, TAG).wait()
+    return json.loads(data.numpy().tobytes().decode())
+
+
+def buckets(shards: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """This rank's (local name, shard) pairs cut into buckets of at most `bucket_bytes` (one
+    shard if larger); every TP rank of a stage cuts the same ones."""
+    cur, size = [], 0
+    for name, t in shards:
+        n = t.numel() * t.element_size()
+        if cur and size + n > bucket_bytes:
+            yield cur
+            cur, size = [], 0
+        cur.append((name, t))
+        size += n
+    if cur:
+        yield cur
+
+
+def send_bucket(group, bucket: list[tuple[str, torch.Tensor]], stage: int, impl: str,
+                dsts: list[int]) -> int:
+    """One bucket of this rank's shards to every rollout rank in `dsts`. Returns bytes sent."""
+    dtype = bucket[0][1].dtype
+    flat = torch.cat([t.detach().to("cpu", dtype).reshape(-1) for _, t in bucket])
+    head = {"stage": stage, "impl": impl, "names": [n for n, _ in bucket],
+            "dtype": str(dtype).removeprefix("torch.")}
+    moved = 0
+    for dst in dsts:
+        moved += send_json(group, head, dst)
+        group.send([flat], dst, TAG).wait()
+        moved += flat.numel() * flat.element_size()
+    return moved
+
+
+def send_end(group, dsts: list[int]) -> None:
+    for dst in dsts:
+        send_json(group, {"end": True}, dst)
+
+
+def sender_ranks(store, parallel: ParallelConfig) -> list[list[int]]:
+    """[stage][tp_rank] -> the global rank that sends those shards (as the senders announced)."""
+    return [[int(store.get(f"shards/{s}/{r}")) for r in range(parallel.tp)]
+            for s in range(parallel.pp)]
+
+
+def received_tensors(group, store, model: ModelConfig, parallel: ParallelConfig
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rollout rank: one sync's (HF name, whole tensor) pairs, reassembled from the shards of
+    every training rank of replica 0, stage by stage, bucket by bucket (module docstring)."""
+    ranks = sender_ranks(store, parallel)
+    for stage, tp_ranks in enumerate(ranks):
+        specs: dict[str, dict] = {}
+        while True:
+            heads = [recv_json(group, src) for src in tp_ranks]
+            if heads[0].get("end"):
+                if not all(h.get("end") for h in heads):
+                    raise RuntimeError(f"shard sync: the TP ranks of stage {stage} sent "
+                                       "different bucket counts")
+                break
+            if any(h["names"] != heads[0]["names"] for h in heads):
+                raise RuntimeError(f"shard sync: the TP ranks of stage {stage} cut different "
+                                   f"buckets ({heads[0]['names'][:2]}...)")
+            head = heads[0]
+            by_local = specs.setdefault(head["impl"], {
+                s.local: s for s in param_specs(model, parallel, stage, head["impl"])})
+            bucket = [by_local[n] for n in head["names"]]
+            shapes = [s.local_shape(parallel.tp) for s in bucket]
+            numel = sum(torch.Size(sh).numel() for sh in shapes)
+            flats = []
+            for src in tp_ranks:
+                flat = torch.empty(numel, dtype=DTYPES[head["dtype"]])
+                group.recv([flat], src, TAG).wait()
+                flats.append(flat)
+            off = 0
+            for spec, shape in zip(bucket, shapes):
+                n = torch.Size(shape).numel()
+                shards = [f[off:off + n].view(shape) for f in flats]
+                off += n
+                if spec.split_dim is None:
+                    shards = shards[:1]
+                yield from unfuse_shards(shards, spec, model)
+
+
+__all__ = ["buckets", "received_tensors", "send_bucket", "send_end", "sender_ranks"]
