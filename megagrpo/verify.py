@@ -14,7 +14,10 @@ The exit status is 1 when the round trip is not exact or the logits error exceed
 largest error measured on the test models (1.4e-2; docs/usage.md).
 
 Prompts: the folder's tokenizer encodes a few fixed sentences when it has one; else (and in
-addition, with --seq-len) seeded random token ids, so long positions are covered too.
+addition, with --seq-len) seeded random token ids, so long positions are covered too. A
+vision-language model (Qwen2.5-VL) is checked on seeded prompts with 0, 1 and 2 random images
+of different patch grids (`vlm_prompts`), its logits against transformers'
+`Qwen2_5_VLForConditionalGeneration` given the same pixels.
 """
 from __future__ import annotations
 
@@ -101,6 +104,83 @@ def megatron_logits(gpt: torch.nn.Module, ids: torch.Tensor, vocab: int) -> torc
     return local[:, :vocab].cpu()
 
 
+@dataclass
+class VLMPrompt:
+    """One vision-language prompt: token ids with the image pads, and its images."""
+
+    ids: torch.Tensor
+    """[S] token ids; image i fills `image_tokens(grid_thw)[i]` image-pad tokens."""
+    pixel_values: torch.Tensor | None
+    """[P, C*t*p*p] flattened patches of the images, in prompt order (None: no image)."""
+    grid_thw: torch.Tensor | None
+    """[n, 3] patches along time, height, width per image."""
+
+
+def vlm_prompts(model: ModelConfig, *, seed: int = 0, text: int = 6) -> list[VLMPrompt]:
+    """Prompts with 0, 1 and 2 images (patch grids 1 x 2m x 2m, 1 x 4m x 2m and 1 x 2m x 4m for
+    merge size m, so that window attention sees one and two windows), random text ids around
+    them (no special token), images wrapped in vision start / end tokens."""
+    v, m = model.vision, model.vision.spatial_merge_size
+    special = {model.image_token_id, model.video_token_id, model.vision_start_token_id,
+               model.vision_end_token_id}
+    pool = torch.tensor([i for i in range(model.vocab_size) if i not in special])
+    gen = torch.Generator().manual_seed(seed)
+    patch = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+
+    def words() -> list[int]:
+        return pool[torch.randint(0, len(pool), (text,), generator=gen)].tolist()
+
+    out = []
+    for grids in ([], [(1, 2 * m, 2 * m)], [(1, 4 * m, 2 * m), (1, 2 * m, 4 * m)]):
+        ids = words()
+        for t, h, w in grids:
+            ids += [model.vision_start_token_id] + [model.image_token_id] * (t * h * w // m ** 2)
+            ids += [model.vision_end_token_id] + words()
+        n = sum(t * h * w for t, h, w in grids)
+        out.append(VLMPrompt(torch.tensor(ids),
+                             torch.randn(n, patch, generator=gen) if grids else None,
+                             torch.tensor(grids) if grids else None))
+    return out
+
+
+def vlm_megatron_logits(gpt: torch.nn.Module, prompt: VLMPrompt, model: ModelConfig
+                        ) -> torch.Tensor:
+    """[S, vocab] float32 logits of one prompt through the VLM (pp = 1), gathered over TP.
+    Collective over the TP group."""
+    from megatron.core import parallel_state as ps
+
+    from megagrpo.model.vlm import rope_positions
+    from megagrpo.runtime.cpu_compat import megatron_scope
+
+    device = next(gpt.parameters()).device
+    ids = prompt.ids[None].to(device)
+    pos = rope_positions(prompt.ids[None], prompt.grid_thw, model).to(device)
+    pix = None if prompt.pixel_values is None else prompt.pixel_values.to(device)
+    grid = None if prompt.grid_thw is None else prompt.grid_thw.to(device)
+    with megatron_scope():
+        local = gpt(ids, pos, None, pixel_values=pix, image_grid_thw=grid)[0].float()
+    group = ps.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) > 1:
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        local = torch.cat(parts, dim=-1)
+    return local[:, :model.vocab_size].cpu()
+
+
+def vlm_reference_logits(ref, prompt: VLMPrompt, model: ModelConfig) -> torch.Tensor:
+    """[S, vocab] logits of transformers' Qwen2.5-VL on the same prompt (its own 3-D positions,
+    from `mm_token_type_ids`)."""
+    device = next(ref.parameters()).device
+    ids = prompt.ids[None].to(device)
+    kwargs = {}
+    if prompt.pixel_values is not None:
+        dtype = next(ref.parameters()).dtype
+        kwargs = dict(pixel_values=prompt.pixel_values.to(device, dtype),
+                      image_grid_thw=prompt.grid_thw.to(device),
+                      mm_token_type_ids=(ids == model.image_token_id).int())
+    return ref(input_ids=ids, **kwargs).logits[0].float().cpu()
+
+
 def round_trip(gpt: torch.nn.Module, hf_dir: str | os.PathLike, model: ModelConfig,
                parallel: ParallelConfig, report: Report, compare: bool) -> None:
     """Streams the shards back to HF tensors and compares each with the checkpoint's (on the
@@ -124,11 +204,15 @@ def round_trip(gpt: torch.nn.Module, hf_dir: str | os.PathLike, model: ModelConf
 
 
 def hf_reference(hf_dir: str | os.PathLike, dtype: str, device: torch.device):
-    from transformers import AutoModelForCausalLM
+    """transformers' model of the folder (Qwen2.5-VL: its conditional-generation class)."""
+    from transformers import AutoModelForCausalLM, Qwen2_5_VLForConditionalGeneration
 
+    from megagrpo.hf.config import model_config_from_hf
     from megagrpo.model.gpt import DTYPE
 
-    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=DTYPE[dtype]).to(device).eval()
+    vlm = model_config_from_hf(hf_dir).is_vlm
+    cls = Qwen2_5_VLForConditionalGeneration if vlm else AutoModelForCausalLM
+    return cls.from_pretrained(str(hf_dir), dtype=DTYPE[dtype]).to(device).eval()
 
 
 def compare_logits(report: Report, ours: torch.Tensor, ref: torch.Tensor) -> None:
@@ -156,13 +240,21 @@ def verify(hf_dir: str | os.PathLike, model: ModelConfig, parallel: ParallelConf
     report = Report()
     round_trip(gpt, hf_dir, model, parallel, report, compare=reports)
     ref = hf_reference(hf_dir, model.dtype, info.device) if reports else None
-    batch = prompts(hf_dir, model.vocab_size, n=n_prompts, seq_len=seq_len)
-    with torch.no_grad():
-        for ids in batch:
-            ours = megatron_logits(gpt, ids, model.vocab_size)
-            if ref is not None:
-                want = ref(ids[None].to(info.device)).logits[0].float().cpu()
-                compare_logits(report, ours, want)
+    if model.is_vlm:
+        batch = vlm_prompts(model)
+        with torch.no_grad():
+            for p in batch:
+                ours = vlm_megatron_logits(gpt, p, model)
+                if ref is not None:
+                    compare_logits(report, ours, vlm_reference_logits(ref, p, model))
+    else:
+        batch = prompts(hf_dir, model.vocab_size, n=n_prompts, seq_len=seq_len)
+        with torch.no_grad():
+            for ids in batch:
+                ours = megatron_logits(gpt, ids, model.vocab_size)
+                if ref is not None:
+                    want = ref(ids[None].to(info.device)).logits[0].float().cpu()
+                    compare_logits(report, ours, want)
     status = torch.tensor([0 if report.ok(tol) else 1])
     if reports:
         print(summary(hf_dir, model, parallel, report, tol, len(batch)), flush=True)

@@ -5,7 +5,10 @@ from dataclasses import dataclass, field
 
 from megagrpo.config.section import Section
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "qwen2_5_vl")
+VLM_ARCHITECTURES = ("qwen2_5_vl",)
+"""Vision-language families: a vision tower + merger (`model.vision`) feeding the decoder's
+input embeddings at the image-pad tokens, and multimodal (3-D) RoPE (`model.mrope_section`)."""
 QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe")
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe")
 """Mixture-of-experts families: routed experts (megatron-core's MoE layer); qwen2_moe adds a
@@ -17,6 +20,58 @@ MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
 """What megatron-core's llama3 RoPE scaling hard-codes (only `factor` is an argument of
 GPTModel, up to 0.19): Llama-3.1, 3.2 and 3.3 all use these values. Others are refused."""
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(kw_only=True)
+class VisionConfig(Section):
+    """Qwen2.5-VL's vision tower and patch merger (HF `vision_config`): a ViT over
+    temporal_patch_size x patch_size x patch_size patches with 2-D RoPE, window attention except
+    in the full-attention blocks, and a merger (RMSNorm + 2-layer GELU MLP) from each
+    spatial_merge_size^2 patches to one token of the decoder's width."""
+
+    depth: int = 2
+    """Vision transformer blocks."""
+    hidden_size: int = 32
+    """Vision width."""
+    intermediate_size: int = 64
+    """Vision SwiGLU inner width."""
+    num_heads: int = 2
+    """Vision attention heads (head_dim = hidden_size / num_heads)."""
+    in_channels: int = 3
+    """Image channels."""
+    patch_size: int = 14
+    """Spatial patch side in pixels."""
+    temporal_patch_size: int = 2
+    """Frames per patch (an image is repeated to fill them)."""
+    spatial_merge_size: int = 2
+    """The merger joins spatial_merge_size x spatial_merge_size patches into one token."""
+    window_size: int = 112
+    """Window-attention side in pixels."""
+    out_hidden_size: int = 64
+    """The merger's output width: the decoder's hidden_size."""
+    fullatt_block_indexes: list[int] = field(default_factory=list)
+    """Blocks with full (not windowed) attention."""
+    tokens_per_second: int = 4
+    """Temporal position step per second of video (HF's; images do not use it)."""
+    rope_theta: float = 10000.0
+    """The vision 2-D RoPE base."""
+
+    def validate(self, text_hidden: int) -> None:
+        for f in ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels",
+                  "patch_size", "temporal_patch_size", "spatial_merge_size", "window_size"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"model.vision.{f}={getattr(self, f)} must be positive")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.vision.num_heads={self.num_heads} must divide "
+                             f"model.vision.hidden_size={self.hidden_size}")
+        if self.out_hidden_size != text_hidden:
+            raise ValueError(f"model.vision.out_hidden_size={self.out_hidden_size} must equal "
+                             f"model.hidden_size={text_hidden} (the merger writes decoder "
+                             "input embeddings)")
+        bad = [i for i in self.fullatt_block_indexes if not 0 <= i < self.depth]
+        if bad:
+            raise ValueError(f"model.vision.fullatt_block_indexes holds {bad}: block indices "
+                             f"are 0..{self.depth - 1}")
 
 
 @dataclass(kw_only=True)
@@ -87,11 +142,33 @@ class ModelConfig(Section):
     """Std of the normal init for freshly initialised weights."""
     dtype: str = "float32"
     """Parameter dtype: float32, bfloat16 or float16."""
+    vision: VisionConfig | None = None
+    """qwen2_5_vl: the vision tower and merger (HF vision_config); None for text-only models."""
+    freeze_vision: bool = True
+    """qwen2_5_vl: the vision tower and merger stay as loaded (no gradients, no optimizer
+    state); false trains them with the decoder."""
+    mrope_section: list[int] = field(default_factory=list)
+    """qwen2_5_vl: multimodal RoPE, how many of the head_dim/2 rotary frequencies follow the
+    temporal, height and width position (HF rope_parameters.mrope_section; sums to
+    head_dim/2); empty for 1-D RoPE."""
+    image_token_id: int = -1
+    """qwen2_5_vl: the image-pad token, one per merged image patch (HF image_token_id)."""
+    video_token_id: int = -1
+    """qwen2_5_vl: the video-pad token (HF video_token_id; video input is not implemented)."""
+    vision_start_token_id: int = -1
+    """qwen2_5_vl: the token before an image's pads (HF vision_start_token_id)."""
+    vision_end_token_id: int = -1
+    """qwen2_5_vl: the token after an image's pads (HF vision_end_token_id)."""
 
     @property
     def qk_norm(self) -> bool:
         """Whether queries and keys get a per-head RMSNorm before RoPE (the architecture's)."""
         return self.architecture in QK_NORM_ARCHITECTURES
+
+    @property
+    def is_vlm(self) -> bool:
+        """A vision-language family (vision tower + merger, multimodal RoPE)."""
+        return self.architecture in VLM_ARCHITECTURES
 
     @property
     def is_moe(self) -> bool:
@@ -121,6 +198,7 @@ class ModelConfig(Section):
                              "model.architecture=qwen2)")
         self._validate_moe()
         self._validate_rope()
+        self._validate_vlm()
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype={self.dtype!r}: use one of {DTYPES}")
         for f in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
@@ -133,6 +211,30 @@ class ModelConfig(Section):
                 f"model.num_attention_heads={self.num_attention_heads}"
             )
 
+    def _validate_vlm(self) -> None:
+        if not self.is_vlm:
+            fields = [f for f in ("vision", "mrope_section") if getattr(self, f)]
+            if fields:
+                raise ValueError(f"model.{fields[0]} is set but model.architecture="
+                                 f"{self.architecture!r} is text-only; use one of "
+                                 f"{VLM_ARCHITECTURES} or leave model.{fields[0]} unset")
+            return
+        if self.vision is None:
+            raise ValueError(f"model.vision is missing: model.architecture="
+                             f"{self.architecture!r} needs the vision tower's settings (read "
+                             "from config.json's vision_config)")
+        self.vision.validate(self.hidden_size)
+        if len(self.mrope_section) != 3 or sum(self.mrope_section) != self.head_dim // 2:
+            raise ValueError(f"model.mrope_section={self.mrope_section}: three sizes "
+                             "(temporal, height, width) summing to head_dim/2 = "
+                             f"{self.head_dim // 2} are needed")
+        for f in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+            if not 0 <= getattr(self, f) < self.vocab_size:
+                raise ValueError(f"model.{f}={getattr(self, f)} must be a token id in "
+                                 f"0..{self.vocab_size - 1}")
+        if self.rope_type != "default":
+            raise ValueError(f"model.rope_type={self.rope_type!r}: multimodal RoPE is built on "
+                             "the default frequencies only; set rope_type=default")
 
     def _validate_moe(self) -> None:
         if not self.is_moe:
@@ -240,6 +342,7 @@ class ParallelConfig(Section):
                 ok = [d for d in range(1, n + 1) if n % d == 0]
                 raise ValueError(f"parallel.tp={tp} does not divide model.{f}={n}; valid tp: {ok}")
         self._validate_ep(model)
+        self._validate_vlm(model)
         self._validate_sequence_parallel()
         self._validate_cp(model)
         if model.num_layers % self.pp:
@@ -281,6 +384,22 @@ class ParallelConfig(Section):
                 f"{world_size} / (tp {self.tp} x pp {self.pp})): megatron carves the expert-"
                 f"parallel groups out of the DP ranks; launch a multiple of "
                 f"{self.tp * self.pp * self.ep} processes, or lower parallel.ep")
+
+    def _validate_vlm(self, model: ModelConfig) -> None:
+        """A vision-language model runs at pp = 1, cp = 1, without sequence parallelism: the
+        vision tower sits beside the first stage's embedding and its features are written
+        into whole (unsplit) sequences of input embeddings."""
+        if not model.is_vlm:
+            return
+        for f, value, ok in (("pp", self.pp, 1), ("cp", self.cp, 1)):
+            if value != ok:
+                raise ValueError(f"parallel.{f}={value} with model.architecture="
+                                 f"{model.architecture!r}: the vision-language model runs at "
+                                 f"{f}=1 only so far (docs/vlm.md); set parallel.{f}=1")
+        if self.sequence_parallel:
+            raise ValueError(f"parallel.sequence_parallel=true with model.architecture="
+                             f"{model.architecture!r}: the image features are written into "
+                             "whole sequences; set parallel.sequence_parallel=false")
 
     def _validate_cp(self, model: ModelConfig) -> None:
         """The layout's part: cp >= 1; cp > 1 only with pp = 1, a dense model, no sequence

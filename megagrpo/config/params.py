@@ -9,7 +9,9 @@ parallelism splits it (`ParamSpec`); `stage_layers` is the pipeline split. Deriv
 
 Families: Llama, Qwen2 (QKV bias), Qwen3 (q_norm / k_norm <-> megatron's
 `self_attention.q_layernorm` / `k_layernorm`, [head_dim] each, replicated), Qwen3-MoE and
-Qwen2-MoE (router, routed experts over EP ranks, Qwen2-MoE's gated shared expert).
+Qwen2-MoE (router, routed experts over EP ranks, Qwen2-MoE's gated shared expert), Qwen2.5-VL
+(the Qwen2 decoder under the same HF names, plus the vision tower and merger: HF `visual.*` <->
+megatron `vision.*`, every tensor replicated on every TP rank, held by the first stage).
 
 Layouts (weights are [out, in]; see ../shared/FINDINGS.md):
 - ``linear_qkv`` is fused per KV group g: [q heads of g, k_g, v_g]; TP splits whole groups.
@@ -100,6 +102,8 @@ def param_specs(model: ModelConfig, parallel: ParallelConfig, pp_rank: int,
     Routed experts: those of expert-parallel rank `ep_rank` only, or, with None, every EP
     rank's (each spec's `ep_owner` says whose)."""
     out = embedding_specs(model, parallel, pp_rank)
+    if model.is_vlm and pp_rank == 0:
+        out += vision_specs(model)
     for i, g in enumerate(stage_layers(model, parallel, pp_rank)):
         out += layer_specs(model, g, i, ep=parallel.ep, ep_rank=ep_rank, impl=impl)
     return out + head_specs(model, parallel, pp_rank)
@@ -113,6 +117,36 @@ def embedding_specs(model: ModelConfig, parallel: ParallelConfig, pp_rank: int
     vp = parallel.padded_vocab_size(model.vocab_size)
     return [ParamSpec("embedding.word_embeddings.weight", "vocab",
                       ("model.embed_tokens.weight",), (vp, model.hidden_size))]
+
+
+def vision_specs(model: ModelConfig) -> list[ParamSpec]:
+    """Qwen2.5-VL's vision tower and merger, replicated (`megagrpo.model.vlm` builds them on
+    every TP rank): the Conv3d patch embedding [h, C, t, p, p], per block two RMSNorms, the
+    fused QKV [3h, h] (HF's own q, k, v order: kept as it is) and the output projection with
+    biases, the SwiGLU MLP with biases; the merger's RMSNorm and its 2-layer MLP over
+    spatial_merge_size^2 patches."""
+    v = model.vision
+    h, inner, m = v.hidden_size, v.intermediate_size, v.hidden_size * v.spatial_merge_size ** 2
+    shapes: list[tuple[str, tuple[int, ...]]] = [
+        ("patch_embed.proj.weight",
+         (h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size))]
+    for b in range(v.depth):
+        B = f"blocks.{b}."
+        shapes += [(B + "norm1.weight", (h,)), (B + "norm2.weight", (h,)),
+                   (B + "attn.qkv.weight", (3 * h, h)), (B + "attn.qkv.bias", (3 * h,)),
+                   (B + "attn.proj.weight", (h, h)), (B + "attn.proj.bias", (h,))]
+        for name, shape in (("gate_proj", (inner, h)), ("up_proj", (inner, h)),
+                            ("down_proj", (h, inner))):
+            shapes += [(f"{B}mlp.{name}.weight", shape), (f"{B}mlp.{name}.bias", shape[:1])]
+    shapes += [("merger.ln_q.weight", (h,)), ("merger.mlp.0.weight", (m, m)),
+               ("merger.mlp.0.bias", (m,)), ("merger.mlp.2.weight", (v.out_hidden_size, m)),
+               ("merger.mlp.2.bias", (v.out_hidden_size,))]
+    return [ParamSpec(VISION_PREFIX + name, "replicated", ("visual." + name,), shape)
+            for name, shape in shapes]
+
+
+VISION_PREFIX = "vision."
+"""Where the vision tower sits inside megagrpo's VLM module (`megagrpo.model.vlm`)."""
 
 
 def head_specs(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> list[ParamSpec]:

@@ -1,6 +1,7 @@
 """HF `config.json` <-> ModelConfig: reading (with every unsupported feature refused by its key),
 writing, and RoPE settings. Families: Llama (default or llama3 RoPE), Qwen2 (QKV bias), Qwen3
-(q/k norms), Qwen3-MoE and Qwen2-MoE (routed experts; Qwen2-MoE's gated shared expert).
+(q/k norms), Qwen3-MoE and Qwen2-MoE (routed experts; Qwen2-MoE's gated shared expert),
+Qwen2.5-VL (a Qwen2 decoder with multimodal RoPE, plus the vision tower and merger).
 No torch: the launcher's preflight and the planner read configs without it."""
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from megagrpo.config.model import (
     MOE_ARCHITECTURES,
     ROPE_TYPES,
     ModelConfig,
+    VisionConfig,
 )
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                     "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                    "Qwen2MoeForCausalLM": "qwen2_moe"}
+                    "Qwen2MoeForCausalLM": "qwen2_moe",
+                    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
 MODEL_TYPES = {arch: cls for cls, arch in HF_ARCHITECTURES.items()}
 """megagrpo architecture -> HF class; the architecture is also the HF model_type."""
 # config.json keys of features megagrpo does not implement, with what they mean; a truthy value
@@ -138,6 +141,9 @@ def model_config_from_hf_dict(cfg: dict, path: str | os.PathLike, *,
     """`model_config_from_hf` on config.json's contents (e.g. a transformers config's
     `to_dict()`); `path` names the source in the errors."""
     arch = _architecture(cfg, path)
+    vlm: dict = {}
+    if arch == "qwen2_5_vl":
+        cfg, vlm = _text_config(cfg), _vlm_from_hf(cfg, path)
     _refuse_unsupported(cfg, path, arch)
     heads = cfg["num_attention_heads"]
     mc = ModelConfig(
@@ -150,15 +156,104 @@ def model_config_from_hf_dict(cfg: dict, path: str | os.PathLike, *,
         num_query_groups=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        qkv_bias=arch == "qwen2" or (arch == "qwen2_moe" and cfg.get("qkv_bias", True)),
+        qkv_bias=arch in ("qwen2", "qwen2_5_vl") or (arch == "qwen2_moe"
+                                                    and cfg.get("qkv_bias", True)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         dtype=dtype,
         **_rope_from_hf(cfg, path),
         **_moe_from_hf(cfg, arch),
+        **vlm,
     )
     mc.validate()
     return mc
+
+
+def _text_config(cfg: dict) -> dict:
+    """Qwen2.5-VL's decoder settings: transformers 5 nests them in `text_config`, the released
+    checkpoints' config.json keeps them at the top level (both read; the nested ones win).
+    An `mrope` RoPE type (older configs) is default RoPE frequencies with mrope_section."""
+    text = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+    text.update(cfg.get("text_config") or {})
+    text["architectures"], text["model_type"] = cfg.get("architectures"), "qwen2_5_vl"
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = text.get(key)
+        if isinstance(rope, dict):
+            rope = {k: v for k, v in rope.items() if k != "mrope_section"}
+            if rope.get("rope_type", rope.get("type")) == "mrope":
+                rope["rope_type"] = "default"
+                rope.pop("type", None)
+            text[key] = rope
+    return text
+
+
+def _mrope_section(cfg: dict, path: str | os.PathLike) -> list[int]:
+    text = {**cfg, **(cfg.get("text_config") or {})}
+    for key in ("rope_parameters", "rope_scaling"):
+        section = (text.get(key) or {}).get("mrope_section")
+        if section:
+            return [int(x) for x in section]
+    raise ValueError(f"{path}: rope_parameters.mrope_section is missing: Qwen2.5-VL's "
+                     "multimodal RoPE needs it (e.g. [16, 24, 24])")
+
+
+def _vlm_from_hf(cfg: dict, path: str | os.PathLike) -> dict:
+    """ModelConfig's vision-language fields from a Qwen2.5-VL config.json."""
+    v = cfg.get("vision_config")
+    if not isinstance(v, dict):
+        raise ValueError(f"{path}: vision_config is missing: a Qwen2.5-VL config.json holds "
+                         "the vision tower's settings there")
+    act = v.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{path}: vision_config.hidden_act={act!r} is not supported; the "
+                         "vision tower's SwiGLU (silu) only")
+    for key in ("patch_size", "temporal_patch_size"):
+        if isinstance(v.get(key), (list, tuple)):
+            raise ValueError(f"{path}: vision_config.{key}={v[key]}: one integer is needed "
+                             "(square patches)")
+    theta = (v.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    vision = VisionConfig(
+        depth=v.get("depth", 32), hidden_size=v.get("hidden_size", 3584),
+        intermediate_size=v.get("intermediate_size", 3420),
+        num_heads=v.get("num_heads", 16), in_channels=v.get("in_channels", 3),
+        patch_size=v.get("patch_size", 14), temporal_patch_size=v.get("temporal_patch_size", 2),
+        spatial_merge_size=v.get("spatial_merge_size", 2), window_size=v.get("window_size", 112),
+        out_hidden_size=v.get("out_hidden_size", 3584),
+        fullatt_block_indexes=list(v.get("fullatt_block_indexes", [7, 15, 23, 31])),
+        tokens_per_second=v.get("tokens_per_second", 4), rope_theta=float(theta))
+    return dict(vision=vision, mrope_section=_mrope_section(cfg, path),
+                image_token_id=cfg.get("image_token_id", 151655),
+                video_token_id=cfg.get("video_token_id", 151656),
+                vision_start_token_id=cfg.get("vision_start_token_id", 151652),
+                vision_end_token_id=cfg.get("vision_end_token_id", 151653))
+
+
+def _vlm_config_dict(model: ModelConfig, text: dict) -> dict:
+    """Qwen2.5-VL's config.json as transformers 5 writes it: the decoder in text_config."""
+    v = model.vision
+    text = {k: val for k, val in text.items() if k not in ("architectures", "model_type")}
+    text.update(model_type="qwen2_5_vl_text", use_sliding_window=False, sliding_window=None,
+                layer_types=["full_attention"] * model.num_layers)
+    text["rope_parameters"] = {**text["rope_parameters"],
+                               "mrope_section": list(model.mrope_section)}
+    tie = text.pop("tie_word_embeddings")
+    return {
+        "architectures": [MODEL_TYPES[model.architecture]], "model_type": model.architecture,
+        "text_config": text, "tie_word_embeddings": tie, "dtype": model.dtype,
+        "image_token_id": model.image_token_id, "video_token_id": model.video_token_id,
+        "vision_start_token_id": model.vision_start_token_id,
+        "vision_end_token_id": model.vision_end_token_id,
+        "vision_config": {
+            "model_type": "qwen2_5_vl_vision", "depth": v.depth, "hidden_size": v.hidden_size,
+            "hidden_act": "silu", "intermediate_size": v.intermediate_size,
+            "num_heads": v.num_heads, "in_channels": v.in_channels, "patch_size": v.patch_size,
+            "temporal_patch_size": v.temporal_patch_size,
+            "spatial_merge_size": v.spatial_merge_size, "window_size": v.window_size,
+            "out_hidden_size": v.out_hidden_size,
+            "fullatt_block_indexes": list(v.fullatt_block_indexes),
+            "tokens_per_second": v.tokens_per_second,
+            "rope_parameters": {"rope_theta": v.rope_theta, "rope_type": "axial"}},
+    }
 
 
 def _moe_from_hf(cfg: dict, arch: str) -> dict:
@@ -228,5 +323,7 @@ def hf_config_dict(model: ModelConfig) -> dict:
     if model.architecture == "qwen2_moe":
         d.update(shared_expert_intermediate_size=model.shared_expert_ffn_hidden_size,
                  qkv_bias=model.qkv_bias, layer_types=["full_attention"] * model.num_layers)
+    if model.is_vlm:
+        return _vlm_config_dict(model, d)
     return d
 

@@ -1,4 +1,5 @@
-"""Builds the policy (and reference) as a megatron-core `GPTModel` for Llama/Qwen2/Qwen3 configs.
+"""Builds the policy (and reference) as a megatron-core `GPTModel` for Llama/Qwen2/Qwen3 configs
+(Qwen2.5-VL: the subclass of `megagrpo.model.vlm`, with multimodal RoPE and the vision tower).
 
 Transformer Engine's layer spec is used when TE imports (GPU machines), megatron-core's local
 spec otherwise; `layer_spec_name()` says which one runs. All fusions are off on CPU. On the local
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.seqpar import megatron_aux_loss_coeff, recompute_fields
 from megagrpo.config.train import packing_blocker
+from megagrpo.model.vlm import vlm_class
 from megagrpo.runtime import rng
 from megagrpo.runtime.cpu_compat import megatron_scope
 
@@ -234,6 +236,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        mrope_section=list(model.mrope_section) or None,
         **_moe_fields(model, parallel),
         **recompute_fields(*recompute),
     )
@@ -257,7 +260,9 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 123
         _moe_without_transformer_engine()
     rng.seed_model_init(seed)
     config = transformer_config(model, parallel, recompute=recompute)
-    gpt = GPTModel(
+    # a vision-language model: GPTModel with 3-D RoPE and the vision tower beside its embedding
+    cls, extra = (vlm_class(), {"vlm": model}) if model.is_vlm else (GPTModel, {})
+    gpt = cls(
         config=config,
         transformer_layer_spec=_layer_spec(model, parallel, config),
         vocab_size=parallel.padded_vocab_size(model.vocab_size),
@@ -265,13 +270,14 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 123
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=model.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="mrope" if model.is_vlm else "rope",
         rotary_base=int(model.rope_theta),
         # megatron's llama3 scaling takes only the factor (ModelConfig refuses other low/high
         # frequency factors and original context lengths than the ones it hard-codes)
         rope_scaling=model.rope_type == "llama3",
         rope_scaling_factor=model.rope_factor,
         parallel_output=True,
+        **extra,
     )
     _cast_params(gpt, DTYPE[model.dtype])
     if parallel.cp > 1:

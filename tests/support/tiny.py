@@ -1,5 +1,5 @@
-"""Tiny random HF checkpoints (Llama, Llama-3.1, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE) built from
-transformers' config classes (no downloads), and `load_dir` to read one back. Each builder
+"""Tiny random HF checkpoints (Llama, Llama-3.1, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE,
+Qwen2.5-VL) built from transformers' config classes (no downloads), and `load_dir` to read one back. Each builder
 saves to `path` and returns the model (fp32, eval mode)."""
 from __future__ import annotations
 
@@ -97,8 +97,33 @@ def tiny_llama31(path, *, vocab=100, layers=2, seed=3, rope=LLAMA3_ROPE):
     return _finish(LlamaForCausalLM(cfg), path, sharp_attention=True)
 
 
+def tiny_qwen25_vl(path, *, vocab=256, layers=2, seed=6):
+    """Qwen2.5-VL: the decoder at width 64, 2 heads / 2 KV heads of head_dim 32 (vLLM's CPU
+    attention), mrope_section [4, 6, 6]; a 2-block vision tower of width 32 over 2x2-pixel
+    patches (2 frames), merge size 2, window 8 pixels (= 2x2 merged tokens), block 1 full
+    attention. Special tokens at the top of the vocab: vision start 250, end 251, image 252,
+    video 253. 8x8-pixel image = 4x4 patches = 4 image tokens."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
+                         eos_token_id=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [4, 6, 6]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                           patch_size=2, temporal_patch_size=2, spatial_merge_size=2,
+                           window_size=8, out_hidden_size=64, fullatt_block_indexes=[1]),
+        vision_start_token_id=250, vision_end_token_id=251, image_token_id=252,
+        video_token_id=253)
+    return _finish(Qwen2_5_VLForConditionalGeneration(cfg), path, biases=True)
+
+
 BUILDERS = {"llama": tiny_llama, "llama31": tiny_llama31, "qwen2": tiny_qwen2,
-            "qwen3": tiny_qwen3, "qwen3_moe": tiny_qwen3_moe, "qwen2_moe": tiny_qwen2_moe}
+            "qwen3": tiny_qwen3, "qwen3_moe": tiny_qwen3_moe, "qwen2_moe": tiny_qwen2_moe,
+            "qwen2_5_vl": tiny_qwen25_vl}
 """Builder of each family, by the folder name `tiny_dirs` gives it."""
 
 

@@ -1,0 +1,171 @@
+"""Qwen2.5-VL on megatron-core (megagrpo/model/vlm.py, docs/vlm.md): 3-D RoPE positions against
+transformers' get_rope_index, the config.json reading and writing, the parameter layout against
+a checkpoint transformers saved, the refusals before compute, and (one torchrun launch,
+tests/_vlm_worker.py) verify at TP=1 and TP=2 plus gradients at TP=2 against float64
+transformers with the vision tower frozen and trained."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from megagrpo.config.model import ParallelConfig
+from megagrpo.hf.config import hf_config_dict, model_config_from_hf, model_config_from_hf_dict
+from tests.support.launch import torchrun
+from tests.support.tiny import tiny_qwen25_vl
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    """(folder, transformers model) of the tiny random Qwen2.5-VL."""
+    d = tmp_path_factory.mktemp("qwen25vl") / "hf"
+    return d, tiny_qwen25_vl(d)
+
+
+def _prompt(model, grids, gen, text=3):
+    """Token ids with one vision start / pads / end block per grid, random text around."""
+    m = model.vision.spatial_merge_size
+    ids = torch.randint(0, 240, (text,), generator=gen).tolist()
+    for t, h, w in grids:
+        ids += [model.vision_start_token_id] + [model.image_token_id] * (t * h * w // m ** 2)
+        ids += [model.vision_end_token_id] + torch.randint(0, 240, (text,), generator=gen).tolist()
+    return torch.tensor(ids)
+
+
+def test_rope_positions_match_transformers(vl):
+    """Rows with 0, 1 and 2 images (square, tall, wide, two frames), one at a time and as one
+    right-padded batch: every position equals transformers' get_rope_index."""
+    from megagrpo.model.vlm import rope_index, rope_positions
+
+    d, ref = vl
+    model = model_config_from_hf(d)
+    gen = torch.Generator().manual_seed(0)
+    rows = [[], [(1, 4, 4)], [(1, 8, 4), (2, 4, 8)]]
+    prompts = [_prompt(model, g, gen) for g in rows]
+    for ids, grids in zip(prompts, rows):
+        grid = torch.tensor(grids) if grids else None
+        mm = (ids == model.image_token_id).int()[None]
+        want, delta = ref.model.get_rope_index(ids[None], mm, image_grid_thw=grid) if grids \
+            else (torch.arange(len(ids)).expand(3, 1, -1), torch.tensor([[0]]))
+        got, got_delta = rope_index(ids, grid, model)
+        assert torch.equal(got, want[:, 0]), grids
+        assert got_delta == int(delta)
+    S = max(len(p) for p in prompts)
+    batch = torch.zeros(len(prompts), S, dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    for b, p in enumerate(prompts):
+        batch[b, :len(p)], mask[b, :len(p)] = p, 1
+    grid = torch.tensor([g for r in rows for g in r])
+    mm = (batch == model.image_token_id).int()
+    want, _ = ref.model.get_rope_index(batch, mm, image_grid_thw=grid, attention_mask=mask)
+    got = rope_positions(batch, grid, model)
+    assert torch.equal(got[mask[None].expand(3, -1, -1).bool()],
+                       want[mask[None].expand(3, -1, -1).bool()])
+
+
+def test_rope_index_refuses_pads_that_do_not_fit_the_grids(vl):
+    from megagrpo.model.vlm import rope_index
+
+    model = model_config_from_hf(vl[0])
+    ids = _prompt(model, [(1, 4, 4)], torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=r"4 image-pad tokens .*needs 8"):
+        rope_index(ids, torch.tensor([[1, 8, 4]]), model)
+
+
+def test_config_reads_writes_and_reads_back(vl, tmp_path):
+    """config.json -> ModelConfig -> config.json that transformers loads -> the same
+    ModelConfig; the released checkpoints' flat layout (decoder keys at the top level, RoPE
+    type 'mrope' in rope_scaling) reads the same."""
+    from transformers import Qwen2_5_VLConfig
+
+    d, _ = vl
+    model = model_config_from_hf(d)
+    assert (model.architecture, model.qkv_bias, model.mrope_section, model.image_token_id) == \
+        ("qwen2_5_vl", True, [4, 6, 6], 252)
+    assert (model.vision.depth, model.vision.fullatt_block_indexes) == (2, [1])
+    written = hf_config_dict(model)
+    assert model_config_from_hf_dict(written, "written") == model
+    hf = Qwen2_5_VLConfig(**written)
+    assert hf.text_config.rope_parameters["mrope_section"] == [4, 6, 6]
+    assert hf.vision_config.out_hidden_size == model.hidden_size
+    flat = json.loads((d / "config.json").read_text())
+    text = flat.pop("text_config")
+    rope = text.pop("rope_parameters")
+    flat.update(text, rope_theta=rope["rope_theta"],
+                rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    assert model_config_from_hf_dict(flat, "flat") == model
+
+
+def test_layout_is_the_checkpoint_transformers_saved(vl):
+    """hf_shapes (the one parameter layout) lists exactly the tensors of the saved folder, the
+    vision tower's included, with their shapes."""
+    from safetensors import safe_open
+
+    from megagrpo.config.params import hf_shapes
+
+    d, _ = vl
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert hf_shapes(model_config_from_hf(d)) == saved
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(pp=2), r"parallel\.pp=2 .*set parallel\.pp=1"),
+    (dict(cp=2), r"parallel\.cp=2 .*set parallel\.cp=1"),
+    (dict(tp=2, sequence_parallel=True), r"parallel\.sequence_parallel=true .*qwen2_5_vl"),
+])
+def test_layouts_the_vlm_does_not_run_are_refused(vl, change, match):
+    model = model_config_from_hf(vl[0])
+    with pytest.raises(ValueError, match=match):
+        ParallelConfig(**change).validate(model, 4)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: c.pop("vision_config"), r"vision_config is missing"),
+    (lambda c: c["text_config"]["rope_parameters"].pop("mrope_section"),
+     r"mrope_section is missing"),
+    (lambda c: c["text_config"]["rope_parameters"].update(mrope_section=[4, 6, 7]),
+     r"model\.mrope_section=\[4, 6, 7\]: .*head_dim/2 = 16"),
+    (lambda c: c["vision_config"].update(out_hidden_size=32),
+     r"model\.vision\.out_hidden_size=32 must equal model\.hidden_size=64"),
+    (lambda c: c.update(image_token_id=999), r"model\.image_token_id=999"),
+])
+def test_bad_configs_are_refused_by_key(vl, edit, match):
+    cfg = json.loads((vl[0] / "config.json").read_text())
+    edit(cfg)
+    with pytest.raises(ValueError, match=match):
+        model_config_from_hf_dict(cfg, "config.json")
+
+
+def test_text_models_refuse_vision_fields():
+    from megagrpo.config.model import ModelConfig
+
+    with pytest.raises(ValueError, match=r"model\.mrope_section is set .*'llama' is text-only"):
+        ModelConfig(architecture="llama", mrope_section=[8, 4, 4]).validate()
+
+
+def test_verify_and_gradients_at_tp1_and_tp2(vl, tmp_path):
+    """One torchrun launch (2 ranks): verify at TP=1 (DP=2) and TP=2 exits 0 (bitwise round
+    trip, logits within 1e-5 of transformers on prompts with 0, 1, 2 images); at TP=2 every
+    gradient of a next-token loss equals float64 transformers' within 1e-5 of the tensor's
+    largest, the vision tower's included when it trains and absent when frozen."""
+    d, _ = vl
+    out = torchrun(str(ROOT / "tests" / "_vlm_worker.py"), 2, "--work", str(tmp_path),
+                   "--hf", str(d))
+    res = json.loads((tmp_path / "results.json").read_text())
+    errors = [float(x) for x in re.findall(r"max relative error ([0-9.e+-]+)", out)]
+    print("verify max relative logits errors (tp=1, tp=2):", errors)
+    print("gradients:", json.dumps(res["grads"]))
+    assert res["verify"] == [0, 0], out[-3000:]
+    assert "bitwise equal" in out and len(errors) == 2 and max(errors) <= 1e-5
+    frozen, trained = res["grads"]["frozen"], res["grads"]["trained"]
+    assert frozen["vision_tensors"] == 0 and all(n.startswith("visual.")
+                                                 for n in frozen["missing"])
+    assert len(frozen["missing"]) == trained["vision_tensors"] > 0
+    assert trained["missing"] == [] and trained["unexpected"] == frozen["unexpected"] == []
+    assert frozen["text_max"] <= 1e-5 and trained["text_max"] <= 1e-5, res["grads"]
+    assert trained["vision_max"] <= 1e-5, trained
