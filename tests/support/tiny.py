@@ -1,6 +1,6 @@
 """Tiny random HF checkpoints (Llama, Llama-3.1, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE,
-Qwen2.5-VL) built from transformers' config classes (no downloads), and `load_dir` to read one back. Each builder
-saves to `path` and returns the model (fp32, eval mode)."""
+Qwen2.5-VL) built from transformers' config classes (no downloads), and `load_dir` to read one
+back. Each builder saves to `path` and returns the model (fp32, eval mode)."""
 from __future__ import annotations
 
 import json
