@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 import resume_stress as stress  # noqa: E402 - one harness for kills and comparisons
 
 ROOT = stress.ROOT

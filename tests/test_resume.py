@@ -5,7 +5,9 @@ scripts/resume_stress.py): a run whose launcher is SIGKILLed mid-step takes torc
 ranks down with it; resumed (its newest checkpoint damaged, a crafted pickle planted) it falls
 back to the older intact checkpoint, never unpickles the plant, and ends bitwise equal to the
 uninterrupted run with one metrics history (with the distributed optimizer and async rollouts;
-`-m heavy` adds the plain synchronous run, and multi-turn runs sync and async). Optimizer state
+`-m heavy` adds the plain synchronous run, and multi-turn runs sync and async); beside them the
+same job under torchrun's elastic agent (`--max-restarts 1`), whose rank 1 SIGKILLs itself
+mid-run, is restarted by the agent and resumes on its own, bitwise. Optimizer state
 reshards: saved at TP=2, PP=2 or DP=2 and loaded at another layout, the moments are the saved
 ones and the next step agrees with the uninterrupted run (tests/_layout_resume_worker.py). A
 non-empty out_dir is refused before anything starts. Out of disk says so and leaves the earlier
