@@ -41,6 +41,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
@@ -53,16 +54,23 @@ FLAKY = ("agent.environment=tests._agent_env:Flaky", "agent.max_turns=3",
          "rollout.max_tokens=10", "agent.env_retries=2", "agent.env_timeout_s=2")
 SANDBOX = ("agent.environment=tests._agent_env:Sandboxed", "agent.max_turns=3",
            "rollout.max_tokens=10", "data.batch_size=4")
-CONFIGS = {"launcher": MODE, "rank": MODE, "disk": MODE, "env": (*FLAKY, *MODE[1:]),
-           "sandbox": SANDBOX}
+EVERY = ("checkpoint.every=1",)  # most kills then land after a complete checkpoint
+CONFIGS = {"launcher": (*MODE, *EVERY), "rank": (*MODE, *EVERY), "disk": (*MODE, *EVERY),
+           "disk-first": (*MODE, *EVERY),
+           "env": (*FLAKY, *MODE[1:], *EVERY), "sandbox": (*SANDBOX, *EVERY)}
 """The recipe's extra overrides per fault; faults of one configuration share its reference."""
+COUNTED = {"sandbox": ("env_retries",)}
+"""Metrics a fault changes by design, left out of the comparison (and said so): a killed
+sandbox child makes its environment call fail and be asked again, which `env_retries` counts;
+what the run trains is the same."""
 DISK_MIB = 64
 
 
 def undisturbed(work: Path, fault: str) -> Path:
     """The configuration's undisturbed run (made once per --work)."""
     extra = CONFIGS[fault]
-    name = "ref_" + {MODE: "plain", CONFIGS["env"]: "env", SANDBOX: "sandbox"}[extra]
+    name = "ref_" + {CONFIGS["rank"]: "plain", CONFIGS["env"]: "env",
+                     CONFIGS["sandbox"]: "sandbox"}[extra]
     out = work / name
     if not (out / "summary.json").exists():
         log = work / f"{name}.log"
@@ -121,10 +129,16 @@ def fault_rank(out: Path, step: int, delay: float, pick: random.Random) -> dict:
 
 
 def fault_env(out: Path, step: int, delay: float, pick: random.Random) -> dict:
-    stress.interrupted_run(out, STEPS, step, *CONFIGS["env"], delay=delay)
+    text = stress.interrupted_run(out, STEPS, step, *CONFIGS["env"], delay=delay)
+    return {"resumed": _where(text), **agent_figures(out)}
+
+
+def agent_figures(out: Path) -> dict:
+    """The run's environment calls asked again per trajectory and share of trajectories
+    dropped, means over its steps (docs/agentic.md)."""
     h = [r for r in stress.history(out) if "reward_mean" in r]
-    return {"env_retries": sum(r.get("env_retries", 0) for r in h),
-            "dropped_frac_mean": round(sum(r.get("dropped_frac", 0) for r in h) / len(h), 4)}
+    return {key: round(sum(r.get(metric, 0) for r in h) / len(h), 4) for key, metric in
+            (("env_retries_per_trajectory", "env_retries"), ("dropped_frac", "dropped_frac"))}
 
 
 def fault_sandbox(out: Path, step: int, delay: float, pick: random.Random) -> dict:
@@ -143,22 +157,29 @@ def fault_sandbox(out: Path, step: int, delay: float, pick: random.Random) -> di
         else:
             time.sleep(0.02)
     stress.finish(proc, log)
-    h = [r for r in stress.history(out) if "reward_mean" in r]
-    return {"children_killed": killed, "env_retries": sum(r.get("env_retries", 0) for r in h)}
+    return {"children_killed": killed, **agent_figures(out)}
 
 
-def fault_disk(out: Path, step: int, delay: float, pick: random.Random) -> dict:
-    out.mkdir(parents=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MIB}m", "tmpfs", str(out)],
+def fault_disk(out: Path, step: int, delay: float, pick: random.Random, *,
+               first: bool = False) -> dict:
+    """`first`: the tmpfs is filled before the run starts, so its first checkpoint runs out of
+    space mid-write (the kernel's ENOSPC); else after `step` + `delay`, so a later checkpoint
+    meets megagrpo's free-space check first (the planted step and delay)."""
+    disk = out.parent  # the tmpfs: out_dir and the filler beside it
+    disk.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MIB}m", "tmpfs", str(disk)],
                    check=True)
     try:
-        log = out.parent / f"{out.name}.log"
-        proc = stress.launch(out, STEPS, log, *CONFIGS["disk"])
-        stress.wait_for_step(proc, out, step)
-        time.sleep(delay)
-        ckpt = checkpoint_bytes(out.parent / "ref_plain")
-        filler = out / "filler"
-        fill(filler, leave=ckpt // 2)
+        log = disk.parent / f"{disk.name}.log"
+        ckpt = checkpoint_bytes(undisturbed(disk.parent, "disk"))
+        filler = disk / "filler"
+        if first:
+            fill(filler, leave=ckpt // 2 + (256 << 10))  # and 256 KiB for logs and metrics
+        proc = stress.launch(out, STEPS, log, *CONFIGS["disk"], "run.overwrite=true")
+        if not first:
+            stress.wait_for_step(proc, out, step)
+            time.sleep(delay)
+            fill(filler, leave=ckpt // 2)
         try:
             rc = proc.wait(timeout=600)
         except subprocess.TimeoutExpired:
@@ -168,13 +189,12 @@ def fault_disk(out: Path, step: int, delay: float, pick: random.Random) -> dict:
         left = wait_gone(str(out))
         filler.unlink()
         result = {"stopped_rc": rc, "said_no_space": said, "left_after_fault": len(left),
-                  "free_left_kib": ckpt // 2 >> 10}
+                  "stopped_at": f"checkpoint {max([0, *stress.logged_steps(out)])}"}
         result.update(_resume(out, "disk"))
         return result
-    finally:
+    finally:  # run_fault unmounts the tmpfs once the run is compared
         for pid in stress.leftovers(str(out)):
             os.kill(pid, signal.SIGKILL)
-        subprocess.run(["umount", "-l", str(out)], check=False)
 
 
 def checkpoint_bytes(out: Path) -> int:
@@ -203,15 +223,22 @@ def _resume(out: Path, fault: str) -> dict:
     """Runs the same command again (resumes from the newest intact checkpoint; with none, a
     fresh start: run.overwrite, which resume wins over) and records where it resumed."""
     log = out.parent / f"{out.name}.resumed.log"
+    if fault.startswith("disk"):
+        log = out.parent.parent / f"{out.parent.name}.resumed.log"
     stress.finish(stress.launch(out, STEPS, log, *CONFIGS[fault], "run.overwrite=true"), log)
-    text = log.read_text()
+    return {"resumed": _where(log.read_text())}
+
+
+def _where(text: str) -> str:
+    """Where a resumed run's console says it resumed."""
     where = [ln for ln in text.splitlines() if "resumed from" in ln]
-    return {"resumed": "step " + where[-1].split(" at step ", 1)[1].split(";")[0].strip()
-            if where else "fresh start (no intact checkpoint)"}
+    return ("step " + where[-1].split(" at step ", 1)[1].split(";")[0].strip() if where
+            else "fresh start (no intact checkpoint)")
 
 
 FAULTS = {"launcher": fault_launcher, "rank": fault_rank, "env": fault_env,
-          "sandbox": fault_sandbox, "disk": fault_disk}
+          "sandbox": fault_sandbox, "disk": fault_disk,
+          "disk-first": partial(fault_disk, first=True)}
 
 
 def plan(faults: list[str], seed: int) -> list[tuple[str, int, float]]:
@@ -222,20 +249,26 @@ def plan(faults: list[str], seed: int) -> list[tuple[str, int, float]]:
 
 def run_fault(work: Path, fault: str, step: int, delay: float, seed: int) -> dict:
     ref = undisturbed(work, fault)
-    out = work / f"fault_{fault}"
-    if out.exists():
-        subprocess.run(["umount", "-l", str(out)], check=False, capture_output=True)
-        shutil.rmtree(out)
+    top = work / f"fault_{fault}"
+    out = top / "run" if fault.startswith("disk") else top  # disk: out_dir inside the tmpfs
+    if top.exists():
+        subprocess.run(["umount", "-l", str(top)], check=False, capture_output=True)
+        shutil.rmtree(top)
     t0 = time.monotonic()
     record = {"fault": fault, "after_step": step, "delay_s": delay}
     try:
         record.update(FAULTS[fault](out, step, delay, random.Random(f"{seed}:{fault}")))
-        diffs = stress.compare(ref, out)
+        diffs = stress.compare(ref, out, {k: float("inf") for k in COUNTED.get(fault, ())})
         record["equal"] = not diffs
-        record["differs"] = diffs[:3]
+        record["differs"] = [d[:300] for d in diffs[:3]]
+        if fault in COUNTED:
+            record["not_compared"] = list(COUNTED[fault])
     except Exception as e:  # noqa: BLE001 - one fault's failure is its record, not the end
         record.update(equal=False, error=f"{type(e).__name__}: {e}"[:2000])
-    record["left_at_end"] = len(wait_gone(str(out), timeout=30))
+    finally:
+        record["left_at_end"] = len(wait_gone(str(out), timeout=30))
+        if os.path.ismount(top):  # the disk faults' tmpfs
+            subprocess.run(["umount", "-l", str(top)], check=False)
     record["seconds"] = round(time.monotonic() - t0, 1)
     return record
 
@@ -257,11 +290,13 @@ def table(results: dict) -> str:
             "|---|---|---|---|---|"]
     for r in results["runs"]:
         extra = {k: v for k, v in r.items() if k in (
-            "victim_rank", "restarts", "env_retries", "dropped_frac_mean", "children_killed",
-            "said_no_space", "stopped_rc")}
-        planted = f"after step {r['after_step']} + {r['delay_s']:.2f} s" + (
+            "victim_rank", "restarts", "env_retries_per_trajectory", "dropped_frac",
+            "children_killed", "said_no_space", "stopped_at")}
+        planted = ("filled before the start" if r["fault"] == "disk-first" else
+                   f"after step {r['after_step']} + {r['delay_s']:.2f} s") + (
             "; " + ", ".join(f"{k} {v}" for k, v in extra.items()) if extra else "")
-        outcome = "bitwise equal" if r.get("equal") else \
+        outcome = ("bitwise equal" + "".join(f" but `{k}`" for k in r.get("not_compared", ())))\
+            if r.get("equal") else \
             "DIFFERS: " + "; ".join(r.get("differs") or [r.get("error", "?")])[:200]
         left = r.get("left_after_fault", 0) + r["left_at_end"]
         rows.append(f"| {r['fault']} | {planted} | {outcome} | {r.get('resumed', '-')} | "
@@ -270,7 +305,10 @@ def table(results: dict) -> str:
     rows.append("")
     rows.append(f"{m['cpu']} ({m['cores']} cores, {m['cpu_capability']}), torch {m['torch']}, "
                 f"load average {results['load_before']} before, {results['load_after']} after;"
-                f" --seed {results['seed']}, {STEPS} steps, {results['seconds']:.0f} s in all")
+                f" --seed {results['seed']}, {STEPS} steps, {results['seconds']:.0f} s in all"
+                + "".join(f"; rerun of {', '.join(r['faults'])}: {r['seconds']:.0f} s, load "
+                          f"{r['load_before']} -> {r['load_after']}"
+                          for r in results.get("reruns", [])))
     return "\n".join(rows)
 
 
@@ -280,6 +318,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--work", default="/tmp/megagrpo-faults")
     ap.add_argument("--out", default=None, help="results JSON (default: print only)")
+    ap.add_argument("--merge", action="store_true",
+                    help="replace only these faults' records in the --out file (a rerun)")
     ap.add_argument("--table", default=None, metavar="RESULTS",
                     help="print the markdown table of a results file and exit")
     ap.add_argument("--plan", action="store_true", help="print the planted faults and exit")
@@ -291,8 +331,8 @@ def main() -> int:
     unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
         ap.error(f"--faults {unknown}: use some of {sorted(FAULTS)}")
-    if "disk" in faults and os.geteuid() != 0:
-        ap.error("--faults disk mounts a tmpfs: run as root, or leave disk out")
+    if any(f.startswith("disk") for f in faults) and os.geteuid() != 0:
+        ap.error("--faults disk, disk-first mount a tmpfs: run as root, or leave them out")
     todo = plan(faults, args.seed)
     if args.plan:
         for f, step, delay in todo:
@@ -310,6 +350,15 @@ def main() -> int:
                "load_before": [round(x, 2) for x in load],
                "load_after": [round(x, 2) for x in os.getloadavg()],
                "seconds": round(time.monotonic() - t0, 1), "runs": runs}
+    if args.merge and args.out and Path(args.out).exists():
+        old = json.loads(Path(args.out).read_text())
+        if old["seed"] != args.seed:
+            ap.error(f"--merge: {args.out} was made with --seed {old['seed']}")
+        rerun = {r["fault"]: r for r in runs}
+        old["runs"] = [rerun.pop(r["fault"], r) for r in old["runs"]] + list(rerun.values())
+        old.setdefault("reruns", []).append({k: results[k] for k in (
+            "load_before", "load_after", "seconds")} | {"faults": sorted(f for f, *_ in todo)})
+        results = old
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(table(results))

@@ -37,7 +37,7 @@ def test_docs_table_is_generated_from_the_results():
 
 @pytest.mark.heavy
 def test_every_fault_ends_as_the_undisturbed_run(tmp_path):
-    faults = [f for f in harness.FAULTS if f != "disk" or os.geteuid() == 0]
+    faults = [f for f in harness.FAULTS if not f.startswith("disk") or os.geteuid() == 0]
     out = tmp_path / "results.json"
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "fault_harness.py"),
                         "--faults", ",".join(faults), "--work", str(tmp_path / "work"),
