@@ -200,6 +200,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_bitwise(e2e):
     the uninterrupted run, saying so on the console, in metrics.jsonl and in summary.json, and
     leaves no process behind."""
     run, log = e2e["elastic"], (e2e["elastic"].parent / "elastic.log").read_text()
+    assert "failed (exitcode: -9) local_rank: 1" in log, log[-4000:]  # torchrun saw the kill
     said = [line for line in log.splitlines() if "torchrun restart 1 of at most 1 (job " in line]
     assert said and "resuming from its newest intact checkpoint" in said[0], log[-4000:]
     marks = stress.restarts(run)
