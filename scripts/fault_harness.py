@@ -21,11 +21,12 @@ Faults (each at a random step + delay drawn from --seed):
 - sandbox: a multi-turn run whose environment (tests/_agent_env.py:Sandboxed) computes each
   answer in a tool's kernel-sandboxed child; children are SIGKILLed at random moments during
   the run; the environment raises, the runner asks again, the run trains what it would have.
-- disk: out_dir on a tmpfs mounted for the run (root only: refused otherwise, never faked);
-  at a random moment the harness fills it, leaving half a checkpoint free; the next
-  checkpoint fails (before the first one completes: ENOSPC from the kernel mid-write; later:
-  megagrpo's free-space check) and the run must stop on every rank with "no space left on
-  device"; the filler removed, the same command resumes.
+- disk, disk-first: out_dir on a tmpfs mounted for the run (root only: refused otherwise,
+  never faked); the harness fills it, leaving half a checkpoint free, at the planted moment
+  (disk) or before the start (disk-first); the checkpoint being written runs out of space
+  mid-write (the kernel's ENOSPC; a fill before a save begins meets megagrpo's free-space
+  check instead) and the run must stop on every rank with "no space left on device"; the
+  filler removed, the same command resumes.
 
 Results (one record per fault, with the CPU and load) go to --out; `--table` prints the
 markdown table docs/resume.md holds (tests/test_fault_harness.py checks it is current).
@@ -163,8 +164,7 @@ def fault_sandbox(out: Path, step: int, delay: float, pick: random.Random) -> di
 def fault_disk(out: Path, step: int, delay: float, pick: random.Random, *,
                first: bool = False) -> dict:
     """`first`: the tmpfs is filled before the run starts, so its first checkpoint runs out of
-    space mid-write (the kernel's ENOSPC); else after `step` + `delay`, so a later checkpoint
-    meets megagrpo's free-space check first (the planted step and delay)."""
+    space mid-write (the kernel's ENOSPC); else after `step` + `delay` (the planted moment)."""
     disk = out.parent  # the tmpfs: out_dir and the filler beside it
     disk.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MIB}m", "tmpfs", str(disk)],
