@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 import sys
+import uuid
 
 import yaml
 
@@ -16,20 +17,24 @@ from megagrpo.config.model import ParallelConfig
 from megagrpo.config.train import load_config, to_dict
 from megagrpo.runtime.console import PREFLIGHT_SHOWN_ENV, VERBOSE_ENV, configure
 from megagrpo.runtime.procs import free_port, run_child
-from megagrpo.runtime.run_dir import check_out_dir
+from megagrpo.runtime.run_dir import JOB_ENV, check_out_dir
 
 
-def torchrun_command(nproc: int, *target: str) -> list[str]:
+def torchrun_command(nproc: int, *target: str, max_restarts: int = 0) -> list[str]:
     """The one torchrun command line: `nproc` local ranks on a free port of this host, each
-    running `target` (a script and its arguments, or `-m module ...`). Tests and benchmarks
-    build theirs here too."""
+    running `target` (a script and its arguments, or `-m module ...`); `max_restarts`:
+    torchrun's elastic agent restarts all of them up to that many times after one fails.
+    Tests and benchmarks build theirs here too."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            "--master-addr=127.0.0.1", f"--master-port={free_port()}", *target]
+            f"--max-restarts={max_restarts}", "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}", *target]
 
 
-def _relaunch(nproc: int) -> int:
-    """Re-runs this command under torchrun with `nproc` local ranks."""
-    cmd = torchrun_command(nproc, "-m", "megagrpo", *_drop_nproc(sys.argv[1:]))
+def _relaunch(nproc: int, max_restarts: int = 0) -> int:
+    """Re-runs this command under torchrun with `nproc` local ranks (restarted up to
+    `max_restarts` times: each restart resumes from the newest intact checkpoint)."""
+    cmd = torchrun_command(nproc, "-m", "megagrpo", *_drop_launcher_args(sys.argv[1:]),
+                           max_restarts=max_restarts)
     env = dict(os.environ)
     # torchrun defaults every rank to one OpenMP thread; more ranks x threads than cores makes
     # CPU ops spin against each other (measured: a 4-minute demo did not finish its cold start)
@@ -41,15 +46,16 @@ def _relaunch(nproc: int) -> int:
     return run_child(cmd, env)
 
 
-def _drop_nproc(argv: list[str]) -> list[str]:
-    """argv without --nproc (torchrun would take it for its own --nproc-per-node)."""
+def _drop_launcher_args(argv: list[str]) -> list[str]:
+    """argv without --nproc and --max-restarts, the launcher's own (torchrun would take
+    --nproc for its own --nproc-per-node)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--nproc":
+        elif a in ("--nproc", "--max-restarts"):
             skip = True
-        elif not a.startswith("--nproc="):
+        elif not a.startswith(("--nproc=", "--max-restarts=")):
             out.append(a)
     return out
 
@@ -216,9 +222,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         note = busy_note(busy_cores_since(start))
         if note:
             log.info("%s", note)
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts {args.max_restarts}: need >= 0")
+    relaunch = _needs_relaunch(nproc)
+    if relaunch:  # every attempt of the torchrun job knows it as the same job
+        os.environ.setdefault(JOB_ENV, uuid.uuid4().hex)
     check_out_dir(cfg.run)  # an earlier run in out_dir: refused or cleared, before any start
-    if _needs_relaunch(nproc):
-        return _relaunch(nproc)
+    if relaunch:
+        return _relaunch(nproc, args.max_restarts)
     from megagrpo.run import train
     from megagrpo.runtime.distributed import shutdown
 
@@ -319,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
         t.add_argument("--config", default=None, help="YAML recipe")
         t.add_argument("--nproc", type=int, default=None,
                        help="local ranks when started without torchrun (default tp*pp)")
+        t.add_argument("--max-restarts", type=int, default=0,
+                       help="torchrun's elastic agent restarts the ranks up to N times after "
+                       "one fails; each restart resumes from the newest intact checkpoint "
+                       "(default 0)")
         t.add_argument("--verbose", action="store_true",
                        help="show every rank's log and the libraries' warnings on the console "
                        "(always in OUT_DIR/logs/rank<N>.log)")

@@ -56,7 +56,7 @@ from megagrpo.runtime.distributed import init_distributed, torchrun_env, trainin
 from megagrpo.runtime.metrics import MetricsLogger, plot_curves, read_jsonl
 from megagrpo.runtime.procs import follow_parent
 from megagrpo.runtime.rng import RankRng
-from megagrpo.runtime.run_dir import check_out_dir
+from megagrpo.runtime.run_dir import check_out_dir, restarts_own_run, this_attempt
 from megagrpo.runtime.watchdog import Watchdog, start_watchdog
 from megagrpo.sync import build_weight_sync
 from megagrpo.train.cold_start import cold_start
@@ -292,8 +292,13 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
                            tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
                            config=dataclasses.asdict(resolved), progress=cfg.log.progress,
                            total_steps=cfg.run.steps)
-    ckpt = ckpts.latest() if cfg.run.resume else None
+    attempt = this_attempt()  # a torchrun restart of this job resumes whatever run.resume says
+    resume = cfg.run.resume or restarts_own_run(cfg.run.out_dir, attempt)
+    ckpt = ckpts.latest() if resume else None
     restored = ckpts.load(ckpt) if ckpt is not None else {}  # per-rank states put back
+    if attempt.number:  # the history shows where torchrun restarted the job
+        logger.log({"step": tr.step_idx, "restart": attempt.number,
+                    "resumed_from_step": tr.step_idx if ckpt is not None else None})
     # a resumed run's weight sync and evaluation are work the run it continues never did: they
     # leave the streams the checkpoint restored (once, by the manager) as they found them
     if isinstance(tr.engine, RemoteEngine):  # separate placement: its last batch on-policy
@@ -343,6 +348,7 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
     syncs = tr.reference.state.syncs if tr.reference else 0
     summary.update(steps=tr.step_idx, reference_syncs=syncs,
                    reference_syncs_this_run=syncs - syncs_before,
+                   restarts=attempt.number,
                    wall_seconds=time.perf_counter() - t0, world_size=dist.get_world_size(),
                    tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=cfg.parallel.cp, dp=tr.ranks.dp)
     if cfg.rollout.placement == "separate":  # world_size counts the training ranks

@@ -91,9 +91,11 @@ BF16 = ("model.dtype=bfloat16", "rollout.dtype=bfloat16", "algo.rollout_is=trunc
 MODES["distopt+async+bf16"] = (*MODES["distopt+async"], *BF16)
 
 
-def launch(out_dir: Path, steps: int, log: Path, *extra: str) -> subprocess.Popen:
-    """`python -m megagrpo train --nproc 2 ...` in its own process group, output to `log`."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+def launch(out_dir: Path, steps: int, log: Path, *extra: str,
+           env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python -m megagrpo train --nproc 2 ...` in its own process group, output to `log`;
+    `env`: variables added to this process's environment (a planted fault's)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("TRITON_INTERPRET", None)  # the torch kernel path: the interpreter only slows vLLM
     cmd = [sys.executable, "-m", "megagrpo", "train", "--nproc", "2",
@@ -173,10 +175,38 @@ def wait_for_step(proc: subprocess.Popen, out_dir: Path, step: int, *,
 
 
 def history(out_dir: Path) -> list[dict]:
-    """metrics.jsonl without the fields that measure time."""
-    records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    """metrics.jsonl without the fields that measure time, and without the records that mark
+    where torchrun restarted the job (`restart`: what an uninterrupted run has no record of;
+    `restarts` returns them)."""
     return [{k: v for k, v in r.items() if not k.startswith("time_")
-             and not k.endswith(_TIMING_SUFFIXES)} for r in records]
+             and not k.endswith(_TIMING_SUFFIXES)} for r in _records(out_dir)
+            if "restart" not in r]
+
+
+def restarts(out_dir: Path) -> list[dict]:
+    """The records a torchrun restart of the job wrote (`{"step", "restart",
+    "resumed_from_step"}`), oldest first."""
+    return [r for r in _records(out_dir) if "restart" in r]
+
+
+def _records(out_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def leftovers(needle: str) -> list[int]:
+    """Live processes (not zombies) whose command line holds `needle` (a run's out_dir: every
+    launcher, torchrun and rank of the run has it in its arguments)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if needle.encode() in cmdline.read_bytes():
+                stat = (cmdline.parent / "stat").read_text()
+                if stat.rsplit(")", 1)[1].split()[0] != "Z" and int(cmdline.parent.name) != \
+                        os.getpid():
+                    found.append(int(cmdline.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 def final_state(out_dir: Path) -> dict[str, torch.Tensor]:

@@ -41,3 +41,16 @@ def test_torchrun_command_picks_a_port_each_time():
     assert a[-2:] == ["w.py", "--x"] and "--nproc-per-node=2" in a
     ports = [next(s for s in c if s.startswith("--master-port=")) for c in (a, b)]
     assert all(int(p.split("=")[1]) > 0 for p in ports)
+
+
+def test_max_restarts_goes_to_torchrun_not_to_the_ranks():
+    """`train --max-restarts N` is the launcher's: torchrun gets it (its elastic agent restarts
+    the ranks), the ranks' command line does not (nor --nproc)."""
+    from megagrpo.cli import _drop_launcher_args
+
+    args = parse_args(["train", "--nproc", "2", "run.steps=1", "--max-restarts", "3", "a.b=2"])
+    assert (args.max_restarts, args.overrides) == (3, ["run.steps=1", "a.b=2"])
+    assert parse_args(["train"]).max_restarts == 0
+    assert _drop_launcher_args(["train", "--nproc", "2", "x=1", "--max-restarts", "3",
+                                "--max-restarts=4", "--nproc=2", "y=2"]) == ["train", "x=1", "y=2"]
+    assert "--max-restarts=3" in torchrun_command(2, "w.py", max_restarts=3)

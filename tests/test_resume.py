@@ -6,9 +6,11 @@ ranks down with it; resumed (its newest checkpoint damaged, a crafted pickle pla
 back to the older intact checkpoint, never unpickles the plant, and ends bitwise equal to the
 uninterrupted run with one metrics history (with the distributed optimizer and async rollouts,
 in fp32 and in bf16, the latter on CPUs with native bf16: tests.support.bf16; `-m heavy` adds
-the plain synchronous run, and multi-turn runs sync and async). Optimizer state reshards:
-saved at TP=2, PP=2 or DP=2 and loaded at another layout, the moments are the saved ones and
-the next step agrees with the uninterrupted run (tests/_layout_resume_worker.py). A
+the plain synchronous run, and multi-turn runs sync and async); beside them the same job under
+torchrun's elastic agent (`--max-restarts 1`), whose rank 1 SIGKILLs itself mid-run, is
+restarted by the agent and resumes on its own, bitwise. Optimizer state reshards: saved at
+TP=2, PP=2 or DP=2 and loaded at another layout, the moments are the saved ones and the next
+step agrees with the uninterrupted run (tests/_layout_resume_worker.py). A
 non-empty out_dir is refused before anything starts. Out of disk says so and leaves the earlier
 checkpoint intact (a simulated full disk, tests/_resume_worker.py). The rest are unit tests of
 the manifest, the pickle-free state files and the metrics rewind.
@@ -28,7 +30,15 @@ import torch
 
 from megagrpo.checkpoint import load_tree, save_tree
 from megagrpo.runtime.metrics import rewind_history
-from megagrpo.runtime.run_dir import newest_intact, prepare_out_dir, verify, write_manifest
+from megagrpo.runtime.run_dir import (
+    Attempt,
+    newest_intact,
+    prepare_out_dir,
+    restarts_own_run,
+    verify,
+    write_manifest,
+)
+from tests._fault_hooks import DIE_ENV
 from tests.support.bf16 import needs_fast_bf16
 from tests.support.cli import run_cli
 from tests.support.launch import torchrun_results
@@ -42,6 +52,9 @@ STEPS = 6  # checkpoints at 2, 4, 6
 # resumed from step 2 (step 3's damaged), so steps 3 and 4 run again; LoRA keeps 6 (its merges)
 E2E = {"steps": 4, "kill_after": 3, "every": ("checkpoint.every=1",)}
 E2E_LORA = {"steps": STEPS, "kill_after": 4, "every": ()}
+# the default mode's fixture also runs the job under torchrun's elastic agent (--max-restarts 1)
+# with rank 1 killing itself once step 2's checkpoint is complete
+ELASTIC_MODE, ELASTIC_DIE_AFTER = "distopt+async", 2
 
 
 class Plant:
@@ -114,6 +127,12 @@ def e2e(request, tmp_path_factory):
     ref, cut, marker = work / "uninterrupted", work / "interrupted", work / "pickle_was_run"
     ref_proc = stress.launch(ref, steps, work / "uninterrupted.log", *extra)
     proc = stress.launch(cut, steps, work / "interrupted.log", *extra)
+    elastic = elastic_proc = None
+    if request.param == ELASTIC_MODE:  # beside them: a rank dies, torchrun restarts the job
+        elastic = work / "elastic"
+        die = elastic / "checkpoints" / f"step_{ELASTIC_DIE_AFTER:06d}" / "manifest.json"
+        elastic_proc = stress.launch(elastic, steps, work / "elastic.log", *extra,
+                                     "--max-restarts", "1", env={DIE_ENV: f"1:{die}"})
     below: set[int] = set()
     try:
         stress.wait_for_step(proc, cut, plan["kill_after"], checkpoint=True)
@@ -129,15 +148,18 @@ def e2e(request, tmp_path_factory):
             resumed = stress.launch(cut, steps, last_log, *extra)
         stress.finish(resumed, last_log)
         stress.finish(ref_proc, work / "uninterrupted.log")
+        if elastic_proc is not None:
+            stress.finish(elastic_proc, work / "elastic.log")
     finally:  # never leave processes behind, whatever failed
         for p in below:
             if alive(p):
                 os.kill(p, signal.SIGKILL)
-        if ref_proc.poll() is None:
-            stress.kill_tree(ref_proc)
+        for p in (ref_proc, elastic_proc):
+            if p is not None and p.poll() is None:
+                stress.kill_tree(p)
     return {"ref": ref, "cut": cut, "below": below, "orphans": orphans, "newest": newest,
             "older": older, "marker": marker, "log": (work / "resumed.log").read_text(),
-            "mode": request.param, "steps": steps}
+            "mode": request.param, "steps": steps, "elastic": elastic}
 
 
 def test_killed_launcher_takes_torchrun_and_ranks_down(e2e):
@@ -175,6 +197,27 @@ def test_resumed_run_is_bitwise_the_uninterrupted_run(e2e):
         assert max(r["turns"] for r in stress.history(cut) if "reward_mean" in r) > 1
         if "run.async_rollout=true" in stress.MODES[e2e["mode"]]:  # environment tokens' holes
             assert any(k.startswith("rollout.") and ".loss_mask." in k for k in state)
+
+
+@pytest.mark.parametrize("e2e", [ELASTIC_MODE], indirect=True)  # the same runs
+def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_bitwise(e2e):
+    """`train --max-restarts 1` (torchrun's elastic agent): rank 1 SIGKILLs itself once step
+    2's checkpoint is complete; the agent restarts both ranks with the same command, which
+    resumes from the job's newest intact checkpoint on its own and finishes bitwise equal to
+    the uninterrupted run, saying so on the console, in metrics.jsonl and in summary.json, and
+    leaves no process behind."""
+    run, log = e2e["elastic"], (e2e["elastic"].parent / "elastic.log").read_text()
+    assert "failed (exitcode: -9) local_rank: 1" in log, log[-4000:]  # torchrun saw the kill
+    said = [line for line in log.splitlines() if "torchrun restart 1 of at most 1 (job " in line]
+    assert said and "resuming from its newest intact checkpoint" in said[0], log[-4000:]
+    marks = stress.restarts(run)
+    assert len(marks) == 1 and marks[0]["restart"] == 1, marks
+    assert ELASTIC_DIE_AFTER <= marks[0]["resumed_from_step"] == marks[0]["step"] < e2e["steps"]
+    assert json.loads((run / "summary.json").read_text())["restarts"] == 1
+    assert stress.compare(e2e["ref"], run) == []
+    steps = [r["step"] for r in stress.history(run) if "reward_mean" in r]
+    assert steps == list(range(1, e2e["steps"] + 1))
+    assert stress.leftovers(str(run)) == []
 
 
 @pytest.mark.heavy  # the LoRA runs are heavy; the default run's mode has no base to check
@@ -410,6 +453,34 @@ def test_resume_wins_over_overwrite_where_a_checkpoint_is_intact(tmp_path):
     (run / "metrics.jsonl").write_text('{"step": 1}\n')  # a run with no checkpoint at all
     assert prepare_out_dir(str(run), resume=True, overwrite=True, rank=0) == ""
     assert [p.name for p in run.iterdir()] == [".megagrpo-run"]
+
+
+def test_torchrun_restart_resumes_or_starts_over_only_its_own_job(tmp_path):
+    """What a rank restarted by torchrun's elastic agent (the same command, attempt N > 0)
+    does with out_dir: the job that started the run there (the marker names it) resumes from
+    its newest intact checkpoint whatever run.resume says, or starts over when none is
+    complete yet; another job's run, or a job nothing identifies (torchrun's run id 'none'),
+    is refused as before, the fix named."""
+    run, job = tmp_path / "run", "torchrun:job-a"
+    first = Attempt(number=0, max_restarts=1, job=job)
+    assert prepare_out_dir(str(run), resume=False, overwrite=True, rank=0, attempt=first) == ""
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')  # killed before its first checkpoint
+    again = Attempt(number=1, max_restarts=1, job=job)
+    for other in (Attempt(number=1, max_restarts=1, job="torchrun:job-b"),
+                  Attempt(number=1, max_restarts=1, job="")):
+        with pytest.raises(ValueError, match="no intact checkpoint") as e:
+            prepare_out_dir(str(run), resume=True, overwrite=False, rank=0, attempt=other)
+        assert ("--rdzv-id" in str(e.value)) == (other.job == "")
+    said = prepare_out_dir(str(run), resume=False, overwrite=False, rank=0, attempt=again)
+    assert said == ("torchrun restart 1 of at most 1 (job torchrun:job-a): no checkpoint of it "
+                    "is complete yet: starting over")
+    assert [p.name for p in run.iterdir()] == [".megagrpo-run"]  # the marker stays
+    _fake_checkpoint(run / "checkpoints", 2)
+    (run / "metrics.jsonl").write_text('{"step": 2}\n')
+    said = prepare_out_dir(str(run), resume=False, overwrite=True, rank=0, attempt=again)
+    assert "resuming from its newest intact checkpoint" in said and "step_000002" in said
+    assert (run / "metrics.jsonl").exists()  # nothing deleted
+    assert restarts_own_run(str(run), again) and not restarts_own_run(str(run), first)
 
 
 LAYOUT_WORKER = os.path.join(os.path.dirname(__file__), "_layout_resume_worker.py")

@@ -61,6 +61,21 @@ def torchrun_env() -> tuple[int, int, int]:
     return rank, world, local
 
 
+def attempt_store(timeout: timedelta) -> dist.Store | None:
+    """The default group's store on a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0): the
+    agent's store under a prefix of this attempt. torchrun hands every attempt of a job the same
+    store (static rendezvous always, c10d unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) with no
+    prefix of its own, so the restarted ranks' groups (megatron's, vLLM's) would read the
+    addresses the attempt before published under the same keys and fail to connect (gloo:
+    "Connection refused"). None on a first attempt or without the agent's store: torch's own."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"megagrpo/attempt{attempt}", agent)
+
+
 MIXED_BACKEND = "cpu:gloo,cuda:nccl"
 """The default group's backend on CUDA: the step's own collectives (loss normalisers, metric
 means, balancing counts, advantages) reduce small CPU tensors, which NCCL alone refuses; with
@@ -107,7 +122,8 @@ def init_distributed(
     # is 30 min). A rank waiting longer in a collective raises instead of hanging.
     timeout = timedelta(seconds=parallel.collective_timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                                store=attempt_store(timeout))
     from megatron.core import parallel_state as ps
 
     with cpu_compat.megatron_scope():

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 MODEL_JSON = "megagrpo_model.json"  # beside a model checkpoint's shards: its ModelConfig
@@ -31,6 +32,7 @@ TRAINER_STATE = "trainer_state.json"
 RUN_MARKER = ".megagrpo-run"
 _HASH_LIMIT = 1 << 20  # files up to 1 MiB also get a sha256 (metadata); shards get their size
 _RUN_FILES = ("metrics.jsonl", "checkpoints", "summary.json", "engine")
+JOB_ENV = "MEGAGRPO_JOB_ID"  # set by the launcher: one id for every attempt of its torchrun job
 
 
 def checkpoint_root(out_dir: str | os.PathLike) -> Path:
@@ -176,33 +178,89 @@ def manifest_bytes(ckpt: Path) -> int:
         return 0
 
 
+@dataclass(frozen=True)
+class Attempt:
+    """Which start of its torchrun job this process is. torchrun's elastic agent
+    (`--max-restarts`) restarts every rank of a job with the same command after a rank or a
+    node failed; the environment it sets says how many times it has."""
+
+    number: int
+    """TORCHELASTIC_RESTART_COUNT: 0 = the first start (also outside torchrun)."""
+    max_restarts: int
+    """TORCHELASTIC_MAX_RESTARTS: torchrun's --max-restarts (0 outside torchrun)."""
+    job: str
+    """What identifies the job over its restarts: MEGAGRPO_JOB_ID (the launcher sets a fresh
+    one) or torchrun's run id (--rdzv-id; --standalone makes a random one); '' when neither
+    tells one job from another (torchrun's default run id 'none')."""
+
+
+def this_attempt() -> Attempt:
+    """The attempt of this process, from torchrun's environment."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    job = os.environ.get(JOB_ENV) or ("" if run_id in ("", "none") else f"torchrun:{run_id}")
+    return Attempt(number=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+                   max_restarts=int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0),
+                   job=job)
+
+
+def _marked_job(out: Path) -> str:
+    """The job the out_dir's marker names ('' for none, or a marker of an older megagrpo)."""
+    try:
+        return str(json.loads((out / RUN_MARKER).read_text()).get("job", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
+def restarts_own_run(out_dir: str, attempt: Attempt) -> bool:
+    """True when this process is a torchrun restart of the job that started the run in
+    out_dir: whatever is there, this job wrote it, so it resumes from its newest intact
+    checkpoint (whatever run.resume says) or, with none complete yet, starts over."""
+    return attempt.number > 0 and bool(attempt.job) and \
+        _marked_job(Path(out_dir).expanduser()) == attempt.job
+
+
 def _is_run_dir(out: Path) -> bool:
     return (out / RUN_MARKER).exists() or any((out / f).exists() for f in _RUN_FILES)
 
 
 def _clear(out: Path) -> None:
+    """Empties out_dir but its marker (other ranks read the job it names meanwhile)."""
     for entry in out.iterdir():
+        if entry.name == RUN_MARKER:
+            continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:
             entry.unlink()
 
 
-def prepare_out_dir(out_dir: str, *, resume: bool, overwrite: bool, rank: int = 0) -> str:
+def prepare_out_dir(out_dir: str, *, resume: bool, overwrite: bool, rank: int = 0,
+                    attempt: Attempt | None = None) -> str:
     """Before a run writes anything: refuses an out_dir that holds an earlier run unless the run
     resumes from an intact checkpoint there (run.resume) or may delete it (run.overwrite, which
     clears it on rank 0). With both set, resume wins where an intact checkpoint exists (a crashed
     run rerun with its recipe must not delete its own checkpoints), and the returned line says so
     for the console ('' otherwise). Creates out_dir and its marker. Raises ValueError naming the
     fix. Safe to call on every rank before torch.distributed starts: only rank 0 writes, and no
-    rank writes into out_dir before all ranks have met in init_distributed."""
+    rank writes into out_dir before all ranks have met in init_distributed. `attempt`: a
+    torchrun restart of the job that started the run here resumes it, or starts over when no
+    checkpoint is complete yet (`restarts_own_run`), and says so; the marker records the job."""
     out = Path(out_dir).expanduser()
+    attempt = attempt or Attempt(number=0, max_restarts=0, job="")
     if out.exists() and not out.is_dir():
         raise ValueError(f"run.out_dir={out_dir!r} is a file, not a directory")
     held = sorted(p.name for p in out.iterdir() if p.name != RUN_MARKER) if out.exists() else []
+    own = restarts_own_run(out_dir, attempt)
+    resume, overwrite = (True, True) if own else (resume, overwrite)
     said = ""
     ckpt, broken = newest_intact(checkpoint_root(out)) if held and resume else (None, [])
-    if overwrite and ckpt is not None:
+    if own:
+        which = (f"resuming from its newest intact checkpoint {ckpt}" if ckpt is not None else
+                 "no checkpoint of it is complete yet: starting over")
+        said = (f"torchrun restart {attempt.number} of at most {attempt.max_restarts} "
+                f"(job {attempt.job}): {which}")
+        overwrite = ckpt is None
+    elif overwrite and ckpt is not None:
         overwrite = False
         said = (f"run.resume and run.overwrite are both true: resuming from the intact "
                 f"checkpoint {ckpt} (nothing deleted); set run.resume=false to start over")
@@ -219,7 +277,7 @@ def prepare_out_dir(out_dir: str, *, resume: bool, overwrite: bool, rank: int = 
             raise ValueError(
                 f"run.out_dir={out_dir!r} holds an earlier run ({', '.join(held[:5])}) but no "
                 f"intact checkpoint to resume from ({why}). Set run.overwrite=true to delete it "
-                "and start over, or choose another run.out_dir")
+                "and start over, or choose another run.out_dir" + _unknown_job(attempt))
     elif held:
         raise ValueError(
             f"run.out_dir={out_dir!r} is not empty ({', '.join(held[:5])}) and run.resume=false: "
@@ -229,7 +287,7 @@ def prepare_out_dir(out_dir: str, *, resume: bool, overwrite: bool, rank: int = 
     if rank == 0:
         try:
             out.mkdir(parents=True, exist_ok=True)
-            (out / RUN_MARKER).touch()
+            (out / RUN_MARKER).write_text(json.dumps({"job": attempt.job}))
         except OSError as e:
             raise ValueError(f"run.out_dir={out_dir!r} cannot be created or written "
                              f"({e.strerror or e}: {e.filename or out}); choose a folder this "
@@ -237,7 +295,16 @@ def prepare_out_dir(out_dir: str, *, resume: bool, overwrite: bool, rank: int = 
     return said
 
 
+def _unknown_job(attempt: Attempt) -> str:
+    if attempt.number == 0 or attempt.job:
+        return ""
+    return (f" (this is torchrun restart {attempt.number}, but nothing tells this job from "
+            "another: start it with `python -m megagrpo train`, or give torchrun a --rdzv-id "
+            f"unique to the job, or set {JOB_ENV}, so that a restart may start its own run over)")
+
+
 def check_out_dir(run) -> str:
-    """`prepare_out_dir` for a `RunConfig`, as this process's rank (RANK; 0 outside torchrun)."""
+    """`prepare_out_dir` for a `RunConfig`, as this process's rank (RANK; 0 outside torchrun)
+    and attempt."""
     return prepare_out_dir(run.out_dir, resume=run.resume, overwrite=run.overwrite,
-                           rank=int(os.environ.get("RANK", "0")))
+                           rank=int(os.environ.get("RANK", "0")), attempt=this_attempt())

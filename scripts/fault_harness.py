@@ -1,0 +1,371 @@
+"""Fault injection: runs a tiny GRPO job (2 ranks, DP=2, fp32, scripts/resume_stress.py's
+recipe) once undisturbed per configuration, then once per fault, planted at a random moment,
+and checks that each disturbed run ends with the undisturbed run's checkpointed state (final
+policy, reference and optimizer tensors, every rank's random streams and pending batch,
+trainer_state.json, the metrics history but timings: scripts/resume_stress.py's `compare`)
+and that no process of it is left (a /proc scan for its out_dir in command lines, i.e. ps).
+
+    python scripts/fault_harness.py [--faults launcher,rank,env,sandbox,disk] [--seed 1]
+        [--work /tmp/megagrpo-faults] [--out benchmarks/results/fault_harness_cpu.json]
+    python scripts/fault_harness.py --table benchmarks/results/fault_harness_cpu.json
+
+Faults (each at a random step + delay drawn from --seed):
+- launcher: SIGKILL of `python -m megagrpo train` alone; torchrun and the ranks must follow
+  it (PR_SET_PDEATHSIG); the same command run again resumes from the newest intact checkpoint.
+- rank: the job runs under torchrun's elastic agent (`train --max-restarts 1`); one training
+  rank, chosen at random, is SIGKILLed; the agent restarts the job, which resumes on its own.
+- env: a multi-turn run whose environment (tests/_agent_env.py:Flaky) raises in 10% of turns
+  and hangs in 1% (agent.env_retries 2, agent.env_timeout_s 2: the trajectories are dropped);
+  the whole run is SIGKILLed at a random moment and resumed. Compared with the undisturbed run
+  of the same environment (which meets the same failures: they are fixed by prompt and turn).
+- sandbox: a multi-turn run whose environment (tests/_agent_env.py:Sandboxed) computes each
+  answer in a tool's kernel-sandboxed child; children are SIGKILLed at random moments during
+  the run; the environment raises, the runner asks again, the run trains what it would have.
+- disk, disk-first: out_dir on a tmpfs mounted for the run (root only: refused otherwise,
+  never faked); the harness fills it, leaving half a checkpoint free, at the planted moment
+  (disk) or before the start (disk-first); the checkpoint being written runs out of space
+  mid-write (the kernel's ENOSPC; a fill before a save begins meets megagrpo's free-space
+  check instead) and the run must stop on every rank with "no space left on device"; the
+  filler removed, the same command resumes.
+
+Results (one record per fault, with the CPU and load) go to --out; `--table` prints the
+markdown table docs/resume.md holds (tests/test_fault_harness.py checks it is current).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+import resume_stress as stress  # noqa: E402 - one harness for kills and comparisons
+
+ROOT = stress.ROOT
+STEPS = 6
+MODE = ("optim.distributed_optimizer=true", "run.async_rollout=true")  # the most state
+FLAKY = ("agent.environment=tests._agent_env:Flaky", "agent.max_turns=3",
+         "rollout.max_tokens=10", "agent.env_retries=2", "agent.env_timeout_s=2")
+SANDBOX = ("agent.environment=tests._agent_env:Sandboxed", "agent.max_turns=3",
+           "rollout.max_tokens=10", "data.batch_size=4")
+EVERY = ("checkpoint.every=1",)  # most kills then land after a complete checkpoint
+CONFIGS = {"launcher": (*MODE, *EVERY), "rank": (*MODE, *EVERY), "disk": (*MODE, *EVERY),
+           "disk-first": (*MODE, *EVERY),
+           "env": (*FLAKY, *MODE[1:], *EVERY), "sandbox": (*SANDBOX, *EVERY)}
+"""The recipe's extra overrides per fault; faults of one configuration share its reference."""
+COUNTED = {"sandbox": ("env_retries",)}
+"""Metrics a fault changes by design, left out of the comparison (and said so): a killed
+sandbox child makes its environment call fail and be asked again, which `env_retries` counts;
+what the run trains is the same."""
+DISK_MIB = 64
+
+
+def undisturbed(work: Path, fault: str) -> Path:
+    """The configuration's undisturbed run (made once per --work)."""
+    extra = CONFIGS[fault]
+    name = "ref_" + {CONFIGS["rank"]: "plain", CONFIGS["env"]: "env",
+                     CONFIGS["sandbox"]: "sandbox"}[extra]
+    out = work / name
+    if not (out / "summary.json").exists():
+        log = work / f"{name}.log"
+        stress.finish(stress.launch(out, STEPS, log, "run.overwrite=true", *extra), log)
+    return out
+
+
+def ranks_of(proc: subprocess.Popen) -> dict[int, int]:
+    """{torchrun rank: pid} of a run's training ranks (read from /proc/<pid>/environ)."""
+    out = {}
+    for pid in stress.descendants(proc.pid):
+        try:
+            env = dict(kv.split("=", 1) for kv in
+                       Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if "RANK" in env and b"megagrpo" in cmd and b"torch.distributed.run" not in cmd:
+            out[int(env["RANK"])] = pid
+    return out
+
+
+def wait_gone(needle: str, timeout: float = 60) -> list[int]:
+    """Waits until no process names `needle`; returns those left after `timeout` s."""
+    t0 = time.monotonic()
+    while (left := stress.leftovers(needle)) and time.monotonic() - t0 < timeout:
+        time.sleep(0.2)
+    return left
+
+
+def fault_launcher(out: Path, step: int, delay: float, pick: random.Random) -> dict:
+    log = out.parent / f"{out.name}.log"
+    proc = stress.launch(out, STEPS, log, *CONFIGS["launcher"])
+    stress.wait_for_step(proc, out, step)
+    time.sleep(delay)
+    os.kill(proc.pid, signal.SIGKILL)  # the launcher alone
+    proc.wait()
+    left = wait_gone(str(out))
+    return {"left_after_fault": len(left), **_resume(out, "launcher")}
+
+
+def fault_rank(out: Path, step: int, delay: float, pick: random.Random) -> dict:
+    log = out.parent / f"{out.name}.log"
+    proc = stress.launch(out, STEPS, log, *CONFIGS["rank"], "--max-restarts", "1")
+    stress.wait_for_step(proc, out, step)
+    time.sleep(delay)
+    ranks = ranks_of(proc)
+    victim = pick.choice(sorted(ranks))
+    os.kill(ranks[victim], signal.SIGKILL)
+    stress.finish(proc, log)
+    marks = stress.restarts(out)
+    at = marks[0]["resumed_from_step"] if marks else None
+    return {"victim_rank": victim, "restarts": len(marks),
+            "resumed": f"step {at} (torchrun restart)" if at is not None
+            else "fresh start (torchrun restart, no intact checkpoint)"}
+
+
+def fault_env(out: Path, step: int, delay: float, pick: random.Random) -> dict:
+    text = stress.interrupted_run(out, STEPS, step, *CONFIGS["env"], delay=delay)
+    return {"resumed": _where(text), **agent_figures(out)}
+
+
+def agent_figures(out: Path) -> dict:
+    """The run's environment calls asked again per trajectory and share of trajectories
+    dropped, means over its steps (docs/agentic.md)."""
+    h = [r for r in stress.history(out) if "reward_mean" in r]
+    return {key: round(sum(r.get(metric, 0) for r in h) / len(h), 4) for key, metric in
+            (("env_retries_per_trajectory", "env_retries"), ("dropped_frac", "dropped_frac"))}
+
+
+def fault_sandbox(out: Path, step: int, delay: float, pick: random.Random) -> dict:
+    log = out.parent / f"{out.name}.log"
+    proc = stress.launch(out, STEPS, log, *CONFIGS["sandbox"])
+    stress.wait_for_step(proc, out, step)
+    time.sleep(delay)
+    killed, t_end = 0, time.monotonic() + 20
+    while proc.poll() is None and time.monotonic() < t_end and killed < 3:
+        children = [p for p in stress.leftovers("sandbox_child.py")
+                    if p in stress.descendants(proc.pid)]
+        if children:
+            os.kill(pick.choice(children), signal.SIGKILL)
+            killed += 1
+            time.sleep(pick.uniform(0.5, 2.0))
+        else:
+            time.sleep(0.02)
+    stress.finish(proc, log)
+    return {"children_killed": killed, **agent_figures(out)}
+
+
+def fault_disk(out: Path, step: int, delay: float, pick: random.Random, *,
+               first: bool = False) -> dict:
+    """`first`: the tmpfs is filled before the run starts, so its first checkpoint runs out of
+    space mid-write (the kernel's ENOSPC); else after `step` + `delay` (the planted moment)."""
+    disk = out.parent  # the tmpfs: out_dir and the filler beside it
+    disk.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MIB}m", "tmpfs", str(disk)],
+                   check=True)
+    try:
+        log = disk.parent / f"{disk.name}.log"
+        ckpt = checkpoint_bytes(undisturbed(disk.parent, "disk"))
+        filler = disk / "filler"
+        if first:
+            fill(filler, leave=ckpt // 2 + (256 << 10))  # and 256 KiB for logs and metrics
+        proc = stress.launch(out, STEPS, log, *CONFIGS["disk"], "run.overwrite=true")
+        if not first:
+            stress.wait_for_step(proc, out, step)
+            time.sleep(delay)
+            fill(filler, leave=ckpt // 2)
+        try:
+            rc = proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            stress.kill_tree(proc)
+            rc = None
+        said = "no space left on device" in log.read_text()
+        left = wait_gone(str(out))
+        filler.unlink()
+        result = {"stopped_rc": rc, "said_no_space": said, "left_after_fault": len(left),
+                  "stopped_at": f"checkpoint {max([0, *stress.logged_steps(out)])}"}
+        result.update(_resume(out, "disk"))
+        return result
+    finally:  # run_fault unmounts the tmpfs once the run is compared
+        for pid in stress.leftovers(str(out)):
+            os.kill(pid, signal.SIGKILL)
+
+
+def checkpoint_bytes(out: Path) -> int:
+    """Bytes of a run's newest complete checkpoint (its manifest's count)."""
+    from megagrpo.runtime.run_dir import checkpoint_root, manifest_bytes, newest_intact
+
+    ckpt, _ = newest_intact(checkpoint_root(out))
+    return manifest_bytes(ckpt) if ckpt is not None else 0
+
+
+def fill(path: Path, leave: int) -> None:
+    """Writes zeros into `path` until its filesystem has `leave` bytes free (real pages: a
+    tmpfs allocates on write, so a sparse file would take nothing)."""
+    todo = max(0, shutil.disk_usage(path.parent).free - leave)
+    block = bytes(1 << 20)
+    with path.open("wb") as f:
+        while todo > 0:
+            try:
+                todo -= f.write(block[:min(todo, len(block))])
+                f.flush()
+            except OSError:  # the run wrote meanwhile: the disk is full already
+                return
+
+
+def _resume(out: Path, fault: str) -> dict:
+    """Runs the same command again (resumes from the newest intact checkpoint; with none, a
+    fresh start: run.overwrite, which resume wins over) and records where it resumed."""
+    log = out.parent / f"{out.name}.resumed.log"
+    if fault.startswith("disk"):
+        log = out.parent.parent / f"{out.parent.name}.resumed.log"
+    stress.finish(stress.launch(out, STEPS, log, *CONFIGS[fault], "run.overwrite=true"), log)
+    return {"resumed": _where(log.read_text())}
+
+
+def _where(text: str) -> str:
+    """Where a resumed run's console says it resumed."""
+    where = [ln for ln in text.splitlines() if "resumed from" in ln]
+    return ("step " + where[-1].split(" at step ", 1)[1].split(";")[0].strip() if where
+            else "fresh start (no intact checkpoint)")
+
+
+FAULTS = {"launcher": fault_launcher, "rank": fault_rank, "env": fault_env,
+          "sandbox": fault_sandbox, "disk": fault_disk,
+          "disk-first": partial(fault_disk, first=True)}
+
+
+def plan(faults: list[str], seed: int) -> list[tuple[str, int, float]]:
+    """(fault, after step, + seconds) for each fault: random, reproducible from `seed`."""
+    pick = random.Random(seed)
+    return [(f, pick.randrange(1, STEPS - 1), round(pick.uniform(0.0, 1.5), 2)) for f in faults]
+
+
+def run_fault(work: Path, fault: str, step: int, delay: float, seed: int) -> dict:
+    ref = undisturbed(work, fault)
+    top = work / f"fault_{fault}"
+    out = top / "run" if fault.startswith("disk") else top  # disk: out_dir inside the tmpfs
+    if top.exists():
+        subprocess.run(["umount", "-l", str(top)], check=False, capture_output=True)
+        shutil.rmtree(top)
+    t0 = time.monotonic()
+    record = {"fault": fault, "after_step": step, "delay_s": delay}
+    try:
+        record.update(FAULTS[fault](out, step, delay, random.Random(f"{seed}:{fault}")))
+        diffs = stress.compare(ref, out, {k: float("inf") for k in COUNTED.get(fault, ())})
+        record["equal"] = not diffs
+        record["differs"] = [d[:300] for d in diffs[:3]]
+        if fault in COUNTED:
+            record["not_compared"] = list(COUNTED[fault])
+    except Exception as e:  # noqa: BLE001 - one fault's failure is its record, not the end
+        record.update(equal=False, error=f"{type(e).__name__}: {e}"[:2000])
+    finally:
+        record["left_at_end"] = len(wait_gone(str(out), timeout=30))
+        if os.path.ismount(top):  # the disk faults' tmpfs
+            subprocess.run(["umount", "-l", str(top)], check=False)
+    record["seconds"] = round(time.monotonic() - t0, 1)
+    return record
+
+
+def machine() -> dict:
+    import torch
+
+    model = next((ln.split(":", 1)[1].strip() for ln in
+                  Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")),
+                 "unknown")
+    return {"cpu": model, "cores": os.cpu_count(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__}
+
+
+def table(results: dict) -> str:
+    """The markdown table of a results file (docs/resume.md holds it)."""
+    rows = ["| fault | planted | outcome | resumed | processes left |",
+            "|---|---|---|---|---|"]
+    for r in results["runs"]:
+        extra = {k: v for k, v in r.items() if k in (
+            "victim_rank", "restarts", "env_retries_per_trajectory", "dropped_frac",
+            "children_killed", "said_no_space", "stopped_at")}
+        planted = ("filled before the start" if r["fault"] == "disk-first" else
+                   f"after step {r['after_step']} + {r['delay_s']:.2f} s") + (
+            "; " + ", ".join(f"{k} {v}" for k, v in extra.items()) if extra else "")
+        outcome = ("bitwise equal" + "".join(f" but `{k}`" for k in r.get("not_compared", ())))\
+            if r.get("equal") else \
+            "DIFFERS: " + "; ".join(r.get("differs") or [r.get("error", "?")])[:200]
+        left = r.get("left_after_fault", 0) + r["left_at_end"]
+        rows.append(f"| {r['fault']} | {planted} | {outcome} | {r.get('resumed', '-')} | "
+                    f"{left} |")
+    m = results["machine"]
+    rows.append("")
+    rows.append(f"{m['cpu']} ({m['cores']} cores, {m['cpu_capability']}), torch {m['torch']}, "
+                f"load average {results['load_before']} before, {results['load_after']} after;"
+                f" --seed {results['seed']}, {STEPS} steps, {results['seconds']:.0f} s in all"
+                + "".join(f"; rerun of {', '.join(r['faults'])}: {r['seconds']:.0f} s, load "
+                          f"{r['load_before']} -> {r['load_after']}"
+                          for r in results.get("reruns", [])))
+    return "\n".join(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--faults", default=",".join(FAULTS))
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--work", default="/tmp/megagrpo-faults")
+    ap.add_argument("--out", default=None, help="results JSON (default: print only)")
+    ap.add_argument("--merge", action="store_true",
+                    help="replace only these faults' records in the --out file (a rerun)")
+    ap.add_argument("--table", default=None, metavar="RESULTS",
+                    help="print the markdown table of a results file and exit")
+    ap.add_argument("--plan", action="store_true", help="print the planted faults and exit")
+    args = ap.parse_args()
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return 0
+    faults = [f for f in args.faults.split(",") if f]
+    unknown = sorted(set(faults) - set(FAULTS))
+    if unknown:
+        ap.error(f"--faults {unknown}: use some of {sorted(FAULTS)}")
+    if any(f.startswith("disk") for f in faults) and os.geteuid() != 0:
+        ap.error("--faults disk, disk-first mount a tmpfs: run as root, or leave them out")
+    todo = plan(faults, args.seed)
+    if args.plan:
+        for f, step, delay in todo:
+            print(f"{f}: after step {step} + {delay:.2f} s")
+        return 0
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    t0, load = time.monotonic(), os.getloadavg()
+    runs = []
+    for f, step, delay in todo:
+        r = run_fault(work, f, step, delay, args.seed)
+        runs.append(r)
+        print(json.dumps(r), flush=True)
+    results = {"machine": machine(), "seed": args.seed, "steps": STEPS,
+               "load_before": [round(x, 2) for x in load],
+               "load_after": [round(x, 2) for x in os.getloadavg()],
+               "seconds": round(time.monotonic() - t0, 1), "runs": runs}
+    if args.merge and args.out and Path(args.out).exists():
+        old = json.loads(Path(args.out).read_text())
+        if old["seed"] != args.seed:
+            ap.error(f"--merge: {args.out} was made with --seed {old['seed']}")
+        rerun = {r["fault"]: r for r in runs}
+        old["runs"] = [rerun.pop(r["fault"], r) for r in old["runs"]] + list(rerun.values())
+        old.setdefault("reruns", []).append({k: results[k] for k in (
+            "load_before", "load_after", "seconds")} | {"faults": sorted(f for f, *_ in todo)})
+        results = old
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    print(table(results))
+    ok = all(r.get("equal") and not r.get("left_after_fault") and not r["left_at_end"]
+             for r in runs)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

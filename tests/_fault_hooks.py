@@ -1,0 +1,58 @@
+"""Faults that tests and scripts/fault_harness.py plant through the environment: no megagrpo
+flag knows of them. Read by the test reward `tests._rewards:length_reward` and the test reward
+source `PromptLog`, both in the ranks' own processes (reward.isolation: thread).
+
+- MEGAGRPO_TEST_DIE=<rank>:<path>: rank <rank> SIGKILLs itself at its first reward call after
+  <path> exists (e.g. a checkpoint's manifest.json), on the first attempt of its torchrun job
+  only (TORCHELASTIC_RESTART_COUNT 0), so a restarted job runs on.
+- MEGAGRPO_TEST_PROMPT_LOG=<dir>: `PromptLog` appends the prompts of every batch it scores to
+  <dir>/attempt<A>.rank<R>.jsonl (one JSON list per call).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+from megagrpo.reward.source import Scores
+
+DIE_ENV = "MEGAGRPO_TEST_DIE"
+PROMPT_LOG_ENV = "MEGAGRPO_TEST_PROMPT_LOG"
+
+
+def attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def maybe_die() -> None:
+    """SIGKILL this rank where MEGAGRPO_TEST_DIE says (see the module doc)."""
+    spec = os.environ.get(DIE_ENV)
+    if not spec or attempt() != 0:
+        return
+    rank, path = spec.split(":", 1)
+    if os.environ.get("RANK") == rank and os.path.exists(path):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class PromptLog:
+    """A reward source: `length_reward` of each completion (len / 10), and the prompts of
+    every scored batch written where MEGAGRPO_TEST_PROMPT_LOG says (in sample order)."""
+
+    def __init__(self, cfg=None) -> None:
+        folder = os.environ.get(PROMPT_LOG_ENV)
+        self.path = (Path(folder) / f"attempt{attempt()}.rank{os.environ.get('RANK', '0')}"
+                     ".jsonl") if folder else None
+
+    def score(self, samples) -> Scores:
+        maybe_die()
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps([s.prompt for s in samples]) + "\n")
+        r = torch.tensor([len(s.completion) / 10.0 for s in samples])
+        return Scores(rewards=r, per_term={"length": r})
+
+    def close(self) -> None:
+        pass
