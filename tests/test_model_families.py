@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -122,9 +123,12 @@ def test_verify_refuses_bad_configs_and_tensors_before_compute(hf_dirs, tmp_path
     sd = load_file(f)
     del sd["model.layers.1.self_attn.q_norm.weight"]  # a Qwen3 checkpoint without its q_norm
     save_file(sd, f, metadata={"format": "pt"})
-    for d, needle in [(rope, "rope_parameters.rope_type='dynamic'"),
-                      (lacking, "model.layers.1.self_attn.q_norm.weight")]:
-        p = run_cli("verify", "--hf", str(d), "--tp", "2")
+    cases = [(rope, "rope_parameters.rope_type='dynamic'"),
+             (lacking, "model.layers.1.self_attn.q_norm.weight")]
+    with ThreadPoolExecutor(max_workers=2) as pool:  # single-threaded processes: a core each
+        done = list(pool.map(lambda case: run_cli("verify", "--hf", str(case[0]), "--tp", "2"),
+                             cases))
+    for (_, needle), p in zip(cases, done):
         assert p.returncode == 2 and needle in p.stderr, p.stderr[-2000:]
         assert "distributed:" not in p.stderr + p.stdout  # refused before any rank started
 
