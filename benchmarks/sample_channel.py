@@ -18,6 +18,7 @@ CPU, torch's capability, the load average) to stdout and, with --out, appended t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -101,37 +102,62 @@ def _poll(store, key: str) -> None:
         time.sleep(0.001)
 
 
+def store_refuses(master: dist.TCPStore, args: argparse.Namespace) -> str:
+    """Why torchrun's kind of store refuses one JSON part of this size ('' if it takes it):
+    a client sets it, as a rollout rank would."""
+    store = StoreChannel(store=dist.TCPStore("127.0.0.1", master.port, 3, is_master=False,
+                                             timeout=timedelta(seconds=60)),
+                         rollout_ranks=1, timeout_s=60)
+    try:
+        store.put(batch(0, args.prompts, args.group, args.tokens, args.multiturn))
+    except dist.DistError as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return ""
+
+
 def measure(args: argparse.Namespace, path: str, work: Path) -> dict:
     master = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=600))
+    row = {"path": path, "prompts": args.prompts, "group": args.group, "tokens": args.tokens,
+           "multiturn": args.multiturn, "samples": args.prompts * args.group,
+           "repeats": args.repeats, "cpu": cpu_name(),
+           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
+           "loadavg_1m": round(os.getloadavg()[0], 2)}
+    if path == "json_store":
+        data = json.dumps(dataclasses.asdict(batch(0, args.prompts, args.group, args.tokens,
+                                                   args.multiturn)))
+        refused = store_refuses(master, args)
+        if refused:  # the JSON path cannot carry this batch at all
+            return dict(row, bytes=len(data.encode()), refused=refused)
     out = work / f"{path}.json"
     mp.spawn(_rank, args=(master.port, args, path, str(out)), nprocs=2)
     got = json.loads(out.read_text())
     s = statistics.median(got["seconds"])
-    return {"path": path, "prompts": args.prompts, "group": args.group, "tokens": args.tokens,
-            "multiturn": args.multiturn, "samples": args.prompts * args.group,
-            "bytes": got["bytes"], "seconds": round(s, 4),
-            "mb_per_s": round(got["bytes"] / s / 1e6, 1), "repeats": args.repeats,
-            "cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cores": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2)}
+    return dict(row, bytes=got["bytes"], seconds=round(s, 4),
+                mb_per_s=round(got["bytes"] / s / 1e6, 1))
 
 
 def table(path: str) -> str:
     """A results file as a markdown table: per batch shape, each path's bytes and seconds and
     the tensor channel's ratios to the JSON path."""
     rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
-    out = ["| batch | CPU (load) | JSON via store: MB, s | tensors via gloo: MB, s | "
-           "bytes, time vs JSON |", "|---|---|---|---|---|"]
+    out = ["| batch: prompts x samples x tokens | CPU (load) | JSON via store: MB, s | "
+           "tensors via gloo: MB, s | bytes, time vs JSON |", "|---|---|---|---|---|"]
     runs: dict[tuple, dict] = {}
     for r in rows:
         runs.setdefault((r["prompts"], r["group"], r["tokens"], r["multiturn"], r["cpu"]),
                         {})[r["path"]] = r
     for (p, g, t, mt, cpu), run in runs.items():
         j, x = run["json_store"], run["tensor_gloo"]
-        out.append(f"| {p} x {g} samples x {t} tokens{', multi-turn' if mt else ''} | {cpu} "
-                   f"({j['loadavg_1m']}) | {j['bytes'] / 1e6:.1f}, {j['seconds']:.3f} | "
-                   f"{x['bytes'] / 1e6:.1f}, {x['seconds']:.3f} | "
-                   f"{x['bytes'] / j['bytes']:.2f}x, {x['seconds'] / j['seconds']:.2f}x |")
+        if "refused" in j:
+            json_cell, ratio = f"{j['bytes'] / 1e6:.1f}, refused by the store", (
+                f"{x['bytes'] / j['bytes']:.2f}x, -")
+        else:
+            json_cell, ratio = f"{j['bytes'] / 1e6:.1f}, {j['seconds']:.3f}", (
+                f"{x['bytes'] / j['bytes']:.2f}x, {x['seconds'] / j['seconds']:.2f}x")
+        out.append(f"| {p} x {g} x {t} tokens{', multi-turn' if mt else ''} | {cpu} "
+                   f"({j['loadavg_1m']}) | {json_cell} | {x['bytes'] / 1e6:.1f}, "
+                   f"{x['seconds']:.3f} | {ratio} |")
     return "\n".join(out)
 
 

@@ -11,13 +11,15 @@ The world is split before megatron-core starts (`split_world`):
     prefix of the store (a raw `ProcessGroupGloo`, registered nowhere): the weights go over it.
 
 What flows where:
-  - weights: after every optimizer step the training ranks drive the colocated refit's stream
-    (`megagrpo.sync.source.iter_hf_weights`: TP gather, PP broadcast, HF names; every replica does
-    so in colocated runs, only DP replica 0 here); training rank 0 packs the full tensors into
-    flat buckets of at most rollout.sync_bucket_mb and broadcasts each over `cross`
-    (the weight sync's `collective` transport, `megagrpo.sync.transports.collective`); every
-    rollout rank loads them into its engine
-    (`WeightReceiver`). Each broadcast is a numbered sync, announced in the store first.
+  - weights: after every optimizer step each training rank of DP replica 0 sends its own
+    shards, bucketed, point to point to every rollout rank over the whole-world `weights` group,
+    and each rollout rank reassembles the HF tensors (`sync.transport=shards`,
+    `megagrpo.sync.transports.shards`, `megagrpo.engine.shard_feed`); with expert parallelism the
+    training ranks drive the colocated refit's stream instead (TP gather, PP broadcast, HF names)
+    and training rank 0 broadcasts the full tensors over `cross` (`collective`). Either way
+    training rank 0 announces each numbered sync in the store and broadcasts its header over
+    `cross` first (`RemoteEngine.begin_sync`), and every rollout rank loads the tensors into its
+    engine (`receive_weights`).
   - completions: rollout rank j samples prompts j, j+R, ... of every global batch (groups whole,
     from a PromptLoader of the whole batch that starts where the trainer's stands), scores them,
     stamps them with the sync they were sampled by, and sends them as packed tensors over the
