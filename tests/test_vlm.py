@@ -188,3 +188,12 @@ def test_planner_counts_the_vision_tower(vl):
     assert stage_params(m, ParallelConfig(tp=2), 0) == text_tp2 + vision_params(m)
     assert frozen_params(m, 0) == vision_params(m)
     assert frozen_params(dataclasses.replace(m, freeze_vision=False), 0) == 0
+
+
+def test_training_a_vlm_is_refused_before_compute(vl):
+    """Until images reach vLLM and the trainer, a recipe on a Qwen2.5-VL is refused by name."""
+    from megagrpo.config.train import TrainConfig
+
+    cfg = TrainConfig(model=model_config_from_hf(vl[0]))
+    with pytest.raises(ValueError, match=r"model\.architecture='qwen2_5_vl' .*not wired yet"):
+        cfg.validate(2)
