@@ -55,7 +55,16 @@ def reference_grads(hf_dir, prompts, model, freeze_vision: bool) -> dict[str, to
         logits = ref(input_ids=ids, **kwargs).logits[0]
         total = total + F.cross_entropy(logits[:-1], p.ids[1:])
     (total / len(prompts)).backward()
-    return {n: q.grad for n, q in ref.named_parameters() if q.grad is not None}
+    # transformers 5 names its modules model.language_model.* / model.visual.*; the checkpoint
+    # (and the layout) says model.* / visual.*
+    rename = (("model.language_model.", "model."), ("model.visual.", "visual."))
+    out = {}
+    for n, q in ref.named_parameters():
+        if q.grad is not None:
+            for old, new in rename:
+                n = new + n[len(old):] if n.startswith(old) else n
+            out[n] = q.grad
+    return out
 
 
 def grad_check(hf_dir: str, freeze_vision: bool) -> dict:

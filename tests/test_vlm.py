@@ -95,6 +95,7 @@ def test_config_reads_writes_and_reads_back(vl, tmp_path):
     flat = json.loads((d / "config.json").read_text())
     text = flat.pop("text_config")
     rope = text.pop("rope_parameters")
+    text.pop("model_type")
     flat.update(text, rope_theta=rope["rope_theta"],
                 rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
     assert model_config_from_hf_dict(flat, "flat") == model
@@ -169,3 +170,30 @@ def test_verify_and_gradients_at_tp1_and_tp2(vl, tmp_path):
     assert trained["missing"] == [] and trained["unexpected"] == frozen["unexpected"] == []
     assert frozen["text_max"] <= 1e-5 and trained["text_max"] <= 1e-5, res["grads"]
     assert trained["vision_max"] <= 1e-5, trained
+
+
+def test_planner_counts_the_vision_tower(vl):
+    """The planner's counts include the replicated tower (whole on every TP rank) and leave a
+    frozen one out of the gradients and the optimizer state."""
+    import dataclasses
+
+    from megagrpo.plan.memory import frozen_params, stage_params, total_params, vision_params
+
+    d, ref = vl
+    m = model_config_from_hf(d)
+    assert total_params(m) == sum(p.numel() for p in ref.parameters())
+    assert vision_params(m) == sum(p.numel() for p in ref.model.visual.parameters()) > 0
+    text_tp2 = stage_params(dataclasses.replace(m, architecture="qwen2", vision=None,
+                                                mrope_section=[]), ParallelConfig(tp=2), 0)
+    assert stage_params(m, ParallelConfig(tp=2), 0) == text_tp2 + vision_params(m)
+    assert frozen_params(m, 0) == vision_params(m)
+    assert frozen_params(dataclasses.replace(m, freeze_vision=False), 0) == 0
+
+
+def test_training_a_vlm_is_refused_before_compute(vl):
+    """Until images reach vLLM and the trainer, a recipe on a Qwen2.5-VL is refused by name."""
+    from megagrpo.config.train import TrainConfig
+
+    cfg = TrainConfig(model=model_config_from_hf(vl[0]))
+    with pytest.raises(ValueError, match=r"model\.architecture='qwen2_5_vl' .*not wired yet"):
+        cfg.validate(2)

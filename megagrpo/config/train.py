@@ -113,6 +113,13 @@ class TrainConfig(Section):
         self.rollout.validate()  # the placement decides how many of the world's ranks train
         world_size = training_world(self.rollout, world_size)
         self.model.validate()
+        if self.model.is_vlm:
+            raise ValueError(
+                f"model.architecture={self.model.architecture!r} (run.init={self.run.init!r}): "
+                "megagrpo builds, loads, exports and verifies this vision-language model "
+                "(`megagrpo verify --hf DIR`), but training it (prompts with images, vLLM "
+                "sampling them, the trainer's 3-D positions) is not wired yet (docs/vlm.md); "
+                "train a text model")
         self.parallel.validate(self.model, world_size)
         self.optim.validate()
         self.optim.check_dtype(self.model.dtype)

@@ -215,7 +215,8 @@ def _vlm_from_hf(cfg: dict, path: str | os.PathLike) -> dict:
     vision = VisionConfig(
         depth=v.get("depth", 32), hidden_size=v.get("hidden_size", 3584),
         intermediate_size=v.get("intermediate_size", 3420),
-        num_heads=v.get("num_heads", 16), in_channels=v.get("in_channels", 3),
+        num_heads=v.get("num_heads", 16),
+        in_channels=v.get("in_channels", v.get("in_chans", 3)),  # released configs: in_chans
         patch_size=v.get("patch_size", 14), temporal_patch_size=v.get("temporal_patch_size", 2),
         spatial_merge_size=v.get("spatial_merge_size", 2), window_size=v.get("window_size", 112),
         out_hidden_size=v.get("out_hidden_size", 3584),

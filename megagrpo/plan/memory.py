@@ -72,6 +72,7 @@ from megagrpo.config.params import (
     rank_numel,
     split_numels,
     stage_layers,
+    vision_specs,
 )
 from megagrpo.config.seqpar import sequence_parallel_auto
 from megagrpo.config.train import TrainConfig
@@ -113,13 +114,26 @@ def total_params(m: ModelConfig, *, active: bool = False) -> int:
     whole = ParallelConfig()  # one stage: the embedding, the final norm, an untied output layer
     edges = embedding_specs(m, whole, 0) + head_specs(m, whole, 0)
     return (sum(math.prod(shape) for s in edges for _, shape in s.hf_tensors(m))
+            + vision_params(m)
             + sum(layer_params(m, layer=i, active=active) for i in range(m.num_layers)))
+
+
+def vision_params(m: ModelConfig) -> int:
+    """A vision-language model's vision tower and merger (replicated: every TP rank holds all
+    of them, on the first stage); 0 for text models."""
+    return rank_numel(vision_specs(m), 1) if m.is_vlm else 0
+
+
+def frozen_params(m: ModelConfig, stage: int) -> int:
+    """Parameters of stage `stage` that hold no gradient and no optimizer state: the vision
+    tower and merger when model.freeze_vision (first stage)."""
+    return vision_params(m) if stage == 0 and m.is_vlm and m.freeze_vision else 0
 
 
 def stage_params(m: ModelConfig, p: ParallelConfig, stage: int) -> int:
     """Parameters held by one rank of pipeline stage `stage` (0-based) at p.tp, p.pp, p.ep."""
     edges = embedding_specs(m, p, stage) + head_specs(m, p, stage)
-    return (rank_numel(edges, p.tp)
+    return (rank_numel(edges, p.tp) + (vision_params(m) if stage == 0 else 0)
             + sum(layer_params(m, p.tp, g, p.ep) for g in stage_layers(m, p, stage)))
 
 
@@ -333,12 +347,13 @@ def rank_memory(cfg: TrainConfig, m: ModelConfig, tp: int, pp: int, world: int,
     n_expert = expert_params(m, tp, ep, stage_layers(m, layout, stage)) if m.is_moe else 0
     b = DTYPE_BYTES[m.dtype]
     opt_per_param = 8 + (4 if b < 4 else 0)
-    optimizer = n * opt_per_param
+    trained = n - frozen_params(m, stage)  # a frozen vision tower: weights only
+    optimizer = trained * opt_per_param
     if cfg.optim.distributed_optimizer:  # experts shard over their DP group (dp / ep ranks)
-        optimizer = (-(-(n - n_expert) * opt_per_param // dp)
+        optimizer = (-(-(trained - n_expert) * opt_per_param // dp)
                      + -(-n_expert * opt_per_param // max(1, dp // ep)))
     with_ref = cfg.algo.beta > 0 and not cfg.reference.offload
-    grads, weights = n * 4, n * b
+    grads, weights = trained * 4, n * b
     if cfg.lora.enabled:  # the base is frozen: grads and Adam for the adapters only, and the
         # reference is the adapters off (no copy)
         adapters = cfg.lora.rank_numel(m, tp, stage_layers(m, layout, stage), ep=ep)
