@@ -80,11 +80,13 @@ class RandomEngine:
                                       finish_reason="stop" if stop else "length"))
         return out
 
-    def update_weights(self, named_tensors, *, partial=False):
+    def update_weights(self, named_tensors, *, partial=False, dtypes=None):
         from megagrpo.engine import WeightSyncStats
 
         t0, n, size = time.perf_counter(), 0, 0
-        for _, t in named_tensors:
+        for name, t in named_tensors:
+            if dtypes is not None and dtypes.get(name) != t.dtype:  # as the real feed checks
+                raise ValueError(f"{name} arrived as {t.dtype}; declared {dtypes.get(name)}")
             n, size = n + 1, size + t.numel() * t.element_size()
         self.synced_tensors += n
         self.synced_bytes += size

@@ -63,8 +63,9 @@ def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match=r"architectures=\['GPT2LMHeadModel'\] is not supported; "
                                          r"supported: \['LlamaForCausalLM', 'Qwen2ForCausalLM', "
-                                         r"'Qwen2MoeForCausalLM', 'Qwen3ForCausalLM', "
-                                         r"'Qwen3MoeForCausalLM'\]"):
+                                         r"'Qwen2MoeForCausalLM', "
+                                         r"'Qwen2_5_VLForConditionalGeneration', "
+                                         r"'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM'\]"):
         model_config_from_hf(tmp_path)
 
 
