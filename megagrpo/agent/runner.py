@@ -152,7 +152,8 @@ class TrajectoryRunner:
         trajectory failed (`_env_error`)."""
         error: BaseException | None = None
         for attempt in range(self.agent.env_retries + 1):
-            t.retries += attempt > 0
+            if attempt:
+                t.retries += 1
             try:
                 out = _with_deadline(fn, self.agent.env_timeout_s)
                 if check is not None:
