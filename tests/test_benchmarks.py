@@ -770,6 +770,50 @@ def test_performance_doc_bf16_accuracy_figures_are_the_runs():
             "fp32") in doc
 
 
+DTYPE_15_RUNS = {  # docs/performance.md "bf16 accuracy", the 15-step table: label -> folder
+    **BF16_ACCURACY_RUNS,
+    "fp16, 0 / 0": "smollm2_dtype_xeon_cpu/fp16_seed0",
+    "bf16 at lr 5e-5, 0 / 0": "smollm2_dtype_xeon_cpu/bf16_lr5e-5_seed0",
+}
+
+
+def dtype_15_row(label: str, folder: str) -> dict:
+    """Steps 1-15 of a SmolLM2 run: held-out accuracy at 0 and 15, the means over steps 11-15
+    of the train reward, completion length and entropy, and the mean gap over steps 1-15."""
+    rows = [json.loads(ln) for ln in
+            (BENCH / "results" / folder / "metrics.jsonl").read_text().splitlines()]
+    ev = {r["step"]: r["eval_accuracy"] for r in rows if "eval_accuracy" in r}
+    steps = [r for r in rows if "reward_mean" in r]
+
+    def mean(key: str, a: int, b: int) -> float:
+        xs = [r[key] for r in steps if a <= r["step"] <= b]
+        assert len(xs) == b - a + 1, (folder, key)
+        return sum(xs) / len(xs)
+
+    return {"acc0": ev[0], "acc15": ev[15], "line":
+            f"| {label} | {ev[0]:.3f} -> {ev[15]:.3f} | {mean('reward_mean', 11, 15):.3f} | "
+            f"{mean('completion_len', 11, 15):.1f} | {mean('entropy', 11, 15):.3f} | "
+            f"{mean('logp_gap_vllm_mean', 1, 15):.2g} |"}
+
+
+def test_performance_doc_dtype_15_step_rows_are_the_runs():
+    """docs/performance.md's 15-step dtype rows (fp16 and a 10x learning rate beside fp32 and
+    bf16) and the sentence after them are the committed runs' metrics."""
+    doc = PERF_DOC.read_text()
+    block = doc[doc.index("<!-- dtype 15-step rows -->"):doc.index("<!-- end of dtype 15-step")]
+    rows = {label: dtype_15_row(label, folder) for label, folder in DTYPE_15_RUNS.items()}
+    for label, row in rows.items():
+        assert row["line"] in block, label
+    text = " ".join(doc.split())
+    fp32 = sorted(r["acc15"] for k, r in rows.items() if k.startswith("fp32"))
+    bf16 = sorted(r["acc15"] for k, r in rows.items() if k.startswith("bf16,"))
+    lr10 = rows["bf16 at lr 5e-5, 0 / 0"]["acc15"]
+    for figure in (f"fp16 reached {rows['fp16, 0 / 0']['acc15']:.3f}",
+                   f"bf16 at ten times the learning rate {lr10:.3f}",
+                   f"fp32's {fp32[0]:.3f}-{fp32[-1]:.3f}", f"bf16's {bf16[0]:.3f}-{bf16[-1]:.3f}"):
+        assert figure in text, figure
+
+
 def test_lora_memory_benchmark_demo():
     """LoRA vs full fine-tuning on the demo model: the adapters are all that trains, their Adam
     state is 2 fp32 moments each, the reference copy is gone, and a refit between merges is the
