@@ -89,6 +89,8 @@ MODES["lora+merged"] = (*MODES["lora"][:2], "lora.refit=merged", *MODES["lora"][
 # truncated rollout IS): a resume must be as bitwise as in fp32
 BF16 = ("model.dtype=bfloat16", "rollout.dtype=bfloat16", "algo.rollout_is=truncate")
 MODES["distopt+async+bf16"] = (*MODES["distopt+async"], *BF16)
+# LoRA in bf16: a bf16 base and adapters, merges with the folded residual (docs/lora.md)
+MODES["lora+merged+bf16"] = (*MODES["lora+merged"], *BF16)
 
 
 def launch(out_dir: Path, steps: int, log: Path, *extra: str,
@@ -259,11 +261,11 @@ def _flatten(tree, prefix: str) -> dict[str, torch.Tensor]:
     return out
 
 
-NEAR = {"lora": {"logp_gap_vllm_mean": 1e-7}}
-"""Metrics a mode's resumed run matches within an absolute tolerance, not bitwise. LoRA: vLLM's
-sampling log-probs on the first step after a resume that follows a merge differ from the
-uninterrupted run's by ~1e-8 (a fresh engine given the same base and adapter; its samples, and
-so every reward, weight, moment and other metric, are bitwise the same)."""
+NEAR: dict[str, dict[str, float]] = {}
+"""Metrics a mode's resumed run matches within an absolute tolerance, not bitwise: none. (Until a
+reference reset came before the step's refit, LoRA's adapter refit left vLLM, on the first step
+after a resume that followed a merge, with the new base where the uninterrupted engine still
+held the old base and adapter: its log-probs differed by ~1e-8.)"""
 
 
 def compare(reference: Path, resumed: Path, near: dict[str, float] | None = None) -> list[str]:

@@ -6,7 +6,8 @@ ranks down with it; resumed (its newest checkpoint damaged, a crafted pickle pla
 back to the older intact checkpoint, never unpickles the plant, and ends bitwise equal to the
 uninterrupted run with one metrics history (with the distributed optimizer and async rollouts,
 in fp32 and in bf16, the latter on CPUs with native bf16: tests.support.bf16; `-m heavy` adds
-the plain synchronous run, and multi-turn runs sync and async); beside them the same job under
+the plain synchronous run, multi-turn runs sync and async, and LoRA with the adapter refit,
+the merged one, and the merged one in bf16); beside them the same job under
 torchrun's elastic agent (`--max-restarts 1`), whose rank 1 SIGKILLs itself mid-run, is
 restarted by the agent and resumes on its own, bitwise. Optimizer state reshards: saved at
 TP=2, PP=2 or DP=2 and loaded at another layout, the moments are the saved ones and the next
@@ -104,7 +105,8 @@ def kill_run(proc: subprocess.Popen) -> tuple[set[int], list[int]]:
     pytest.param("agent", marks=pytest.mark.heavy),
     pytest.param("agent+async", marks=pytest.mark.heavy),
     pytest.param("lora", marks=pytest.mark.heavy),
-    pytest.param("lora+merged", marks=pytest.mark.heavy)])
+    pytest.param("lora+merged", marks=pytest.mark.heavy),
+    pytest.param("lora+merged+bf16", marks=pytest.mark.heavy)])
 def e2e(request, tmp_path_factory):
     """The uninterrupted run and the interrupted one run side by side (DP=2; by default with
     the distributed optimizer and async rollouts, the configuration with the most state: the
@@ -189,7 +191,10 @@ def test_resumed_run_is_bitwise_the_uninterrupted_run(e2e):
     assert any(".exp_avg_sq." in k for k in state) and any(k.startswith("rng.") for k in state)
     if e2e["mode"].endswith("+bf16"):  # bf16 weights, fp32 main copies and moments, bitwise
         dtypes = {k.split(".")[0]: v.dtype for k, v in state.items() if k.endswith("weight")}
-        assert dtypes["policy"] == torch.bfloat16, dtypes
+        assert dtypes["base" if lora else "policy"] == torch.bfloat16, dtypes
+        if lora:  # the policy part is the adapters
+            assert {v.dtype for k, v in state.items() if k.startswith("policy.")} == {
+                torch.bfloat16}
         assert {v.dtype for k, v in state.items() if ".exp_avg_sq." in k} == {torch.float32}
     if "run.async_rollout=true" in stress.MODES[e2e["mode"]]:  # the batch drawn ahead, too
         assert any(k.startswith("rollout.") and ".token_ids." in k for k in state)
@@ -221,7 +226,8 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_bitwise(e2e):
 
 
 @pytest.mark.heavy  # the LoRA runs are heavy; the default run's mode has no base to check
-@pytest.mark.parametrize("e2e", ["lora", "lora+merged"], indirect=True)  # the same runs
+@pytest.mark.parametrize("e2e", ["lora", "lora+merged", "lora+merged+bf16"],
+                         indirect=True)  # the same runs
 def test_lora_resumes_with_and_without_the_base(e2e):
     """LoRA: the base is in a checkpoint only after a merge (and in the first one); the run
     resumed bitwise (above) from step 3, whose checkpoint wrote the base, and from step 5,

@@ -235,17 +235,21 @@ class Trainer:
         with t("update"):
             upd = self.update(batch, skip=prep.bad_rewards, stale=prep.stale)
         self.version += int(upd.applied > 0)
+        self.step_idx += 1
+        # a reset before the sync: a LoRA merge edits the policy (in bf16/fp16 its merged
+        # weights move by the rounding the merge folds into B), so the engine samples the next
+        # step with the policy as the trainer holds it, as a fresh engine fed from this step's
+        # checkpoint would (a resume stays bitwise)
+        with t("reference_sync"):
+            reset_after = self._reset_reference(
+                self.reference.due_after(self.step_idx, upd.kl) if self.reference else None,
+                ro.epoch)
         with t("weight_sync"):  # in flight: the running draw loads them between decode steps
             self.weight_sync.post(self.policy, self.version)
         with t("rollout_wait"):
             self.rollouts.join()
         with t("weight_sync"):
             sync = self.sync_weights()
-        self.step_idx += 1
-        with t("reference_sync"):
-            reset_after = self._reset_reference(
-                self.reference.due_after(self.step_idx, upd.kl) if self.reference else None,
-                ro.epoch)
         reset = "+".join(r for r in (reset_before, reset_after) if r)
         bad = prep.bad_rewards or upd.nonfinite_grad > 0
         self.bad_steps = self.bad_steps + 1 if bad else 0
