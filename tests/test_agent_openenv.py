@@ -213,8 +213,8 @@ def _train_args(tmp_path, environment: str) -> list[str]:
         "model.head_dim=32", "model.max_position_embeddings=256",
         "parallel.make_vocab_size_divisible_by=16", "optim.lr=1e-3", "algo.group_size=4",
         "rollout.max_tokens=8", "rollout.max_model_len=256", "rollout.cpu_kvcache_space_gib=1",
-        # a turn ends at a digit (the guess) or a space, else at 8 tokens
-        "rollout.stop=['0','1','2','3','4','5','6','7','8','9',' ']",
+        # a turn ends at a digit (the guess), else at 8 tokens
+        "rollout.stop=['0','1','2','3','4','5','6','7','8','9']",
         "reward.terms=[{name: 'tests._rewards:length_reward'}]", "compute.micro_batch_size=16",
         "compute.kernel_impl=torch", f"agent.environment={environment}", "agent.max_turns=3",
         "agent.env_timeout_s=60", "eval.every=0", "run.steps=3", "checkpoint.every=0",
@@ -232,7 +232,9 @@ def test_trains_three_steps_against_the_hub_server(tmp_path, server):
     steps = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").open()]
     steps = [s for s in steps if "reward_mean" in s]
     assert len(steps) == 3
-    assert next(GuessNumber.resets) - before - 1 == 3 * 4 * 4  # steps x prompts x G sessions
+    # a session per trajectory: steps x prompts x G, and one greedy trajectory per held-out
+    # prompt at the evaluations before and after GRPO
+    assert next(GuessNumber.resets) - before - 1 == 3 * 4 * 4 + 2 * 9
     assert max(s["turns"] for s in steps) > 1
     for s in steps:
         assert s["dropped_frac"] == 0 and 0 < s["env_token_share"] < 1
