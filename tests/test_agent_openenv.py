@@ -13,8 +13,10 @@ import pytest
 from megagrpo.agent import Turn, load_environment
 from megagrpo.agent.runner import TrajectoryRunner
 from megagrpo.config.agent import AgentConfig
+from megagrpo.config.train import load_config
 from megagrpo.data import load_tokenizer
 from megagrpo.engine import Completion, SamplingSettings
+from megagrpo.preflight import preflight
 from tests._openenv_env import Broken, GuessAction, GuessNumber, GuessObservation, app
 from tests.support.asgi import serving
 from tests.support.cli import run_cli
@@ -219,6 +221,23 @@ def _train_args(tmp_path, environment: str) -> list[str]:
         "compute.kernel_impl=torch", f"agent.environment={environment}", "agent.max_turns=3",
         "agent.env_timeout_s=60", "eval.every=0", "run.steps=3", "checkpoint.every=0",
         "log.progress=false", "log.tensorboard=false", f"run.out_dir={tmp_path / 'run'}"]
+
+
+def test_preflight_checks_the_hub_environment(tmp_path):
+    """The run's checks before compute load the environment with the run's tokenizer: the
+    prompts are the chat template's, another data.template or a server that does not answer
+    is refused naming the field."""
+    args = _train_args(tmp_path, LOCAL)
+    ok = preflight(load_config(None, args))
+    assert ok.task.train[0].prompt == ("<|im_start|>user\n" + QUESTION
+                                       + "<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="renders the environment's messages through the chat "
+                                         "template, so the prompt must be the template's too: "
+                                         "set data.template=chat"):
+        preflight(load_config(None, [*args, "data.template='{prompt}'"]))
+    with pytest.raises(ValueError, match=r"agent.environment='openenv:http://127.0.0.1:9': no "
+                                         "OpenEnv server answers"):
+        preflight(load_config(None, [*args, "agent.environment=openenv:http://127.0.0.1:9"]))
 
 
 @pytest.mark.heavy  # one rank with its vLLM engine, 3 GRPO steps (~2 min on 2 loaded cores)
