@@ -76,8 +76,9 @@ class Broken(GuessNumber):
         return super().step(action, timeout_s, **kwargs)
 
 
-def app(env: type = GuessNumber, sessions: int = 64):
-    """OpenEnv's FastAPI app serving `env` (one instance per WebSocket session)."""
+def app(env: type = GuessNumber, sessions: int = 16):
+    """OpenEnv's FastAPI app serving `env` (one instance per WebSocket session, at most
+    `sessions` at once: the training test's one step, so a session left open fails it)."""
     from openenv.core.env_server.http_server import create_app
 
     return create_app(env, GuessAction, GuessObservation, env_name="guess",

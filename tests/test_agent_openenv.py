@@ -240,10 +240,11 @@ def test_preflight_checks_the_hub_environment(tmp_path):
         preflight(load_config(None, [*args, "agent.environment=openenv:http://127.0.0.1:9"]))
 
 
-@pytest.mark.heavy  # one rank with its vLLM engine, 3 GRPO steps (~2 min on 2 loaded cores)
 def test_trains_three_steps_against_the_hub_server(tmp_path, server):
-    """`megagrpo train` on a tiny model with the OpenEnv server as its environment: 3 steps,
-    every trajectory one session of the server, multi-turn, none dropped."""
+    """`megagrpo train` on a tiny model with the OpenEnv server as its environment (one rank
+    with its vLLM engine, ~40 s on 2 loaded cores): 3 steps, every trajectory one session of
+    the server, closed when it ends (the server holds one step's 16), multi-turn, none
+    dropped."""
     before = next(GuessNumber.resets)
     p = run_cli("train", "--nproc", "1", *_train_args(tmp_path, f"openenv:{server['guess']}"),
                 timeout=900)
