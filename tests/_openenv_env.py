@@ -76,6 +76,20 @@ class Broken(GuessNumber):
         return super().step(action, timeout_s, **kwargs)
 
 
+class Unannotated(GuessNumber, Environment[GuessAction, GuessObservation, State]):
+    """Its types given as the generic parameters only (step carries no annotations)."""
+
+    def step(self, action, timeout_s=None, **kwargs):  # noqa: ANN001, ANN201 - the point
+        return super().step(action, timeout_s, **kwargs)
+
+
+class Untyped(GuessNumber):
+    """No annotations and no generic parameters: the adapter cannot know the action type."""
+
+    def step(self, action, timeout_s=None, **kwargs):  # noqa: ANN001, ANN201 - the point
+        return super().step(action, timeout_s, **kwargs)
+
+
 def app(env: type = GuessNumber, sessions: int = 16):
     """OpenEnv's FastAPI app serving `env` (one instance per WebSocket session, at most
     `sessions` at once: the training test's one step, so a session left open fails it)."""

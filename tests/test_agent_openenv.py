@@ -167,6 +167,11 @@ def test_bad_input_is_refused_before_compute(tok, server):
 
     with pytest.raises(ValueError, match="not a subclass of openenv.core.env_server.interfaces"):
         load("openenv:tests._agent_env:Digits")
+    generic = load("openenv:tests._openenv_env:Unannotated")  # Environment[Action, Obs, State]
+    assert (generic.kwargs["action_field"], generic.kwargs["observation_field"]) == \
+        ("message", "feedback")
+    with pytest.raises(ValueError, match="its action type is unknown: annotate step"):
+        load("openenv:tests._openenv_env:Untyped")
     with pytest.raises(ValueError, match=r"agent.kwargs.action_field='guess' is not a string "
                                          r"field of the environment's GuessAction .*'message'"):
         load(LOCAL, action_field="guess")

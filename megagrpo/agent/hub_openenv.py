@@ -272,10 +272,13 @@ def environment_classes(spec: str) -> tuple[type, type, type]:
     except Exception:  # noqa: BLE001 - unresolvable annotations: the generic parameters then
         hints = {}
     generic = next((typing.get_args(b) for k in cls.__mro__
-                    for b in getattr(k, "__orig_bases__", ())
+                    for b in vars(k).get("__orig_bases__", ())
                     if typing.get_origin(b) is HubEnvironment and typing.get_args(b)), ())
-    action = hints.get("action", generic[0] if generic else None)
-    obs = hints.get("return", generic[1] if len(generic) > 1 else None)
+    # an annotation that is a class wins; an inherited TypeVar (ActT) does not
+    action = hints.get("action") if isinstance(hints.get("action"), type) else \
+        (generic[0] if generic else None)
+    obs = hints.get("return") if isinstance(hints.get("return"), type) else \
+        (generic[1] if len(generic) > 1 else None)
     for what, got, base in (("action", action, HubAction), ("observation", obs, HubObservation)):
         if not (isinstance(got, type) and issubclass(got, base)):
             raise ValueError(f"{FIELD}={spec!r}: its {what} type is unknown: annotate "
