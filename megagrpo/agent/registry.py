@@ -10,6 +10,7 @@ import inspect
 from dataclasses import dataclass, field
 
 from megagrpo.agent.env import Environment
+from megagrpo.agent.hub_openenv import load_openenv
 from megagrpo.agent.sandbox import Limits, announce_isolation, isolation_problem
 from megagrpo.agent.tool_env import (
     ToolEnvironment,
@@ -18,7 +19,7 @@ from megagrpo.agent.tool_env import (
     system_tools_prompt,
 )
 from megagrpo.agent.tools import Tool, load_tools
-from megagrpo.config.agent import AgentConfig
+from megagrpo.config.agent import OPENENV, AgentConfig
 from megagrpo.config.data import DataConfig
 from megagrpo.data import Example, get_field
 from megagrpo.runtime.names import import_object
@@ -49,9 +50,10 @@ class EnvironmentFactory:
 
 
 def load_environment(cfg: AgentConfig, tokenizer: object) -> EnvironmentFactory:
-    """agent.environment ('tools' or 'module:Class') checked and ready: modules imported, tools
-    typed, the chat template's tool support and the constructor's kwargs checked. Raises
-    ValueError naming the agent.* field otherwise."""
+    """agent.environment ('tools', 'module:Class' or 'openenv:...') checked and ready: modules
+    imported, tools typed, the chat template's tool support (or, for an OpenEnv environment,
+    its message role, action and observation fields: megagrpo.agent.hub_openenv) and the
+    constructor's kwargs checked. Raises ValueError naming the agent.* field otherwise."""
     if cfg.environment == "tools":
         unknown = sorted(set(cfg.kwargs) - set(TOOL_ENV_KWARGS))
         if unknown:
@@ -65,6 +67,9 @@ def load_environment(cfg: AgentConfig, tokenizer: object) -> EnvironmentFactory:
         template = check_tool_template(tokenizer, tools)
         return EnvironmentFactory(cls=ToolEnvironment, tokenizer=tokenizer, tools=tools,
                                   kwargs={"tools": tools, "template": template, **cfg.kwargs})
+    if cfg.environment.startswith(OPENENV):
+        cls, kwargs = load_openenv(cfg, tokenizer)
+        return EnvironmentFactory(cls=cls, tokenizer=tokenizer, kwargs=kwargs)
     cls = import_environment(cfg.environment)
     try:
         inspect.signature(cls).bind({}, tokenizer, **cfg.kwargs)

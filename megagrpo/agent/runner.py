@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 
 from megagrpo.agent.env import Environment, Observation, Turn
 from megagrpo.agent.registry import import_environment, load_environment
-from megagrpo.config.agent import AgentConfig
+from megagrpo.config.agent import OPENENV, AgentConfig
 from megagrpo.engine.types import Completion, SamplingSettings
 
 log = logging.getLogger("megagrpo")
@@ -57,10 +57,10 @@ EnvFactory = Callable[[dict], Environment]
 def environment_class(name: str) -> type[Environment]:
     """The `module:Class` named by agent.environment, checked to be an Environment subclass;
     ValueError naming the field otherwise."""
-    if name == "tools":
-        raise ValueError("agent.environment=tools is the built-in tool environment, not a "
-                         "class: megagrpo.agent.registry.load_environment resolves it (it needs "
-                         "the tokenizer's chat template)")
+    if name == "tools" or name.startswith(OPENENV):
+        raise ValueError(f"agent.environment={name} is resolved by "
+                         "megagrpo.agent.registry.load_environment, not a class of its own (it "
+                         "needs the tokenizer's chat template)")
     return import_environment(name)
 
 

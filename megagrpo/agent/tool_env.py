@@ -212,7 +212,11 @@ class ToolEnvironment(Environment):
         return tool.call(call.arguments)
 
     def _sampled_tail(self, turn: Turn) -> str:
-        """The turn's last text with special tokens (an EOS like <|im_end|> included)."""
-        hf = self.template.tokenizer
-        ids = [i for i in turn.token_ids[-TAIL_TOKENS:] if 0 <= i < len(hf)]  # no TP padding
-        return hf.decode(ids, skip_special_tokens=False) if ids else turn.text
+        return sampled_tail(self.template.tokenizer, turn)
+
+
+def sampled_tail(hf: object, turn: Turn) -> str:
+    """The turn's last text with special tokens (an EOS like <|im_end|> included), decoded by
+    the Hugging Face tokenizer `hf`."""
+    ids = [i for i in turn.token_ids[-TAIL_TOKENS:] if 0 <= i < len(hf)]  # no TP padding
+    return hf.decode(ids, skip_special_tokens=False) if ids else turn.text

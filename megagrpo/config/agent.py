@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from megagrpo.config.section import Section
 
 REWARD_MODES = ("sum", "last", "none")
 SANDBOX_MODES = ("kernel", "weak")
 ENV_ERROR_MODES = ("drop", "keep")
+OPENENV = "openenv:"
+"""agent.environment's prefix of an OpenEnv environment (megagrpo.agent.hub_openenv)."""
+URL_SCHEMES = ("http", "https", "ws", "wss")
 
 
 @dataclass(kw_only=True)
@@ -17,8 +21,11 @@ class AgentConfig(Section):
     out of the loss (megagrpo.agent)."""
 
     environment: str = ""
-    """`module:Class` of an `megagrpo.agent.Environment`, or 'tools' for the built-in
-    tool-calling environment; '' = single-turn rollouts."""
+    """`module:Class` of an `megagrpo.agent.Environment`, 'tools' for the built-in
+    tool-calling environment, or an OpenEnv environment run unmodified:
+    'openenv:module:Class' (an `openenv.core` Environment subclass, in this process) or
+    'openenv:http://host:port' (its server; agent.kwargs action_field / observation_field /
+    role, docs/agentic.md); '' = single-turn rollouts."""
     kwargs: dict = field(default_factory=dict)
     """Keyword arguments of the environment's constructor."""
     tools: list[str] = field(default_factory=list)
@@ -82,6 +89,8 @@ class AgentConfig(Section):
         if self.environment and self.environment != "tools" and ":" not in self.environment:
             raise ValueError(f"agent.environment={self.environment!r}: name a class as "
                              "'module:Class' or use 'tools' (the built-in tool environment)")
+        if self.environment.startswith(OPENENV):
+            check_openenv_target(self.environment)
         if self.env_retries < 0:
             raise ValueError(f"agent.env_retries={self.env_retries} must be >= 0")
         if self.env_timeout_s < 0:
@@ -113,3 +122,26 @@ class AgentConfig(Section):
     @property
     def enabled(self) -> bool:
         return bool(self.environment)
+
+
+def check_openenv_target(spec: str) -> None:
+    """'openenv:module:Class' or 'openenv:<scheme>://host:port[/path]' (an OpenEnv server);
+    ValueError naming agent.environment otherwise (the URL is parsed, not yet asked)."""
+    target = spec[len(OPENENV):]
+    if "://" in target:
+        url = urlsplit(target)
+        try:
+            port = url.port
+        except ValueError:
+            port = -1
+        if url.scheme not in URL_SCHEMES or not url.hostname or port == -1 \
+                or url.query or url.fragment:
+            raise ValueError(f"agent.environment={spec!r}: the OpenEnv server's URL does not "
+                             f"parse as {'/'.join(URL_SCHEMES)}://host[:port][/path], e.g. "
+                             "'openenv:http://127.0.0.1:8000'")
+        return
+    module, _, cls = target.partition(":")
+    if not module or not cls or ":" in cls:
+        raise ValueError(f"agent.environment={spec!r}: name an OpenEnv environment as "
+                         "'openenv:module:Class' (an openenv.core Environment subclass) or "
+                         "'openenv:http://host:port' (its server)")
