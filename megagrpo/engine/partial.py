@@ -23,6 +23,7 @@ more than c updates.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megagrpo.engine.types import Completion, SamplingSettings
@@ -55,13 +56,15 @@ def first_version(traj: Completion, version: int) -> int:
 def run_partial(engine, prompts: list[list[int]], trajs: list[Completion],
                 sampling: SamplingSettings, *, version: int,
                 pause: threading.Event | None = None, max_updates: int = 0,
-                lora_request=None) -> PartialResult:
+                lora_request=None, on_step: Callable[[int], None] | None = None
+                ) -> PartialResult:
     """Generates (or continues) `trajs` (`prompt_index` indexes `prompts`) on `engine` (a
     VLLMEngine holding policy `version`) until each ends, or until `pause` is set: then the
     trajectories whose oldest token is fewer than `max_updates` versions behind `version` are
     taken out (paused, their state so far kept), the others generated to their end. The new
     tokens are appended to each trajectory in place, stamped `version`; an ended one gets its
-    finish_reason. vLLM's synchronous scheduler only (one step at a time)."""
+    finish_reason. vLLM's synchronous scheduler only (one step at a time). `on_step` is called
+    after each decode step with the step count (tests hold a draw there until the pause)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -69,6 +72,12 @@ def run_partial(engine, prompts: list[list[int]], trajs: list[Completion],
     core = llm.llm_engine
     if not trajs:
         return PartialResult([], [], 0, 0)
+    if pause is not None and pause.is_set():  # paused already: only the capped ones run
+        held = [t for t in trajs if version - first_version(t, version) < max_updates]
+        kept = {id(t) for t in held}
+        rest = run_partial(engine, prompts, [t for t in trajs if id(t) not in kept],
+                           sampling, version=version, lora_request=lora_request)
+        return PartialResult(rest.finished, held, rest.tokens, rest.recomputed)
     detok = core.tokenizer is not None
     prefix = sum(len(t.token_ids) for t in trajs)
     by_id: dict[str, Completion] = {}
@@ -95,7 +104,7 @@ def run_partial(engine, prompts: list[list[int]], trajs: list[Completion],
     ended: set[str] = set()
     paused: set[str] = set()
     stopped = False
-    tokens = 0
+    tokens = steps = 0
     while core.has_unfinished_requests():
         if pause is not None and not stopped and pause.is_set():
             stopped = True
@@ -120,6 +129,9 @@ def run_partial(engine, prompts: list[list[int]], trajs: list[Completion],
                 # the whole text, as one detokenization of every token gives it
                 t.text = (core.tokenizer.decode(t.token_ids, skip_special_tokens=True)
                           if detok else "")
+        steps += 1
+        if on_step is not None:
+            on_step(steps)
     for t in by_id.values():
         if len(t.logprobs) != len(t.token_ids):
             raise RuntimeError(f"vLLM returned {len(t.logprobs)} log-probs for "

@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -103,6 +103,9 @@ class VLLMEngine:
         self.inflight = InflightUpdates() if cfg.inflight_updates else None
         """rollout.inflight_updates: generation steps vLLM itself and loads posted weights
         between decode steps (`megagrpo.engine.inflight`); None: `LLM.generate`."""
+        self.partial_on_step: Callable[[int], None] | None = None
+        """rollout.partial_rollouts: called after each decode step of `generate_partial` (tests
+        hold a draw there until the pause)."""
         self.routes = None
         if capture_routing:
             from megagrpo.model.moe import RouteCapture
@@ -229,7 +232,7 @@ class VLLMEngine:
         with self.rng.sampling():
             return run_partial(self, prompt_token_ids, trajs, sampling, version=version,
                                pause=pause, max_updates=max_updates,
-                               lora_request=self.lora_request)
+                               lora_request=self.lora_request, on_step=self.partial_on_step)
 
     def _attach_routes(self, outputs, done: list[Completion], prompts: list[list[int]],
                        n: int) -> None:
