@@ -256,7 +256,7 @@ class TrainConfig(Section):
              "rollout.inflight_updates=false (the in-flight slot keeps the KV cache within a "
              "draw; partial rollouts recompute it across the pause)"),
             (self.agent.enabled, "agent.environment (multi-turn rollouts)",
-             "agent.environment to none"),
+             "agent.environment=\"\" (single-turn)"),
             (r.tensor_parallel_size > 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}",
              "rollout.tensor_parallel_size=1 (every rank of an engine would have to pause at "
              "the same decode step)"),
