@@ -3,9 +3,10 @@ engine per rank, k = 2): called by the worker after the in-flight check, checked
 tests/test_trainer.py.
 
 Turns rollout.partial_rollouts on for `steps` steps with no cap (k = 2), then `capped` steps
-at rollout.partial_max_updates = 1. Each draw on the side thread is held at its third decode
-step until the trainer's join sets the pause, so the weight update always lands mid-generation
-(rollout.max_tokens 9). The trainer's weights are kept per version (this rank's shards); for
+at rollout.partial_max_updates = 1. A draw on the side thread while a batch is queued is held
+at its third decode step until the trainer's join sets the pause, so the weight update lands
+mid-generation (rollout.max_tokens 9), and a queued batch's continuation is running at the
+next pause (the cap's case). The trainer's weights are kept per version (this rank's shards); for
 every batch drawn with partial rollouts that a step trained, every token's vLLM log-prob is
 compared with the sharded trainer's log-prob of that token under the weights of the version
 the token is stamped with (the same packed batch, scored with those weights loaded)."""
@@ -80,7 +81,12 @@ def partial_check(tr, steps: int = 4, capped: int = 4) -> dict:
         return ro
 
     def hold(step: int) -> None:
-        if step == 3 and threading.current_thread() is not threading.main_thread():
+        # a draw on the side thread with a batch already queued (a continuation, or the second
+        # batch of a window) waits at its third decode step for the pause; the first batch of
+        # an empty queue runs free. So every other window continues a batch across the
+        # update: paused again without a cap, finished at the pause at cap 1.
+        if step == 3 and collector.queue and \
+                threading.current_thread() is not threading.main_thread():
             deadline = time.monotonic() + 120
             while not collector.pause.is_set() and time.monotonic() < deadline:
                 time.sleep(0.002)
