@@ -8,7 +8,7 @@ and the rest stamped 1; every token's vLLM log-prob equals transformers' log-pro
 after exactly its prefix under the weights of the version it is stamped with (A or B, a fresh
 forward: the KV cache was recomputed, not kept); the cap (rollout.partial_max_updates): a
 trajectory already one update old is finished at the next pause instead of being paused, while
-one started under the current weights is paused.
+one started under the current weights is paused, also when the pause is set before the call.
 """
 from __future__ import annotations
 
@@ -67,7 +67,15 @@ def run(tmp_path_factory):
         fresh = start_trajectories([2, 3], 1)
         capped = engine.generate_partial(PROMPTS, warm.paused + fresh, s, version=1,
                                          pause=PauseBefore(3), max_updates=1)
+        # the pause already set when a call starts (a queued batch the draw reaches after the
+        # pause): the capped trajectory runs to its end, the other is returned untouched
+        late = engine.generate_partial(PROMPTS, start_trajectories([1], 1), s, version=0,
+                                       pause=PauseBefore(3), max_updates=1)
+        fresh_late = start_trajectories([2], 1)
+        early = engine.generate_partial(PROMPTS, late.paused + fresh_late, s, version=1,
+                                        pause=PauseBefore(1), max_updates=1)
         yield dict(a=a, b=b, trajs=trajs, first=first, second=second, paused_then=paused_then,
+                   late=late, early=early, fresh_late=fresh_late,
                    warm=warm, warm_versions=warm_versions, capped=capped, old=old, fresh=fresh)
     finally:
         engine.close()
@@ -127,3 +135,13 @@ def test_cap_finishes_what_would_span_another_update(run):
         assert held or t.finish_reason == "stop"
         if held:
             assert t.token_versions == [1, 1] and t.finish_reason == ""
+
+
+def test_cap_when_the_pause_came_first(run):
+    late, early, fresh = run["late"], run["early"], run["fresh_late"][0]
+    assert len(late.paused) == 1  # 2 tokens stamped 0 (token 1 is never EOS here)
+    t = late.paused[0]
+    assert early.finished == [t] and early.recomputed == 2
+    assert t.finish_reason in ("stop", "length") and t.token_versions[:2] == [0, 0]
+    assert set(t.token_versions[2:]) == {1}
+    assert early.paused == [fresh] and fresh.token_ids == [] and fresh.finish_reason == ""
