@@ -56,7 +56,7 @@ def run(tmp_path_factory):
         first = engine.generate_partial(PROMPTS, trajs, s, version=0,
                                         pause=PauseBefore(AT_STEP + 1), max_updates=1)
         engine.update_weights(list(b.state_dict().items()))  # the step's weight sync
-        paused_then = [(t.prompt_index, t.sample_index) for t in first.paused]
+        paused_then = {(t.prompt_index, t.sample_index): len(t.token_ids) for t in first.paused}
         second = engine.generate_partial(PROMPTS, first.paused, s, version=1)
         # the cap: at max_updates = 1 a trajectory one update old is finished at the pause,
         # one started under the engine's own weights is paused
@@ -71,11 +71,12 @@ def run(tmp_path_factory):
         # pause): the capped trajectory runs to its end, the other is returned untouched
         late = engine.generate_partial(PROMPTS, start_trajectories([1], 1), s, version=0,
                                        pause=PauseBefore(3), max_updates=1)
+        late_len = [len(t.token_ids) for t in late.paused]
         fresh_late = start_trajectories([2], 1)
         early = engine.generate_partial(PROMPTS, late.paused + fresh_late, s, version=1,
                                         pause=PauseBefore(1), max_updates=1)
         yield dict(a=a, b=b, trajs=trajs, first=first, second=second, paused_then=paused_then,
-                   late=late, early=early, fresh_late=fresh_late,
+                   late=late, late_len=late_len, early=early, fresh_late=fresh_late,
                    warm=warm, warm_versions=warm_versions, capped=capped, old=old, fresh=fresh)
     finally:
         engine.close()
@@ -84,7 +85,12 @@ def run(tmp_path_factory):
 def test_the_draw_pauses_and_every_trajectory_ends(run):
     first, second, trajs = run["first"], run["second"], run["trajs"]
     assert len(first.paused) >= len(trajs) - 1 and not second.paused
-    assert first.recomputed == 0 and second.recomputed == AT_STEP * len(first.paused)
+    # the pause came between two decode steps: every paused trajectory holds the same number
+    # of tokens (the steps run; vLLM may spend one without sampling), all recomputed later
+    held = set(run["paused_then"].values())
+    assert len(held) == 1 and AT_STEP - 1 <= held.pop() <= AT_STEP, run["paused_then"]
+    assert first.recomputed == 0
+    assert second.recomputed == sum(run["paused_then"].values())
     assert sorted((t.prompt_index, t.sample_index) for t in first.finished + second.finished) \
         == [(i, j) for i in range(len(PROMPTS)) for j in range(N)]
     for t in trajs:
@@ -97,10 +103,11 @@ def test_the_draw_pauses_and_every_trajectory_ends(run):
 
 
 def test_prefix_stamped_old_and_the_rest_new(run):
-    paused = set(run["paused_then"])
+    paused = run["paused_then"]
     for t in run["trajs"]:
-        if (t.prompt_index, t.sample_index) in paused:
-            assert t.token_versions == [0] * AT_STEP + [1] * (len(t.token_ids) - AT_STEP)
+        n = paused.get((t.prompt_index, t.sample_index))
+        if n is not None:
+            assert t.token_versions == [0] * n + [1] * (len(t.token_ids) - n)
         else:  # ended before the pause
             assert t.token_versions == [0] * len(t.token_ids)
     assert any(len(set(t.token_versions)) == 2 for t in run["trajs"])
@@ -122,26 +129,28 @@ def test_each_token_logprob_is_its_stamped_versions(run):
 
 def test_cap_finishes_what_would_span_another_update(run):
     warm, capped = run["warm"], run["capped"]
-    assert len(warm.paused) == 2 and run["warm_versions"] == [[0, 0], [0, 0]]
+    assert len(warm.paused) == 2
+    assert all(v and set(v) == {0} for v in run["warm_versions"]), run["warm_versions"]
     done = {t.prompt_index for t in capped.finished}
     # the trajectories already one update old ran to their end under version 1
     assert {0, 1} <= done
-    for t in run["old"]:
-        assert t.finish_reason in ("stop", "length") and t.token_versions[:2] == [0, 0]
-        assert set(t.token_versions[2:]) == {1}
+    for t, before in zip(run["old"], run["warm_versions"]):
+        assert t.finish_reason in ("stop", "length") and t.token_versions[:len(before)] == before
+        assert set(t.token_versions[len(before):]) == {1}
     # those started under version 1 were paused after 2 tokens (unless they had ended)
     for t in run["fresh"]:
         held = any(t is p for p in capped.paused)
         assert held or t.finish_reason == "stop"
         if held:
-            assert t.token_versions == [1, 1] and t.finish_reason == ""
+            assert t.token_versions and set(t.token_versions) == {1}
+            assert t.finish_reason == ""
 
 
 def test_cap_when_the_pause_came_first(run):
     late, early, fresh = run["late"], run["early"], run["fresh_late"][0]
-    assert len(late.paused) == 1  # 2 tokens stamped 0 (token 1 is never EOS here)
-    t = late.paused[0]
-    assert early.finished == [t] and early.recomputed == 2
-    assert t.finish_reason in ("stop", "length") and t.token_versions[:2] == [0, 0]
-    assert set(t.token_versions[2:]) == {1}
+    assert len(late.paused) == 1 and run["late_len"][0] >= 1  # stamped 0
+    t, n = late.paused[0], run["late_len"][0]
+    assert early.finished == [t] and early.recomputed == n
+    assert t.finish_reason in ("stop", "length") and t.token_versions[:n] == [0] * n
+    assert set(t.token_versions[n:]) == {1}
     assert early.paused == [fresh] and fresh.token_ids == [] and fresh.finish_reason == ""
