@@ -20,6 +20,9 @@ colocated = 2 training ranks, DP 2, each with its own vLLM engine; separate = 1 
   colocated-sync          rollout.max_staleness=0: sample, then train, on both ranks
   colocated-k1            k=1: the next batch drawn on a side thread while the step trains
   colocated-k1-inflight   k=1 with rollout.inflight_updates: new weights enter the running draw
+  colocated-k2            k=2: up to two batches drawn ahead
+  colocated-k{1,2}-partial  the same with rollout.partial_rollouts: the draw running at a weight
+                          update is paused there and continued with the new weights
   separate-k{1,2,4}       rollout.placement=separate, 1 training + 1 rollout rank, k = 1, 2, 4
   separate-k{1,2,4}-inflight   the same with rollout.inflight_updates: the rollout rank loads
                           each sync between decode steps of the draw that is running
@@ -31,7 +34,9 @@ steps kept) the step time (the sum of the trainer's phases), the phases (rollout
 wait for its batch, score, update, weight sync...), generated and trained tokens/s (completion
 tokens of the step over its time; trained = less the samples dropped as stale), the trainer's
 and the engines' idle seconds (`trainer_idle_s`, `rollout_idle_s`: docs/metrics.md), queue depth,
-mean/max version lag, samples dropped as stale; the reward curve against the trainer's cumulative
+mean/max version lag, samples dropped as stale, the per-token lag distribution (the share of
+completion tokens sampled l = 0..k updates behind the trainer, where tokens carry versions:
+in-flight updates, partial rollouts); the reward curve against the trainer's cumulative
 step time; with --eval, held-out accuracy at the end: the final checkpoint exported to HF
 (`megagrpo convert`) and decoded greedily by transformers on --eval-prompts held-out prompts.
 
@@ -39,6 +44,7 @@ step time; with --eval, held-out accuracy at the end: the final checkpoint expor
         [--eval] [--out benchmarks/results/longtail_<cpu>_cpu.jsonl]
     .venv/bin/python benchmarks/longtail.py --smoke          # 2 steps, 2 configurations
     .venv/bin/python benchmarks/longtail.py --table [JSONL]  # docs/performance.md's tables
+    .venv/bin/python benchmarks/longtail.py --partial-table JSONL  # docs/async.md's table
 
 `--table` prints the measured table and a projection for 8 and 16 GPUs from the measured phase
 times of the colocated sync run (`projection`: the model is stated in its docstring).
@@ -69,10 +75,13 @@ WORKLOAD = [f"data.batch_size={BATCH}", f"algo.group_size={GROUP}",
             "run.overwrite=true"]
 SEPARATE = ["rollout.placement=separate", "rollout.rollout_ranks=1"]
 INFLIGHT = ["rollout.inflight_updates=true"]
+PARTIAL = ["rollout.partial_rollouts=true"]
 CONFIGS: dict[str, list[str]] = {
     "colocated-sync": ["rollout.max_staleness=0"],
     "colocated-k1": ["rollout.max_staleness=1"],
     "colocated-k1-inflight": ["rollout.max_staleness=1", *INFLIGHT],
+    "colocated-k2": ["rollout.max_staleness=2"],
+    **{f"colocated-k{k}-partial": [f"rollout.max_staleness={k}", *PARTIAL] for k in (1, 2)},
     **{f"separate-k{k}": [*SEPARATE, f"rollout.max_staleness={k}"] for k in (1, 2, 4)},
     **{f"separate-k{k}-inflight": [*SEPARATE, f"rollout.max_staleness={k}", *INFLIGHT]
        for k in (1, 2, 4)},
@@ -171,6 +180,10 @@ def summarize(records: list[dict], dp: int, skip: int = 1) -> dict:
             "lag_max": max(float(r.get("staleness_max", 0.0)) for r in kept),
             "stale_dropped": sum(float(r.get("stale_dropped", 0.0)) for r in kept),
             "token_lag_mean": mean("token_lag_mean"),
+            "token_lag_shares": {lag: mean(f"token_lag_share_{lag}") for lag in range(8)
+                                 if any(f"token_lag_share_{lag}" in r for r in kept)},
+            "partial_continued": mean("partial_continued"),
+            "partial_recomputed_tokens": mean("partial_recomputed_tokens"),
             "inflight_midway": mean("inflight_midway"),
             "reward_first": steps[0]["reward_mean"],
             "reward_last3": statistics.fmean(r["reward_mean"] for r in steps[-3:]),
@@ -331,6 +344,45 @@ def table(path: Path) -> str:
     return "\n".join(lines)
 
 
+PARTIAL_CONFIGS = ("colocated-k1", "colocated-k1-partial", "colocated-k2",
+                   "colocated-k2-partial")
+
+
+def partial_table(path: Path) -> str:
+    """docs/async.md's table: colocated async at k = 1 and 2, without and with partial
+    rollouts, from one results file (the runs of one invocation, one after another); the
+    ratios are each partial run's against the run without at the same k."""
+    rows = {r["config"]: r for r in map(json.loads, path.read_text().splitlines())
+            if r.get("config") in PARTIAL_CONFIGS and "refused" not in r}
+    lines = ["| configuration | step s | gen tok/s | vs without | trainer idle s | "
+             "rollout idle s | lag mean/max | token lag shares l=0/1/2 | continued / batch "
+             "| prefix tokens recomputed / batch | reward first -> last 3 | load 1 min |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in PARTIAL_CONFIGS:
+        r = rows.get(name)
+        if r is None:
+            continue
+        base = rows.get(name.removesuffix("-partial"))
+        vs = (f"{r['gen_tokens_per_s'] / base['gen_tokens_per_s']:.2f}x"
+              if base and name.endswith("-partial") else "")
+        shares = r.get("token_lag_shares") or {}
+        cells = "/".join(f"{shares[k]:.2f}" for k in sorted(shares)) if shares else "-"
+        part = name.endswith("-partial")
+        continued = f"{r['partial_continued']:.1f}" if part else "-"
+        recomputed = f"{r['partial_recomputed_tokens']:.0f}" if part else "-"
+        lines.append(
+            f"| {name} | {r['step_s']:.2f} | {r['gen_tokens_per_s']:.0f} | {vs} | "
+            f"{r['trainer_idle_s']:.3f} | {r['rollout_idle_s']:.2f} | "
+            f"{r['lag_mean']:.2f}/{r['lag_max']:.0f} | {cells} | {continued} | {recomputed} | "
+            f"{r['reward_first']:.3f} -> {r['reward_last3']:.3f} | "
+            f"{r['loadavg_1m_start']:.1f}-{r['loadavg_1m_end']:.1f} |")
+    first = next(iter(rows.values()))
+    lines += ["", f"{first['cpu']}, {first['cores']} cores shared with other jobs, "
+              f"{first['nproc']} ranks a run (DP 2, a vLLM engine each), {first['steps']} "
+              "steps, the first left out of the means."]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=12)
@@ -345,7 +397,12 @@ def main(argv: list[str] | None = None) -> None:
                     "benchmarks/results/longtail_<cpu>_cpu.jsonl)")
     ap.add_argument("--table", nargs="?", const="", default=None, metavar="JSONL",
                     help="print the markdown tables of a results file and exit")
+    ap.add_argument("--partial-table", default=None, metavar="JSONL",
+                    help="print docs/async.md's partial-rollouts table of a results file")
     args = ap.parse_args(argv)
+    if args.partial_table is not None:
+        print(partial_table(Path(args.partial_table)))
+        return
     default = ROOT / "benchmarks" / "results" / f"longtail_{cpu_tag(cpu_name())}_cpu.jsonl"
     if args.table is not None:
         print(table(Path(args.table) if args.table else default))

@@ -59,6 +59,7 @@ FEATURES: dict[str, Feature] = {
     "agent": Feature(("agent.environment=tests._agent_env:Digits", "agent.max_turns=3")),
     "async1": Feature(("rollout.max_staleness=1",)),
     "async2": Feature(("rollout.max_staleness=2",)),
+    "partial": Feature(("rollout.max_staleness=1", "rollout.partial_rollouts=true")),
     "moe": Feature((), moe=True),
     "separate": Feature(("rollout.placement=separate", "rollout.rollout_ranks=1"),
                         rollout_ranks=1),
@@ -82,7 +83,7 @@ these is swept."""
 TRIPLES = (("agent", "async1", "lora"), ("moe", "lora", "async1"), ("moe", "lora", "sp"),
            ("separate", "agent", "lora"), ("separate", "moe", "lora"),
            ("separate", "async1", "lora"))
-EXCLUSIVE = ({"async1", "async2"}, {"tp2", "sp"})
+EXCLUSIVE = ({"async1", "async2"}, {"async1", "partial"}, {"async2", "partial"}, {"tp2", "sp"})
 """Variants of one setting: never paired with each other."""
 COMMON = ("run.steps=2", "data.batch_size=4", "algo.group_size=4", "algo.num_minibatches=1",
           "reference.sync_every_steps=1", "cold_start.steps=0", "eval.every=0",

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests._inflight_check import inflight_check
+from tests._partial_check import partial_check
 from tests.support.launch import write_results
 
 
@@ -185,6 +186,7 @@ def main():
                          r["trainer_idle_s"] >= 0, r["rollout_idle_s"] >= 0]
                         for r in (tr.step() for _ in range(3))]
     res["inflight"] = inflight_check(tr, greedy_check)  # issue 30 item 3, still at k = 2
+    res["partial"] = partial_check(tr)  # issue 47 item 1, still at k = 2
     tr.cfg.rollout.max_staleness = None
     # off-policy machinery: mu=2 passes x 2 minibatches, old log-probs, truncated rollout IS,
     # token-level (dapo) aggregation, dual clip, GSPO-free

@@ -156,3 +156,68 @@ def test_posted_weights_load_midway_or_after_the_join():
     out = transport.deliver(Feed(iter(())), 2)
     assert eng.loads[-1] == (1, True) and out["inflight_midway"] == 0.0
     assert slot.version == 2 and slot.pending_version is None
+
+
+# ---------------------------------------------------------------------- partial rollouts
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.partial_rollouts=true"],
+     r"rollout\.partial_rollouts=true .* needs async rollouts; set rollout\.max_staleness >= 1"),
+    (["rollout.partial_rollouts=true", "rollout.max_staleness=1",
+      "rollout.partial_max_updates=2"],
+     r"rollout\.partial_max_updates=2 is above rollout\.max_staleness=1.*<= 1"),
+    (["rollout.partial_max_updates=1"],
+     r"rollout\.partial_max_updates=1 caps partial rollouts, which are off"),
+    (["rollout.partial_rollouts=true", "rollout.max_staleness=1",
+      "rollout.partial_max_updates=-1"], r"rollout\.partial_max_updates=-1 must be >= 0"),
+    (["rollout.partial_rollouts=true", "rollout.max_staleness=1",
+      "rollout.inflight_updates=true"], r"with rollout\.inflight_updates=true: not supported"),
+    (["rollout.partial_rollouts=true", "rollout.max_staleness=1", "rollout.placement=separate",
+      "rollout.rollout_ranks=1"], r"with rollout\.placement=separate: .*placement=colocated"),
+    (["rollout.partial_rollouts=true", "rollout.max_staleness=1",
+      "rollout.tensor_parallel_size=2"], r"rollout\.tensor_parallel_size=2: not supported"),
+    (["rollout.partial_rollouts=true", "rollout.max_staleness=1", "reward.score_chunks=2"],
+     r"reward\.score_chunks=2: not supported"),
+    (["rollout.partial_rollouts=true", "rollout.max_staleness=1", "rollout.stop=['\\n']"],
+     r"rollout\.stop \(stop strings\): not supported"),
+    (["rollout.partial_rollouts=true", "rollout.max_staleness=1",
+      "agent.environment=tests._agent_env:Digits"], r"agent\.environment \(multi-turn"),
+])
+def test_partial_rollouts_refused_before_compute(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, overrides).validate()
+
+
+def test_partial_rollouts_accepted_within_the_bound():
+    for over in (["rollout.max_staleness=2", "rollout.partial_max_updates=2"],
+                 ["run.async_rollout=true"], ["rollout.max_staleness=3"]):
+        load_config(None, ["rollout.partial_rollouts=true", *over]).validate()
+
+
+def test_token_lag_shares_by_hand():
+    """Tokens sampled by versions [1, 2, 3] and [3]: at trainer version 3 the lags are
+    2, 1, 0, 0 (shares at k = 2: 0.5, 0.25, 0.25)."""
+    ro = Rollout(prompts=[[1]], answers=["x"], completions=[
+        Completion(prompt_index=0, sample_index=0, token_ids=[5, 6, 7], logprobs=[0.0] * 3,
+                   finish_reason="stop", token_versions=[1, 2, 3]),
+        Completion(prompt_index=0, sample_index=1, token_ids=[5], logprobs=[0.0],
+                   finish_reason="stop", token_versions=[3])])
+    m = token_lag_metrics(ro, 3, k=2)
+    assert m == {"token_lag_mean": 0.75, "inflight_mixed_samples": 1.0,
+                 "token_lag_share_0": 0.5, "token_lag_share_1": 0.25, "token_lag_share_2": 0.25}
+
+
+def test_paused_trajectories_survive_a_checkpoint(tmp_path):
+    """A queued batch with paused trajectories (tokens, log-probs, versions so far) is saved
+    and restored as it was, its prompts' records and texts with it."""
+    paused = Completion(prompt_index=1, sample_index=0, token_ids=[5, 6], logprobs=[-1.0, -2.0],
+                        finish_reason="", token_versions=[4, 4])
+    done = Completion(prompt_index=0, sample_index=0, token_ids=[7], logprobs=[-0.5],
+                      finish_reason="stop", token_versions=[4])
+    drawn = Drawn(prompts=[[1, 2], [3]], answers=["x", "y"], epoch=0, version=4,
+                  completions=[done], rewards=[], metrics={"partial_recomputed_tokens": 0.0},
+                  loader_state={"index": 3}, unfinished=[paused], records=[{}, {"a": 1}],
+                  texts=["p", "q"])
+    save_tree(tmp_path / "q", {"queue": [drawn.state_dict()]})
+    back = Drawn.from_state(load_tree(tmp_path / "q")["queue"][0])
+    assert back.unfinished == [paused] and back.completions == [done]
+    assert back.records == [{}, {"a": 1}] and back.texts == ["p", "q"]

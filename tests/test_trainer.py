@@ -214,3 +214,33 @@ def test_inflight_updates_enter_the_running_draw(results):
         assert got["queued"] > 0 and got["queued_tokens_ok"] and got["queued_mixed"] > 0, got
         meg, vllm_ids = got["greedy_after"]
         assert meg == vllm_ids
+
+
+def test_partial_rollouts_stamp_each_token_with_the_weights_that_sampled_it(results):
+    """Issue 47 item 1 at k = 2 (tests/_partial_check.py): draws held until the trainer's join
+    pause at the weight update and continue with the new weights. In every trained partial
+    batch each token's vLLM log-prob equals the sharded trainer's under the weights of the
+    version it is stamped with (fp32); stamping every token with the batch's newest version
+    would not hold (a gap far above it). Without a cap some trajectory spans 2 updates (k);
+    at rollout.partial_max_updates = 1 none of the batches drawn under it spans more than 1,
+    and some span 1. Token lags stay within k."""
+    checked = 0
+    for r in results:
+        got = r["partial"]
+        assert got["queue_whole"], got
+        rows = got["batches"]
+        assert len(rows) >= 6, rows
+        for cap, span, spanning, lag_lo, lag_hi, per_version, as_final in rows:
+            assert 0 <= lag_lo <= lag_hi <= 2, rows
+            if per_version is None:  # not the last stage's TP rank 0
+                continue
+            checked += 1
+            assert max(per_version.values()) < 1e-4, rows
+            if span > 0:
+                assert as_final > 5e-4, rows
+        uncapped = [row for row in rows if row[0] == 0]
+        assert max(row[1] for row in uncapped) == 2, rows
+        clean = [row for row in rows if row[0] == 1][-2:]  # drawn wholly under the cap
+        assert len(clean) == 2 and max(row[1] for row in clean) == 1, rows
+        assert any(row[2] > 0 for row in clean), rows
+    assert checked >= 6

@@ -81,6 +81,19 @@ class RolloutConfig(Section):
     (Completion.token_versions). Colocated: the draw on the async thread takes them; separate
     placement: each rollout rank's draw takes every sync the trainer sends while it runs. Off:
     a draw finishes on the weights it started with."""
+    partial_rollouts: bool = False
+    """Colocated async only (rollout.max_staleness >= 1): partial rollouts (slime's name; AReaL's
+    interruptible generation). At each weight update the draw running on the async thread is
+    paused between two decode steps instead of awaited: its unfinished trajectories leave the
+    engine with their tokens, log-probs and per-token versions, the weights are updated, and
+    the next draw continues them with the new weights, their KV cache recomputed from the exact
+    token prefix (Completion.token_versions: the version that sampled each token). A batch is
+    finished before the step that trains it. Off: every draw ends before the update."""
+    partial_max_updates: int = 0
+    """With rollout.partial_rollouts: the most weight updates one trajectory may span; one that
+    has spanned that many is not paused again but finished, before the next update, by the
+    weights it has (the step waits for it). 0: no cap but k = rollout.max_staleness, which no
+    trajectory can exceed (its batch trains k updates after its draw started)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its valid values."""
@@ -141,6 +154,13 @@ class RolloutConfig(Section):
                              "training ranks); set rollout.rollout_ranks=0")
         if self.dtype not in DTYPES:
             raise ValueError(f"rollout.dtype={self.dtype!r} must be one of {DTYPES}")
+        if self.partial_max_updates < 0:
+            raise ValueError(f"rollout.partial_max_updates={self.partial_max_updates} must be "
+                             ">= 0 (0: up to rollout.max_staleness updates)")
+        if self.partial_max_updates and not self.partial_rollouts:
+            raise ValueError(f"rollout.partial_max_updates={self.partial_max_updates} caps "
+                             "partial rollouts, which are off; set rollout.partial_rollouts=true "
+                             "or rollout.partial_max_updates=0")
 
     def staleness(self, async_rollout: bool) -> int:
         """k (max_staleness; unset: 1 with run.async_rollout, else 0)."""

@@ -231,6 +231,46 @@ class TrainConfig(Section):
         if self.rollout.inflight_updates and self.lora.enabled and self.lora.refit != "merged":
             raise ValueError(f"rollout.inflight_updates=true with lora.refit={self.lora.refit}: "
                              "in-flight loads post the merged weights; set lora.refit=merged")
+        self._validate_partial()
+
+    def _validate_partial(self) -> None:
+        """rollout.partial_rollouts: what it composes with (docs/async.md, partial rollouts)."""
+        r = self.rollout
+        if not r.partial_rollouts:
+            return
+        k = self.staleness
+        if not k:
+            raise ValueError("rollout.partial_rollouts=true pauses the draw that runs while a "
+                             "step trains and continues it after the weight update: it needs "
+                             "async rollouts; set rollout.max_staleness >= 1 (or "
+                             "run.async_rollout=true), or rollout.partial_rollouts=false")
+        if r.partial_max_updates > k:
+            raise ValueError(f"rollout.partial_max_updates={r.partial_max_updates} is above "
+                             f"rollout.max_staleness={k}: a batch trains k updates after its "
+                             "draw started, so no trajectory spans more; set "
+                             f"rollout.partial_max_updates <= {k} (0: no cap but k)")
+        refusals = (
+            (r.placement != "colocated", f"rollout.placement={r.placement}",
+             "rollout.placement=colocated"),
+            (r.inflight_updates, "rollout.inflight_updates=true",
+             "rollout.inflight_updates=false (the in-flight slot keeps the KV cache within a "
+             "draw; partial rollouts recompute it across the pause)"),
+            (self.agent.enabled, "agent.environment (multi-turn rollouts)",
+             "agent.environment=\"\" (single-turn)"),
+            (r.tensor_parallel_size > 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}",
+             "rollout.tensor_parallel_size=1 (every rank of an engine would have to pause at "
+             "the same decode step)"),
+            (self.algo.routing_replay, "algo.routing_replay=true", "algo.routing_replay=false"),
+            (self.reward.score_chunks > 1, f"reward.score_chunks={self.reward.score_chunks}",
+             "reward.score_chunks=1 (a partial batch is scored once it is finished)"),
+            (bool(r.stop), "rollout.stop (stop strings)",
+             "rollout.stop=[] and end completions with stop token ids (a stop string across "
+             "the pause would be missed)"),
+        )
+        for bad, what, fix in refusals:
+            if bad:
+                raise ValueError(f"rollout.partial_rollouts=true with {what}: not supported yet; "
+                                 f"set {fix}, or rollout.partial_rollouts=false")
 
     def _validate_sampling(self) -> None:
         """Sampling settings that are valid for the engine alone but wrong for GRPO."""

@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -43,6 +43,7 @@ import torch
 from megagrpo.config.rollout import RolloutConfig, check_head_dim
 from megagrpo.engine.feed import _pairs, _WeightFeed, expected_hf_params
 from megagrpo.engine.inflight import InflightUpdates, attach_token_versions
+from megagrpo.engine.partial import PartialResult, run_partial
 from megagrpo.engine.types import Completion, SamplingSettings, WeightSyncStats
 from megagrpo.engine.vllm_compat import (
     _packed_modules_mapping,
@@ -102,6 +103,9 @@ class VLLMEngine:
         self.inflight = InflightUpdates() if cfg.inflight_updates else None
         """rollout.inflight_updates: generation steps vLLM itself and loads posted weights
         between decode steps (`megagrpo.engine.inflight`); None: `LLM.generate`."""
+        self.partial_on_step: Callable[[int], None] | None = None
+        """rollout.partial_rollouts: called after each decode step of `generate_partial` (tests
+        hold a draw there until the pause)."""
         self.routes = None
         if capture_routing:
             from megagrpo.model.moe import RouteCapture
@@ -211,6 +215,24 @@ class VLLMEngine:
         if self.routes is not None:
             self._attach_routes(outputs, done, prompt_token_ids, n)
         return done
+
+    def generate_partial(self, prompt_token_ids: list[list[int]], trajs: list[Completion],
+                         sampling: SamplingSettings, *, version: int,
+                         pause: threading.Event | None = None,
+                         max_updates: int = 0) -> PartialResult:
+        """rollout.partial_rollouts: generates or continues the trajectories `trajs` (n = 1
+        each; `prompt_index` indexes `prompt_token_ids`) with the weights of policy `version`
+        until they end or `pause` is set (`megagrpo.engine.partial.run_partial`). Safe on the
+        async thread as `generate` is."""
+        if self.asleep:
+            raise RuntimeError("VLLMEngine.generate_partial called while asleep; call wake() "
+                               "first")
+        if threading.current_thread() is not threading.main_thread():
+            self._set_num_threads(self._threads)  # see generate
+        with self.rng.sampling():
+            return run_partial(self, prompt_token_ids, trajs, sampling, version=version,
+                               pause=pause, max_updates=max_updates,
+                               lora_request=self.lora_request, on_step=self.partial_on_step)
 
     def _attach_routes(self, outputs, done: list[Completion], prompts: list[list[int]],
                        n: int) -> None:

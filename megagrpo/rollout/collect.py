@@ -34,6 +34,7 @@ from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import encode_prompt
 from megagrpo.engine import Completion, SamplingSettings
+from megagrpo.engine.partial import start_trajectories
 from megagrpo.reward import PendingScores, Rewards, chain, samples_of
 from megagrpo.rollout.stream import Rollout, StreamStats, stamp
 from megagrpo.runtime.distributed import Groups, Ranks, any_rank
@@ -61,6 +62,14 @@ class Drawn:
     the batch itself draws it again."""
     pending: PendingScores | None = None
     """Scores not awaited yet (`resolve` fills `rewards`, `metrics` and each `correct`)."""
+    unfinished: list[Completion] = field(default_factory=list)
+    """rollout.partial_rollouts: this rank's trajectories paused at a weight update (tokens,
+    log-probs and per-token versions so far), continued by a later draw; the batch is scored
+    once none is left."""
+    records: list[dict] = field(default_factory=list)
+    """rollout.partial_rollouts: the prompts' data records, for the scoring when it ends."""
+    texts: list[str] = field(default_factory=list)
+    """rollout.partial_rollouts: the prompts' text, for the scoring when it ends."""
 
     def resolve(self) -> Drawn:
         """Waits for pending scores and records them (no-op once scored)."""
@@ -82,7 +91,8 @@ class Drawn:
 
     @classmethod
     def from_state(cls, state: dict) -> Drawn:
-        return cls(**dict(state, completions=[Completion(**c) for c in state["completions"]]))
+        return cls(**dict(state, completions=[Completion(**c) for c in state["completions"]],
+                          unfinished=[Completion(**c) for c in state.get("unfinished", ())]))
 
 
 @dataclass
@@ -126,6 +136,9 @@ class RolloutCollector:
     """What the side thread raised; `join` re-raises it on the main thread."""
     runner: TrajectoryRunner | None = None
     """Multi-turn rollouts (cfg.agent enabled; built from agent.environment when None)."""
+    pause: threading.Event = field(default_factory=threading.Event)
+    """rollout.partial_rollouts: set by `join` (the weight update is next): the draw on the
+    side thread pauses its unfinished trajectories between two decode steps and returns."""
 
     def __post_init__(self) -> None:
         if self.cfg.agent.enabled and self.runner is None:
@@ -207,12 +220,24 @@ class RolloutCollector:
         examples = next(self.loader)
         return examples, self.loader.epoch, before
 
-    def draw(self, version: int) -> Drawn:
+    def draw(self, version: int, pause: threading.Event | None = None) -> Drawn:
         """The next prompts, sampled on this rank's engine (which holds policy `version`; each
         completion records it). No collective unless the layout is pooled, so it may run on
-        the async thread."""
+        the async thread. rollout.partial_rollouts: `pause` set stops the draw between two
+        decode steps, its unfinished trajectories kept in `Drawn.unfinished` (`advance`)."""
         t0 = time.perf_counter()
         examples, epoch, before = self._next_examples()
+        if self.cfg.rollout.partial_rollouts:
+            mine = self.layout.prompt_indices(len(examples))
+            drawn = Drawn([encode_prompt(self.tokenizer, e.prompt) for e in examples],
+                          [e.answer for e in examples], epoch, version, [], [], {},
+                          loader_state=before,
+                          unfinished=start_trajectories(mine, self.cfg.algo.group_size),
+                          records=[e.record for e in examples],
+                          texts=[e.prompt for e in examples])
+            self.stats.draw_s += time.perf_counter() - t0
+            self.advance(drawn, version, pause)
+            return drawn
         prompts = [encode_prompt(self.tokenizer, e.prompt) for e in examples]
         answers = [e.answer for e in examples]
         # the environments' and the reward source's inputs
@@ -228,11 +253,40 @@ class RolloutCollector:
         return Drawn(prompts, answers, epoch, version, comps, [], {}, loader_state=before,
                      pending=pending)
 
+    def advance(self, drawn: Drawn, version: int, pause: threading.Event | None = None) -> None:
+        """rollout.partial_rollouts: generates the batch's unfinished trajectories on, with the
+        weights of policy `version`, until they end or `pause` is set (then those below the
+        cap, rollout.partial_max_updates, are paused again; `megagrpo.engine.partial`). A batch
+        left with none unfinished is stamped and handed to the reward component."""
+        t0 = time.perf_counter()
+        r = self.cfg.rollout
+        cap = r.partial_max_updates or self.cfg.staleness
+        res = self.engine.generate_partial(drawn.prompts, drawn.unfinished, self.sampling(),
+                                           version=version, pause=pause, max_updates=cap)
+        drawn.completions += res.finished
+        drawn.unfinished = res.paused
+        drawn.metrics["partial_recomputed_tokens"] = (
+            drawn.metrics.get("partial_recomputed_tokens", 0.0) + float(res.recomputed))
+        if not drawn.unfinished:
+            comps = sorted(drawn.completions, key=lambda c: (c.prompt_index, c.sample_index))
+            drawn.completions = comps
+            stamp(comps, drawn.version)
+            drawn.metrics["partial_continued"] = float(sum(
+                len(set(c.token_versions or ())) > 1 for c in comps))
+            samples = samples_of(comps, [c.prompt_index for c in comps], prompts=drawn.prompts,
+                                 texts=drawn.texts, answers=drawn.answers,
+                                 records=drawn.records, decode=self._decode)
+            drawn.pending = self.rewards.submit(samples)
+        self.stats.draw_s += time.perf_counter() - t0
+
     def gather(self, drawn: Drawn) -> Rollout:
         """All-gathers the slices over the replica (pooled layout: the world, then keeps this
         replica's prompts), so every rank of the replica holds the whole batch."""
         pooled, n = self.layout.pooled, len(drawn.prompts)
         group = self.groups.world if pooled else self.groups.replica
+        if drawn.unfinished:
+            raise RuntimeError("RolloutCollector.gather: the batch still has "
+                               f"{len(drawn.unfinished)} paused trajectories (advance it first)")
         drawn.resolve()
         local = (drawn.completions, drawn.rewards, drawn.metrics)
         size = dist.get_world_size(group=group) if dist.is_initialized() else 1
@@ -303,8 +357,11 @@ class RolloutCollector:
         if not k:
             return self.rollout(version)
         drawn = self.queue.pop(0) if self.queue else self.draw(version)
+        if drawn.unfinished:  # partial rollouts: the rest of the batch, by the weights it trains
+            self.advance(drawn, version)
         ro = self.rollout(version, drawn)
-        if len(self.queue) < k:
+        if len(self.queue) < k or any(d.unfinished for d in self.queue):
+            self.pause.clear()
             self.thread = threading.Thread(target=self._draw_ahead,
                                            args=(version, k - len(self.queue)), daemon=True)
             self.thread.start()
@@ -316,9 +373,18 @@ class RolloutCollector:
         return self.queue[0] if self.queue else None
 
     def _draw_ahead(self, version: int, n: int) -> None:
+        """Draws `n` batches ahead; with partial rollouts, first continues the queued batches'
+        paused trajectories (oldest first), and stops drawing at the pause. Every queued batch
+        is advanced even after the pause: those of its trajectories at the cap are finished
+        now, before the update (`megagrpo.engine.partial.run_partial`)."""
         try:
+            for drawn in list(self.queue):
+                if drawn.unfinished:
+                    self.advance(drawn, version, self.pause)
             for _ in range(n):
-                self.queue.append(self.draw(version))
+                if self.pause.is_set():
+                    break
+                self.queue.append(self.draw(version, self.pause))
         except BaseException as e:  # noqa: BLE001 - handed to the main thread by join()
             self.failure = e
 
@@ -328,6 +394,8 @@ class RolloutCollector:
         instead of quietly sampling on-policy next time and no rank is left waiting."""
         if self.thread is None:  # no async draw ran (the same on every rank)
             return
+        if self.cfg.rollout.partial_rollouts:  # the weights change next: pause the draw
+            self.pause.set()
         self.thread.join()
         self.thread = None
         e, self.failure = self.failure, None

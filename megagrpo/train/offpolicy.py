@@ -107,14 +107,19 @@ def async_note(a: AlgoConfig, k: int = 1, stale_policy: str = "drop") -> str:
             f"is {how}")
 
 
-def token_lag_metrics(ro: Rollout, trainer_version: int) -> dict:
-    """Per-token staleness of a batch with in-flight updates: token_lag_mean (updates between
-    the weights that sampled each completion token and the trainer's) and
-    inflight_mixed_samples (completions sampled by more than one version)."""
+def token_lag_metrics(ro: Rollout, trainer_version: int, k: int | None = None) -> dict:
+    """Per-token staleness of a batch with in-flight updates or partial rollouts: token_lag_mean
+    (updates between the weights that sampled each completion token and the trainer's) and
+    inflight_mixed_samples (completions sampled by more than one version); with `k` (the
+    staleness bound) the distribution: token_lag_share_{l}, the share of the tokens at lag l,
+    for l = 0..k."""
     lags = [trainer_version - v for c in ro.completions for v in (c.token_versions or ())]
     mixed = sum(len(set(c.token_versions or ())) > 1 for c in ro.completions)
-    return {"token_lag_mean": sum(lags) / len(lags) if lags else 0.0,
-            "inflight_mixed_samples": float(mixed)}
+    out = {"token_lag_mean": sum(lags) / len(lags) if lags else 0.0,
+           "inflight_mixed_samples": float(mixed)}
+    for lag in range(k + 1 if k is not None else 0):
+        out[f"token_lag_share_{lag}"] = (sum(x == lag for x in lags) / len(lags)) if lags else 0.0
+    return out
 
 
 class StalenessPolicy:
@@ -150,8 +155,9 @@ class StalenessPolicy:
 
     @property
     def per_token(self) -> bool:
-        """rollout.inflight_updates: tokens carry their own versions (token_lag metrics)."""
-        return self._rollout.inflight_updates
+        """rollout.inflight_updates or rollout.partial_rollouts: tokens carry their own
+        versions (token_lag metrics)."""
+        return self._rollout.inflight_updates or self._rollout.partial_rollouts
 
     def lags(self, ro: Rollout, version: int) -> torch.Tensor:
         """[n] int64 per sample: updates between its sampling policy and `version`."""
@@ -173,7 +179,7 @@ class StalenessPolicy:
                "stale_dropped": float(n_over if self.stale_policy == "drop" else 0),
                "stale_weighted": float(n_over if self.stale_policy == "weight" else 0)}
         if self.per_token:
-            out.update(token_lag_metrics(ro, version))
+            out.update(token_lag_metrics(ro, version, self.k))
         return out
 
     def bound(self, batch: Batch, lags: torch.Tensor, step: int, *, say: bool) -> None:
