@@ -31,8 +31,6 @@ def check_separate(rollout: RolloutConfig, *, agent, algo, evaluation, cold_star
         (cold_start.steps > 0, f"cold_start.steps={cold_start.steps}",
          "the cold start evaluates on colocated engines (set cold_start.steps=0)"),
         (lora.enabled, "lora.rank > 0", "LoRA refits run colocated only"),
-        (algo.routing_replay, "algo.routing_replay=true",
-         "routes are not sent back from the rollout ranks"),
     ]
     for bad, name, why in refused:
         if bad:
