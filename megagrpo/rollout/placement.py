@@ -46,6 +46,10 @@ What flows where:
     where every training rank reads all of them (`RemoteEngine.request_eval`,
     `SeparateSource.evaluate`). An evaluation carries no weights and takes no sync index, so
     the staleness bound counts weight syncs only.
+  - cold start: its syncs carry no start (`RemoteEngine.held`): the rollout ranks load them
+    and serve the evaluations but draw nothing until the trainer's release after the cold
+    start, which carries the start; batch i then needs sync base + i - k, base the last sync
+    before the release.
   - resume: the trainer's own PromptLoader tracks the next untrained batch and is checkpointed as
     in colocated runs; the first sync of a run tells the rollout ranks where to start. Batches
     sampled ahead of a checkpoint are not kept: they are sampled again, by the restored weights,
