@@ -447,7 +447,9 @@ def separate_moe_run(tmp_path_factory):
     assert p.returncode == 0, console[-6000:]
     records = [json.loads(line) for line in Path(work, "run", "metrics.jsonl").read_text()
                .splitlines()]
-    return console, [r for r in records if "loss" in r], work
+    # the console and every rank's full log (step and rollout-rank lines go to the files)
+    logs = "".join(f.read_text() for f in sorted(Path(work, "run", "logs").glob("rank*.log")))
+    return console + logs, [r for r in records if "loss" in r], work
 
 
 def test_separate_routing_replay(separate_moe_run):
