@@ -468,8 +468,8 @@ def test_separate_routing_replay(separate_moe_run):
 def test_separate_lora_merged_refit(separate_moe_run):
     """LoRA at separate placement: the rollout rank samples from W + s B A. Step 2 samples
     with trained adapters (B != 0 after step 1), step 3 after the merge of step 2's reference
-    reset; both at k = 0 with the trainer's log-probs to fp32 precision (the base alone, B A
-    left out of the feed, fails step 2)."""
+    reset; both at k = 0 with the trainer's log-probs to fp32 precision (step 1: the weights
+    the cold start ended at)."""
     console, steps, work = separate_moe_run
     assert "vLLM is refit with the merged weights (W + s B A) after each update (no " \
            "adapter-only refit: rollout.placement=separate sends the rollout ranks the merged " \
@@ -486,8 +486,8 @@ def test_separate_held_out_evaluation_reported(separate_moe_run):
     step 0 (before GRPO), after step 2 (eval.every) and at the end, and the summary's
     fields, the cold start's check included; each a share of the 8 held-out examples (tests
     above count it by hand). The cold start ran before GRPO on the training ranks while the
-    rollout rank waited: step 1's samples are fresh (gap < 1e-5, checked above) and come
-    from the cold-started weights (a rollout rank drawing at the first sync fails that)."""
+    rollout rank waited: step 1's samples are fresh (gap < 1e-5, checked above), i.e. from
+    the cold-started weights (test_cold_start_holds_the_rollout_ranks plants the early draw)."""
     console, _, work = separate_moe_run
     records = [json.loads(line) for line in Path(work, "run", "metrics.jsonl").read_text()
                .splitlines()]
