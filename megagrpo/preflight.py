@@ -216,7 +216,10 @@ def check_model(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer) -> N
     from megagrpo.model.moe import check_routing_replay
     from megagrpo.sync.adapters import unavailable
 
-    check_routing_replay(cfg.algo.routing_replay, model, cfg.pipelined_by())
+    # separate placement checkpoints no batch drawn ahead (a resume redraws them, routes and
+    # all): only a colocated stream's would lack its routes
+    check_routing_replay(cfg.algo.routing_replay, model,
+                         cfg.pipelined_by() if cfg.rollout.placement != "separate" else None)
     # lora.refit=adapter that vLLM cannot serve: refused before compute
     unavailable(cfg.lora, cfg.rollout.tensor_parallel_size, model)
     if cfg.parallel.cp > 1 and torch.cuda.is_available():

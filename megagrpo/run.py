@@ -114,7 +114,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     gpt = build_model(model_cfg, cfg.parallel, seed=cfg.run.seed,
                       recompute=(cfg.compute.recompute, cfg.compute.recompute_num_layers))
     _load_init(gpt, cfg.run.init, model_cfg, cfg.parallel, info)
-    tuning = build_tuning(cfg.lora)
+    tuning = build_tuning(cfg.lora, separate=place is not None)
     tuning.prepare(gpt, model_cfg, cfg.rollout.tensor_parallel_size, seed=cfg.run.seed,
                    loud=rank == 0)
     compiled = compile_for_run(cfg, model_cfg, gpt, loud=rank == 0,
@@ -133,11 +133,6 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     tok = task.tokenizer
     if engine is None and place is None:
         engine = _start_engine(cfg, model_cfg, tok, layout)
-    if place is not None and task.eval:
-        task = dataclasses.replace(task, eval=[])
-        if rank == 0:
-            log.info("separate placement: no held-out evaluation (the rollout ranks do not "
-                     "evaluate yet; the training ranks have no engine)")
     rng.seed_rank(cfg.run.seed, rank)  # vLLM reseeded the global streams
     ranks, groups = training_layout(cfg.parallel, model_cfg, info)
     tokens = TokenIds(pad_id=tok.pad_id, eos_id=tok.eos_id, stop_ids=(tok.eos_id, *task.stop_ids))
@@ -200,7 +195,8 @@ def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
         save(str(d))
     r = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + layout.engine,
                             dtype=model.dtype)
-    lora_rank = build_tuning(cfg.lora).engine_lora_rank(cfg.rollout.tensor_parallel_size, model)
+    lora_rank = build_tuning(cfg.lora, separate=cfg.rollout.placement == "separate"
+                             ).engine_lora_rank(cfg.rollout.tensor_parallel_size, model)
     return VLLMEngine(r, d, dtype=model.dtype, capture_routing=cfg.algo.routing_replay,
                       max_lora_rank=lora_rank)
 
@@ -272,9 +268,9 @@ def serve_rollouts(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | No
     collector = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
                                  rewards=build_rewards(cfg.reward, cfg.agent.reward_join, context),
                                  layout=layout, stop_ids=stop_ids)
-    done = serve(cfg, place, collector, watchdog)
-    log.info("rollout rank %d: %d batches sampled over %d weight syncs", rank, done["batches"],
-             done["syncs"])
+    done = serve(cfg, place, collector, watchdog, held_out=task.eval)
+    log.info("rollout rank %d: %d batches sampled over %d weight syncs, %d held-out "
+             "evaluations", rank, done["batches"], done["syncs"], done["evaluations"])
     engine.close()
     return done
 
@@ -301,11 +297,15 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
                     "resumed_from_step": tr.step_idx if ckpt is not None else None})
     # a resumed run's weight sync and evaluation are work the run it continues never did: they
     # leave the streams the checkpoint restored (once, by the manager) as they found them
-    if isinstance(tr.engine, RemoteEngine):  # separate placement: its last batch on-policy
-        tr.engine.batches = max(cfg.run.steps - tr.step_idx, 0)
+    remote = tr.engine if isinstance(tr.engine, RemoteEngine) else None
+    if remote is not None:  # separate placement: its last batch on-policy; no batch drawn
+        remote.batches = max(cfg.run.steps - tr.step_idx, 0)  # before a cold start's end
+        remote.held = ckpt is None and cfg.cold_start.steps > 0
     with rng.kept(tr.engine) if "rng" in restored else contextlib.nullcontext():
         tr.sync_weights()
         summary = _evaluate_before(tr, logger, resumed=ckpt is not None)
+    if remote is not None:
+        remote.release()
     syncs_before = tr.reference.state.syncs if tr.reference else 0
     target, lead = tr.eval_target, tr.ranks.rank == 0
     if lead and target.target > 0 and not (cfg.eval.every and tr.task.eval):

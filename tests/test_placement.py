@@ -15,6 +15,7 @@ per-sample staleness never exceeds k.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from datetime import timedelta
@@ -122,11 +123,26 @@ class InflightMarkerEngine(MarkerEngine):
                 for i, p in enumerate(prompts) for j in range(sampling.n)]
 
 
+class EvalMarkerEngine(MarkerEngine):
+    """A MarkerEngine whose greedy completions (held-out evaluation) answer prompt + marker:
+    which weights evaluated is in the text."""
+
+    def generate(self, prompts, sampling):
+        out = super().generate(prompts, sampling)
+        if sampling.temperature == 0:
+            for c in out:
+                c.text = str(prompts[c.prompt_index][-1] + int(self.marker))
+        return out
+
+
 def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEngine,
-            train_s: float = 0.0, batches: int | None = None) -> dict:
+            train_s: float = 0.0, batches: int | None = None,
+            held_out: list[Example] | None = None, cold_syncs: int = 0) -> dict:
     """One launch of a separate-placement world in this process: 2 rollout ranks (threads) and
     2 training replicas (both read here, replica 0 sends; a step "trains" `train_s` seconds
-    before its sync). Returns what each side saw."""
+    before its sync; with `held_out`, both replicas evaluate it after every sync; `cold_syncs`:
+    a cold start first, syncs of markers -cold_syncs..-1 each evaluated, released after the
+    first step's sync). Returns what each side saw."""
     cfg = _config(k)
     timeout = timedelta(seconds=60)
     groups: dict[int, object] = {}
@@ -156,7 +172,7 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
                                layout=RolloutLayout(rank=0, world_size=1, engine_tp=1,
                                                     train_tp=1, train_pp=1))
         rollout_threads.append(threading.Thread(target=lambda j=j, col=col: served.update(
-            {j: serve(cfg, places[2 + j], col, Watchdog())}), daemon=True))
+            {j: serve(cfg, places[2 + j], col, Watchdog(), held_out=held_out)}), daemon=True))
         rollout_threads[-1].start()
     loaders = [PromptLoader(data, B, d, 2, seed=3) for d in range(2)]
     if start is not None:
@@ -167,17 +183,26 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
                               tokenizer=Tok(), ranks=Ranks(rank=d, dp=2, dp_rank=d),
                               groups=None) for d in range(2)]
     version = start["version"] if start else 0
-    steps_seen = []
+    steps_seen, accuracies = [], []
+    remote.held = cold_syncs > 0
+    for marker in range(-cold_syncs, 0):  # a cold start: weights that sample nothing
+        Collective(remote).send(iter(_weights(marker)))
+        time.sleep(0.05)  # time enough to draw, were a rollout rank to start too early
+        if held_out is not None:
+            accuracies.append([src.evaluate(held_out) for src in sources])
     for _ in range(steps):
         time.sleep(train_s if version else 0.0)
         Collective(remote).send(iter(_weights(version)))  # the sync before the step
+        remote.release()  # after a cold start, with the weights it ended at
+        if held_out is not None:
+            accuracies.append([src.evaluate(held_out) for src in sources])
         rollouts = [src.next(version) for src in sources]
         steps_seen.append((version, rollouts))
         version += 1
     remote.close()
     for t in rollout_threads:
         t.join(timeout=30)
-    return {"steps": steps_seen, "engines": engines, "served": served,
+    return {"steps": steps_seen, "engines": engines, "served": served, "accuracy": accuracies,
             "loader": dict(loaders[0].state_dict(), version=version)}
 
 
@@ -233,6 +258,47 @@ def test_inflight_updates_enter_running_draws(k):
             assert all(torch.equal(got[n], t) for n, t in _weights(v))
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_held_out_evaluation_on_the_rollout_ranks(k):
+    """Held-out evaluation at separate placement: each rollout rank evaluates its share of the
+    examples, greedy, with the weights of every sync sent before the request, while it samples
+    up to k batches ahead; every training replica gets the whole set's accuracy. Against the
+    hand count: the engine's greedy answer is prompt + the weights' version, and 1, 2, 3, 4 of
+    the 10 examples expect version 0, 1, 2, 3 (none 4), so after sync v the accuracy is
+    (v + 1) / 10 (0 at v = 4); weights one sync stale, or a rollout rank's share counted
+    twice or not at all, give other figures."""
+    want_version = [0, 1, 1, 2, 2, 2, 3, 3, 3, 3]
+    held_out = [Example(prompt=str(200 + i), answer=str(200 + i + v))
+                for i, v in enumerate(want_version)]
+    run = _launch(_data(), k, steps=5, start=None, store=dist.HashStore(),
+                  engine=EvalMarkerEngine, held_out=held_out)
+    hand = [sum(v == version for v in want_version) / 10 for version in range(5)]
+    assert run["accuracy"] == [[a, a] for a in hand] and hand == [0.1, 0.2, 0.3, 0.4, 0.0]
+    assert [run["served"][j]["evaluations"] for j in range(2)] == [10, 10]  # both replicas
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_cold_start_holds_the_rollout_ranks(k):
+    """A cold start at separate placement: its syncs reach the rollout ranks, which evaluate
+    with them (accuracy against the hand count: version -3..-1 weights answer no example) but
+    draw nothing until the trainer releases them after the cold start's last sync; then
+    every sample comes from the weights GRPO starts with or newer, at most k behind, the
+    launch's last batch on-policy (a rollout rank that drew with the first sync's weights
+    would stamp a negative marker)."""
+    held_out = [Example(prompt=str(200 + i), answer=str(200 + i + v))
+                for i, v in enumerate([0, 1, 1, 2, 2, 2, 3, 3, 3, 3])]
+    run = _launch(_data(), k, steps=5, start=None, store=dist.HashStore(),
+                  engine=EvalMarkerEngine, held_out=held_out, cold_syncs=3, batches=5)
+    assert run["accuracy"] == [[a, a] for a in (0.0, 0.0, 0.0, 0.1, 0.2, 0.3, 0.4, 0.0)]
+    for version, ros in run["steps"]:
+        for c in (c for ro in ros for c in ro.completions):
+            assert c.logprobs[0] >= 0 and 0 <= version - c.logprobs[0] <= k
+        if version == 4:
+            assert all(c.logprobs[0] == 4 for ro in ros for c in ro.completions)
+    for eng in run["engines"]:  # the cold start's syncs were loaded, in order
+        assert [float(got["marker"][0]) for got in eng.received] == [-3, -2, -1, 0, 1, 2, 3, 4]
+
+
 def test_resume_starts_the_rollout_ranks_at_the_first_untrained_batch():
     """3 steps, then a new launch from the trainer's loader state: the prompts continue the
     uninterrupted sequence (batches the rollout ranks drew ahead are drawn again)."""
@@ -250,6 +316,10 @@ def test_separate_placement_config():
     ok = load_config(None, ["rollout.placement=separate", "rollout.rollout_ranks=1",
                             "data.batch_size=4"])
     ok.validate(3)  # 2 training ranks (DP 2) + 1 rollout rank
+    for lifted in (["eval.every=5"], ["cold_start.steps=5"], ["lora.rank=8"],
+                   ["lora.rank=8", "lora.refit=merged"], ["algo.routing_replay=true"]):
+        load_config(None, ["rollout.placement=separate", "rollout.rollout_ranks=1",
+                           "data.batch_size=4", *lifted]).validate(3)
     bad = [
         (["rollout.placement=separate"], "rollout.rollout_ranks=0"),
         (["rollout.rollout_ranks=2"], "rollout.rollout_ranks=2 needs rollout.placement=separate"),
@@ -257,8 +327,8 @@ def test_separate_placement_config():
           "rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size=2"),
         (["rollout.placement=separate", "rollout.rollout_ranks=1", "algo.dynamic_sampling=true"],
          "algo.dynamic_sampling=true"),
-        (["rollout.placement=separate", "rollout.rollout_ranks=1", "eval.every=5"],
-         "eval.every=5"),
+        (["rollout.placement=separate", "rollout.rollout_ranks=1", "lora.rank=8",
+          "lora.refit=adapter"], "lora.refit=adapter with rollout.placement=separate"),
         (["rollout.placement=sideways"], "rollout.placement='sideways'"),
     ]
     for overrides, named in bad:
@@ -342,6 +412,95 @@ def test_separate_run_versions_and_gap(separate_run):
     # in flight: per-token lags, trainer versions (sync indices mapped), within the bound
     assert all(0 <= r["token_lag_mean"] <= 1 for r in steps)
     assert any(r["staleness_max"] == 1 for r in steps)  # and the stream did run ahead
+
+
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
+MOE_ARGS = [
+    "--config", str(DEMO), "--nproc", "3", "run.steps=3", "data.batch_size=4",
+    "algo.group_size=4", "algo.num_minibatches=1", "reference.sync_every_steps=2",
+    "cold_start.steps=2", "cold_start.batch_size=8", "eval.every=2", "arithmetic.num_eval=8",
+    "log.tensorboard=false",
+    "log.progress=false", "compute.micro_batch_size=16", "compute.kernel_impl=torch",
+    "reward.terms=[{name: arithmetic}, {name: 'tests._rewards:length_reward', weight: 0.01}]",
+    "rollout.placement=separate", "rollout.rollout_ranks=1", "rollout.max_staleness=0",
+    "algo.routing_replay=true", "lora.rank=8", "lora.targets=[qkv, proj]", "optim.lr=1e-2",
+]
+
+
+@pytest.fixture(scope="module")
+def separate_moe_run(tmp_path_factory):
+    """One launch of a tiny Qwen3-MoE at separate placement (2 training ranks DP=2 + 1 rollout
+    rank, k = 0, 3 steps), shared by the features it composes with: routing replay (the routes
+    vLLM chose on the rollout rank travel back with the samples and the trainer's forwards
+    replay them), LoRA on qkv and proj (the rollout rank is sent the merged weights; the
+    reference resets after step 2, merging the adapters into the base), held-out
+    evaluation on the rollout rank's engine (before and after the cold start, after step 2
+    and at the end) and a 2-step supervised cold start, during which the rollout rank loads
+    the syncs but draws nothing (step 1's samples come from the cold-started weights)."""
+    from tests.support.tiny import tiny_qwen3_moe
+
+    work = tmp_path_factory.mktemp("separate_moe")
+    tiny_qwen3_moe(work / "qwen3_moe")
+    p = run_cli("train", *MOE_ARGS, f"run.init={work}/qwen3_moe", f"run.out_dir={work}/run",
+                timeout=900)
+    console = p.stdout + p.stderr
+    assert p.returncode == 0, console[-6000:]
+    records = [json.loads(line) for line in Path(work, "run", "metrics.jsonl").read_text()
+               .splitlines()]
+    # the console and every rank's full log (step and rollout-rank lines go to the files)
+    logs = "".join(f.read_text() for f in sorted(Path(work, "run", "logs").glob("rank*.log")))
+    return console + logs, [r for r in records if "loss" in r], work
+
+
+def test_separate_routing_replay(separate_moe_run):
+    """Every step's samples are fresh (k = 0) and the trainer replays the experts vLLM chose
+    on the rollout rank: its log-probs equal vLLM's to fp32 precision (the colocated replay
+    test's bound) and its own routing agrees with the replayed one everywhere, no replayed
+    row missing (routes lost or misaligned on the wire fail here)."""
+    _, steps, _ = separate_moe_run
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert r["staleness_max"] == 0 and r["update_skipped"] == 0
+        assert r["logp_gap_vllm_mean"] < 1e-5, [s["logp_gap_vllm_mean"] for s in steps]
+        assert r["moe_routing_mismatch"] == 0.0 and r["moe_replay_missing"] == 0.0, r
+
+
+def test_separate_lora_merged_refit(separate_moe_run):
+    """LoRA at separate placement: the rollout rank samples from W + s B A. Step 2 samples
+    with trained adapters (B != 0 after step 1), step 3 after the merge of step 2's reference
+    reset; both at k = 0 with the trainer's log-probs to fp32 precision (step 1: the weights
+    the cold start ended at)."""
+    console, steps, work = separate_moe_run
+    assert "vLLM is refit with the merged weights (W + s B A) after each update (no " \
+           "adapter-only refit: rollout.placement=separate sends the rollout ranks the merged " \
+           "weights)" in console
+    assert [r["logp_gap_vllm_mean"] < 1e-5 for r in steps] == [True] * 3, \
+        [r["logp_gap_vllm_mean"] for r in steps]
+    assert "step 2: reference re-initialised (" in console
+    # the adapters moved the policy away from the base it started from
+    assert steps[1]["kl"] > 0
+
+
+def test_separate_held_out_evaluation_reported(separate_moe_run):
+    """The rollout rank's evaluations land where a colocated run's do: metrics records at
+    step 0 (before GRPO), after step 2 (eval.every) and at the end, and the summary's
+    fields, the cold start's check included; each a share of the 8 held-out examples (tests
+    above count it by hand). The cold start ran before GRPO on the training ranks while the
+    rollout rank waited: step 1's samples are fresh (gap < 1e-5, checked above), i.e. from
+    the cold-started weights (test_cold_start_holds_the_rollout_ranks plants the early draw)."""
+    console, _, work = separate_moe_run
+    records = [json.loads(line) for line in Path(work, "run", "metrics.jsonl").read_text()
+               .splitlines()]
+    evals = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
+    assert [s for s, _ in evals] == [0, 2, 3], evals
+    assert all(a * 8 == round(a * 8) and 0 <= a <= 1 for _, a in evals), evals
+    summary = json.loads(Path(work, "run", "summary.json").read_text())
+    assert summary["eval_accuracy_before"] == evals[0][1]
+    assert summary["eval_accuracy_after"] == evals[-1][1]
+    assert summary["sft_steps"] == 2 and 0 <= summary["sft_eval_accuracy"] <= 1
+    assert "held-out evaluation: 8 prompts, greedy" in console
+    assert re.search(r"rollout rank 2: \d+ batches sampled over \d+ weight syncs, 5 held-out "
+                     "evaluations", console), console[-3000:]
 
 
 def test_plan_separates_training_and_rollout_memory(capsys):

@@ -95,7 +95,9 @@ class AlgoConfig(Section):
     routing_replay: bool = False
     """MoE: the trainer's forwards (update and the policy's scoring) route every token to the
     experts vLLM chose for it while sampling (rollout routing replay, megatron's RouterReplay);
-    the reference routes by itself. Needs an MoE model and a vLLM engine in this process."""
+    the reference routes by itself. Needs an MoE model; colocated, no batch drawn ahead
+    (rollout.max_staleness 0); under separate placement the routes come back with the samples
+    at any k."""
 
     def needs_old_logprobs(self, *, async_batch: bool, kl_in_reward: bool) -> bool:
         """Whether a step scores the policy's old log-probs before its updates: several passes

@@ -16,8 +16,7 @@ def training_world(rollout: RolloutConfig, world_size: int | None) -> int | None
     return world_size - rollout.rollout_ranks
 
 
-def check_separate(rollout: RolloutConfig, *, agent, algo, evaluation, cold_start, lora
-                   ) -> None:
+def check_separate(rollout: RolloutConfig, *, agent, algo, lora) -> None:
     """Raise ValueError for what separate placement (`rollout`) does not run (yet), naming the
     field; the other arguments are the config's sections of those names."""
     if rollout.placement != "separate":
@@ -26,13 +25,9 @@ def check_separate(rollout: RolloutConfig, *, agent, algo, evaluation, cold_star
         (agent.enabled, "agent.environment", "multi-turn rollouts run colocated only"),
         (algo.dynamic_sampling, "algo.dynamic_sampling=true",
          "top-ups would need the trainer to ask the rollout ranks for more"),
-        (evaluation.every > 0, f"eval.every={evaluation.every}",
-         "the rollout ranks do not evaluate (set eval.every=0)"),
-        (cold_start.steps > 0, f"cold_start.steps={cold_start.steps}",
-         "the cold start evaluates on colocated engines (set cold_start.steps=0)"),
-        (lora.enabled, "lora.rank > 0", "LoRA refits run colocated only"),
-        (algo.routing_replay, "algo.routing_replay=true",
-         "routes are not sent back from the rollout ranks"),
+        (lora.enabled and lora.refit == "adapter", "lora.refit=adapter",
+         "the rollout ranks are sent the merged weights (adapter-only sync to them is not "
+         "built yet): set lora.refit=auto or merged"),
     ]
     for bad, name, why in refused:
         if bad:

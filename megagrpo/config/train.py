@@ -174,8 +174,7 @@ class TrainConfig(Section):
                              f"{by[2]} or rollout.tensor_parallel_size=1")
         check_rollout_layout(self.rollout.tensor_parallel_size, self.parallel, self.model,
                              world_size)
-        check_separate(self.rollout, agent=self.agent, algo=self.algo, evaluation=self.eval,
-                       cold_start=self.cold_start, lora=self.lora)
+        check_separate(self.rollout, agent=self.agent, algo=self.algo, lora=self.lora)
 
 
     @property

@@ -447,17 +447,25 @@ class RolloutCollector:
         With the agent on: greedy multi-turn trajectories, turns ending at rollout.stop too."""
         lay = self.layout  # each engine evaluates its slice; its TP rank 0 counts it
         mine = list(range(lay.engine, len(examples), lay.num_engines))
+        counted = float(len(mine)) if lay.is_leader else 0.0
+        v = torch.tensor([float(self.count_correct(examples, mine)), counted],
+                         dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(v, group=self.groups.world)
+        return float(v[0] / max(v[1], 1.0))
+
+
+    def count_correct(self, examples: list[Example], mine: list[int]) -> int:
+        """Greedy completions of examples[i] for i in `mine` on this rank's engine (held-out
+        settings: eval.max_tokens, temperature 0); how many the reward source calls correct.
+        A rollout rank of separate placement evaluates its share with it."""
         s = SamplingSettings(temperature=0.0, max_tokens=self.cfg.eval.max_tokens, n=1,
                              stop=tuple(self.cfg.rollout.stop) if self.runner else (),
                              stop_token_ids=self.stop_ids)
         prompts = [encode_prompt(self.tokenizer, e.prompt) for e in examples]
         comps, _, _ = self._generate(prompts, [e.answer for e in examples], mine, s,
                                      [e.record for e in examples], [e.prompt for e in examples])
-        counted = float(len(mine)) if lay.is_leader else 0.0
-        v = torch.tensor([float(sum(c.correct for c in comps)), counted], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(v, group=self.groups.world)
-        return float(v[0] / max(v[1], 1.0))
+        return sum(bool(c.correct) for c in comps)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -39,6 +39,17 @@ What flows where:
     two decode steps, KV cache kept; vLLM stamps every token with the sync that sampled it, and
     the trainer maps sync indices to policy versions (`Completion.token_versions`). The
     trainer's broadcast then never waits for a draw to end.
+  - held-out evaluation: training rank 0 announces evaluation e in the store and broadcasts
+    its header (how many examples, a digest of their prompts) over `cross`, between two syncs;
+    rollout rank j evaluates examples j, j+R, ... of its own copy of the held-out set, greedy,
+    with the weights of every sync sent before it, and puts (correct, counted) in the store,
+    where every training rank reads all of them (`RemoteEngine.request_eval`,
+    `SeparateSource.evaluate`). An evaluation carries no weights and takes no sync index, so
+    the staleness bound counts weight syncs only.
+  - cold start: its syncs carry no start (`RemoteEngine.held`): the rollout ranks load them
+    and serve the evaluations but draw nothing until the trainer's release after the cold
+    start, which carries the start; batch i then needs sync base + i - k, base the last sync
+    before the release.
   - resume: the trainer's own PromptLoader tracks the next untrained batch and is checkpointed as
     in colocated runs; the first sync of a run tells the rollout ranks where to start. Batches
     sampled ahead of a checkpoint are not kept: they are sampled again, by the restored weights,
@@ -46,6 +57,8 @@ What flows where:
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -128,6 +141,10 @@ class Placement:
 
     def announced(self, sync: int) -> bool:
         return self.store.check([f"sync/{sync}"])
+
+    def eval_asked(self, e: int) -> bool:
+        """Whether training rank 0 has asked for held-out evaluation `e`."""
+        return self.store.check([f"eval/{e}"])
 
     def describe(self, cfg: TrainConfig, dp: int) -> str:
         """The console line that says where each rank went."""
@@ -218,6 +235,11 @@ class RemoteEngine:
     dtype: str
     syncs: int = 0
     """Syncs sent in this launch (the next one's index)."""
+    evals: int = 0
+    """Held-out evaluations asked for in this launch (the next one's index)."""
+    held: bool = False
+    """A cold start runs before GRPO: the syncs carry no start (the rollout ranks load the
+    weights and evaluate, but draw nothing) until `release`."""
     max_lora_rank: int = 0
     batches: int | None = None
     """The batches this launch will take (run.steps less the steps a resume restored; set
@@ -230,12 +252,35 @@ class RemoteEngine:
         follow, so the rollout ranks know how to receive them)."""
         sync, self.syncs = self.syncs, self.syncs + 1
         if self.sends and self.place.cross is not None:
-            first = sync == 0
+            first = sync == 0 and not self.held
             self.place.announce(sync)
             bcast_json(self.place.cross, {"sync": sync, "stop": False, "via": via,
                                           "start": self.loader.state_dict() if first else None,
                                           "batches": self.batches if first else None})
         return sync
+
+    def release(self) -> None:
+        """Every training rank, after a cold start (`held`): the rollout ranks start drawing
+        GRPO's batches, with the weights of the last sync or newer (training rank 0 broadcasts
+        the start: the loader position and the batches this launch takes)."""
+        if not self.held:
+            return
+        self.held = False
+        if self.place.cross is not None:
+            bcast_json(self.place.cross, {"release": True, "stop": False,
+                                          "start": self.loader.state_dict(),
+                                          "batches": self.batches})
+
+    def request_eval(self, examples) -> int:
+        """Every training rank: the index of a held-out evaluation of `examples` by the
+        rollout ranks' engines; training rank 0 announces it and broadcasts its header."""
+        e, self.evals = self.evals, self.evals + 1
+        if self.place.cross is not None:
+            self.place.store.set(f"eval/{e}", "1")
+            bcast_json(self.place.cross, {"eval": {"index": e, "n": len(examples),
+                                                   "digest": eval_digest(examples)},
+                                          "stop": False})
+        return e
 
     def close(self) -> None:
         """End of run: the rollout ranks stop after the batch they are sampling."""
@@ -266,13 +311,30 @@ class Sync:
     stop: bool
     batches: int | None = None
     """The first sync: the batches the trainer will take in this launch (None: unknown)."""
+    eval: dict | None = None
+    """Not a sync: a held-out evaluation asked for (index, n, digest); no weights."""
+    release: bool = False
+    """Not a sync: the end of a cold start (`start` and `batches` set); no weights."""
+
+
+def eval_digest(examples) -> str:
+    """A short digest of held-out examples' prompts and answers (both sides must evaluate the
+    same set)."""
+    text = json.dumps([[e.prompt, e.answer] for e in examples], default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def receive_weights(place: Placement, engine) -> Sync:
-    """Rollout rank: the next sync from the cross group, loaded into `engine` (a stop message
-    carries no weights). With in-flight updates the engine's weights are labelled with the
-    sync's index, which vLLM stamps on the tokens they sample."""
+    """Rollout rank: the next message from the cross group: a sync, loaded into `engine`, a
+    stop message or an evaluation request (neither carries weights). With in-flight updates
+    the engine's weights are labelled with the sync's index, which vLLM stamps on the tokens
+    they sample."""
     head = bcast_json(place.cross, None)
+    if head.get("eval") is not None:
+        return Sync(index=-1, start=None, stop=False, eval=head["eval"])
+    if head.get("release"):
+        return Sync(index=-1, start=head["start"], stop=False, batches=head["batches"],
+                    release=True)
     sync = Sync(index=head["sync"], start=head["start"], stop=head["stop"],
                 batches=head.get("batches"))
     if not sync.stop:
@@ -318,25 +380,33 @@ def _received_tensors(pg) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # ---------------------------------------------------------------------- the rollout ranks
-def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watchdog) -> dict:
+def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watchdog,
+          held_out: list | None = None) -> dict:
     """A rollout rank's whole run: sample batch after batch with the newest weights it has
-    (at least sync i - k for batch i), put each finished part in the store, until the trainer
-    says stop. Returns what it did."""
+    (at least sync i - k for batch i), put each finished part in the store, and evaluate
+    `held_out` (its share, greedy) whenever the trainer asks, until the trainer says stop.
+    Returns what it did."""
     k, B, R, j = cfg.staleness, cfg.data.batch_size, place.rollout_ranks, place.rollout_index
     loader, tok = collector.loader, collector.tokenizer
     watchdog.set_phase("weight_sync", 0)  # phases name a stall, as on the training ranks
-    sync = receive_weights(place, collector.engine)
+    sync, evals = _until_started(place, collector, held_out or [], watchdog)
     if sync.start is not None:
         loader.load_state_dict(sync.start)
     last = sync.batches - 1 if sync.batches is not None else None
+    base = sync.index  # batch i: sync base + i - k or newer (base > 0 after a cold start)
     mine = list(range(j, B, R))  # groups whole: every sample of a prompt on one engine
     channel = place.channel(B)
     i = 0
     while not sync.stop:
         # at most k syncs behind; the launch's last batch on-policy (k = 0)
-        if sync.index < i - (0 if i == last else k) or place.announced(sync.index + 1):
+        if sync.index < base + i - (0 if i == last else k) or place.announced(sync.index + 1) \
+                or place.eval_asked(evals):
             watchdog.set_phase("weight_sync", i)
-            sync = receive_weights(place, collector.engine)
+            got = receive_weights(place, collector.engine)
+            if got.eval is not None:  # with the weights of every sync sent before it
+                evals = _evaluate(place, collector, got.eval, held_out or [], watchdog)
+            else:
+                sync = got
             continue
         watchdog.set_phase("rollout", i)
         t0 = time.perf_counter()
@@ -356,7 +426,45 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
                          rewards=rewards.tolist()))
         i += 1
     channel.close()
-    return {"batches": i, "syncs": sync.index, "sample_bytes": channel.bytes_sent}
+    return {"batches": i, "syncs": sync.index, "sample_bytes": channel.bytes_sent,
+            "evaluations": evals}
+
+
+def _until_started(place: Placement, collector: RolloutCollector, held_out: list, watchdog
+                   ) -> tuple[Sync, int]:
+    """Rollout rank, before its first batch: the cross group's messages until the one that
+    starts sampling (the first sync, or after a cold start the trainer's release), loading
+    every sync and serving every evaluation on the way. Returns (the newest sync, with the
+    start and the batch count; the evaluations served)."""
+    sync, evals = None, 0
+    while True:
+        got = receive_weights(place, collector.engine)
+        if got.eval is not None:
+            evals = _evaluate(place, collector, got.eval, held_out, watchdog)
+            continue
+        if got.release:  # the cold start's syncs are in: sample from the newest on
+            got = dataclasses.replace(sync, start=got.start, batches=got.batches)
+        sync = got
+        if sync.start is not None or sync.stop:
+            return sync, evals
+
+
+def _evaluate(place: Placement, collector: RolloutCollector, ask: dict, held_out: list,
+              watchdog) -> int:
+    """Rollout rank: its share of held-out evaluation `ask` (examples j, j + R, ...), greedy
+    with the weights its engine holds; (correct, counted) into the store. Returns the next
+    evaluation's index."""
+    e = ask["index"]
+    if ask["n"] != len(held_out) or ask["digest"] != eval_digest(held_out):
+        raise RuntimeError(f"separate placement: the trainer evaluates {ask['n']} held-out "
+                           f"examples (digest {ask['digest']}), this rollout rank holds "
+                           f"{len(held_out)} (digest {eval_digest(held_out)}): both sides must "
+                           "read the same data.eval_path / arithmetic.num_eval")
+    watchdog.set_phase("eval", e)
+    mine = list(range(place.rollout_index, len(held_out), place.rollout_ranks))
+    correct = collector.count_correct(held_out, mine) if mine else 0
+    place.store.set(f"eval/{e}/{place.rollout_index}", json.dumps([correct, len(mine)]))
+    return e + 1
 
 
 def _generate_inflight(place: Placement, collector: RolloutCollector, args: tuple, sync: Sync
@@ -499,7 +607,13 @@ class SeparateSource:
         pass
 
     def evaluate(self, examples) -> float:
-        raise RuntimeError("separate placement does not evaluate (no engine on training ranks)")
+        """Greedy held-out accuracy of `examples` on the rollout ranks' engines, with the
+        weights of the last sync (every training rank waits for it and gets the same)."""
+        e = self.engine.request_eval(examples)
+        keys = [f"eval/{e}/{j}" for j in range(self.place.rollout_ranks)]
+        self.place.store.wait(keys, timedelta(seconds=self.place.timeout_s))
+        got = [json.loads(self.place.store.get(k)) for k in keys]
+        return sum(c for c, _ in got) / max(sum(n for _, n in got), 1)
 
 
 def _position(state: dict) -> tuple[int, int]:

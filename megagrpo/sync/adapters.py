@@ -40,15 +40,19 @@ def vllm_max_lora_rank(rank: int) -> int:
 
 
 def unavailable(lora: LoRAConfig, rollout_tp: int, model: ModelConfig | None = None, *,
-                on_cpu: bool = False) -> str:
+                on_cpu: bool = False, separate: bool = False) -> str:
     """'' when vLLM serves this run's adapters, else why it does not (the merged weights are
     refit then). `model`: the policy's (MoE expert adapters are not served); `on_cpu`: the
-    engines are vLLM's CPU build (`lora.refit=auto` refits merged there). Raises ValueError when
-    `lora.refit=adapter` asks for what cannot be served."""
+    engines are vLLM's CPU build (`lora.refit=auto` refits merged there); `separate`: the
+    engines run on rollout ranks of their own (rollout.placement=separate), which are sent the
+    merged weights (lora.refit=adapter is refused there, megagrpo.config.placement). Raises
+    ValueError when `lora.refit=adapter` asks for what cannot be served."""
     if not lora.enabled:
         return "lora.rank=0"
     if lora.refit == "merged":
         return "lora.refit=merged"
+    if separate:
+        return "rollout.placement=separate sends the rollout ranks the merged weights"
     why = _cannot_serve(lora, rollout_tp, model)
     if why and lora.refit == "adapter":
         raise ValueError(f"lora.refit=adapter, but {why}; set lora.refit=auto or merged")
