@@ -71,6 +71,13 @@ def _row(cells: Sequence[object]) -> str:
     return "| " + " | ".join(map(str, cells)) + " |"
 
 
+def add_out_and_table(ap: argparse.ArgumentParser, table_help: str) -> None:
+    """--out (the file `_harness.emit` appends each JSON line to as well) and --table JSONL
+    (`table_help`: what the table-only mode prints, see `print_table`)."""
+    ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
+    ap.add_argument("--table", default=None, metavar="JSONL", help=table_help)
+
+
 def print_table(args: argparse.Namespace, **tables: Callable[[str], str]) -> bool:
     """If one of the table flags named by `tables` (argument name -> the function that makes
     that table from a results file) was given, print its table and return True: the script

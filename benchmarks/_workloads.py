@@ -155,6 +155,16 @@ def missing_model(w: Workload) -> str:
     return ""
 
 
+def add_step_args(ap, *, warmup: int, steps: int) -> None:
+    """The flags of the scripts that time GRPO steps of one workload (profile_step.py,
+    trl_grpo_baseline.py): --workload, --dtype, and the untimed --warmup and timed --steps
+    (their defaults)."""
+    ap.add_argument("--workload", default="demo", help="demo, varlen or smollm2")
+    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--steps", type=int, default=steps)
+
+
 def check_dtype(dtype: str) -> str:
     if dtype not in DTYPES:
         raise SystemExit(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
