@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.run import WatchdogConfig
 from megagrpo.runtime.watchdog import EXIT_STALLED, Watchdog, WatchdogSettings
-from tests.support.launch import torchrun_command, worker_env
+from tests.support.launch import alive, torchrun_command, worker_env
 
 WORKER = os.path.join(os.path.dirname(__file__), "_watchdog_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -213,7 +213,7 @@ def test_frozen_rank_in_a_real_run_is_named(tmp_path):
         flag.touch()
         rc = proc.wait(timeout=200)
         ended = time.time()
-        left = [p for p in below if _alive(p)]
+        left = [p for p in below if alive(p)]
     finally:
         for pid in [proc.pid, *below]:  # a stopped rank ignores all but SIGKILL; SIGCONT in case
             for sig in (signal.SIGCONT, signal.SIGKILL):
@@ -230,12 +230,4 @@ def test_frozen_rank_in_a_real_run_is_named(tmp_path):
     assert "its last: phase 'rollout' of step " in text, text[-4000:]
     assert "sent SIGKILL to stopped rank 1" in text, text[-4000:]
     assert len(below) >= 3 and not left, (below, left)  # torchrun + 2 ranks, all gone
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 

@@ -51,6 +51,15 @@ def torchrun_results(script: str | Path, nproc: int, work: Path, *args: str,
     return json.loads((work / "results.json").read_text())
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs: it exists and is not a zombie (killed, not reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def worker_args(**options: str) -> argparse.Namespace:
     """In a torchrun worker: its command line parsed, `--work WORK` (required) and one
     `--NAME` string option per keyword (`layouts="1x1,2x1"`: `--layouts`, that default); then
