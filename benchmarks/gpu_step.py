@@ -63,6 +63,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _common import add_out_and_table  # noqa: E402
 from _harness import emit, peak_extra_bytes, sync, time_samples  # noqa: E402
 
 SHAPES = {
@@ -507,9 +508,7 @@ def main(argv: list[str] | None = None) -> None:
                     "is another graph to compile")
     ap.add_argument("--outputs", default="fused,logits")
     ap.add_argument("--iters", type=int, default=None, help="timed passes (3 CUDA, 1 CPU)")
-    ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
-    ap.add_argument("--table", default=None, metavar="JSONL",
-                    help="only print the markdown table of these result lines")
+    add_out_and_table(ap, "only print the markdown table of these result lines")
     ap.add_argument("--write", default=None, metavar="DOC",
                     help="with --table: write it between the doc's gpu step markers")
     args = ap.parse_args(argv)

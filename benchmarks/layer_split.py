@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import add_out_and_table, print_table  # noqa: E402
 from _harness import emit, time_fn  # noqa: E402
 
 PRESETS = {
@@ -292,17 +293,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="with --compile: the eager layers timed once more after the compiled "
                     "ones (A/B/A on a shared machine)")
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
-    ap.add_argument("--table", default=None, metavar="JSONL",
-                    help="only print the markdown table of these result lines")
+    add_out_and_table(ap, "only print the markdown table of these result lines")
     ap.add_argument("--compiled-table", default=None, metavar="JSONL",
                     help="only print the compiled-vs-eager markdown table of these lines")
     args = ap.parse_args(argv)
-    if args.table:
-        print(table(args.table))
-        return
-    if args.compiled_table:
-        print(compiled_table(args.compiled_table))
+    if print_table(args, table=table, compiled_table=compiled_table):
         return
     cores = os.cpu_count() or 1
     threads = [int(x) for x in args.threads.split(",")] if args.threads else [cores]

@@ -49,6 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _workloads as W  # noqa: E402
+from _common import parser  # noqa: E402
 import grpo_step  # noqa: E402
 
 from megagrpo.runtime.machine import cpu_name  # noqa: E402
@@ -368,11 +369,8 @@ def markdown(recs: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="demo", help="demo, varlen or smollm2")
-    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=2)
+    ap = parser(__doc__)
+    W.add_step_args(ap, warmup=1, steps=2)
     ap.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS (default: all cores)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--out", default="", help="write the JSON line to this file")

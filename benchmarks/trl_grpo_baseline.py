@@ -55,6 +55,7 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 import _workloads as W  # noqa: E402
+from _common import parser  # noqa: E402
 from megagrpo.data import encode_prompt  # noqa: E402
 from megagrpo.reward import RuleTerms  # noqa: E402
 from megagrpo.tasks import build_task  # noqa: E402
@@ -235,11 +236,8 @@ def _sweep(args: argparse.Namespace) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="demo", help="demo, varlen or smollm2")
-    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
+    ap = parser(__doc__)
+    W.add_step_args(ap, warmup=2, steps=5)
     ap.add_argument("--threads", default="1,2",
                     help="comma-separated torch intra-op thread counts to sweep")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -42,7 +42,7 @@ from megagrpo.runtime.run_dir import (
 from tests._fault_hooks import DIE_ENV
 from tests.support.bf16 import needs_fast_bf16
 from tests.support.cli import run_cli
-from tests.support.launch import torchrun_results
+from tests.support.launch import alive, torchrun_results
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -66,14 +66,6 @@ class Plant:
 
     def __reduce__(self):
         return (Path.touch, (Path(self.path),))
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def damage(cut: Path, marker: Path) -> tuple[Path, Path]:

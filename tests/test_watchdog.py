@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.run import WatchdogConfig
 from megagrpo.runtime.watchdog import EXIT_STALLED, Watchdog, WatchdogSettings
-from tests.support.launch import torchrun_command, worker_env
+from tests.support.launch import alive, torchrun_command, worker_env
 
 WORKER = os.path.join(os.path.dirname(__file__), "_watchdog_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,25 +32,30 @@ class FakeClock:
         return self.now
 
 
-def pair(settings: WatchdogSettings, clock: FakeClock, fired: list) -> list[Watchdog]:
-    """Rank 0 and rank 1 of a 2-rank job sharing one in-process store."""
-    store = dist.HashStore()
-    return [Watchdog(settings, rank=r, world_size=2, store_factory=lambda: store,
-                     on_stall=fired.append, clock=clock, key_prefix="job") for r in range(2)]
+def pair(settings: WatchdogSettings) -> tuple[FakeClock, Watchdog, Watchdog]:
+    """The fake clock, and rank 0 and rank 1 of a 2-rank job sharing one in-process store and
+    that clock (not started: each `tick` returns what it would report)."""
+    clock, store = FakeClock(), dist.HashStore()
+    w0, w1 = (Watchdog(settings, rank=r, world_size=2, store_factory=lambda: store,
+                       on_stall=lambda message: None, clock=clock, key_prefix="job")
+              for r in range(2))
+    return clock, w0, w1
+
+
+def quiet_seconds(clock: FakeClock, seconds: int, *watchdogs: Watchdog) -> None:
+    """`seconds` one-second ticks of `watchdogs` (in that order): none of them reports."""
+    for _ in range(seconds):
+        clock.now += 1
+        for w in watchdogs:
+            assert w.tick() == (None, None)
 
 
 def test_frozen_peer_is_named_with_its_last_phase():
-    clock, fired = FakeClock(), []
-    w0, w1 = pair(WatchdogSettings(interval_s=1, peer_timeout_s=5, stall_timeout_s=0), clock,
-                  fired)
+    clock, w0, w1 = pair(WatchdogSettings(interval_s=1, peer_timeout_s=5, stall_timeout_s=0))
     w0.set_phase("update", 3)
     w1.set_phase("update", 3)
-    for _ in range(20):  # both beating: rank 1's long phase is not a frozen rank
-        clock.now += 1
-        assert w1.tick() == (None, None) and w0.tick() == (None, None)
-    for _ in range(5):  # rank 1 stops beating: within the timeout nothing fires
-        clock.now += 1
-        assert w0.tick() == (None, None)
+    quiet_seconds(clock, 20, w1, w0)  # both beating: rank 1's long phase is not a frozen rank
+    quiet_seconds(clock, 5, w0)  # rank 1 stops beating: within the timeout nothing fires
     clock.now += 1
     message, frozen = w0.tick()
     assert frozen is not None and frozen.rank == 1 and frozen.pid == os.getpid()
@@ -59,26 +64,18 @@ def test_frozen_peer_is_named_with_its_last_phase():
 
 
 def test_a_finished_peer_is_not_frozen():
-    clock, fired = FakeClock(), []
-    w0, w1 = pair(WatchdogSettings(interval_s=1, peer_timeout_s=3, stall_timeout_s=0), clock,
-                  fired)
+    clock, w0, w1 = pair(WatchdogSettings(interval_s=1, peer_timeout_s=3, stall_timeout_s=0))
     w1.tick()
     w0.tick()
     w1.stop()  # publishes its last beat, marked done
-    for _ in range(10):
-        clock.now += 1
-        assert w0.tick() == (None, None)
+    quiet_seconds(clock, 10, w0)
 
 
 def test_stalled_phase_names_the_phase_and_every_rank_phase():
-    clock, fired = FakeClock(), []
-    w0, w1 = pair(WatchdogSettings(interval_s=1, peer_timeout_s=0, stall_timeout_s=10), clock,
-                  fired)
+    clock, w0, w1 = pair(WatchdogSettings(interval_s=1, peer_timeout_s=0, stall_timeout_s=10))
     w0.set_phase("score", 2)
     w1.set_phase("update", 2)
-    for _ in range(10):
-        clock.now += 1
-        assert w1.tick() == (None, None) and w0.tick() == (None, None)
+    quiet_seconds(clock, 10, w1, w0)
     w1.set_phase("update", 2)  # rank 1 moves on; rank 0's phase goes past the limit
     clock.now += 1
     w1.tick()
@@ -213,7 +210,7 @@ def test_frozen_rank_in_a_real_run_is_named(tmp_path):
         flag.touch()
         rc = proc.wait(timeout=200)
         ended = time.time()
-        left = [p for p in below if _alive(p)]
+        left = [p for p in below if alive(p)]
     finally:
         for pid in [proc.pid, *below]:  # a stopped rank ignores all but SIGKILL; SIGCONT in case
             for sig in (signal.SIGCONT, signal.SIGKILL):
@@ -230,12 +227,4 @@ def test_frozen_rank_in_a_real_run_is_named(tmp_path):
     assert "its last: phase 'rollout' of step " in text, text[-4000:]
     assert "sent SIGKILL to stopped rank 1" in text, text[-4000:]
     assert len(below) >= 3 and not left, (below, left)  # torchrun + 2 ranks, all gone
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 

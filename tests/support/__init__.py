@@ -1,10 +1,14 @@
 """Test support, one copy each, imported as `from tests.support.<module> import ...`:
 
 - `launch`: torchrun launches of a worker script (`torchrun`, `torchrun_results`, and in the
-  worker `write_results`), spawned gloo groups (`spawn_ranks`, `gloo_rank`), collective
-  counting, free ports (the command line and port picker are megagrpo.cli's, so the launcher,
-  tests and benchmarks share them: no fixed ports);
-- `tiny`: tiny random HF checkpoints (Llama, Qwen2/3, MoE) built from config classes;
+  worker `worker_args` and `write_results`), spawned gloo groups (`spawn_ranks`, `gloo_rank`),
+  collective counting, free ports (the command line and port picker are megagrpo.cli's, so the
+  launcher, tests and benchmarks share them: no fixed ports);
+- `tiny`: tiny random HF checkpoints (Llama, Qwen2/3, MoE) built from config classes, and
+  `perturbed` copies of a model;
+- `megatron`: a megatron-core model trained by hand on a worker's ranks (DDP and optimizer,
+  a backward over a batch's rows);
+- `bench`: benchmarks/ scripts imported by file path;
 - `cli`: `python -m megagrpo ...` as a subprocess;
 - `dispatch`: TorchDispatchModes that watch the ops a call runs (tensor sizes, matmul counts);
 - `docs`: generated tables in the docs compared between their markers;

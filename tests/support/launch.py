@@ -2,6 +2,7 @@
 and torch.multiprocessing spawns of an importable worker function."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -48,6 +49,28 @@ def torchrun_results(script: str | Path, nproc: int, work: Path, *args: str,
     what it wrote (WORK/results.json)."""
     torchrun(script, nproc, "--work", str(work), *args, timeout=timeout)
     return json.loads((work / "results.json").read_text())
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs: it exists and is not a zombie (killed, not reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def worker_args(**options: str) -> argparse.Namespace:
+    """In a torchrun worker: its command line parsed, `--work WORK` (required) and one
+    `--NAME` string option per keyword (`layouts="1x1,2x1"`: `--layouts`, that default); then
+    one intra-op thread per rank (the ranks share the cores)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", required=True)
+    for name, default in options.items():
+        ap.add_argument(f"--{name}", default=default)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    return args
 
 
 def write_results(results: Any, work: str | Path, *, flat: bool = False) -> None:
