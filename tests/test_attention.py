@@ -1,7 +1,7 @@
 """SdpaAttention (megagrpo/parallel/attention.py) against independent references: a float64 naive
 softmax attention and megatron's DotProductAttention (module level, fp32 and bf16, GQA, right
 padding), transformers' LlamaForCausalLM (whole model, TP=1), and the TP=1 result at TP=2 in real
-processes. One torchrun launch (2 ranks) covers the multi-process part; see
+processes. One rank launch (2 ranks) covers the multi-process part; see
 tests/_attention_worker.py."""
 import os
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from tests.support.launch import torchrun_results
+from tests.support.launch import run_ranks_results
 from tests.support.tiny import tiny_llama
 
 WORKER = os.path.join(os.path.dirname(__file__), "_attention_worker.py")
@@ -27,7 +27,7 @@ def run(tmp_path_factory):
     with torch.no_grad():
         ref = {"ids": ids, "labels": torch.roll(ids, -1, dims=1), "hf_logits": llama(ids).logits}
     torch.save(ref, work / "ref.pt")
-    return torchrun_results(WORKER, 2, work), torch.load(work / "tensors.pt"), ref
+    return run_ranks_results(WORKER, 2, work), torch.load(work / "tensors.pt"), ref
 
 
 def _cases(results, dtype):

@@ -1,7 +1,7 @@
 """Foundation: HF checkpoints loaded into megatron TP/PP shards give transformers' logits; the
 HF -> megatron -> HF round trip is bitwise; one training step's reduced gradients and grad norm
 equal a single-process float64 reference at every layout, and its Adam step equals TP=1.
-One torchrun launch (4 ranks, gloo) covers all layouts; see tests/_foundation_worker.py."""
+One rank launch (4 ranks, gloo) covers all layouts; see tests/_foundation_worker.py."""
 import copy
 import json
 import math
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.launch import torchrun
+from tests.support.launch import run_ranks
 from tests.support.tiny import load_dir, tiny_llama, tiny_qwen2
 
 LAYOUTS = ["tp1_pp1", "tp2_pp1", "tp1_pp2", "tp2_pp2"]
@@ -31,7 +31,7 @@ def run(tmp_path_factory):
         ref = {"ids": ids, "labels": labels,
                "llama_logits": llama(ids).logits, "qwen2_logits": qwen(ids).logits}
     torch.save(ref, work / "ref.pt")
-    torchrun(WORKER, 4, "--work", str(work))
+    run_ranks(WORKER, 4, "--work", str(work))
     grads = {"llama": reference_grads(llama, ids, labels),
              "qwen2": reference_grads(qwen, ids, labels)}
     return work, json.loads((work / "results.json").read_text()), grads

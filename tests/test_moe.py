@@ -3,7 +3,7 @@ every TP x PP x EP layout of 4 ranks, against transformers' own models (tests/su
 logits, the bitwise HF -> megatron -> HF round trip, and one training step's reduced
 gradients (routed experts, router, shared expert, dense) and grad norm, each DP rank on its own
 slice of the batch, against a single-process float64 gradient over the whole batch. One
-torchrun launch; see tests/_moe_worker.py."""
+rank launch; see tests/_moe_worker.py."""
 
 import json
 import os
@@ -18,7 +18,7 @@ import torch
 from megagrpo.hf import hf_config_dict, hf_shapes, model_config_from_hf
 from tests.support.cli import run_cli
 from tests.support.docs import assert_generated_table
-from tests.support.launch import torchrun
+from tests.support.launch import run_ranks
 from tests.support.tiny import edited_copy, load_dir, tiny_dirs, tiny_qwen2_moe, tiny_qwen3_moe
 from tests.test_foundation import assert_grads_match, assert_logits_match, reference_grads
 
@@ -39,7 +39,7 @@ def run(tmp_path_factory):
     with torch.no_grad():
         ref.update({f"{n}_logits": m(ids).logits for n, m in models.items()})
     torch.save(ref, work / "ref.pt")
-    torchrun(WORKER, 4, "--work", str(work))
+    run_ranks(WORKER, 4, "--work", str(work))
     grads = {}
     for n, m in models.items():
         g, norm = reference_grads(m, ids, labels)
@@ -169,7 +169,7 @@ def verified(hf_dirs, tmp_path_factory):
     jobs = {"q3_tp1": f"{q3}:1:1", "q3_ep2": f"{q3}:1:1:ep2", "q2_tp1": f"{q2}:1:1",
             "q2_tp2": f"{q2}:2:1", "q2_ep2": f"{q2}:1:1:ep2",
             "q3_swapped": f"{q3}:1:1:ep2:experts_swapped"}
-    text = torchrun(str(ROOT / "tests" / "_verify_worker.py"), 2, "--out", str(out),
+    text = run_ranks(str(ROOT / "tests" / "_verify_worker.py"), 2, "--out", str(out),
                     *jobs.values())
     return dict(zip(jobs, json.loads(out.read_text()))), text
 

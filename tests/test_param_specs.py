@@ -144,11 +144,11 @@ def test_planner_counts_are_the_specs_local_sizes(family):
 def test_specs_are_the_megatron_parameters_at_each_layout(tmp_path):
     """Each of 2 real ranks builds every family at tp=2, pp=2 and (MoE) ep=2: its parameters'
     names and shapes are the specs of its stage and EP rank, their count the planner's."""
-    from tests.support.launch import torchrun
+    from tests.support.launch import run_ranks
 
     jobs = [f"{family}:{tp}:{pp}:{ep}" for family, layouts in LAYOUTS.items()
             for tp, pp, ep in layouts]
-    torchrun(__file__, 2, "--out", str(tmp_path), *jobs)
+    run_ranks(__file__, 2, "--out", str(tmp_path), *jobs)
     for rank in range(2):
         records = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert [r["job"] for r in records] == jobs
@@ -182,6 +182,6 @@ def _worker(out: Path, jobs: list[str]) -> None:
     shutdown()
 
 
-if __name__ == "__main__":  # the worker of the multi-rank test, one per rank under torchrun
+if __name__ == "__main__":  # the worker of the multi-rank test, one per rank (run_ranks)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     _worker(Path(sys.argv[2]), sys.argv[3:])

@@ -236,9 +236,9 @@ def test_busy_cores_sees_a_busy_process_and_not_its_own_work():
 def test_stage_params_match_megatron_at_tp2_pp2():
     """The planner's per-rank counts equal the parameters of the GPTModel stage each of 4 real
     ranks builds (tied embeddings + QKV bias: the last stage's embedding copy, the bias split)."""
-    from tests.support.launch import torchrun
+    from tests.support.launch import run_ranks
 
-    out = torchrun(__file__, 4)
+    out = run_ranks(__file__, 4)
     counts = {int(r): (int(n), int(s)) for r, n, s in re.findall(r"rank (\d) params (\d+) (\d+)",
                                                                   out)}
     assert len(counts) == 4
@@ -257,7 +257,7 @@ def _worker_parallel() -> ParallelConfig:
     return ParallelConfig(tp=2, pp=2, make_vocab_size_divisible_by=8)
 
 
-if __name__ == "__main__":  # the worker of the test above, one per rank under torchrun
+if __name__ == "__main__":  # the worker of the test above, one per rank (run_ranks)
     from megagrpo.model.gpt import build_model
     from megagrpo.runtime.distributed import init_distributed, shutdown
 

@@ -1,6 +1,6 @@
 """Sequence parallelism (parallel.sequence_parallel), activation recomputation
 (compute.recompute) and the MoE auxiliary losses at full strength, against single-process
-float64 references and the layout without SP. One torchrun launch (tests/_seqpar_worker.py);
+float64 references and the layout without SP. One rank launch (tests/_seqpar_worker.py);
 the bad-input and helper checks below it need none."""
 import json
 import math
@@ -15,7 +15,7 @@ from megagrpo.config.seqpar import megatron_aux_loss_coeff
 from megagrpo.config.train import load_config
 from megagrpo.parallel.seqpar import packed_inputs, padded_inputs
 from tests._replay_checks import replay_reference
-from tests.support.launch import torchrun
+from tests.support.launch import run_ranks
 from tests.support.tiny import load_dir, tiny_llama, tiny_qwen3_moe
 from tests.test_foundation import (
     PADDED_VOCAB,
@@ -45,7 +45,7 @@ def run(tmp_path_factory):
         ref["llama_logits"] = llama(ids).logits
     torch.save(ref, work / "ref.pt")
     replay_ref = replay_reference(moe, work / "replay.pt")
-    torchrun(WORKER, 4, "--work", str(work))
+    run_ranks(WORKER, 4, "--work", str(work))
     results = json.loads((work / "results.json").read_text())
     refs = {"llama": reference_grads(llama, ids, ref["labels"])}
     for layout, slices in MOE_SLICES.items():

@@ -1,9 +1,10 @@
 """Test support, one copy each, imported as `from tests.support.<module> import ...`:
 
-- `launch`: torchrun launches of a worker script (`torchrun`, `torchrun_results`, and in the
-  worker `write_results`), spawned gloo groups (`spawn_ranks`, `gloo_rank`), collective
-  counting, free ports (the command line and port picker are megagrpo.cli's, so the launcher,
-  tests and benchmarks share them: no fixed ports);
+- `launch`: a worker script on local ranks, started as torchrun starts them but without its
+  agent (`run_ranks`, `run_ranks_results`, and in the worker `write_results`), spawned gloo
+  groups (`spawn_ranks`, `gloo_rank`), collective counting, free ports (the command line and
+  port picker are megagrpo.cli's, so the launcher, tests and benchmarks share them: no fixed
+  ports);
 - `tiny`: tiny random HF checkpoints (Llama, Qwen2/3, MoE) built from config classes;
 - `cli`: `python -m megagrpo ...` as a subprocess;
 - `dispatch`: TorchDispatchModes that watch the ops a call runs (tensor sizes, matmul counts);
@@ -11,7 +12,7 @@
 - `site/sitecustomize.py`: not a module of the package but a folder tests/conftest.py puts on
   PYTHONPATH, so that every child process skips the final garbage collections at its exit.
 
-Worker scripts that torchrun starts run as `__main__` files: `child_env` puts the repository
+Worker scripts that `run_ranks` starts run as `__main__` files: `child_env` puts the repository
 root first on PYTHONPATH so that they import `tests.support` the same way.
 """
 from __future__ import annotations

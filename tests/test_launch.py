@@ -1,0 +1,61 @@
+"""tests.support.launch.run_ranks, the launcher of the multi-rank tests: each rank gets the
+variables torchrun would give it, output comes back, and the first rank to fail ends the others
+(as torchrun's agent does) instead of leaving them waiting in a collective."""
+import os
+import subprocess
+
+import pytest
+
+from tests.support.launch import run_ranks
+
+WORKER = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+open(os.path.join(sys.argv[2], f"pid{rank}"), "w").write(str(os.getpid()))
+print("rank", rank, "of", os.environ["WORLD_SIZE"], "local", os.environ["LOCAL_RANK"],
+      os.environ["LOCAL_WORLD_SIZE"], os.environ["MASTER_ADDR"], sys.argv[1], flush=True)
+if sys.argv[1] == "fail" and rank == 1:
+    while len([f for f in os.listdir(sys.argv[2]) if f.startswith("pid")]) < 3:
+        time.sleep(0.05)  # the others are up
+    sys.exit(3)
+while sys.argv[1] != "ok":  # a rank a failed peer would leave waiting in a collective
+    time.sleep(1)
+"""
+
+
+@pytest.fixture
+def worker(tmp_path):
+    path = tmp_path / "w.py"
+    path.write_text(WORKER)
+    return path
+
+
+def _alive(tmp_path, nproc):
+    """The ranks among 0..nproc-1 still running."""
+    alive = []
+    for r in range(nproc):
+        try:
+            os.kill(int((tmp_path / f"pid{r}").read_text()), 0)
+            alive.append(r)
+        except (ProcessLookupError, FileNotFoundError):  # gone, or killed before it wrote
+            pass
+    return alive
+
+
+def test_every_rank_runs_with_torchruns_variables(worker, tmp_path):
+    out = run_ranks(worker, 3, "ok", str(tmp_path))
+    for r in range(3):
+        assert f"rank {r} of 3 local {r} 3 127.0.0.1 ok" in out, out
+
+
+def test_a_failed_rank_ends_the_others(worker, tmp_path):
+    # the others never end on their own: waiting for them would reach the timeout instead
+    with pytest.raises(RuntimeError, match=r"3 ranks of .*w\.py failed \(rank 1 rc=3\)"):
+        run_ranks(worker, 3, "fail", str(tmp_path), timeout=300)
+    assert _alive(tmp_path, 3) == []
+
+
+def test_a_timeout_kills_every_rank(worker, tmp_path):
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_ranks(worker, 2, "hang", str(tmp_path), timeout=5)
+    assert _alive(tmp_path, 2) == []
