@@ -1,8 +1,8 @@
 """Context parallelism (parallel.cp): megagrpo's passes at CP=2 and CP=2 x TP=2 against the
-same passes without CP (one rank launch, tests/_cp_worker.py); GRPO runs built by the run's
-`setup` at CP=2 against the same run without CP, and the CP=2 checkpoint resumed at CP=1 and
-CP=2 (one 2-rank rank launch, tests/_cp_run_worker.py); the chunk layout, and the settings
-refused before compute."""
+same passes without CP (tests/_cp_worker.py, in the shared 4-rank launch); GRPO runs built by
+the run's `setup` at CP=2 against the same run without CP, and the CP=2 checkpoint resumed at
+CP=1 and CP=2 (one 2-rank launch, tests/_cp_run_worker.py); the chunk layout, and the
+settings refused before compute."""
 import json
 import os
 
@@ -19,10 +19,14 @@ RUN_WORKER = os.path.join(os.path.dirname(__file__), "_cp_run_worker.py")
 PAIRS = {"cp2": "ref", "tp2_cp2": "tp2"}  # CP layout: the layout without CP, same shards
 
 
+def shared_job(work):
+    """This module's part of the shared 4-rank launch (tests/conftest.py)."""
+    return [WORKER, "--work", str(work)], None
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("cp")
-    run_ranks(WORKER, 4, "--work", str(work))
+def run(shared_launch):
+    work, _ = shared_launch[__name__]
     results = json.loads((work / "results.json").read_text())
     return work, results
 

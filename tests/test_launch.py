@@ -1,12 +1,13 @@
 """tests.support.launch.run_ranks, the launcher of the multi-rank tests: each rank gets the
 variables torchrun would give it, output comes back, and the first rank to fail ends the others
 (as torchrun's agent does) instead of leaving them waiting in a collective."""
+import json
 import os
 import subprocess
 
 import pytest
 
-from tests.support.launch import run_ranks
+from tests.support.launch import run_jobs, run_ranks
 
 WORKER = """
 import os, sys, time
@@ -57,5 +58,32 @@ def test_a_failed_rank_ends_the_others(worker, tmp_path):
 
 def test_a_timeout_kills_every_rank(worker, tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
-        run_ranks(worker, 2, "hang", str(tmp_path), timeout=5)
+        run_ranks(worker, 2, "hang", str(tmp_path), timeout=3)
     assert _alive(tmp_path, 2) == []
+
+
+JOB = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(t)
+with open(os.path.join(sys.argv[1], f"{sys.argv[2]}.rank{dist.get_rank()}"), "w") as f:
+    json.dump({"pid": os.getpid(), "sum": t.item(), "argv": sys.argv[1:]}, f)
+dist.destroy_process_group()
+"""
+
+
+def test_jobs_run_in_turn_in_the_same_ranks(tmp_path):
+    """run_jobs: each job sees its own arguments and makes its own process group, and the
+    second runs in the same processes as the first (one start of the ranks for both)."""
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    out = run_jobs([[script, tmp_path, "a"], [script, tmp_path, "b", "x"]], 2)
+    assert out.count("== job: ") == 2 * 2, out  # each rank names each job
+    for rank in range(2):
+        a, b = (json.loads((tmp_path / f"{job}.rank{rank}").read_text()) for job in "ab")
+        assert a["sum"] == b["sum"] == 1.0
+        assert a["argv"] == [str(tmp_path), "a"] and b["argv"] == [str(tmp_path), "b", "x"]
+        assert a["pid"] == b["pid"]

@@ -2,8 +2,8 @@
 every TP x PP x EP layout of 4 ranks, against transformers' own models (tests/support/tiny.py):
 logits, the bitwise HF -> megatron -> HF round trip, and one training step's reduced
 gradients (routed experts, router, shared expert, dense) and grad norm, each DP rank on its own
-slice of the batch, against a single-process float64 gradient over the whole batch. One
-rank launch; see tests/_moe_worker.py."""
+slice of the batch, against a single-process float64 gradient over the whole batch. In the
+shared 4-rank launch (tests/conftest.py); see tests/_moe_worker.py."""
 
 import json
 import os
@@ -27,9 +27,9 @@ MODELS = ["qwen3_moe", "qwen2_moe"]
 WORKER = os.path.join(os.path.dirname(__file__), "_moe_worker.py")
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("moe")
+def shared_job(work):
+    """This module's part of the shared 4-rank launch (tests/conftest.py): the
+    tiny MoE models and the batch with transformers' logits under `work`."""
     models = {"qwen3_moe": tiny_qwen3_moe(work / "qwen3_moe"),
               "qwen2_moe": tiny_qwen2_moe(work / "qwen2_moe")}
     g = torch.Generator().manual_seed(0)
@@ -39,7 +39,12 @@ def run(tmp_path_factory):
     with torch.no_grad():
         ref.update({f"{n}_logits": m(ids).logits for n, m in models.items()})
     torch.save(ref, work / "ref.pt")
-    run_ranks(WORKER, 4, "--work", str(work))
+    return [WORKER, "--work", str(work)], (models, ids, labels)
+
+
+@pytest.fixture(scope="module")
+def run(shared_launch):
+    work, (models, ids, labels) = shared_launch[__name__]
     grads = {}
     for n, m in models.items():
         g, norm = reference_grads(m, ids, labels)

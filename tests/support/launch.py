@@ -23,8 +23,9 @@ import torch.multiprocessing as mp
 from megagrpo.cli import free_port, torchrun_command
 from tests.support import child_env
 
-__all__ = ["count_collectives", "free_port", "gloo_rank", "run_ranks", "run_ranks_results",
-           "save_rank", "spawn_ranks", "torchrun_command", "worker_env", "write_results"]
+__all__ = ["count_collectives", "free_port", "gloo_rank", "run_jobs", "run_ranks",
+           "run_ranks_results", "save_rank", "spawn_ranks", "torchrun_command", "worker_env",
+           "write_results"]
 
 
 def worker_env(**changes: str | None) -> dict[str, str]:
@@ -105,6 +106,15 @@ def run_ranks_results(script: str | Path, nproc: int, work: Path, *args: str,
     what it wrote (WORK/results.json)."""
     run_ranks(script, nproc, "--work", str(work), *args, timeout=timeout)
     return json.loads((work / "results.json").read_text())
+
+
+def run_jobs(jobs: list[list[str]], nproc: int, timeout: float = 600) -> str:
+    """`run_ranks` of several workers, each `[script, *args]`, one after another in the same
+    `nproc` rank processes (tests/_jobs_worker.py); returns the output. The first failure
+    ends the launch (its tail names the job, after a '== job:' line)."""
+    jobs_worker = Path(__file__).resolve().parents[1] / "_jobs_worker.py"
+    return run_ranks(jobs_worker, nproc, json.dumps([[str(a) for a in job] for job in jobs]),
+                     timeout=timeout)
 
 
 def write_results(results: Any, work: str | Path, *, flat: bool = False) -> None:
