@@ -27,13 +27,15 @@ for _path in (_SITE, _ROOT):
 # run in one launch per rank count, in this order: one start of the ranks (interpreter, torch,
 # megatron-core, transformers) instead of one per module. Each module's `shared_job(work)`
 # writes its worker's inputs under `work` and returns the worker's command line and what its
-# fixture needs afterwards; the fixture reads `shared_launch[__name__]`. The fused output
+# fixture needs afterwards; the fixture reads `shared_launch[__name__]`, and its worker's
+# output with `tests.support.launch.shared_output(work, nproc)`. The fused output
 # worker is last of its launch: it shrinks the fused kernels' chunk constants for the rest of
 # its process.
 SHARED_LAUNCHES = {
     4: ("tests.test_context_parallel", "tests.test_foundation", "tests.test_moe",
-        "tests.test_seqpar", "tests.test_fused_output_layer"),
-    2: ("tests.test_attention", "tests.test_lora", "tests.test_param_specs", "tests.test_resume"),
+        "tests.test_plan", "tests.test_seqpar", "tests.test_fused_output_layer"),
+    2: ("tests.test_attention", "tests.test_lora", "tests.test_param_specs", "tests.test_resume",
+        "tests.test_vlm"),
 }
 
 
@@ -54,13 +56,13 @@ class SharedLaunches:
         return self.done[module]
 
     def _launch(self, nproc: int, modules: list[str]) -> None:
-        from tests.support.launch import run_jobs
+        from tests.support.launch import SHARED_LOG, run_jobs
 
         jobs, done = [], {}
         for name in modules:
             work = self.tmp.mktemp(name.rsplit(".", 1)[1])
             argv, state = importlib.import_module(name).shared_job(work)
-            jobs.append(argv)
+            jobs.append((argv, work / SHARED_LOG))
             done[name] = (work, state)
         run_jobs(jobs, nproc, timeout=600 * len(jobs))
         self.done.update(done)

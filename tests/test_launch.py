@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.support.launch import run_jobs, run_ranks
+from tests.support.launch import job_output, run_jobs, run_ranks
 
 WORKER = """
 import os, sys, time
@@ -69,21 +69,35 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.tensor([float(dist.get_rank())])
 dist.all_reduce(t)
+print("job", sys.argv[2], "rank", dist.get_rank(), flush=True)
 with open(os.path.join(sys.argv[1], f"{sys.argv[2]}.rank{dist.get_rank()}"), "w") as f:
     json.dump({"pid": os.getpid(), "sum": t.item(), "argv": sys.argv[1:]}, f)
 dist.destroy_process_group()
+if sys.argv[2] == "fail":
+    sys.exit(5)
 """
 
 
 def test_jobs_run_in_turn_in_the_same_ranks(tmp_path):
-    """run_jobs: each job sees its own arguments and makes its own process group, and the
-    second runs in the same processes as the first (one start of the ranks for both)."""
+    """run_jobs: each job sees its own arguments, makes its own process group and writes its
+    own output, and the second runs in the same processes as the first (one start of the
+    ranks for both)."""
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    out = run_jobs([[script, tmp_path, "a"], [script, tmp_path, "b", "x"]], 2)
-    assert out.count("== job: ") == 2 * 2, out  # each rank names each job
+    run_jobs([([script, tmp_path, "a"], tmp_path / "a.log"),
+              ([script, tmp_path, "b", "x"], tmp_path / "b.log")], 2)
+    for job in "ab":
+        assert job_output(tmp_path / f"{job}.log", 2) == f"job {job} rank 0\njob {job} rank 1\n"
     for rank in range(2):
         a, b = (json.loads((tmp_path / f"{job}.rank{rank}").read_text()) for job in "ab")
         assert a["sum"] == b["sum"] == 1.0
         assert a["argv"] == [str(tmp_path), "a"] and b["argv"] == [str(tmp_path), "b", "x"]
         assert a["pid"] == b["pid"]
+
+
+def test_a_failed_job_is_named_with_its_output(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    with pytest.raises(RuntimeError, match=r"(?s)rc=5.*last job started.*fail\.log.*job fail"):
+        run_jobs([([script, tmp_path, "a"], tmp_path / "a.log"),
+                  ([script, tmp_path, "fail"], tmp_path / "fail.log")], 2)

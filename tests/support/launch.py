@@ -23,9 +23,9 @@ import torch.multiprocessing as mp
 from megagrpo.cli import free_port, torchrun_command
 from tests.support import child_env
 
-__all__ = ["count_collectives", "free_port", "gloo_rank", "run_jobs", "run_ranks",
-           "run_ranks_results", "save_rank", "spawn_ranks", "torchrun_command", "worker_env",
-           "write_results"]
+__all__ = ["SHARED_LOG", "count_collectives", "free_port", "gloo_rank", "job_output", "run_jobs",
+           "run_ranks", "run_ranks_results", "save_rank", "shared_output", "spawn_ranks",
+           "torchrun_command", "worker_env", "write_results"]
 
 
 def worker_env(**changes: str | None) -> dict[str, str]:
@@ -108,13 +108,39 @@ def run_ranks_results(script: str | Path, nproc: int, work: Path, *args: str,
     return json.loads((work / "results.json").read_text())
 
 
-def run_jobs(jobs: list[list[str]], nproc: int, timeout: float = 600) -> str:
-    """`run_ranks` of several workers, each `[script, *args]`, one after another in the same
-    `nproc` rank processes (tests/_jobs_worker.py); returns the output. The first failure
-    ends the launch (its tail names the job, after a '== job:' line)."""
+def run_jobs(jobs: list[tuple[list[str | Path], Path]], nproc: int,
+             timeout: float = 600) -> None:
+    """`run_ranks` of several workers, each `([script, *args], log)`, one after another in the
+    same `nproc` rank processes (tests/_jobs_worker.py); a job's output goes to LOG.rankR
+    (`job_output` reads it). When a job fails, the error ends with its output's tail."""
     jobs_worker = Path(__file__).resolve().parents[1] / "_jobs_worker.py"
-    return run_ranks(jobs_worker, nproc, json.dumps([[str(a) for a in job] for job in jobs]),
-                     timeout=timeout)
+    ports: set[int] = set()
+    while len(ports) < len(jobs):  # one rendezvous port per job (tests/_jobs_worker.py)
+        ports.add(free_port())
+    spec = [{"argv": [str(a) for a in argv], "log": str(log), "port": port}
+            for (argv, log), port in zip(jobs, sorted(ports))]
+    try:
+        run_ranks(jobs_worker, nproc, json.dumps(spec), timeout=timeout)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        started = [log for _, log in jobs if Path(f"{log}.rank0").exists()]
+        tail = job_output(started[-1], nproc)[-8000:] if started else ""
+        raise RuntimeError(f"{e}\n--- output of the last job started ({started[-1:]}):\n"
+                           f"{tail}") from e
+
+
+def job_output(log: Path, nproc: int) -> str:
+    """A `run_jobs` job's output: its ranks' LOG.rankR files, rank order."""
+    return "".join(Path(f"{log}.rank{r}").read_text(errors="replace") for r in range(nproc)
+                   if Path(f"{log}.rank{r}").exists())
+
+
+SHARED_LOG = "output"
+"""The log of a job of tests/conftest.py's shared launches: WORK/output.rankR."""
+
+
+def shared_output(work: Path, nproc: int) -> str:
+    """The output of a shared launch's job whose work folder is `work` (tests/conftest.py)."""
+    return job_output(work / SHARED_LOG, nproc)
 
 
 def write_results(results: Any, work: str | Path, *, flat: bool = False) -> None:
