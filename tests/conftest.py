@@ -47,12 +47,20 @@ class SharedLaunches:
     def __init__(self, selected: set[str], tmp_path_factory: pytest.TempPathFactory) -> None:
         self.selected, self.tmp = selected, tmp_path_factory
         self.done: dict[str, tuple[Path, Any]] = {}
+        self.failed: dict[int, str] = {}
 
     def __getitem__(self, module: str) -> tuple[Path, Any]:
         if module not in self.done:
             nproc = next(n for n, group in SHARED_LAUNCHES.items() if module in group)
-            self._launch(nproc, [m for m in SHARED_LAUNCHES[nproc]
-                                 if m in self.selected or m == module])
+            if nproc in self.failed:  # reported once in full; not launched again
+                raise RuntimeError(f"the shared {nproc}-rank launch failed: "
+                                   f"{self.failed[nproc][-2000:]}")
+            try:
+                self._launch(nproc, [m for m in SHARED_LAUNCHES[nproc]
+                                     if m in self.selected or m == module])
+            except Exception as e:
+                self.failed[nproc] = str(e)
+                raise
         return self.done[module]
 
     def _launch(self, nproc: int, modules: list[str]) -> None:
