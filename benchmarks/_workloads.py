@@ -92,6 +92,19 @@ class Workload:
     """One line for console output."""
 
 
+def _scaled(*, hidden: int, layers: int, head_dim: int, ffn: int, max_tokens: int,
+            more: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The demo recipe scaled up: `hidden` x `layers` with 8 attention heads over 4 KV groups of
+    `head_dim`, 128 positions, `max_tokens` sampled at temperature 1, 16 prompts a step, lr 1e-6
+    (min_lr 0); then `more`."""
+    return (f"model.hidden_size={hidden}", f"model.num_layers={layers}",
+            "model.num_attention_heads=8", "model.num_query_groups=4",
+            f"model.head_dim={head_dim}", f"model.ffn_hidden_size={ffn}",
+            "model.max_position_embeddings=128", "rollout.max_model_len=128",
+            f"rollout.max_tokens={max_tokens}", "rollout.temperature=1.0", "data.batch_size=16",
+            "optim.lr=1.0e-6", "optim.min_lr=0", *more)
+
+
 def workloads() -> dict[str, Workload]:
     """The named workloads (see the module docstring)."""
     return {w.name: w for w in (
@@ -99,33 +112,19 @@ def workloads() -> dict[str, Workload]:
                  overrides=("data.batch_size=32",),
                  summary="demo Llama 0.85M, 32 prompts x G=8, max_tokens 6"),
         Workload(name="varlen", recipe="examples/demo.yaml",
-                 overrides=("model.hidden_size=256", "model.num_layers=6",
-                            "model.num_attention_heads=8", "model.num_query_groups=4",
-                            "model.head_dim=32", "model.ffn_hidden_size=704",
-                            "model.max_position_embeddings=128", "rollout.max_model_len=128",
-                            "rollout.max_tokens=96", "rollout.temperature=1.0",
-                            "data.batch_size=16", "optim.lr=1.0e-6", "optim.min_lr=0"),
+                 overrides=_scaled(hidden=256, layers=6, head_dim=32, ffn=704, max_tokens=96),
                  summary="Llama hidden 256 x 6 layers, 16 prompts x G=8, max_tokens 96"),
         Workload(name="midsize", recipe="examples/demo.yaml",
-                 overrides=("model.hidden_size=512", "model.num_layers=4",
-                            "model.num_attention_heads=8", "model.num_query_groups=4",
-                            "model.head_dim=64", "model.ffn_hidden_size=1536",
-                            "model.max_position_embeddings=128", "rollout.max_model_len=128",
-                            "rollout.max_tokens=64", "rollout.temperature=1.0",
-                            "data.batch_size=16", "algo.group_size=8", "algo.beta=0.04",
-                            "optim.lr=1.0e-6", "optim.min_lr=0"),
+                 overrides=_scaled(hidden=512, layers=4, head_dim=64, ffn=1536, max_tokens=64,
+                                   more=("algo.group_size=8", "algo.beta=0.04")),
                  summary="Llama 12.6M (hidden 512 x 4 layers), 16 prompts x G=8, "
                          "max_tokens 64, beta 0.04"),
         Workload(name="moe", recipe="examples/demo.yaml",
-                 overrides=("model.architecture=qwen3_moe", "model.hidden_size=256",
-                            "model.num_layers=4", "model.num_attention_heads=8",
-                            "model.num_query_groups=4", "model.head_dim=32",
-                            "model.ffn_hidden_size=704", "model.num_experts=8",
-                            "model.moe_topk=2", "model.moe_ffn_hidden_size=512",
-                            "model.max_position_embeddings=128", "rollout.max_model_len=128",
-                            "rollout.max_tokens=32", "rollout.temperature=1.0",
-                            "data.batch_size=16", "algo.group_size=8", "algo.beta=0.04",
-                            "optim.lr=1.0e-6", "optim.min_lr=0"),
+                 overrides=("model.architecture=qwen3_moe", *_scaled(
+                     hidden=256, layers=4, head_dim=32, ffn=704, max_tokens=32,
+                     more=("model.num_experts=8", "model.moe_topk=2",
+                           "model.moe_ffn_hidden_size=512", "algo.group_size=8",
+                           "algo.beta=0.04"))),
                  summary="Qwen3-MoE 13.4M (8 experts top-2, 4.0M active), 16 prompts x G=8, "
                          "max_tokens 32, beta 0.04"),
         # the batch shape is pinned here, so edits of the training recipe keep the benchmark

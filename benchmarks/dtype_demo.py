@@ -14,7 +14,6 @@ machine is shared, and the demo's own 2 ranks hold it near 3 when alone.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -23,6 +22,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from _common import markdown_table, parser
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "dtype_demo_cpu"
@@ -117,10 +118,7 @@ def table(results: Path = RESULTS) -> str:
     order = list(SHORT)
     runs = [json.loads(p.read_text()) for p in sorted(results.glob("*.json"))]
     runs.sort(key=lambda r: (r["tag"], order.index(r["dtype"])))
-    lines = ["| CPU | dtype | held-out: start -> cold start -> GRPO step N | GRPO steps | "
-             "reward, first / last 10 steps | vLLM-vs-trainer gap, mean (max) | "
-             "fp16 overflow skips, last scale | wall time (mean load) |",
-             "|---|---|---|---|---|---|---|---|"]
+    rows = []
     for r in runs:
         s = r.get("summary", {})
         ev = r.get("evals", {})
@@ -131,16 +129,18 @@ def table(results: Path = RESULTS) -> str:
         scale = (f"{r['loss_scale_overflows']:.0f}, {r['loss_scale_last']:.0f}"
                  if "loss_scale_last" in r else "-")
         done = "" if r["rc"] == 0 else f" (rc {r['rc']})"
-        lines.append(
-            f"| {r['cpu']} | {SHORT[r['dtype']]} | {acc} | {r.get('grpo_steps', 0)}{done} | "
-            f"{r.get('reward_first10', 0):.3f} / {r.get('reward_last10', 0):.3f} | "
-            f"{r.get('gap_mean', 0):.2g} ({r.get('gap_max', 0):.2g}) | {scale} | "
-            f"{_minutes(r['wall_seconds_command'])} ({r['load_mean']:.1f}) |")
-    return "\n".join(lines)
+        rows.append([r["cpu"], SHORT[r["dtype"]], acc, f"{r.get('grpo_steps', 0)}{done}",
+                     f"{r.get('reward_first10', 0):.3f} / {r.get('reward_last10', 0):.3f}",
+                     f"{r.get('gap_mean', 0):.2g} ({r.get('gap_max', 0):.2g})", scale,
+                     f"{_minutes(r['wall_seconds_command'])} ({r['load_mean']:.1f})"])
+    return markdown_table(
+        ["CPU", "dtype", "held-out: start -> cold start -> GRPO step N", "GRPO steps",
+         "reward, first / last 10 steps", "vLLM-vs-trainer gap, mean (max)",
+         "fp16 overflow skips, last scale", "wall time (mean load)"], rows)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--dtypes", default="float32,bfloat16,float16")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--seed", type=int, default=1)

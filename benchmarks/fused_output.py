@@ -38,7 +38,6 @@ On CPU each row carries the 1-minute load average and ``torch.backends.cpu`` cap
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -51,6 +50,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import parser, print_table  # noqa: E402
 from _fused_output_model import cost_model, h200_table  # noqa: E402
 from _harness import emit, peak_extra_bytes, sync, time_samples  # noqa: E402
 
@@ -603,7 +603,7 @@ def sweep(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--H", default="1024", help="hidden size (--sweep: a comma list)")
     ap.add_argument("--V", type=int, default=151936, help="full vocab (V/tp per rank)")
@@ -639,8 +639,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--table", default=None, metavar="JSONL",
                     help="only print docs/performance.md's table from these result lines")
     args = ap.parse_args(argv)
-    if args.gpu_table:
-        print(h200_table(args.gpu_table))
+    if print_table(args, gpu_table=h200_table):
         return
     if args.table:
         print(table(args.table))

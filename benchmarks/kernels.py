@@ -32,7 +32,6 @@ and write them backward: 3x their bytes) against a measured device copy bandwidt
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -42,6 +41,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import parser, print_table  # noqa: E402
 from _harness import copy_bandwidth, emit, peak_extra_bytes, time_samples  # noqa: E402
 
 from megagrpo.kernels import (  # noqa: E402
@@ -216,7 +216,7 @@ def table(path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--T", type=int, default=None, help="tokens (default 16384 GPU, 2048 CPU)")
     ap.add_argument("--V", type=int, default=None, help="full vocab (151936 GPU, 32768 CPU)")
@@ -232,8 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--table", default=None, metavar="JSONL",
                     help="print the markdown table of a CUDA run's rows and exit")
     args = ap.parse_args(argv)
-    if args.table:
-        print(table(args.table))
+    if print_table(args, table=table):
         return
 
     device = torch.device(args.device)

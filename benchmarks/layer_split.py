@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import print_table  # noqa: E402
 from _harness import emit, time_fn  # noqa: E402
 
 PRESETS = {
@@ -298,11 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compiled-table", default=None, metavar="JSONL",
                     help="only print the compiled-vs-eager markdown table of these lines")
     args = ap.parse_args(argv)
-    if args.table:
-        print(table(args.table))
-        return
-    if args.compiled_table:
-        print(compiled_table(args.compiled_table))
+    if print_table(args, table=table, compiled_table=compiled_table):
         return
     cores = os.cpu_count() or 1
     threads = [int(x) for x in args.threads.split(",")] if args.threads else [cores]

@@ -55,6 +55,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared benchmark helpers
+from _common import run_train  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 NPROC = 2
 BATCH, GROUP, MAX_TOKENS = 16, 8, 48
@@ -126,17 +129,9 @@ def refusal(config: str) -> str:
 
 def train(out_dir: Path, config: str, steps: int, seed: int, nproc: int) -> float:
     """Runs one configuration; returns its wall seconds. Raises with the log's tail on failure."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "megagrpo", "train", "--config", "examples/demo.yaml",
-           "--nproc", str(nproc), *WORKLOAD, *CONFIGS[config], f"run.steps={steps}",
-           f"run.seed={seed}", f"run.out_dir={out_dir}", "checkpoint.at_end=true"]
-    t0 = time.monotonic()
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    if p.returncode != 0:
-        raise RuntimeError(f"{config} failed:\n{(p.stdout + p.stderr)[-4000:]}")
-    return time.monotonic() - t0
+    return run_train(["--config", "examples/demo.yaml", *WORKLOAD, *CONFIGS[config],
+                      f"run.steps={steps}", f"run.seed={seed}", f"run.out_dir={out_dir}",
+                      "checkpoint.at_end=true"], nproc=nproc, name=config, timeout=1800)
 
 
 def summarize(records: list[dict], dp: int, skip: int = 1) -> dict:

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from _common import markdown_table, parser, print_table, records
+
 PROJ = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
         "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
@@ -96,30 +98,31 @@ def measure(args) -> dict:
 
 def table(path: str) -> str:
     """The results file as a markdown table, one row per measurement run (merged first)."""
-    rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
-    out = ["| model | CPU | load | merged tok/s | adapter tok/s (x merged) | "
-           "base on the LoRA engine tok/s (x merged) |", "|---|---|---|---|---|---|"]
     runs: list[dict] = []
-    for r in rows:  # a run is a merged row and the rows after it
+    for r in records(path):  # a run is a merged row and the rows after it
         if r["mode"] == "merged" or not runs:
             runs.append({})
         runs[-1][r["mode"]] = r
+    rows = []
     for run in runs:
         m, a, b = run.get("merged"), run.get("adapter"), run.get("base")
         first = m or a or b
+        rows.append([f"{Path(first['model']).name}, r{first['rank']}, {first['prompts']} x "
+                     f"{first['new_tokens'] // first['prompts']} tokens",
+                     f"{first['cpu']} ({first['cpu_capability']}, {first['threads']} threads)",
+                     first["load_avg"], _speed(m), _speed(a), _speed(b)])
+    return markdown_table(["model", "CPU", "load", "merged tok/s", "adapter tok/s (x merged)",
+                           "base on the LoRA engine tok/s (x merged)"], rows)
 
-        def cell(r):
-            return "" if r is None else f"{r['tokens_per_s']:.0f}" + (
-                f" ({r['vs_merged']:.2f}x)" if "vs_merged" in r else "")
-        out.append(f"| {Path(first['model']).name}, r{first['rank']}, {first['prompts']} x "
-                   f"{first['new_tokens'] // first['prompts']} tokens | {first['cpu']} "
-                   f"({first['cpu_capability']}, {first['threads']} threads) | "
-                   f"{first['load_avg']} | {cell(m)} | {cell(a)} | {cell(b)} |")
-    return "\n".join(out)
+
+def _speed(r: dict | None) -> str:
+    """A row's tokens per second and its ratio to the merged row's ('' for no row)."""
+    return "" if r is None else f"{r['tokens_per_s']:.0f}" + (
+        f" ({r['vs_merged']:.2f}x)" if "vs_merged" in r else "")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--model", help="an HF model folder (llama/qwen family)")
     ap.add_argument("--table", default=None, help="print a results file as a markdown table")
     ap.add_argument("--rank", type=int, default=16)
@@ -133,8 +136,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # one child's mode
     args = ap.parse_args()
-    if args.table:
-        print(table(args.table))
+    if print_table(args, table=table):
         return
     if not args.model:
         ap.error("--model is required (or --table FILE)")

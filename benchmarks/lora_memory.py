@@ -109,10 +109,10 @@ def _measure(model_cfg, lora_cfg, *, seq: int, repeats: int, seed: int = 1) -> d
     from megagrpo.lora.layers import add_adapters
     from megagrpo.model.gpt import build_model
     from megagrpo.model.optim import (
+        adam_footprint,
         build_optimizer,
         forward_backward,
         optimizer_step,
-        torch_adams,
         wrap_ddp,
         zero_grad,
     )
@@ -141,8 +141,7 @@ def _measure(model_cfg, lora_cfg, *, seq: int, repeats: int, seed: int = 1) -> d
     step_s = _median_s(step, repeats)  # after the warm-up step Adam's state exists
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
     weights = sum(p.numel() * p.element_size() for p in gpt.parameters())
-    state = sum(t.numel() * t.element_size() for o in torch_adams(opt) for s in o.state.values()
-                for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    _, state = adam_footprint(opt)
     grad_buf = sum(b.grad_data.numel() * b.grad_data.element_size()
                    for b in ddp.buffers) if hasattr(ddp, "buffers") else 0
     # full fine-tuning keeps a reference copy of the weights for the KL; LoRA's is the adapters off

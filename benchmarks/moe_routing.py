@@ -22,8 +22,6 @@ in every layer, and the gap when the trainer's forward replays vLLM's routes (ro
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 from contextlib import nullcontext
 import sys
@@ -34,6 +32,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _common import markdown_table, parser, print_table, records  # noqa: E402
 from _harness import emit  # noqa: E402
 from _workloads import base_config, ensure_init, get_workload  # noqa: E402
 
@@ -130,22 +129,20 @@ def measure(hf_dir: Path, dtype: str, prompts: list[list[int]], group: int, max_
 
 def table(path: str) -> str:
     """docs/performance.md's table from the JSON lines this script wrote."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    out = ["| dtype | CPU | tokens | (token, layer) pairs routed differently | tokens routed "
-           "differently in >= 1 layer | log-prob gap mean / max | same routing: gap mean | "
-           "routing replay: gap mean / max |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r['dtype']} | {r['cpu']} | {r['tokens_compared']} | "
-                   f"{100 * r['routing_mismatch_pairs']:.2f}% | "
-                   f"{100 * r['routing_mismatch_tokens']:.2f}% | "
-                   f"{r['logp_gap_mean']:.2e} / {r['logp_gap_max']:.2e} | "
-                   f"{r['logp_gap_mean_same_routing']:.2e} | "
-                   f"{r['logp_gap_mean_replayed']:.2e} / {r['logp_gap_max_replayed']:.2e} |")
-    return "\n".join(out)
+    return markdown_table(
+        ["dtype", "CPU", "tokens", "(token, layer) pairs routed differently",
+         "tokens routed differently in >= 1 layer", "log-prob gap mean / max",
+         "same routing: gap mean", "routing replay: gap mean / max"],
+        ([r["dtype"], r["cpu"], r["tokens_compared"], f"{100 * r['routing_mismatch_pairs']:.2f}%",
+          f"{100 * r['routing_mismatch_tokens']:.2f}%",
+          f"{r['logp_gap_mean']:.2e} / {r['logp_gap_max']:.2e}",
+          f"{r['logp_gap_mean_same_routing']:.2e}",
+          f"{r['logp_gap_mean_replayed']:.2e} / {r['logp_gap_max_replayed']:.2e}"]
+         for r in records(path)))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--hf", default=None, help="HF Qwen3-MoE / Qwen2-MoE folder (default: the "
                     "moe workload's seeded init)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
@@ -156,8 +153,7 @@ def main() -> None:
     ap.add_argument("--table", default=None, metavar="JSONL",
                     help="print the markdown table of a results file and exit")
     args = ap.parse_args()
-    if args.table:
-        print(table(args.table))
+    if print_table(args, table=table):
         return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

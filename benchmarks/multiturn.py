@@ -31,14 +31,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from megagrpo.agent import Environment, Observation, Turn
 from megagrpo.runtime.machine import cpu_name
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared benchmark helpers
+from _common import run_train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "multiturn_cpu" / "results.jsonl"
@@ -96,16 +97,8 @@ def overrides(out_dir: Path, steps: int, workload: str, mode: str) -> list[str]:
 
 def train(out_dir: Path, steps: int, workload: str, mode: str, nproc: int = NPROC) -> float:
     """Runs one configuration; returns its wall seconds. Raises with the log's tail on failure."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "megagrpo", "train", "--nproc", str(nproc),
-           *overrides(out_dir, steps, workload, mode)]
-    t0 = time.monotonic()
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if p.returncode != 0:
-        raise RuntimeError(f"{workload}/{mode} failed:\n{(p.stdout + p.stderr)[-4000:]}")
-    return time.monotonic() - t0
+    return run_train(overrides(out_dir, steps, workload, mode), nproc=nproc,
+                     name=f"{workload}/{mode}", timeout=900)
 
 
 def summarize(records: list[dict], dp: int, skip: int = 1) -> dict:

@@ -61,6 +61,7 @@ from contextlib import nullcontext
 from functools import partial
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _common import print_table  # noqa: E402  (benchmarks/ is on sys.path: run as a script)
 
 MODELS = {
     "small": dict(vocab_size=1024, hidden_size=384, ffn_hidden_size=1024, num_layers=6,
@@ -340,11 +341,7 @@ def main() -> None:
                     help="only print docs/performance.md's planner table from this file")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.table:
-        print(table(args.table))
-        return
-    if args.plan_table:
-        print(plan_table(args.plan_table))
+    if print_table(args, table=table, plan_table=plan_table):
         return
     if args.child:
         recompute, attention = args.child.split(":")

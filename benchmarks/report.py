@@ -23,29 +23,17 @@ process, e.g. benchmarks/results/compile_ab_cpu.jsonl) and prints their table
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
+
+from _common import markdown_table, parser
+from _common import records as read_records  # the name targets.py and the tests use
 
 ORDER = ("demo", "varlen", "midsize", "moe", "smollm2")
 FLOOR_PHASES = ("rollout", "score", "update")
 TARGETS = dict(ratio=1.0, ratio_cpu=1.0, floor_rollout=0.9, floor_score=0.9, floor_update=0.9,
                padded_share=0.10)
 PADDING_WORKLOAD = "varlen"
-
-
-def read_records(path: str | Path) -> list[dict]:
-    """The JSON lines of `path` (blank lines ignored); a clear error naming a bad line."""
-    out = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"{path}, line {i}: not JSON ({e.msg}); every line must be one "
-                             "record from grpo_step.py or trl_grpo_baseline.py") from None
-    return out
 
 
 def _best(rows: list[dict], key: str) -> dict | None:
@@ -234,10 +222,7 @@ def compile_table(records: list[dict]) -> str:
     varies with what was sampled), the seconds saved per token pass, layer and unit of hidden
     size (`saved_per_unit`), the compile seconds the first steps paid and the steps a run
     needs to repay them from the score + update saved; the load and the CPU."""
-    lines = ["| workload | ranks x prompts x G | model (hidden x layers, vocab) | steps each "
-             "| score s, eager -> compiled | update s | step s | compiled / eager, score + "
-             "update | saved s / (token pass x layer x hidden) | compile s (first steps) "
-             "| steps to repay | load | CPU |", "|---" * 13 + "|"]
+    rows = []
     for r in records:
         if not r.get("compile_ab") or "skipped" in r:
             continue
@@ -245,20 +230,24 @@ def compile_table(records: list[dict]) -> str:
         eager, compiled = (x["time_score_s"] + x["time_update_s"] for x in (e, r))
         repay = f"{r['compile_s'] / (eager - compiled):.0f}" if compiled < eager else "never"
         file_data = ", prompts from a file" if "data.task=file" in r["overrides"] else ""
-        lines.append(
-            f"| {r['workload']}{file_data} "
-            f"| {r['nproc']} x {r['batch_prompts']} x {r['group_size']} "
-            f"| {m['hidden']} x {m['layers']}, {m['vocab']} | {r['steps']} "
-            f"| {e['time_score_s']:.3f} -> {r['time_score_s']:.3f} "
-            f"| {e['time_update_s']:.3f} -> {r['time_update_s']:.3f} "
-            f"| {e['step_s']:.3f} -> {r['step_s']:.3f} | {compiled / eager:.2f} "
-            f"| {saved_per_unit(r):.1e} | {r['compile_s']:.1f} | {repay} "
-            f"| {r['loadavg_1m']:.2f} | {r['cpu']} |")
-    return "\n".join(lines)
+        rows.append([
+            f"{r['workload']}{file_data}",
+            f"{r['nproc']} x {r['batch_prompts']} x {r['group_size']}",
+            f"{m['hidden']} x {m['layers']}, {m['vocab']}", r["steps"],
+            f"{e['time_score_s']:.3f} -> {r['time_score_s']:.3f}",
+            f"{e['time_update_s']:.3f} -> {r['time_update_s']:.3f}",
+            f"{e['step_s']:.3f} -> {r['step_s']:.3f}", f"{compiled / eager:.2f}",
+            f"{saved_per_unit(r):.1e}", f"{r['compile_s']:.1f}", repay, f"{r['loadavg_1m']:.2f}",
+            r["cpu"]])
+    return markdown_table(
+        ["workload", "ranks x prompts x G", "model (hidden x layers, vocab)", "steps each",
+         "score s, eager -> compiled", "update s", "step s",
+         "compiled / eager, score + update", "saved s / (token pass x layer x hidden)",
+         "compile s (first steps)", "steps to repay", "load", "CPU"], rows)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("path", nargs="?", default="benchmarks/results/throughput_cpu.jsonl")
     ap.add_argument("--json", action="store_true", help="one JSON summary line per workload")
     ap.add_argument("--sp", action="store_true",

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 import _workloads as W  # benchmarks/ is on sys.path (run as a script or via grpo_step)
+from _common import markdown_table, parser, records
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -135,35 +136,29 @@ def binding(rec: dict) -> str:
 def table(path: str) -> str:
     """The markdown table of the bandwidth-aware rollout floor, one row per grpo_step.py record
     of `path` that holds its rollouts' costs (the newest per workload, dtype and rank count)."""
-    import json
-    from pathlib import Path
-
     rows: dict = {}
-    for line in Path(path).read_text().splitlines():
-        r = json.loads(line) if line.strip() else {}
+    for r in records(path):
         if r.get("system") == "megagrpo" and "mem_read_gbs" in r:
             rows[(r["workload"], r["dtype"], r["nproc"])] = r
-    out = ["| workload | dtype | ranks | rollout | FLOP floor (fraction) | bandwidth-aware floor "
-           "(fraction) | decode at GEMM rate / at bandwidth | limit that binds | GEMM rate "
-           "| read bandwidth | load |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    cells = []
     for (wl, dt, n), r in rows.items():
         t = r["time_rollout_s"]
         flop = r["floor_rollout_flops_only_s"]
-        out.append(
-            f"| {wl} | {dt} | {n} | {t:.3f} s | {flop:.3f} s ({flop / t:.1%}) "
-            f"| {r['floor_rollout_s']:.3f} s ({r['floor_frac_rollout']:.1%}) "
-            f"| {r['rollout_decode_flop_s']:.3f} / {r['rollout_decode_byte_s']:.3f} s "
-            f"| {binding(r)} | {r['gemm_gflops']:.0f} GFLOP/s | {r['mem_read_gbs']:.1f} GB/s "
-            f"| {r['loadavg_1m']:.2f} |")
-    return "\n".join(out)
+        cells.append([
+            wl, dt, n, f"{t:.3f} s", f"{flop:.3f} s ({flop / t:.1%})",
+            f"{r['floor_rollout_s']:.3f} s ({r['floor_frac_rollout']:.1%})",
+            f"{r['rollout_decode_flop_s']:.3f} / {r['rollout_decode_byte_s']:.3f} s",
+            binding(r), f"{r['gemm_gflops']:.0f} GFLOP/s", f"{r['mem_read_gbs']:.1f} GB/s",
+            f"{r['loadavg_1m']:.2f}"])
+    return markdown_table(
+        ["workload", "dtype", "ranks", "rollout", "FLOP floor (fraction)",
+         "bandwidth-aware floor (fraction)", "decode at GEMM rate / at bandwidth",
+         "limit that binds", "GEMM rate", "read bandwidth", "load"], cells)
 
 
 def main() -> None:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="The bandwidth-aware rollout floor table of "
-                                 "docs/performance.md from grpo_step.py records.")
+    ap = parser("The bandwidth-aware rollout floor table of docs/performance.md from "
+                "grpo_step.py records.")
     ap.add_argument("--table", default="benchmarks/results/rollout_floor_epyc_cpu.jsonl")
     print(table(ap.parse_args().table))
 

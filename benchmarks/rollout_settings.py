@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _workloads as W  # noqa: E402
+from _common import markdown_table, parser, print_table, records, write_lines  # noqa: E402
 import rollout_floor as RF  # noqa: E402
 
 VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
@@ -100,22 +101,22 @@ def run_variant(workload: str, variant: str, rollouts: int) -> dict:
 
 def table(path: str) -> str:
     """The markdown table of a results file: one row per variant, in file order."""
-    out = ["| variant | settings | best rollout | median | completion tok/s | of the floor "
-           "| GEMM rate / bandwidth measured | load |", "|---|---|---|---|---|---|---|---|"]
-    for line in Path(path).read_text().splitlines():
-        r = json.loads(line) if line.strip() else {}
+    rows = []
+    for r in records(path):
         if "variant" not in r:
             continue
         how = ", ".join([*r["overrides"], *(f"{k}={v}" for k, v in r["env"].items())])
-        out.append(f"| {r['variant']} | {how or 'the workload as is'} | {r['best_s']:.3f} s "
-                   f"| {r['median_s']:.3f} s | {r['gen_tokens_per_s']:.0f} "
-                   f"| {r['floor_frac']:.1%} | {r['gemm_gflops']:.0f} GFLOP/s / "
-                   f"{r['mem_read_gbs']:.0f} GB/s | {r['loadavg_1m']:.2f} |")
-    return "\n".join(out)
+        rows.append([r["variant"], how or "the workload as is", f"{r['best_s']:.3f} s",
+                     f"{r['median_s']:.3f} s", f"{r['gen_tokens_per_s']:.0f}",
+                     f"{r['floor_frac']:.1%}",
+                     f"{r['gemm_gflops']:.0f} GFLOP/s / {r['mem_read_gbs']:.0f} GB/s",
+                     f"{r['loadavg_1m']:.2f}"])
+    return markdown_table(["variant", "settings", "best rollout", "median", "completion tok/s",
+                           "of the floor", "GEMM rate / bandwidth measured", "load"], rows)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--workload", default="midsize")
     ap.add_argument("--rollouts", type=int, default=3)
     ap.add_argument("--variants", default="default,seqs32,seqs64,chunked256,kv4gib,nobind,"
@@ -124,8 +125,7 @@ def main() -> None:
     ap.add_argument("--table", help="print the table of this results file and exit")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.table:
-        print(table(args.table))
+    if print_table(args, table=table):
         return
     if args.one:
         print("RESULT " + json.dumps(run_variant(args.workload, args.one, args.rollouts)),
@@ -146,8 +146,7 @@ def main() -> None:
         lines.append(found[-1])
         print(found[-1], flush=True)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("\n".join(lines) + "\n")
+        write_lines(args.out, lines)
 
 
 if __name__ == "__main__":

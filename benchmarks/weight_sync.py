@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import markdown_table, parser, print_table, records, write_lines  # noqa: E402
 from _harness import MODEL_SIZES as SIZES  # noqa: E402
 
 from megagrpo.cli import torchrun_command  # noqa: E402
@@ -281,26 +282,21 @@ def _launch(size: str, repeats: int, vllm_tp: int, env: dict) -> str:
 def table(path: str) -> str:
     """The refit table of docs/performance.md: per row of `path` with the repack split, the
     sync against the disk round trip and memcpy, and vLLM's packing against a plain copy."""
-    out = ["| model | bytes | sync (s) | disk round trip (s) | disk / sync | sync / memcpy "
-           "| engine load (s) | repack alone (s) | plain copy (s) | repack / memcpy "
-           "| decode, plain / packed weights |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for line in Path(path).read_text().splitlines():
-        r = json.loads(line) if line.strip() else {}
-        if "repack_s" not in r:
-            continue
-        out.append(
-            f"| {r['size']} | {r['bytes'] / 1e6:.0f} MB | {r['sync_s']:.3f} "
-            f"| {r['disk_total_s']:.3f} | {r['disk_total_s'] / r['sync_s']:.2f}x "
-            f"| {r['sync_s'] / r['memcpy_s']:.1f}x | {r['engine_load_s']:.3f} "
-            f"| {r['repack_s']:.3f} | {r['plain_copy_s']:.3f} "
-            f"| {r['repack_s'] / r['memcpy_s']:.1f}x "
-            f"| {r['decode_plain_s'] / r['decode_packed_s']:.2f}x |")
-    return "\n".join(out)
+    return markdown_table(
+        ["model", "bytes", "sync (s)", "disk round trip (s)", "disk / sync", "sync / memcpy",
+         "engine load (s)", "repack alone (s)", "plain copy (s)", "repack / memcpy",
+         "decode, plain / packed weights"],
+        ([r["size"], f"{r['bytes'] / 1e6:.0f} MB", f"{r['sync_s']:.3f}",
+          f"{r['disk_total_s']:.3f}", f"{r['disk_total_s'] / r['sync_s']:.2f}x",
+          f"{r['sync_s'] / r['memcpy_s']:.1f}x", f"{r['engine_load_s']:.3f}",
+          f"{r['repack_s']:.3f}", f"{r['plain_copy_s']:.3f}",
+          f"{r['repack_s'] / r['memcpy_s']:.1f}x",
+          f"{r['decode_plain_s'] / r['decode_packed_s']:.2f}x"]
+         for r in records(path) if "repack_s" in r))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--sizes", default=",".join(SIZES))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/weight_sync_cpu.jsonl")
@@ -309,8 +305,7 @@ def main() -> None:
     ap.add_argument("--table", help="print the refit table from this results file and exit")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.table:
-        print(table(args.table))
+    if print_table(args, table=table):
         return
     if args.one:
         row = (run_one(args.one, args.repeats) if args.vllm_tp == 1
@@ -327,8 +322,7 @@ def main() -> None:
         lines.append(_launch(size, args.repeats, args.vllm_tp, env))
         print(lines[-1], flush=True)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("\n".join(lines) + "\n")
+        write_lines(args.out, lines)
 
 
 if __name__ == "__main__":

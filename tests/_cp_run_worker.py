@@ -19,13 +19,12 @@ Per run and rank: the step records, the completions each step trained on, the pa
 before the first and after the last step. Rank 0 writes WORK/results.json; parameters go to
 WORK/params_{run}_{rank}.pt. `--defect no_cp_grad_reduce`: megatron's DDP reduces the
 gradients over DP only (not DP x CP), to show the comparison fails."""
-import argparse
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from tests.support.launch import write_results
+from tests.support.launch import worker_args, write_results
 
 METRICS = ("loss", "kl", "entropy", "grad_norm", "ratio_mean", "reward_mean",
            "advantage_abs", "completion_len")
@@ -114,11 +113,7 @@ def drop_cp_grad_reduce() -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--defect", default="")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+    args = worker_args(defect="")
     work = Path(args.work)
     if args.defect == "no_cp_grad_reduce":
         drop_cp_grad_reduce()

@@ -13,7 +13,6 @@ cp2 and tp2_cp2 GRPO, GSPO and DAPO (fused) also run on packed micro-batches (PA
 each row cut into its own 2 x cp chunks), with the scoring pass, and at cp2 GRPO once more with
 packed rows attending across their boundaries (the defect PACKED_DEFECT).
 Rank 0 writes WORK/results.json; the gradients go to WORK/grads_{layout}_{rank}.pt."""
-import argparse
 import dataclasses
 import os
 from functools import partial
@@ -22,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from tests._fused_output_worker import grads, make_batch, make_config
-from tests.support.launch import write_results
+from tests.support.launch import worker_args, write_results
+from tests.support.megatron import ddp_and_optimizer
 
 LAYOUTS = {"ref": (1, 1), "cp2": (1, 2), "tp2": (2, 1), "tp2_cp2": (2, 2)}
 RUNS = {  # name: (loss, loss_agg, logits at loss positions, fused output layer)
@@ -122,7 +122,7 @@ def planted(defect: str, fn):
 
 def layout(name: str, work: str, results: list) -> None:
     from megagrpo.model.gpt import build_model
-    from megagrpo.model.optim import build_optimizer, optimizer_step, wrap_ddp
+    from megagrpo.model.optim import optimizer_step
     from megagrpo.runtime.distributed import init_distributed, training_layout
     from megagrpo.train.passes import Passes
 
@@ -132,8 +132,7 @@ def layout(name: str, work: str, results: list) -> None:
     info = init_distributed(cfg.parallel, cfg.model)
     ranks, groups = training_layout(cfg.parallel, cfg.model, info)
     gpt = build_model(cfg.model, cfg.parallel, seed=7)
-    ddp = wrap_ddp(gpt, cfg.optim)
-    opt = build_optimizer(ddp, cfg.optim)
+    ddp, opt = ddp_and_optimizer(gpt, cfg.optim)
     passes = Passes(cfg, ranks, groups, packed=False)
     batch = global_batch()
     rows = batch.num_seqs // ranks.dp
@@ -173,11 +172,7 @@ def layout(name: str, work: str, results: list) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--layouts", default=",".join(LAYOUTS))
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+    args = worker_args(layouts=",".join(LAYOUTS))
     results: list = []
     for name in args.layouts.split(","):
         layout(name, args.work, results)

@@ -4,13 +4,13 @@ prepared by the parent, and records logits agreement, an HF export right after l
 trip), the reduced gradients of one training step (exported as an HF checkpoint) with the
 optimizer's grad norm, and (llama) an HF export after that step. Results go to
 WORK/results.json (rank 0)."""
-import argparse
 import os
 
 import torch
 import torch.distributed as dist
 
-from tests.support.launch import write_results
+from tests.support.launch import worker_args, write_results
+from tests.support.megatron import backward_rows, ddp_and_optimizer
 
 
 def logits_of(gpt, ids, model_cfg, parallel):
@@ -68,14 +68,7 @@ def check_and_step(name, mcfg, parallel, tag, work, ref, results, *, own_slices=
     all of them). Returns (gpt, info)."""
     from megagrpo.hf import load_hf_weights
     from megagrpo.model.gpt import build_model
-    from megagrpo.model.optim import (
-        OptimConfig,
-        build_optimizer,
-        forward_backward,
-        optimizer_step,
-        wrap_ddp,
-        zero_grad,
-    )
+    from megagrpo.model.optim import OptimConfig, optimizer_step
     from megagrpo.runtime.distributed import init_distributed
     from megagrpo.sync.source import export_hf
 
@@ -89,10 +82,7 @@ def check_and_step(name, mcfg, parallel, tag, work, ref, results, *, own_slices=
         err = ((logits - hf).abs().max() / hf.abs().max()).item()
         results.append({"layout": tag, "model": name, "logits_rel_err": err})
     export_hf(gpt, os.path.join(work, f"rt_{name}_{tag}"), mcfg, parallel)
-    ocfg = OptimConfig(lr=1e-3, clip_grad=1.0)
-    ddp = wrap_ddp(gpt, ocfg)
-    opt = build_optimizer(ddp, ocfg)
-    zero_grad(ddp, opt)
+    ddp, opt = ddp_and_optimizer(gpt, OptimConfig(lr=1e-3, clip_grad=1.0))
     # every DP rank feeds the same batch (own_slices: its slice) as micro-batches of 1 row:
     # the reduced gradient is their mean (and over DP), so a DP sum or a missing
     # 1/num_microbatches scales it and the parent's single-process reference no longer
@@ -100,9 +90,7 @@ def check_and_step(name, mcfg, parallel, tag, work, ref, results, *, own_slices=
     ids, labels = ref["ids"], ref["labels"]
     if own_slices:  # the mean over the DP ranks' equal slices is the mean over the batch
         ids, labels = ids.chunk(info.dp)[info.dp_rank], labels.chunk(info.dp)[info.dp_rank]
-    mbs = [(ids[i:i + 1], labels[i:i + 1]) for i in range(ids.shape[0])]
-    forward_backward(ddp, ce_forward, mbs, len(mbs), seq_length=ids.shape[1],
-                     micro_batch_size=1)
+    backward_rows(ddp, ce_forward, ids, labels)
     # the finalized grads (DP all-reduce + tied-embedding all-reduce across stages), before
     # the optimizer clips them in place, exported under HF names
     export_grads(gpt, os.path.join(work, f"grad_{name}_{tag}"), mcfg, parallel)
@@ -130,11 +118,7 @@ def run_layout(tp, pp, work, results):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--layouts", default="1x1,2x1,1x2,2x2")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+    args = worker_args(layouts="1x1,2x1,1x2,2x2")
     results = []
     for lay in args.layouts.split(","):
         tp, pp = map(int, lay.split("x"))

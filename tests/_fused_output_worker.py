@@ -6,7 +6,6 @@ with the output layer at every position) and supervised pass with
 compute.fused_output_layer false and true from the same weights: per rank, the finalized (DP-
 and embedding-reduced) gradients of every parameter shard, the scored log-probs and the loss
 reports of both. Rank 0 writes WORK/results.json."""
-import argparse
 import os
 from functools import partial
 
@@ -14,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from tests.kernels.fused_cases import count_fused_paths
-from tests.support.launch import write_results
+from tests.support.launch import worker_args, write_results
+from tests.support.megatron import ddp_and_optimizer
 
 LAYOUTS = {  # tp, pp, tied, packed
     "tp2_pp2": (2, 2, False, False),
@@ -102,7 +102,6 @@ def small_chunks() -> None:
 
 def run_layout(name: str, results: list, calls: list[int], paths: dict[str, int]) -> None:
     from megagrpo.model.gpt import build_model
-    from megagrpo.model.optim import build_optimizer, wrap_ddp
     from megagrpo.runtime.distributed import init_distributed, training_layout
     from megagrpo.train.losses import grpo_loss, sft_loss
     from megagrpo.train.passes import Passes
@@ -114,8 +113,7 @@ def run_layout(name: str, results: list, calls: list[int], paths: dict[str, int]
     info = init_distributed(cfg.parallel, cfg.model)
     ranks, groups = training_layout(cfg.parallel, cfg.model, info)
     gpt = build_model(cfg.model, cfg.parallel, seed=7)
-    ddp = wrap_ddp(gpt, cfg.optim)
-    opt = build_optimizer(ddp, cfg.optim)
+    ddp, opt = ddp_and_optimizer(gpt, cfg.optim)
     passes = Passes(cfg, ranks, groups, packed=packed)
     m = cfg.compute.micro_batch_size
     batch = make_batch(3, m)
@@ -166,11 +164,7 @@ def run_layout(name: str, results: list, calls: list[int], paths: dict[str, int]
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--layouts", default=",".join(TESTED))
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+    args = worker_args(layouts=",".join(TESTED))
     results, calls, paths = [], count_fused_calls(), count_fused_paths()
     small_chunks()
     for name in args.layouts.split(","):

@@ -12,6 +12,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from tests.support.megatron import backward_rows, ddp_and_optimizer
+
 MOE = "qwen2_moe"
 LORA = dict(rank=4, alpha=8.0)
 
@@ -87,35 +89,21 @@ def run_moe(work, results, ce_step, merge_checks):
     from megagrpo.checkpoint import save_model
     from megagrpo.lora.export import export_base_and_adapter
     from megagrpo.lora.layers import parameters_for_refit
-    from megagrpo.model.optim import (
-        OptimConfig,
-        build_optimizer,
-        forward_backward,
-        optimizer_step,
-        torch_adams,
-        wrap_ddp,
-        zero_grad,
-    )
+    from megagrpo.model.optim import OptimConfig, adam_footprint, optimizer_step
     from megagrpo.sync.source import export_hf
 
     ref = torch.load(os.path.join(work, "ref_moe.pt"))
     gpt, mcfg, parallel, lcfg, info, n_adapter = build(work, ep=2)
     randomize_b_by_name(gpt, mcfg, parallel, seed=5)
     values = expert_adapter_tensors(gpt, mcfg, parallel, grads=False)
-    ocfg = OptimConfig(lr=1e-3, clip_grad=0.0)
-    ddp = wrap_ddp(gpt, ocfg)
-    opt = build_optimizer(ddp, ocfg)
-    zero_grad(ddp, opt)
+    ddp, opt = ddp_and_optimizer(gpt, OptimConfig(lr=1e-3, clip_grad=0.0))
     r = dist.get_rank()  # each DP rank its own row: the experts get both through the all-to-all
-    ids, labels = ref["ids"][r:r + 1], ref["labels"][r:r + 1]
-    forward_backward(ddp, ce_step(mcfg), [(ids, labels)], 1, seq_length=ids.shape[1],
-                     micro_batch_size=1)
+    backward_rows(ddp, ce_step(mcfg), ref["ids"][r:r + 1], ref["labels"][r:r + 1])
     grads = expert_adapter_tensors(gpt, mcfg, parallel, grads=True)
     base_grad = [n for n, p in gpt.named_parameters() if ".lora_" not in n and (
         p.requires_grad or p.grad is not None or getattr(p, "main_grad", None) is not None)]
     ok, _ = optimizer_step(ddp, opt)
-    opt_numel = sum(p.numel() for o in torch_adams(opt) for g in o.param_groups
-                    for p in g["params"])
+    opt_numel, _ = adam_footprint(opt)
     torch.save({"values": values, "grads": grads}, os.path.join(work, f"moe_ep2_rank{r}.pt"))
     results.append({"tag": "moe_ep2", "rank": r, "adapter_numel": n_adapter,
                     "planned_numel": lcfg.rank_numel(mcfg, 1, mcfg.num_layers, ep=2),
@@ -151,26 +139,14 @@ def run_moe_tp2_sp(work, results, ce_step, adapter_tensors):
     """TP=2 with sequence parallelism (megagrpo's default for an MoE at tp > 1), attention
     adapters (qkv, proj), both rows on both ranks: the adapters' reduced gradients as full
     tensors (WORK/moe_tp2_sp_rank<r>.pt) for the parent's float64 reference, and the step."""
-    from megagrpo.model.optim import (
-        OptimConfig,
-        build_optimizer,
-        forward_backward,
-        optimizer_step,
-        wrap_ddp,
-        zero_grad,
-    )
+    from megagrpo.model.optim import OptimConfig, optimizer_step
 
     ref = torch.load(os.path.join(work, "ref_moe.pt"))
     gpt, mcfg, parallel, _, _, _ = build(work, ep=1, tp=2, targets=["qkv", "proj"])
     randomize_b_by_name(gpt, mcfg, parallel, seed=5)
     values = adapter_tensors(gpt, mcfg, parallel, grads=False)
-    ocfg = OptimConfig(lr=1e-3, clip_grad=0.0)
-    ddp = wrap_ddp(gpt, ocfg)
-    opt = build_optimizer(ddp, ocfg)
-    zero_grad(ddp, opt)
-    mbs = [(ref["ids"][i:i + 1], ref["labels"][i:i + 1]) for i in range(2)]
-    forward_backward(ddp, ce_step(mcfg), mbs, 2, seq_length=ref["ids"].shape[1],
-                     micro_batch_size=1)
+    ddp, opt = ddp_and_optimizer(gpt, OptimConfig(lr=1e-3, clip_grad=0.0))
+    backward_rows(ddp, ce_step(mcfg), ref["ids"][:2], ref["labels"][:2])
     grads = adapter_tensors(gpt, mcfg, parallel, grads=True)
     ok, _ = optimizer_step(ddp, opt)
     torch.save({"values": values, "grads": grads},

@@ -11,14 +11,14 @@ adapters and the base reshard; a checkpoint of the older one-folder format too);
 the base and a peft adapter are exported (megagrpo.lora.export). Then the MoE checks
 (tests/_lora_moe_worker.py: expert adapters at EP=2, reloaded at EP=1). Scalars go to
 WORK/results.json."""
-import argparse
 import os
 
 import torch
 import torch.distributed as dist
 
 from tests._lora_moe_worker import load_moe_ep1, run_moe, run_moe_tp2_sp
-from tests.support.launch import write_results
+from tests.support.launch import worker_args, write_results
+from tests.support.megatron import backward_rows, ddp_and_optimizer
 
 LABEL_SEED = 11
 
@@ -111,15 +111,7 @@ def run_layout(tag, tp, pp, dist_opt, work, results, load_from=None, sp=False):
     from megagrpo.hf import load_hf_weights, model_config_from_hf
     from megagrpo.lora.layers import add_adapters
     from megagrpo.model.gpt import build_model
-    from megagrpo.model.optim import (
-        OptimConfig,
-        build_optimizer,
-        forward_backward,
-        optimizer_step,
-        torch_adams,
-        wrap_ddp,
-        zero_grad,
-    )
+    from megagrpo.model.optim import OptimConfig, adam_footprint, optimizer_step
     from megagrpo.runtime.distributed import init_distributed
 
     ref = torch.load(os.path.join(work, "ref.pt"))
@@ -145,26 +137,18 @@ def run_layout(tag, tp, pp, dist_opt, work, results, load_from=None, sp=False):
         return None, None, mcfg, parallel
     randomize_b(gpt, seed=5)
     values = adapter_tensors(gpt, mcfg, parallel, grads=False)
-    ocfg = OptimConfig(lr=1e-3, clip_grad=0.0, distributed_optimizer=dist_opt)
-    ddp = wrap_ddp(gpt, ocfg)
-    opt = build_optimizer(ddp, ocfg)
-    zero_grad(ddp, opt)
+    ddp, opt = ddp_and_optimizer(gpt, OptimConfig(lr=1e-3, clip_grad=0.0,
+                                                  distributed_optimizer=dist_opt))
     # each DP rank its own rows (equal lengths: the mean over DP of the ranks' token means is
     # the whole batch's), so the gradients equal the reference only through DDP's all-reduce
     ids, labels = (t.chunk(info.dp)[info.dp_rank] for t in (ref["ids"], ref["labels"]))
-    mbs = [(ids[i:i + 1], labels[i:i + 1]) for i in range(ids.shape[0])]
-    forward_backward(ddp, ce_step(mcfg), mbs, len(mbs), seq_length=ids.shape[1],
-                     micro_batch_size=1)
+    backward_rows(ddp, ce_step(mcfg), ids, labels)
     grads = adapter_tensors(gpt, mcfg, parallel, grads=True)
     base = [(n, p) for n, p in gpt.named_parameters() if ".lora_" not in n]
     base_grad = [n for n, p in base if p.requires_grad or p.grad is not None
                  or getattr(p, "main_grad", None) is not None]
     ok, _ = optimizer_step(ddp, opt)
-    opt_numel = sum(p.numel() for o in torch_adams(opt) for g in o.param_groups
-                    for p in g["params"])
-    state_bytes = sum(t.numel() * t.element_size() for o in torch_adams(opt)
-                      for s in o.state.values() for t in s.values()
-                      if torch.is_tensor(t) and t.dim() > 0)
+    opt_numel, state_bytes = adam_footprint(opt)
     torch.save({"values": values, "grads": grads},
                os.path.join(work, f"{tag}_rank{dist.get_rank()}.pt"))
     results.append({"tag": tag, "rank": dist.get_rank(), "dp_rank": info.dp_rank,
@@ -359,15 +343,12 @@ def merge_checks(ddp, mcfg, parallel, ids, results, check="merge"):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work", required=True)
-    args = ap.parse_args()
     from megagrpo.config.lora import LoRAConfig
     from megagrpo.lora.export import export_base_and_adapter
     from megagrpo.lora.layers import parameters_for_refit
     from megagrpo.sync.source import export_hf
 
-    torch.set_num_threads(1)
+    args = worker_args()
     results = []
     ref = torch.load(os.path.join(args.work, "ref.pt"))
     # the distributed optimizer reduce-scatters: each DP rank's main grads are reduced in its

@@ -4,7 +4,6 @@ against transformers', exports the weights right after loading (round trip), run
 step (each DP rank on its own slice of the parent's batch) and exports the reduced gradients
 (DDP main_grad, expert and dense) under HF names with the optimizer's grad norm
 (tests/_foundation_worker.check_and_step, the dense families' steps). WORK/results.json."""
-import argparse
 import dataclasses
 import os
 
@@ -12,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests._foundation_worker import check_and_step
-from tests.support.launch import write_results
+from tests.support.launch import worker_args, write_results
 
 
 def run_layout(tp, pp, ep, work, results):
@@ -31,11 +30,7 @@ def run_layout(tp, pp, ep, work, results):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--layouts", default="1x1x1,2x1x2,1x2x2,1x1x4")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+    args = worker_args(layouts="1x1x1,2x1x2,1x2x2,1x1x4")
     results = []
     for lay in args.layouts.split(","):
         tp, pp, ep = map(int, lay.split("x"))

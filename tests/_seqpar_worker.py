@@ -21,7 +21,6 @@ recomputation and the MoE auxiliary losses, in one launch.
   the same half on both DP ranks of a TP=1 pair so that both layouts average the same slices;
 - routing replay through the trainer's scoring pass (tests/_replay_checks.py).
 WORK/results.json (every rank's records)."""
-import argparse
 import dataclasses
 import os
 
@@ -31,7 +30,8 @@ import torch.distributed as dist
 from tests._foundation_worker import ce_forward, check_and_step, export_grads
 from tests._fused_output_worker import grads, make_batch, make_config
 from tests._replay_checks import replay_scores
-from tests.support.launch import write_results
+from tests.support.launch import worker_args, write_results
+from tests.support.megatron import ddp_and_optimizer
 
 DENSE = {  # name: (sequence_parallel, recompute, packed)
     "tp2": (False, "none", False),
@@ -197,14 +197,7 @@ def moe_layout(name: str, work: str, results: list) -> None:
     from megagrpo.hf import load_hf_weights, model_config_from_hf
     from megagrpo.model.gpt import build_model
     from megagrpo.model.moe import RoutingMonitor, tp_slices, tracked_losses
-    from megagrpo.model.optim import (
-        OptimConfig,
-        build_optimizer,
-        forward_backward,
-        optimizer_step,
-        wrap_ddp,
-        zero_grad,
-    )
+    from megagrpo.model.optim import OptimConfig, forward_backward, optimizer_step
     from megagrpo.runtime.distributed import init_distributed
     from megagrpo.sync.source import export_hf
 
@@ -219,15 +212,13 @@ def moe_layout(name: str, work: str, results: list) -> None:
     gpt = build_model(mcfg, parallel, seed=7)
     load_hf_weights(gpt, os.path.join(work, "qwen3_moe"), mcfg, parallel,
                     tp_rank=info.tp_rank, pp_rank=info.pp_rank)
-    ocfg = OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=ADAM_EPS, distributed_optimizer=distopt)
-    ddp = wrap_ddp(gpt, ocfg)
-    opt = build_optimizer(ddp, ocfg)
+    ddp, opt = ddp_and_optimizer(gpt, OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=ADAM_EPS,
+                                                  distributed_optimizer=distopt))
     monitor = RoutingMonitor(gpt, mcfg.num_layers, mcfg.num_experts,
                              losses=tracked_losses(mcfg), counts_here=info.tp_rank == 0,
                              group=dist.group.WORLD, tp_slices=tp_slices(parallel))
     seen = expert_counter(gpt)
     monitor.reset()
-    zero_grad(ddp, opt)
     ids, labels = ref["moe_ids"], ref["moe_labels"]
     dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     if packed:  # half r // (dp / 2) of the rows, end to end
@@ -255,11 +246,7 @@ def moe_layout(name: str, work: str, results: list) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--parts", default="native,dense,moe,replay")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+    args = worker_args(parts="native,dense,moe,replay")
     parts, results = args.parts.split(","), []
     if "native" in parts:
         dense_native(args.work, results)

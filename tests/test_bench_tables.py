@@ -4,7 +4,7 @@ compare a generator with itself on the committed results, which a wrong ratio pa
 import json
 from pathlib import Path
 
-from tests.test_benchmarks import _bench_module
+from tests.support.bench import bench_module as _bench_module
 
 
 def _jsonl(tmp_path, *rows) -> str:

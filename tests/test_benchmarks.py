@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.bench import bench_module as _bench_module
 from tests.support.docs import assert_generated_table, between
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -277,21 +278,6 @@ def test_reference_sync_benchmark_tiny(tmp_path):
     model_mb = row["local_bytes"] / 2**20
     assert row["inplace_a1_peak_extra_mb"] < model_mb / 4, row
     assert row["inplace_a05_peak_extra_mb"] < model_mb / 4, row
-
-
-def _bench_module(name: str):
-    """A benchmarks/ module imported by file path (benchmarks/ is not a package)."""
-    import importlib.util
-
-    sys.path.insert(0, str(BENCH))  # grpo_step imports _workloads as a sibling
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def _flop_pair():

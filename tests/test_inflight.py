@@ -23,20 +23,11 @@ from megagrpo.config.rollout import RolloutConfig
 from megagrpo.engine import SamplingSettings, VLLMEngine
 from megagrpo.rollout.stream import stamp
 from tests._rollout_model import EOS, build_tiny_llama, hf_greedy, hf_token_logprobs
+from tests.support.tiny import perturbed
 
 PROMPTS = [[0, 40, 41, 42], [0, 70, 80, 90, 5, 6], [0, 33], [0, 50, 51, 52, 53, 54, 55, 56]]
 MAX_TOKENS, N, AT_STEP = 20, 2, 6
 TOL = 1e-4
-
-
-def perturbed(model, scale: float = 0.05, seed: int = 1):
-    new = type(model)(model.config).eval()
-    new.load_state_dict(model.state_dict())
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale)
-    return new
 
 
 @torch.no_grad()

@@ -5,13 +5,12 @@ separate-placement run with this script), and docs/performance.md's tables are t
 prints from the committed results."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.bench import bench_module
 from tests.support.docs import assert_generated_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,12 +19,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "longtail_epyc_cpu.jsonl"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_longtail",
-                                                  ROOT / "benchmarks" / "longtail.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("longtail")
 
 
 def test_target_lengths_spread_10x_and_the_reward_by_hand():

@@ -474,14 +474,24 @@ def test_expert_adapter_grads_equal_float64_reference(run):
     """EP=2 (dense DP=2, each rank its own row): the reduced gradients of every adapter (4
     routed experts over 2 EP ranks, the shared expert, the dense layer, attention) equal the
     float64 reference's; the router gets none, nor does any base weight."""
-    from transformers import AutoModelForCausalLM
-
     work = run[0]
     values, grads = _moe_adapters(work, "moe_ep2")
     # layer 0: q, k, v, o + 4 experts x (gate, up, down) + shared (gate, up, down); layer 1
     # (dense): q, k, v, o, gate, up, down
     assert len(values) == len(grads) == 19 + 7
     assert not any(n.endswith("mlp.gate") for n in values)  # the router is no target
+    _assert_moe_grads_are_the_reference(work, values, grads)
+    rows = [r for r in run[1] if r.get("tag") == "moe_ep2"]
+    assert len(rows) == 2 and all(r["step_ok"] and r["base_with_grad"] == [] for r in rows)
+    for r in rows:  # each EP rank: its 2 experts' adapters, counted as the planner counts
+        assert r["opt_numel"] == r["adapter_numel"] == r["planned_numel"]
+
+
+def _assert_moe_grads_are_the_reference(work, values, grads) -> None:
+    """Each adapter's reduced A and B gradients within 1e-5 (relative) of the float64
+    reference's: the HF Qwen2-MoE with the adapters' `values`, on ref_moe.pt's rows."""
+    from transformers import AutoModelForCausalLM
+
     ref = torch.load(work / "ref_moe.pt")
     model = AutoModelForCausalLM.from_pretrained(str(work / "qwen2_moe"), dtype=torch.float32)
     want = moe_reference_grads(model, values, ref["ids"], ref["labels"])
@@ -490,10 +500,6 @@ def test_expert_adapter_grads_equal_float64_reference(run):
             w = want[name][which]
             err = ((g[which] - w).abs().max() / w.abs().max()).item()
             assert err < 1e-5, (name, which, err)
-    rows = [r for r in run[1] if r.get("tag") == "moe_ep2"]
-    assert len(rows) == 2 and all(r["step_ok"] and r["base_with_grad"] == [] for r in rows)
-    for r in rows:  # each EP rank: its 2 experts' adapters, counted as the planner counts
-        assert r["opt_numel"] == r["adapter_numel"] == r["planned_numel"]
 
 
 def test_expert_adapters_reshard_ep2_to_ep1(run):
@@ -537,18 +543,9 @@ def test_attention_adapter_grads_under_sequence_parallelism_moe(run):
     """Qwen2-MoE at TP=2 with sequence parallelism (on by default for an MoE at tp > 1; the
     adapters' input is each rank's slice of the sequence): the reduced gradients of the
     attention adapters (qkv, proj; both rows on both ranks) equal the float64 reference's."""
-    from transformers import AutoModelForCausalLM
-
     work = run[0]
     values, grads = _moe_adapters(work, "moe_tp2_sp")
     assert len(values) == len(grads) == 2 * 4  # two layers x (q, k, v, o)
     rows = [r for r in run[1] if r.get("tag") == "moe_tp2_sp"]
     assert len(rows) == 2 and all(r["step_ok"] and r["sequence_parallel"] for r in rows)
-    ref = torch.load(work / "ref_moe.pt")
-    model = AutoModelForCausalLM.from_pretrained(str(work / "qwen2_moe"), dtype=torch.float32)
-    want = moe_reference_grads(model, values, ref["ids"], ref["labels"])
-    for name, g in grads.items():
-        for which in ("A", "B"):
-            w = want[name][which]
-            err = ((g[which] - w).abs().max() / w.abs().max()).item()
-            assert err < 1e-5, (name, which, err)
+    _assert_moe_grads_are_the_reference(work, values, grads)

@@ -3,14 +3,13 @@ figures against a hand computation, one real (smallest) run, and docs/performanc
 is the one it prints from the committed results."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from megagrpo.agent import Turn
+from tests.support.bench import bench_module
 from tests.support.docs import assert_generated_table
 from tests.support.sandbox import require_kernel_sandbox
 
@@ -19,12 +18,7 @@ PERF_DOC = ROOT / "docs" / "performance.md"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_multiturn",
-                                                  ROOT / "benchmarks" / "multiturn.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("multiturn")
 
 
 def _play(env, max_turns: int = 8) -> list:

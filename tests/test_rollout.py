@@ -17,6 +17,7 @@ from megagrpo.config.rollout import RolloutConfig, check_head_dim
 from megagrpo.engine import SamplingSettings, VLLMEngine, expected_hf_params
 from tests._rollout_model import build_tiny_llama, hf_greedy, hf_token_logprobs
 from tests.support.launch import run_ranks, worker_env
+from tests.support.tiny import perturbed
 
 PROMPTS = [[0, 40, 41, 42], [0, 70, 80, 90, 5, 6], [0, 33], [0, 50, 51, 52, 53, 54, 55, 56]]
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=16)
@@ -39,16 +40,6 @@ def engine(tiny):
     yield engine
     engine.close()  # leave no process group or patched torch.set_num_threads to later tests
     assert not torch.distributed.is_initialized()
-
-
-def perturbed(model, scale: float = 0.05, seed: int = 1):
-    new = type(model)(model.config).eval()
-    new.load_state_dict(model.state_dict())
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale)
-    return new
 
 
 def lazy(model):

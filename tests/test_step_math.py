@@ -59,13 +59,19 @@ def _reference_advantages(batch, rewards, estimator):
         kl = sum(_est(float(batch.old_logp[r, t]) - float(batch.ref_logp[r, t]), estimator)
                  for t in range(batch.mask.shape[1]) if batch.mask[r, t])
         shaped.append(rewards[i] - BETA * kl)
+    return rows, _group_advantages(shaped)
+
+
+def _group_advantages(rewards: list[float]) -> list[float]:
+    """Written out (not algo.group_advantages): per group of G, (r - mean) / (std + 1e-6), std
+    with Bessel's correction as the library documents."""
     adv = []
-    for b in range(0, len(shaped), G):
-        grp = shaped[b:b + G]
+    for b in range(0, len(rewards), G):
+        grp = rewards[b:b + G]
         mean = sum(grp) / G
         std = math.sqrt(sum((x - mean) ** 2 for x in grp) / (G - 1))
         adv += [(x - mean) / (std + 1e-6) for x in grp]
-    return rows, adv
+    return adv
 
 
 def _set_logps(batch, old_fn, ref_fn):
@@ -90,14 +96,7 @@ def test_equal_kl_within_a_group_cancels(estimator):
     tr = _trainer(estimator)
     metrics = _kl_advantages(tr, batch)
     rows = batch.seq_valid.nonzero().squeeze(1).tolist()
-    # the unpenalised rewards' advantages, written out (not algo.group_advantages): per group
-    # (r - mean) / (std + 1e-6), std with Bessel's correction as the library documents
-    want = []
-    for b in range(0, len(rewards), G):
-        grp = rewards[b:b + G]
-        mean = sum(grp) / G
-        std = math.sqrt(sum((x - mean) ** 2 for x in grp) / (G - 1))
-        want += [(x - mean) / (std + 1e-6) for x in grp]
+    want = _group_advantages(rewards)  # the unpenalised rewards'
     assert want[:4] == pytest.approx([0.866025, -0.866025] * 2, abs=1e-5)  # the issue's numbers
     assert _token_advantages(batch, rows) == pytest.approx(want, abs=1e-5)
     assert metrics["kl_seq_mean"] == pytest.approx(3 * _est(d, estimator), rel=1e-5)

@@ -27,7 +27,13 @@ from megagrpo.sync import CastDtype, FullWeights, WeightSync, build_weight_sync
 from megagrpo.sync.adapters import AdapterSource, MergeAdapters
 from megagrpo.sync.source import Feed, OwnShards
 from megagrpo.sync.transforms import expected_feed
-from megagrpo.sync.transports import Transport, available, register, transport_class
+from megagrpo.sync.transports import (
+    SyncContext,
+    Transport,
+    available,
+    register,
+    transport_class,
+)
 from megagrpo.sync.transports.collective import Collective
 from megagrpo.sync.transports.inflight import Inflight
 from megagrpo.sync.transports.reload import Reload
@@ -133,6 +139,18 @@ def test_auto_picks_todays_transport_and_source(one_rank):
     cast = _build(["sync.dtype=bfloat16"], FakeEngine())
     assert cast.transforms == (CastDtype(torch.bfloat16),)
     assert _build(["sync.dtype=float32"], FakeEngine()).transforms == ()  # the model's own
+
+
+@pytest.mark.parametrize("transport", [Collective, Shards])
+def test_transports_to_rollout_ranks_refuse_a_colocated_engine(transport, tmp_path):
+    """Built by hand past the config's checks with a colocated engine, a transport that sends to
+    rollout ranks refuses before anything moves, naming itself and the fix."""
+    name = transport.__name__.lower()
+    with pytest.raises(ValueError, match=rf"sync\.transport={name} sends to rollout ranks: it "
+                                         r"needs rollout\.placement=separate; set sync\.transport"
+                                         r"=auto"):
+        transport.build(SyncContext(engine=FakeEngine(), model=ModelConfig(), folder=tmp_path,
+                                    parallel=ParallelConfig()))
 
 
 @pytest.mark.parametrize("overrides, match", [

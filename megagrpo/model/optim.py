@@ -107,6 +107,16 @@ def torch_adams(optimizer) -> list[torch.optim.Optimizer]:
     return [o for o in found if type(o) in (torch.optim.Adam, torch.optim.AdamW)]
 
 
+def adam_footprint(optimizer) -> tuple[int, int]:
+    """What the torch Adams inside `optimizer` hold: (elements of the parameters they step,
+    bytes of their state tensors: the moments, not the 0-dim step counters)."""
+    adams = torch_adams(optimizer)
+    numel = sum(p.numel() for o in adams for g in o.param_groups for p in g["params"])
+    state = sum(t.numel() * t.element_size() for o in adams for s in o.state.values()
+                for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    return numel, state
+
+
 def use_fused_adam(optimizer) -> bool:
     """Makes every torch Adam(W) in `optimizer` step with torch's fused kernel where all its
     parameters are floating point on a device that has one. Called after building and after

@@ -224,6 +224,15 @@ class RemoteEngine:
     before the first sync, which tells the rollout ranks): the last one is drawn on-policy,
     with the weights of the step that trains it (k = 0), whatever rollout.max_staleness is."""
 
+    @staticmethod
+    def of(engine: object, transport: str) -> RemoteEngine:
+        """`engine` as the rollout ranks' stand-in, for the weight sync `transport` that sends
+        to them; refused where the rollout is colocated (no rollout ranks to send to)."""
+        if not isinstance(engine, RemoteEngine):
+            raise ValueError(f"sync.transport={transport} sends to rollout ranks: it needs "
+                             "rollout.placement=separate; set sync.transport=auto")
+        return engine
+
     def begin_sync(self, via: str) -> int:
         """Every training rank, at the start of a sync: its index; training rank 0 announces
         it and broadcasts its header over the cross group (`via`: the transport whose tensors

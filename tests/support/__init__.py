@@ -1,11 +1,16 @@
 """Test support, one copy each, imported as `from tests.support.<module> import ...`:
 
 - `launch`: a worker script on local ranks, started as torchrun starts them but without its
-  agent (`run_ranks`, `run_ranks_results`, and in the worker `write_results`), spawned gloo
-  groups (`spawn_ranks`, `gloo_rank`), collective counting, free ports (the command line and
-  port picker are megagrpo.cli's, so the launcher, tests and benchmarks share them: no fixed
-  ports);
-- `tiny`: tiny random HF checkpoints (Llama, Qwen2/3, MoE) built from config classes;
+  agent (`run_ranks`, `run_ranks_results`, and in the worker `worker_args` and
+  `write_results`), several workers in turn in one launch (`run_jobs`, tests/conftest.py's
+  shared launches), spawned gloo groups (`spawn_ranks`, `gloo_rank`), collective counting,
+  free ports (the command line and port picker are megagrpo.cli's, so the launcher, tests and
+  benchmarks share them: no fixed ports);
+- `tiny`: tiny random HF checkpoints (Llama, Qwen2/3, MoE) built from config classes, and
+  `perturbed` copies of a model;
+- `megatron`: a megatron-core model trained by hand on a worker's ranks (DDP and optimizer,
+  a backward over a batch's rows);
+- `bench`: benchmarks/ scripts imported by file path;
 - `cli`: `python -m megagrpo ...` as a subprocess;
 - `dispatch`: TorchDispatchModes that watch the ops a call runs (tensor sizes, matmul counts);
 - `docs`: generated tables in the docs compared between their markers;

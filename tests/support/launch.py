@@ -3,6 +3,7 @@ as torchrun would start them, without its agent) and torch.multiprocessing spawn
 importable worker function."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ from tests.support import child_env
 
 __all__ = ["SHARED_LOG", "count_collectives", "free_port", "gloo_rank", "job_output", "run_jobs",
            "run_ranks", "run_ranks_results", "save_rank", "shared_output", "spawn_ranks",
-           "torchrun_command", "worker_env", "write_results"]
+           "torchrun_command", "worker_args", "worker_env", "write_results"]
 
 
 def worker_env(**changes: str | None) -> dict[str, str]:
@@ -141,6 +142,19 @@ SHARED_LOG = "output"
 def shared_output(work: Path, nproc: int) -> str:
     """The output of a shared launch's job whose work folder is `work` (tests/conftest.py)."""
     return job_output(work / SHARED_LOG, nproc)
+
+
+def worker_args(**options: str) -> argparse.Namespace:
+    """In a worker: its command line parsed, `--work WORK` (required) and one
+    `--NAME` string option per keyword (`layouts="1x1,2x1"`: `--layouts`, that default); then
+    one intra-op thread per rank (the ranks share the cores)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", required=True)
+    for name, default in options.items():
+        ap.add_argument(f"--{name}", default=default)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    return args
 
 
 def write_results(results: Any, work: str | Path, *, flat: bool = False) -> None:

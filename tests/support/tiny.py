@@ -144,6 +144,18 @@ def edited_copy(src: Path, dst: Path, **changes) -> Path:
     return dst
 
 
+def perturbed(model, scale: float = 0.05, seed: int = 1):
+    """A copy of the HF `model` (eval mode) with seeded normal noise of std `scale` added to
+    every weight: a policy a few steps on, for checks that the engine follows new weights."""
+    new = type(model)(model.config).eval()
+    new.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return new
+
+
 def _finish(model, path, *, biases: bool = False, routers: bool = False,
             sharp_attention: bool = False):
     """fp32 eval model with the parameters HF initialises flat made to matter (norms not all

@@ -24,10 +24,7 @@ class Collective(Transport):
 
     @classmethod
     def build(cls, ctx: SyncContext) -> Collective:
-        if not isinstance(ctx.engine, RemoteEngine):
-            raise ValueError("sync.transport=collective sends to rollout ranks: it needs "
-                             "rollout.placement=separate; set sync.transport=auto")
-        return cls(ctx.engine)
+        return cls(RemoteEngine.of(ctx.engine, "collective"))
 
     def deliver(self, feed: Feed, version: int) -> dict:
         return feed.metrics(self.send(feed.pairs))

@@ -38,22 +38,20 @@ class Shards(Transport):
     def build(cls, ctx: SyncContext) -> Shards:
         from megatron.core import parallel_state as ps
 
-        if not isinstance(ctx.engine, RemoteEngine):
-            raise ValueError("sync.transport=shards sends to rollout ranks: it needs "
-                             "rollout.placement=separate; set sync.transport=auto")
+        remote = RemoteEngine.of(ctx.engine, "shards")
         if ctx.parallel is not None and ctx.parallel.ep > 1:
             raise ValueError(f"sync.transport=shards with parallel.ep={ctx.parallel.ep}: the "
                              "experts' shards are not sent shard to shard yet; set "
                              "sync.transport=auto (collective) or collective")
-        place = ctx.engine.place
+        place = remote.place
         if place.weights is None:
             raise ValueError("sync.transport=shards needs the placement's weights group "
                              "(split_world builds it when the transport is shards)")
         stage = ps.get_pipeline_model_parallel_rank()
-        if ctx.engine.sends:  # replica 0: the rollout ranks look their senders up here
+        if remote.sends:  # replica 0: the rollout ranks look their senders up here
             place.store.set(f"shards/{stage}/{ps.get_tensor_model_parallel_rank()}",
                             str(place.rank))
-        return cls(ctx.engine, stage)
+        return cls(remote, stage)
 
     def deliver(self, feed: Feed, version: int) -> dict:
         return feed.metrics(self.send(feed.pairs))
