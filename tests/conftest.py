@@ -28,14 +28,15 @@ for _path in (_SITE, _ROOT):
 # megatron-core, transformers) instead of one per module. Each module's `shared_job(work)`
 # writes its worker's inputs under `work` and returns the worker's command line and what its
 # fixture needs afterwards; the fixture reads `shared_launch[__name__]`, and its worker's
-# output with `tests.support.launch.shared_output(work, nproc)`. The fused output
+# output with `tests.support.launch.shared_output(work, nproc)`. A worker that must patch a
+# library before megagrpo is imported (tests/_layout_resume_worker.py's full disk) keeps a
+# launch of its own. The fused output
 # worker is last of its launch: it shrinks the fused kernels' chunk constants for the rest of
 # its process.
 SHARED_LAUNCHES = {
     4: ("tests.test_context_parallel", "tests.test_foundation", "tests.test_moe",
         "tests.test_plan", "tests.test_seqpar", "tests.test_fused_output_layer"),
-    2: ("tests.test_attention", "tests.test_lora", "tests.test_param_specs", "tests.test_resume",
-        "tests.test_vlm"),
+    2: ("tests.test_attention", "tests.test_lora", "tests.test_param_specs", "tests.test_vlm"),
 }
 
 

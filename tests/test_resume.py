@@ -41,6 +41,7 @@ from megagrpo.runtime.run_dir import (
 from tests._fault_hooks import DIE_ENV
 from tests.support.bf16 import needs_fast_bf16
 from tests.support.cli import run_cli
+from tests.support.launch import run_ranks_results
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -499,19 +500,17 @@ def _max_gap(a: dict, b: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def layouts(shared_launch):
-    """The shared 2-rank launch (tests/_layout_resume_worker.py): the plain and the distributed
+def layouts(tmp_path_factory):
+    """One 2-rank launch (tests/_layout_resume_worker.py): the plain and the distributed
     optimizer saved at TP=2, PP=2 and DP=2 and loaded at other layouts; then, in the same
     launch, tests/_resume_worker.py's optimizer round trip and full disk at WORK/full
     (results["full_disk"], one per rank)."""
-    work, _ = shared_launch[__name__]
-    return work, json.loads((work / "results.json").read_text())
-
-
-def shared_job(work):
-    """This module's part of the shared 2-rank launch (tests/conftest.py)."""
+    work = tmp_path_factory.mktemp("layouts")
     (work / "full").mkdir()
-    return [LAYOUT_WORKER, "--work", str(work), "--full", str(work / "full")], None
+    # a launch of its own: the simulated full disk is installed before megagrpo is imported,
+    # which a shared launch's earlier jobs would already have done
+    return work, run_ranks_results(LAYOUT_WORKER, 2, work, "--full", str(work / "full"),
+                                   timeout=420)
 
 
 @pytest.mark.parametrize("case,dst", [("distopt_dp2", "dp2"), ("distopt_dp2", "tp2"),
