@@ -1,4 +1,4 @@
-"""Run under torchrun (2 processes, gloo) by tests/test_attention.py; one launch covers:
+"""Run on local ranks (2 processes, gloo) by tests/test_attention.py; one launch covers:
 
 1. Module level (TP=1; rank 0 fp32, rank 1 bf16): SdpaAttention and megatron's
    DotProductAttention against a float64 naive softmax attention, output and input gradients,

@@ -1,4 +1,4 @@
-"""Run under torchrun (2 ranks, TP=2, gloo) by tests/test_bf16.py: the trainer in bf16 mixed
+"""Run on local ranks (2 ranks, TP=2, gloo) by tests/test_bf16.py: the trainer in bf16 mixed
 precision on CPU (bf16 policy and vLLM engine, fp32 main parameters in the optimizer, truncated
 rollout IS), then fp16 loss scaling (tests/_fp16_checks.py). Rank 0 writes WORK/results.json."""
 import argparse

@@ -1,4 +1,4 @@
-"""Run under torchrun (1 process, gloo) by tests/test_compile.py: a 2-layer megatron-core GPT
+"""Run on local ranks (1 process, gloo) by tests/test_compile.py: a 2-layer megatron-core GPT
 (megagrpo's model, local spec, SDPA, fp32), every parameter's gradient of a fixed loss on
 micro-batches of three shapes (rows x length) and one no-grad forward, eager; then the same
 with compute.compile_layers (`megagrpo.model.compile.compile_layers`), counting the graphs dynamo

@@ -1,4 +1,4 @@
-"""Run under torchrun (2 ranks, gloo) by tests/test_context_parallel.py: GRPO runs built by
+"""Run on local ranks (2 ranks, gloo) by tests/test_context_parallel.py: GRPO runs built by
 `megagrpo.run.setup` (preflight, models, optimizer, reference, the vLLM engine of each rank)
 at parallel.cp=2 and without CP, in one launch (megatron's parallel state is rebuilt for each
 layout on the same two ranks; each rank's vLLM engine, which cannot start twice, is reused).

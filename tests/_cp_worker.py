@@ -1,4 +1,4 @@
-"""Run under torchrun (4 ranks, gloo) by tests/test_context_parallel.py: context parallelism
+"""Run on local ranks (4 ranks, gloo) by tests/test_context_parallel.py: context parallelism
 (parallel.cp) against the same passes without it, in one launch.
 
 Layouts (name: tp, cp; DP = 4 / (tp x cp)), each DP replica training on its own slice of one

@@ -1,4 +1,4 @@
-"""Run under torchrun (4 processes, gloo) by tests/test_foundation.py. One launch covers every
+"""Run on local ranks (4 processes, gloo) by tests/test_foundation.py. One launch covers every
 layout: for (TP, PP) in the list it re-initialises parallel_state, loads the tiny HF models
 prepared by the parent, and records logits agreement, an HF export right after loading (round
 trip), the reduced gradients of one training step (exported as an HF checkpoint) with the

@@ -1,4 +1,4 @@
-"""Run under torchrun (4 ranks, gloo) by tests/test_fused_output_layer.py. For each layout
+"""Run on local ranks (4 ranks, gloo) by tests/test_fused_output_layer.py. For each layout
 (TP=2 x PP=2 untied and tied; TP=2 x DP=2 tied, padded and packed micro-batches) it builds a
 tiny megatron policy and one GRPO batch, then runs the same scoring pass, GRPO update passes
 (grpo with k3 KL; gspo; cispo; at TP=2 x PP=2 also bnpo/k1, dr_grpo/k2, dapo; unpacked also

@@ -1,4 +1,4 @@
-"""Run under torchrun (2 ranks, gloo) by tests/test_resume.py: optimizer state through
+"""Run on local ranks (2 ranks, gloo) by tests/test_resume.py: optimizer state through
 megatron's dist-checkpointing (`megagrpo.checkpoint.save_optimizer` / `load_optimizer`), with
 the plain and the distributed optimizer, at one layout and across layouts, all in one launch
 (megatron's parallel state is rebuilt for each layout on the same two ranks).

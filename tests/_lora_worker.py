@@ -1,4 +1,4 @@
-"""Run under torchrun (2 processes, gloo) by tests/test_lora.py. One launch covers the layouts
+"""Run on local ranks (2 processes, gloo) by tests/test_lora.py. One launch covers the layouts
 TP=2 (with and without sequence parallelism), PP=2 and DP=2 (plain and distributed
 optimizer): the parent's tiny Llama is loaded, adapters
 added (B set to seeded random values so that A's gradient is not zero), one forward/backward of

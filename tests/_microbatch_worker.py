@@ -1,4 +1,4 @@
-"""Run under torchrun (2 ranks, DP=2, TP=1, PP=1, gloo) by tests/test_microbatch.py: the same
+"""Run on local ranks (2 ranks, DP=2, TP=1, PP=1, gloo) by tests/test_microbatch.py: the same
 rollout batch scored and back-propagated with every micro-batching lever off (consecutive
 rows at full width, logits at every position) and on (length-sorted trimmed micro-batches,
 token-budget micro-batches, logits at loss positions only). Rank 0 writes WORK/results.json."""

@@ -1,4 +1,4 @@
-"""Run under torchrun (4 processes, gloo) by tests/test_moe.py. For every (TP, PP, EP) layout
+"""Run on local ranks (4 processes, gloo) by tests/test_moe.py. For every (TP, PP, EP) layout
 and both MoE families it loads the tiny HF checkpoints the parent wrote, records the logits
 against transformers', exports the weights right after loading (round trip), runs one training
 step (each DP rank on its own slice of the parent's batch) and exports the reduced gradients

@@ -1,4 +1,4 @@
-"""Run under torchrun (4 ranks, training TP=2 x PP=2, gloo) by tests/test_rollout_layout.py:
+"""Run on local ranks (4 ranks, training TP=2 x PP=2, gloo) by tests/test_rollout_layout.py:
 the real trainer with vLLM engines of rollout.tensor_parallel_size=2 (two engines, ranks [0, 1]
 and [2, 3], external_launcher on part of the world), fed shard to shard.
 

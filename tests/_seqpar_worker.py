@@ -1,4 +1,4 @@
-"""Run under torchrun (4 ranks, gloo) by tests/test_seqpar.py: sequence parallelism, activation
+"""Run on local ranks (4 ranks, gloo) by tests/test_seqpar.py: sequence parallelism, activation
 recomputation and the MoE auxiliary losses, in one launch.
 
 - dense (megatron's own loss): the tiny HF Llama at TP=2 + SP, logits and one step's reduced

@@ -1,4 +1,4 @@
-"""Run under torchrun (2 ranks, gloo) by tests/test_smollm2.py on the real SmolLM2-135M-Instruct
+"""Run on local ranks (2 ranks, gloo) by tests/test_smollm2.py on the real SmolLM2-135M-Instruct
 HF folder. One launch:
   1. PP=2 (15 layers a stage; the tied embedding on both ends): the GPTModel loaded from the HF
      folder; full logits of a chat prompt through the pipeline schedule -> WORK/logits_pp2.pt;

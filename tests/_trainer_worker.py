@@ -1,4 +1,4 @@
-"""Run under torchrun (4 ranks, TP=2 x PP=2, gloo) by tests/test_trainer.py. One launch drives a
+"""Run on local ranks (4 ranks, TP=2 x PP=2, gloo) by tests/test_trainer.py. One launch drives a
 real trainer (megatron policy + reference, in-process vLLM per rank) through: on-policy steps,
 the scheduled in-place reference reset, alpha mixing, checkpoint + resume of the schedule, and
 async (one-step off-policy) rollouts. Rank 0 writes WORK/results.json."""

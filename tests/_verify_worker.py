@@ -1,4 +1,4 @@
-"""Run under torchrun (2 ranks, gloo) by tests/test_model_families.py: `megagrpo verify` for
+"""Run on local ranks (2 ranks, gloo) by tests/test_model_families.py: `megagrpo verify` for
 each job `DIR:TP:PP[:epN][:broken|:experts_swapped]` in one launch (the process group stays up;
 each job sets up its own layout of the 2 ranks, TP=1 being DP=2, EP inside DP). A `broken` job
 runs with a deliberately wrong HF -> megatron mapping (k and v swapped in the fused QKV, a

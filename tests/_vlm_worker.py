@@ -1,4 +1,4 @@
-"""Run under torchrun (2 ranks, gloo) by tests/test_vlm.py, one launch for every multi-rank
+"""Run on local ranks (2 ranks, gloo) by tests/test_vlm.py, one launch for every multi-rank
 check of the Qwen2.5-VL model side:
 1. `megagrpo verify` of the tiny checkpoint at TP=1 (DP=2) and at TP=2: the HF -> megatron ->
    HF round trip bitwise, logits against transformers' (fp32) on prompts with 0, 1, 2 images;

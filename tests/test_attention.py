@@ -1,15 +1,15 @@
 """SdpaAttention (megagrpo/parallel/attention.py) against independent references: a float64 naive
 softmax attention and megatron's DotProductAttention (module level, fp32 and bf16, GQA, right
 padding), transformers' LlamaForCausalLM (whole model, TP=1), and the TP=1 result at TP=2 in real
-processes. One torchrun launch (2 ranks) covers the multi-process part; see
+processes. The shared 2-rank launch (tests/conftest.py) covers the multi-process part; see
 tests/_attention_worker.py."""
+import json
 import os
 
 import pytest
 import torch
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from tests.support.launch import torchrun_results
 from tests.support.tiny import tiny_llama
 
 WORKER = os.path.join(os.path.dirname(__file__), "_attention_worker.py")
@@ -18,16 +18,23 @@ IMPLS = ("SdpaAttention", "DotProductAttention")
 TOL = {"float32": 1e-6, "bfloat16": 1e-2}
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("attention")
+def shared_job(work):
+    """This module's part of the shared 2-rank launch (tests/conftest.py): the tiny Llama and
+    the batch with transformers' logits under `work`."""
     llama = tiny_llama(work / "llama")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 100, (2, 12), generator=g)
     with torch.no_grad():
         ref = {"ids": ids, "labels": torch.roll(ids, -1, dims=1), "hf_logits": llama(ids).logits}
     torch.save(ref, work / "ref.pt")
-    return torchrun_results(WORKER, 2, work), torch.load(work / "tensors.pt"), ref
+    return [WORKER, "--work", str(work)], ref
+
+
+@pytest.fixture(scope="module")
+def run(shared_launch):
+    work, ref = shared_launch[__name__]
+    results = json.loads((work / "results.json").read_text())
+    return results, torch.load(work / "tensors.pt"), ref
 
 
 def _cases(results, dtype):

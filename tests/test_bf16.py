@@ -1,4 +1,4 @@
-"""bf16 mixed precision on CPU (tests/_bf16_worker.py, one torchrun launch, TP=2): the policy and
+"""bf16 mixed precision on CPU (tests/_bf16_worker.py, one rank launch, TP=2): the policy and
 the vLLM engine run in bf16 (weight matrices and norm weights) while the optimizer keeps
 fp32 main parameters (each bf16 weight is its main copy rounded); the vLLM-vs-trainer log-prob
 gap that bf16 rounding opens is reported, and the truncated-IS weights the loss gets are
@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from tests.support.bf16 import BF16_GAP_MAX  # measured 5.2e-4 / 6.8e-4 here
-from tests.support.launch import torchrun_results, worker_env
+from tests.support.launch import run_ranks_results, worker_env
 
 WORKER = os.path.join(os.path.dirname(__file__), "_bf16_worker.py")
 
@@ -22,7 +22,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "_bf16_worker.py")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     work = tmp_path_factory.mktemp("bf16")
-    return torchrun_results(WORKER, 2, work, timeout=900)
+    return run_ranks_results(WORKER, 2, work, timeout=900)
 
 
 def test_optimizer_keeps_fp32_main_params(results):

@@ -20,7 +20,7 @@ from megagrpo.config.compile import (
 )
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.run import ComputeConfig
-from tests.support.launch import torchrun_results
+from tests.support.launch import run_ranks_results
 
 WORKER = os.path.join(os.path.dirname(__file__), "_compile_worker.py")
 
@@ -31,7 +31,7 @@ def run(tmp_path_factory):
         # compute.compile_layers=auto (the default) compiles wherever a compiler is found; CI
         # must have one (scripts/setup_venv.sh refuses to set up without it), so never skip there
         (pytest.fail if os.environ.get("CI") else pytest.skip)("inductor needs a C++ compiler")
-    return torchrun_results(WORKER, 1, tmp_path_factory.mktemp("compile"))[0]
+    return run_ranks_results(WORKER, 1, tmp_path_factory.mktemp("compile"))[0]
 
 
 def test_gradients_equal_eager(run):

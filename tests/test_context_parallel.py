@@ -1,8 +1,8 @@
 """Context parallelism (parallel.cp): megagrpo's passes at CP=2 and CP=2 x TP=2 against the
-same passes without CP (one torchrun launch, tests/_cp_worker.py); GRPO runs built by the run's
-`setup` at CP=2 against the same run without CP, and the CP=2 checkpoint resumed at CP=1 and
-CP=2 (one 2-rank torchrun launch, tests/_cp_run_worker.py); the chunk layout, and the settings
-refused before compute."""
+same passes without CP (tests/_cp_worker.py, in the shared 4-rank launch); GRPO runs built by
+the run's `setup` at CP=2 against the same run without CP, and the CP=2 checkpoint resumed at
+CP=1 and CP=2 (one 2-rank launch, tests/_cp_run_worker.py); the chunk layout, and the
+settings refused before compute."""
 import json
 import os
 
@@ -12,17 +12,21 @@ import torch
 from megagrpo.config.train import load_config
 from megagrpo.parallel.context_parallel import chunk_columns, local_batch, padded_width
 from tests._cp_worker import PACKED_DEFECT, PACKED_RUNS, RUNS
-from tests.support.launch import torchrun
+from tests.support.launch import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "_cp_worker.py")
 RUN_WORKER = os.path.join(os.path.dirname(__file__), "_cp_run_worker.py")
 PAIRS = {"cp2": "ref", "tp2_cp2": "tp2"}  # CP layout: the layout without CP, same shards
 
 
+def shared_job(work):
+    """This module's part of the shared 4-rank launch (tests/conftest.py)."""
+    return [WORKER, "--work", str(work)], None
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("cp")
-    torchrun(WORKER, 4, "--work", str(work))
+def run(shared_launch):
+    work, _ = shared_launch[__name__]
     results = json.loads((work / "results.json").read_text())
     return work, results
 
@@ -260,7 +264,7 @@ STEP_RTOL, UPDATE_RTOL, RESUME_RTOL = 1e-5, 1e-4, 1e-6
 @pytest.fixture(scope="module")
 def cp_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("cp_run")
-    torchrun(RUN_WORKER, 2, "--work", str(work))
+    run_ranks(RUN_WORKER, 2, "--work", str(work))
     ranks = json.loads((work / "results.json").read_text())
     return work, {(rec["run"], rec["rank"]): rec for recs in ranks for rec in recs}
 

@@ -1,7 +1,7 @@
 """Foundation: HF checkpoints loaded into megatron TP/PP shards give transformers' logits; the
 HF -> megatron -> HF round trip is bitwise; one training step's reduced gradients and grad norm
 equal a single-process float64 reference at every layout, and its Adam step equals TP=1.
-One torchrun launch (4 ranks, gloo) covers all layouts; see tests/_foundation_worker.py."""
+tests/_foundation_worker.py covers all layouts in the shared 4-rank launch (tests/conftest.py)."""
 import copy
 import json
 import math
@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.launch import torchrun
 from tests.support.tiny import load_dir, tiny_llama, tiny_qwen2
 
 LAYOUTS = ["tp1_pp1", "tp2_pp1", "tp1_pp2", "tp2_pp2"]
@@ -19,9 +18,9 @@ PADDED_VOCAB = 112  # the worker pads vocab 100 to a multiple of 56 * TP: 112 at
 WORKER = os.path.join(os.path.dirname(__file__), "_foundation_worker.py")
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("foundation")
+def shared_job(work):
+    """This module's part of the shared 4-rank launch (tests/conftest.py): the
+    tiny models and the batch with transformers' logits under `work`."""
     llama = tiny_llama(work / "llama")
     qwen = tiny_qwen2(work / "qwen2")
     g = torch.Generator().manual_seed(0)
@@ -31,7 +30,12 @@ def run(tmp_path_factory):
         ref = {"ids": ids, "labels": labels,
                "llama_logits": llama(ids).logits, "qwen2_logits": qwen(ids).logits}
     torch.save(ref, work / "ref.pt")
-    torchrun(WORKER, 4, "--work", str(work))
+    return [WORKER, "--work", str(work)], (llama, qwen, ids, labels)
+
+
+@pytest.fixture(scope="module")
+def run(shared_launch):
+    work, (llama, qwen, ids, labels) = shared_launch[__name__]
     grads = {"llama": reference_grads(llama, ids, labels),
              "qwen2": reference_grads(qwen, ids, labels)}
     return work, json.loads((work / "results.json").read_text()), grads

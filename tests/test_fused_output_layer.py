@@ -1,10 +1,11 @@
 """compute.fused_output_layer wired into megatron (issue 19): the output-layer hook hands the
-fused op the hidden states at loss positions and megatron's matmul runs on zero rows; one
-torchrun launch (tests/_fused_output_worker.py, 4 ranks) checks that scoring, three GRPO
+fused op the hidden states at loss positions and megatron's matmul runs on zero rows; the
+shared 4-rank launch (tests/_fused_output_worker.py, last) checks that scoring, three GRPO
 variants and the supervised loss give the same log-probs, loss reports and finalized gradients
 with the fused layer as with the logits path at TP=2 x PP=2 (tied and untied embeddings) and
 TP=2 x DP=2 (tied; padded and packed micro-batches). The op's own numerics against float64 are
 tests/kernels/test_fused_output.py."""
+import json
 import os
 
 import pytest
@@ -12,7 +13,6 @@ import torch
 
 from megagrpo.config.train import load_config
 from megagrpo.parallel.positions import OutputPositions
-from tests.support.launch import torchrun_results
 
 WORKER = os.path.join(os.path.dirname(__file__), "_fused_output_worker.py")
 
@@ -98,10 +98,15 @@ def test_config_values():
         cfg.validate()
 
 
+def shared_job(work):
+    """This module's part of the shared 4-rank launch (tests/conftest.py)."""
+    return [WORKER, "--work", str(work)], None
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    work = tmp_path_factory.mktemp("fused_output")
-    return torchrun_results(WORKER, 4, work, timeout=900)
+def results(shared_launch):
+    work, _ = shared_launch[__name__]
+    return json.loads((work / "results.json").read_text())
 
 
 LAYOUTS = ["tp2_pp2", "tp2_pp2_tied", "tp2_dp2_tied", "tp2_dp2_tied_packed"]

@@ -4,8 +4,8 @@ optimizer (plain and distributed) holds the adapters only; a merge (the referenc
 the policy's logits unchanged within fp32 rounding, makes the reference's logits equal them
 bitwise (KL 0), and mixing with alpha moves the reference to alpha * policy + (1 - alpha) *
 reference in weight space; checkpoints hold the frozen base only after a merge (the adapters and
-their Adam moments otherwise, counted by hand) and load at another layout. One torchrun launch
-(2 ranks, gloo): tests/_lora_worker.py."""
+their Adam moments otherwise, counted by hand) and load at another layout. The shared
+2-rank launch (tests/conftest.py): tests/_lora_worker.py."""
 import copy
 import json
 import os
@@ -18,7 +18,6 @@ from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.train import TrainConfig
 from tests.support.cli import run_cli
-from tests.support.launch import torchrun
 from tests.support.tiny import load_dir, tiny_llama, tiny_qwen2_moe
 
 WORKER = os.path.join(os.path.dirname(__file__), "_lora_worker.py")
@@ -30,9 +29,9 @@ FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "fc1",
          "up_proj": "fc1", "o_proj": "proj", "down_proj": "fc2"}
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("lora")
+def shared_job(work):
+    """This module's part of the shared 2-rank launch (tests/conftest.py): the tiny Llama and
+    MoE models and their batches under `work`."""
     llama = tiny_llama(work / "llama")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 100, (2, 10), generator=g)
@@ -41,7 +40,12 @@ def run(tmp_path_factory):
     tiny_qwen2_moe(work / "qwen2_moe")  # the MoE checks (tests/_lora_moe_worker.py)
     moe_ids = torch.randint(0, 100, (2, 12), generator=g)
     torch.save({"ids": moe_ids, "labels": torch.roll(moe_ids, -1, dims=1)}, work / "ref_moe.pt")
-    torchrun(WORKER, 2, "--work", str(work))
+    return [WORKER, "--work", str(work)], (llama, ids, labels)
+
+
+@pytest.fixture(scope="module")
+def run(shared_launch):
+    work, (llama, ids, labels) = shared_launch[__name__]
     return work, json.loads((work / "results.json").read_text()), llama, ids, labels
 
 

@@ -1,7 +1,7 @@
 """Micro-batching levers of the update and scoring passes (issue 11): length-sorted,
 trimmed micro-batches, token-budget micro-batches, sequences packed end to end (thd) and logits
 only at loss positions change no result beyond float summation order. Unit checks of the
-plan, then one torchrun launch (tests/_microbatch_worker.py, DP=2) comparing each lever
+plan, then one rank launch (tests/_microbatch_worker.py, DP=2) comparing each lever
 against the plain layout on the same batch: scored log-probs, reference log-probs, DP-reduced
 gradients and loss reports, for the token-level (grpo) and sequence-level (gspo) ratio; the
 reference pass reused while the reference equals the policy."""
@@ -12,7 +12,7 @@ import torch
 
 from megagrpo.parallel.batch import pack, plan_micro_batches, unplan
 from megagrpo.parallel.positions import loss_positions, put, take
-from tests.support.launch import torchrun_results
+from tests.support.launch import run_ranks_results
 
 WORKER = os.path.join(os.path.dirname(__file__), "_microbatch_worker.py")
 
@@ -71,7 +71,7 @@ def test_positions_take_and_put_round_trip():
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     work = tmp_path_factory.mktemp("microbatch")
-    return torchrun_results(WORKER, 2, work, timeout=900)
+    return run_ranks_results(WORKER, 2, work, timeout=900)
 
 
 @pytest.mark.parametrize("agg", ["grpo", "gspo"])

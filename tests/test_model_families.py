@@ -138,13 +138,13 @@ def test_verify_refuses_bad_configs_and_tensors_before_compute(hf_dirs, tmp_path
 def verified(hf_dirs, qwen3_run, tmp_path_factory):
     """One 2-rank launch: verify at TP=1 (DP=2) for both families, again with a broken k/v
     mapping, Qwen3 at TP=2 on the trained export, Llama-3.1 at PP=2; prompts up to 512 tokens."""
-    from tests.support.launch import torchrun
+    from tests.support.launch import run_ranks
 
     out = tmp_path_factory.mktemp("verify") / "codes.json"
     q, ll, export = hf_dirs / "qwen3", hf_dirs / "llama31", qwen3_run[0]
     jobs = [f"{q}:1:1", f"{q}:1:1:broken", f"{ll}:1:1", f"{ll}:1:1:broken", f"{export}:2:1",
             f"{ll}:1:2"]
-    text = torchrun(str(ROOT / "tests" / "_verify_worker.py"), 2, "--out", str(out),
+    text = run_ranks(str(ROOT / "tests" / "_verify_worker.py"), 2, "--out", str(out),
                     "--seq-len", LONG, *jobs)
     return dict(zip(["qwen3", "qwen3_broken", "llama31", "llama31_broken", "export_tp2",
                      "llama31_pp2"], json.loads(out.read_text()))), text

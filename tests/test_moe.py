@@ -2,8 +2,8 @@
 every TP x PP x EP layout of 4 ranks, against transformers' own models (tests/support/tiny.py):
 logits, the bitwise HF -> megatron -> HF round trip, and one training step's reduced
 gradients (routed experts, router, shared expert, dense) and grad norm, each DP rank on its own
-slice of the batch, against a single-process float64 gradient over the whole batch. One
-torchrun launch; see tests/_moe_worker.py."""
+slice of the batch, against a single-process float64 gradient over the whole batch. In the
+shared 4-rank launch (tests/conftest.py); see tests/_moe_worker.py."""
 
 import json
 import os
@@ -18,7 +18,7 @@ import torch
 from megagrpo.hf import hf_config_dict, hf_shapes, model_config_from_hf
 from tests.support.cli import run_cli
 from tests.support.docs import assert_generated_table
-from tests.support.launch import torchrun
+from tests.support.launch import run_ranks
 from tests.support.tiny import edited_copy, load_dir, tiny_dirs, tiny_qwen2_moe, tiny_qwen3_moe
 from tests.test_foundation import assert_grads_match, assert_logits_match, reference_grads
 
@@ -27,9 +27,9 @@ MODELS = ["qwen3_moe", "qwen2_moe"]
 WORKER = os.path.join(os.path.dirname(__file__), "_moe_worker.py")
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("moe")
+def shared_job(work):
+    """This module's part of the shared 4-rank launch (tests/conftest.py): the
+    tiny MoE models and the batch with transformers' logits under `work`."""
     models = {"qwen3_moe": tiny_qwen3_moe(work / "qwen3_moe"),
               "qwen2_moe": tiny_qwen2_moe(work / "qwen2_moe")}
     g = torch.Generator().manual_seed(0)
@@ -39,7 +39,12 @@ def run(tmp_path_factory):
     with torch.no_grad():
         ref.update({f"{n}_logits": m(ids).logits for n, m in models.items()})
     torch.save(ref, work / "ref.pt")
-    torchrun(WORKER, 4, "--work", str(work))
+    return [WORKER, "--work", str(work)], (models, ids, labels)
+
+
+@pytest.fixture(scope="module")
+def run(shared_launch):
+    work, (models, ids, labels) = shared_launch[__name__]
     grads = {}
     for n, m in models.items():
         g, norm = reference_grads(m, ids, labels)
@@ -169,7 +174,7 @@ def verified(hf_dirs, tmp_path_factory):
     jobs = {"q3_tp1": f"{q3}:1:1", "q3_ep2": f"{q3}:1:1:ep2", "q2_tp1": f"{q2}:1:1",
             "q2_tp2": f"{q2}:2:1", "q2_ep2": f"{q2}:1:1:ep2",
             "q3_swapped": f"{q3}:1:1:ep2:experts_swapped"}
-    text = torchrun(str(ROOT / "tests" / "_verify_worker.py"), 2, "--out", str(out),
+    text = run_ranks(str(ROOT / "tests" / "_verify_worker.py"), 2, "--out", str(out),
                     *jobs.values())
     return dict(zip(jobs, json.loads(out.read_text()))), text
 

@@ -141,16 +141,20 @@ def test_planner_counts_are_the_specs_local_sizes(family):
         assert layer_params(m, layer=0, active=True) == full - (m.num_experts - m.moe_topk) * one
 
 
-def test_specs_are_the_megatron_parameters_at_each_layout(tmp_path):
-    """Each of 2 real ranks builds every family at tp=2, pp=2 and (MoE) ep=2: its parameters'
-    names and shapes are the specs of its stage and EP rank, their count the planner's."""
-    from tests.support.launch import torchrun
-
+def shared_job(work: Path) -> tuple[list[str], list[str]]:
+    """This module's part of the shared 2-rank launch (tests/conftest.py): this file as the
+    worker, every family at its layouts."""
     jobs = [f"{family}:{tp}:{pp}:{ep}" for family, layouts in LAYOUTS.items()
             for tp, pp, ep in layouts]
-    torchrun(__file__, 2, "--out", str(tmp_path), *jobs)
+    return [__file__, "--out", str(work), *jobs], jobs
+
+
+def test_specs_are_the_megatron_parameters_at_each_layout(shared_launch):
+    """Each of 2 real ranks builds every family at tp=2, pp=2 and (MoE) ep=2: its parameters'
+    names and shapes are the specs of its stage and EP rank, their count the planner's."""
+    work, jobs = shared_launch[__name__]
     for rank in range(2):
-        records = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        records = json.loads((work / f"rank{rank}.json").read_text())
         assert [r["job"] for r in records] == jobs
         for r in records:
             family, tp, pp, ep = r["job"].split(":")
@@ -182,6 +186,6 @@ def _worker(out: Path, jobs: list[str]) -> None:
     shutdown()
 
 
-if __name__ == "__main__":  # the worker of the multi-rank test, one per rank under torchrun
+if __name__ == "__main__":  # the worker of the multi-rank test, one per rank (run_ranks)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     _worker(Path(sys.argv[2]), sys.argv[3:])

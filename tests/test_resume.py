@@ -42,7 +42,7 @@ from megagrpo.runtime.run_dir import (
 from tests._fault_hooks import DIE_ENV
 from tests.support.bf16 import needs_fast_bf16
 from tests.support.cli import run_cli
-from tests.support.launch import alive, torchrun_results
+from tests.support.launch import alive, run_ranks_results
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -505,8 +505,10 @@ def layouts(tmp_path_factory):
     (results["full_disk"], one per rank)."""
     work = tmp_path_factory.mktemp("layouts")
     (work / "full").mkdir()
-    return work, torchrun_results(LAYOUT_WORKER, 2, work, "--full", str(work / "full"),
-                                  timeout=420)
+    # a launch of its own: the simulated full disk is installed before megagrpo is imported,
+    # which a shared launch's earlier jobs would already have done
+    return work, run_ranks_results(LAYOUT_WORKER, 2, work, "--full", str(work / "full"),
+                                   timeout=420)
 
 
 @pytest.mark.parametrize("case,dst", [("distopt_dp2", "dp2"), ("distopt_dp2", "tp2"),

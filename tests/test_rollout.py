@@ -16,7 +16,7 @@ from megagrpo.algo import rollout_is_correction
 from megagrpo.config.rollout import RolloutConfig, check_head_dim
 from megagrpo.engine import SamplingSettings, VLLMEngine, expected_hf_params
 from tests._rollout_model import build_tiny_llama, hf_greedy, hf_token_logprobs
-from tests.support.launch import torchrun, worker_env
+from tests.support.launch import run_ranks, worker_env
 from tests.support.tiny import perturbed
 
 PROMPTS = [[0, 40, 41, 42], [0, 70, 80, 90, 5, 6], [0, 33], [0, 50, 51, 52, 53, 54, 55, 56]]
@@ -314,12 +314,12 @@ def test_sleep_wake_is_a_noop_on_cpu(engine, tiny):
 
 
 def test_tp2_external_launcher_matches_transformers(tmp_path):
-    """One torchrun launch: 2 ranks (gloo), vLLM tensor_parallel_size=2 across them, on a model
+    """One rank launch: 2 ranks (gloo), vLLM tensor_parallel_size=2 across them, on a model
     with tied embeddings (lm_head.weight is accepted and not loaded)."""
     model_dir = tmp_path / "tied"
     model, _ = build_tiny_llama(model_dir, seed=3, tie=True)
     torch.save(model.state_dict(), model_dir / "weights.pt")
-    torchrun(Path(__file__).with_name("_rollout_worker.py"), 2, str(model_dir), str(tmp_path),
+    run_ranks(Path(__file__).with_name("_rollout_worker.py"), 2, str(model_dir), str(tmp_path),
              timeout=240, env=worker_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"))
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -3,7 +3,7 @@
 Without processes: the rollout layout's arithmetic (engines, prompt slices) and the config
 validation of (training TP x PP x DP, rollout k) before anything starts.
 
-One torchrun launch (tests/_rollout_layout_worker.py): 4 ranks, training TP=2 x PP=2, two vLLM
+One rank launch (tests/_rollout_layout_worker.py): 4 ranks, training TP=2 x PP=2, two vLLM
 engines of tensor_parallel_size=2 (external_launcher on ranks [0, 1] and [2, 3]) fed shard to
 shard. vLLM greedy equals a megatron argmax loop before and after an optimizer step, the
 trainer's log-probs match vLLM's in fp32, and the bytes each rank receives are measured for the
@@ -17,7 +17,7 @@ import pytest
 
 from megagrpo.config.layout import RolloutLayout, check_rollout_layout
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from tests.support.launch import torchrun_results
+from tests.support.launch import run_ranks_results
 
 WORKER = os.path.join(os.path.dirname(__file__), "_rollout_layout_worker.py")
 
@@ -96,7 +96,7 @@ def test_trainer_config_checks_the_layout_before_anything_starts():
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     work = tmp_path_factory.mktemp("layout")
-    return torchrun_results(WORKER, 4, work, timeout=900)
+    return run_ranks_results(WORKER, 4, work, timeout=900)
 
 
 def test_vllm_tp2_greedy_equals_megatron_before_and_after_a_step(results):
@@ -180,7 +180,7 @@ def test_slices_are_what_vllm_narrows_from_the_full_hf_tensors(arch):
 def pooled(tmp_path_factory):
     """Training TP=1 x DP=4 with two vLLM TP=2 engines: each engine spans two replicas."""
     work = tmp_path_factory.mktemp("pooled")
-    return torchrun_results(WORKER, 4, work, "--pooled", timeout=900)
+    return run_ranks_results(WORKER, 4, work, "--pooled", timeout=900)
 
 
 def test_engines_spanning_replicas_serve_each_replica_its_own_prompts(pooled):

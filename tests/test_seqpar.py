@@ -1,6 +1,6 @@
 """Sequence parallelism (parallel.sequence_parallel), activation recomputation
 (compute.recompute) and the MoE auxiliary losses at full strength, against single-process
-float64 references and the layout without SP. One torchrun launch (tests/_seqpar_worker.py);
+float64 references and the layout without SP. tests/_seqpar_worker.py in the shared 4-rank launch;
 the bad-input and helper checks below it need none."""
 import json
 import math
@@ -15,7 +15,6 @@ from megagrpo.config.seqpar import megatron_aux_loss_coeff
 from megagrpo.config.train import load_config
 from megagrpo.parallel.seqpar import packed_inputs, padded_inputs
 from tests._replay_checks import replay_reference
-from tests.support.launch import torchrun
 from tests.support.tiny import load_dir, tiny_llama, tiny_qwen3_moe
 from tests.test_foundation import (
     PADDED_VOCAB,
@@ -31,9 +30,9 @@ MOE_SLICES = {"moe_tp1": 4, "moe_tp2_ep2_sp": 2, "moe_ep2": 4}  # DP ranks = bat
 LR, CLIP, ADAM_EPS = 1e-3, 1.0, 1e-4  # the worker's MoE optimizer
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("seqpar")
+def shared_job(work):
+    """This module's part of the shared 4-rank launch (tests/conftest.py): the
+    tiny models, the batches and the routing-replay reference under `work`."""
     llama = tiny_llama(work / "llama")
     moe = tiny_qwen3_moe(work / "qwen3_moe")
     g = torch.Generator().manual_seed(0)
@@ -45,7 +44,12 @@ def run(tmp_path_factory):
         ref["llama_logits"] = llama(ids).logits
     torch.save(ref, work / "ref.pt")
     replay_ref = replay_reference(moe, work / "replay.pt")
-    torchrun(WORKER, 4, "--work", str(work))
+    return [WORKER, "--work", str(work)], (llama, moe, ids, moe_ids, ref, replay_ref)
+
+
+@pytest.fixture(scope="module")
+def run(shared_launch):
+    work, (llama, moe, ids, moe_ids, ref, replay_ref) = shared_launch[__name__]
     results = json.loads((work / "results.json").read_text())
     refs = {"llama": reference_grads(llama, ids, ref["labels"])}
     for layout, slices in MOE_SLICES.items():

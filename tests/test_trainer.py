@@ -1,4 +1,4 @@
-"""The iterative GRPO trainer at TP=2 x PP=2 with real vLLM engines (one torchrun launch, see
+"""The iterative GRPO trainer at TP=2 x PP=2 with real vLLM engines (one rank launch, see
 tests/_trainer_worker.py): the reference reset is an exact in-place copy, alpha mixing follows
 its formula, a resumed run keeps the reference schedule, async mode trains one step off-policy,
 and vLLM's sampling log-probs agree with the sharded trainer's. Issue 10: KL-in-reward shapes
@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tests.support.launch import torchrun
+from tests.support.launch import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "_trainer_worker.py")
 
@@ -18,7 +18,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "_trainer_worker.py")
 @pytest.fixture(scope="module")
 def trainer_work(tmp_path_factory):
     work = tmp_path_factory.mktemp("trainer")
-    torchrun(WORKER, 4, "--work", str(work), timeout=900)
+    run_ranks(WORKER, 4, "--work", str(work), timeout=900)
     return work
 
 

@@ -1,6 +1,6 @@
 """Qwen2.5-VL on megatron-core (megagrpo/model/vlm.py, docs/vlm.md): 3-D RoPE positions against
 transformers' get_rope_index, the config.json reading and writing, the parameter layout against
-a checkpoint transformers saved, the refusals before compute, and (one torchrun launch,
+a checkpoint transformers saved, the refusals before compute, and (one rank launch,
 tests/_vlm_worker.py) verify at TP=1 and TP=2 plus gradients at TP=2 against float64
 transformers with the vision tower frozen and trained."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from megagrpo.config.model import ParallelConfig
 from megagrpo.hf.config import hf_config_dict, model_config_from_hf, model_config_from_hf_dict
-from tests.support.launch import torchrun
+from tests.support.launch import shared_output
 from tests.support.tiny import tiny_qwen25_vl
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
@@ -149,15 +149,21 @@ def test_text_models_refuse_vision_fields():
         ModelConfig(architecture="llama", mrope_section=[8, 4, 4]).validate()
 
 
-def test_verify_and_gradients_at_tp1_and_tp2(vl, tmp_path):
-    """One torchrun launch (2 ranks): verify at TP=1 (DP=2) and TP=2 exits 0 (bitwise round
+def shared_job(work):
+    """This module's part of the shared 2-rank launch (tests/conftest.py): the tiny random
+    Qwen2.5-VL under `work`."""
+    tiny_qwen25_vl(work / "hf")
+    return [ROOT / "tests" / "_vlm_worker.py", "--work", str(work), "--hf", str(work / "hf")], None
+
+
+def test_verify_and_gradients_at_tp1_and_tp2(shared_launch):
+    """In the shared 2-rank launch: verify at TP=1 (DP=2) and TP=2 exits 0 (bitwise round
     trip, logits within 1e-5 of transformers on prompts with 0, 1, 2 images); at TP=2 every
     gradient of a next-token loss equals float64 transformers' within 1e-5 of the tensor's
     largest, the vision tower's included when it trains and absent when frozen."""
-    d, _ = vl
-    out = torchrun(str(ROOT / "tests" / "_vlm_worker.py"), 2, "--work", str(tmp_path),
-                   "--hf", str(d))
-    res = json.loads((tmp_path / "results.json").read_text())
+    work, _ = shared_launch[__name__]
+    out = shared_output(work, 2)
+    res = json.loads((work / "results.json").read_text())
     errors = [float(x) for x in re.findall(r"max relative error ([0-9.e+-]+)", out)]
     print("verify max relative logits errors (tp=1, tp=2):", errors)
     print("gradients:", json.dumps(res["grads"]))

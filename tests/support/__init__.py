@@ -1,9 +1,11 @@
 """Test support, one copy each, imported as `from tests.support.<module> import ...`:
 
-- `launch`: torchrun launches of a worker script (`torchrun`, `torchrun_results`, and in the
-  worker `worker_args` and `write_results`), spawned gloo groups (`spawn_ranks`, `gloo_rank`),
-  collective counting, free ports (the command line and port picker are megagrpo.cli's, so the
-  launcher, tests and benchmarks share them: no fixed ports);
+- `launch`: a worker script on local ranks, started as torchrun starts them but without its
+  agent (`run_ranks`, `run_ranks_results`, and in the worker `worker_args` and
+  `write_results`), several workers in turn in one launch (`run_jobs`, tests/conftest.py's
+  shared launches), spawned gloo groups (`spawn_ranks`, `gloo_rank`), collective counting,
+  free ports (the command line and port picker are megagrpo.cli's, so the launcher, tests and
+  benchmarks share them: no fixed ports);
 - `tiny`: tiny random HF checkpoints (Llama, Qwen2/3, MoE) built from config classes, and
   `perturbed` copies of a model;
 - `megatron`: a megatron-core model trained by hand on a worker's ranks (DDP and optimizer,
@@ -15,7 +17,7 @@
 - `site/sitecustomize.py`: not a module of the package but a folder tests/conftest.py puts on
   PYTHONPATH, so that every child process skips the final garbage collections at its exit.
 
-Worker scripts that torchrun starts run as `__main__` files: `child_env` puts the repository
+Worker scripts that `run_ranks` starts run as `__main__` files: `child_env` puts the repository
 root first on PYTHONPATH so that they import `tests.support` the same way.
 """
 from __future__ import annotations
