@@ -61,6 +61,9 @@ class HFTokenizer:
     def __init__(self, name_or_path: str) -> None:
         from transformers import AutoTokenizer  # heavy import, only when an HF tokenizer is used
 
+        self.source = str(name_or_path)
+        """Where the tokenizer came from (a vision-language folder's image processor lies
+        beside it: `megagrpo.hf.export.save_tokenizer` keeps it)."""
         self.tok = AutoTokenizer.from_pretrained(name_or_path)
         if self.tok.eos_token_id is None:
             raise ValueError(f"HF tokenizer {name_or_path} defines no eos_token")

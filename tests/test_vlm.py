@@ -197,3 +197,55 @@ def test_training_a_vlm_is_refused_before_compute(vl):
     cfg = TrainConfig(model=model_config_from_hf(vl[0]))
     with pytest.raises(ValueError, match=r"model\.architecture='qwen2_5_vl' .*not wired yet"):
         cfg.validate(2)
+
+
+def _image(seed: int, size=(8, 8)):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.RandomState(seed)
+    return Image.fromarray((rng.rand(size[1], size[0], 3) * 255).astype("uint8"))
+
+
+@pytest.mark.parametrize("snapshot_has_processor", [True, False])
+def test_export_writes_what_a_vlm_folder_needs(tmp_path, snapshot_has_processor):
+    """convert --from-hf keeps the source's image processor beside the tokenizer; the export
+    (`finish_hf_export`) returns it (or, when the snapshot holds none, writes transformers'
+    default at the model's patch sizes) and the ids into text_config too: the exported folder
+    loads in transformers (tokenizer, image processor, model) and its logits on a prompt with
+    an image are the source model's with the source's processor."""
+    import shutil
+
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    from megagrpo.hf.export import finish_hf_export, save_hf_source_tokenizer
+    from tests.support.tiny import tiny_vl_tokenizer
+
+    src, ckpt, out = tmp_path / "src", tmp_path / "ckpt", tmp_path / "out"
+    ref = tiny_qwen25_vl(src)
+    tiny_vl_tokenizer(src, min_pixels=16, max_pixels=256)
+    if not snapshot_has_processor:
+        (src / "preprocessor_config.json").unlink()
+    assert save_hf_source_tokenizer(ckpt, src)
+    out.mkdir()
+    for name in ("config.json", "model.safetensors"):  # what the weight export writes
+        shutil.copyfile(src / name, out / name)
+    line = finish_hf_export(out, ckpt)
+    assert ("preprocessor_config.json" in line) != snapshot_has_processor, line
+    text_config = json.loads((out / "config.json").read_text())["text_config"]
+    tok = AutoTokenizer.from_pretrained(out)
+    assert text_config["eos_token_id"] == tok.eos_token_id == 3
+    proc = AutoImageProcessor.from_pretrained(out)
+    assert (proc.patch_size, proc.temporal_patch_size, proc.merge_size) == (2, 2, 2)
+    if snapshot_has_processor:
+        assert (proc.size["shortest_edge"], proc.size["longest_edge"]) == (16, 256)  # not defaults
+    images = proc(images=[_image(0)], return_tensors="pt")
+    grid = images["image_grid_thw"]
+    pads = int(grid.prod()) // 4
+    ids = tok("ab<|vision_start|>" + "<|image_pad|>" * pads + "<|vision_end|>cd",
+              return_tensors="pt")["input_ids"]
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(out).eval()
+    with torch.no_grad():
+        got = model(input_ids=ids, **images).logits
+        want = ref(input_ids=ids, **images).logits
+    assert torch.equal(got, want)
