@@ -153,7 +153,11 @@ def test_verify_and_gradients_at_tp1_and_tp2(vl, tmp_path):
     """One torchrun launch (2 ranks): verify at TP=1 (DP=2) and TP=2 exits 0 (bitwise round
     trip, logits within 1e-5 of transformers on prompts with 0, 1, 2 images); at TP=2 every
     gradient of a next-token loss equals float64 transformers' within 1e-5 of the tensor's
-    largest, the vision tower's included when it trains and absent when frozen."""
+    largest, the vision tower's included when it trains and absent when frozen. Then the
+    trainer's passes on a packed batch with images (3 micro-batches of 2 rows, each holding
+    images but the text-only one): completion log-probs within 1e-5 of float64 transformers
+    and the GRPO loss's gradients within 1e-5 of the tensor's largest, at TP=1 x DP=2 (vision
+    frozen: no vision gradient) and TP=2 (vision trained)."""
     d, _ = vl
     out = torchrun(str(ROOT / "tests" / "_vlm_worker.py"), 2, "--work", str(tmp_path),
                    "--hf", str(d))
@@ -170,6 +174,16 @@ def test_verify_and_gradients_at_tp1_and_tp2(vl, tmp_path):
     assert trained["missing"] == [] and trained["unexpected"] == frozen["unexpected"] == []
     assert frozen["text_max"] <= 1e-5 and trained["text_max"] <= 1e-5, res["grads"]
     assert trained["vision_max"] <= 1e-5, trained
+    # the trainer's passes on a batch with images (step 1 of docs/vlm.md)
+    print("trainer:", json.dumps(res["trainer"]))
+    for layout, r in res["trainer"].items():
+        assert r["micro_batches"] == 3 and r["mixed"] == 2, (layout, r)  # one text-only
+        assert r["logp_max_abs"] <= 1e-5, (layout, r)
+        g = r["grads"]
+        assert g["unexpected"] == [] and g["text_max"] <= 1e-5, (layout, g)
+    frozen, trained = res["trainer"]["tp1_frozen"]["grads"], res["trainer"]["tp2_trained"]["grads"]
+    assert frozen["vision_tensors"] == 0 and len(frozen["missing"]) > 0
+    assert trained["missing"] == [] and trained["vision_max"] <= 1e-5, trained
 
 
 def test_planner_counts_the_vision_tower(vl):
