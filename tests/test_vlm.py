@@ -263,3 +263,44 @@ def test_export_writes_what_a_vlm_folder_needs(tmp_path, snapshot_has_processor)
         got = model(input_ids=ids, **images).logits
         want = ref(input_ids=ids, **images).logits
     assert torch.equal(got, want)
+
+
+def test_micro_batches_keep_each_rows_images(vl):
+    """pack(images=, vlm=) then every plan (trimmed and length-sorted, consecutive rows, a
+    selection of rows): each micro-batch's images are its own rows' (their pads equal the
+    grids' token counts, row by row, and the pixels are the ones given for that sequence), and
+    its positions are rope_index of each row."""
+    from megagrpo.parallel.batch import pack, plan_micro_batches
+    from megagrpo.parallel.mrope import image_tokens, rope_index
+    from megagrpo.verify import vlm_prompts
+
+    model = model_config_from_hf(vl[0])
+    prompts = vlm_prompts(model, seed=5) * 2
+    comps = [[7] * (2 + i) for i in range(len(prompts))]
+    images = [None if p.pixel_values is None else (p.pixel_values + i, p.grid_thw)
+              for i, p in enumerate(prompts)]  # + i: each sequence's pixels differ
+    batch = pack([p.ids.tolist() for p in prompts], comps, [[0.0] * len(c) for c in comps],
+                 torch.ones(len(prompts)), pad_id=0, multiple=4, images=images, vlm=model)
+    assert batch.num_seqs == 8 and len(batch.images) == 8
+    plans = [plan_micro_batches(batch, 3, token_budget=60),
+             plan_micro_batches(batch, 3, trim=False)]
+    for plan in plans:
+        for mb in plan:
+            b = mb.batch
+            for j, r in enumerate(mb.index.tolist()):
+                pads = int((b.ids[j] == model.image_token_id).sum())
+                grid = b.images.grid_thw[j]
+                assert pads == int(image_tokens(grid, model.vision).sum()) if grid.shape[0] \
+                    else pads == 0
+                if r < len(prompts):  # a real row: its own sequence's pixels
+                    want = images[r]
+                    assert (want is None and b.images.pixel_values[j].shape[0] == 0) or \
+                        torch.equal(b.images.pixel_values[j], want[0])
+                    n = int(b.lengths[j])
+                    pos, _ = rope_index(b.ids[j, :n], grid if grid.shape[0] else None, model)
+                    assert torch.equal(b.positions[j, :n].T, pos)
+            inputs = b.images.model_inputs()
+            total = int((b.ids == model.image_token_id).sum())
+            assert (inputs["pixel_values"] is None) == (total == 0)
+            if total:
+                assert int(image_tokens(inputs["image_grid_thw"], model.vision).sum()) == total
