@@ -304,3 +304,20 @@ def test_micro_batches_keep_each_rows_images(vl):
             assert (inputs["pixel_values"] is None) == (total == 0)
             if total:
                 assert int(image_tokens(inputs["image_grid_thw"], model.vision).sum()) == total
+
+
+def test_token_balancing_refuses_rows_with_images(vl):
+    """Moving rows between DP replicas does not carry Batch.images: refused by its field
+    before any collective (and a single replica, which moves nothing, runs)."""
+    from megagrpo.parallel.batch import pack
+    from megagrpo.train.balance import balance_batch
+    from megagrpo.verify import vlm_prompts
+
+    model = model_config_from_hf(vl[0])
+    p = vlm_prompts(model)[1]
+    batch = pack([p.ids.tolist()], [[5, 6]], [[0.0, 0.0]], torch.ones(1), pad_id=0,
+                 images=[(p.pixel_values, p.grid_thw)], vlm=model)
+    kw = dict(num_minibatches=1, per_micro=1, pad_id=0, dp_rank=0)
+    assert balance_batch(batch, dp=1, **kw)[0] is batch
+    with pytest.raises(ValueError, match=r"compute\.balance_tokens=false"):
+        balance_batch(batch, dp=2, **kw)
