@@ -61,6 +61,9 @@ class HFTokenizer:
     def __init__(self, name_or_path: str) -> None:
         from transformers import AutoTokenizer  # heavy import, only when an HF tokenizer is used
 
+        self.source = str(name_or_path)
+        """Where the tokenizer came from (a vision-language folder's image processor lies
+        beside it: `megagrpo.hf.export.save_tokenizer` keeps it)."""
         self.tok = AutoTokenizer.from_pretrained(name_or_path)
         if self.tok.eos_token_id is None:
             raise ValueError(f"HF tokenizer {name_or_path} defines no eos_token")
@@ -317,3 +320,65 @@ class PromptLoader:
 def shard(examples: Sequence[Example], dp_rank: int, dp_size: int) -> list[Example]:
     """Strided shard for evaluation: every example lands on exactly one rank, none dropped."""
     return list(examples[dp_rank::dp_size])
+
+
+# ---------------------------------------------------------------- prompts with images (VLM)
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+"""Qwen's chat-template placeholder of one image: a record's prompt text carries one per image
+(in order); `image_prompt` expands its single image-pad token into the image's token count."""
+
+
+def load_images(paths: Sequence[str | Path], base: str | Path = ".") -> list:
+    """The records' images (PIL, RGB), paths relative to `base`; a file that does not open as
+    an image is refused, named."""
+    from PIL import Image, UnidentifiedImageError
+
+    out = []
+    for p in paths:
+        path = Path(base) / p
+        try:
+            with Image.open(path) as img:
+                out.append(img.convert("RGB"))
+        except (OSError, UnidentifiedImageError) as e:
+            raise ValueError(f"image {str(path)!r} does not open as an image ({e}); fix or "
+                             "drop the record's `images` entry") from e
+    return out
+
+
+def load_image_processor(folder: str | Path):
+    """The model folder's image processor (`preprocessor_config.json`: transformers'
+    Qwen2-VL image processor, its PIL implementation: it needs no torchvision)."""
+    if not (Path(folder) / "preprocessor_config.json").is_file():
+        raise ValueError(f"{folder} has no preprocessor_config.json: a vision-language model's "
+                         "folder needs its image processor (the export writes one)")
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    return Qwen2VLImageProcessorPil.from_pretrained(str(folder))
+
+
+def image_prompt(prompt_ids: Sequence[int], images: Sequence, processor, *,
+                 image_token_id: int, merge_size: int):
+    """A prompt with images -> (ids, pixel_values [P, D], image_grid_thw [n, 3]).
+
+    `prompt_ids` holds one image-pad token per image (the placeholder, in order); each becomes
+    t*h*w / merge_size^2 pads, the count the model's vision tower gives for the image's patch
+    grid after the processor's resizing (what vLLM's processor also does). A prompt whose
+    placeholders are more or fewer than its images is refused."""
+    slots = [i for i, t in enumerate(prompt_ids) if t == image_token_id]
+    if len(slots) != len(images):
+        raise ValueError(f"the prompt holds {len(slots)} image placeholders "
+                         f"({IMAGE_PLACEHOLDER!r}) but the record has {len(images)} images: "
+                         "one placeholder per image")
+    if not images:
+        return list(prompt_ids), None, None
+    out = processor(images=list(images), return_tensors="pt")
+    grid = out["image_grid_thw"]
+    ids: list[int] = []
+    start = 0
+    for slot, (t, h, w) in zip(slots, grid.tolist()):
+        ids += list(prompt_ids[start:slot]) + [image_token_id] * (t * h * w // merge_size ** 2)
+        start = slot + 1
+    ids += list(prompt_ids[start:])
+    return ids, out["pixel_values"], grid

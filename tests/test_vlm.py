@@ -160,7 +160,11 @@ def test_verify_and_gradients_at_tp1_and_tp2(shared_launch):
     """In the shared 2-rank launch: verify at TP=1 (DP=2) and TP=2 exits 0 (bitwise round
     trip, logits within 1e-5 of transformers on prompts with 0, 1, 2 images); at TP=2 every
     gradient of a next-token loss equals float64 transformers' within 1e-5 of the tensor's
-    largest, the vision tower's included when it trains and absent when frozen."""
+    largest, the vision tower's included when it trains and absent when frozen. Then the
+    trainer's passes on a packed batch with images (3 micro-batches of 2 rows, each holding
+    images but the text-only one): completion log-probs within 1e-5 of float64 transformers
+    and the GRPO loss's gradients within 1e-5 of the tensor's largest, at TP=1 x DP=2 (vision
+    frozen: no vision gradient) and TP=2 (vision trained)."""
     work, _ = shared_launch[__name__]
     out = shared_output(work, 2)
     res = json.loads((work / "results.json").read_text())
@@ -176,6 +180,16 @@ def test_verify_and_gradients_at_tp1_and_tp2(shared_launch):
     assert trained["missing"] == [] and trained["unexpected"] == frozen["unexpected"] == []
     assert frozen["text_max"] <= 1e-5 and trained["text_max"] <= 1e-5, res["grads"]
     assert trained["vision_max"] <= 1e-5, trained
+    # the trainer's passes on a batch with images (step 1 of docs/vlm.md)
+    print("trainer:", json.dumps(res["trainer"]))
+    for layout, r in res["trainer"].items():
+        assert r["micro_batches"] == 3 and r["mixed"] == 2, (layout, r)  # one text-only
+        assert r["logp_max_abs"] <= 1e-5, (layout, r)
+        g = r["grads"]
+        assert g["unexpected"] == [] and g["text_max"] <= 1e-5, (layout, g)
+    frozen, trained = res["trainer"]["tp1_frozen"]["grads"], res["trainer"]["tp2_trained"]["grads"]
+    assert frozen["vision_tensors"] == 0 and len(frozen["missing"]) > 0
+    assert trained["missing"] == [] and trained["vision_max"] <= 1e-5, trained
 
 
 def test_planner_counts_the_vision_tower(vl):
@@ -203,3 +217,129 @@ def test_training_a_vlm_is_refused_before_compute(vl):
     cfg = TrainConfig(model=model_config_from_hf(vl[0]))
     with pytest.raises(ValueError, match=r"model\.architecture='qwen2_5_vl' .*not wired yet"):
         cfg.validate(2)
+
+
+def _image(seed: int, size=(8, 8)):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.RandomState(seed)
+    return Image.fromarray((rng.rand(size[1], size[0], 3) * 255).astype("uint8"))
+
+
+@pytest.mark.parametrize("snapshot_has_processor", [True, False])
+def test_export_writes_what_a_vlm_folder_needs(tmp_path, snapshot_has_processor):
+    """convert --from-hf keeps the source's image processor beside the tokenizer; the export
+    (`finish_hf_export`) returns it (or, when the snapshot holds none, writes transformers'
+    default at the model's patch sizes) and the ids into text_config too: the exported folder
+    loads in transformers (tokenizer, image processor, model) and its logits on a prompt with
+    an image are the source model's with the source's processor."""
+    import shutil
+
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    from megagrpo.hf.export import finish_hf_export, save_hf_source_tokenizer
+    from tests.support.tiny import tiny_vl_tokenizer
+
+    src, ckpt, out = tmp_path / "src", tmp_path / "ckpt", tmp_path / "out"
+    ref = tiny_qwen25_vl(src)
+    tiny_vl_tokenizer(src, min_pixels=16, max_pixels=256)
+    if not snapshot_has_processor:
+        (src / "preprocessor_config.json").unlink()
+    assert save_hf_source_tokenizer(ckpt, src)
+    out.mkdir()
+    for name in ("config.json", "model.safetensors"):  # what the weight export writes
+        shutil.copyfile(src / name, out / name)
+    line = finish_hf_export(out, ckpt)
+    assert ("preprocessor_config.json" in line) != snapshot_has_processor, line
+    text_config = json.loads((out / "config.json").read_text())["text_config"]
+    tok = AutoTokenizer.from_pretrained(out)
+    assert text_config["eos_token_id"] == tok.eos_token_id == 3
+    proc = AutoImageProcessor.from_pretrained(out)
+    assert (proc.patch_size, proc.temporal_patch_size, proc.merge_size) == (2, 2, 2)
+    if snapshot_has_processor:
+        assert (proc.size["shortest_edge"], proc.size["longest_edge"]) == (16, 256)  # not defaults
+    images = proc(images=[_image(0)], return_tensors="pt")
+    grid = images["image_grid_thw"]
+    pads = int(grid.prod()) // 4
+    ids = tok("ab<|vision_start|>" + "<|image_pad|>" * pads + "<|vision_end|>cd",
+              return_tensors="pt")["input_ids"]
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(out).eval()
+    with torch.no_grad():
+        got = model(input_ids=ids, **images).logits
+        want = ref(input_ids=ids, **images).logits
+    assert torch.equal(got, want)
+
+
+def test_docs_table_is_the_results_table():
+    """docs/vlm.md's figures are benchmarks/vlm_checks.py --table of the committed results
+    (generated, never typed in)."""
+    import importlib.util
+
+    from tests.support.docs import assert_generated_table
+
+    spec = importlib.util.spec_from_file_location("bench_vlm_checks",
+                                                  ROOT / "benchmarks" / "vlm_checks.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert_generated_table(ROOT / "docs" / "vlm.md", "<!-- vlm table: generated by",
+                           "<!-- end of vlm table -->",
+                           mod.table(str(ROOT / "benchmarks" / "results" / "vlm_cpu.jsonl")))
+
+
+def test_micro_batches_keep_each_rows_images(vl):
+    """pack(images=, vlm=) then every plan (trimmed and length-sorted, consecutive rows, a
+    selection of rows): each micro-batch's images are its own rows' (their pads equal the
+    grids' token counts, row by row, and the pixels are the ones given for that sequence), and
+    its positions are rope_index of each row."""
+    from megagrpo.parallel.batch import pack, plan_micro_batches
+    from megagrpo.parallel.mrope import image_tokens, rope_index
+    from megagrpo.verify import vlm_prompts
+
+    model = model_config_from_hf(vl[0])
+    prompts = vlm_prompts(model, seed=5) * 2
+    comps = [[7] * (2 + i) for i in range(len(prompts))]
+    images = [None if p.pixel_values is None else (p.pixel_values + i, p.grid_thw)
+              for i, p in enumerate(prompts)]  # + i: each sequence's pixels differ
+    batch = pack([p.ids.tolist() for p in prompts], comps, [[0.0] * len(c) for c in comps],
+                 torch.ones(len(prompts)), pad_id=0, multiple=4, images=images, vlm=model)
+    assert batch.num_seqs == 8 and len(batch.images) == 8
+    plans = [plan_micro_batches(batch, 3, token_budget=60),
+             plan_micro_batches(batch, 3, trim=False)]
+    for plan in plans:
+        for mb in plan:
+            b = mb.batch
+            for j, r in enumerate(mb.index.tolist()):
+                pads = int((b.ids[j] == model.image_token_id).sum())
+                grid = b.images.grid_thw[j]
+                assert pads == int(image_tokens(grid, model.vision).sum()) if grid.shape[0] \
+                    else pads == 0
+                if r < len(prompts):  # a real row: its own sequence's pixels
+                    want = images[r]
+                    assert (want is None and b.images.pixel_values[j].shape[0] == 0) or \
+                        torch.equal(b.images.pixel_values[j], want[0])
+                    n = int(b.lengths[j])
+                    pos, _ = rope_index(b.ids[j, :n], grid if grid.shape[0] else None, model)
+                    assert torch.equal(b.positions[j, :n].T, pos)
+            inputs = b.images.model_inputs()
+            total = int((b.ids == model.image_token_id).sum())
+            assert (inputs["pixel_values"] is None) == (total == 0)
+            if total:
+                assert int(image_tokens(inputs["image_grid_thw"], model.vision).sum()) == total
+
+
+def test_token_balancing_refuses_rows_with_images(vl):
+    """Moving rows between DP replicas does not carry Batch.images: refused by its field
+    before any collective (and a single replica, which moves nothing, runs)."""
+    from megagrpo.parallel.batch import pack
+    from megagrpo.train.balance import balance_batch
+    from megagrpo.verify import vlm_prompts
+
+    model = model_config_from_hf(vl[0])
+    p = vlm_prompts(model)[1]
+    batch = pack([p.ids.tolist()], [[5, 6]], [[0.0, 0.0]], torch.ones(1), pad_id=0,
+                 images=[(p.pixel_values, p.grid_thw)], vlm=model)
+    kw = dict(num_minibatches=1, per_micro=1, pad_id=0, dp_rank=0)
+    assert balance_batch(batch, dp=1, **kw)[0] is batch
+    with pytest.raises(ValueError, match=r"compute\.balance_tokens=false"):
+        balance_batch(batch, dp=2, **kw)

@@ -29,6 +29,11 @@ TOKENIZER_DIR = "tokenizer"
 IDS_FILE = "megagrpo_tokenizer.json"
 GENERATION_CONFIG = "generation_config.json"
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json",
+                   "video_preprocessor_config.json", "chat_template.json")
+"""A vision-language folder's image (and video) processor files beside the tokenizer's: the
+snapshot keeps them, the export returns them (transformers' `AutoProcessor` and vLLM read
+`preprocessor_config.json` to turn images into patches)."""
 _SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -80,6 +85,10 @@ def save_tokenizer(ckpt_dir: str | os.PathLike, tokenizer: Tokenizer,
     if isinstance(tokenizer, HFTokenizer):
         tokenizer.tok.save_pretrained(str(tmp))
         kind = "hf"
+        source = Path(getattr(tokenizer, "source", ""))
+        for name in PROCESSOR_FILES:
+            if source.is_dir() and (source / name).is_file():
+                shutil.copyfile(source / name, tmp / name)
     elif isinstance(tokenizer, SentencePieceTokenizer):
         (tmp / "tokenizer.model").write_bytes(tokenizer.sp.serialized_model_proto())
         kind = "sentencepiece"
@@ -130,13 +139,38 @@ def finish_hf_export(out_dir: str | os.PathLike, ckpt_dir: str | os.PathLike,
         shutil.rmtree(tmp, ignore_errors=True)
     shown = ", ".join(f"{k.split('_')[0]}={ids[k]}" for k in _SPECIAL)
     files = f"{ids['kind']} tokenizer ({len(copied)} files)" if copied else "no tokenizer files"
-    return f"added {files}, special ids {shown}, {GENERATION_CONFIG}"
+    processor = write_default_processor(out)
+    return f"added {files}, special ids {shown}, {GENERATION_CONFIG}" + (
+        f", {processor}" if processor else "")
+
+
+def write_default_processor(out: str | os.PathLike) -> str | None:
+    """A vision-language export (config.json's model_type qwen2_5_vl) whose snapshot held no
+    image processor gets transformers' default Qwen2-VL image processor at the model's patch,
+    temporal patch and merge sizes (`preprocessor_config.json`); None when none was needed.
+    The snapshot's own file (copied before) wins: it holds the run's pixel limits."""
+    out = Path(out)
+    cfg = json.loads((out / "config.json").read_text())
+    if cfg.get("model_type") != "qwen2_5_vl" or (out / PROCESSOR_FILES[0]).exists():
+        return None
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    v = cfg["vision_config"]
+    Qwen2VLImageProcessorPil(patch_size=v["patch_size"], temporal_patch_size=v[
+        "temporal_patch_size"], merge_size=v["spatial_merge_size"]).save_pretrained(str(out))
+    return f"{PROCESSOR_FILES[0]} (transformers' defaults at the model's patch sizes)"
 
 
 def _set_ids(config_json: Path, ids: dict) -> None:
+    """The ids at config.json's top level, and in a vision-language model's `text_config`
+    too (where Qwen2.5-VL's decoder reads them)."""
     cfg = json.loads(config_json.read_text())
     for key in _SPECIAL:
         cfg[key] = ids[key]
+        if isinstance(cfg.get("text_config"), dict):
+            cfg["text_config"][key] = ids[key]
     config_json.write_text(json.dumps(cfg, indent=1))
 
 

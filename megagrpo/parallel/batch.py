@@ -5,6 +5,11 @@ logits predict token t+1, so every per-token tensor is [N, S] aligned with the l
 [N, S] = ids shifted left (last column unused), `mask` [N, S] True where the target is a
 completion token. Keeping S columns (not S-1) lets the logits [b, S, V_local] flatten to
 [b*S, V_local] as a view, with no copy of the biggest tensor in the step.
+
+Vision-language rows (Qwen2.5-VL, docs/vlm.md) carry two more fields: `positions` [N, S, 3]
+(the multimodal RoPE positions, per token, so every row operation cuts them as it cuts `ids`)
+and `images` (`RowImages`: each row's patches and grids, which differ in size from row to row,
+so they are kept per row and concatenated in row order for each micro-batch's forward).
 """
 from __future__ import annotations
 
@@ -12,6 +17,42 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
+
+from megagrpo.config.model import ModelConfig
+from megagrpo.parallel.mrope import rope_index
+
+
+@dataclass
+class RowImages:
+    """Each row's images as transformers' image processor gives them: `pixel_values[i]`
+    [P_i, C*t*p*p] (the row's patches, its images in prompt order; P_i = 0 for a row with
+    none) and `grid_thw[i]` [n_i, 3] (patches along time, height, width of each image)."""
+
+    pixel_values: list[Tensor]
+    grid_thw: list[Tensor]
+
+    def __len__(self) -> int:
+        return len(self.grid_thw)
+
+    def __getitem__(self, index) -> "RowImages":
+        """Rows `index` (a slice or an [b] index tensor), as Batch.rows / select take them."""
+        if isinstance(index, slice):
+            return RowImages(self.pixel_values[index], self.grid_thw[index])
+        rows = [int(i) for i in index.reshape(-1)]
+        return RowImages([self.pixel_values[i] for i in rows], [self.grid_thw[i] for i in rows])
+
+    def to(self, device, non_blocking: bool = False) -> "RowImages":
+        return RowImages([p.to(device, non_blocking=non_blocking) for p in self.pixel_values],
+                         [g.to(device, non_blocking=non_blocking) for g in self.grid_thw])
+
+    def model_inputs(self) -> dict[str, Tensor | None]:
+        """The rows' images concatenated in row order: the model's `pixel_values` [P, D] and
+        `image_grid_thw` [n, 3] keywords (None when no row holds an image)."""
+        grids = [g for g in self.grid_thw if g.shape[0]]
+        if not grids:
+            return {"pixel_values": None, "image_grid_thw": None}
+        return {"pixel_values": torch.cat([p for p in self.pixel_values if p.shape[0]]),
+                "image_grid_thw": torch.cat(grids)}
 
 
 @dataclass
@@ -46,6 +87,11 @@ class Batch:
     routes: Tensor | None = None
     """[N, S, L_moe, k] int16 the experts vLLM routed each position to (-1: vLLM computed none,
     -2: none needed, i.e. padding and each row's last token; routing replay only, else None)."""
+    positions: Tensor | None = None
+    """[N, S, 3] int64 multimodal RoPE positions (temporal, height, width) of every token of a
+    vision-language model's rows (None: a text model's 1-D positions 0..S-1)."""
+    images: RowImages | None = None
+    """Each row's images (vision-language rows; None: none)."""
 
     @property
     def num_seqs(self) -> int:
@@ -68,7 +114,8 @@ class Batch:
             v = getattr(self, f.name)
             if v is not None:
                 v = v[index]
-                kw[f.name] = v[:, :width] if v.dim() >= 2 else v  # per-token: [N, S, ...]
+                per_token = isinstance(v, Tensor) and v.dim() >= 2  # [N, S, ...]
+                kw[f.name] = v[:, :width] if per_token else v
             else:
                 kw[f.name] = None
         return Batch(**kw)
@@ -217,7 +264,7 @@ def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
             return None
         kw = {f.name: getattr(obj, f.name) for f in fields(obj)}
         return replace(obj, **{k: v.to(device, non_blocking=True) for k, v in kw.items()
-                               if isinstance(v, Tensor)})
+                               if isinstance(v, (Tensor, RowImages))})
 
     return MicroBatch(mb.index, move(mb.batch), move(mb.packed))
 
@@ -247,7 +294,9 @@ def pack(prompts: list[list[int]], completions: list[list[int]], rollout_logps: 
          seq_advantages: Tensor, *, pad_id: int, multiple: int = 1, blocks: int = 1,
          completion_mask: Tensor | None = None, seq_rewards: Tensor | None = None,
          routes: list[Tensor] | None = None,
-         loss_masks: list[list[bool] | None] | None = None) -> Batch:
+         loss_masks: list[list[bool] | None] | None = None,
+         images: list[tuple[Tensor, Tensor] | None] | None = None,
+         vlm: ModelConfig | None = None) -> Batch:
     """Builds a `Batch` from n = len(completions) sequences (prompts[i] belongs to sequence i).
 
     `multiple`: the rows are padded with dummy rows (mask False) to a multiple of it, so every
@@ -292,6 +341,8 @@ def pack(prompts: list[list[int]], completions: list[list[int]], rollout_logps: 
     if seq_rewards is not None:
         batch.rewards = torch.zeros(rows, dtype=torch.float32)
         batch.rewards[where] = seq_rewards.to(torch.float32)
+    if vlm is not None:
+        _add_images(batch, where, images or [None] * n, vlm)
     if routes is not None:  # padding: -2, "no route needed", like the last tokens
         batch.routes = torch.full((rows, S, *routes[0].shape[1:]), -2, dtype=torch.int16)
         for i, r in enumerate(routes):
@@ -299,10 +350,38 @@ def pack(prompts: list[list[int]], completions: list[list[int]], rollout_logps: 
     return batch
 
 
+def _add_images(batch: Batch, where: Tensor, images: list, vlm: ModelConfig) -> None:
+    """`Batch.positions` and `Batch.images` of the packed rows (`where[i]`: sequence i's row)."""
+    rows, S = batch.ids.shape
+    v = vlm.vision
+    width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    pixels = [torch.zeros(0, width) for _ in range(rows)]
+    grids = [torch.zeros(0, 3, dtype=torch.long) for _ in range(rows)]
+    pos = torch.arange(S).expand(rows, 3, S).clone()
+    for i, r in enumerate(where.tolist()):
+        grid = None
+        if images[i] is not None:
+            pix, grid = images[i]
+            if pix.shape[1] != width or int(grid.prod(-1).sum()) != pix.shape[0]:
+                raise ValueError(f"sequence {i}: pixel_values {list(pix.shape)} do not fit "
+                                 f"image_grid_thw {grid.tolist()} (each row one patch of "
+                                 f"{width} values, one per grid cell)")
+            pixels[r], grids[r] = pix, grid.to(torch.long)
+        n = int(batch.lengths[r])
+        p, _ = rope_index(batch.ids[r, :n], grid, vlm)
+        pos[r, :, :n] = p
+        if n < S:  # padding: text after the row's last position
+            pos[r, :, n:] = int(p.max()) + 1 + torch.arange(S - n)
+    batch.positions = pos.transpose(1, 2).contiguous()
+    batch.images = RowImages(pixels, grids)
+
+
 def sft_batch(prompts: list[list[int]], completions: list[list[int]], *, pad_id: int,
-              multiple: int = 1, loss_masks: list[list[bool] | None] | None = None) -> Batch:
+              multiple: int = 1, loss_masks: list[list[bool] | None] | None = None,
+              images: list[tuple[Tensor, Tensor] | None] | None = None,
+              vlm: ModelConfig | None = None) -> Batch:
     """A supervised batch (cold start): same layout, advantages 1, no rollout log-probs.
-    `loss_masks` as in `pack` (multi-turn trajectories: the environment's tokens untrained)."""
+    `loss_masks`, `images` and `vlm` as in `pack`."""
     zeros = [[0.0] * len(c) for c in completions]
     return pack(prompts, completions, zeros, torch.ones(len(completions)), pad_id=pad_id,
-                multiple=multiple, loss_masks=loss_masks)
+                multiple=multiple, loss_masks=loss_masks, images=images, vlm=vlm)

@@ -151,6 +151,10 @@ def balance_batch(batch: Batch, *, num_minibatches: int, per_micro: int, pad_id:
     every rank of a replica passes the same batch and gets the same result). Returns this
     replica's batch and {token_imbalance, token_imbalance_before} (max / mean real tokens per
     replica after and before; equal when not `enabled`)."""
+    if batch.images is not None and enabled and dp > 1:  # refused before any collective
+        raise ValueError("compute.balance_tokens with a vision-language model: moving rows "
+                         "between replicas does not carry their images yet; set "
+                         "compute.balance_tokens=false")
     mine = real_rows(batch, num_minibatches)
     lens = [[int(batch.lengths[r]) for r in block] for block in mine]
     gathered = [lens] if dp == 1 else [None] * dp

@@ -87,6 +87,9 @@ def _forward_rows(mb: MicroBatch, model, gpt, loss_fn, at_loss_positions, fused_
     fused = sel is not None and sel.use_fused(
         fused_output, b.ids.numel() if flat is None else flat.numel())
     if mb.packed is not None:  # rows end to end, loss positions only
+        if b.positions is not None:
+            raise ValueError("compute.pack_sequences with a vision-language model: its 3-D "
+                             "positions are per row; set compute.pack_sequences=false")
         p = mb.packed
         rope = RotaryPositions.of(gpt)
         # sequence parallelism: T padded to a multiple of tp with tokens of no row
@@ -98,13 +101,26 @@ def _forward_rows(mb: MicroBatch, model, gpt, loss_fn, at_loss_positions, fused_
     # sequence parallelism: ids padded to a multiple of tp; the output layer's hook drops
     # the padding again, so it runs whenever this stage has the output layer
     ids, pos = padded_inputs(b.ids, sp)
+    extra = {}
+    if b.positions is not None:  # a vision-language model: 3-D positions and the images
+        pos, extra = vlm_inputs(b, sp)
     if sel is None or not (at_loss_positions or fused or ids is not b.ids):
-        return model(ids, pos, None), partial(loss_fn, b)
+        return model(ids, pos, None, **extra), partial(loss_fn, b)
     if flat is None and not fused:  # every position, through the hook (padding dropped)
         flat = torch.arange(b.ids.numel(), device=b.ids.device)
     with sel.at(flat, b.ids.shape[1], fused):
-        out = model(ids, pos, None)
+        out = model(ids, pos, None, **extra)
     return _last_stage_output(out, sel, fused, partial(loss_fn, b, positions=flat))
+
+
+def vlm_inputs(b: Batch, sp: int) -> tuple[torch.Tensor, dict]:
+    """A vision-language micro-batch's [3, b, S] positions and the model's image keywords
+    (`pixel_values`, `image_grid_thw`: the rows' images in row order). TrainConfig.validate
+    refuses what this path does not run (packing, sequence parallelism); refused here too."""
+    if sp > 1:
+        raise ValueError("parallel.sequence_parallel with a vision-language model: set "
+                         "parallel.sequence_parallel=false")
+    return b.positions.permute(2, 0, 1), b.images.model_inputs()
 
 
 def _last_stage_output(out, sel: OutputPositions, fused: bool, loss_fn: Callable):

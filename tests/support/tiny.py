@@ -217,6 +217,41 @@ def tiny_char_tokenizer(path):
     return tok
 
 
+VL_SPECIALS = {250: "<|vision_start|>", 251: "<|vision_end|>", 252: "<|image_pad|>",
+               253: "<|video_pad|>"}
+"""tiny_qwen25_vl's vision tokens, as Qwen's tokenizer spells them."""
+
+
+def tiny_vl_tokenizer(path, *, min_pixels: int = 16, max_pixels: int = 4096):
+    """The character tokenizer (ids 0-99) plus Qwen's vision tokens at tiny_qwen25_vl's ids
+    (`VL_SPECIALS`), and transformers' Qwen2-VL image processor at that model's patch sizes
+    (2x2 pixels, 2 frames, merge 2; an 8x8 image = 4 image tokens) with small pixel limits,
+    saved to `path`; returns (tokenizer, image processor)."""
+    from tokenizers import Regex, models, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    specials = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {w: i for i, w in enumerate(specials + chars)}
+    vocab.update({t: i for i, t in VL_SPECIALS.items()})
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", unk_token="<unk>",
+                                  eos_token="<|im_end|>",
+                                  additional_special_tokens=["<|im_start|>",
+                                                             *VL_SPECIALS.values()])
+    tok.chat_template = CHATML
+    tok.save_pretrained(path)
+    proc = Qwen2VLImageProcessorPil(patch_size=2, temporal_patch_size=2, merge_size=2,
+                                    min_pixels=min_pixels, max_pixels=max_pixels)
+    proc.save_pretrained(path)
+    return tok, proc
+
+
 def tiny_reward_model(path, *, arch: str = "qwen2", seed: int = 6):
     """A random *ForSequenceClassification reward model (one output, the layout of Qwen /
     Skywork reward checkpoints) with the character tokenizer, saved to `path`; returns it."""
