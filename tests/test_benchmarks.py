@@ -715,8 +715,9 @@ BF16_ACCURACY_RUNS = {  # docs/performance.md "bf16 accuracy": row label -> resu
 }
 
 
-def bf16_accuracy_row(label: str, folder: str) -> str:
-    """One row of the bf16-accuracy table from a run's metrics.jsonl."""
+def smollm2_run(folder: str):
+    """A SmolLM2 run's held-out accuracy by step and `mean(key, a, b)`: a metric's mean over
+    steps a..b (every one of them logged)."""
     rows = [json.loads(ln) for ln in
             (BENCH / "results" / folder / "metrics.jsonl").read_text().splitlines()]
     ev = {r["step"]: r["eval_accuracy"] for r in rows if "eval_accuracy" in r}
@@ -724,7 +725,15 @@ def bf16_accuracy_row(label: str, folder: str) -> str:
 
     def mean(key: str, a: int, b: int) -> float:
         xs = [r[key] for r in steps if a <= r["step"] <= b]
+        assert len(xs) == b - a + 1, (folder, key, a, b)
         return sum(xs) / len(xs)
+
+    return ev, mean
+
+
+def bf16_accuracy_row(label: str, folder: str) -> str:
+    """One row of the bf16-accuracy table from a run's metrics.jsonl."""
+    ev, mean = smollm2_run(folder)
 
     def early_late(key: str, fmt: str) -> str:
         return f"{mean(key, 1, 5):{fmt}} / {mean(key, 26, 30):{fmt}}"
@@ -766,16 +775,7 @@ DTYPE_15_RUNS = {  # docs/performance.md "bf16 accuracy", the 15-step table: lab
 def dtype_15_row(label: str, folder: str) -> dict:
     """Steps 1-15 of a SmolLM2 run: held-out accuracy at 0 and 15, the means over steps 11-15
     of the train reward, completion length and entropy, and the mean gap over steps 1-15."""
-    rows = [json.loads(ln) for ln in
-            (BENCH / "results" / folder / "metrics.jsonl").read_text().splitlines()]
-    ev = {r["step"]: r["eval_accuracy"] for r in rows if "eval_accuracy" in r}
-    steps = [r for r in rows if "reward_mean" in r]
-
-    def mean(key: str, a: int, b: int) -> float:
-        xs = [r[key] for r in steps if a <= r["step"] <= b]
-        assert len(xs) == b - a + 1, (folder, key)
-        return sum(xs) / len(xs)
-
+    ev, mean = smollm2_run(folder)
     return {"acc0": ev[0], "acc15": ev[15], "line":
             f"| {label} | {ev[0]:.3f} -> {ev[15]:.3f} | {mean('reward_mean', 11, 15):.3f} | "
             f"{mean('completion_len', 11, 15):.1f} | {mean('entropy', 11, 15):.3f} | "
