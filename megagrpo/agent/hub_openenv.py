@@ -39,7 +39,13 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 from megagrpo.agent.env import Environment, Observation, Turn
-from megagrpo.agent.tool_env import _overlap, defuse, hf_tokenizer, sampled_tail
+from megagrpo.agent.tool_env import (
+    _overlap,
+    defuse,
+    sampled_tail,
+    templated_tokenizer,
+    tokenizer_name,
+)
 from megagrpo.config.agent import OPENENV, AgentConfig
 from megagrpo.runtime.names import import_object
 
@@ -100,12 +106,9 @@ def _controls(tokenizer: object, ids: list[int]) -> list[int]:
 def check_message_template(tokenizer: object, role: str) -> MessageTemplate:
     """The run's chat template rendering a `role` message after an assistant turn; ValueError
     naming agent.environment (no template) or agent.kwargs.role (the template refuses it)."""
-    hf = hf_tokenizer(tokenizer)
-    name = getattr(hf, "name_or_path", "") or type(hf).__name__
-    if not hasattr(hf, "apply_chat_template") or not getattr(hf, "chat_template", None):
-        raise ValueError(f"{FIELD}=openenv:... renders the environment's messages through the "
-                         f"chat template; tokenizer {name!r} has none (give data.tokenizer a "
-                         "model folder whose tokenizer has a chat template)")
+    hf = templated_tokenizer(tokenizer, f"{FIELD}=openenv:... renders the environment's "
+                             "messages through the chat template")
+    name = tokenizer_name(hf)
     messages = [{"role": "user", "content": _QUESTION},
                 {"role": "assistant", "content": _ASSISTANT},
                 {"role": role, "content": _MESSAGE}]

@@ -45,6 +45,22 @@ def hf_tokenizer(tokenizer: object) -> object:
     return getattr(tokenizer, "tok", tokenizer)
 
 
+def tokenizer_name(hf: object) -> str:
+    """A Hugging Face tokenizer's name for messages: its folder, else its class."""
+    return getattr(hf, "name_or_path", "") or type(hf).__name__
+
+
+def templated_tokenizer(tokenizer: object, needs: str) -> object:
+    """The Hugging Face tokenizer of `tokenizer`, which must have a chat template; ValueError
+    saying what `needs` one and how to give it otherwise."""
+    hf = hf_tokenizer(tokenizer)
+    if not hasattr(hf, "apply_chat_template") or not getattr(hf, "chat_template", None):
+        raise ValueError(f"{needs}; tokenizer {tokenizer_name(hf)!r} has none (give "
+                         "data.tokenizer a model folder whose tokenizer_config.json or "
+                         "chat_template.jinja has one)")
+    return hf
+
+
 @dataclass(frozen=True)
 class ToolTemplate:
     """A tokenizer's chat template checked for tool support, with the run's tool schemas."""
@@ -135,12 +151,9 @@ def _overlap(sampled: str, after: str, most: int) -> int:
 def check_tool_template(tokenizer: object, tools: tuple[Tool, ...] | list[Tool]) -> ToolTemplate:
     """The tokenizer's chat template, checked to render the tool list (`tools=`) and role 'tool'
     messages after an assistant turn; ValueError naming agent.environment otherwise."""
-    hf = hf_tokenizer(tokenizer)
-    name = getattr(hf, "name_or_path", "") or type(hf).__name__
-    if not hasattr(hf, "apply_chat_template") or not getattr(hf, "chat_template", None):
-        raise ValueError(f"{FIELD}=tools needs a Hugging Face tokenizer with a chat template; "
-                         f"tokenizer {name!r} has none (give data.tokenizer a model folder "
-                         "whose tokenizer_config.json or chat_template.jinja has one)")
+    hf = templated_tokenizer(tokenizer, f"{FIELD}=tools needs a Hugging Face tokenizer with a "
+                             "chat template")
+    name = tokenizer_name(hf)
     template = ToolTemplate(hf, [t.schema() for t in tools])
     try:
         prompt = template.render([{"role": "user", "content": _QUESTION}], True)
