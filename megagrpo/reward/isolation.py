@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from megagrpo.reward.rules import RewardCallable, resolve_reward
 from megagrpo.runtime.procs import exit_with_parent
 
-_THREAD_PREFIX = "megagrpo-reward"
+_THREAD_PREFIX = "megagrpo-reward-call"
 
 
 
