@@ -11,10 +11,9 @@ once under benchmarks/.cache/. It scores every sample ("{prompt}{completion}", t
 policy saw and wrote) with weight 0.1 beside the task's rule reward (weight 1, correctness), in
 batches of 32, in the reward-model source's own thread (docs/rewards.md).
 
-Configurations, one real run each (`megagrpo train`, one rank: the trainer and its vLLM engine
-colocated), in this order:
+Modes, each run twice (`megagrpo train`, one rank: the trainer and its vLLM engine colocated),
+without the reward model (the rule reward alone) and with it:
 
-  no-rm     the rule reward only: the step without a reward model
   serial    rollout.max_staleness=0, reward.score_chunks=1: the batch is sampled, then scored;
             the future overlaps nothing but the gather (reward_wait_s ~ the whole scoring)
   chunks4   rollout.max_staleness=0, reward.score_chunks=4: each quarter of the batch is scored
@@ -22,17 +21,18 @@ colocated), in this order:
   async-k1  rollout.max_staleness=1: batch i is scored while batch i+1 samples on the side
             thread, and both while the trainer updates
 
-Per configuration (a JSON line): the step time (mean over the steps after the first --warmup,
-the sum of the trainer's phase times), the reward model's own scoring seconds per step
+Per run (a JSON line): the step time (mean over the steps after the first --warmup, the sum of
+the trainer's phase times), the reward model's own scoring seconds per step
 (`reward_model_time_s`), and the reward phases of docs/rewards.md (`reward_blocking_s`,
-`reward_overlap_s`, `reward_wait_s`); then the step time's excess over no-rm, and the share of
-the scoring the overlap hid (1 - excess / scoring time). On a 2-core CPU the threads share the
-cores, so an overlapped forward still competes with sampling for them: the hidden share is what
-this machine gives, not what a GPU (scoring on its own stream or device) would.
+`reward_overlap_s`, `reward_wait_s`). The table puts each mode's two runs side by side: the
+step time's excess with the reward model, and the share of the scoring the overlap hid
+(1 - excess / scoring seconds). On a 2-core CPU the threads share the cores, so an overlapped
+forward still competes with sampling for them: the hidden share is what this machine gives,
+not what a GPU (scoring on its own stream or device) would.
 
     .venv/bin/python benchmarks/reward_overlap.py [--workload varlen] [--steps 6] [--warmup 1]
         [--out benchmarks/results/reward_overlap_cpu.jsonl]
-    .venv/bin/python benchmarks/reward_overlap.py --smoke    # demo workload, 2 steps, 2 configs
+    .venv/bin/python benchmarks/reward_overlap.py --smoke    # demo workload, 2 steps, async-k1
     .venv/bin/python benchmarks/reward_overlap.py --table JSONL   # docs/rewards.md's table
 """
 from __future__ import annotations
@@ -47,13 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared benchmark
 from _common import add_out_and_table, markdown_table, parser, print_table, records, run_train  # noqa: E402
 from _workloads import CACHE, ROOT, base_config, get_workload, overrides  # noqa: E402
 
-CONFIGS = {
-    "no-rm": [],
+MODES = {
     "serial": ["rollout.max_staleness=0", "reward.score_chunks=1"],
     "chunks4": ["rollout.max_staleness=0", "reward.score_chunks=4"],
     "async-k1": ["rollout.max_staleness=1"],
 }
-SMOKE = ("no-rm", "async-k1")
+SMOKE = ("async-k1",)
 METRICS = ("reward_model_time_s", "reward_blocking_s", "reward_overlap_s", "reward_wait_s")
 RULES = {"source": "rules", "weight": 1.0, "correctness": True}
 
@@ -87,16 +86,16 @@ def reward_model_dir(workload: str) -> Path:
     return out
 
 
-def config_args(workload: str, config: str) -> list[str]:
-    """The overrides of one configuration (the workload's, the reward sources, the config's)."""
+def config_args(workload: str, mode: str, rm: bool) -> list[str]:
+    """The overrides of one run (the workload's, the reward sources, the mode's)."""
     sources = [RULES]
-    if config != "no-rm":
+    if rm:
         sources.append({"source": "reward_model", "weight": 0.1, "label": "rm", "options": {
             "path": str(reward_model_dir(workload)), "template": "{prompt}{completion}",
             "prompt_field": "", "batch_size": 32}})
     w = get_workload(workload)
     return ["--config", w.recipe, *overrides(w, "float32"), f"reward.sources={json.dumps(sources)}",
-            *CONFIGS[config]]
+            *MODES[mode]]
 
 
 def summarize(steps: list[dict], warmup: int) -> dict:
@@ -114,33 +113,32 @@ def summarize(steps: list[dict], warmup: int) -> dict:
             **{k: mean(k) for k in METRICS}}
 
 
-def measure(workload: str, config: str, steps: int, warmup: int) -> dict:
-    """One configuration's run and its figures."""
+def measure(workload: str, mode: str, rm: bool, steps: int, warmup: int) -> dict:
+    """One run's figures."""
     from megagrpo.runtime.machine import cpu_name
 
     with tempfile.TemporaryDirectory(prefix="reward_overlap_") as tmp:
-        wall = run_train([*config_args(workload, config), f"run.steps={steps}",
-                          f"run.out_dir={tmp}/run"], nproc=1, name=config, timeout=1800)
+        wall = run_train([*config_args(workload, mode, rm), f"run.steps={steps}",
+                          f"run.out_dir={tmp}/run"], nproc=1, name=mode, timeout=1800)
         steps_ = [r for r in records(Path(tmp) / "run" / "metrics.jsonl") if "reward_mean" in r]
-    return {"workload": workload, "config": config, "cpu": cpu_name(), "wall_s": wall,
+    return {"workload": workload, "mode": mode, "rm": rm, "cpu": cpu_name(), "wall_s": wall,
             **summarize(steps_, warmup)}
 
 
 def table(path: str | Path) -> str:
-    """docs/rewards.md's table: each configuration of each workload against its no-rm run."""
-    rows = []
+    """docs/rewards.md's table: each mode's runs with and without the reward model."""
     recs = records(path)
-    for r in recs:
-        base = next((b for b in recs if b["workload"] == r["workload"]
-                     and b["config"] == "no-rm"), None)
-        excess = r["step_s"] - base["step_s"] if base else float("nan")
-        scoring = r["reward_model_time_s"]
-        hidden = f"{1 - excess / scoring:.0%}" if scoring > 0 else ""
-        rows.append([r["workload"], r["config"], f"{r['step_s']:.2f}",
-                     f"{excess:+.2f}" if r["config"] != "no-rm" else "",
-                     f"{scoring:.2f}" if scoring else "", f"{r['reward_wait_s']:.2f}",
-                     f"{r['reward_overlap_s']:.2f}", hidden])
-    head = ["workload", "configuration", "step s", "vs no-rm s", "RM scoring s",
+    runs = {(r["workload"], r["mode"], r["rm"]): r for r in recs}
+    rows = []
+    for (workload, mode, rm), r in runs.items():
+        base = runs.get((workload, mode, False))
+        if not rm or base is None:
+            continue
+        excess, scoring = r["step_s"] - base["step_s"], r["reward_model_time_s"]
+        rows.append([workload, mode, f"{base['step_s']:.2f}", f"{r['step_s']:.2f}",
+                     f"{excess:+.2f}", f"{scoring:.2f}", f"{r['reward_wait_s']:.2f}",
+                     f"{r['reward_overlap_s']:.2f}", f"{1 - excess / scoring:.0%}"])
+    head = ["workload", "mode", "step s, no RM", "step s, RM", "excess s", "RM scoring s",
             "reward wait s", "reward overlap s", "scoring hidden"]
     cpus = sorted({r["cpu"] for r in recs})
     return markdown_table(head, rows) + f"\n\nCPU: {', '.join(cpus)}; {recs[0]['steps_kept']} " \
@@ -152,24 +150,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workload", default="varlen")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--smoke", action="store_true", help="demo workload, 2 steps, no-rm + async-k1")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--smoke", action="store_true", help="demo workload, 2 steps, async-k1")
     add_out_and_table(ap, "print docs/rewards.md's table from a results file and stop")
     args = ap.parse_args(argv)
     if print_table(args, table=table):
         return
-    names = list(SMOKE) if args.smoke else args.configs.split(",")
-    unknown = [c for c in names if c not in CONFIGS]
+    names = list(SMOKE) if args.smoke else args.modes.split(",")
+    unknown = [m for m in names if m not in MODES]
     if unknown:
-        raise SystemExit(f"--configs: unknown {unknown}; use some of {', '.join(CONFIGS)}")
+        raise SystemExit(f"--modes: unknown {unknown}; use some of {', '.join(MODES)}")
     workload, steps = ("demo", 2) if args.smoke else (args.workload, args.steps)
-    for c in names:
-        r = measure(workload, c, steps, args.warmup)
-        line = json.dumps(r)
-        print(line, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+    for mode in names:
+        for rm in (False, True):
+            line = json.dumps(measure(workload, mode, rm, steps, args.warmup))
+            print(line, flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(line + "\n")
 
 
 if __name__ == "__main__":

@@ -26,20 +26,21 @@ def test_figures_and_table_by_hand(tmp_path):
     assert s["steps_kept"] == 2 and s["step_s"] == 4.0 and s["reward_model_time_s"] == 2.0
     assert (s["reward_wait_s"], s["reward_overlap_s"], s["reward_blocking_s"]) == (1.0, 0.5, 0.0)
     out = tmp_path / "r.jsonl"
-    base = dict(s, workload="w", config="no-rm", cpu="c", step_s=3.0, reward_model_time_s=0.0)
-    out.write_text(json.dumps(base) + "\n" + json.dumps(dict(s, workload="w", config="serial",
-                                                             cpu="c")) + "\n")
+    base = dict(s, workload="w", mode="serial", rm=False, cpu="c", step_s=3.0,
+                reward_model_time_s=0.0)
+    other = dict(base, mode="async-k1", step_s=9.0)  # another mode's baseline: not compared
+    out.write_text("".join(json.dumps(r) + "\n" for r in (
+        base, other, dict(s, workload="w", mode="serial", rm=True, cpu="c"))))
     lines = bench.table(out).splitlines()
-    # serial: 4.0 s a step, +1.0 s over no-rm, 2.0 s of scoring of which 1 - 1/2 was hidden
-    assert lines[3] == "| w | serial | 4.00 | +1.00 | 2.00 | 1.00 | 0.50 | 50% |"
-    assert lines[2] == "| w | no-rm | 3.00 |  |  | 1.00 | 0.50 |  |"
+    # serial: 3.0 s a step without, 4.0 with: +1.0 s for 2.0 s of scoring, 1 - 1/2 hidden
+    assert lines[2:4] == ["| w | serial | 3.00 | 4.00 | +1.00 | 2.00 | 1.00 | 0.50 | 50% |", ""]
 
 
 def test_smallest_run_scores_on_the_reward_models_thread():
     """async-k1 on the demo workload, 2 steps: the reward model scored every step, and its
     scoring overlapped sampling (the future finished before the gather)."""
     bench = bench_module("reward_overlap")
-    r = bench.measure("demo", "async-k1", steps=2, warmup=1)
+    r = bench.measure("demo", "async-k1", rm=True, steps=2, warmup=1)
     assert r["steps_kept"] == 1 and r["step_s"] > 0
     assert r["reward_model_time_s"] > 0 and r["reward_overlap_s"] > 0
 
