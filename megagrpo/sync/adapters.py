@@ -4,7 +4,9 @@
 vLLM serves the adapters itself (`enable_lora`, a `LoRARequest` on every generate): its engine
 holds the base W and the current adapter, and computes W x + s B A x like the trainer. After an
 update only the adapters change, so a refit writes them as a peft folder (a few MB, in the
-engine's own directory) and vLLM loads it as a new adapter, replacing the last one. The base is
+engine's own directory) and vLLM loads it as a new adapter, replacing the last one; at
+rollout.placement=separate training rank 0 broadcasts them to the rollout ranks, which write
+and load the folder themselves (`Transport.deliver_adapter`). The base is
 refit (W, adapters off) only when it changed: at the start and after a merge (a reference
 reset, `AdapterSource.base_changed`). A merge leaves the policy unchanged, so vLLM's old base and
 old adapter still sample the policy until the next refit sends both.
@@ -154,8 +156,9 @@ class AdapterSource:
     def refit(self, policy, feed: Callable[[], Feed], deliver: Callable[[Feed], dict]) -> dict:
         """The base (the stream run with the adapters off) when it changed, then the adapters
         as a new LoRA adapter of the engine(s), both through the transport's
-        `deliver_adapter`. Collective over the model-parallel group. Returns the sync metrics
-        (sync_bytes: base + adapters)."""
+        `deliver_adapter` (`deliver`, the transport's plain delivery, is not used). Collective
+        over the model-parallel group. Returns the sync metrics (sync_bytes: base +
+        adapters)."""
         base = self.base_stale
         t0 = time.perf_counter()
         tensors = gather_adapters(policy, self.base.model, self.base.parallel)
