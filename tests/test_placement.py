@@ -10,7 +10,9 @@ slice and every prompt is trained once, in the loader's own order, across a resu
 refusals name their field. One real-process run (3 ranks: 2 training ranks DP=2 + 1 rollout
 rank, megatron-core and vLLM, through the CLI) checks that it trains, that vLLM's log-probs on
 samples of the trainer's own version equal the trainer's to fp32 precision, and that the
-per-sample staleness never exceeds k.
+per-sample staleness never exceeds k. Two more launches compose it: a tiny Qwen3-MoE with
+routing replay, merged LoRA, held-out evaluation and a cold start, and the dense model with
+adapter-only LoRA syncs and rollout.sync_delta (bytes counted on both sides).
 """
 from __future__ import annotations
 
