@@ -361,6 +361,71 @@ def test_stop_message_carries_no_weights():
     assert got[0].stop and eng.received == []
 
 
+class AdapterEngine(MarkerEngine):
+    """Keeps the base tensors it is fed and the adapter tensors of every peft folder it loads."""
+
+    max_lora_rank = 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adapters: list[dict[str, torch.Tensor]] = []
+
+    def update_weights(self, pairs, partial=False):
+        self.received.append({n: t.clone() for n, t in pairs})
+        return WeightSyncStats(tensors=0, bytes=0, seconds=0.0, source_seconds=0.0,
+                               load_seconds=0.0)
+
+    def load_adapter(self, path):
+        from safetensors.torch import load_file
+
+        self.adapters.append(load_file(f"{path}/adapter_model.safetensors"))
+
+
+def test_adapter_only_syncs_over_the_cross_group(tmp_path):
+    """An adapter-only LoRA sync to a rollout rank (`collective`'s `deliver_adapter`, the
+    header's `adapter` and `base`): the base reaches the engine only when given, the adapter
+    tensors every time, bitwise, as the peft folder its engine loads; the trainer reports the
+    base's bytes (0 without one) and the adapter rides in the same sync (one index each)."""
+    from megagrpo.config.lora import LoRAConfig
+    from megagrpo.sync.source import Feed
+    from megagrpo.sync.transports.collective import deliver_remote_adapter
+
+    store = dist.HashStore()
+    groups = {}
+    threads = [threading.Thread(target=lambda r=r: groups.update({r: dist.ProcessGroupGloo(
+        store, r, 2, timedelta(seconds=30))})) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    place = Placement(rank=0, train_world=1, rollout_ranks=1, store=store, cross=groups[0],
+                      timeout_s=30)
+    remote = RemoteEngine(place=place, loader=PromptLoader(_data(), B), sends=True,
+                          bucket_bytes=1000, dtype="float32")
+    rollout = Placement(rank=1, train_world=1, rollout_ranks=1, store=store, cross=groups[1],
+                        timeout_s=30, lora=LoRAConfig(rank=4), adapter_dir=tmp_path / "ad")
+    eng, got = AdapterEngine(), []
+    t = threading.Thread(target=lambda: got.extend(receive_weights(rollout, eng)
+                                                   for _ in range(3)))
+    t.start()
+    g = torch.Generator().manual_seed(0)
+    sent, out = [], []
+    for base in (True, False, False):
+        adapters = {f"base_model.model.model.layers.0.self_attn.q_proj.lora_{ab}.weight":
+                    torch.randn(shape, generator=g) for ab, shape in (("A", (4, 30)),
+                                                                      ("B", (40, 4)))}
+        sent.append(adapters)
+        feed = Feed(iter(_weights(len(out)))) if base else None
+        out.append(deliver_remote_adapter(Collective(remote), feed, adapters))
+    t.join(timeout=30)
+    assert [s.index for s in got] == [0, 1, 2] and remote.syncs == 3
+    assert len(eng.received) == 1  # the base once, bitwise
+    assert all(torch.equal(eng.received[0][n], w) for n, w in _weights(0))
+    assert [out_["sync_bytes"] > 0 for out_ in out] == [True, False, False]
+    assert len(eng.adapters) == 3
+    for loaded, adapters in zip(eng.adapters, sent):
+        assert loaded.keys() == adapters.keys()
+        assert all(torch.equal(loaded[n], w) for n, w in adapters.items())
+
+
 # ---------------------------------------------------------------------- real processes
 ARGS = [
     "model.vocab_size=19", "model.hidden_size=64", "model.ffn_hidden_size=128",
