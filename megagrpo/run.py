@@ -145,6 +145,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                                       sends=streams_weights(cfg.parallel),
                                       bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
                                       dtype=model_cfg.dtype,
+                                      # the rollout ranks' engines (TP 1) serve the adapters?
                                       max_lora_rank=tuning.engine_lora_rank(1, model_cfg)))
     else:
         context = RewardContext(engine=engine, tokenizer=tok, stop_ids=tokens.stop_ids,

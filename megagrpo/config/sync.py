@@ -70,7 +70,7 @@ class SyncConfig(Section):
         name = self.resolved(rollout, parallel)
         if name != "shards":
             why = ("its engines are colocated" if rollout.placement != "separate" else
-                   "expert parallelism sends full tensors (collective)" if parallel.ep > 1
+                   f"parallel.ep={parallel.ep}: full tensors from rank 0" if parallel.ep > 1
                    else f"sync.transport={self.transport}")
             raise ValueError(f"rollout.sync_delta=true sends changed shards only, over the "
                              f"shards transport of rollout.placement=separate; this run's sync "
