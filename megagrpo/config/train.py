@@ -125,6 +125,7 @@ class TrainConfig(Section):
         self.optim.check_dtype(self.model.dtype)
         self.rollout.validate()
         self.sync.validate(self.rollout)
+        self.sync.check_delta(self.rollout, self.parallel)
         self.algo.validate()
         self.data.validate()
         if self.data.task == "arithmetic":
