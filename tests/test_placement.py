@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from megagrpo.checkpoint import load_tree, save_tree
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.placement import training_world
 from megagrpo.config.train import TrainConfig, load_config
@@ -33,6 +36,7 @@ from megagrpo.engine import Completion, WeightSyncStats
 from megagrpo.reward import Rewards
 from megagrpo.rollout.collect import RolloutCollector
 from megagrpo.rollout.placement import (
+    InFlightState,
     Placement,
     RemoteEngine,
     SeparateSource,
@@ -53,6 +57,13 @@ class MarkerEngine:
 
     def __init__(self) -> None:
         self.marker, self.received = -1.0, []
+        self.gen = torch.Generator().manual_seed(7)  # the sampler's stream
+
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        return {"cpu": self.gen.get_state()}
+
+    def set_rng_state(self, state) -> None:
+        self.gen.set_state(state["cpu"])
 
     def generate(self, prompts, sampling):
         return [Completion(prompt_index=i, sample_index=j, token_ids=[p[-1], 3 + j],
@@ -123,6 +134,18 @@ class InflightMarkerEngine(MarkerEngine):
                 for i, p in enumerate(prompts) for j in range(sampling.n)]
 
 
+class SamplingMarkerEngine(MarkerEngine):
+    """A MarkerEngine whose third token is drawn from its sampler's stream: which weights
+    sampled a completion is in its first log-prob, where the stream stood in its last token."""
+
+    def generate(self, prompts, sampling):
+        out = super().generate(prompts, sampling)
+        for c in out:
+            c.token_ids.append(int(torch.randint(0, 1000, (1,), generator=self.gen)))
+            c.logprobs.append(-0.5)
+        return out
+
+
 class EvalMarkerEngine(MarkerEngine):
     """A MarkerEngine whose greedy completions (held-out evaluation) answer prompt + marker:
     which weights evaluated is in the text."""
@@ -137,12 +160,18 @@ class EvalMarkerEngine(MarkerEngine):
 
 def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEngine,
             train_s: float = 0.0, batches: int | None = None,
-            held_out: list[Example] | None = None, cold_syncs: int = 0) -> dict:
+            held_out: list[Example] | None = None, cold_syncs: int = 0, settle: bool = False,
+            checkpoint: bool = False, restore: dict | None = None) -> dict:
     """One launch of a separate-placement world in this process: 2 rollout ranks (threads) and
     2 training replicas (both read here, replica 0 sends; a step "trains" `train_s` seconds
     before its sync; with `held_out`, both replicas evaluate it after every sync; `cold_syncs`:
     a cold start first, syncs of markers -cold_syncs..-1 each evaluated, released after the
-    first step's sync). Returns what each side saw."""
+    first step's sync). `settle`: before each sync the rollout ranks finish every batch the
+    bound lets them draw, so batch b is drawn with sync b - k (the launch's last with its own),
+    whatever the threads' timing. `checkpoint`: after the steps, the next sync and a
+    checkpoint of the rollout ranks' in-flight state (`InFlightState`, through save_tree's
+    format), returned as "in_flight"; `restore`: such a state, put back at the first sync.
+    Returns what each side saw."""
     cfg = _config(k)
     timeout = timedelta(seconds=60)
     groups: dict[int, object] = {}
@@ -183,6 +212,9 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
                               tokenizer=Tok(), ranks=Ranks(rank=d, dp=2, dp_rank=d),
                               groups=None) for d in range(2)]
     version = start["version"] if start else 0
+    in_flight = InFlightState(sources[0], SimpleNamespace(engine_version=version))
+    if restore is not None:
+        in_flight.load_state_dict(restore)
     steps_seen, accuracies = [], []
     remote.held = cold_syncs > 0
     for marker in range(-cold_syncs, 0):  # a cold start: weights that sample nothing
@@ -190,9 +222,17 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
         time.sleep(0.05)  # time enough to draw, were a rollout rank to start too early
         if held_out is not None:
             accuracies.append([src.evaluate(held_out) for src in sources])
-    for _ in range(steps):
+    for s in range(steps + checkpoint):
         time.sleep(train_s if version else 0.0)
+        if settle and s > 0:  # (a restored launch's first ones are in the restored queue)
+            _settle(sources[0], s, k, batches)
         Collective(remote).send(iter(_weights(version)))  # the sync before the step
+        if s == steps:  # checkpoint "after step s": its sync, then the rollout ranks' state
+            in_flight.trainer.engine_version = version
+            with tempfile.TemporaryDirectory() as tmp:
+                save_tree(Path(tmp) / "rank0.safetensors", in_flight.state_dict())
+                in_flight_state = load_tree(Path(tmp) / "rank0.safetensors")
+            break
         remote.release()  # after a cold start, with the weights it ended at
         if held_out is not None:
             accuracies.append([src.evaluate(held_out) for src in sources])
@@ -203,7 +243,18 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
     for t in rollout_threads:
         t.join(timeout=30)
     return {"steps": steps_seen, "engines": engines, "served": served, "accuracy": accuracies,
-            "loader": dict(loaders[0].state_dict(), version=version)}
+            "loader": dict(loaders[0].state_dict(), version=version),
+            "in_flight": in_flight_state if checkpoint else None}
+
+
+def _settle(source: SeparateSource, s: int, k: int, batches: int) -> None:
+    """Before sync s: waits until the rollout ranks have finished every batch the bound lets
+    them draw with sync s - 1 (b <= s - 1 + k, not the launch's last)."""
+    deadline = time.monotonic() + 30
+    for b in range(s, min(s - 1 + k, batches - 2) + 1):
+        while not source.channel.finished(b):
+            assert time.monotonic() < deadline, f"batch {b} not drawn"
+            time.sleep(0.002)
 
 
 def _data() -> list[Example]:
@@ -308,6 +359,43 @@ def test_resume_starts_the_rollout_ranks_at_the_first_untrained_batch():
                for p in ro.prompts]
     reference = PromptLoader(_data(), B, seed=3)
     assert trained == [int(e.prompt) for _ in range(6) for e in next(reference)]
+
+
+def _seen(run: dict) -> list:
+    """Every step's version and, per replica, what it trained: prompts, each completion's
+    tokens, log-probs (the first names the weights that sampled it) and version, rewards."""
+    return [(version, [(ro.prompts, [(c.token_ids, c.logprobs, c.version, c.prompt_index,
+                                      c.sample_index) for c in ro.completions],
+                        ro.rewards.tolist(), ro.version) for ro in ros])
+            for version, ros in run["steps"]]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_checkpointed_in_flight_state_resumes_bitwise(k):
+    """Issue 47: a checkpoint after step 3 holds the rollout ranks' finished parts the trainer
+    had not taken (drawn with older weights than the checkpoint's) and each sampler's stream
+    and loader position; a new launch from it (the checkpoint's weights, those parts, those
+    streams) trains steps 4-6 exactly as the uninterrupted launch did: the same prompts, tokens
+    (the last one random), weights that sampled them (the markers), versions and rewards.
+    Without the restored state the first batches are drawn again with the checkpoint's
+    weights and fresh streams, and differ."""
+    data, n = _data() * 2, 6
+    # a cold start's sync first: sync indices are not policy versions (the checkpoint maps them)
+    whole = _launch(data, k, steps=n, start=None, store=dist.HashStore(),
+                    engine=SamplingMarkerEngine, batches=n, settle=True, cold_syncs=1)
+    first = _launch(data, k, steps=3, start=None, store=dist.HashStore(),
+                    engine=SamplingMarkerEngine, batches=n, settle=True, cold_syncs=1,
+                    checkpoint=True)
+    state = first["in_flight"]
+    assert state["max_staleness"] == k and len(state["rollout_ranks"]) == 2
+    assert all(len(r["parts"]) >= k - 1 for r in state["rollout_ranks"])  # drawn ahead
+    second = _launch(data, k, steps=n - 3, start=first["loader"], store=dist.HashStore(),
+                     engine=SamplingMarkerEngine, batches=n - 3, settle=True, restore=state)
+    assert _seen(first) == _seen(whole)[:3]
+    assert _seen(second) == _seen(whole)[3:]
+    assert [v for v, _ in whole["steps"]] == list(range(n))
+    lags = [v - ro.version for v, ros in whole["steps"] for ro in ros]
+    assert max(lags) == k  # the stream ran k ahead, so the checkpoint held older samples
 
 
 def test_separate_placement_config():

@@ -61,12 +61,13 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -74,7 +75,7 @@ import torch.distributed as dist
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.placement import check_separate, training_world
 from megagrpo.engine.shard_feed import received_tensors as received_shards
-from megagrpo.rollout.sample_channel import Part, TensorChannel
+from megagrpo.rollout.sample_channel import Part, TensorChannel, pack, unpack
 from megagrpo.rollout.stream import StreamStats, stamp
 from megagrpo.runtime.distributed import process_group_backend
 
@@ -88,6 +89,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("megagrpo")
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TAG_STATE = 1
+"""The samples group's tag of a rollout rank's in-flight state (to and from training rank 0);
+the finished parts travel under the sample channel's tag 0."""
 
 
 # ---------------------------------------------------------------------- the world split
@@ -145,6 +149,10 @@ class Placement:
     def eval_asked(self, e: int) -> bool:
         """Whether training rank 0 has asked for held-out evaluation `e`."""
         return self.store.check([f"eval/{e}"])
+
+    def checkpoint_asked(self, c: int) -> bool:
+        """Whether training rank 0 has asked for the in-flight state of checkpoint `c`."""
+        return self.store.check([f"ckpt/{c}"])
 
     def describe(self, cfg: TrainConfig, dp: int) -> str:
         """The console line that says where each rank went."""
@@ -245,6 +253,11 @@ class RemoteEngine:
     """The batches this launch will take (run.steps less the steps a resume restored; set
     before the first sync, which tells the rollout ranks): the last one is drawn on-policy,
     with the weights of the step that trains it (k = 0), whatever rollout.max_staleness is."""
+    checkpoints: int = 0
+    """Checkpoints of the rollout ranks' in-flight state asked for in this launch."""
+    restore: list[dict] | None = None
+    """Training rank 0 of a resumed launch: each rollout rank's in-flight state from the
+    checkpoint (`InFlightState`), sent with the first sync."""
 
     @staticmethod
     def of(engine: object, transport: str) -> RemoteEngine:
@@ -263,10 +276,26 @@ class RemoteEngine:
         if self.sends and self.place.cross is not None:
             first = sync == 0 and not self.held
             self.place.announce(sync)
+            resume = first and self.restore is not None
             bcast_json(self.place.cross, {"sync": sync, "stop": False, "via": via,
                                           "start": self.loader.state_dict() if first else None,
-                                          "batches": self.batches if first else None})
+                                          "batches": self.batches if first else None,
+                                          "resume": resume})
+            if resume:  # before the weights: each rollout rank reads it after the header
+                for j, state in enumerate(self.restore):
+                    send_state(self.place.samples, self.place.train_world + j, state)
+                self.restore = None
         return sync
+
+    def request_checkpoint(self, taken: int, versions: dict[int, int]) -> int:
+        """Training rank 0: asks the rollout ranks for their in-flight state (`taken`: the
+        batches this launch trained; `versions`: sync index -> policy version); the index."""
+        c, self.checkpoints = self.checkpoints, self.checkpoints + 1
+        self.place.store.set(f"ckpt/{c}", "1")
+        bcast_json(self.place.cross, {"checkpoint": {"index": c, "taken": taken,
+                                                     "batches": self.batches,
+                                                     "versions": versions}, "stop": False})
+        return c
 
     def release(self) -> None:
         """Every training rank, after a cold start (`held`): the rollout ranks start drawing
@@ -324,6 +353,11 @@ class Sync:
     """Not a sync: a held-out evaluation asked for (index, n, digest); no weights."""
     release: bool = False
     """Not a sync: the end of a cold start (`start` and `batches` set); no weights."""
+    checkpoint: dict | None = None
+    """Not a sync: the trainer checkpoints (index, taken, batches, versions); no weights."""
+    restore: dict | None = None
+    """The first sync of a resumed launch: this rollout rank's in-flight state from the
+    checkpoint (`in_flight_state`)."""
 
 
 def eval_digest(examples) -> str:
@@ -341,11 +375,15 @@ def receive_weights(place: Placement, engine) -> Sync:
     head = bcast_json(place.cross, None)
     if head.get("eval") is not None:
         return Sync(index=-1, start=None, stop=False, eval=head["eval"])
+    if head.get("checkpoint") is not None:
+        return Sync(index=-1, start=None, stop=False, checkpoint=head["checkpoint"])
     if head.get("release"):
         return Sync(index=-1, start=head["start"], stop=False, batches=head["batches"],
                     release=True)
     sync = Sync(index=head["sync"], start=head["start"], stop=head["stop"],
                 batches=head.get("batches"))
+    if head.get("resume"):
+        sync.restore = receive_state(place.samples, 0)
     if not sync.stop:
         engine.update_weights(_incoming(place, head))
         if getattr(engine, "inflight", None) is not None:
@@ -405,21 +443,28 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
     base = sync.index  # batch i: sync base + i - k or newer (base > 0 after a cold start)
     mine = list(range(j, B, R))  # groups whole: every sample of a prompt on one engine
     channel = place.channel(B)
-    i = 0
+    i, ckpts, starts = 0, 0, {}  # starts: batch -> (sampler state, loader) before its draw
+    if sync.restore is not None:  # a resumed launch: the checkpoint's queued parts first
+        i = restore_in_flight(collector, channel, sync.restore)
     while not sync.stop:
         # at most k syncs behind; the launch's last batch on-policy (k = 0)
         if sync.index < base + i - (0 if i == last else k) or place.announced(sync.index + 1) \
-                or place.eval_asked(evals):
+                or place.eval_asked(evals) or place.checkpoint_asked(ckpts):
             watchdog.set_phase("weight_sync", i)
             got = receive_weights(place, collector.engine)
             if got.eval is not None:  # with the weights of every sync sent before it
                 evals = _evaluate(place, collector, got.eval, held_out or [], watchdog)
+            elif got.checkpoint is not None:
+                ckpts = save_in_flight(place, collector, channel, got.checkpoint, starts, i)
             else:
                 sync = got
             continue
         watchdog.set_phase("rollout", i)
         t0 = time.perf_counter()
         before = loader.state_dict()
+        starts[i] = (collector.engine.rng_state(), before)
+        for old in [b for b in starts if b < i - k - 4]:  # the trainer took them long ago
+            del starts[old]
         examples = next(loader)
         prompts = [_encode(tok, e.prompt) for e in examples]
         args = (prompts, [e.answer for e in examples], mine, collector.sampling(),
@@ -451,11 +496,102 @@ def _until_started(place: Placement, collector: RolloutCollector, held_out: list
         if got.eval is not None:
             evals = _evaluate(place, collector, got.eval, held_out, watchdog)
             continue
+        if got.checkpoint is not None:  # nothing drawn yet: the sampler's streams only
+            send_state(place.samples, 0, {"next": 0, "loader": None, "parts": [],
+                                          "rng": collector.engine.rng_state()})
+            continue
         if got.release:  # the cold start's syncs are in: sample from the newest on
             got = dataclasses.replace(sync, start=got.start, batches=got.batches)
         sync = got
         if sync.start is not None or sync.stop:
             return sync, evals
+
+
+# ---------------------------------------------------------------------- in-flight state
+def save_in_flight(place: Placement, collector: RolloutCollector, channel: TensorChannel,
+                   ask: dict, starts: dict[int, tuple], i: int) -> int:
+    """Rollout rank, between two draws, when the trainer checkpoints (`ask`: its index, the
+    batches the trainer took, the launch's batch count and sync index -> policy version):
+    sends training rank 0 its in-flight state (`send_state`): the finished parts of batches
+    the trainer has not taken and will (their versions made policy versions, their batch
+    indices counted from the checkpoint's first untrained batch), and the sampler's streams
+    and loader position before the first batch not kept (batches drawn past the launch's
+    end are drawn again on resume, as the uninterrupted run draws them). Every batch drawn
+    with weights older than the checkpoint's is finished by now (a sync waits for the draw
+    it interrupts), so a resumed launch draws the rest with the same weights and streams as
+    the uninterrupted one. Returns the next checkpoint's index."""
+    taken, batches = ask["taken"], ask["batches"]
+    end = i if batches is None else min(i, batches)
+    versions = {int(s): v for s, v in ask["versions"].items()}
+    rng, loader = starts[end] if end < i else (collector.engine.rng_state(),
+                                              collector.loader.state_dict())
+    parts = [pack(_restamped(p, taken, versions)) for p in channel.unsent(taken, end)]
+    send_state(place.samples, 0, {"next": end - taken, "loader": loader, "rng": rng,
+                                  "parts": parts})
+    return ask["index"] + 1
+
+
+def _restamped(part: Part, taken: int, versions: dict[int, int]) -> Part:
+    """`part` as a checkpoint keeps it: batch counted from the first untrained one, each
+    completion's (and token's) sync index replaced by the policy version it carried."""
+    comps = part.completions
+    if not part.policy_versions:
+        comps = [dataclasses.replace(c, version=versions[c.version], token_versions=None
+                                     if c.token_versions is None else
+                                     [versions[v] for v in c.token_versions]) for c in comps]
+    return dataclasses.replace(part, batch=part.batch - taken, completions=comps,
+                               policy_versions=True)
+
+
+def restore_in_flight(collector: RolloutCollector, channel: TensorChannel, state: dict) -> int:
+    """Rollout rank, at the first sync of a resumed launch: its in-flight state from the
+    checkpoint (`save_in_flight`) put back: the loader position and the sampler's streams
+    of its next draw, the finished parts queued again (sent when the trainer asks). Returns
+    the next batch to draw."""
+    if state["loader"] is not None:
+        collector.loader.load_state_dict(state["loader"])
+    collector.engine.set_rng_state(state["rng"])
+    for buf in state["parts"]:
+        channel.put(unpack(buf))
+    return state["next"]
+
+
+def send_state(pg, dst: int, state: dict) -> None:
+    """An in-flight state ({"next", "loader": JSON-able, "rng": name -> tensor, "parts": uint8
+    packed parts}) to rank `dst` of `pg` (the samples group, `TAG_STATE`): a JSON header and
+    one flat buffer."""
+    blobs = [*state["rng"].values(), *state["parts"]]
+    head = {"next": state["next"], "loader": state["loader"],
+            "rng": [[k, str(t.dtype).removeprefix("torch."), list(t.shape)]
+                    for k, t in state["rng"].items()],
+            "parts": [t.numel() for t in state["parts"]]}
+    data = json.dumps(head).encode()
+    flat = torch.cat([torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                      *(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                        for t in blobs)])
+    pg.send([torch.tensor([len(data), flat.numel()], dtype=torch.int64)], dst, TAG_STATE).wait()
+    pg.send([flat], dst, TAG_STATE).wait()
+
+
+def receive_state(pg, src: int) -> dict:
+    """The in-flight state rank `src` of `pg` sent (`send_state`)."""
+    n = torch.empty(2, dtype=torch.int64)
+    pg.recv([n], src, TAG_STATE).wait()
+    flat = torch.empty(int(n[1]), dtype=torch.uint8)
+    pg.recv([flat], src, TAG_STATE).wait()
+    off = int(n[0])
+    head = json.loads(flat[:off].numpy().tobytes().decode())
+    rng = {}
+    for name, dtype, shape in head["rng"]:
+        dt = getattr(torch, dtype)
+        size = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+        rng[name] = flat[off:off + size].clone().view(dt).reshape(shape)
+        off += size
+    parts = []
+    for size in head["parts"]:
+        parts.append(flat[off:off + size].clone())
+        off += size
+    return {"next": head["next"], "loader": head["loader"], "rng": rng, "parts": parts}
 
 
 def _evaluate(place: Placement, collector: RolloutCollector, ask: dict, held_out: list,
@@ -556,8 +692,7 @@ class SeparateSource:
         from megagrpo.rollout.stream import Rollout
 
         i = self.taken
-        for s in range(len(self.versions), self.engine.syncs):  # the syncs since the last step
-            self.versions[s] = version
+        self._map_syncs(version)
         before = self.loader.state_dict()
         examples = next(self.loader)
         parts = self.channel.take(i)
@@ -567,14 +702,14 @@ class SeparateSource:
                                f"the trainer expected {before}")
         n, R = len(examples), self.place.rollout_ranks
         lo = self.ranks.dp_rank * n
+        for p in parts:  # sync indices -> policy versions (a restored part carries those)
+            if not p.policy_versions:
+                _map_versions(p.completions, self.versions)
         merged = sorted(((c, r) for p in parts for c, r in zip(p.completions, p.rewards)
                          if lo <= c.prompt_index < lo + n),
                         key=lambda x: (x[0].prompt_index, x[0].sample_index))
         for c, _ in merged:
             c.prompt_index -= lo
-            c.version = self.versions[c.version]
-            if c.token_versions:  # in flight: the sync that sampled each token
-                c.token_versions = [self.versions[v] for v in c.token_versions]
         metrics = {}
         for p in parts:  # counts over the whole batch: per replica on average
             for key, v in p.metrics.items():
@@ -590,6 +725,19 @@ class SeparateSource:
                        rewards=torch.tensor([r for _, r in merged]),
                        version=min((c.version for c in comps), default=version),
                        epoch=self.loader.epoch, metrics=metrics)
+
+    def _map_syncs(self, version: int) -> None:
+        """The syncs sent since the last step carried `version` (what the last one carried)."""
+        for s in range(len(self.versions), self.engine.syncs):
+            self.versions[s] = version
+
+    def in_flight(self, version: int) -> list[dict]:
+        """Training rank 0, at a checkpoint (`version`: what the last sync carried): every
+        rollout rank's in-flight state (`save_in_flight`), in rollout-rank order."""
+        self._map_syncs(version)
+        self.engine.request_checkpoint(self.taken, self.versions)
+        return [receive_state(self.place.samples, self.place.train_world + j)
+                for j in range(self.place.rollout_ranks)]
 
     def _waiting(self, first: int) -> int:
         """Finished batches from `first` on (every rollout rank's part in)."""
@@ -625,10 +773,56 @@ class SeparateSource:
         return sum(c for c, _ in got) / max(sum(n for _, n in got), 1)
 
 
+class Versioned(Protocol):
+    engine_version: int
+    """The policy version the last sync carried (`Trainer.engine_version`)."""
+
+
+@dataclass
+class InFlightState:
+    """The rollout ranks' side of a separate-placement checkpoint, a per-rank part held by
+    training rank 0 (the other training ranks hold nothing): each rollout rank's finished
+    parts the trainer has not taken, and the sampler's streams and loader position of its next
+    draw (`save_in_flight`), asked for as the checkpoint is written, so it is in the same
+    manifest as the weights. Restored (sent with the first sync, `restore_in_flight`) where
+    the rollout ranks and rollout.max_staleness are the same; otherwise the console says so and
+    the batches drawn ahead are drawn again from the same prompts."""
+
+    source: SeparateSource
+    trainer: Versioned
+
+    def state_dict(self) -> dict:
+        if self.source.place.cross is None:
+            return {}
+        return {"rollout_ranks": self.source.in_flight(self.trainer.engine_version),
+                "max_staleness": self.source.cfg.staleness}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.source.place.cross is None or not state:
+            return
+        saved, k = state["rollout_ranks"], self.source.cfg.staleness
+        if len(saved) != self.source.place.rollout_ranks or state["max_staleness"] != k:
+            log.warning("resume: the rollout ranks' in-flight state is not restored (saved with "
+                        "%d rollout ranks at rollout.max_staleness=%d, now %d at %d): the "
+                        "batches they drew ahead are drawn again from the same prompts and the "
+                        "run does not continue bitwise", len(saved), state["max_staleness"],
+                        self.source.place.rollout_ranks, k)
+            return
+        self.source.engine.restore = saved
+
+
+def _map_versions(comps: list, versions: dict[int, int]) -> None:
+    """Each completion's (and, in flight, each token's) sync index -> the policy version."""
+    for c in comps:
+        c.version = versions[c.version]
+        if c.token_versions:  # in flight: the sync that sampled each token
+            c.token_versions = [versions[v] for v in c.token_versions]
+
+
 def _position(state: dict) -> tuple[int, int]:
     """A loader position comparable across DP layouts: (epoch, batch index)."""
     return state["epoch"], state["index"]
 
 
-__all__ = ["Placement", "RemoteEngine", "SeparateSource", "check_separate", "serve",
+__all__ = ["InFlightState", "Placement", "RemoteEngine", "SeparateSource", "check_separate", "serve",
            "split_world", "training_world"]
