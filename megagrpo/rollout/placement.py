@@ -824,5 +824,5 @@ def _position(state: dict) -> tuple[int, int]:
     return state["epoch"], state["index"]
 
 
-__all__ = ["InFlightState", "Placement", "RemoteEngine", "SeparateSource", "check_separate", "serve",
-           "split_world", "training_world"]
+__all__ = ["InFlightState", "Placement", "RemoteEngine", "SeparateSource", "check_separate",
+           "serve", "split_world", "training_world"]
