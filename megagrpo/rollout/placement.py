@@ -51,9 +51,14 @@ What flows where:
     start, which carries the start; batch i then needs sync base + i - k, base the last sync
     before the release.
   - resume: the trainer's own PromptLoader tracks the next untrained batch and is checkpointed as
-    in colocated runs; the first sync of a run tells the rollout ranks where to start. Batches
-    sampled ahead of a checkpoint are not kept: they are sampled again, by the restored weights,
-    from the same prompts (no prompt lost or trained twice; not bitwise).
+    in colocated runs; the first sync of a run tells the rollout ranks where to start. As a
+    checkpoint is written, training rank 0 asks every rollout rank for its in-flight state (the
+    finished parts the trainer has not taken, the sampler's streams and loader position of its
+    next draw; `save_in_flight`), which goes into the same checkpoint (`InFlightState`); a
+    resumed launch sends it back with its first sync (`restore_in_flight`), so the run goes on
+    bitwise as if uninterrupted. Without it (another number of rollout ranks or another k) the
+    batches sampled ahead are sampled again, by the restored weights, from the same prompts
+    (no prompt lost or trained twice; not bitwise).
 """
 from __future__ import annotations
 
@@ -327,7 +332,7 @@ class RemoteEngine:
             bcast_json(self.place.cross, {"sync": self.syncs, "start": None, "stop": True})
 
     def rng_state(self) -> dict:
-        return {}  # the samplers live on the rollout ranks; a resume redraws their batches
+        return {}  # the samplers live on the rollout ranks (their state: `InFlightState`)
 
     def set_rng_state(self, state: dict) -> None:
         pass
@@ -677,7 +682,8 @@ class SeparateSource:
     versions: dict[int, int] = field(default_factory=dict)
     """Sync index -> the policy version it carried."""
     queue: list = field(default_factory=list)
-    """Always empty: batches sampled ahead stay with the rollout ranks (a resume redraws them)."""
+    """Always empty: batches sampled ahead stay with the rollout ranks (a checkpoint holds them
+    as the rollout ranks' in-flight state, `InFlightState`)."""
     channel: TensorChannel | None = None
     """This rank's end of the sample channel (built from `place` when not given)."""
 
