@@ -254,6 +254,7 @@ def serve_rollouts(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | No
     """A rollout rank of separate placement (`megagrpo.rollout.placement`): its own engine, sampling
     for the trainer until it says stop. Returns what it did."""
     follow_parent()
+    watchdog.role = "rollout"  # a frozen rollout rank is named as one by the rank watching it
     rank, world, _ = torchrun_env()
     checked = checked or preflight(cfg, world, warn=False)
     freeze(cfg)
