@@ -43,6 +43,7 @@ from megagrpo.rollout.placement import (
     receive_weights,
     serve,
 )
+from megagrpo.rollout.sample_channel import unpack
 from megagrpo.runtime.distributed import Ranks
 from megagrpo.sync.transports.collective import Collective
 from tests.support.cli import run_cli
@@ -375,27 +376,33 @@ def test_checkpointed_in_flight_state_resumes_bitwise(k):
     """Issue 47: a checkpoint after step 3 holds the rollout ranks' finished parts the trainer
     had not taken (drawn with older weights than the checkpoint's) and each sampler's stream
     and loader position; a new launch from it (the checkpoint's weights, those parts, those
-    streams) trains steps 4-6 exactly as the uninterrupted launch did: the same prompts, tokens
-    (the last one random), weights that sampled them (the markers), versions and rewards.
-    Without the restored state the first batches are drawn again with the checkpoint's
-    weights and fresh streams, and differ."""
+    streams), checkpointed again after one step (at k = 2 a restored part not yet taken is kept
+    again) and resumed once more, trains steps 4-6 exactly as the uninterrupted launch did:
+    the same prompts, tokens (the last one random), weights that sampled them (the markers),
+    versions and rewards. Without the restored state the first batches are drawn again with
+    the checkpoint's weights and fresh streams, and differ."""
     data, n = _data() * 2, 6
     # a cold start's sync first: sync indices are not policy versions (the checkpoint maps them)
     whole = _launch(data, k, steps=n, start=None, store=dist.HashStore(),
                     engine=SamplingMarkerEngine, batches=n, settle=True, cold_syncs=1)
-    first = _launch(data, k, steps=3, start=None, store=dist.HashStore(),
-                    engine=SamplingMarkerEngine, batches=n, settle=True, cold_syncs=1,
-                    checkpoint=True)
-    state = first["in_flight"]
-    assert state["max_staleness"] == k and len(state["rollout_ranks"]) == 2
-    assert all(len(r["parts"]) >= k - 1 for r in state["rollout_ranks"])  # drawn ahead
-    second = _launch(data, k, steps=n - 3, start=first["loader"], store=dist.HashStore(),
-                     engine=SamplingMarkerEngine, batches=n - 3, settle=True, restore=state)
-    assert _seen(first) == _seen(whole)[:3]
-    assert _seen(second) == _seen(whole)[3:]
+    runs, start, state, done = [], None, None, 0
+    for steps in (3, 1, 2):
+        last = done + steps == n
+        runs.append(_launch(data, k, steps=steps, start=start, store=dist.HashStore(),
+                            engine=SamplingMarkerEngine, batches=n - done, settle=True,
+                            cold_syncs=0 if done else 1, checkpoint=not last, restore=state))
+        start, state, done = runs[-1]["loader"], runs[-1]["in_flight"], done + steps
+        if not last:
+            assert state["max_staleness"] == k and len(state["rollout_ranks"]) == 2
+            parts = [unpack(p) for r in state["rollout_ranks"] for p in r["parts"]]
+            assert len(parts) >= 2 * (k - 1)  # drawn ahead with older weights, kept
+            if done == 4 and k == 2:  # a part restored after step 3 and not yet taken
+                assert any(p.batch == 0 and min(c.version for c in p.completions) == 2
+                           for p in parts), [(p.batch, p.completions[0].version) for p in parts]
+    assert [s for r in runs for s in _seen(r)] == _seen(whole)
     assert [v for v, _ in whole["steps"]] == list(range(n))
     lags = [v - ro.version for v, ros in whole["steps"] for ro in ros]
-    assert max(lags) == k  # the stream ran k ahead, so the checkpoint held older samples
+    assert max(lags) == k  # the stream ran k ahead, so the checkpoints held older samples
 
 
 def test_separate_placement_config():
