@@ -147,6 +147,46 @@ class SamplingMarkerEngine(MarkerEngine):
         return out
 
 
+class PartialMarkerEngine(MarkerEngine):
+    """`generate_partial` as `megagrpo.engine.partial.run_partial` behaves: three decode steps
+    a trajectory, each token's log-prob the marker of the weights that sampled it and its
+    version the sync given; at a set pause, between two steps, the trajectories below the cap
+    are handed back unfinished. Every second batch is slow: its decode steps 1 and 2 wait (up
+    to 0.5 s) for a pause, so syncs land mid-generation; the others end at once, so the rank
+    runs ahead and a slow batch can span k syncs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches, self.slow = 0, False
+
+    def generate_partial(self, prompts, trajs, sampling, *, version, pause=None, max_updates=0):
+        from megagrpo.engine.partial import PartialResult, first_version
+
+        if all(not t.token_ids for t in trajs):  # a new batch
+            self.batches += 1
+            self.slow = self.batches % 2 == 0
+        recomputed = sum(len(t.token_ids) for t in trajs)
+        live, paused = list(trajs), []
+        while live:
+            step = len(live[0].token_ids)
+            deadline = time.monotonic() + 0.5
+            while (step >= 1 and self.slow and pause is not None and not pause.is_set()
+                   and time.monotonic() < deadline):
+                time.sleep(0.002)
+            if pause is not None and pause.is_set() and not paused:
+                paused = [t for t in live if version - first_version(t, version) < max_updates]
+                live = [t for t in live if t not in paused]
+            for t in live:
+                t.token_ids.append(prompts[t.prompt_index][-1] if step == 0 else 3 + step)
+                t.logprobs.append(self.marker)
+                t.token_versions.append(version)
+            if step == 2:
+                for t in live:
+                    t.finish_reason, t.text = "stop", str(prompts[t.prompt_index][-1])
+                break
+        return PartialResult(finished=live, paused=paused, tokens=0, recomputed=recomputed)
+
+
 class EvalMarkerEngine(MarkerEngine):
     """A MarkerEngine whose greedy completions (held-out evaluation) answer prompt + marker:
     which weights evaluated is in the text."""
@@ -162,7 +202,8 @@ class EvalMarkerEngine(MarkerEngine):
 def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEngine,
             train_s: float = 0.0, batches: int | None = None,
             held_out: list[Example] | None = None, cold_syncs: int = 0, settle: bool = False,
-            checkpoint: bool = False, restore: dict | None = None) -> dict:
+            checkpoint: bool = False, restore: dict | None = None, partial_cap: int = -1
+            ) -> dict:
     """One launch of a separate-placement world in this process: 2 rollout ranks (threads) and
     2 training replicas (both read here, replica 0 sends; a step "trains" `train_s` seconds
     before its sync; with `held_out`, both replicas evaluate it after every sync; `cold_syncs`:
@@ -172,8 +213,11 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
     whatever the threads' timing. `checkpoint`: after the steps, the next sync and a
     checkpoint of the rollout ranks' in-flight state (`InFlightState`, through save_tree's
     format), returned as "in_flight"; `restore`: such a state, put back at the first sync.
+    `partial_cap` >= 0: rollout.partial_rollouts with that rollout.partial_max_updates.
     Returns what each side saw."""
     cfg = _config(k)
+    if partial_cap >= 0:
+        cfg.rollout.partial_rollouts, cfg.rollout.partial_max_updates = True, partial_cap
     timeout = timedelta(seconds=60)
     groups: dict[int, object] = {}
 
@@ -360,6 +404,29 @@ def test_resume_starts_the_rollout_ranks_at_the_first_untrained_batch():
                for p in ro.prompts]
     reference = PromptLoader(_data(), B, seed=3)
     assert trained == [int(e.prompt) for _ in range(6) for e in next(reference)]
+
+
+@pytest.mark.parametrize("k,cap", [(1, 0), (2, 0), (2, 1)])
+def test_partial_rollouts_on_the_rollout_ranks(k, cap):
+    """rollout.partial_rollouts under separate placement: a rollout rank pauses its draw when
+    the trainer announces a sync, loads it and continues the paused trajectories with it; each
+    token's log-prob is the marker of the weights of the version it is stamped with (sync
+    indices mapped to policy versions on the trainer), trajectories span versions, none more
+    than the cap (rollout.partial_max_updates, else k), and no sample is more than k behind."""
+    run = _launch(_data(), k, steps=6, start=None, store=dist.HashStore(), train_s=0.05,
+                  engine=PartialMarkerEngine, batches=6, partial_cap=cap)
+    spans = []
+    for version, ros in run["steps"]:
+        for ro in ros:
+            assert len(ro.completions) == len(ro.prompts) * G
+            for c in ro.completions:
+                assert len(c.token_ids) == 3 and c.logprobs == [float(v) for v in
+                                                                c.token_versions]
+                assert c.version == c.token_versions[0] and 0 <= version - c.version <= k
+                spans.append(c.token_versions[-1] - c.token_versions[0])
+            assert ro.metrics["partial_continued"] >= 0
+    assert max(spans) == (cap or k), spans  # paused and continued, within the cap
+    assert sum(run["served"][j]["batches"] for j in range(2)) >= 2 * 6
 
 
 def _seen(run: dict) -> list:

@@ -63,6 +63,7 @@ What flows where:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -475,7 +476,9 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
         args = (prompts, [e.answer for e in examples], mine, collector.sampling(),
                 [e.record for e in examples], [e.prompt for e in examples])
         first = sync
-        if getattr(collector.engine, "inflight", None) is None:
+        if cfg.rollout.partial_rollouts:  # paused at each announced sync, continued after it
+            (comps, rewards, metrics), sync = _generate_partial(place, collector, args, sync)
+        elif getattr(collector.engine, "inflight", None) is None:
             comps, rewards, metrics = collector._generate(*args)
         else:
             (comps, rewards, metrics), sync = _generate_inflight(place, collector, args, sync)
@@ -644,6 +647,64 @@ def _generate_inflight(place: Placement, collector: RolloutCollector, args: tupl
         raise failed[0]
     engine.inflight.apply_pending(engine)  # arrived after the last decode step
     return out[0], sync
+
+
+def _generate_partial(place: Placement, collector: RolloutCollector, args: tuple, sync: Sync
+                      ) -> tuple[tuple, Sync]:
+    """One batch with partial rollouts (rollout.partial_rollouts): its trajectories generated
+    on a thread (one request each, `megagrpo.engine.partial.run_partial`) while this one
+    watches for the trainer's next sync; once it is announced the draw pauses between two
+    decode steps (trajectories at the cap, rollout.partial_max_updates, are generated to their
+    end first), this thread loads the sync, and the paused trajectories continue with the new
+    weights, their prefixes recomputed; every token is stamped with the sync that sampled it.
+    The batch is scored once whole. Returns the draw and the newest sync (a stop message: the
+    rest is generated with the weights held, and the run ends after this batch)."""
+    from megagrpo.engine.partial import start_trajectories
+    from megagrpo.reward import samples_of
+    from megagrpo.rollout.collect import record_scores
+
+    prompts, answers, mine, sampling, records, texts = args
+    cap = collector.cfg.rollout.partial_max_updates or collector.cfg.staleness
+    trajs, done, recomputed = start_trajectories(mine, sampling.n), [], 0
+    while trajs:
+        pause = None if sync.stop else threading.Event()
+        res = _watching(place, sync, pause, functools.partial(
+            collector.engine.generate_partial, prompts, trajs, sampling, version=sync.index,
+            pause=pause, max_updates=cap))
+        done, trajs = done + res.finished, res.paused
+        recomputed += res.recomputed
+        if trajs:  # paused: the announced sync is the next message (nothing else is sent
+            sync = receive_weights(place, collector.engine)  # before it while a batch waits)
+    comps = sorted(done, key=lambda c: (c.prompt_index, c.sample_index))
+    samples = samples_of(comps, [c.prompt_index for c in comps], prompts=prompts, texts=texts,
+                         answers=answers, records=records, decode=collector._decode)
+    rewards, metrics = record_scores(comps, collector.rewards.submit(samples))
+    metrics["partial_recomputed_tokens"] = float(recomputed)
+    metrics["partial_continued"] = float(sum(len(set(c.token_versions or ())) > 1
+                                             for c in comps))
+    return (comps, rewards, metrics), sync
+
+
+def _watching(place: Placement, sync: Sync, pause: threading.Event | None, draw):
+    """`draw()` on a thread of its own; `pause` set once the trainer announces the sync after
+    `sync`. Returns what `draw` returned (re-raises what it raised)."""
+    out, failed = [], []
+
+    def run() -> None:
+        try:
+            out.append(draw())
+        except BaseException as e:  # re-raised on this thread
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name="megagrpo-partial-draw", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        if pause is not None and not pause.is_set() and place.announced(sync.index + 1):
+            pause.set()
+        thread.join(timeout=0.005)
+    if failed:
+        raise failed[0]
+    return out[0]
 
 
 def _encode(tokenizer, prompt) -> list[int]:
