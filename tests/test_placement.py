@@ -472,6 +472,24 @@ def test_checkpointed_in_flight_state_resumes_bitwise(k):
     assert max(lags) == k  # the stream ran k ahead, so the checkpoints held older samples
 
 
+def test_in_flight_state_of_another_world_is_not_restored(caplog):
+    """A checkpoint of another number of rollout ranks (or another k) is not put back: the
+    console says so and the batches drawn ahead are drawn again (the first sync carries no
+    state); the same world is restored."""
+    source = SimpleNamespace(cfg=_config(1), engine=SimpleNamespace(restore=None),
+                             place=SimpleNamespace(cross=object(), rollout_ranks=2))
+    part = InFlightState(source, SimpleNamespace(engine_version=3))
+    state = {"rollout_ranks": [{"next": 0}], "max_staleness": 1}
+    with caplog.at_level("WARNING", logger="megagrpo"):
+        part.load_state_dict(state)
+    assert source.engine.restore is None
+    assert "saved with 1 rollout ranks at rollout.max_staleness=1, now 2 at 1" in caplog.text
+    part.load_state_dict(dict(state, rollout_ranks=[{"next": 0}] * 2))
+    assert source.engine.restore == [{"next": 0}] * 2
+    part.load_state_dict({})  # a training rank other than 0 holds nothing
+    assert source.engine.restore == [{"next": 0}] * 2
+
+
 def test_separate_placement_config():
     assert training_world(_config(1).rollout, 3) == 1
     assert training_world(TrainConfig().rollout, 3) == 3
