@@ -363,7 +363,7 @@ class Sync:
     """Not a sync: the trainer checkpoints (index, taken, batches, versions); no weights."""
     restore: dict | None = None
     """The first sync of a resumed launch: this rollout rank's in-flight state from the
-    checkpoint (`in_flight_state`)."""
+    checkpoint (`save_in_flight`)."""
 
 
 def eval_digest(examples) -> str:
