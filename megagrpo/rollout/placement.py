@@ -615,7 +615,9 @@ def _evaluate(place: Placement, collector: RolloutCollector, ask: dict, held_out
                            "read the same data.eval_path / arithmetic.num_eval")
     watchdog.set_phase("eval", e)
     mine = list(range(place.rollout_index, len(held_out), place.rollout_ranks))
-    correct = collector.count_correct(held_out, mine) if mine else 0
+    streams = collector.engine.rng_state()  # left as found: a resumed launch evaluates where
+    correct = collector.count_correct(held_out, mine) if mine else 0  # the run did not
+    collector.engine.set_rng_state(streams)
     place.store.set(f"eval/{e}/{place.rollout_index}", json.dumps([correct, len(mine)]))
     return e + 1
 
