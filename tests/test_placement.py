@@ -152,7 +152,7 @@ class PartialMarkerEngine(MarkerEngine):
     a trajectory, each token's log-prob the marker of the weights that sampled it and its
     version the sync given; at a set pause, between two steps, the trajectories below the cap
     are handed back unfinished. Every second batch is slow: its decode steps 1 and 2 wait (up
-    to 0.5 s) for a pause, so syncs land mid-generation; the others end at once, so the rank
+    to 1 s) for a pause, so syncs land mid-generation; the others end at once, so the rank
     runs ahead and a slow batch can span k syncs."""
 
     def __init__(self) -> None:
@@ -169,7 +169,7 @@ class PartialMarkerEngine(MarkerEngine):
         live, paused = list(trajs), []
         while live:
             step = len(live[0].token_ids)
-            deadline = time.monotonic() + 0.5
+            deadline = time.monotonic() + 1.0
             while (step >= 1 and self.slow and pause is not None and not pause.is_set()
                    and time.monotonic() < deadline):
                 time.sleep(0.002)
