@@ -559,13 +559,18 @@ ARGS = [
 @pytest.fixture(scope="module")
 def separate_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("separate")
+    # a checkpoint after step 2: the rollout rank's in-flight state is asked for while it
+    # draws on its in-flight thread (the message waits for the draw, no deadlock)
     p = run_cli("train", "--nproc", "3", *ARGS, "rollout.inflight_updates=true",
-                f"run.out_dir={work}/run",
+                "checkpoint.every=2", f"run.out_dir={work}/run",
                 f"arithmetic.tokenizer_dir={work}/tok", timeout=900)
     console = p.stdout + p.stderr
     assert p.returncode == 0, console[-6000:]
     records = [json.loads(line) for line in Path(work, "run", "metrics.jsonl").read_text()
                .splitlines()]
+    state = load_tree(Path(work, "run", "checkpoints", "step_000002", "rollout_ranks",
+                           "rank00000.safetensors"))
+    assert len(state["rollout_ranks"]) == 1 and state["rollout_ranks"][0]["rng"]
     return console, [r for r in records if "loss" in r]
 
 
