@@ -725,6 +725,30 @@ def test_separate_run_resumes_at_the_first_untrained_batch(tmp_path):
     assert all(r["staleness_max"] <= 1 and r["update_skipped"] == 0 for r in steps)
 
 
+@pytest.mark.heavy  # ~1 min: two launches of 3 ranks
+def test_separate_partial_rollouts_checkpoint_and_resume(tmp_path):
+    """Partial rollouts on the rollout rank (k = 1) with a checkpoint every step: the trainer
+    asks for the in-flight state while the rank may be continuing a paused batch (served once
+    the batch is whole); killed nowhere, the run stops after step 2 and a resumed launch
+    continues from its checkpoint (the rollout rank's streams and queue put back) to step 4.
+    Every step trains at most k = 1 version behind; the steps that sampled fresh match vLLM."""
+    args = [*ARGS, "rollout.partial_rollouts=true", "checkpoint.every=1",
+            f"run.out_dir={tmp_path}/run", f"arithmetic.tokenizer_dir={tmp_path}/tok"]
+    for more in (["run.steps=2"], ["run.steps=4", "run.resume=true"]):
+        p = run_cli("train", "--nproc", "3", *args, *more, timeout=900)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    steps = [json.loads(line) for line in Path(tmp_path, "run", "metrics.jsonl").read_text()
+             .splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["staleness_max"] <= 1 and r["update_skipped"] == 0 for r in steps)
+    assert all(r["logp_gap_vllm_mean"] < 1e-5 for r in steps if r["staleness_max"] == 0)
+    assert all("partial_recomputed_tokens" in r for r in steps)
+    state = load_tree(Path(tmp_path, "run", "checkpoints", "step_000004", "rollout_ranks",
+                           "rank00000.safetensors"))
+    assert state["rollout_ranks"][0]["next"] == 0  # the run's end: nothing left queued
+
+
 def test_longtail_summary_of_the_separate_run(separate_run, tmp_path):
     """benchmarks/longtail.py's figures from this run's metrics (separate placement, in-flight
     updates, k = 1: its separate-k1-inflight configuration, here at DP=2), in place of a run
