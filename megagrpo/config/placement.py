@@ -25,9 +25,6 @@ def check_separate(rollout: RolloutConfig, *, agent, algo, lora) -> None:
         (agent.enabled, "agent.environment", "multi-turn rollouts run colocated only"),
         (algo.dynamic_sampling, "algo.dynamic_sampling=true",
          "top-ups would need the trainer to ask the rollout ranks for more"),
-        (lora.enabled and lora.refit == "adapter", "lora.refit=adapter",
-         "the rollout ranks are sent the merged weights (adapter-only sync to them is not "
-         "built yet): set lora.refit=auto or merged"),
     ]
     for bad, name, why in refused:
         if bad:
