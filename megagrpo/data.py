@@ -346,16 +346,17 @@ def load_images(paths: Sequence[str | Path], base: str | Path = ".") -> list:
 
 
 def load_image_processor(folder: str | Path):
-    """The model folder's image processor (`preprocessor_config.json`: transformers'
-    Qwen2-VL image processor, its PIL implementation: it needs no torchvision)."""
+    """The model folder's image processor (`preprocessor_config.json`): transformers' Qwen2-VL
+    image processor in its torchvision implementation, the one vLLM's processor builds from
+    the same folder. Its PIL twin resizes differently (the normalised pixels of an image it
+    shrinks differ): the trainer would score other pixels than vLLM sampled from, and the
+    log-prob gap of tests/test_vlm_rollout.py fails."""
     if not (Path(folder) / "preprocessor_config.json").is_file():
         raise ValueError(f"{folder} has no preprocessor_config.json: a vision-language model's "
                          "folder needs its image processor (the export writes one)")
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
-    return Qwen2VLImageProcessorPil.from_pretrained(str(folder))
+    return Qwen2VLImageProcessor.from_pretrained(str(folder))
 
 
 def image_prompt(prompt_ids: Sequence[int], images: Sequence, processor, *,

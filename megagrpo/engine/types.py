@@ -59,6 +59,9 @@ class Completion:
     """rollout.inflight_updates: per token of `token_ids`, the policy version of the weights
     that sampled it (non-decreasing: weights change between decode steps); None: one version
     sampled the whole completion (`version`)."""
+    prompt_token_ids: list[int] | None = None
+    """A prompt with images: the prompt as vLLM ran it, each image's placeholder pad expanded
+    to the image's tokens (what the trainer's rows must hold); None: the prompt as given."""
     routes: torch.Tensor | None = None
     """MoE with routing capture: [len(prompt) + len(token_ids), L_moe, k] int16, the experts
     vLLM routed each position's token to in each MoE layer (-1 where it computed none: the

