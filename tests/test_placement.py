@@ -10,7 +10,9 @@ slice and every prompt is trained once, in the loader's own order, across a resu
 refusals name their field. One real-process run (3 ranks: 2 training ranks DP=2 + 1 rollout
 rank, megatron-core and vLLM, through the CLI) checks that it trains, that vLLM's log-probs on
 samples of the trainer's own version equal the trainer's to fp32 precision, and that the
-per-sample staleness never exceeds k.
+per-sample staleness never exceeds k. A pair of runs of the calculator tool task (colocated on
+1 rank; 1 training + 1 rollout rank) checks that multi-turn trajectories at separate placement
+are the colocated run's for the same seeds.
 """
 from __future__ import annotations
 
@@ -317,7 +319,8 @@ def test_separate_placement_config():
                             "data.batch_size=4"])
     ok.validate(3)  # 2 training ranks (DP 2) + 1 rollout rank
     for lifted in (["eval.every=5"], ["cold_start.steps=5"], ["lora.rank=8"],
-                   ["lora.rank=8", "lora.refit=merged"], ["algo.routing_replay=true"]):
+                   ["lora.rank=8", "lora.refit=merged"], ["algo.routing_replay=true"],
+                   ["agent.environment=tests._agent_env:Digits", "agent.max_turns=3"]):
         load_config(None, ["rollout.placement=separate", "rollout.rollout_ranks=1",
                            "data.batch_size=4", *lifted]).validate(3)
     bad = [
@@ -412,6 +415,74 @@ def test_separate_run_versions_and_gap(separate_run):
     # in flight: per-token lags, trainer versions (sync indices mapped), within the bound
     assert all(0 <= r["token_lag_mean"] <= 1 for r in steps)
     assert any(r["staleness_max"] == 1 for r in steps)  # and the stream did run ahead
+
+
+TOOLS = Path(__file__).resolve().parents[1] / "examples" / "tools-demo.yaml"
+AGENT_ARGS = [
+    "--config", str(TOOLS), "model.hidden_size=64", "model.ffn_hidden_size=128",
+    "model.num_layers=2", "model.head_dim=32", "run.steps=3", "data.batch_size=4",
+    "algo.group_size=4", "algo.num_minibatches=1", "cold_start.steps=0", "eval.every=0",
+    "arithmetic.num_eval=4", "arithmetic.num_train=64", "compute.micro_batch_size=16",
+    "compute.kernel_impl=torch", "log.tensorboard=false", "log.progress=false",
+    "reward.source=tests._fault_hooks:TrajectoryLog", "rollout.max_staleness=0",
+]
+
+
+@pytest.fixture(scope="module")
+def agent_runs(tmp_path_factory):
+    """The calculator tool task (multi-turn: a turn ending in `</calc>` is answered by the
+    environment, its tokens masked out of the loss) on a tiny random model, 3 steps at k = 0,
+    twice with the same seeds: colocated on 1 rank, and at separate placement on 1 training
+    rank + 1 rollout rank, where the environments and the reward run on the rollout rank.
+    The reward source logs every sample it scores (`tests._fault_hooks.TrajectoryLog`).
+    Returns {placement: (the samples of each scoring call, per-step metrics, console)}."""
+    from tests._fault_hooks import TRAJECTORY_LOG_ENV
+
+    out = {}
+    for name, nproc, more in (("colocated", "1", []),
+                              ("separate", "2", ["rollout.placement=separate",
+                                                 "rollout.rollout_ranks=1"])):
+        work = tmp_path_factory.mktemp(f"agent_{name}")
+        (work / "log").mkdir()
+        p = run_cli("train", "--nproc", nproc, *AGENT_ARGS, *more, f"run.out_dir={work}/run",
+                    f"arithmetic.tokenizer_dir={work}/tok", timeout=900,
+                    **{TRAJECTORY_LOG_ENV: str(work / "log")})
+        console = p.stdout + p.stderr
+        assert p.returncode == 0, console[-6000:]
+        logs = sorted((work / "log").glob("rank*.jsonl"))
+        assert [f.name for f in logs] == [f"rank{int(nproc) - 1}.jsonl"]  # the engine's rank
+        calls = [json.loads(line) for line in logs[0].read_text().splitlines()]
+        records = [json.loads(line) for line in Path(work, "run", "metrics.jsonl").read_text()
+                   .splitlines()]
+        out[name] = calls, [r for r in records if "loss" in r], console
+    return out
+
+
+def test_separate_multi_turn_equals_colocated(agent_runs):
+    """Multi-turn rollouts at separate placement are the colocated run's for the same seeds:
+    every trajectory's token ids, loss mask, turn rewards and ends (the evaluations' greedy
+    ones and every step's sampled ones, in order) are equal, and so is what the trainer made
+    of them (turns, tool calls, environment tokens, rewards; the loss to fp32 rounding: the
+    two trainers are the same single-rank math). The weights that sampled each batch are the
+    trainer's (vLLM gap < 1e-5 over the model's tokens), so the samples of steps 2 and 3
+    check that the trained weights crossed the wire."""
+    col, sep = agent_runs["colocated"], agent_runs["separate"]
+    assert "rollout ranks 1-1 (one vLLM engine of TP 1 each" in sep[2]
+    calls = col[0]  # evaluation before GRPO, batches 1-3, evaluation at the end
+    assert [len(c) for c in calls] == [4, 16, 16, 16, 4]  # 4 held-out, 4 prompts x G=4
+    multi = [s for c in calls for s in c if s[2] is not None and not all(s[2])]
+    assert len(multi) >= 4, calls  # trajectories with environment tokens
+    # the rollout rank may draw one batch past the last (with the last sync, while the
+    # trainer evaluates and before its stop; never trained)
+    ahead = [k for k in range(4, len(sep[0])) if len(sep[0]) == 6 and len(sep[0][k]) == 16]
+    assert [c for k, c in enumerate(sep[0]) if k not in ahead[:1]] == calls
+    assert [r["step"] for r in sep[1]] == [r["step"] for r in col[1]] == [1, 2, 3]
+    for a, b in zip(sep[1], col[1]):
+        for key in ("turns", "tool_calls", "tool_errors", "env_token_share", "reward_mean",
+                    "completion_len"):
+            assert a[key] == b[key], (key, a[key], b[key])
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+        assert a["staleness_max"] == 0 and a["logp_gap_vllm_mean"] < 1e-5, a
 
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"

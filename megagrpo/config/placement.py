@@ -16,13 +16,12 @@ def training_world(rollout: RolloutConfig, world_size: int | None) -> int | None
     return world_size - rollout.rollout_ranks
 
 
-def check_separate(rollout: RolloutConfig, *, agent, algo, lora) -> None:
+def check_separate(rollout: RolloutConfig, *, algo, lora) -> None:
     """Raise ValueError for what separate placement (`rollout`) does not run (yet), naming the
     field; the other arguments are the config's sections of those names."""
     if rollout.placement != "separate":
         return
     refused = [
-        (agent.enabled, "agent.environment", "multi-turn rollouts run colocated only"),
         (algo.dynamic_sampling, "algo.dynamic_sampling=true",
          "top-ups would need the trainer to ask the rollout ranks for more"),
         (lora.enabled and lora.refit == "adapter", "lora.refit=adapter",

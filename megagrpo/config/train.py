@@ -174,7 +174,7 @@ class TrainConfig(Section):
                              f"{by[2]} or rollout.tensor_parallel_size=1")
         check_rollout_layout(self.rollout.tensor_parallel_size, self.parallel, self.model,
                              world_size)
-        check_separate(self.rollout, agent=self.agent, algo=self.algo, lora=self.lora)
+        check_separate(self.rollout, algo=self.algo, lora=self.lora)
 
 
     @property
