@@ -132,7 +132,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
             log.info("%s", line)
     tok = task.tokenizer
     if engine is None and place is None:
-        engine = _start_engine(cfg, model_cfg, tok, layout, engine=place.rollout_index)
+        engine = _start_engine(cfg, model_cfg, tok, layout)
     rng.seed_rank(cfg.run.seed, rank)  # vLLM reseeded the global streams
     ranks, groups = training_layout(cfg.parallel, model_cfg, info)
     tokens = TokenIds(pad_id=tok.pad_id, eos_id=tok.eos_id, stop_ids=(tok.eos_id, *task.stop_ids))
