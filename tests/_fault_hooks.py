@@ -63,9 +63,11 @@ class PromptLog:
 
 
 class TrajectoryLog:
-    """A reward source: `length_reward` of each completion (len / 10), and every scored sample
-    as token ids, loss mask, turn rewards and ends, written where MEGAGRPO_TEST_TRAJECTORY_LOG
-    says (in sample order): what this rank's engine and environments produced."""
+    """A reward source: the parity of each sample's token count after the prompt (0 or 1: a
+    group of G has no reward spread with probability 2^(1-G), which dynamic sampling filters),
+    and every scored sample as token ids, loss mask, turn rewards and ends, written where
+    MEGAGRPO_TEST_TRAJECTORY_LOG says (in sample order): what this rank's engine and
+    environments produced."""
 
     def __init__(self, cfg=None) -> None:
         folder = os.environ.get(TRAJECTORY_LOG_ENV)
@@ -77,8 +79,8 @@ class TrajectoryLog:
                 f.write(json.dumps([[s.prompt_ids, s.completion_ids, s.loss_mask,
                                      s.turn_rewards, s.truncation, s.finish_reason]
                                     for s in samples]) + "\n")
-        r = torch.tensor([len(s.completion) / 10.0 for s in samples])
-        return Scores(rewards=r, per_term={"length": r})
+        r = torch.tensor([float(len(s.completion_ids) % 2) for s in samples])
+        return Scores(rewards=r, per_term={"parity": r})
 
     def close(self) -> None:
         pass

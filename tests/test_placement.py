@@ -320,7 +320,8 @@ def test_separate_placement_config():
     ok.validate(3)  # 2 training ranks (DP 2) + 1 rollout rank
     for lifted in (["eval.every=5"], ["cold_start.steps=5"], ["lora.rank=8"],
                    ["lora.rank=8", "lora.refit=merged"], ["algo.routing_replay=true"],
-                   ["agent.environment=tests._agent_env:Digits", "agent.max_turns=3"]):
+                   ["agent.environment=tests._agent_env:Digits", "agent.max_turns=3"],
+                   ["algo.dynamic_sampling=true"]):
         load_config(None, ["rollout.placement=separate", "rollout.rollout_ranks=1",
                            "data.batch_size=4", *lifted]).validate(3)
     bad = [
@@ -328,8 +329,6 @@ def test_separate_placement_config():
         (["rollout.rollout_ranks=2"], "rollout.rollout_ranks=2 needs rollout.placement=separate"),
         (["rollout.placement=separate", "rollout.rollout_ranks=1",
           "rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size=2"),
-        (["rollout.placement=separate", "rollout.rollout_ranks=1", "algo.dynamic_sampling=true"],
-         "algo.dynamic_sampling=true"),
         (["rollout.placement=separate", "rollout.rollout_ranks=1", "lora.rank=8",
           "lora.refit=adapter"], "lora.refit=adapter with rollout.placement=separate"),
         (["rollout.placement=sideways"], "rollout.placement='sideways'"),
@@ -425,16 +424,18 @@ AGENT_ARGS = [
     "arithmetic.num_eval=4", "arithmetic.num_train=64", "compute.micro_batch_size=16",
     "compute.kernel_impl=torch", "log.tensorboard=false", "log.progress=false",
     "reward.source=tests._fault_hooks:TrajectoryLog", "rollout.max_staleness=0",
+    "algo.dynamic_sampling=true",
 ]
 
 
 @pytest.fixture(scope="module")
 def agent_runs(tmp_path_factory):
     """The calculator tool task (multi-turn: a turn ending in `</calc>` is answered by the
-    environment, its tokens masked out of the loss) on a tiny random model, 3 steps at k = 0,
-    twice with the same seeds: colocated on 1 rank, and at separate placement on 1 training
-    rank + 1 rollout rank, where the environments and the reward run on the rollout rank.
-    The reward source logs every sample it scores (`tests._fault_hooks.TrajectoryLog`).
+    environment, its tokens masked out of the loss) on a tiny random model, 3 steps at k = 0
+    with dynamic sampling (a 0/1 reward: groups without spread are topped up), twice with the
+    same seeds: colocated on 1 rank, and at separate placement on 1 training rank + 1 rollout
+    rank, where the environments, the reward and the top-ups run on the rollout rank. The
+    reward source logs every sample it scores (`tests._fault_hooks.TrajectoryLog`).
     Returns {placement: (the samples of each scoring call, per-step metrics, console)}."""
     from tests._fault_hooks import TRAJECTORY_LOG_ENV
 
@@ -459,27 +460,33 @@ def agent_runs(tmp_path_factory):
 
 
 def test_separate_multi_turn_equals_colocated(agent_runs):
-    """Multi-turn rollouts at separate placement are the colocated run's for the same seeds:
-    every trajectory's token ids, loss mask, turn rewards and ends (the evaluations' greedy
-    ones and every step's sampled ones, in order) are equal, and so is what the trainer made
-    of them (turns, tool calls, environment tokens, rewards; the loss to fp32 rounding: the
-    two trainers are the same single-rank math). The weights that sampled each batch are the
-    trainer's (vLLM gap < 1e-5 over the model's tokens), so the samples of steps 2 and 3
-    check that the trained weights crossed the wire."""
+    """Multi-turn rollouts and dynamic sampling at separate placement are the colocated run's
+    for the same seeds (k = 0: the rollout rank draws every top-up with the weights of the
+    step it tops up, in the order the colocated collector draws them): every trajectory's token
+    ids, loss mask, turn rewards and ends (the evaluations' greedy ones, every step's batch
+    and its top-ups, in order) are equal, and so is what the trainer made of them (the kept
+    groups' turns, tool calls, environment tokens, rewards, the top-up rounds and filtered
+    groups; the loss to fp32 rounding: the two trainers are the same single-rank math). The
+    weights that sampled each batch are the trainer's (vLLM gap < 1e-5 over the model's
+    tokens), so the samples of steps 2 and 3 check that the trained weights crossed the wire."""
     col, sep = agent_runs["colocated"], agent_runs["separate"]
     assert "rollout ranks 1-1 (one vLLM engine of TP 1 each" in sep[2]
-    calls = col[0]  # evaluation before GRPO, batches 1-3, evaluation at the end
-    assert [len(c) for c in calls] == [4, 16, 16, 16, 4]  # 4 held-out, 4 prompts x G=4
+    calls = col[0]  # evaluation before GRPO, each step's batch and top-ups, evaluation at end
+    rounds = [r["resample_rounds"] for r in col[1]]
+    # 4 held-out, 4 prompts x G=4 per draw
+    assert [len(c) for c in calls] == [4] + [16] * (3 + sum(rounds)) + [4], rounds
+    assert sum(rounds) >= 1, rounds  # some step was topped up
     multi = [s for c in calls for s in c if s[2] is not None and not all(s[2])]
     assert len(multi) >= 4, calls  # trajectories with environment tokens
     # the rollout rank may draw one batch past the last (with the last sync, while the
     # trainer evaluates and before its stop; never trained)
-    ahead = [k for k in range(4, len(sep[0])) if len(sep[0]) == 6 and len(sep[0][k]) == 16]
+    extra = len(sep[0]) == len(calls) + 1
+    ahead = [k for k in range(len(calls) - 1, len(sep[0])) if extra and len(sep[0][k]) == 16]
     assert [c for k, c in enumerate(sep[0]) if k not in ahead[:1]] == calls
     assert [r["step"] for r in sep[1]] == [r["step"] for r in col[1]] == [1, 2, 3]
     for a, b in zip(sep[1], col[1]):
         for key in ("turns", "tool_calls", "tool_errors", "env_token_share", "reward_mean",
-                    "completion_len"):
+                    "completion_len", "resample_rounds", "filtered_groups"):
             assert a[key] == b[key], (key, a[key], b[key])
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
         assert a["staleness_max"] == 0 and a["logp_gap_vllm_mean"] < 1e-5, a

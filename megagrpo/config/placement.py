@@ -22,8 +22,6 @@ def check_separate(rollout: RolloutConfig, *, algo, lora) -> None:
     if rollout.placement != "separate":
         return
     refused = [
-        (algo.dynamic_sampling, "algo.dynamic_sampling=true",
-         "top-ups would need the trainer to ask the rollout ranks for more"),
         (lora.enabled and lora.refit == "adapter", "lora.refit=adapter",
          "the rollout ranks are sent the merged weights (adapter-only sync to them is not "
          "built yet): set lora.refit=auto or merged"),

@@ -58,6 +58,7 @@ What flows where:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -74,6 +75,7 @@ import torch.distributed as dist
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.placement import check_separate, training_world
 from megagrpo.engine.shard_feed import received_tensors as received_shards
+from megagrpo.rollout.collect import dynamic_sampling
 from megagrpo.rollout.sample_channel import Part, TensorChannel
 from megagrpo.rollout.stream import StreamStats, stamp
 from megagrpo.runtime.distributed import process_group_backend
@@ -405,11 +407,16 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
     base = sync.index  # batch i: sync base + i - k or newer (base > 0 after a cold start)
     mine = list(range(j, B, R))  # groups whole: every sample of a prompt on one engine
     channel = place.channel(B)
-    i = 0
+    i = topups = 0
     while not sync.stop:
+        topups = _topups_asked(place, topups)
+        step = i - topups  # the trainer's step the next draw goes to (top-ups: part of theirs)
         # at most k syncs behind; the launch's last batch on-policy (k = 0)
-        if sync.index < base + i - (0 if i == last else k) or place.announced(sync.index + 1) \
-                or place.eval_asked(evals):
+        behind = sync.index < base + step - (0 if step == last else k)
+        if behind and cfg.algo.dynamic_sampling and not _message_due(place, sync, evals):
+            time.sleep(0.005)  # the trainer may ask for a top-up of this step first
+            continue
+        if behind or _message_due(place, sync, evals):
             watchdog.set_phase("weight_sync", i)
             got = receive_weights(place, collector.engine)
             if got.eval is not None:  # with the weights of every sync sent before it
@@ -437,6 +444,21 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
     channel.close()
     return {"batches": i, "syncs": sync.index, "sample_bytes": channel.bytes_sent,
             "evaluations": evals}
+
+
+def _topups_asked(place: Placement, known: int) -> int:
+    """Rollout rank: how many dynamic-sampling top-ups the trainer has asked for so far in this
+    launch (`known` of them counted before). A top-up is drawn as part of the step it tops up:
+    with the weights that step's batch may be drawn with."""
+    while place.store.check([f"topup/{known}"]):
+        known += 1
+    return known
+
+
+def _message_due(place: Placement, sync: Sync, evals: int) -> bool:
+    """Rollout rank: the trainer has announced the next sync (or the stop) or evaluation
+    `evals`: its broadcast over the cross group is on its way."""
+    return place.announced(sync.index + 1) or place.eval_asked(evals)
 
 
 def _until_started(place: Placement, collector: RolloutCollector, held_out: list, watchdog
@@ -544,6 +566,8 @@ class SeparateSource:
     """Always empty: batches sampled ahead stay with the rollout ranks (a resume redraws them)."""
     channel: TensorChannel | None = None
     """This rank's end of the sample channel (built from `place` when not given)."""
+    topups: int = 0
+    """Dynamic-sampling top-ups asked for in this launch (the next one's index in the store)."""
 
     def __post_init__(self) -> None:
         if self.channel is None:
@@ -551,8 +575,27 @@ class SeparateSource:
                                               (self.ranks.dp_rank, self.ranks.dp))
 
     def next(self, version: int) -> Rollout:
-        """Batch `taken` from the rollout ranks (waits for it), this replica's slice. `version`
-        is what the last sync carried (Trainer.engine_version)."""
+        """This step's rollout: the next batch from the rollout ranks; with dynamic sampling
+        (algo.dynamic_sampling) its groups with reward spread, topped up by the next batches
+        the rollout ranks draw, as the colocated collector does. `version` is what the last
+        sync carried (Trainer.engine_version)."""
+        ro = self._take(version)
+        if not self.cfg.algo.dynamic_sampling:
+            return ro
+        return dynamic_sampling(ro, functools.partial(self._top_up, version), self.cfg.algo,
+                                self.groups.world)
+
+    def _top_up(self, version: int) -> Rollout:
+        """A dynamic-sampling top-up: training rank 0 asks the rollout ranks for it in the store
+        (they draw it with the weights of the step it tops up), then every training rank takes
+        it as the stream's next batch."""
+        if self.ranks.rank == 0:
+            self.place.store.set(f"topup/{self.topups}", "1")
+        self.topups += 1
+        return self._take(version)
+
+    def _take(self, version: int) -> Rollout:
+        """Batch `taken` from the rollout ranks (waits for it), this replica's slice."""
         from megagrpo.rollout.stream import Rollout
 
         i = self.taken
