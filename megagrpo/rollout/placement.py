@@ -33,6 +33,10 @@ What flows where:
     The last batch of a launch (`RemoteEngine.batches`, told at the first sync) is drawn at
     k = 0 whatever k is: the run ends on-policy, and its vLLM-vs-trainer gap checks the
     weights that crossed the wire after every sync.
+  - dynamic sampling (algo.dynamic_sampling): training rank 0 asks for each top-up of a step
+    in the store (`topup/{n}`) and the training ranks take the stream's next batch; the
+    rollout ranks count the top-ups asked for, so the staleness rule above reads the step a
+    draw belongs to (draws less top-ups), not the draw's index in the stream.
   - in-flight updates (rollout.inflight_updates): a rollout rank's engine generates on a
     thread while its main thread keeps receiving the syncs the trainer sends and posts each to
     the engine's in-flight slot (`megagrpo.engine.inflight`), which loads the newest between
