@@ -41,7 +41,7 @@ from megagrpo.rollout.placement import (
     receive_weights,
     serve,
 )
-from megagrpo.runtime.distributed import Ranks
+from megagrpo.runtime.distributed import Groups, Ranks
 from megagrpo.sync.transports.collective import Collective
 from tests.support.cli import run_cli
 from tests.test_stream import Reward, Tok
@@ -299,6 +299,75 @@ def test_cold_start_holds_the_rollout_ranks(k):
             assert all(c.logprobs[0] == 4 for ro in ros for c in ro.completions)
     for eng in run["engines"]:  # the cold start's syncs were loaded, in order
         assert [float(got["marker"][0]) for got in eng.received] == [-3, -2, -1, 0, 1, 2, 3, 4]
+
+
+class SpreadEngine(MarkerEngine):
+    """A MarkerEngine whose sample 0 of prompt p answers p and the others answer p only where
+    p % 3 == 0: those prompts' groups have no reward spread (dynamic sampling filters them)."""
+
+    def generate(self, prompts, sampling):
+        out = super().generate(prompts, sampling)
+        for c in out:
+            p = prompts[c.prompt_index][-1]
+            c.text = str(p) if c.sample_index == 0 or p % 3 == 0 else "no"
+        return out
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_dynamic_sampling_tops_up_from_the_rollout_ranks(k):
+    """algo.dynamic_sampling at separate placement (1 training rank, 1 rollout rank, 6 steps):
+    each step trains the groups with reward spread of its batch and of as many top-ups as it
+    needs, which the rollout rank draws when asked; against the hand count over the loader's
+    own batch sequence (kept prompts and top-up rounds per step). Every sample, top-ups
+    included, is at most k syncs behind the step that trains it (k = 0: on-policy), and the
+    launch's last step on-policy: a rollout rank that counted a top-up as the next step's
+    batch would wait for a sync that never comes (k = 0) or draw a later step's samples
+    with older weights."""
+    cfg = _config(k)
+    cfg.algo.dynamic_sampling, cfg.rollout.rollout_ranks = True, 1
+    store, timeout, steps = dist.HashStore(), timedelta(seconds=60), 6
+    groups: dict = {}
+    threads = [threading.Thread(target=lambda r=r, pre=pre: groups.update({(pre, r): (
+        dist.ProcessGroupGloo(dist.PrefixStore(pre, store), r, 2, timeout))}))
+        for r in range(2) for pre in ("cross/", "samples/")]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    places = [Placement(rank=r, train_world=1, rollout_ranks=1, store=dist.PrefixStore(
+        "stream/", store), cross=groups["cross/", r], timeout_s=60,
+        samples=groups["samples/", r]) for r in range(2)]
+    col = RolloutCollector(cfg=cfg, engine=SpreadEngine(), tokenizer=Tok(),
+                           rewards=Rewards(Reward()), loader=PromptLoader(_data(), B, seed=3),
+                           layout=RolloutLayout(rank=0, world_size=1, engine_tp=1, train_tp=1,
+                                                train_pp=1))
+    served = {}
+    rollout = threading.Thread(target=lambda: served.update(serve(cfg, places[1], col,
+                                                                  Watchdog())), daemon=True)
+    rollout.start()
+    loader = PromptLoader(_data(), B, seed=3)
+    remote = RemoteEngine(place=places[0], loader=loader, sends=True, bucket_bytes=2000,
+                          dtype="float32", batches=steps)
+    src = SeparateSource(cfg=cfg, place=places[0], engine=remote, loader=loader,
+                         tokenizer=Tok(), ranks=Ranks(), groups=Groups())
+    seen = []
+    for version in range(steps):
+        Collective(remote).send(iter(_weights(version)))
+        ro = src.next(version)
+        seen.append((ro.metrics["resample_rounds"], [p[-1] for p in ro.prompts]))
+        for c in ro.completions:
+            assert 0 <= version - c.logprobs[0] <= (0 if version == steps - 1 else k)
+            assert c.version == c.logprobs[0]
+    remote.close()
+    rollout.join(timeout=30)
+    reference, want = PromptLoader(_data(), B, seed=3), []
+    for _ in range(steps):
+        batch = [int(e.prompt) for e in next(reference)]
+        kept, rounds = [p for p in batch if p % 3], 0
+        while len(kept) < B and rounds < cfg.algo.max_resample_rounds:
+            kept += [p for p in (int(e.prompt) for e in next(reference)) if p % 3]
+            rounds += 1
+        want.append((rounds, kept[:B] or batch))
+    assert seen == want and sum(r for r, _ in want) >= steps
+    assert served["batches"] >= steps + sum(r for r, _ in want)
 
 
 def test_resume_starts_the_rollout_ranks_at_the_first_untrained_batch():
