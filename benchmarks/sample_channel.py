@@ -39,6 +39,9 @@ from megagrpo.runtime.machine import cpu_name  # noqa: E402
 from megagrpo.rollout.sample_channel import Part, StoreChannel, TensorChannel  # noqa: E402
 
 PATHS = ("json_store", "tensor_gloo")
+JSON_ATTEMPT_BYTES = 256 * 2**20
+"""Batches whose JSON would exceed this are not built for the JSON path (the store refuses
+anything over 8 MiB, measured at 64 x 8 x 1024 tokens): their size is estimated."""
 
 
 def batch(i: int, prompts: int, group: int, tokens: int, multiturn: bool) -> Part:
@@ -124,6 +127,12 @@ def measure(args: argparse.Namespace, path: str, work: Path) -> dict:
            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
            "loadavg_1m": round(os.getloadavg()[0], 2)}
     if path == "json_store":
+        one = batch(0, 1, 1, args.tokens, args.multiturn)
+        estimate = len(json.dumps(dataclasses.asdict(one)).encode()) * args.prompts * args.group
+        if estimate > JSON_ATTEMPT_BYTES:  # not built: gigabytes of JSON for a store of 8 MiB
+            return dict(row, bytes=estimate, refused=(
+                f"not attempted: ~{estimate / 1e6:.0f} MB of JSON (one sample's x the samples), "
+                "over the store's 8 MiB payload limit"))
         data = json.dumps(dataclasses.asdict(batch(0, args.prompts, args.group, args.tokens,
                                                    args.multiturn)))
         refused = store_refuses(master, args)
@@ -150,7 +159,10 @@ def table(path: str) -> str:
     for (p, g, t, mt, cpu), run in runs.items():
         j, x = run["json_store"], run["tensor_gloo"]
         if "refused" in j:
-            json_cell, ratio = f"{j['bytes'] / 1e6:.1f}, refused by the store", (
+            json_cell = (f"~{j['bytes'] / 1e6:.0f}, not built (over the store's 8 MiB)"
+                         if j["refused"].startswith("not attempted")
+                         else f"{j['bytes'] / 1e6:.1f}, refused by the store")
+            ratio = (
                 f"{x['bytes'] / j['bytes']:.2f}x, -")
         else:
             json_cell, ratio = f"{j['bytes'] / 1e6:.1f}, {j['seconds']:.3f}", (

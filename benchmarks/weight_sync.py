@@ -33,6 +33,31 @@ spanning both), rank 0 reports:
   slices     iter_vllm_slices: shard to shard, each rank feeds its own slice (k = training TP)
   disk       export_hf (rank 0 writes) + every rank reads the checkpoint back into its engine
   *_received_bytes: bytes a rank received through collectives (measured by the stream)
+
+    .venv/bin/python benchmarks/weight_sync.py --separate [--sizes tiny,10m,100m,smollm2-135m]
+        [--repeats 3] [--bucket-mb 64] [--lora-rank 16]
+        [--out benchmarks/results/weight_sync_separate_cpu.jsonl]
+    .venv/bin/python benchmarks/weight_sync.py \
+        --separate-table benchmarks/results/weight_sync_separate_cpu.jsonl
+
+Separate placement rows (rollout.placement=separate): training TP ranks (2, or 3 for
+SmolLM2-135M's 3 KV heads; PP 1) and one rollout rank, spawned over gloo, random weights of each
+size's shapes, the run's own wire (`sync.transport=shards`, `megagrpo.rollout.placement.
+receive_weights`) into an engine stand-in that keeps nothing (vLLM's load is the colocated
+rows' engine_load_s above). Per sync, median of --repeats, timed on training rank 0 up to the
+rollout rank's acknowledgement:
+  full        every training rank's own shards, reassembled on the rollout rank
+  delta       rollout.sync_delta after every shard changed (a full fine-tuning step) and after
+              only the linears changed (a LoRA merge: embeddings and norms frozen)
+  adapter     a LoRA refit between merges: the peft adapter (rank --lora-rank on q/k/v/o and
+              gate/up/down) broadcast to the rollout rank, written and loaded there
+  colocated   the same layout colocated: a TP 1 engine's full-tensor feed (every split shard
+              all-gathered over TP and unfused), and the adapter's peft folder written
+  broadcast   the floor: one `broadcast` of the same bytes from rank 0 over the same group
+              (the whole world for the shards, training rank 0 + the rollout rank for the
+              adapter), after the syncs
+  peak        each side's peak resident memory over what it held before its first sync
+              (training: its own shards; rollout: nothing), the largest rank of each side
 """
 from __future__ import annotations
 
@@ -48,6 +73,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's megagrpo
 from _common import markdown_table, parser, print_table, records, write_lines  # noqa: E402
 from _harness import MODEL_SIZES as SIZES  # noqa: E402
 
@@ -268,6 +294,265 @@ def run_tp(size: str, repeats: int, k: int) -> dict | None:
         threads=torch.get_num_threads(), repeats=repeats, **check)
 
 
+# ---------------------------------------------------------------------- separate placement
+SEPARATE_SIZES = {**SIZES, "smollm2-135m": dict(
+    hidden_size=576, num_layers=30, num_attention_heads=9, num_query_groups=3, head_dim=64,
+    ffn_hidden_size=1536, vocab_size=49152, tie_word_embeddings=True)}
+"""--separate's models: the synthetic sizes and SmolLM2-135M's shapes (random weights)."""
+LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""What a LoRA merge edits (its base's delta after a merge; embeddings and norms stay)."""
+SEPARATE_MODES = ("full", "delta, all changed", "delta, linears changed", "adapter")
+
+
+def _separate_tp(size: str) -> int:
+    """The training TP of a size's --separate rows: 2, or 3 where the KV heads need it."""
+    return 2 if SEPARATE_SIZES[size]["num_query_groups"] % 2 == 0 else 3
+
+
+def _rss() -> tuple[int, int]:
+    """(this process's resident bytes now, its peak so far)."""
+    import resource
+
+    now = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class _Drain:
+    """The rollout rank's engine stand-in: takes every tensor it is fed and keeps none, so the
+    rows time the wire and the reassembly (vLLM's own load: the colocated rows'
+    engine_load_s, weight_sync_cpu.jsonl)."""
+
+    max_lora_rank = 512
+
+    def update_weights(self, pairs, partial: bool = False):
+        from megagrpo.engine import WeightSyncStats
+
+        n = sum(t.numel() * t.element_size() for _, t in pairs)
+        return WeightSyncStats(tensors=0, bytes=n, seconds=0.0, source_seconds=0.0,
+                               load_seconds=0.0)
+
+    def load_adapter(self, path: str) -> None:
+        pass
+
+
+def _separate_world(size: str, lora_rank: int):
+    """(model, parallel, the exported specs, the adapters' peft modules) of a --separate row."""
+    from megagrpo.config.model import ModelConfig, ParallelConfig
+    from megagrpo.config.params import adapted, param_specs, peft_modules
+    from megagrpo.config.lora import LoRAConfig
+
+    model = ModelConfig(architecture="llama", max_position_embeddings=256,
+                        **SEPARATE_SIZES[size])
+    par = ParallelConfig(tp=_separate_tp(size))
+    specs = [s for s in param_specs(model, par, 0)
+             if not (model.tie_word_embeddings and s.local == "output_layer.weight")]
+    lora = LoRAConfig(rank=lora_rank)
+    return model, par, specs, peft_modules(adapted(specs, lora.targets), model), lora
+
+
+def _separate_rank(rank: int, world: int, size: str, repeats: int, bucket_mb: int,
+                   lora_rank: int, out: str) -> None:
+    """One rank of --separate: `world - 1` training ranks (TP, PP 1) then one rollout rank,
+    gloo over a file store, the run's own wire (`Shards.send`, `deliver_remote_adapter`,
+    `receive_weights`). Rank 0 times each sync up to the rollout rank's acknowledgement; each
+    rank writes what it measured to `out/rank<r>.json`."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from megagrpo.data import Example, PromptLoader
+    from megagrpo.engine.shard_feed import SentDigests
+    from megagrpo.hf import unfuse_shards
+    from megagrpo.lora.export import save_peft_adapter
+    from megagrpo.rollout.placement import Placement, RemoteEngine, receive_weights
+    from megagrpo.sync.transports.collective import deliver_remote_adapter
+    from megagrpo.sync.transports.shards import Shards
+
+    torch.set_num_threads(1)
+    model, par, specs, modules, lora = _separate_world(size, lora_rank)
+    tp, timeout = par.tp, timedelta(seconds=600)
+    store = dist.FileStore(f"{out}/store", world)
+    rollout = rank == tp
+    cross = (dist.ProcessGroupGloo(dist.PrefixStore("cross/", store), int(rollout), 2, timeout)
+             if rank in (0, tp) else None)
+    weights = dist.ProcessGroupGloo(dist.PrefixStore("weights/", store), rank, world, timeout)
+    place = Placement(rank=rank, train_world=tp, rollout_ranks=1,
+                      store=dist.PrefixStore("stream/", store), cross=cross, timeout_s=600,
+                      weights=weights, model=model, parallel=par, lora=lora,
+                      adapter_dir=Path(out) / "adapters")
+    ack = torch.zeros(1)
+    payload = tp * sum(torch.Size(s.local_shape(tp)).numel() * 4 for s in specs)
+    adapter_bytes = sum(lora_rank * (i + o) * 4 for _, i, o in modules)
+    if rollout:
+        engine, peak = _Drain(), 0
+        while True:
+            before = _rss()
+            sync = receive_weights(place, engine)
+            peak = max(peak, _rss()[1] - max(before))
+            if sync.stop:
+                break
+            cross.send([ack], 0, 0).wait()
+        _floors(rank, weights, cross, payload, adapter_bytes, repeats)
+        Path(f"{out}/rank{rank}.json").write_text(json.dumps({"peak_extra": peak}))
+        return
+    tp_group = dist.ProcessGroupGloo(dist.PrefixStore("tp/", store), rank, tp, timeout)
+    shards = []
+    for s in specs:  # filled in place: no temporary to raise the peak before the syncs
+        t = torch.empty(s.local_shape(tp))
+        shards.append((s.local, t.normal_(generator=torch.Generator().manual_seed(
+            rank * 1000 + len(shards)))))
+    place.store.set(f"shards/0/{rank}", str(rank))
+    remote = RemoteEngine(place=place, loader=PromptLoader([Example(prompt="1", answer="1")], 1),
+                          sends=True, bucket_bytes=bucket_mb << 20, dtype="float32")
+    full, delta = Shards(remote, 0), Shards(remote, 0, SentDigests(), tp_group)
+    by_name = {s.local: s for s in specs}
+    adapters = {f"base_model.model.{n}.lora_{ab}.weight": torch.randn(shape)
+                for n, i, o in modules for ab, shape in (("A", (lora_rank, i)),
+                                                          ("B", (o, lora_rank)))}
+
+    def acked(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        if cross is not None:
+            cross.recv([ack], 1, 0).wait()
+        return time.perf_counter() - t0
+
+    def colocated_full() -> None:
+        """A colocated TP 1 engine's feed at this layout: every split shard all-gathered over
+        TP and unfused into HF tensors (the full-tensor stream; vLLM's load excluded)."""
+        for n, t in shards:
+            parts = [t]
+            if by_name[n].split_dim is not None:
+                parts = [torch.empty_like(t) for _ in range(tp)]
+                tp_group.allgather([parts], [t]).wait()
+            for _ in unfuse_shards(parts, by_name[n], model):
+                pass
+
+    before = _rss()
+    acked(lambda: full.send(iter(shards)))  # warm-up: the peak over the shards it holds
+    times: dict[str, list[float]] = {"full": [], "colocated full": [], "colocated adapter": []}
+    res = {"peak_extra": _rss()[1] - max(before), "sent": {}}
+    for _ in range(repeats):
+        times["full"].append(acked(lambda: full.send(iter(shards))))
+        t0 = time.perf_counter()
+        colocated_full()
+        times["colocated full"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        save_peft_adapter(Path(out) / f"colocated{rank}", adapters, lora, base="")
+        times["colocated adapter"].append(time.perf_counter() - t0)
+    acked(lambda: res["sent"].update(full=full.send(iter(shards)).bytes))
+    acked(lambda: delta.send(iter(shards)))  # its digests: what the engine holds now
+    for mode, linears in (("delta, all changed", False), ("delta, linears changed", True)):
+        times[mode] = []
+        for _ in range(repeats):
+            for n, t in shards:
+                if not linears or any(k in n for k in LINEARS):
+                    t.add_(1e-3)
+            got = []
+            times[mode].append(acked(lambda: got.append(delta.send(iter(shards)).bytes)))
+            res["sent"][mode] = got[0]
+    times["adapter"] = [acked(lambda: deliver_remote_adapter(full, None, adapters))
+                        for _ in range(repeats)]
+    res["sent"]["adapter"] = adapter_bytes if rank == 0 else 0
+    remote.close()
+    floors = _floors(rank, weights, cross, payload, adapter_bytes, repeats)
+    if rank == 0:
+        res.update(times={k: statistics.median(v) for k, v in times.items()}, floors=floors,
+                   payload=payload, adapter_bytes=adapter_bytes)
+    Path(f"{out}/rank{rank}.json").write_text(json.dumps(res))
+
+
+def _floors(rank: int, weights, cross, payload: int, adapter_bytes: int, repeats: int
+            ) -> dict:
+    """The floor of each sync, after the syncs (its buffers would raise the peaks): one
+    `broadcast` from rank 0 of the same bytes over the same group (the whole world for the
+    shards, the cross group for the adapters), up to the rollout rank's acknowledgement;
+    median of `repeats` after a warm-up (every rank of a group calls it)."""
+    import torch
+
+    ack, out = torch.zeros(1), {}
+    for key, n, group in (("full", payload, weights), ("adapter", adapter_bytes, cross)):
+        if group is None:
+            continue
+        buf, times = torch.zeros(n // 4), []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            group.broadcast(buf, 0).wait()
+            if cross is not None:
+                (cross.recv([ack], 1, 0) if rank == 0 else cross.send([ack], 0, 0)).wait()
+            times.append(time.perf_counter() - t0)
+        out[key] = statistics.median(times[1:])
+    return out
+
+
+def run_separate(size: str, repeats: int, bucket_mb: int, lora_rank: int) -> dict:
+    """One --separate row: the ranks spawned over gloo, their measurements combined."""
+    import torch
+    import torch.multiprocessing as mp
+
+    tp = _separate_tp(size)
+    with tempfile.TemporaryDirectory(prefix="weight_sync_separate_") as out:
+        mp.spawn(_separate_rank, args=(tp + 1, size, repeats, bucket_mb, lora_rank, out),
+                 nprocs=tp + 1)
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(tp + 1)]
+    model, _, specs, _, _ = _separate_world(size, lora_rank)
+    head = ranks[0]
+    sent = {m: sum(r["sent"][m] for r in ranks[:tp]) for m in SEPARATE_MODES}
+    return dict(
+        size=size, params=sum(torch.Size(s.full_shape).numel() for s in specs),
+        layout=f"train tp={tp} -> 1 rollout rank", bucket_mb=bucket_mb, lora_rank=lora_rank,
+        model_bytes=sum(torch.Size(s.full_shape).numel() * 4 for s in specs),
+        **{f"{m}_bytes": sent[m] for m in SEPARATE_MODES},
+        **{f"{m}_s": round(head["times"][m], 4) for m in (*SEPARATE_MODES, "colocated full",
+                                                          "colocated adapter")},
+        broadcast_full_s=round(head["floors"]["full"], 4),
+        broadcast_adapter_s=round(head["floors"]["adapter"], 4),
+        broadcast_full_bytes=head["payload"],
+        peak_train_mib=round(max(r["peak_extra"] for r in ranks[:tp]) / 2**20, 1),
+        peak_rollout_mib=round(ranks[tp]["peak_extra"] / 2**20, 1),
+        repeats=repeats, threads=1, cpu=_cpu(), loadavg_1m=round(os.getloadavg()[0], 2))
+
+
+def _cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def separate_table(path: str) -> str:
+    """The weight sync table of docs/performance.md ("Weight sync to rollout ranks"): per
+    --separate row of `path`, each mode's bytes and seconds against the colocated feed and a
+    plain broadcast of the same bytes on the same group, and each side's peak memory."""
+    out = []
+    for r in records(path):
+        if "full_bytes" not in r:
+            continue
+        mb = lambda n: f"{n / 1e6:.3g} MB"  # noqa: E731
+        modes = [("colocated, full tensors (TP gather)", r["model_bytes"], r["colocated full_s"],
+                  None),
+                 ("colocated, adapter (peft folder)", r["adapter_bytes"],
+                  r["colocated adapter_s"], None),
+                 ("separate, full (shard to shard)", r["full_bytes"], r["full_s"],
+                  r["broadcast_full_s"]),
+                 ("separate, delta, all changed", r["delta, all changed_bytes"],
+                  r["delta, all changed_s"], None),
+                 ("separate, delta, linears changed", r["delta, linears changed_bytes"],
+                  r["delta, linears changed_s"], None),
+                 ("separate, adapter", r["adapter_bytes"], r["adapter_s"],
+                  r["broadcast_adapter_s"])]
+        for name, n, s, floor in modes:
+            out.append([f"{r['size']} ({r['params'] / 1e6:.3g}M, {r['layout']})", name, mb(n),
+                        f"{s:.4f}", f"{n / s / 1e9:.3g}",
+                        f"{floor:.4f} ({s / floor:.1f}x)" if floor else "",
+                        f"{r['peak_train_mib']:.0f} / {r['peak_rollout_mib']:.0f}"
+                        if name.startswith("separate, full") else ""])
+    return markdown_table(["model (layout)", "sync", "bytes", "seconds", "GB/s",
+                           "dist.broadcast of the bytes (s)",
+                           "peak MiB over own shards: training / rollout"], out)
+
+
 def _launch(size: str, repeats: int, vllm_tp: int, env: dict) -> str:
     """Runs one size in its own process (torchrun with vllm_tp ranks for the TP rows)."""
     one = [__file__, "--one", size, "--repeats", str(repeats), "--vllm-tp", str(vllm_tp)]
@@ -303,9 +588,27 @@ def main() -> None:
     ap.add_argument("--vllm-tp", type=int, default=1,
                     help="vLLM TP rows: this many ranks, training TP = vLLM TP")
     ap.add_argument("--table", help="print the refit table from this results file and exit")
+    ap.add_argument("--separate", action="store_true",
+                    help="separate placement rows (training ranks -> a rollout rank)")
+    ap.add_argument("--bucket-mb", type=int, default=64, help="--separate: bucket size")
+    ap.add_argument("--lora-rank", type=int, default=16, help="--separate: the adapter's rank")
+    ap.add_argument("--separate-table", help="print the separate placement table and exit")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if print_table(args, table=table):
+    if print_table(args, table=table, separate_table=separate_table):
+        return
+    if args.separate:
+        out = (args.out if args.out != ap.get_default("out")
+               else "benchmarks/results/weight_sync_separate_cpu.jsonl")
+        sizes = args.sizes if args.sizes != ap.get_default("sizes") else \
+            "tiny,10m,100m,smollm2-135m"
+        lines = []
+        for size in sizes.split(","):
+            lines.append(json.dumps(run_separate(size, args.repeats, args.bucket_mb,
+                                                 args.lora_rank)))
+            print(lines[-1], flush=True)
+        if out:
+            write_lines(out, lines)
         return
     if args.one:
         row = (run_one(args.one, args.repeats) if args.vllm_tp == 1

@@ -2,7 +2,11 @@
 # Multi-node megagrpo training with torchrun. Run the same line on every node, changing only
 # NODE_RANK; every rank runs the trainer and its part of a colocated vLLM engine (engines of
 # rollout.tensor_parallel_size consecutive ranks, so keep them inside a node: k <= GPUS_PER_NODE).
-# tests/test_multinode.py runs this script as two "nodes" over loopback, tests/test_elastic.py
+# With rollout.placement=separate the last rollout.rollout_ranks ranks sample: put them on nodes
+# of their own (ranks go node by node; GPUS_PER_NODE may differ between nodes), e.g. a training
+# node of 8 and a rollout node of 8 with rollout.rollout_ranks=8.
+# tests/test_multinode.py runs this script as two "nodes" over loopback (colocated, and separate
+# placement with a training node of 2 ranks and a rollout node of 1), tests/test_elastic.py
 # loses one of them mid-run (MIN_NODES=1 MAX_RESTARTS=1): the other resumes alone at DP=1.
 #
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash examples/launch_multinode.sh \

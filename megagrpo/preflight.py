@@ -221,7 +221,8 @@ def check_model(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer) -> N
     check_routing_replay(cfg.algo.routing_replay, model,
                          cfg.pipelined_by() if cfg.rollout.placement != "separate" else None)
     # lora.refit=adapter that vLLM cannot serve: refused before compute
-    unavailable(cfg.lora, cfg.rollout.tensor_parallel_size, model)
+    unavailable(cfg.lora, cfg.rollout.tensor_parallel_size, model,
+                on_cpu=not torch.cuda.is_available())
     if cfg.parallel.cp > 1 and torch.cuda.is_available():
         raise ValueError(
             f"parallel.cp={cfg.parallel.cp} on a CUDA machine: megagrpo's context-parallel "

@@ -114,7 +114,7 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     gpt = build_model(model_cfg, cfg.parallel, seed=cfg.run.seed,
                       recompute=(cfg.compute.recompute, cfg.compute.recompute_num_layers))
     _load_init(gpt, cfg.run.init, model_cfg, cfg.parallel, info)
-    tuning = build_tuning(cfg.lora, separate=place is not None)
+    tuning = build_tuning(cfg.lora)
     tuning.prepare(gpt, model_cfg, cfg.rollout.tensor_parallel_size, seed=cfg.run.seed,
                    loud=rank == 0)
     compiled = compile_for_run(cfg, model_cfg, gpt, loud=rank == 0,
@@ -144,7 +144,9 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                                       place=place, loader=loader,
                                       sends=streams_weights(cfg.parallel),
                                       bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
-                                      dtype=model_cfg.dtype))
+                                      dtype=model_cfg.dtype,
+                                      # the rollout ranks' engines (TP 1) serve the adapters?
+                                      max_lora_rank=tuning.engine_lora_rank(1, model_cfg)))
     else:
         context = RewardContext(engine=engine, tokenizer=tok, stop_ids=tokens.stop_ids,
                                 engine_tp=layout.engine_tp,
@@ -197,8 +199,7 @@ def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
     r = dataclasses.replace(cfg.rollout,
                             seed=cfg.rollout.seed + (layout.engine if engine is None else engine),
                             dtype=model.dtype)
-    lora_rank = build_tuning(cfg.lora, separate=cfg.rollout.placement == "separate"
-                             ).engine_lora_rank(cfg.rollout.tensor_parallel_size, model)
+    lora_rank = build_tuning(cfg.lora).engine_lora_rank(cfg.rollout.tensor_parallel_size, model)
     return VLLMEngine(r, d, dtype=model.dtype, capture_routing=cfg.algo.routing_replay,
                       max_lora_rank=lora_rank)
 

@@ -76,7 +76,12 @@ FEATURES: dict[str, Feature] = {
     "sapo": Feature(("algo.policy_loss=sapo",)),
     "compile": Feature(("compute.compile_layers=true",)),
     "vllm_tp2": Feature(("rollout.tensor_parallel_size=2",), vllm_tp=2),
+    "rm": Feature(("reward.sources=[{source: rules, correctness: true}, {source: reward_model, "
+                   "weight: 0.1, options: {path: '@RM@', template: '{prompt}{completion}', "
+                   "prompt_field: ''}}]",)),
 }
+"""`rm`: a tiny random reward model (tests/support/tiny.py) beside the rule reward; `@RM@` is
+its folder."""
 CORE = ("lora", "agent", "async1", "moe", "separate")
 """What users run together (agentic + async/separate + LoRA + MoE): every pair with one of
 these is swept."""
@@ -131,9 +136,21 @@ def models(cache: Path) -> dict[bool, Path]:
     return out
 
 
+def reward_model(cache: Path) -> Path:
+    """The `rm` feature's tiny random reward model, written once."""
+    sys.path.insert(0, str(ROOT))
+    from tests.support.tiny import tiny_reward_model
+
+    path = cache / "reward_model"
+    if not (path / "config.json").exists():
+        tiny_reward_model(path, arch="llama")
+    return path
+
+
 def train_args(combo: tuple[str, ...], model: Path, out: Path) -> list[str]:
     """`megagrpo` arguments of one combination's run."""
-    over = [o for n in combo for o in FEATURES[n].overrides]
+    over = [o.replace("@RM@", str(reward_model(model.parent))) for n in combo
+            for o in FEATURES[n].overrides]
     return ["train", "--config", str(DEMO), "--nproc", str(layout(combo)["nproc"]),
             f"run.init={model}", f"run.out_dir={out}", "run.overwrite=true", *COMMON, *over]
 

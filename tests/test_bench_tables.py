@@ -34,6 +34,26 @@ def test_weight_sync_table(tmp_path):
                          "| 3.0x | 1.50x |"]
 
 
+def test_weight_sync_separate_table(tmp_path):
+    row = {"size": "tiny", "params": 2.5e6, "layout": "train tp=2 -> 1 rollout rank",
+           "model_bytes": 1e7, "full_bytes": 1.2e7, "delta, all changed_bytes": 1.2e7,
+           "delta, linears changed_bytes": 8e6, "adapter_bytes": 5e5, "full_s": 0.5,
+           "delta, all changed_s": 0.6, "delta, linears changed_s": 0.4, "adapter_s": 0.01,
+           "colocated full_s": 0.25, "colocated adapter_s": 0.02, "broadcast_full_s": 0.2,
+           "broadcast_adapter_s": 0.004, "peak_train_mib": 64.4, "peak_rollout_mib": 130.6}
+    lines = _bench_module("weight_sync").separate_table(_jsonl(tmp_path, {"size": "x"}, row)
+                                                         ).splitlines()
+    m = "| tiny (2.5M, train tp=2 -> 1 rollout rank) |"
+    assert lines[2:] == [
+        f"{m} colocated, full tensors (TP gather) | 10 MB | 0.2500 | 0.04 |  |  |",
+        f"{m} colocated, adapter (peft folder) | 0.5 MB | 0.0200 | 0.025 |  |  |",
+        f"{m} separate, full (shard to shard) | 12 MB | 0.5000 | 0.024 | 0.2000 (2.5x) "
+        "| 64 / 131 |",
+        f"{m} separate, delta, all changed | 12 MB | 0.6000 | 0.02 |  |  |",
+        f"{m} separate, delta, linears changed | 8 MB | 0.4000 | 0.02 |  |  |",
+        f"{m} separate, adapter | 0.5 MB | 0.0100 | 0.05 | 0.0040 (2.5x) |  |"]
+
+
 def test_lora_decode_table_groups_a_run_from_its_merged_row(tmp_path):
     first = {"model": "/m/SmolLM2-135M", "rank": 8, "prompts": 4, "new_tokens": 256,
              "cpu": "EPYC", "cpu_capability": "avx2", "threads": 2, "load_avg": 1.5}

@@ -30,6 +30,24 @@ def test_overrides_and_inheritance(tmp_path):
     assert (cfg.run.steps, cfg.run.seed, cfg.algo.beta, cfg.reference.alpha) == (7, 5, 0.2, 0.5)
 
 
+def test_overrides_index_a_recipe_list(tmp_path):
+    """`reward.sources.1.weight=...` sets that field of the recipe's second source; an index
+    past the list, or a word where the list needs a number, is refused naming both."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("reward:\n  sources:\n    - {source: rules, weight: 1.0}\n"
+                      "    - {source: remote, weight: 0.5, options: {url: 'http://h:1/s'}}\n")
+    cfg = load_config(str(recipe), ["reward.sources.1.weight=0.25",
+                                    "reward.sources.1.options.timeout_s=3"])
+    assert [(s.source, s.weight) for s in cfg.reward.sources] == [("rules", 1.0), ("remote", 0.25)]
+    assert cfg.reward.sources[1].options == {"url": "http://h:1/s", "timeout_s": 3}
+    for bad, match in [("reward.sources.2.weight=1", r"reward.sources is a list of 2; index it "
+                                                      r"with 0..1, got '2'"),
+                       ("reward.sources.w.weight=1", r"index it with 0..1, got 'w'"),
+                       ("reward.sources.0.source.x=1", r"'source' is not a section")]:
+        with pytest.raises(ValueError, match=match):
+            load_config(str(recipe), [bad])
+
+
 @pytest.mark.parametrize("overrides,match", [
     (["run.stepz=1"], r"unknown config key 'run.stepz'; valid keys: \["),
     (["algo.beta=0", "reference.sync_every_steps=5"], r"algo.beta=0 builds no reference"),

@@ -194,12 +194,16 @@ def test_lora_refit_choice():
     assert unavailable(adapter, 1, ModelConfig(), on_cpu=True) == ""
     assert unavailable(LoRAConfig(rank=4, refit="merged"), 1, ModelConfig()) == "lora.refit=merged"
     assert "MoE experts" in unavailable(auto, 1, moe, on_cpu=True)  # the first reason that holds
-    # separate placement: the rollout ranks get the merged weights wherever vLLM runs, and
-    # their engines start without LoRA (the trainer's side sends merged shards)
-    assert "rollout.placement=separate" in unavailable(auto, 1, ModelConfig(), separate=True)
+    # attention-only adapters on an MoE model: served on GPU; vLLM's CPU build cannot (its
+    # experts switch to Triton kernels once LoRA is on), refused for lora.refit=adapter
+    attention = LoRAConfig(rank=4, targets=["qkv", "proj"], refit="adapter")
+    assert unavailable(attention, 1, moe, on_cpu=False) == ""
+    with pytest.raises(ValueError, match=r"lora.refit=adapter, but an MoE model on vLLM's CPU"):
+        unavailable(attention, 1, moe, on_cpu=True)
+    # separate placement answers as colocated (its rollout ranks take adapter-only syncs)
     from megagrpo.train.tuning import build_tuning
 
-    assert build_tuning(auto, separate=True).engine_lora_rank(1, ModelConfig()) == 0
+    assert build_tuning(adapter).engine_lora_rank(1, ModelConfig()) == 8  # vLLM's next size
     with pytest.raises(ValueError, match=r"lora.refit=adapter, but .*tensor_parallel_size=2"):
         unavailable(adapter, 2, ModelConfig())
     with pytest.raises(ValueError, match="lora.refit='fast'"):

@@ -9,6 +9,7 @@ import torch
 
 from megagrpo.config.lora import LoRAConfig
 from megagrpo.sync import adapters as lora_refit
+from megagrpo.sync.transports.reload import Reload
 
 FULL_METRICS = {"sync_bytes": 1000, "sync_received_bytes": 1000, "sync_gather_s": 0.0,
                 "sync_load_s": 0.0}
@@ -45,8 +46,15 @@ class Harness:
         self.engine = FakeEngine()
         self.refit = lora_refit.AdapterSource(LoRAConfig(rank=4), tmp_path / "adapters",
                                               self.engine, SimpleNamespace(model=None,
-                                                                           parallel=None))
+                                                                           parallel=None),
+                                              Reload(self))
         self.log: list[str] = []
+
+    def update_weights(self, pairs, dtypes=None):
+        """The engine's update (the `reload` transport's): the base feed."""
+        assert pairs == "base pairs"
+        self.full_refit()
+        return None
 
     def full_refit(self) -> dict:
         assert not self.policy[0].lora_enabled, "the base was fed with the adapters on"
@@ -54,7 +62,9 @@ class Harness:
         return dict(FULL_METRICS)
 
     def sync(self) -> dict:
-        out = self.refit.refit(self.policy, lambda: None, lambda feed: self.full_refit())
+        feed = SimpleNamespace(pairs="base pairs", dtypes=None,
+                               metrics=lambda load: dict(FULL_METRICS))
+        out = self.refit.refit(self.policy, lambda: feed, None)
         self.log.append("adapter")
         assert self.policy[0].lora_enabled  # back on after the base feed
         assert self.engine.adapters[-1].endswith(f"adapter_{len(self.engine.adapters)}")

@@ -10,9 +10,12 @@ slice and every prompt is trained once, in the loader's own order, across a resu
 refusals name their field. One real-process run (3 ranks: 2 training ranks DP=2 + 1 rollout
 rank, megatron-core and vLLM, through the CLI) checks that it trains, that vLLM's log-probs on
 samples of the trainer's own version equal the trainer's to fp32 precision, and that the
-per-sample staleness never exceeds k. A pair of runs of the calculator tool task (colocated on
-1 rank; 1 training + 1 rollout rank) checks that multi-turn trajectories at separate placement
-are the colocated run's for the same seeds.
+per-sample staleness never exceeds k. Two more launches compose it: a tiny Qwen3-MoE with
+routing replay, merged LoRA, held-out evaluation and a cold start, and the dense model with
+adapter-only LoRA syncs and rollout.sync_delta (bytes counted on both sides). A pair of runs
+of the calculator tool task with dynamic sampling (colocated on 1 rank; 1 training + 1
+rollout rank) checks that multi-turn trajectories and top-ups at separate placement are the
+colocated run's for the same seeds.
 """
 from __future__ import annotations
 
@@ -388,7 +391,8 @@ def test_separate_placement_config():
                             "data.batch_size=4"])
     ok.validate(3)  # 2 training ranks (DP 2) + 1 rollout rank
     for lifted in (["eval.every=5"], ["cold_start.steps=5"], ["lora.rank=8"],
-                   ["lora.rank=8", "lora.refit=merged"], ["algo.routing_replay=true"],
+                   ["lora.rank=8", "lora.refit=merged"], ["lora.rank=8", "lora.refit=adapter"],
+                   ["algo.routing_replay=true"],
                    ["agent.environment=tests._agent_env:Digits", "agent.max_turns=3"],
                    ["algo.dynamic_sampling=true"]):
         load_config(None, ["rollout.placement=separate", "rollout.rollout_ranks=1",
@@ -398,8 +402,6 @@ def test_separate_placement_config():
         (["rollout.rollout_ranks=2"], "rollout.rollout_ranks=2 needs rollout.placement=separate"),
         (["rollout.placement=separate", "rollout.rollout_ranks=1",
           "rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size=2"),
-        (["rollout.placement=separate", "rollout.rollout_ranks=1", "lora.rank=8",
-          "lora.refit=adapter"], "lora.refit=adapter with rollout.placement=separate"),
         (["rollout.placement=sideways"], "rollout.placement='sideways'"),
     ]
     for overrides, named in bad:
@@ -429,6 +431,71 @@ def test_stop_message_carries_no_weights():
     remote.close()
     t.join(timeout=30)
     assert got[0].stop and eng.received == []
+
+
+class AdapterEngine(MarkerEngine):
+    """Keeps the base tensors it is fed and the adapter tensors of every peft folder it loads."""
+
+    max_lora_rank = 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adapters: list[dict[str, torch.Tensor]] = []
+
+    def update_weights(self, pairs, partial=False):
+        self.received.append({n: t.clone() for n, t in pairs})
+        return WeightSyncStats(tensors=0, bytes=0, seconds=0.0, source_seconds=0.0,
+                               load_seconds=0.0)
+
+    def load_adapter(self, path):
+        from safetensors.torch import load_file
+
+        self.adapters.append(load_file(f"{path}/adapter_model.safetensors"))
+
+
+def test_adapter_only_syncs_over_the_cross_group(tmp_path):
+    """An adapter-only LoRA sync to a rollout rank (`collective`'s `deliver_adapter`, the
+    header's `adapter` and `base`): the base reaches the engine only when given, the adapter
+    tensors every time, bitwise, as the peft folder its engine loads; the trainer reports the
+    base's bytes (0 without one) and the adapter rides in the same sync (one index each)."""
+    from megagrpo.config.lora import LoRAConfig
+    from megagrpo.sync.source import Feed
+    from megagrpo.sync.transports.collective import deliver_remote_adapter
+
+    store = dist.HashStore()
+    groups = {}
+    threads = [threading.Thread(target=lambda r=r: groups.update({r: dist.ProcessGroupGloo(
+        store, r, 2, timedelta(seconds=30))})) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    place = Placement(rank=0, train_world=1, rollout_ranks=1, store=store, cross=groups[0],
+                      timeout_s=30)
+    remote = RemoteEngine(place=place, loader=PromptLoader(_data(), B), sends=True,
+                          bucket_bytes=1000, dtype="float32")
+    rollout = Placement(rank=1, train_world=1, rollout_ranks=1, store=store, cross=groups[1],
+                        timeout_s=30, lora=LoRAConfig(rank=4), adapter_dir=tmp_path / "ad")
+    eng, got = AdapterEngine(), []
+    t = threading.Thread(target=lambda: got.extend(receive_weights(rollout, eng)
+                                                   for _ in range(3)))
+    t.start()
+    g = torch.Generator().manual_seed(0)
+    sent, out = [], []
+    for base in (True, False, False):
+        adapters = {f"base_model.model.model.layers.0.self_attn.q_proj.lora_{ab}.weight":
+                    torch.randn(shape, generator=g) for ab, shape in (("A", (4, 30)),
+                                                                      ("B", (40, 4)))}
+        sent.append(adapters)
+        feed = Feed(iter(_weights(len(out)))) if base else None
+        out.append(deliver_remote_adapter(Collective(remote), feed, adapters))
+    t.join(timeout=30)
+    assert [s.index for s in got] == [0, 1, 2] and remote.syncs == 3
+    assert len(eng.received) == 1  # the base once, bitwise
+    assert all(torch.equal(eng.received[0][n], w) for n, w in _weights(0))
+    assert [out_["sync_bytes"] > 0 for out_ in out] == [True, False, False]
+    assert len(eng.adapters) == 3
+    for loaded, adapters in zip(eng.adapters, sent):
+        assert loaded.keys() == adapters.keys()
+        assert all(torch.equal(loaded[n], w) for n, w in adapters.items())
 
 
 # ---------------------------------------------------------------------- real processes
@@ -561,6 +628,66 @@ def test_separate_multi_turn_equals_colocated(agent_runs):
         assert a["staleness_max"] == 0 and a["logp_gap_vllm_mean"] < 1e-5, a
 
 
+@pytest.fixture(scope="module")
+def separate_lora_run(tmp_path_factory):
+    """One launch of the tiny dense model at separate placement (2 training ranks DP=2 + 1
+    rollout rank, k = 0, 3 steps) with LoRA on all four targets served by the rollout rank's
+    vLLM (lora.refit=adapter) and delta syncs (rollout.sync_delta): the reference resets after
+    step 2, merging the adapters into the base."""
+    work = tmp_path_factory.mktemp("separate_lora")
+    p = run_cli("train", "--nproc", "3", *ARGS, "rollout.max_staleness=0", "lora.rank=8",
+                "lora.refit=adapter", "reference.sync_every_steps=2", "rollout.sync_delta=true",
+                "optim.lr=1e-2", f"run.out_dir={work}/run",
+                f"arithmetic.tokenizer_dir={work}/tok", timeout=900)
+    console = p.stdout + p.stderr
+    assert p.returncode == 0, console[-6000:]
+    records = [json.loads(line) for line in Path(work, "run", "metrics.jsonl").read_text()
+               .splitlines()]
+    logs = "".join(f.read_text() for f in sorted(Path(work, "run", "logs").glob("rank*.log")))
+    hf = json.loads(Path(work, "run", "engine", "rank2", "config.json").read_text())
+    return console + logs, [r for r in records if "loss" in r], hf
+
+
+def _linear_bytes(hf: dict) -> int:
+    """fp32 bytes of every layer's q/k/v/o and gate/up/down weights (what a merge edits),
+    counted from the engine's HF config by hand."""
+    H, F, L = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]
+    hd = hf.get("head_dim") or H // hf["num_attention_heads"]
+    q, kv = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd
+    return 4 * L * (H * (q + 2 * kv) + q * H + 3 * F * H)
+
+
+def test_separate_lora_adapter_and_delta_sync(separate_lora_run):
+    """LoRA at separate placement, adapter-only: every step samples fresh (k = 0) from the
+    rollout rank's vLLM serving the adapters it was sent, within fp32 precision of the
+    trainer (step 2 with trained adapters, step 3 after step 2's merge, whose base crossed as
+    a delta). What crossed, counted on both sides against bytes counted by hand: the syncs of
+    steps 1 and 3 the peft adapter alone; step 2's the merged linears (the delta: embeddings,
+    norms and the output layer, frozen, not re-sent) plus the adapter; the first sync the
+    whole base."""
+    from tests.test_lora_run import _peft_adapter_bytes
+
+    console, steps, hf = separate_lora_run
+    assert "vLLM serves the adapters (LoRA request per rollout): refits carry the adapters, " \
+           "the base only after a merge" in console
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["staleness_max"] for r in steps] == [0, 0, 0]
+    assert all(r["logp_gap_vllm_mean"] < 1e-5 for r in steps), \
+        [r["logp_gap_vllm_mean"] for r in steps]
+    assert "step 2: reference re-initialised (" in console and steps[1]["kl"] > 0
+    adapter, linears = _peft_adapter_bytes(hf, 8), _linear_bytes(hf)
+    assert [r["sync_adapter_bytes"] for r in steps] == [adapter] * 3
+    assert [r["sync_base"] for r in steps] == [0.0, 1.0, 0.0]
+    assert [r["sync_bytes"] for r in steps] == [adapter, linears + adapter, adapter]
+    got = [tuple(map(int, m)) for m in re.findall(
+        r"rollout rank 2: adapter sync (\d+) received (\d+) bytes of the base and (\d+) of "
+        r"the adapters", console)]
+    assert [s for s, _, _ in got] == [0, 1, 2, 3], got
+    assert [a for _, _, a in got] == [adapter] * 4
+    base = [b for _, b, _ in got]
+    assert base[1] == base[3] == 0 and base[2] == linears < base[0], got
+
+
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
 MOE_ARGS = [
     "--config", str(DEMO), "--nproc", "3", "run.steps=3", "data.batch_size=4",
@@ -619,8 +746,8 @@ def test_separate_lora_merged_refit(separate_moe_run):
     the cold start ended at)."""
     console, steps, work = separate_moe_run
     assert "vLLM is refit with the merged weights (W + s B A) after each update (no " \
-           "adapter-only refit: rollout.placement=separate sends the rollout ranks the merged " \
-           "weights)" in console
+           "adapter-only refit: an MoE model on vLLM's CPU build, whose experts run through " \
+           "Triton kernels it lacks once LoRA is on)" in console
     assert [r["logp_gap_vllm_mean"] < 1e-5 for r in steps] == [True] * 3, \
         [r["logp_gap_vllm_mean"] for r in steps]
     assert "step 2: reference re-initialised (" in console

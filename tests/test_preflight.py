@@ -219,6 +219,17 @@ def test_unservable_lora_adapter_refit_is_refused_before_compute():
     with pytest.raises(ValueError, match=r"lora.refit=adapter, but .*set lora.refit=auto"):
         preflight(load_config(DEMO, ["lora.rank=8", "lora.refit=adapter",
                                      "rollout.tensor_parallel_size=2"]), 2)
+    # an MoE model on vLLM's CPU build: with LoRA on its experts need Triton (measured at the
+    # first generate), so even attention-only adapters are refused here, at either placement
+    for placement in (["rollout.placement=colocated"],
+                      ["rollout.placement=separate", "rollout.rollout_ranks=1"]):
+        with pytest.raises(ValueError, match=r"lora.refit=adapter, but an MoE model on vLLM's "
+                                             r"CPU build.*set lora.refit=auto or merged"):
+            preflight(load_config(DEMO, ["lora.rank=8", "lora.refit=adapter",
+                                         "lora.targets=[qkv, proj]", *placement,
+                                         "model.architecture=qwen3_moe", "model.num_experts=4",
+                                         "model.moe_topk=2", "model.moe_ffn_hidden_size=64"]),
+                      3 if placement[0].endswith("separate") else 2)
 
 
 def test_layout_and_lengths_are_checked_against_run_init(tmp_path):

@@ -135,3 +135,31 @@ def test_a_judge_prompt_too_long_for_the_engine_is_not_sent_but_counted(tok):
     torch.testing.assert_close(scores.rewards[:2], torch.tensor([0.3, 0.4]))
     assert scores.valid.tolist() == [True, True, False]
     assert scores.metrics["judge_too_long"] == 1 and scores.metrics["judge_parse_failures"] == 0
+
+
+def test_agreement_with_the_correctness_source_is_counted(tok):
+    """rules (exact match, the correctness source) next to a judge: the 2x2 counts of the two
+    verdicts over the samples both scored, against the counts taken by hand from each source's
+    own verdicts; a parse failure is in no cell."""
+    cfg = RewardConfig(terms=[{"name": "exact_match"}], sources=[
+        {"source": "rules", "weight": 1.0, "correctness": True},
+        {"source": "judge", "weight": 0.0, "options": dict(
+            template=TEMPLATE, prompt_field="question", scale=0.1, correct_at=0.5)}])
+    cfg.validate()
+    check_source(cfg)
+    s = samples() + [Sample(prompt="<t>1+1", prompt_ids=[1], completion=c, completion_ids=[2],
+                            answer="2", record={"question": "1+1"}) for c in ("2", "3", "2")]
+    # exact match: 5 yes, 6 no, five no, 2 yes, 3 no, 2 yes
+    engine = JudgeEngine(["Score: 9", "Score: 8", "Score: 1", "Score: 7", "Score: 0", "??"])
+    scores = build_rewards(cfg, context=RewardContext(engine=engine, tokenizer=tok,
+                                                      stop_ids=(3,))).score(s)
+    rule = [1, 0, 0, 1, 0, 1]
+    judged = [1, 1, 0, 1, 0, None]  # >= 0.5 after scale 0.1; the last did not parse
+    cells = {"both": 0, "head_only": 0, "source_only": 0, "neither": 0}
+    for r, j in zip(rule, judged, strict=True):
+        if j is not None:
+            cells[{(1, 1): "both", (1, 0): "head_only", (0, 1): "source_only",
+                   (0, 0): "neither"}[(r, j)]] += 1
+    assert {k: scores.metrics[f"agreement/judge/{k}"] for k in cells} == cells
+    assert not any(k.startswith("agreement/rules") for k in scores.metrics)
+    assert scores.correct.tolist() == [bool(r) for r in rule]  # still the rules' verdict

@@ -164,6 +164,15 @@ def test_transports_to_rollout_ranks_refuse_a_colocated_engine(transport, tmp_pa
      r"sync\.transport=reload with rollout\.inflight_updates=true"),
     (["sync.dtype=int8"], r"sync\.dtype='int8'"),
     (["sync.transport=no-such"], r"sync\.transport='no-such'"),
+    # rollout.sync_delta: the shards transport of separate placement only, not in flight
+    (["rollout.sync_delta=true"], r"rollout\.sync_delta=true .*this run's sync is reload \(its "
+                                  r"engines are colocated\); set rollout\.sync_delta=false"),
+    (["rollout.sync_delta=true", "rollout.placement=separate", "rollout.rollout_ranks=1",
+      "sync.transport=collective"], r"sync is collective \(sync\.transport=collective\)"),
+    (["rollout.sync_delta=true", "rollout.placement=separate", "rollout.rollout_ranks=1",
+      "rollout.inflight_updates=true", "rollout.max_staleness=1"],
+     r"rollout\.sync_delta=true with rollout\.inflight_updates=true: .*set "
+     r"rollout\.sync_delta=false or rollout\.inflight_updates=false"),
 ])
 def test_refused_before_compute_naming_the_field(overrides, match):
     with pytest.raises(ValueError, match=match):

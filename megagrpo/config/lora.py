@@ -31,10 +31,10 @@ class LoRAConfig(Section):
     refit: str = "auto"
     """How vLLM gets the policy after an update: 'adapter' (vLLM serves the adapters; only they
     are refit, the base only after a merge), 'merged' (W + s B A refit like a full model), or
-    'auto': adapter, except where vLLM cannot serve them (the console says why), on vLLM's
+    'auto': adapter, except where vLLM cannot serve them (the console says why) and on vLLM's
     CPU build, whose LoRA decode is several times slower than the merged model's
-    (benchmarks/lora_decode.py), and under rollout.placement=separate (merged; adapter is
-    refused there)."""
+    (benchmarks/lora_decode.py). The same under rollout.placement=separate, whose rollout
+    ranks are sent the adapters alone."""
 
     @property
     def enabled(self) -> bool:

@@ -57,6 +57,12 @@ class RolloutConfig(Section):
     sync_bucket_mb: int = 256
     """Weight sync moves the sharded policy in buckets of at most this many MiB of full tensors
     (peak extra memory per rank: one bucket plus the largest tensor)."""
+    sync_delta: bool = False
+    """Separate placement, sync.transport=shards: each sync sends only the shards whose bytes
+    changed since the rollout engines last received them (the sender keeps a 128-bit blake2b
+    digest of each shard it sent; the TP ranks of a stage agree on what changed), so frozen
+    parts (embeddings, norms, a LoRA run's base between merges) cross once. The engines' weights
+    equal a full sync's bitwise. Off: every sync sends every shard."""
     max_staleness: int | None = None
     """k: policy versions a sample may lag the policy that trains on it. 0 = synchronous (each
     batch sampled by the weights it trains), 1 = the next batch drawn while a step trains, k >= 2

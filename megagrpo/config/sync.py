@@ -60,3 +60,23 @@ class SyncConfig(Section):
                 "engine's slot by the inflight transport, and only it posts; set "
                 "sync.transport=auto, or rollout.inflight_updates="
                 f"{str(not rollout.inflight_updates).lower()}")
+
+    def check_delta(self, rollout: RolloutConfig, parallel: ParallelConfig) -> None:
+        """rollout.sync_delta: where a delta can reach the engines whole (the `shards`
+        transport of separate placement; the in-flight slot keeps only the newest post, which
+        would drop an earlier delta)."""
+        if not rollout.sync_delta:
+            return
+        name = self.resolved(rollout, parallel)
+        if name != "shards":
+            why = ("its engines are colocated" if rollout.placement != "separate" else
+                   f"parallel.ep={parallel.ep}: full tensors from rank 0" if parallel.ep > 1
+                   else f"sync.transport={self.transport}")
+            raise ValueError(f"rollout.sync_delta=true sends changed shards only, over the "
+                             f"shards transport of rollout.placement=separate; this run's sync "
+                             f"is {name} ({why}); set rollout.sync_delta=false")
+        if rollout.inflight_updates:
+            raise ValueError("rollout.sync_delta=true with rollout.inflight_updates=true: the "
+                             "in-flight slot keeps only the newest posted sync, and a delta it "
+                             "replaced would be lost; set rollout.sync_delta=false or "
+                             "rollout.inflight_updates=false")

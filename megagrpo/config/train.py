@@ -17,7 +17,7 @@ from megagrpo.config.layout import check_rollout_layout
 from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.optim import OptimConfig
-from megagrpo.config.placement import check_separate, training_world
+from megagrpo.config.placement import training_world
 from megagrpo.config.rollout import RolloutConfig
 from megagrpo.config.run import (
     CheckpointConfig,
@@ -125,6 +125,7 @@ class TrainConfig(Section):
         self.optim.check_dtype(self.model.dtype)
         self.rollout.validate()
         self.sync.validate(self.rollout)
+        self.sync.check_delta(self.rollout, self.parallel)
         self.algo.validate()
         self.data.validate()
         if self.data.task == "arithmetic":
@@ -174,7 +175,6 @@ class TrainConfig(Section):
                              f"{by[2]} or rollout.tensor_parallel_size=1")
         check_rollout_layout(self.rollout.tensor_parallel_size, self.parallel, self.model,
                              world_size)
-        check_separate(self.rollout, algo=self.algo, lora=self.lora)
 
 
     @property
@@ -305,13 +305,23 @@ class TrainConfig(Section):
 
 
 def _set_dotted(tree: dict, dotted: str, value) -> None:
+    """`a.b.c=value` into the recipe's tree; a number indexes a list the recipe gives
+    (`reward.sources.1.weight=0.5`)."""
     keys = dotted.split(".")
     node = tree
-    for k in keys[:-1]:
-        node = node.setdefault(k, {})
-        if not isinstance(node, dict):
-            raise ValueError(f"override {dotted!r}: {k!r} is not a section")
-    node[keys[-1]] = value
+    for i, k in enumerate(keys):
+        last = i == len(keys) - 1
+        if isinstance(node, list):
+            if not k.isdigit() or int(k) >= len(node):
+                raise ValueError(f"override {dotted!r}: {'.'.join(keys[:i])} is a list of "
+                                 f"{len(node)}; index it with 0..{len(node) - 1}, got {k!r}")
+            k = int(k)
+        elif not isinstance(node, dict):
+            raise ValueError(f"override {dotted!r}: {keys[i - 1]!r} is not a section")
+        if last:
+            node[k] = value
+        else:
+            node = node.setdefault(k, {}) if isinstance(node, dict) else node[k]
 
 
 def packing_blocker(compute: ComputeConfig, parallel: ParallelConfig) -> str | None:

@@ -12,13 +12,21 @@ from their shards in TP rank order (`megagrpo.hf.unfuse_shards`, the same conver
 gathered stream's: QKV split per KV group, gate/up split, vocab padding stripped), stage after
 stage, into its engine's layout (one engine of TP 1: whole tensors). Senders announce
 themselves in the store as `shards/{stage}/{tp_rank}` -> global rank.
+
+rollout.sync_delta: a sender keeps a digest of every shard it sent (`SentDigests`) and sends
+only the shards whose bytes changed since; the TP ranks of a stage agree on the changed
+parameters first (a MAX all-reduce of the flags over their TP group), so they still cut the
+same buckets, and a rollout rank reassembles just those parameters (a partial update of its
+engine, every fused layer whole).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.params import param_specs
@@ -80,6 +88,36 @@ def send_end(group, dsts: list[int]) -> None:
         send_json(group, {"end": True}, dst)
 
 
+def digest(t: torch.Tensor) -> bytes:
+    """A 128-bit blake2b digest of the tensor's bytes (on the host)."""
+    raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.blake2b(memoryview(raw.numpy()), digest_size=16).digest()
+
+
+class SentDigests:
+    """Sender side of rollout.sync_delta: the digest of each shard (by local name) as the
+    engines last received it."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, bytes] = {}
+
+    def changed(self, shards: list[tuple[str, torch.Tensor]], tp_group=None
+                ) -> list[tuple[str, torch.Tensor]]:
+        """The shards to send: those whose bytes differ from the last sent (all at first), or
+        whose parameter changed on another TP rank of the stage (`tp_group`, collective over
+        it: the ranks of a stage send the same parameters). Records them as sent."""
+        digests = [digest(t) for _, t in shards]
+        flags = torch.tensor([self.sent.get(n) != d for (n, _), d in zip(shards, digests)],
+                             dtype=torch.int32)
+        if tp_group is not None and flags.numel():
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            tp_group.allreduce([flags], opts).wait()
+        for (n, _), d in zip(shards, digests):
+            self.sent[n] = d
+        return [pair for pair, f in zip(shards, flags.tolist()) if f]
+
+
 def sender_ranks(store, parallel: ParallelConfig) -> list[list[int]]:
     """[stage][tp_rank] -> the global rank that sends those shards (as the senders announced)."""
     return [[int(store.get(f"shards/{s}/{r}")) for r in range(parallel.tp)]
@@ -124,4 +162,5 @@ def received_tensors(group, store, model: ModelConfig, parallel: ParallelConfig
                 yield from unfuse_shards(shards, spec, model)
 
 
-__all__ = ["buckets", "received_tensors", "send_bucket", "send_end", "sender_ranks"]
+__all__ = ["SentDigests", "buckets", "digest", "received_tensors", "send_bucket", "send_end",
+           "sender_ranks"]

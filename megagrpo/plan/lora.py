@@ -58,8 +58,7 @@ def refit_bytes(cfg: TrainConfig, m: ModelConfig) -> RefitBytes:
 
     b = DTYPE_BYTES[m.dtype]
     return RefitBytes(model=total_params(m) * b, adapters=peft_numel(cfg, m) * b,
-                      fallback=unavailable(cfg.lora, cfg.rollout.tensor_parallel_size, m,
-                                            separate=cfg.rollout.placement == "separate"))
+                      fallback=unavailable(cfg.lora, cfg.rollout.tensor_parallel_size, m))
 
 
 def full_finetuning(cfg: TrainConfig) -> TrainConfig:

@@ -102,7 +102,7 @@ class WeightedSources:
             total += part.weight * raw
             if s.valid is not None:
                 valid &= s.valid.bool()
-            ok = s.valid.bool() if s.valid is not None else torch.ones(n, dtype=torch.bool)
+            ok = _scored(s)
             per_term[part.label] = raw
             metrics[f"reward/{part.label}"] = float(raw[ok].mean()) if bool(ok.any()) else 0.0
             for key, v in s.per_term.items():
@@ -113,6 +113,7 @@ class WeightedSources:
                 if key in s.gauges:
                     gauges.add(name)
         head = scores[self.correctness]
+        metrics.update(agreement(self.parts, scores, self.correctness))
         return Scores(rewards=total, per_term=per_term, correct=head.correctness(),
                       metrics=metrics, valid=None if bool(valid.all()) else valid,
                       gauges=frozenset(gauges))
@@ -120,6 +121,31 @@ class WeightedSources:
     def close(self) -> None:
         for p in self.parts:
             p.source.close()
+
+
+AGREEMENT = ("both", "head_only", "source_only", "neither")
+"""`agreement/<label>/<cell>` counts: samples both sources scored, by whether the correctness
+source (`head`) and source `<label>` called them correct."""
+
+
+def agreement(parts: list[Part], scores: list[Scores], head: int) -> dict[str, float]:
+    """For each source that says which samples are correct (`Scores.correct`, e.g. a judge's
+    `correct_at`), other than the correctness source, the 2x2 counts of its verdicts against
+    the correctness source's over the samples both scored. Counts, so slices and ranks add."""
+    ref = scores[head]
+    out: dict[str, float] = {}
+    for i, (part, s) in enumerate(zip(parts, scores, strict=True)):
+        if i == head or s.correct is None:
+            continue
+        both = _scored(ref) & _scored(s)
+        a, b = ref.correctness()[both], s.correctness()[both]
+        for cell, hit in zip(AGREEMENT, (a & b, a & ~b, ~a & b, ~a & ~b), strict=True):
+            out[f"agreement/{part.label}/{cell}"] = float(hit.sum())
+    return out
+
+
+def _scored(s: Scores) -> torch.Tensor:
+    return s.valid.bool() if s.valid is not None else torch.ones(len(s.rewards), dtype=torch.bool)
 
 
 def _no_check(cfg: RewardConfig) -> None:

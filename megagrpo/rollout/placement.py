@@ -67,18 +67,22 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
 
+from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from megagrpo.config.placement import check_separate, training_world
+from megagrpo.config.placement import training_world
 from megagrpo.engine.shard_feed import received_tensors as received_shards
+from megagrpo.lora.export import save_peft_adapter
 from megagrpo.rollout.collect import dynamic_sampling
 from megagrpo.rollout.sample_channel import Part, TensorChannel
 from megagrpo.rollout.stream import StreamStats, stamp
@@ -124,6 +128,10 @@ class Placement:
     """The policy's architecture (a rollout rank reassembles shards by it)."""
     parallel: ParallelConfig | None = None
     """The training layout (whose shards a rollout rank receives)."""
+    lora: LoRAConfig | None = None
+    """A LoRA run's adapters (a rollout rank writes each adapter-only sync as a peft folder)."""
+    adapter_dir: Path | None = None
+    """Rollout rank: where it writes those folders (its engine's folder)."""
 
     def channel(self, batch_size: int, replica: tuple[int, int] | None = None
                 ) -> TensorChannel:
@@ -198,7 +206,8 @@ def split_world(cfg: TrainConfig, rank: int, world: int, model: ModelConfig | No
                                         timeout)
     return Placement(rank=rank, train_world=T, rollout_ranks=R, store=dist.PrefixStore(
         "stream/", store), cross=cross, timeout_s=cfg.parallel.collective_timeout_s,
-        samples=samples, weights=weights, model=model or cfg.model, parallel=cfg.parallel)
+        samples=samples, weights=weights, model=model or cfg.model, parallel=cfg.parallel,
+        lora=cfg.lora, adapter_dir=Path(cfg.run.out_dir) / "engine" / f"rank{rank}" / "adapters")
 
 
 # ---------------------------------------------------------------------- the wire
@@ -261,17 +270,18 @@ class RemoteEngine:
                              "rollout.placement=separate; set sync.transport=auto")
         return engine
 
-    def begin_sync(self, via: str) -> int:
+    def begin_sync(self, via: str, **head) -> int:
         """Every training rank, at the start of a sync: its index; training rank 0 announces
         it and broadcasts its header over the cross group (`via`: the transport whose tensors
-        follow, so the rollout ranks know how to receive them)."""
+        follow, so the rollout ranks know how to receive them; `head`: more of the header,
+        e.g. an adapter-only LoRA sync's `adapter` and `base`, `receive_weights`)."""
         sync, self.syncs = self.syncs, self.syncs + 1
         if self.sends and self.place.cross is not None:
             first = sync == 0 and not self.held
             self.place.announce(sync)
             bcast_json(self.place.cross, {"sync": sync, "stop": False, "via": via,
                                           "start": self.loader.state_dict() if first else None,
-                                          "batches": self.batches if first else None})
+                                          "batches": self.batches if first else None, **head})
         return sync
 
     def release(self) -> None:
@@ -352,11 +362,37 @@ def receive_weights(place: Placement, engine) -> Sync:
                     release=True)
     sync = Sync(index=head["sync"], start=head["start"], stop=head["stop"],
                 batches=head.get("batches"))
-    if not sync.stop:
-        engine.update_weights(_incoming(place, head))
-        if getattr(engine, "inflight", None) is not None:
-            engine.inflight.label(engine, sync.index)
+    if sync.stop:
+        return sync
+    if head.get("adapter"):
+        receive_adapter(place, engine, head)
+        return sync
+    engine.update_weights(_incoming(place, head), **_partial(head))
+    if getattr(engine, "inflight", None) is not None:
+        engine.inflight.label(engine, sync.index)
     return sync
+
+
+def _partial(head: dict) -> dict:
+    """update_weights' arguments for a sync: a delta (rollout.sync_delta) updates a subset."""
+    return {"partial": True} if head.get("delta") else {}
+
+
+def receive_adapter(place: Placement, engine, head: dict) -> None:
+    """Rollout rank, an adapter-only LoRA sync (`megagrpo.sync.adapters.AdapterSource`): the
+    base as its transport sent it when the header says it changed (`base`; after a merge),
+    then the adapter tensors broadcast over the cross group, written as a peft folder the
+    engine loads as its next adapter. Logs the bytes of both."""
+    base = (engine.update_weights(_incoming(place, head), **_partial(head)).bytes
+            if head.get("base") else 0)
+    tensors = {n: t.clone() for n, t in _received_tensors(place.cross)}  # own storage each
+    folder = place.adapter_dir / f"adapter_{head['sync']}"
+    save_peft_adapter(folder, tensors, place.lora, base="")
+    engine.load_adapter(str(folder))
+    shutil.rmtree(place.adapter_dir / f"adapter_{head['sync'] - 1}", ignore_errors=True)
+    log.info("rollout rank %d: adapter sync %d received %d bytes of the base and %d of the "
+             "adapters", place.rank, head["sync"], base,
+             sum(t.numel() * t.element_size() for t in tensors.values()))
 
 
 def receive_posted(place: Placement, engine) -> Sync:
@@ -677,5 +713,5 @@ def _position(state: dict) -> tuple[int, int]:
     return state["epoch"], state["index"]
 
 
-__all__ = ["Placement", "RemoteEngine", "SeparateSource", "check_separate", "serve",
+__all__ = ["Placement", "RemoteEngine", "SeparateSource", "serve",
            "split_world", "training_world"]

@@ -4,7 +4,9 @@
 vLLM serves the adapters itself (`enable_lora`, a `LoRARequest` on every generate): its engine
 holds the base W and the current adapter, and computes W x + s B A x like the trainer. After an
 update only the adapters change, so a refit writes them as a peft folder (a few MB, in the
-engine's own directory) and vLLM loads it as a new adapter, replacing the last one. The base is
+engine's own directory) and vLLM loads it as a new adapter, replacing the last one; at
+rollout.placement=separate training rank 0 broadcasts them to the rollout ranks, which write
+and load the folder themselves (`Transport.deliver_adapter`). The base is
 refit (W, adapters off) only when it changed: at the start and after a merge (a reference
 reset, `AdapterSource.base_changed`). A merge leaves the policy unchanged, so vLLM's old base and
 old adapter still sample the policy until the next refit sends both.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -29,6 +32,7 @@ from megagrpo.lora.layers import adapters_disabled, parameters_for_refit
 from megagrpo.model.gpt import unwrap
 from megagrpo.sync.source import Feed, FullWeights
 from megagrpo.sync.transforms import Transform
+from megagrpo.sync.transports import Transport
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM 0.32 accepts as max_lora_rank (vllm/config/lora.py, MaxLoRARanks)."""
@@ -40,20 +44,25 @@ def vllm_max_lora_rank(rank: int) -> int:
 
 
 def unavailable(lora: LoRAConfig, rollout_tp: int, model: ModelConfig | None = None, *,
-                on_cpu: bool = False, separate: bool = False) -> str:
+                on_cpu: bool = False) -> str:
     """'' when vLLM serves this run's adapters, else why it does not (the merged weights are
     refit then). `model`: the policy's (MoE expert adapters are not served); `on_cpu`: the
-    engines are vLLM's CPU build (`lora.refit=auto` refits merged there); `separate`: the
-    engines run on rollout ranks of their own (rollout.placement=separate), which are sent the
-    merged weights (lora.refit=adapter is refused there, megagrpo.config.placement). Raises
-    ValueError when `lora.refit=adapter` asks for what cannot be served."""
+    engines are vLLM's CPU build (`lora.refit=auto` refits merged there). The same answer
+    colocated and at rollout.placement=separate (whose rollout ranks are sent the adapters
+    alone by the `shards` or `collective` transport). Raises ValueError when
+    `lora.refit=adapter` asks for what cannot be served."""
     if not lora.enabled:
         return "lora.rank=0"
     if lora.refit == "merged":
         return "lora.refit=merged"
-    if separate:
-        return "rollout.placement=separate sends the rollout ranks the merged weights"
     why = _cannot_serve(lora, rollout_tp, model)
+    if not why and on_cpu and model is not None and model.is_moe:
+        # measured (tests/test_placement.py's MoE run with lora.refit=adapter): with LoRA on,
+        # vLLM 0.32 runs the experts through its Triton fused-MoE kernels, even beside
+        # attention-only adapters, and its CPU build has no Triton ("triton.language has no
+        # attribute float32" in triton_moe.py at the first generate)
+        why = ("an MoE model on vLLM's CPU build, whose experts run through Triton kernels it "
+               "lacks once LoRA is on")
     if why and lora.refit == "adapter":
         raise ValueError(f"lora.refit=adapter, but {why}; set lora.refit=auto or merged")
     if not why and on_cpu and lora.refit == "auto":
@@ -98,16 +107,21 @@ class MergeAdapters(Transform):
 
 class AdapterSource:
     """The refit of a LoRA policy into a vLLM engine started with its LoRA support: the base
-    through the weight stream (`base`, adapters off) when it changed, then the adapters as a
-    peft folder the engine loads as a new LoRA adapter. A checkpoint part
+    through the weight stream (`base`, adapters off) when it changed, then the adapters, which
+    the engine loads as a new LoRA adapter (a peft folder): the transport's `deliver_adapter`
+    moves both, into this rank's engine (`reload`) or to rollout ranks of their own (`shards`,
+    `collective`), whose engines write and load the folder themselves. A checkpoint part
     (`checkpoint_parts`): a merge not refit yet."""
 
-    def __init__(self, cfg: LoRAConfig, folder: str | Path, engine, base: FullWeights):
+    def __init__(self, cfg: LoRAConfig, folder: str | Path, engine, base: FullWeights,
+                 transport: Transport):
         self.cfg = cfg
         self.folder = Path(folder)
         self.engine = engine
         self.base = base
         """The weight stream of the base (full weights or shard slices)."""
+        self.transport = transport
+        """What moves a refit (`Transport.deliver_adapter`)."""
         self.base_stale = True
         """Whether vLLM's base differs from the policy's (start, after a merge)."""
         self._count = 0
@@ -140,29 +154,34 @@ class AdapterSource:
         self._stale_after_first = bool(state.get("adapter_base_stale", False))
 
     def refit(self, policy, feed: Callable[[], Feed], deliver: Callable[[Feed], dict]) -> dict:
-        """The base through `deliver` (the transport, the stream run with the adapters off)
-        when it changed, then the adapters as a new LoRA adapter of the engine. Collective over
-        the model-parallel group. Returns the sync metrics (sync_bytes: base + adapters)."""
-        out = {"sync_bytes": 0, "sync_received_bytes": 0, "sync_gather_s": 0.0,
-               "sync_load_s": 0.0}
+        """The base (the stream run with the adapters off) when it changed, then the adapters
+        as a new LoRA adapter of the engine(s), both through the transport's
+        `deliver_adapter` (`deliver`, the transport's plain delivery, is not used). Collective
+        over the model-parallel group. Returns the sync metrics (sync_bytes: base +
+        adapters)."""
         base = self.base_stale
-        if base:
-            with adapters_disabled(policy):  # the feed streams W, not W + s B A
-                out = deliver(feed())
-            self.base_stale, self._stale_after_first = self._stale_after_first, False
         t0 = time.perf_counter()
         tensors = gather_adapters(policy, self.base.model, self.base.parallel)
-        self._count += 1
-        folder = self.folder / f"adapter_{self._count}"
-        save_peft_adapter(folder, tensors, self.cfg, base="")
         t1 = time.perf_counter()
-        self.engine.load_adapter(str(folder))
-        shutil.rmtree(self.folder / f"adapter_{self._count - 1}", ignore_errors=True)
+        with adapters_disabled(policy) if base else nullcontext():  # the feed streams W
+            out = self.transport.deliver_adapter(feed() if base else None, tensors,
+                                                 self.load_local)
+        if base:
+            self.base_stale, self._stale_after_first = self._stale_after_first, False
         nbytes = adapter_bytes(tensors)
         out.update(sync_bytes=out["sync_bytes"] + nbytes, sync_adapter_bytes=nbytes,
                    sync_base=float(base), sync_gather_s=out["sync_gather_s"] + t1 - t0,
                    sync_load_s=out["sync_load_s"] + time.perf_counter() - t1)
         return out
+
+    def load_local(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The adapters as a peft folder in this rank's engine folder, loaded by its engine
+        (the colocated transport's part of `deliver_adapter`)."""
+        self._count += 1
+        folder = self.folder / f"adapter_{self._count}"
+        save_peft_adapter(folder, tensors, self.cfg, base="")
+        self.engine.load_adapter(str(folder))
+        shutil.rmtree(self.folder / f"adapter_{self._count - 1}", ignore_errors=True)
 
 
 def adapter_bytes(tensors: dict[str, torch.Tensor]) -> int:

@@ -112,19 +112,20 @@ def build_weight_sync(cfg: SyncConfig, rollout: RolloutConfig, lora: LoRAConfig,
     kind = transport_class(name)
     base = (OwnShards if kind.own_shards else ShardSlices if shard_to_shard else FullWeights)(
         model, parallel, rollout.sync_bucket_mb << 20)
+    transport = kind.build(SyncContext(engine=engine, model=model, folder=folder,
+                                       parallel=parallel, delta=rollout.sync_delta))
     transforms: list[Transform] = []
     source: Source = base
     if lora.enabled and engine.max_lora_rank:
-        source = AdapterSource(lora, folder / "adapters", engine, base)
+        if not kind.adapters:
+            raise ValueError(f"sync.transport={name} with an adapter-only LoRA refit: it moves "
+                             "no adapters (reload, shards and collective do); set "
+                             "sync.transport=auto or lora.refit=merged")
+        source = AdapterSource(lora, folder / "adapters", engine, base, transport)
     elif lora.enabled:
         transforms.append(MergeAdapters())
     if cfg.dtype not in ("auto", model.dtype):
         transforms.append(CastDtype(DTYPE[cfg.dtype]))
-    transport = kind.build(SyncContext(engine=engine, model=model, folder=folder,
-                                       parallel=parallel))
-    if isinstance(source, AdapterSource) and name != "reload":
-        raise ValueError(f"sync.transport={name} with an adapter-only LoRA refit: the adapters "
-                         "load in-process; set sync.transport=auto or lora.refit=merged")
     return WeightSync(source, transport, transforms,
                       declared=expected_feed(model, transforms))
 

@@ -50,8 +50,6 @@ class LoRATuning:
     with its adapters off, and a reset merges ([lora.md](../../docs/lora.md))."""
 
     lora: LoRAConfig
-    separate: bool = False
-    """rollout.placement=separate: the rollout ranks' engines get the merged weights."""
 
     def prepare(self, gpt: torch.nn.Module, model: ModelConfig, rollout_tp: int, *, seed: int,
                 loud: bool) -> None:
@@ -59,15 +57,13 @@ class LoRATuning:
         adapters only); `loud`: one console line on what trains and how vLLM gets it."""
         n = add_adapters(gpt, self.lora, seed=seed)
         if loud:
-            why = unavailable(self.lora, rollout_tp, model, on_cpu=vllm_on_cpu(),
-                              separate=self.separate)
+            why = unavailable(self.lora, rollout_tp, model, on_cpu=vllm_on_cpu())
             log.info("%s", describe(n, sum(p.numel() for p in gpt.parameters()), self.lora, why))
 
     def engine_lora_rank(self, rollout_tp: int, model: ModelConfig) -> int:
         """The max_lora_rank the engines start with: the adapters' (vLLM's next size) where
         vLLM serves them, 0 where the merged weights are refit instead."""
-        if unavailable(self.lora, rollout_tp, model, on_cpu=vllm_on_cpu(),
-                              separate=self.separate):
+        if unavailable(self.lora, rollout_tp, model, on_cpu=vllm_on_cpu()):
             return 0
         return vllm_max_lora_rank(self.lora.rank)
 
@@ -82,10 +78,9 @@ class LoRATuning:
                           tokenizer=tr.tokenizer, extra={"lora": dataclasses.asdict(self.lora)})
 
 
-def build_tuning(lora: LoRAConfig, *, separate: bool = False) -> FullTuning | LoRATuning:
-    """LoRA's tuning when lora.rank > 0, else full-parameter training (`separate`: under
-    rollout.placement=separate, whose rollout ranks are sent the merged weights)."""
-    return LoRATuning(lora, separate) if lora.enabled else FullTuning()
+def build_tuning(lora: LoRAConfig) -> FullTuning | LoRATuning:
+    """LoRA's tuning when lora.rank > 0, else full-parameter training."""
+    return LoRATuning(lora) if lora.enabled else FullTuning()
 
 
 __all__ = ["FullTuning", "LoRATuning", "build_tuning"]

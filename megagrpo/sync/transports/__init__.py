@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, ClassVar
 from megagrpo.config.model import ModelConfig, ParallelConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from megagrpo.sync.source import Feed
 
 
@@ -37,6 +39,8 @@ class SyncContext:
     """This rank's engine folder (the disk transport writes under it)."""
     parallel: ParallelConfig | None = None
     """The training layout (the shards transport cuts its buckets by it)."""
+    delta: bool = False
+    """rollout.sync_delta: send only what changed since the engines' last sync (`shards`)."""
 
 
 class Transport:
@@ -47,6 +51,8 @@ class Transport:
     own_shards: ClassVar[bool] = False
     """True: it takes this rank's own megatron shards by local name (`sync.source.OwnShards`,
     nothing gathered); False: (HF name, tensor) pairs from the gathered or sliced stream."""
+    adapters: ClassVar[bool] = False
+    """True: it delivers a LoRA policy's adapter-only refit (`deliver_adapter`)."""
 
     @classmethod
     def build(cls, ctx: SyncContext) -> Transport:
@@ -60,6 +66,18 @@ class Transport:
         metrics (sync_bytes, sync_received_bytes, sync_gather_s, sync_load_s, ...)."""
         raise NotImplementedError
 
+    def deliver_adapter(self, base: Feed | None, adapters: dict[str, torch.Tensor],
+                        load: Callable[[dict[str, torch.Tensor]], None]) -> dict:
+        """A LoRA adapter-only refit (transports with `adapters`): the base's stream when it
+        changed (None: unchanged, nothing of it moves), then the adapter tensors (peft names,
+        gathered on every rank), which reach the engine(s) as their next LoRA adapter (`load`:
+        how this rank's own engine takes them). Returns the base's sync metrics
+        (`NO_BASE` when none moved)."""
+        raise NotImplementedError
+
+
+NO_BASE = {"sync_bytes": 0, "sync_received_bytes": 0, "sync_gather_s": 0.0, "sync_load_s": 0.0}
+"""The sync metrics of an adapter refit that moved no base."""
 
 _REGISTRY: dict[str, type[Transport]] = {}
 
@@ -95,4 +113,5 @@ def transport_class(name: str) -> type[Transport]:
     return _REGISTRY[name]
 
 
-__all__ = ["SyncContext", "Transport", "available", "check", "register", "transport_class"]
+__all__ = ["NO_BASE", "SyncContext", "Transport", "available", "check", "register",
+           "transport_class"]

@@ -4,11 +4,13 @@ tensor)."""
 from __future__ import annotations
 
 from megagrpo.sync.source import Feed
-from megagrpo.sync.transports import SyncContext, Transport, register
+from megagrpo.sync.transports import NO_BASE, SyncContext, Transport, register
 
 
 @register("reload")
 class Reload(Transport):
+    adapters = True
+
     def __init__(self, engine) -> None:
         self.engine = engine
 
@@ -18,3 +20,8 @@ class Reload(Transport):
 
     def deliver(self, feed: Feed, version: int) -> dict:
         return feed.metrics(self.engine.update_weights(feed.pairs, dtypes=feed.dtypes))
+
+    def deliver_adapter(self, base: Feed | None, adapters: dict, load) -> dict:
+        out = self.deliver(base, -1) if base is not None else dict(NO_BASE)
+        load(adapters)  # a peft folder in this rank's engine folder
+        return out
