@@ -454,7 +454,8 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
         # at most k syncs behind; the launch's last batch on-policy (k = 0)
         behind = sync.index < base + step - (0 if step == last else k)
         if behind and cfg.algo.dynamic_sampling and not _message_due(place, sync, evals):
-            time.sleep(0.005)  # the trainer may ask for a top-up of this step first
+            watchdog.set_phase("weight_sync", i)  # or a top-up of this step, asked first
+            _await_topup_or_message(place, sync, evals, topups)
             continue
         if behind or _message_due(place, sync, evals):
             watchdog.set_phase("weight_sync", i)
@@ -493,6 +494,14 @@ def _topups_asked(place: Placement, known: int) -> int:
     while place.store.check([f"topup/{known}"]):
         known += 1
     return known
+
+
+def _await_topup_or_message(place: Placement, sync: Sync, evals: int, topups: int) -> None:
+    """Rollout rank with dynamic sampling, behind the weights its next draw needs: polls the
+    store until the trainer asks for top-up `topups` or announces its next message (a blocking
+    receive would not see a top-up asked before the next sync)."""
+    while not (place.store.check([f"topup/{topups}"]) or _message_due(place, sync, evals)):
+        time.sleep(0.005)
 
 
 def _message_due(place: Placement, sync: Sync, evals: int) -> bool:
