@@ -43,6 +43,7 @@ from megagrpo.preflight import Preflight, preflight
 from megagrpo.reward import RewardContext, build_rewards
 from megagrpo.rollout.collect import RolloutCollector
 from megagrpo.rollout.placement import (
+    InFlightState,
     RemoteEngine,
     SeparateSource,
     serve,
@@ -217,6 +218,9 @@ def checkpoint_states(tr: Trainer) -> dict[str, Part]:
     states["rng"] = PerRank(RankRng(tr.engine), what="the per-rank random streams")
     states["rollout"] = PerRank(tr.rollouts, what="the async batch drawn for the next step",
                                 restore=tr.cfg.staleness > 0)
+    if isinstance(tr.rollouts, SeparateSource):  # the rollout ranks' queue and streams
+        states["rollout_ranks"] = PerRank(InFlightState(tr.rollouts, tr),
+                                          what="the rollout ranks' queued batches and streams")
     states["train_state"] = Replicated(tr)
     if tr.eval_target is not None:  # a Trainer built by `setup` has one
         states["eval_target"] = Replicated(tr.eval_target)
@@ -253,6 +257,7 @@ def serve_rollouts(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | No
     """A rollout rank of separate placement (`megagrpo.rollout.placement`): its own engine, sampling
     for the trainer until it says stop. Returns what it did."""
     follow_parent()
+    watchdog.role = "rollout"  # a frozen rollout rank is named as one by the rank watching it
     rank, world, _ = torchrun_env()
     checked = checked or preflight(cfg, world, warn=False)
     freeze(cfg)

@@ -18,7 +18,9 @@ turns, environment tokens masked), agent+async (those with the pending multi-tur
 checkpointed), async2 (rollout.max_staleness=2: two batches drawn ahead, both checkpointed),
 lora (LoRA adapters, a checkpoint every step and a reference reset, a merge, every 3:
 checkpoints with and without the base, which is written only after a merge; the adapter
-refit), lora+merged (the same with the merged-weight refit, lora.refit=auto's choice on CPU).
+refit), lora+merged (the same with the merged-weight refit, lora.refit=auto's choice on CPU),
+separate (rollout.placement=separate: 1 training rank + 1 rollout rank, k = 1; the rollout
+rank's queued parts and sampler streams checkpointed).
 """
 from __future__ import annotations
 
@@ -91,6 +93,10 @@ BF16 = ("model.dtype=bfloat16", "rollout.dtype=bfloat16", "algo.rollout_is=trunc
 MODES["distopt+async+bf16"] = (*MODES["distopt+async"], *BF16)
 # LoRA in bf16: a bf16 base and adapters, merges with the folded residual (docs/lora.md)
 MODES["lora+merged+bf16"] = (*MODES["lora+merged"], *BF16)
+# issue 47: separate placement (1 training rank + 1 rollout rank, k = 1): the rollout rank's
+# finished parts the trainer had not taken and its sampler's streams are in every checkpoint
+MODES["separate"] = ("rollout.placement=separate", "rollout.rollout_ranks=1",
+                     "rollout.max_staleness=1")
 
 
 def launch(out_dir: Path, steps: int, log: Path, *extra: str,
@@ -230,7 +236,7 @@ def final_state(out_dir: Path) -> dict[str, torch.Tensor]:
             continue
         tensors = _load_state_dict_from_keys(checkpoint_id=str(folder))
         out.update({f"{part}.{k}": v for k, v in tensors.items() if isinstance(v, torch.Tensor)})
-    for part in ("rng", "rollout"):
+    for part in ("rng", "rollout", "rollout_ranks"):  # rollout_ranks: separate placement
         for f in sorted((ckpt / part).glob("*.safetensors")):
             out.update(_flatten(load_tree(f), f"{part}.{f.stem}."))
     return out

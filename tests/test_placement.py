@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from megagrpo.checkpoint import load_tree, save_tree
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.placement import training_world
 from megagrpo.config.train import TrainConfig, load_config
@@ -38,12 +41,14 @@ from megagrpo.engine import Completion, WeightSyncStats
 from megagrpo.reward import Rewards
 from megagrpo.rollout.collect import RolloutCollector
 from megagrpo.rollout.placement import (
+    InFlightState,
     Placement,
     RemoteEngine,
     SeparateSource,
     receive_weights,
     serve,
 )
+from megagrpo.rollout.sample_channel import unpack
 from megagrpo.runtime.distributed import Groups, Ranks
 from megagrpo.sync.transports.collective import Collective
 from tests.support.cli import run_cli
@@ -58,6 +63,13 @@ class MarkerEngine:
 
     def __init__(self) -> None:
         self.marker, self.received = -1.0, []
+        self.gen = torch.Generator().manual_seed(7)  # the sampler's stream
+
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        return {"cpu": self.gen.get_state()}
+
+    def set_rng_state(self, state) -> None:
+        self.gen.set_state(state["cpu"])
 
     def generate(self, prompts, sampling):
         return [Completion(prompt_index=i, sample_index=j, token_ids=[p[-1], 3 + j],
@@ -128,6 +140,58 @@ class InflightMarkerEngine(MarkerEngine):
                 for i, p in enumerate(prompts) for j in range(sampling.n)]
 
 
+class SamplingMarkerEngine(MarkerEngine):
+    """A MarkerEngine whose third token is drawn from its sampler's stream: which weights
+    sampled a completion is in its first log-prob, where the stream stood in its last token."""
+
+    def generate(self, prompts, sampling):
+        out = super().generate(prompts, sampling)
+        for c in out:
+            c.token_ids.append(int(torch.randint(0, 1000, (1,), generator=self.gen)))
+            c.logprobs.append(-0.5)
+        return out
+
+
+class PartialMarkerEngine(MarkerEngine):
+    """`generate_partial` as `megagrpo.engine.partial.run_partial` behaves: three decode steps
+    a trajectory, each token's log-prob the marker of the weights that sampled it and its
+    version the sync given; at a set pause, between two steps, the trajectories below the cap
+    are handed back unfinished. Every second batch is slow: its decode steps 1 and 2 wait (up
+    to 1 s) for a pause, so syncs land mid-generation; the others end at once, so the rank
+    runs ahead and a slow batch can span k syncs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches, self.slow = 0, False
+
+    def generate_partial(self, prompts, trajs, sampling, *, version, pause=None, max_updates=0):
+        from megagrpo.engine.partial import PartialResult, first_version
+
+        if all(not t.token_ids for t in trajs):  # a new batch
+            self.batches += 1
+            self.slow = self.batches % 2 == 0
+        recomputed = sum(len(t.token_ids) for t in trajs)
+        live, paused = list(trajs), []
+        while live:
+            step = len(live[0].token_ids)
+            deadline = time.monotonic() + 1.0
+            while (step >= 1 and self.slow and pause is not None and not pause.is_set()
+                   and time.monotonic() < deadline):
+                time.sleep(0.002)
+            if pause is not None and pause.is_set() and not paused:
+                paused = [t for t in live if version - first_version(t, version) < max_updates]
+                live = [t for t in live if t not in paused]
+            for t in live:
+                t.token_ids.append(prompts[t.prompt_index][-1] if step == 0 else 3 + step)
+                t.logprobs.append(self.marker)
+                t.token_versions.append(version)
+            if step == 2:
+                for t in live:
+                    t.finish_reason, t.text = "stop", str(prompts[t.prompt_index][-1])
+                break
+        return PartialResult(finished=live, paused=paused, tokens=0, recomputed=recomputed)
+
+
 class EvalMarkerEngine(MarkerEngine):
     """A MarkerEngine whose greedy completions (held-out evaluation) answer prompt + marker:
     which weights evaluated is in the text."""
@@ -142,13 +206,23 @@ class EvalMarkerEngine(MarkerEngine):
 
 def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEngine,
             train_s: float = 0.0, batches: int | None = None,
-            held_out: list[Example] | None = None, cold_syncs: int = 0) -> dict:
+            held_out: list[Example] | None = None, cold_syncs: int = 0, settle: bool = False,
+            checkpoint: bool = False, restore: dict | None = None, partial_cap: int = -1
+            ) -> dict:
     """One launch of a separate-placement world in this process: 2 rollout ranks (threads) and
     2 training replicas (both read here, replica 0 sends; a step "trains" `train_s` seconds
     before its sync; with `held_out`, both replicas evaluate it after every sync; `cold_syncs`:
     a cold start first, syncs of markers -cold_syncs..-1 each evaluated, released after the
-    first step's sync). Returns what each side saw."""
+    first step's sync). `settle`: before each sync the rollout ranks finish every batch the
+    bound lets them draw, so batch b is drawn with sync b - k (the launch's last with its own),
+    whatever the threads' timing. `checkpoint`: after the steps, the next sync and a
+    checkpoint of the rollout ranks' in-flight state (`InFlightState`, through save_tree's
+    format), returned as "in_flight"; `restore`: such a state, put back at the first sync.
+    `partial_cap` >= 0: rollout.partial_rollouts with that rollout.partial_max_updates.
+    Returns what each side saw."""
     cfg = _config(k)
+    if partial_cap >= 0:
+        cfg.rollout.partial_rollouts, cfg.rollout.partial_max_updates = True, partial_cap
     timeout = timedelta(seconds=60)
     groups: dict[int, object] = {}
 
@@ -188,6 +262,9 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
                               tokenizer=Tok(), ranks=Ranks(rank=d, dp=2, dp_rank=d),
                               groups=None) for d in range(2)]
     version = start["version"] if start else 0
+    in_flight = InFlightState(sources[0], SimpleNamespace(engine_version=version))
+    if restore is not None:
+        in_flight.load_state_dict(restore)
     steps_seen, accuracies = [], []
     remote.held = cold_syncs > 0
     for marker in range(-cold_syncs, 0):  # a cold start: weights that sample nothing
@@ -195,9 +272,17 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
         time.sleep(0.05)  # time enough to draw, were a rollout rank to start too early
         if held_out is not None:
             accuracies.append([src.evaluate(held_out) for src in sources])
-    for _ in range(steps):
+    for s in range(steps + checkpoint):
         time.sleep(train_s if version else 0.0)
+        if settle and s > 0:  # (a restored launch's first ones are in the restored queue)
+            _settle(sources[0], s, k, batches)
         Collective(remote).send(iter(_weights(version)))  # the sync before the step
+        if s == steps:  # checkpoint "after step s": its sync, then the rollout ranks' state
+            in_flight.trainer.engine_version = version
+            with tempfile.TemporaryDirectory() as tmp:
+                save_tree(Path(tmp) / "rank0.safetensors", in_flight.state_dict())
+                in_flight_state = load_tree(Path(tmp) / "rank0.safetensors")
+            break
         remote.release()  # after a cold start, with the weights it ended at
         if held_out is not None:
             accuracies.append([src.evaluate(held_out) for src in sources])
@@ -208,7 +293,18 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
     for t in rollout_threads:
         t.join(timeout=30)
     return {"steps": steps_seen, "engines": engines, "served": served, "accuracy": accuracies,
-            "loader": dict(loaders[0].state_dict(), version=version)}
+            "loader": dict(loaders[0].state_dict(), version=version),
+            "in_flight": in_flight_state if checkpoint else None}
+
+
+def _settle(source: SeparateSource, s: int, k: int, batches: int) -> None:
+    """Before sync s: waits until the rollout ranks have finished every batch the bound lets
+    them draw with sync s - 1 (b <= s - 1 + k, not the launch's last)."""
+    deadline = time.monotonic() + 30
+    for b in range(s, min(s - 1 + k, batches - 2) + 1):
+        while not source.channel.finished(b):
+            assert time.monotonic() < deadline, f"batch {b} not drawn"
+            time.sleep(0.002)
 
 
 def _data() -> list[Example]:
@@ -384,6 +480,91 @@ def test_resume_starts_the_rollout_ranks_at_the_first_untrained_batch():
     assert trained == [int(e.prompt) for _ in range(6) for e in next(reference)]
 
 
+@pytest.mark.parametrize("k,cap", [(2, 0), (2, 1)])  # k = 1 runs the same path
+def test_partial_rollouts_on_the_rollout_ranks(k, cap):
+    """rollout.partial_rollouts under separate placement: a rollout rank pauses its draw when
+    the trainer announces a sync, loads it and continues the paused trajectories with it; each
+    token's log-prob is the marker of the weights of the version it is stamped with (sync
+    indices mapped to policy versions on the trainer), trajectories span versions, none more
+    than the cap (rollout.partial_max_updates, else k: a slow batch spans both syncs it
+    sees at k = 2, one at cap 1), and no sample is more than k behind."""
+    run = _launch(_data(), k, steps=6, start=None, store=dist.HashStore(), train_s=0.05,
+                  engine=PartialMarkerEngine, batches=6, partial_cap=cap)
+    spans = []
+    for version, ros in run["steps"]:
+        for ro in ros:
+            assert len(ro.completions) == len(ro.prompts) * G
+            for c in ro.completions:
+                assert len(c.token_ids) == 3 and c.logprobs == [float(v) for v in
+                                                                c.token_versions]
+                assert c.version == c.token_versions[0] and 0 <= version - c.version <= k
+                spans.append(c.token_versions[-1] - c.token_versions[0])
+            assert ro.metrics["partial_continued"] >= 0
+    assert max(spans) == (cap or k), spans  # paused and continued, within the cap
+    assert sum(run["served"][j]["batches"] for j in range(2)) >= 2 * 6
+
+
+def _seen(run: dict) -> list:
+    """Every step's version and, per replica, what it trained: prompts, each completion's
+    tokens, log-probs (the first names the weights that sampled it) and version, rewards."""
+    return [(version, [(ro.prompts, [(c.token_ids, c.logprobs, c.version, c.prompt_index,
+                                      c.sample_index) for c in ro.completions],
+                        ro.rewards.tolist(), ro.version) for ro in ros])
+            for version, ros in run["steps"]]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_checkpointed_in_flight_state_resumes_bitwise(k):
+    """Issue 47: a checkpoint after step 3 holds the rollout ranks' finished parts the trainer
+    had not taken (drawn with older weights than the checkpoint's) and each sampler's stream
+    and loader position; a new launch from it (the checkpoint's weights, those parts, those
+    streams), checkpointed again after one step (at k = 2 a restored part not yet taken is kept
+    again) and resumed once more, trains steps 4-6 exactly as the uninterrupted launch did:
+    the same prompts, tokens (the last one random), weights that sampled them (the markers),
+    versions and rewards. Without the restored state the first batches are drawn again with
+    the checkpoint's weights and fresh streams, and differ."""
+    data, n = _data() * 2, 6
+    # a cold start's sync first: sync indices are not policy versions (the checkpoint maps them)
+    whole = _launch(data, k, steps=n, start=None, store=dist.HashStore(),
+                    engine=SamplingMarkerEngine, batches=n, settle=True, cold_syncs=1)
+    runs, start, state, done = [], None, None, 0
+    for steps in (3, 1, 2):
+        last = done + steps == n
+        runs.append(_launch(data, k, steps=steps, start=start, store=dist.HashStore(),
+                            engine=SamplingMarkerEngine, batches=n - done, settle=True,
+                            cold_syncs=0 if done else 1, checkpoint=not last, restore=state))
+        start, state, done = runs[-1]["loader"], runs[-1]["in_flight"], done + steps
+        if not last:
+            assert state["max_staleness"] == k and len(state["rollout_ranks"]) == 2
+            parts = [unpack(p) for r in state["rollout_ranks"] for p in r["parts"]]
+            assert len(parts) >= 2 * (k - 1)  # drawn ahead with older weights, kept
+            if done == 4 and k == 2:  # a part restored after step 3 and not yet taken
+                assert any(p.batch == 0 and min(c.version for c in p.completions) == 2
+                           for p in parts), [(p.batch, p.completions[0].version) for p in parts]
+    assert [s for r in runs for s in _seen(r)] == _seen(whole)
+    assert [v for v, _ in whole["steps"]] == list(range(n))
+    lags = [v - ro.version for v, ros in whole["steps"] for ro in ros]
+    assert max(lags) == k  # the stream ran k ahead, so the checkpoints held older samples
+
+
+def test_in_flight_state_of_another_world_is_not_restored(caplog):
+    """A checkpoint of another number of rollout ranks (or another k) is not put back: the
+    console says so and the batches drawn ahead are drawn again (the first sync carries no
+    state); the same world is restored."""
+    source = SimpleNamespace(cfg=_config(1), engine=SimpleNamespace(restore=None),
+                             place=SimpleNamespace(cross=object(), rollout_ranks=2))
+    part = InFlightState(source, SimpleNamespace(engine_version=3))
+    state = {"rollout_ranks": [{"next": 0}], "max_staleness": 1}
+    with caplog.at_level("WARNING", logger="megagrpo"):
+        part.load_state_dict(state)
+    assert source.engine.restore is None
+    assert "saved with 1 rollout ranks at rollout.max_staleness=1, now 2 at 1" in caplog.text
+    part.load_state_dict(dict(state, rollout_ranks=[{"next": 0}] * 2))
+    assert source.engine.restore == [{"next": 0}] * 2
+    part.load_state_dict({})  # a training rank other than 0 holds nothing
+    assert source.engine.restore == [{"next": 0}] * 2
+
+
 def test_separate_placement_config():
     assert training_world(_config(1).rollout, 3) == 1
     assert training_world(TrainConfig().rollout, 3) == 3
@@ -516,13 +697,18 @@ ARGS = [
 @pytest.fixture(scope="module")
 def separate_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("separate")
+    # a checkpoint after step 2: the rollout rank's in-flight state is asked for while it
+    # draws on its in-flight thread (the message waits for the draw, no deadlock)
     p = run_cli("train", "--nproc", "3", *ARGS, "rollout.inflight_updates=true",
-                f"run.out_dir={work}/run",
+                "checkpoint.every=2", f"run.out_dir={work}/run",
                 f"arithmetic.tokenizer_dir={work}/tok", timeout=900)
     console = p.stdout + p.stderr
     assert p.returncode == 0, console[-6000:]
     records = [json.loads(line) for line in Path(work, "run", "metrics.jsonl").read_text()
                .splitlines()]
+    state = load_tree(Path(work, "run", "checkpoints", "step_000002", "rollout_ranks",
+                           "rank00000.safetensors"))
+    assert len(state["rollout_ranks"]) == 1 and state["rollout_ranks"][0]["rng"]
     return console, [r for r in records if "loss" in r]
 
 
@@ -811,6 +997,30 @@ def test_separate_run_resumes_at_the_first_untrained_batch(tmp_path):
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert steps[2]["staleness_max"] == 0 and steps[2]["logp_gap_vllm_mean"] < 1e-5
     assert all(r["staleness_max"] <= 1 and r["update_skipped"] == 0 for r in steps)
+
+
+@pytest.mark.heavy  # ~1 min: two launches of 3 ranks
+def test_separate_partial_rollouts_checkpoint_and_resume(tmp_path):
+    """Partial rollouts on the rollout rank (k = 1) with a checkpoint every step: the trainer
+    asks for the in-flight state while the rank may be continuing a paused batch (served once
+    the batch is whole); killed nowhere, the run stops after step 2 and a resumed launch
+    continues from its checkpoint (the rollout rank's streams and queue put back) to step 4.
+    Every step trains at most k = 1 version behind; the steps that sampled fresh match vLLM."""
+    args = [*ARGS, "rollout.partial_rollouts=true", "checkpoint.every=1",
+            f"run.out_dir={tmp_path}/run", f"arithmetic.tokenizer_dir={tmp_path}/tok"]
+    for more in (["run.steps=2"], ["run.steps=4", "run.resume=true"]):
+        p = run_cli("train", "--nproc", "3", *args, *more, timeout=900)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    steps = [json.loads(line) for line in Path(tmp_path, "run", "metrics.jsonl").read_text()
+             .splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["staleness_max"] <= 1 and r["update_skipped"] == 0 for r in steps)
+    assert all(r["logp_gap_vllm_mean"] < 1e-5 for r in steps if r["staleness_max"] == 0)
+    assert all("partial_recomputed_tokens" in r for r in steps)
+    state = load_tree(Path(tmp_path, "run", "checkpoints", "step_000004", "rollout_ranks",
+                           "rank00000.safetensors"))
+    assert state["rollout_ranks"][0]["next"] == 0  # the run's end: nothing left queued
 
 
 def test_longtail_summary_of_the_separate_run(separate_run, tmp_path):

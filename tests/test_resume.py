@@ -98,7 +98,7 @@ def kill_run(proc: subprocess.Popen) -> tuple[set[int], list[int]]:
     pytest.param("agent+async", marks=pytest.mark.heavy),
     pytest.param("lora", marks=pytest.mark.heavy),
     pytest.param("lora+merged", marks=pytest.mark.heavy),
-    pytest.param("lora+merged+bf16", marks=pytest.mark.heavy)])
+    pytest.param("lora+merged+bf16", marks=pytest.mark.heavy), "separate"])
 def e2e(request, tmp_path_factory):
     """The uninterrupted run and the interrupted one run side by side (DP=2; by default with
     the distributed optimizer and async rollouts, the configuration with the most state: the
@@ -190,6 +190,8 @@ def test_resumed_run_is_bitwise_the_uninterrupted_run(e2e):
         assert {v.dtype for k, v in state.items() if ".exp_avg_sq." in k} == {torch.float32}
     if "run.async_rollout=true" in stress.MODES[e2e["mode"]]:  # the batch drawn ahead, too
         assert any(k.startswith("rollout.") and ".token_ids." in k for k in state)
+    if e2e["mode"] == "separate":  # the rollout rank's sampler streams, from its checkpoint
+        assert any(k.startswith("rollout_ranks.rank00000.rollout_ranks.0.rng.") for k in state)
     if e2e["mode"].startswith("agent"):  # multi-turn steps were run and resumed
         assert max(r["turns"] for r in stress.history(cut) if "reward_mean" in r) > 1
         if "run.async_rollout=true" in stress.MODES[e2e["mode"]]:  # environment tokens' holes

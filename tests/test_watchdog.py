@@ -59,8 +59,24 @@ def test_frozen_peer_is_named_with_its_last_phase():
     clock.now += 1
     message, frozen = w0.tick()
     assert frozen is not None and frozen.rank == 1 and frozen.pid == os.getpid()
-    assert "rank 1 (pid" in message and "no heartbeat for 6.0 s" in message
+    assert "on rank 0: rank 1 (pid" in message and "no heartbeat for 6.0 s" in message
     assert "phase 'update' of step 3" in message and "heartbeat_timeout_s=5" in message
+
+
+def test_frozen_rollout_rank_is_named_as_one():
+    """Separate placement: a rollout rank's beats say what it is, so the training rank
+    watching it names a frozen rollout rank as one, in the batch it was drawing."""
+    clock, w0, w1 = pair(WatchdogSettings(interval_s=1, peer_timeout_s=5, stall_timeout_s=0))
+    w1.role = "rollout"
+    w0.set_phase("rollout", 2)
+    w1.set_phase("rollout", 3)
+    quiet_seconds(clock, 3, w1, w0)
+    quiet_seconds(clock, 5, w0)
+    clock.now += 1
+    message, frozen = w0.tick()
+    assert frozen is not None and frozen.role == "rollout"
+    assert "megagrpo watchdog on rank 0: rollout rank 1 (pid" in message
+    assert "phase 'rollout' of batch 3" in message
 
 
 def test_a_finished_peer_is_not_frozen():
@@ -192,14 +208,20 @@ def test_collective_timeout_reaches_world_and_megatron_groups(tmp_path):
         assert 1.8 < r0[group]["waited_s"] < 3.5, (group, r0)
 
 
-def test_frozen_rank_in_a_real_run_is_named(tmp_path):
+@pytest.mark.parametrize("placement", [
+    "colocated", pytest.param("separate", marks=pytest.mark.heavy)])  # separate: ~1 min more
+def test_frozen_rank_in_a_real_run_is_named(tmp_path, placement):
     """End to end: `python -m megagrpo train --nproc 2` (megatron + vLLM per rank); once step 1
-    is logged, rank 1 stops itself inside a reward call of the next step's rollout."""
+    is logged, rank 1 stops itself inside a reward call of the next step's rollout. Separate
+    placement (1 training rank + 1 rollout rank, issue 47): rank 1 is the rollout rank, which
+    scores its samples; the training rank names it as a rollout rank, in the batch it drew."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import resume_stress as stress  # the tiny 2-rank run and its launch helpers
 
+    separate = placement == "separate"
     flag, out, log = tmp_path / "freeze", tmp_path / "run", tmp_path / "run.log"
-    proc = stress.launch(out, 20, log, "checkpoint.every=0", "checkpoint.at_end=false",
+    proc = stress.launch(out, 20, log, *(stress.MODES["separate"] if separate else ()),
+                         "checkpoint.every=0", "checkpoint.at_end=false",
                          f"reward.terms=[{{name: 'tests._watchdog_rewards:freeze_when_flagged', "
                          f"kwargs: {{flag: '{flag}'}}}}]",
                          "watchdog.heartbeat_interval_s=1", "watchdog.heartbeat_timeout_s=8")
@@ -223,8 +245,9 @@ def test_frozen_rank_in_a_real_run_is_named(tmp_path):
     seconds = ended - float(Path(f"{flag}.stalled_at").read_text())
     assert rc != 0, text[-4000:]
     assert seconds < 40, (seconds, text[-4000:])
-    assert "megagrpo watchdog on rank 0: rank 1 (pid" in text, text[-4000:]
-    assert "its last: phase 'rollout' of step " in text, text[-4000:]
+    who, unit = ("rollout rank", "batch") if separate else ("rank", "step")
+    assert f"megagrpo watchdog on rank 0: {who} 1 (pid" in text, text[-4000:]
+    assert f"its last: phase 'rollout' of {unit} " in text, text[-4000:]
     assert "sent SIGKILL to stopped rank 1" in text, text[-4000:]
     assert len(below) >= 3 and not left, (below, left)  # torchrun + 2 ranks, all gone
 

@@ -88,13 +88,14 @@ class RolloutConfig(Section):
     placement: each rollout rank's draw takes every sync the trainer sends while it runs. Off:
     a draw finishes on the weights it started with."""
     partial_rollouts: bool = False
-    """Colocated async only (rollout.max_staleness >= 1): partial rollouts (slime's name; AReaL's
-    interruptible generation). At each weight update the draw running on the async thread is
-    paused between two decode steps instead of awaited: its unfinished trajectories leave the
-    engine with their tokens, log-probs and per-token versions, the weights are updated, and
-    the next draw continues them with the new weights, their KV cache recomputed from the exact
-    token prefix (Completion.token_versions: the version that sampled each token). A batch is
-    finished before the step that trains it. Off: every draw ends before the update."""
+    """Async only (rollout.max_staleness >= 1), colocated or separate: partial rollouts (slime's
+    name; AReaL's interruptible generation). At each weight update the draw running on the async
+    thread (separate placement: on a rollout rank) is paused between two decode steps instead
+    of awaited: its unfinished trajectories leave the engine with their tokens, log-probs and
+    per-token versions, the weights are updated, and the draw continues them with the new
+    weights, their KV cache recomputed from the exact token prefix (Completion.token_versions:
+    the version that sampled each token). A batch is finished before the step that trains it.
+    Off: every draw ends before the update."""
     partial_max_updates: int = 0
     """With rollout.partial_rollouts: the most weight updates one trajectory may span; one that
     has spanned that many is not paused again but finished, before the next update, by the

@@ -249,8 +249,6 @@ class TrainConfig(Section):
                              "draw started, so no trajectory spans more; set "
                              f"rollout.partial_max_updates <= {k} (0: no cap but k)")
         refusals = (
-            (r.placement != "colocated", f"rollout.placement={r.placement}",
-             "rollout.placement=colocated"),
             (r.inflight_updates, "rollout.inflight_updates=true",
              "rollout.inflight_updates=false (the in-flight slot keeps the KV cache within a "
              "draw; partial rollouts recompute it across the pause)"),

@@ -55,9 +55,14 @@ What flows where:
     start, which carries the start; batch i then needs sync base + i - k, base the last sync
     before the release.
   - resume: the trainer's own PromptLoader tracks the next untrained batch and is checkpointed as
-    in colocated runs; the first sync of a run tells the rollout ranks where to start. Batches
-    sampled ahead of a checkpoint are not kept: they are sampled again, by the restored weights,
-    from the same prompts (no prompt lost or trained twice; not bitwise).
+    in colocated runs; the first sync of a run tells the rollout ranks where to start. As a
+    checkpoint is written, training rank 0 asks every rollout rank for its in-flight state (the
+    finished parts the trainer has not taken, the sampler's streams and loader position of its
+    next draw; `save_in_flight`), which goes into the same checkpoint (`InFlightState`); a
+    resumed launch sends it back with its first sync (`restore_in_flight`), so the run goes on
+    bitwise as if uninterrupted. Without it (another number of rollout ranks or another k) the
+    batches sampled ahead are sampled again, by the restored weights, from the same prompts
+    (no prompt lost or trained twice; not bitwise).
 """
 from __future__ import annotations
 
@@ -66,6 +71,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import threading
@@ -73,7 +79,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -84,7 +90,7 @@ from megagrpo.config.placement import training_world
 from megagrpo.engine.shard_feed import received_tensors as received_shards
 from megagrpo.lora.export import save_peft_adapter
 from megagrpo.rollout.collect import dynamic_sampling
-from megagrpo.rollout.sample_channel import Part, TensorChannel
+from megagrpo.rollout.sample_channel import Part, TensorChannel, pack, unpack
 from megagrpo.rollout.stream import StreamStats, stamp
 from megagrpo.runtime.distributed import process_group_backend
 
@@ -98,6 +104,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("megagrpo")
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TAG_STATE = 1
+"""The samples group's tag of a rollout rank's in-flight state (to and from training rank 0);
+the finished parts travel under the sample channel's tag 0."""
 
 
 # ---------------------------------------------------------------------- the world split
@@ -159,6 +168,10 @@ class Placement:
     def eval_asked(self, e: int) -> bool:
         """Whether training rank 0 has asked for held-out evaluation `e`."""
         return self.store.check([f"eval/{e}"])
+
+    def checkpoint_asked(self, c: int) -> bool:
+        """Whether training rank 0 has asked for the in-flight state of checkpoint `c`."""
+        return self.store.check([f"ckpt/{c}"])
 
     def describe(self, cfg: TrainConfig, dp: int) -> str:
         """The console line that says where each rank went."""
@@ -260,6 +273,11 @@ class RemoteEngine:
     """The batches this launch will take (run.steps less the steps a resume restored; set
     before the first sync, which tells the rollout ranks): the last one is drawn on-policy,
     with the weights of the step that trains it (k = 0), whatever rollout.max_staleness is."""
+    checkpoints: int = 0
+    """Checkpoints of the rollout ranks' in-flight state asked for in this launch."""
+    restore: list[dict] | None = None
+    """Training rank 0 of a resumed launch: each rollout rank's in-flight state from the
+    checkpoint (`InFlightState`), sent with the first sync."""
 
     @staticmethod
     def of(engine: object, transport: str) -> RemoteEngine:
@@ -279,10 +297,26 @@ class RemoteEngine:
         if self.sends and self.place.cross is not None:
             first = sync == 0 and not self.held
             self.place.announce(sync)
+            resume = first and self.restore is not None
             bcast_json(self.place.cross, {"sync": sync, "stop": False, "via": via,
                                           "start": self.loader.state_dict() if first else None,
-                                          "batches": self.batches if first else None, **head})
+                                          "batches": self.batches if first else None,
+                                          "resume": resume, **head})
+            if resume:  # before the weights: each rollout rank reads it after the header
+                for j, state in enumerate(self.restore):
+                    send_state(self.place.samples, self.place.train_world + j, state)
+                self.restore = None
         return sync
+
+    def request_checkpoint(self, taken: int, versions: dict[int, int]) -> int:
+        """Training rank 0: asks the rollout ranks for their in-flight state (`taken`: the
+        batches this launch trained; `versions`: sync index -> policy version); the index."""
+        c, self.checkpoints = self.checkpoints, self.checkpoints + 1
+        self.place.store.set(f"ckpt/{c}", "1")
+        bcast_json(self.place.cross, {"checkpoint": {"index": c, "taken": taken,
+                                                     "batches": self.batches,
+                                                     "versions": versions}, "stop": False})
+        return c
 
     def release(self) -> None:
         """Every training rank, after a cold start (`held`): the rollout ranks start drawing
@@ -314,7 +348,7 @@ class RemoteEngine:
             bcast_json(self.place.cross, {"sync": self.syncs, "start": None, "stop": True})
 
     def rng_state(self) -> dict:
-        return {}  # the samplers live on the rollout ranks; a resume redraws their batches
+        return {}  # the samplers live on the rollout ranks (their state: `InFlightState`)
 
     def set_rng_state(self, state: dict) -> None:
         pass
@@ -340,6 +374,11 @@ class Sync:
     """Not a sync: a held-out evaluation asked for (index, n, digest); no weights."""
     release: bool = False
     """Not a sync: the end of a cold start (`start` and `batches` set); no weights."""
+    checkpoint: dict | None = None
+    """Not a sync: the trainer checkpoints (index, taken, batches, versions); no weights."""
+    restore: dict | None = None
+    """The first sync of a resumed launch: this rollout rank's in-flight state from the
+    checkpoint (`save_in_flight`)."""
 
 
 def eval_digest(examples) -> str:
@@ -357,11 +396,15 @@ def receive_weights(place: Placement, engine) -> Sync:
     head = bcast_json(place.cross, None)
     if head.get("eval") is not None:
         return Sync(index=-1, start=None, stop=False, eval=head["eval"])
+    if head.get("checkpoint") is not None:
+        return Sync(index=-1, start=None, stop=False, checkpoint=head["checkpoint"])
     if head.get("release"):
         return Sync(index=-1, start=head["start"], stop=False, batches=head["batches"],
                     release=True)
     sync = Sync(index=head["sync"], start=head["start"], stop=head["stop"],
                 batches=head.get("batches"))
+    if head.get("resume"):
+        sync.restore = receive_state(place.samples, 0)
     if sync.stop:
         return sync
     if head.get("adapter"):
@@ -447,33 +490,45 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
     base = sync.index  # batch i: sync base + i - k or newer (base > 0 after a cold start)
     mine = list(range(j, B, R))  # groups whole: every sample of a prompt on one engine
     channel = place.channel(B)
-    i = topups = 0
+    i, ckpts, starts = 0, 0, {}  # starts: batch -> (sampler state, loader) before its draw
+    if sync.restore is not None:  # a resumed launch: the checkpoint's queued parts first
+        i = restore_in_flight(collector, channel, sync.restore)
+    topups = 0
     while not sync.stop:
         topups = _topups_asked(place, topups)
         step = i - topups  # the trainer's step the next draw goes to (top-ups: part of theirs)
         # at most k syncs behind; the launch's last batch on-policy (k = 0)
         behind = sync.index < base + step - (0 if step == last else k)
-        if behind and cfg.algo.dynamic_sampling and not _message_due(place, sync, evals):
+        due = (sync, evals, ckpts)  # the messages a broadcast may be on its way for
+        if behind and cfg.algo.dynamic_sampling and not _message_due(place, *due):
             watchdog.set_phase("weight_sync", i)  # or a top-up of this step, asked first
-            _await_topup_or_message(place, sync, evals, topups)
+            _await_topup_or_message(place, due, topups)
             continue
-        if behind or _message_due(place, sync, evals):
+        if behind or _message_due(place, *due):
             watchdog.set_phase("weight_sync", i)
             got = receive_weights(place, collector.engine)
             if got.eval is not None:  # with the weights of every sync sent before it
                 evals = _evaluate(place, collector, got.eval, held_out or [], watchdog)
+            elif got.checkpoint is not None:
+                ckpts = save_in_flight(place, collector, channel, got.checkpoint, starts, i,
+                                       topups)
             else:
                 sync = got
             continue
         watchdog.set_phase("rollout", i)
         t0 = time.perf_counter()
         before = loader.state_dict()
+        starts[i] = (collector.engine.rng_state(), before)
+        for old in [b for b in starts if b < i - k - 4]:  # the trainer took them long ago
+            del starts[old]
         examples = next(loader)
         prompts = [_encode(tok, e.prompt) for e in examples]
         args = (prompts, [e.answer for e in examples], mine, collector.sampling(),
                 [e.record for e in examples], [e.prompt for e in examples])
         first = sync
-        if getattr(collector.engine, "inflight", None) is None:
+        if cfg.rollout.partial_rollouts:  # paused at each announced sync, continued after it
+            (comps, rewards, metrics), sync = _generate_partial(place, collector, args, sync)
+        elif getattr(collector.engine, "inflight", None) is None:
             comps, rewards, metrics = collector._generate(*args)
         else:
             (comps, rewards, metrics), sync = _generate_inflight(place, collector, args, sync)
@@ -496,18 +551,19 @@ def _topups_asked(place: Placement, known: int) -> int:
     return known
 
 
-def _await_topup_or_message(place: Placement, sync: Sync, evals: int, topups: int) -> None:
+def _await_topup_or_message(place: Placement, due: tuple, topups: int) -> None:
     """Rollout rank with dynamic sampling, behind the weights its next draw needs: polls the
-    store until the trainer asks for top-up `topups` or announces its next message (a blocking
-    receive would not see a top-up asked before the next sync)."""
-    while not (place.store.check([f"topup/{topups}"]) or _message_due(place, sync, evals)):
+    store until the trainer asks for top-up `topups` or announces its next message (`due`:
+    `_message_due`'s arguments; a blocking receive would not see a top-up asked first)."""
+    while not (place.store.check([f"topup/{topups}"]) or _message_due(place, *due)):
         time.sleep(0.005)
 
 
-def _message_due(place: Placement, sync: Sync, evals: int) -> bool:
-    """Rollout rank: the trainer has announced the next sync (or the stop) or evaluation
-    `evals`: its broadcast over the cross group is on its way."""
-    return place.announced(sync.index + 1) or place.eval_asked(evals)
+def _message_due(place: Placement, sync: Sync, evals: int, ckpts: int) -> bool:
+    """Rollout rank: the trainer has announced the next sync (or the stop), evaluation
+    `evals` or checkpoint `ckpts`: its broadcast over the cross group is on its way."""
+    return (place.announced(sync.index + 1) or place.eval_asked(evals)
+            or place.checkpoint_asked(ckpts))
 
 
 def _until_started(place: Placement, collector: RolloutCollector, held_out: list, watchdog
@@ -522,11 +578,103 @@ def _until_started(place: Placement, collector: RolloutCollector, held_out: list
         if got.eval is not None:
             evals = _evaluate(place, collector, got.eval, held_out, watchdog)
             continue
+        if got.checkpoint is not None:  # nothing drawn yet: the sampler's streams only
+            send_state(place.samples, 0, {"next": 0, "loader": None, "parts": [],
+                                          "rng": collector.engine.rng_state()})
+            continue
         if got.release:  # the cold start's syncs are in: sample from the newest on
             got = dataclasses.replace(sync, start=got.start, batches=got.batches)
         sync = got
         if sync.start is not None or sync.stop:
             return sync, evals
+
+
+# ---------------------------------------------------------------------- in-flight state
+def save_in_flight(place: Placement, collector: RolloutCollector, channel: TensorChannel,
+                   ask: dict, starts: dict[int, tuple], i: int, topups: int = 0) -> int:
+    """Rollout rank, between two draws, when the trainer checkpoints (`ask`: its index, the
+    batches the trainer took, the launch's batch count and sync index -> policy version):
+    sends training rank 0 its in-flight state (`send_state`): the finished parts of batches
+    the trainer has not taken and will (their versions made policy versions, their batch
+    indices counted from the checkpoint's first untrained batch), and the sampler's streams
+    and loader position before the first batch not kept (batches drawn past the launch's
+    end are drawn again on resume, as the uninterrupted run draws them). Every batch drawn
+    with weights older than the checkpoint's is finished by now (a sync waits for the draw
+    it interrupts), so a resumed launch draws the rest with the same weights and streams as
+    the uninterrupted one. Returns the next checkpoint's index."""
+    taken, batches = ask["taken"], ask["batches"]
+    # dynamic sampling: the `topups` asked so far are draws of the launch's steps too
+    end = i if batches is None else min(i, batches + topups)
+    versions = {int(s): v for s, v in ask["versions"].items()}
+    rng, loader = starts[end] if end < i else (collector.engine.rng_state(),
+                                              collector.loader.state_dict())
+    parts = [pack(_restamped(p, taken, versions)) for p in channel.unsent(taken, end)]
+    send_state(place.samples, 0, {"next": end - taken, "loader": loader, "rng": rng,
+                                  "parts": parts})
+    return ask["index"] + 1
+
+
+def _restamped(part: Part, taken: int, versions: dict[int, int]) -> Part:
+    """`part` as a checkpoint keeps it: batch counted from the first untrained one, each
+    completion's (and token's) sync index replaced by the policy version it carried."""
+    comps = part.completions
+    if not part.policy_versions:
+        comps = [dataclasses.replace(c, version=versions[c.version], token_versions=None
+                                     if c.token_versions is None else
+                                     [versions[v] for v in c.token_versions]) for c in comps]
+    return dataclasses.replace(part, batch=part.batch - taken, completions=comps,
+                               policy_versions=True)
+
+
+def restore_in_flight(collector: RolloutCollector, channel: TensorChannel, state: dict) -> int:
+    """Rollout rank, at the first sync of a resumed launch: its in-flight state from the
+    checkpoint (`save_in_flight`) put back: the loader position and the sampler's streams
+    of its next draw, the finished parts queued again (sent when the trainer asks). Returns
+    the next batch to draw."""
+    if state["loader"] is not None:
+        collector.loader.load_state_dict(state["loader"])
+    collector.engine.set_rng_state(state["rng"])
+    for buf in state["parts"]:
+        channel.put(unpack(buf))
+    return state["next"]
+
+
+def send_state(pg, dst: int, state: dict) -> None:
+    """An in-flight state ({"next", "loader": JSON-able, "rng": name -> tensor, "parts": uint8
+    packed parts}) to rank `dst` of `pg` (the samples group, `TAG_STATE`): a JSON header and
+    one flat buffer."""
+    blobs = [*state["rng"].values(), *state["parts"]]
+    head = {"next": state["next"], "loader": state["loader"],
+            "rng": [[k, str(t.dtype).removeprefix("torch."), list(t.shape)]
+                    for k, t in state["rng"].items()],
+            "parts": [t.numel() for t in state["parts"]]}
+    data = json.dumps(head).encode()
+    flat = torch.cat([torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                      *(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                        for t in blobs)])
+    pg.send([torch.tensor([len(data), flat.numel()], dtype=torch.int64)], dst, TAG_STATE).wait()
+    pg.send([flat], dst, TAG_STATE).wait()
+
+
+def receive_state(pg, src: int) -> dict:
+    """The in-flight state rank `src` of `pg` sent (`send_state`)."""
+    n = torch.empty(2, dtype=torch.int64)
+    pg.recv([n], src, TAG_STATE).wait()
+    flat = torch.empty(int(n[1]), dtype=torch.uint8)
+    pg.recv([flat], src, TAG_STATE).wait()
+    off = int(n[0])
+    head = json.loads(flat[:off].numpy().tobytes().decode())
+    rng = {}
+    for name, dtype, shape in head["rng"]:
+        dt = getattr(torch, dtype)
+        size = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+        rng[name] = flat[off:off + size].clone().view(dt).reshape(shape)
+        off += size
+    parts = []
+    for size in head["parts"]:
+        parts.append(flat[off:off + size].clone())
+        off += size
+    return {"next": head["next"], "loader": head["loader"], "rng": rng, "parts": parts}
 
 
 def _evaluate(place: Placement, collector: RolloutCollector, ask: dict, held_out: list,
@@ -542,7 +690,9 @@ def _evaluate(place: Placement, collector: RolloutCollector, ask: dict, held_out
                            "read the same data.eval_path / arithmetic.num_eval")
     watchdog.set_phase("eval", e)
     mine = list(range(place.rollout_index, len(held_out), place.rollout_ranks))
-    correct = collector.count_correct(held_out, mine) if mine else 0
+    streams = collector.engine.rng_state()  # left as found: a resumed launch evaluates where
+    correct = collector.count_correct(held_out, mine) if mine else 0  # the run did not
+    collector.engine.set_rng_state(streams)
     place.store.set(f"eval/{e}/{place.rollout_index}", json.dumps([correct, len(mine)]))
     return e + 1
 
@@ -574,6 +724,64 @@ def _generate_inflight(place: Placement, collector: RolloutCollector, args: tupl
         raise failed[0]
     engine.inflight.apply_pending(engine)  # arrived after the last decode step
     return out[0], sync
+
+
+def _generate_partial(place: Placement, collector: RolloutCollector, args: tuple, sync: Sync
+                      ) -> tuple[tuple, Sync]:
+    """One batch with partial rollouts (rollout.partial_rollouts): its trajectories generated
+    on a thread (one request each, `megagrpo.engine.partial.run_partial`) while this one
+    watches for the trainer's next sync; once it is announced the draw pauses between two
+    decode steps (trajectories at the cap, rollout.partial_max_updates, are generated to their
+    end first), this thread loads the sync, and the paused trajectories continue with the new
+    weights, their prefixes recomputed; every token is stamped with the sync that sampled it.
+    The batch is scored once whole. Returns the draw and the newest sync (a stop message: the
+    rest is generated with the weights held, and the run ends after this batch)."""
+    from megagrpo.engine.partial import start_trajectories
+    from megagrpo.reward import samples_of
+    from megagrpo.rollout.collect import record_scores
+
+    prompts, answers, mine, sampling, records, texts = args
+    cap = collector.cfg.rollout.partial_max_updates or collector.cfg.staleness
+    trajs, done, recomputed = start_trajectories(mine, sampling.n), [], 0
+    while trajs:
+        pause = None if sync.stop else threading.Event()
+        res = _watching(place, sync, pause, functools.partial(
+            collector.engine.generate_partial, prompts, trajs, sampling, version=sync.index,
+            pause=pause, max_updates=cap))
+        done, trajs = done + res.finished, res.paused
+        recomputed += res.recomputed
+        if trajs:  # paused: the announced sync is the next message (nothing else is sent
+            sync = receive_weights(place, collector.engine)  # before it while a batch waits)
+    comps = sorted(done, key=lambda c: (c.prompt_index, c.sample_index))
+    samples = samples_of(comps, [c.prompt_index for c in comps], prompts=prompts, texts=texts,
+                         answers=answers, records=records, decode=collector._decode)
+    rewards, metrics = record_scores(comps, collector.rewards.submit(samples))
+    metrics["partial_recomputed_tokens"] = float(recomputed)
+    metrics["partial_continued"] = float(sum(len(set(c.token_versions or ())) > 1
+                                             for c in comps))
+    return (comps, rewards, metrics), sync
+
+
+def _watching(place: Placement, sync: Sync, pause: threading.Event | None, draw):
+    """`draw()` on a thread of its own; `pause` set once the trainer announces the sync after
+    `sync`. Returns what `draw` returned (re-raises what it raised)."""
+    out, failed = [], []
+
+    def run() -> None:
+        try:
+            out.append(draw())
+        except BaseException as e:  # re-raised on this thread
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name="megagrpo-partial-draw", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        if pause is not None and not pause.is_set() and place.announced(sync.index + 1):
+            pause.set()
+        thread.join(timeout=0.005)
+    if failed:
+        raise failed[0]
+    return out[0]
 
 
 def _encode(tokenizer, prompt) -> list[int]:
@@ -612,7 +820,8 @@ class SeparateSource:
     versions: dict[int, int] = field(default_factory=dict)
     """Sync index -> the policy version it carried."""
     queue: list = field(default_factory=list)
-    """Always empty: batches sampled ahead stay with the rollout ranks (a resume redraws them)."""
+    """Always empty: batches sampled ahead stay with the rollout ranks (a checkpoint holds them
+    as the rollout ranks' in-flight state, `InFlightState`)."""
     channel: TensorChannel | None = None
     """This rank's end of the sample channel (built from `place` when not given)."""
     topups: int = 0
@@ -648,8 +857,7 @@ class SeparateSource:
         from megagrpo.rollout.stream import Rollout
 
         i = self.taken
-        for s in range(len(self.versions), self.engine.syncs):  # the syncs since the last step
-            self.versions[s] = version
+        self._map_syncs(version)
         before = self.loader.state_dict()
         examples = next(self.loader)
         parts = self.channel.take(i)
@@ -659,14 +867,14 @@ class SeparateSource:
                                f"the trainer expected {before}")
         n, R = len(examples), self.place.rollout_ranks
         lo = self.ranks.dp_rank * n
+        for p in parts:  # sync indices -> policy versions (a restored part carries those)
+            if not p.policy_versions:
+                _map_versions(p.completions, self.versions)
         merged = sorted(((c, r) for p in parts for c, r in zip(p.completions, p.rewards)
                          if lo <= c.prompt_index < lo + n),
                         key=lambda x: (x[0].prompt_index, x[0].sample_index))
         for c, _ in merged:
             c.prompt_index -= lo
-            c.version = self.versions[c.version]
-            if c.token_versions:  # in flight: the sync that sampled each token
-                c.token_versions = [self.versions[v] for v in c.token_versions]
         metrics = {}
         for p in parts:  # counts over the whole batch: per replica on average
             for key, v in p.metrics.items():
@@ -682,6 +890,19 @@ class SeparateSource:
                        rewards=torch.tensor([r for _, r in merged]),
                        version=min((c.version for c in comps), default=version),
                        epoch=self.loader.epoch, metrics=metrics)
+
+    def _map_syncs(self, version: int) -> None:
+        """The syncs sent since the last step carried `version` (what the last one carried)."""
+        for s in range(len(self.versions), self.engine.syncs):
+            self.versions[s] = version
+
+    def in_flight(self, version: int) -> list[dict]:
+        """Training rank 0, at a checkpoint (`version`: what the last sync carried): every
+        rollout rank's in-flight state (`save_in_flight`), in rollout-rank order."""
+        self._map_syncs(version)
+        self.engine.request_checkpoint(self.taken, self.versions)
+        return [receive_state(self.place.samples, self.place.train_world + j)
+                for j in range(self.place.rollout_ranks)]
 
     def _waiting(self, first: int) -> int:
         """Finished batches from `first` on (every rollout rank's part in)."""
@@ -717,10 +938,56 @@ class SeparateSource:
         return sum(c for c, _ in got) / max(sum(n for _, n in got), 1)
 
 
+class Versioned(Protocol):
+    engine_version: int
+    """The policy version the last sync carried (`Trainer.engine_version`)."""
+
+
+@dataclass
+class InFlightState:
+    """The rollout ranks' side of a separate-placement checkpoint, a per-rank part held by
+    training rank 0 (the other training ranks hold nothing): each rollout rank's finished
+    parts the trainer has not taken, and the sampler's streams and loader position of its next
+    draw (`save_in_flight`), asked for as the checkpoint is written, so it is in the same
+    manifest as the weights. Restored (sent with the first sync, `restore_in_flight`) where
+    the rollout ranks and rollout.max_staleness are the same; otherwise the console says so and
+    the batches drawn ahead are drawn again from the same prompts."""
+
+    source: SeparateSource
+    trainer: Versioned
+
+    def state_dict(self) -> dict:
+        if self.source.place.cross is None:
+            return {}
+        return {"rollout_ranks": self.source.in_flight(self.trainer.engine_version),
+                "max_staleness": self.source.cfg.staleness}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.source.place.cross is None or not state:
+            return
+        saved, k = state["rollout_ranks"], self.source.cfg.staleness
+        if len(saved) != self.source.place.rollout_ranks or state["max_staleness"] != k:
+            log.warning("resume: the rollout ranks' in-flight state is not restored (saved with "
+                        "%d rollout ranks at rollout.max_staleness=%d, now %d at %d): the "
+                        "batches they drew ahead are drawn again from the same prompts and the "
+                        "run does not continue bitwise", len(saved), state["max_staleness"],
+                        self.source.place.rollout_ranks, k)
+            return
+        self.source.engine.restore = saved
+
+
+def _map_versions(comps: list, versions: dict[int, int]) -> None:
+    """Each completion's (and, in flight, each token's) sync index -> the policy version."""
+    for c in comps:
+        c.version = versions[c.version]
+        if c.token_versions:  # in flight: the sync that sampled each token
+            c.token_versions = [versions[v] for v in c.token_versions]
+
+
 def _position(state: dict) -> tuple[int, int]:
     """A loader position comparable across DP layouts: (epoch, batch index)."""
     return state["epoch"], state["index"]
 
 
-__all__ = ["Placement", "RemoteEngine", "SeparateSource", "serve",
+__all__ = ["InFlightState", "Placement", "RemoteEngine", "SeparateSource", "serve",
            "split_world", "training_world"]

@@ -71,6 +71,9 @@ class Part:
     completions: list[Completion] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     """Per completion: the summed reward."""
+    policy_versions: bool = False
+    """The completions' versions are policy versions already (a part restored from a
+    checkpoint, `megagrpo.rollout.placement`), not sync indices of this launch."""
 
     def slice(self, lo: int, hi: int) -> Part:
         """The completions of prompts lo <= prompt_index < hi (and their rewards)."""
@@ -141,6 +144,7 @@ def pack(part: Part) -> torch.Tensor:
     header = {"batch": part.batch, "rollout": part.rollout, "loader": part.loader,
               "epoch": part.epoch, "draw_s": part.draw_s, "metrics": part.metrics,
               "finish_reason": finish, "truncation": trunc, "dropped": dropped,
+              "policy_versions": part.policy_versions,
               "fields": [[k, str(t.dtype).removeprefix("torch."), t.numel()]
                          for k, t in fields.items()]}
     blobs = [json.dumps(header).encode()]
@@ -191,7 +195,8 @@ def unpack(buf: torch.Tensor) -> Part:
         comps.append(c)
     return Part(batch=header["batch"], rollout=header["rollout"], loader=header["loader"],
                 epoch=header["epoch"], draw_s=header["draw_s"], metrics=header["metrics"],
-                completions=comps, rewards=[x[2] for x in floats])
+                completions=comps, rewards=[x[2] for x in floats],
+                policy_versions=header.get("policy_versions", False))
 
 
 class _Cursor:
@@ -230,6 +235,8 @@ class TensorChannel:
         self._stop = threading.Event()
         self._failed: list[BaseException] = []
         self._thread: threading.Thread | None = None
+        self._unsent: dict[int, Part] = {}
+        """Rollout side: the parts put and not yet sent, by batch (a checkpoint saves them)."""
         if replica is not None:  # a training rank: (dp_rank, dp)
             self.store.set(f"replica/{rank}", json.dumps(list(replica)))
             self.replica = replica
@@ -242,6 +249,7 @@ class TensorChannel:
             self._thread = threading.Thread(target=self._send_loop, daemon=True,
                                             name="megagrpo-sample-channel")
             self._thread.start()
+        self._unsent[part.batch] = part
         self._queue.put(part)
         self.store.set(ready_key(part.batch, part.rollout), "1")
 
@@ -252,6 +260,15 @@ class TensorChannel:
             self._queue.put(None)
             self._thread.join()
         self._raise_failed()
+
+    def unsent(self, first: int, end: int) -> list[Part]:
+        """Rollout rank: the finished parts of batches first..end-1, none of them asked for
+        yet (the trainer has taken every batch before `first`)."""
+        missing = [b for b in range(first, end) if b not in self._unsent]
+        if missing:
+            raise RuntimeError(f"sample channel: batches {missing} were drawn but are neither "
+                               "queued nor taken")
+        return [self._unsent[b] for b in range(first, end)]
 
     def _raise_failed(self) -> None:
         if self._failed:
@@ -274,6 +291,7 @@ class TensorChannel:
                 packed = {r: pack(part.slice(*r)) for r in set(ranges)}
                 for t, r in enumerate(ranges):
                     self._send(packed[r], t)
+                self._unsent.pop(part.batch, None)
         except BaseException as e:  # re-raised by the next put / close on the main thread
             self._failed.append(e)
 

@@ -76,6 +76,9 @@ class Beat:
     """The process's start time in /proc clock ticks (-1 when unknown): tells a reused pid."""
     done: bool = False
     """The rank finished its run and stopped beating on purpose."""
+    role: str = ""
+    """'rollout': a rollout rank of separate placement (its steps are the batches it draws);
+    '': a training rank."""
 
     def encode(self) -> str:
         return json.dumps(asdict(self))
@@ -175,6 +178,9 @@ class Watchdog:
         self.peer_beat: Beat | None = None
         self.peer_done = False
         self.store_error = ""
+        self.role = ""
+        """What this rank is, published with its beats (`Beat.role`; `serve_rollouts` sets
+        'rollout'), so a watcher names a frozen rollout rank as one."""
         stat = _proc_stat(os.getpid())
         self.identity = (os.getpid(), socket.gethostname(), stat[1] if stat else -1)
         self._stop = threading.Event()
@@ -251,7 +257,7 @@ class Watchdog:
         pid, host, ticks = self.identity
         beat = Beat(rank=self.rank, seq=self.seq, step=step, phase=phase,
                     phase_s=round(self.clock() - start, 3), pid=pid, host=host,
-                    start_ticks=ticks, done=done)
+                    start_ticks=ticks, done=done, role=self.role)
         self.store.set(self._key(self.rank), beat.encode())
 
     def _read(self, rank: int) -> Beat | None:
@@ -278,9 +284,10 @@ class Watchdog:
             return None
         phase, step, start = self.state
         here = f"this rank is in phase '{phase}' of step {step} for {now - start:.1f} s"
-        what = (f"rank {b.rank} (pid {b.pid} on {b.host}) sent no heartbeat for "
+        who, unit = ("rollout rank", "batch") if b.role == "rollout" else ("rank", "step")
+        what = (f"{who} {b.rank} (pid {b.pid} on {b.host}) sent no heartbeat for "
                 f"{silent:.1f} s > watchdog.heartbeat_timeout_s={limit:g}; its last: phase "
-                f"'{b.phase}' of step {b.step} (running {b.phase_s:.1f} s then)")
+                f"'{b.phase}' of {unit} {b.step} (running {b.phase_s:.1f} s then)")
         error = f"; store error: {self.store_error}" if self.store_error else ""
         return (f"megagrpo watchdog on rank {self.rank}: {what}; {here}{error}. The rank is "
                 "frozen (SIGSTOP, a debugger, swapping) or hangs holding the GIL: stopping the "
