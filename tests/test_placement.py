@@ -412,19 +412,17 @@ class SpreadEngine(MarkerEngine):
         return out
 
 
-@pytest.mark.parametrize("k", [0, 1, 2])
-def test_dynamic_sampling_tops_up_from_the_rollout_ranks(k):
-    """algo.dynamic_sampling at separate placement (1 training rank, 1 rollout rank, 6 steps):
-    each step trains the groups with reward spread of its batch and of as many top-ups as it
-    needs, which the rollout rank draws when asked; against the hand count over the loader's
-    own batch sequence (kept prompts and top-up rounds per step). Every sample, top-ups
-    included, is at most k syncs behind the step that trains it (k = 0: on-policy), and the
-    launch's last step on-policy: a rollout rank that counted a top-up as the next step's
-    batch would wait for a sync that never comes (k = 0) or draw a later step's samples
-    with older weights."""
+def _dynsamp_launch(k: int, steps: int, batches: int, start: dict | None = None,
+                    restore: dict | None = None, checkpoint: bool = False) -> dict:
+    """One launch of algo.dynamic_sampling at separate placement in this process: 1 training
+    rank, 1 rollout rank (a thread) with a SpreadEngine; `steps` steps of a launch of
+    `batches` from loader position `start` (with "version"); `checkpoint`: then the next sync
+    and the rollout rank's in-flight state (returned as "in_flight"); `restore`: such a state,
+    put back at the first sync. Returns each step's (version, top-up rounds, kept prompts,
+    the markers of the weights that sampled them), what the rollout rank did, the loader."""
     cfg = _config(k)
     cfg.algo.dynamic_sampling, cfg.rollout.rollout_ranks = True, 1
-    store, timeout, steps = dist.HashStore(), timedelta(seconds=60), 6
+    store, timeout = dist.HashStore(), timedelta(seconds=60)
     groups: dict = {}
     threads = [threading.Thread(target=lambda r=r, pre=pre: groups.update({(pre, r): (
         dist.ProcessGroupGloo(dist.PrefixStore(pre, store), r, 2, timeout))}))
@@ -443,30 +441,82 @@ def test_dynamic_sampling_tops_up_from_the_rollout_ranks(k):
                                                                   Watchdog())), daemon=True)
     rollout.start()
     loader = PromptLoader(_data(), B, seed=3)
+    if start is not None:
+        loader.load_state_dict(start)
     remote = RemoteEngine(place=places[0], loader=loader, sends=True, bucket_bytes=2000,
-                          dtype="float32", batches=steps)
+                          dtype="float32", batches=batches)
     src = SeparateSource(cfg=cfg, place=places[0], engine=remote, loader=loader,
                          tokenizer=Tok(), ranks=Ranks(), groups=Groups())
-    seen = []
-    for version in range(steps):
+    version = start["version"] if start else 0
+    in_flight = InFlightState(src, SimpleNamespace(engine_version=version))
+    if restore is not None:
+        in_flight.load_state_dict(restore)
+    seen, state = [], None
+    for s in range(steps + checkpoint):
         Collective(remote).send(iter(_weights(version)))
+        if s == steps:
+            in_flight.trainer.engine_version = version
+            with tempfile.TemporaryDirectory() as tmp:
+                save_tree(Path(tmp) / "rank0.safetensors", in_flight.state_dict())
+                state = load_tree(Path(tmp) / "rank0.safetensors")
+            break
         ro = src.next(version)
-        seen.append((ro.metrics["resample_rounds"], [p[-1] for p in ro.prompts]))
-        for c in ro.completions:
-            assert 0 <= version - c.logprobs[0] <= (0 if version == steps - 1 else k)
-            assert c.version == c.logprobs[0]
+        assert all(c.version == c.logprobs[0] for c in ro.completions)
+        seen.append((version, ro.metrics["resample_rounds"], [p[-1] for p in ro.prompts],
+                     sorted({c.logprobs[0] for c in ro.completions})))
+        version += 1
     remote.close()
     rollout.join(timeout=30)
+    return {"seen": seen, "served": served, "in_flight": state,
+            "loader": dict(loader.state_dict(), version=version)}
+
+
+def _kept_by_hand(steps: int, rounds_cap: int) -> list[tuple[int, list[int]]]:
+    """Per step (top-up rounds, kept prompts) of SpreadEngine's samples over the loader's own
+    batch sequence: groups of prompts p % 3 != 0 kept, topped up until B or the cap."""
     reference, want = PromptLoader(_data(), B, seed=3), []
     for _ in range(steps):
         batch = [int(e.prompt) for e in next(reference)]
         kept, rounds = [p for p in batch if p % 3], 0
-        while len(kept) < B and rounds < cfg.algo.max_resample_rounds:
+        while len(kept) < B and rounds < rounds_cap:
             kept += [p for p in (int(e.prompt) for e in next(reference)) if p % 3]
             rounds += 1
         want.append((rounds, kept[:B] or batch))
-    assert seen == want and sum(r for r, _ in want) >= steps
-    assert served["batches"] >= steps + sum(r for r, _ in want)
+    return want
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_dynamic_sampling_tops_up_from_the_rollout_ranks(k):
+    """algo.dynamic_sampling at separate placement (1 training rank, 1 rollout rank, 6 steps):
+    each step trains the groups with reward spread of its batch and of as many top-ups as it
+    needs, which the rollout rank draws when asked; against the hand count over the loader's
+    own batch sequence (kept prompts and top-up rounds per step). Every sample, top-ups
+    included, is at most k syncs behind the step that trains it (k = 0: on-policy), and the
+    launch's last step on-policy: a rollout rank that counted a top-up as the next step's
+    batch would wait for a sync that never comes (k = 0) or draw a later step's samples
+    with older weights."""
+    steps = 6
+    run = _dynsamp_launch(k, steps, steps)
+    want = _kept_by_hand(steps, TrainConfig().algo.max_resample_rounds)
+    assert [(r, kept) for _, r, kept, _ in run["seen"]] == want
+    assert sum(r for r, _ in want) >= steps
+    for version, _, _, markers in run["seen"]:
+        assert all(0 <= version - m <= (0 if version == steps - 1 else k) for m in markers)
+    assert run["served"]["batches"] >= steps + sum(r for r, _ in want)
+
+
+def test_dynamic_sampling_resumes_from_the_in_flight_state():
+    """A checkpoint of a dynamic-sampling launch (k = 0) after step 4 keeps the rollout rank's
+    draws the trainer has not taken, counting the top-ups among the launch's draws; the
+    resumed launch trains steps 5-6 as the uninterrupted one does (kept prompts, top-up
+    rounds, the weights that sampled them). Counting steps alone (the trainer took 8 draws
+    of a 6-step launch), the checkpoint would keep the rollout rank's state before a draw
+    the trainer took already, and the resumed launch's first batch would not be its own."""
+    whole = _dynsamp_launch(0, 6, 6)
+    first = _dynsamp_launch(0, 4, 6, checkpoint=True)
+    second = _dynsamp_launch(0, 2, 2, start=first["loader"], restore=first["in_flight"])
+    assert 4 + sum(r for _, r, _, _ in first["seen"]) > 6  # more draws than the launch's steps
+    assert first["seen"] + second["seen"] == whole["seen"]
 
 
 def test_resume_starts_the_rollout_ranks_at_the_first_untrained_batch():
