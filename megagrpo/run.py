@@ -178,10 +178,11 @@ def _load_init(gpt, init: str, model: ModelConfig, parallel: ParallelConfig, inf
 
 
 def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
-                  layout: RolloutLayout) -> VLLMEngine:
+                  layout: RolloutLayout, engine: int | None = None) -> VLLMEngine:
     """vLLM in this process, on an HF config of `model` written for this rank (weights come
-    from the policy by `sync_weights`, not from disk). The ranks of one engine share its seed:
-    they must sample the same tokens."""
+    from the policy by `sync_weights`, not from disk). The ranks of one engine share its seed,
+    rollout.seed + its index (`engine`, default the layout's): they must sample the same
+    tokens."""
     d = _engine_dir(cfg, layout.rank)
     d.mkdir(parents=True, exist_ok=True)
     hf = hf_config_dict(model)
@@ -196,7 +197,8 @@ def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
                              "in its own detokenized text; end turns with token ids instead, "
                              "or drop rollout.stop")
         save(str(d))
-    r = dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + layout.engine,
+    r = dataclasses.replace(cfg.rollout,
+                            seed=cfg.rollout.seed + (layout.engine if engine is None else engine),
                             dtype=model.dtype)
     lora_rank = build_tuning(cfg.lora).engine_lora_rank(cfg.rollout.tensor_parallel_size, model)
     return VLLMEngine(r, d, dtype=model.dtype, capture_routing=cfg.algo.routing_replay,
@@ -265,7 +267,8 @@ def serve_rollouts(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | No
     attach_log_file(cfg.run.out_dir, rank)
     tok = task.tokenizer
     layout = RolloutLayout(rank=rank, world_size=world, engine_tp=1, train_tp=1, train_pp=1)
-    engine = _start_engine(cfg, model_cfg, tok, layout)
+    # rollout rank j samples as colocated engine j would (its seed): same seeds, same samples
+    engine = _start_engine(cfg, model_cfg, tok, layout, engine=place.rollout_index)
     loader = PromptLoader(task.train, cfg.data.batch_size, 0, 1, seed=cfg.data.seed,
                           shuffle=cfg.data.shuffle)
     stop_ids = (tok.eos_id, *task.stop_ids)

@@ -7,6 +7,9 @@ source `PromptLog`, both in the ranks' own processes (reward.isolation: thread).
   only (TORCHELASTIC_RESTART_COUNT 0), so a restarted job runs on.
 - MEGAGRPO_TEST_PROMPT_LOG=<dir>: `PromptLog` appends the prompts of every batch it scores to
   <dir>/attempt<A>.rank<R>.jsonl (one JSON list per call).
+- MEGAGRPO_TEST_TRAJECTORY_LOG=<dir>: `TrajectoryLog` appends every sample it scores (prompt
+  ids, completion ids, loss mask, turn rewards, truncation, finish reason) to
+  <dir>/rank<R>.jsonl (one JSON list per call).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from megagrpo.reward.source import Scores
 
 DIE_ENV = "MEGAGRPO_TEST_DIE"
 PROMPT_LOG_ENV = "MEGAGRPO_TEST_PROMPT_LOG"
+TRAJECTORY_LOG_ENV = "MEGAGRPO_TEST_TRAJECTORY_LOG"
 
 
 def attempt() -> int:
@@ -53,6 +57,30 @@ class PromptLog:
                 f.write(json.dumps([s.prompt for s in samples]) + "\n")
         r = torch.tensor([len(s.completion) / 10.0 for s in samples])
         return Scores(rewards=r, per_term={"length": r})
+
+    def close(self) -> None:
+        pass
+
+
+class TrajectoryLog:
+    """A reward source: the parity of each sample's token count after the prompt (0 or 1: a
+    group of G has no reward spread with probability 2^(1-G), which dynamic sampling filters),
+    and every scored sample as token ids, loss mask, turn rewards and ends, written where
+    MEGAGRPO_TEST_TRAJECTORY_LOG says (in sample order): what this rank's engine and
+    environments produced."""
+
+    def __init__(self, cfg=None) -> None:
+        folder = os.environ.get(TRAJECTORY_LOG_ENV)
+        self.path = Path(folder) / f"rank{os.environ.get('RANK', '0')}.jsonl" if folder else None
+
+    def score(self, samples) -> Scores:
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps([[s.prompt_ids, s.completion_ids, s.loss_mask,
+                                     s.turn_rewards, s.truncation, s.finish_reason]
+                                    for s in samples]) + "\n")
+        r = torch.tensor([float(len(s.completion_ids) % 2) for s in samples])
+        return Scores(rewards=r, per_term={"parity": r})
 
     def close(self) -> None:
         pass

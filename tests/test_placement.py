@@ -12,7 +12,10 @@ rank, megatron-core and vLLM, through the CLI) checks that it trains, that vLLM'
 samples of the trainer's own version equal the trainer's to fp32 precision, and that the
 per-sample staleness never exceeds k. Two more launches compose it: a tiny Qwen3-MoE with
 routing replay, merged LoRA, held-out evaluation and a cold start, and the dense model with
-adapter-only LoRA syncs and rollout.sync_delta (bytes counted on both sides).
+adapter-only LoRA syncs and rollout.sync_delta (bytes counted on both sides). A pair of runs
+of the calculator tool task with dynamic sampling (colocated on 1 rank; 1 training + 1
+rollout rank) checks that multi-turn trajectories and top-ups at separate placement are the
+colocated run's for the same seeds.
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ from megagrpo.rollout.placement import (
     serve,
 )
 from megagrpo.rollout.sample_channel import unpack
-from megagrpo.runtime.distributed import Ranks
+from megagrpo.runtime.distributed import Groups, Ranks
 from megagrpo.sync.transports.collective import Collective
 from tests.support.cli import run_cli
 from tests.test_stream import Reward, Tok
@@ -397,6 +400,125 @@ def test_cold_start_holds_the_rollout_ranks(k):
         assert [float(got["marker"][0]) for got in eng.received] == [-3, -2, -1, 0, 1, 2, 3, 4]
 
 
+class SpreadEngine(MarkerEngine):
+    """A MarkerEngine whose sample 0 of prompt p answers p and the others answer p only where
+    p % 3 == 0: those prompts' groups have no reward spread (dynamic sampling filters them)."""
+
+    def generate(self, prompts, sampling):
+        out = super().generate(prompts, sampling)
+        for c in out:
+            p = prompts[c.prompt_index][-1]
+            c.text = str(p) if c.sample_index == 0 or p % 3 == 0 else "no"
+        return out
+
+
+def _dynsamp_launch(k: int, steps: int, batches: int, start: dict | None = None,
+                    restore: dict | None = None, checkpoint: bool = False) -> dict:
+    """One launch of algo.dynamic_sampling at separate placement in this process: 1 training
+    rank, 1 rollout rank (a thread) with a SpreadEngine; `steps` steps of a launch of
+    `batches` from loader position `start` (with "version"); `checkpoint`: then the next sync
+    and the rollout rank's in-flight state (returned as "in_flight"); `restore`: such a state,
+    put back at the first sync. Returns each step's (version, top-up rounds, kept prompts,
+    the markers of the weights that sampled them), what the rollout rank did, the loader."""
+    cfg = _config(k)
+    cfg.algo.dynamic_sampling, cfg.rollout.rollout_ranks = True, 1
+    store, timeout = dist.HashStore(), timedelta(seconds=60)
+    groups: dict = {}
+    threads = [threading.Thread(target=lambda r=r, pre=pre: groups.update({(pre, r): (
+        dist.ProcessGroupGloo(dist.PrefixStore(pre, store), r, 2, timeout))}))
+        for r in range(2) for pre in ("cross/", "samples/")]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    places = [Placement(rank=r, train_world=1, rollout_ranks=1, store=dist.PrefixStore(
+        "stream/", store), cross=groups["cross/", r], timeout_s=60,
+        samples=groups["samples/", r]) for r in range(2)]
+    col = RolloutCollector(cfg=cfg, engine=SpreadEngine(), tokenizer=Tok(),
+                           rewards=Rewards(Reward()), loader=PromptLoader(_data(), B, seed=3),
+                           layout=RolloutLayout(rank=0, world_size=1, engine_tp=1, train_tp=1,
+                                                train_pp=1))
+    served = {}
+    rollout = threading.Thread(target=lambda: served.update(serve(cfg, places[1], col,
+                                                                  Watchdog())), daemon=True)
+    rollout.start()
+    loader = PromptLoader(_data(), B, seed=3)
+    if start is not None:
+        loader.load_state_dict(start)
+    remote = RemoteEngine(place=places[0], loader=loader, sends=True, bucket_bytes=2000,
+                          dtype="float32", batches=batches)
+    src = SeparateSource(cfg=cfg, place=places[0], engine=remote, loader=loader,
+                         tokenizer=Tok(), ranks=Ranks(), groups=Groups())
+    version = start["version"] if start else 0
+    in_flight = InFlightState(src, SimpleNamespace(engine_version=version))
+    if restore is not None:
+        in_flight.load_state_dict(restore)
+    seen, state = [], None
+    for s in range(steps + checkpoint):
+        Collective(remote).send(iter(_weights(version)))
+        if s == steps:
+            in_flight.trainer.engine_version = version
+            with tempfile.TemporaryDirectory() as tmp:
+                save_tree(Path(tmp) / "rank0.safetensors", in_flight.state_dict())
+                state = load_tree(Path(tmp) / "rank0.safetensors")
+            break
+        ro = src.next(version)
+        assert all(c.version == c.logprobs[0] for c in ro.completions)
+        seen.append((version, ro.metrics["resample_rounds"], [p[-1] for p in ro.prompts],
+                     sorted({c.logprobs[0] for c in ro.completions})))
+        version += 1
+    remote.close()
+    rollout.join(timeout=30)
+    return {"seen": seen, "served": served, "in_flight": state,
+            "loader": dict(loader.state_dict(), version=version)}
+
+
+def _kept_by_hand(steps: int, rounds_cap: int) -> list[tuple[int, list[int]]]:
+    """Per step (top-up rounds, kept prompts) of SpreadEngine's samples over the loader's own
+    batch sequence: groups of prompts p % 3 != 0 kept, topped up until B or the cap."""
+    reference, want = PromptLoader(_data(), B, seed=3), []
+    for _ in range(steps):
+        batch = [int(e.prompt) for e in next(reference)]
+        kept, rounds = [p for p in batch if p % 3], 0
+        while len(kept) < B and rounds < rounds_cap:
+            kept += [p for p in (int(e.prompt) for e in next(reference)) if p % 3]
+            rounds += 1
+        want.append((rounds, kept[:B] or batch))
+    return want
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_dynamic_sampling_tops_up_from_the_rollout_ranks(k):
+    """algo.dynamic_sampling at separate placement (1 training rank, 1 rollout rank, 6 steps):
+    each step trains the groups with reward spread of its batch and of as many top-ups as it
+    needs, which the rollout rank draws when asked; against the hand count over the loader's
+    own batch sequence (kept prompts and top-up rounds per step). Every sample, top-ups
+    included, is at most k syncs behind the step that trains it (k = 0: on-policy), and the
+    launch's last step on-policy: a rollout rank that counted a top-up as the next step's
+    batch would wait for a sync that never comes (k = 0) or draw a later step's samples
+    with older weights."""
+    steps = 6
+    run = _dynsamp_launch(k, steps, steps)
+    want = _kept_by_hand(steps, TrainConfig().algo.max_resample_rounds)
+    assert [(r, kept) for _, r, kept, _ in run["seen"]] == want
+    assert sum(r for r, _ in want) >= steps
+    for version, _, _, markers in run["seen"]:
+        assert all(0 <= version - m <= (0 if version == steps - 1 else k) for m in markers)
+    assert run["served"]["batches"] >= steps + sum(r for r, _ in want)
+
+
+def test_dynamic_sampling_resumes_from_the_in_flight_state():
+    """A checkpoint of a dynamic-sampling launch (k = 0) after step 4 keeps the rollout rank's
+    draws the trainer has not taken, counting the top-ups among the launch's draws; the
+    resumed launch trains steps 5-6 as the uninterrupted one does (kept prompts, top-up
+    rounds, the weights that sampled them). Counting steps alone (the trainer took 8 draws
+    of a 6-step launch), the checkpoint would keep the rollout rank's state before a draw
+    the trainer took already, and the resumed launch's first batch would not be its own."""
+    whole = _dynsamp_launch(0, 6, 6)
+    first = _dynsamp_launch(0, 4, 6, checkpoint=True)
+    second = _dynsamp_launch(0, 2, 2, start=first["loader"], restore=first["in_flight"])
+    assert 4 + sum(r for _, r, _, _ in first["seen"]) > 6  # more draws than the launch's steps
+    assert first["seen"] + second["seen"] == whole["seen"]
+
+
 def test_resume_starts_the_rollout_ranks_at_the_first_untrained_batch():
     """3 steps, then a new launch from the trainer's loader state: the prompts continue the
     uninterrupted sequence (batches the rollout ranks drew ahead are drawn again)."""
@@ -501,7 +623,9 @@ def test_separate_placement_config():
     ok.validate(3)  # 2 training ranks (DP 2) + 1 rollout rank
     for lifted in (["eval.every=5"], ["cold_start.steps=5"], ["lora.rank=8"],
                    ["lora.rank=8", "lora.refit=merged"], ["lora.rank=8", "lora.refit=adapter"],
-                   ["algo.routing_replay=true"]):
+                   ["algo.routing_replay=true"],
+                   ["agent.environment=tests._agent_env:Digits", "agent.max_turns=3"],
+                   ["algo.dynamic_sampling=true"]):
         load_config(None, ["rollout.placement=separate", "rollout.rollout_ranks=1",
                            "data.batch_size=4", *lifted]).validate(3)
     bad = [
@@ -509,8 +633,6 @@ def test_separate_placement_config():
         (["rollout.rollout_ranks=2"], "rollout.rollout_ranks=2 needs rollout.placement=separate"),
         (["rollout.placement=separate", "rollout.rollout_ranks=1",
           "rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size=2"),
-        (["rollout.placement=separate", "rollout.rollout_ranks=1", "algo.dynamic_sampling=true"],
-         "algo.dynamic_sampling=true"),
         (["rollout.placement=sideways"], "rollout.placement='sideways'"),
     ]
     for overrides, named in bad:
@@ -664,6 +786,82 @@ def test_separate_run_versions_and_gap(separate_run):
     # in flight: per-token lags, trainer versions (sync indices mapped), within the bound
     assert all(0 <= r["token_lag_mean"] <= 1 for r in steps)
     assert any(r["staleness_max"] == 1 for r in steps)  # and the stream did run ahead
+
+
+TOOLS = Path(__file__).resolve().parents[1] / "examples" / "tools-demo.yaml"
+AGENT_ARGS = [
+    "--config", str(TOOLS), "model.hidden_size=64", "model.ffn_hidden_size=128",
+    "model.num_layers=2", "model.head_dim=32", "run.steps=3", "data.batch_size=4",
+    "algo.group_size=4", "algo.num_minibatches=1", "cold_start.steps=0", "eval.every=0",
+    "arithmetic.num_eval=4", "arithmetic.num_train=64", "compute.micro_batch_size=16",
+    "compute.kernel_impl=torch", "log.tensorboard=false", "log.progress=false",
+    "reward.source=tests._fault_hooks:TrajectoryLog", "rollout.max_staleness=0",
+    "algo.dynamic_sampling=true",
+]
+
+
+@pytest.fixture(scope="module")
+def agent_runs(tmp_path_factory):
+    """The calculator tool task (multi-turn: a turn ending in `</calc>` is answered by the
+    environment, its tokens masked out of the loss) on a tiny random model, 3 steps at k = 0
+    with dynamic sampling (a 0/1 reward: groups without spread are topped up), twice with the
+    same seeds: colocated on 1 rank, and at separate placement on 1 training rank + 1 rollout
+    rank, where the environments, the reward and the top-ups run on the rollout rank. The
+    reward source logs every sample it scores (`tests._fault_hooks.TrajectoryLog`).
+    Returns {placement: (the samples of each scoring call, per-step metrics, console)}."""
+    from tests._fault_hooks import TRAJECTORY_LOG_ENV
+
+    out = {}
+    for name, nproc, more in (("colocated", "1", []),
+                              ("separate", "2", ["rollout.placement=separate",
+                                                 "rollout.rollout_ranks=1"])):
+        work = tmp_path_factory.mktemp(f"agent_{name}")
+        (work / "log").mkdir()
+        p = run_cli("train", "--nproc", nproc, *AGENT_ARGS, *more, f"run.out_dir={work}/run",
+                    f"arithmetic.tokenizer_dir={work}/tok", timeout=900,
+                    **{TRAJECTORY_LOG_ENV: str(work / "log")})
+        console = p.stdout + p.stderr
+        assert p.returncode == 0, console[-6000:]
+        logs = sorted((work / "log").glob("rank*.jsonl"))
+        assert [f.name for f in logs] == [f"rank{int(nproc) - 1}.jsonl"]  # the engine's rank
+        calls = [json.loads(line) for line in logs[0].read_text().splitlines()]
+        records = [json.loads(line) for line in Path(work, "run", "metrics.jsonl").read_text()
+                   .splitlines()]
+        out[name] = calls, [r for r in records if "loss" in r], console
+    return out
+
+
+def test_separate_multi_turn_equals_colocated(agent_runs):
+    """Multi-turn rollouts and dynamic sampling at separate placement are the colocated run's
+    for the same seeds (k = 0: the rollout rank draws every top-up with the weights of the
+    step it tops up, in the order the colocated collector draws them): every trajectory's token
+    ids, loss mask, turn rewards and ends (the evaluations' greedy ones, every step's batch
+    and its top-ups, in order) are equal, and so is what the trainer made of them (the kept
+    groups' turns, tool calls, environment tokens, rewards, the top-up rounds and filtered
+    groups; the loss to fp32 rounding: the two trainers are the same single-rank math). The
+    weights that sampled each batch are the trainer's (vLLM gap < 1e-5 over the model's
+    tokens), so the samples of steps 2 and 3 check that the trained weights crossed the wire."""
+    col, sep = agent_runs["colocated"], agent_runs["separate"]
+    assert "rollout ranks 1-1 (one vLLM engine of TP 1 each" in sep[2]
+    calls = col[0]  # evaluation before GRPO, each step's batch and top-ups, evaluation at end
+    rounds = [r["resample_rounds"] for r in col[1]]
+    # 4 held-out, 4 prompts x G=4 per draw
+    assert [len(c) for c in calls] == [4] + [16] * (3 + sum(rounds)) + [4], rounds
+    assert sum(rounds) >= 1, rounds  # some step was topped up
+    multi = [s for c in calls for s in c if s[2] is not None and not all(s[2])]
+    assert len(multi) >= 4, calls  # trajectories with environment tokens
+    # the rollout rank may draw one batch past the last (with the last sync, while the
+    # trainer evaluates and before its stop; never trained)
+    extra = len(sep[0]) == len(calls) + 1
+    ahead = [k for k in range(len(calls) - 1, len(sep[0])) if extra and len(sep[0][k]) == 16]
+    assert [c for k, c in enumerate(sep[0]) if k not in ahead[:1]] == calls
+    assert [r["step"] for r in sep[1]] == [r["step"] for r in col[1]] == [1, 2, 3]
+    for a, b in zip(sep[1], col[1]):
+        for key in ("turns", "tool_calls", "tool_errors", "env_token_share", "reward_mean",
+                    "completion_len", "resample_rounds", "filtered_groups"):
+            assert a[key] == b[key], (key, a[key], b[key])
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+        assert a["staleness_max"] == 0 and a["logp_gap_vllm_mean"] < 1e-5, a
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ carried, against the produced ones).
 Real processes: 2 training ranks (DP 2) and 2 rollout ranks spawned over gloo, a file store
 shared by all; each rollout rank puts batches 0-3 in both channels, the trainer asks for 0-2
 only (batch 3, drawn ahead of the end, is dropped at stop). The parts are single-turn samples,
-multi-turn trajectories (loss masks, turn rewards, tool counts), in-flight per-token versions,
+multi-turn trajectories (loss masks, turn rewards, tool counts, environment retries, dropped
+samples), in-flight per-token versions,
 MoE routes, non-ASCII text, and log-probs that are not float32 values.
 """
 from __future__ import annotations
@@ -56,6 +57,9 @@ def produced(i: int, j: int) -> Part:
                 c.tool_seconds, c.env_reward = rnd.random(), rnd.random() - 0.5
                 c.turn_rewards = [rnd.random() for _ in range(c.turns)]
                 c.truncation = "max_turns"
+                c.env_retries = rnd.randint(0, 2)
+                # a failed environment's or reward's sample leaves the loss: that must travel
+                c.dropped = rnd.choice(["", "env_error", "reward_error"])
             elif kind == 2:  # in flight: per-token versions, log-probs as vLLM's (float32)
                 c.token_versions = sorted(rnd.randint(0, 3) for _ in range(n))
                 c.logprobs = [float(torch.tensor(lp, dtype=torch.float32)) for lp in c.logprobs]

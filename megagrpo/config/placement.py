@@ -1,5 +1,6 @@
 """Config checks of rollout.placement (megagrpo.rollout.placement runs it): how many of the world's
-ranks train, and what separate placement refuses. No torch here: the launcher imports it."""
+ranks train. No torch here: the launcher imports it. (Separate placement refuses no other
+section any more: what it does not run is refused where that feature is checked.)"""
 from __future__ import annotations
 
 from megagrpo.config.rollout import RolloutConfig
@@ -16,20 +17,4 @@ def training_world(rollout: RolloutConfig, world_size: int | None) -> int | None
     return world_size - rollout.rollout_ranks
 
 
-def check_separate(rollout: RolloutConfig, *, agent, algo, lora) -> None:
-    """Raise ValueError for what separate placement (`rollout`) does not run (yet), naming the
-    field; the other arguments are the config's sections of those names."""
-    if rollout.placement != "separate":
-        return
-    refused = [
-        (agent.enabled, "agent.environment", "multi-turn rollouts run colocated only"),
-        (algo.dynamic_sampling, "algo.dynamic_sampling=true",
-         "top-ups would need the trainer to ask the rollout ranks for more"),
-    ]
-    for bad, name, why in refused:
-        if bad:
-            raise ValueError(f"{name} with rollout.placement=separate: {why}; use "
-                             "rollout.placement=colocated for it")
-
-
-__all__ = ["check_separate", "training_world"]
+__all__ = ["training_world"]

@@ -17,7 +17,7 @@ from megagrpo.config.layout import check_rollout_layout
 from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.optim import OptimConfig
-from megagrpo.config.placement import check_separate, training_world
+from megagrpo.config.placement import training_world
 from megagrpo.config.rollout import RolloutConfig
 from megagrpo.config.run import (
     CheckpointConfig,
@@ -175,7 +175,6 @@ class TrainConfig(Section):
                              f"{by[2]} or rollout.tensor_parallel_size=1")
         check_rollout_layout(self.rollout.tensor_parallel_size, self.parallel, self.model,
                              world_size)
-        check_separate(self.rollout, agent=self.agent, algo=self.algo, lora=self.lora)
 
 
     @property

@@ -20,8 +20,10 @@ scores asynchronously overlaps later sampling.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,6 +32,7 @@ import torch.distributed as dist
 
 from megagrpo import algo
 from megagrpo.agent.runner import TrajectoryRunner, environment_factory
+from megagrpo.config.algo import AlgoConfig
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import encode_prompt
@@ -327,24 +330,12 @@ class RolloutCollector:
         return self._dynamic_sampling(ro, version)
 
     def _dynamic_sampling(self, ro: Rollout, version: int) -> Rollout:
-        want, G = len(ro.prompts), self.cfg.algo.group_size
-        keep, _ = algo.filter_groups(ro.rewards, G)
-        kept = select_groups(ro, keep, G)
-        rounds = 0
-        # all ranks agree on the number of rounds so the data loaders stay in lockstep
-        while (any_rank(len(kept.prompts) < want, self.groups.world)
-               and rounds < self.cfg.algo.max_resample_rounds):
-            more = self.gather(self.draw(version))
-            keep, _ = algo.filter_groups(more.rewards, G)
-            kept = _concat(kept, select_groups(more, keep, G))
-            kept.epoch = more.epoch
-            rounds += 1
-        metrics = dict(ro.metrics, resample_rounds=rounds,
-                       filtered_groups=want - min(len(kept.prompts), want))
-        if not kept.prompts:  # nothing with signal: train on the batch (zero advantages)
-            kept = ro
-        kept.metrics = metrics  # same keys on every rank (they are averaged over DP)
-        return _truncate(kept, want, G)
+        return dynamic_sampling(ro, functools.partial(self._top_up, version), self.cfg.algo,
+                                self.groups.world)
+
+    def _top_up(self, version: int) -> Rollout:
+        """A dynamic-sampling top-up: the next prompts, drawn and gathered now."""
+        return self.gather(self.draw(version))
 
     def next(self, version: int) -> Rollout:
         """This step's rollout (`megagrpo.rollout.stream.RolloutSource`). k = cfg.staleness >= 1:
@@ -520,6 +511,30 @@ def _sum_dicts(dicts: list[dict]) -> dict:
             if isinstance(v, (int, float)):
                 out[k] = out.get(k, 0) + v
     return out
+
+
+def dynamic_sampling(ro: Rollout, top_up: Callable[[], Rollout], cfg: AlgoConfig, group
+                     ) -> Rollout:
+    """DAPO's dynamic sampling of the batch `ro`: its groups with reward spread, topped up by
+    `top_up()` (the next prompts' rollout) until it holds as many as `ro` had, at most
+    cfg.max_resample_rounds times. Collective over `group` (every rank draws the same number of
+    top-ups, so the data loaders stay in lockstep)."""
+    want, G = len(ro.prompts), cfg.group_size
+    keep, _ = algo.filter_groups(ro.rewards, G)
+    kept = select_groups(ro, keep, G)
+    rounds = 0
+    while any_rank(len(kept.prompts) < want, group) and rounds < cfg.max_resample_rounds:
+        more = top_up()
+        keep, _ = algo.filter_groups(more.rewards, G)
+        kept = _concat(kept, select_groups(more, keep, G))
+        kept.epoch = more.epoch
+        rounds += 1
+    metrics = dict(ro.metrics, resample_rounds=rounds,
+                   filtered_groups=want - min(len(kept.prompts), want))
+    if not kept.prompts:  # nothing with signal: train on the batch (zero advantages)
+        kept = ro
+    kept.metrics = metrics  # same keys on every rank (they are averaged over DP)
+    return _truncate(kept, want, G)
 
 
 def select_groups(ro: Rollout, keep: torch.Tensor, G: int) -> Rollout:

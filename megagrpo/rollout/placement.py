@@ -33,6 +33,10 @@ What flows where:
     The last batch of a launch (`RemoteEngine.batches`, told at the first sync) is drawn at
     k = 0 whatever k is: the run ends on-policy, and its vLLM-vs-trainer gap checks the
     weights that crossed the wire after every sync.
+  - dynamic sampling (algo.dynamic_sampling): training rank 0 asks for each top-up of a step
+    in the store (`topup/{n}`) and the training ranks take the stream's next batch; the
+    rollout ranks count the top-ups asked for, so the staleness rule above reads the step a
+    draw belongs to (draws less top-ups), not the draw's index in the stream.
   - in-flight updates (rollout.inflight_updates): a rollout rank's engine generates on a
     thread while its main thread keeps receiving the syncs the trainer sends and posts each to
     the engine's in-flight slot (`megagrpo.engine.inflight`), which loads the newest between
@@ -82,9 +86,10 @@ import torch.distributed as dist
 
 from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
-from megagrpo.config.placement import check_separate, training_world
+from megagrpo.config.placement import training_world
 from megagrpo.engine.shard_feed import received_tensors as received_shards
 from megagrpo.lora.export import save_peft_adapter
+from megagrpo.rollout.collect import dynamic_sampling
 from megagrpo.rollout.sample_channel import Part, TensorChannel, pack, unpack
 from megagrpo.rollout.stream import StreamStats, stamp
 from megagrpo.runtime.distributed import process_group_backend
@@ -488,16 +493,25 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
     i, ckpts, starts = 0, 0, {}  # starts: batch -> (sampler state, loader) before its draw
     if sync.restore is not None:  # a resumed launch: the checkpoint's queued parts first
         i = restore_in_flight(collector, channel, sync.restore)
+    topups = 0
     while not sync.stop:
+        topups = _topups_asked(place, topups)
+        step = i - topups  # the trainer's step the next draw goes to (top-ups: part of theirs)
         # at most k syncs behind; the launch's last batch on-policy (k = 0)
-        if sync.index < base + i - (0 if i == last else k) or place.announced(sync.index + 1) \
-                or place.eval_asked(evals) or place.checkpoint_asked(ckpts):
+        behind = sync.index < base + step - (0 if step == last else k)
+        due = (sync, evals, ckpts)  # the messages a broadcast may be on its way for
+        if behind and cfg.algo.dynamic_sampling and not _message_due(place, *due):
+            watchdog.set_phase("weight_sync", i)  # or a top-up of this step, asked first
+            _await_topup_or_message(place, due, topups)
+            continue
+        if behind or _message_due(place, *due):
             watchdog.set_phase("weight_sync", i)
             got = receive_weights(place, collector.engine)
             if got.eval is not None:  # with the weights of every sync sent before it
                 evals = _evaluate(place, collector, got.eval, held_out or [], watchdog)
             elif got.checkpoint is not None:
-                ckpts = save_in_flight(place, collector, channel, got.checkpoint, starts, i)
+                ckpts = save_in_flight(place, collector, channel, got.checkpoint, starts, i,
+                                       topups)
             else:
                 sync = got
             continue
@@ -528,6 +542,30 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
             "evaluations": evals}
 
 
+def _topups_asked(place: Placement, known: int) -> int:
+    """Rollout rank: how many dynamic-sampling top-ups the trainer has asked for so far in this
+    launch (`known` of them counted before). A top-up is drawn as part of the step it tops up:
+    with the weights that step's batch may be drawn with."""
+    while place.store.check([f"topup/{known}"]):
+        known += 1
+    return known
+
+
+def _await_topup_or_message(place: Placement, due: tuple, topups: int) -> None:
+    """Rollout rank with dynamic sampling, behind the weights its next draw needs: polls the
+    store until the trainer asks for top-up `topups` or announces its next message (`due`:
+    `_message_due`'s arguments; a blocking receive would not see a top-up asked first)."""
+    while not (place.store.check([f"topup/{topups}"]) or _message_due(place, *due)):
+        time.sleep(0.005)
+
+
+def _message_due(place: Placement, sync: Sync, evals: int, ckpts: int) -> bool:
+    """Rollout rank: the trainer has announced the next sync (or the stop), evaluation
+    `evals` or checkpoint `ckpts`: its broadcast over the cross group is on its way."""
+    return (place.announced(sync.index + 1) or place.eval_asked(evals)
+            or place.checkpoint_asked(ckpts))
+
+
 def _until_started(place: Placement, collector: RolloutCollector, held_out: list, watchdog
                    ) -> tuple[Sync, int]:
     """Rollout rank, before its first batch: the cross group's messages until the one that
@@ -553,7 +591,7 @@ def _until_started(place: Placement, collector: RolloutCollector, held_out: list
 
 # ---------------------------------------------------------------------- in-flight state
 def save_in_flight(place: Placement, collector: RolloutCollector, channel: TensorChannel,
-                   ask: dict, starts: dict[int, tuple], i: int) -> int:
+                   ask: dict, starts: dict[int, tuple], i: int, topups: int = 0) -> int:
     """Rollout rank, between two draws, when the trainer checkpoints (`ask`: its index, the
     batches the trainer took, the launch's batch count and sync index -> policy version):
     sends training rank 0 its in-flight state (`send_state`): the finished parts of batches
@@ -565,7 +603,8 @@ def save_in_flight(place: Placement, collector: RolloutCollector, channel: Tenso
     it interrupts), so a resumed launch draws the rest with the same weights and streams as
     the uninterrupted one. Returns the next checkpoint's index."""
     taken, batches = ask["taken"], ask["batches"]
-    end = i if batches is None else min(i, batches)
+    # dynamic sampling: the `topups` asked so far are draws of the launch's steps too
+    end = i if batches is None else min(i, batches + topups)
     versions = {int(s): v for s, v in ask["versions"].items()}
     rng, loader = starts[end] if end < i else (collector.engine.rng_state(),
                                               collector.loader.state_dict())
@@ -785,6 +824,8 @@ class SeparateSource:
     as the rollout ranks' in-flight state, `InFlightState`)."""
     channel: TensorChannel | None = None
     """This rank's end of the sample channel (built from `place` when not given)."""
+    topups: int = 0
+    """Dynamic-sampling top-ups asked for in this launch (the next one's index in the store)."""
 
     def __post_init__(self) -> None:
         if self.channel is None:
@@ -792,8 +833,27 @@ class SeparateSource:
                                               (self.ranks.dp_rank, self.ranks.dp))
 
     def next(self, version: int) -> Rollout:
-        """Batch `taken` from the rollout ranks (waits for it), this replica's slice. `version`
-        is what the last sync carried (Trainer.engine_version)."""
+        """This step's rollout: the next batch from the rollout ranks; with dynamic sampling
+        (algo.dynamic_sampling) its groups with reward spread, topped up by the next batches
+        the rollout ranks draw, as the colocated collector does. `version` is what the last
+        sync carried (Trainer.engine_version)."""
+        ro = self._take(version)
+        if not self.cfg.algo.dynamic_sampling:
+            return ro
+        return dynamic_sampling(ro, functools.partial(self._top_up, version), self.cfg.algo,
+                                self.groups.world)
+
+    def _top_up(self, version: int) -> Rollout:
+        """A dynamic-sampling top-up: training rank 0 asks the rollout ranks for it in the store
+        (they draw it with the weights of the step it tops up), then every training rank takes
+        it as the stream's next batch."""
+        if self.ranks.rank == 0:
+            self.place.store.set(f"topup/{self.topups}", "1")
+        self.topups += 1
+        return self._take(version)
+
+    def _take(self, version: int) -> Rollout:
+        """Batch `taken` from the rollout ranks (waits for it), this replica's slice."""
         from megagrpo.rollout.stream import Rollout
 
         i = self.taken
@@ -929,5 +989,5 @@ def _position(state: dict) -> tuple[int, int]:
     return state["epoch"], state["index"]
 
 
-__all__ = ["InFlightState", "Placement", "RemoteEngine", "SeparateSource", "check_separate",
-           "serve", "split_world", "training_world"]
+__all__ = ["InFlightState", "Placement", "RemoteEngine", "SeparateSource", "serve",
+           "split_world", "training_world"]

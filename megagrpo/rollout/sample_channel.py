@@ -5,7 +5,8 @@ header over torch.distributed (`TensorChannel`), in place of JSON through torchr
 with).
 
 A part (`Part`) is what rollout rank j drew of batch i: its completions (token ids, vLLM
-log-probs, multi-turn loss masks, per-token versions, turn rewards, MoE routes, text), the
+log-probs, multi-turn loss masks, per-token versions, turn rewards, MoE routes, text, and
+why a sample is dropped from the loss: a failed environment or reward), the
 summed rewards, and a few scalars (the loader position it drew at, the draw's seconds, reward
 metrics). `pack` lays it out as one uint8 buffer: a JSON header (those scalars, the string
 fields' vocabularies, and each tensor field's name, dtype and length), then each field's bytes,
@@ -47,9 +48,9 @@ header names its batch and the receiver checks it."""
 # per completion, in this order: the int64 scalars of `ints`
 INT_COLUMNS = ("prompt_index", "sample_index", "version", "turns", "tool_calls", "tool_errors",
                "tokens", "token_versions", "loss_mask", "turn_rewards", "finish_reason",
-               "truncation", "correct", "routes", "text")
+               "truncation", "correct", "routes", "text", "env_retries", "dropped")
 """`tokens`: len(token_ids); `token_versions` / `loss_mask`: 1 when present; `turn_rewards`:
-their count, -1 for None; `finish_reason` / `truncation`: index into the header's
+their count, -1 for None; `finish_reason` / `truncation` / `dropped`: index into the header's
 vocabulary; `correct`: -1 None, 0, 1; `routes`: the routes tensor's rank (0: None);
 `text`: its UTF-8 byte count."""
 FLOAT_COLUMNS = ("tool_seconds", "env_reward", "reward")
@@ -102,13 +103,15 @@ def pack(part: Part) -> torch.Tensor:
     docstring)."""
     cs = part.completions
     finish, trunc = _vocab([c.finish_reason for c in cs]), _vocab([c.truncation for c in cs])
+    dropped = _vocab([c.dropped for c in cs])
     texts = [c.text.encode() for c in cs]
     ints = torch.tensor([[
         c.prompt_index, c.sample_index, c.version, c.turns, c.tool_calls, c.tool_errors,
         len(c.token_ids), c.token_versions is not None, c.loss_mask is not None,
         -1 if c.turn_rewards is None else len(c.turn_rewards), finish.index(c.finish_reason),
         trunc.index(c.truncation), -1 if c.correct is None else int(c.correct),
-        0 if c.routes is None else c.routes.dim(), len(t)] for c, t in zip(cs, texts)],
+        0 if c.routes is None else c.routes.dim(), len(t), c.env_retries,
+        dropped.index(c.dropped)] for c, t in zip(cs, texts)],
         dtype=torch.int64).reshape(len(cs), len(INT_COLUMNS))
     floats = torch.tensor([[c.tool_seconds, c.env_reward, r] for c, r in
                            zip(cs, part.rewards, strict=True)],
@@ -140,7 +143,7 @@ def pack(part: Part) -> torch.Tensor:
     }
     header = {"batch": part.batch, "rollout": part.rollout, "loader": part.loader,
               "epoch": part.epoch, "draw_s": part.draw_s, "metrics": part.metrics,
-              "finish_reason": finish, "truncation": trunc,
+              "finish_reason": finish, "truncation": trunc, "dropped": dropped,
               "policy_versions": part.policy_versions,
               "fields": [[k, str(t.dtype).removeprefix("torch."), t.numel()]
                          for k, t in fields.items()]}
@@ -180,6 +183,8 @@ def unpack(buf: torch.Tensor) -> Part:
                        version=r["version"], turns=r["turns"], tool_calls=r["tool_calls"],
                        tool_errors=r["tool_errors"], tool_seconds=tool_s, env_reward=env_r,
                        truncation=header["truncation"][r["truncation"]],
+                       env_retries=r["env_retries"],
+                       dropped=header["dropped"][r["dropped"]],
                        token_versions=tv.take(k) if r["token_versions"] else None,
                        loss_mask=lm.take(k) if r["loss_mask"] else None,
                        turn_rewards=tr.take(r["turn_rewards"]) if r["turn_rewards"] >= 0
