@@ -1,19 +1,16 @@
 """Multi-node for real: examples/launch_multinode.sh started twice on this machine as two torchrun
-"nodes" (--nnodes 2, c10d rendezvous on 127.0.0.1). Colocated: nodes of 2 ranks, training TP=2
-inside a node, DP=2 across the nodes, vLLM engines of rollout.tensor_parallel_size=2 (one per
-node, fed shard to shard). Separate placement: a training node of 2 ranks (TP=2) and a rollout
-node of 1 rank (its vLLM engine), the weights and the samples crossing between the nodes. A few
-GRPO steps through `python -m megagrpo train`, the command users run."""
+"nodes" of 2 ranks (--nnodes 2, c10d rendezvous on 127.0.0.1), training TP=2 inside a node, DP=2
+across the nodes, vLLM engines of rollout.tensor_parallel_size=2 (one per node, fed shard to
+shard). A few GRPO steps through `python -m megagrpo train`, the command users run. Separate
+placement across two nodes (a training node and a rollout node): tests/test_placement.py's
+`megagrpo train` run."""
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.launch import free_port, worker_env
+from tests.support.launch import run_loopback_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = """\
@@ -36,44 +33,13 @@ cold_start: {steps: 0}
 """
 
 
-SEPARATE = ("rollout.placement=separate", "rollout.rollout_ranks=1",
-            "rollout.tensor_parallel_size=1", "rollout.max_staleness=1")
-
-
-def launch(work: Path, ranks: tuple[int, int], overrides: tuple[str, ...] = ()) -> list[str]:
-    """The recipe on two loopback nodes of `ranks` ranks each; returns each node's console."""
-    recipe = work / "recipe.yaml"
-    recipe.write_text(RECIPE.replace("TOK", str(work / "tok")).replace("OUT", str(work / "run")))
-    env = worker_env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                     PYTHON=sys.executable, RDZV_ID=f"test{os.getpid()}{work.name}")
-    nodes = [subprocess.Popen(["bash", str(ROOT / "examples" / "launch_multinode.sh"),
-                               str(recipe), *overrides], cwd=ROOT,
-                              env=dict(env, NODE_RANK=str(n), GPUS_PER_NODE=str(ranks[n])),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for n in range(2)]
-    outs = []
-    try:
-        outs = [node.communicate(timeout=900)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-    for node, out in zip(nodes, outs):
-        assert node.returncode == 0, out[-6000:]
-    return outs
-
-
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     work = tmp_path_factory.mktemp("multinode")
-    launch(work, (2, 2))
+    recipe = work / "recipe.yaml"
+    recipe.write_text(RECIPE.replace("TOK", str(work / "tok")).replace("OUT", str(work / "run")))
+    run_loopback_nodes(recipe, (2, 2))
     return work / "run"
-
-
-@pytest.fixture(scope="module")
-def separate_run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("multinode_separate")
-    return work / "run", launch(work, (2, 1), SEPARATE)
 
 
 def test_two_loopback_nodes_train_with_vllm_tp2(run_dir):
@@ -93,19 +59,3 @@ def test_two_loopback_nodes_train_with_vllm_tp2(run_dir):
     # TP = k = 2, PP = 1: the shard-to-shard feed moves only the vocab tensors across TP
     assert steps[0]["sync_received_bytes"] < steps[0]["sync_bytes"] / 4
 
-
-def test_separate_placement_across_two_nodes(separate_run):
-    """Node 0 trains (ranks 0-1, TP=2), node 1 samples (rank 2): the weights cross the nodes
-    shard by shard after every step and the samples come back as tensors; vLLM on the rollout
-    node samples what the trainer computes (fp32), on the last step with every sync applied."""
-    run_dir, (train_node, rollout_node) = separate_run
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert (summary["world_size"], summary["tp"], summary["dp"]) == (2, 2, 1)  # training
-    assert "training ranks 0-1 (megatron-core tp=2 x pp=1 x dp=1), rollout ranks 2-2" \
-        in train_node + rollout_node
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in steps if "loss" in m]
-    assert [m["step"] for m in steps] == [1, 2, 3]
-    assert all(math.isfinite(m["loss"]) and m["sync_bytes"] > 0 for m in steps)
-    assert steps[0]["staleness_max"] == 0 and steps[0]["logp_gap_vllm_mean"] < 1e-5
-    assert steps[-1]["staleness_max"] == 0 and steps[-1]["logp_gap_vllm_mean"] < 1e-5

@@ -222,3 +222,30 @@ def count_collectives() -> list[int]:
         if fn is not None:
             setattr(dist, name, partial(_counted, _fn=fn, _calls=calls))
     return calls
+
+
+def run_loopback_nodes(recipe: Path, ranks: tuple[int, ...], *overrides: str,
+                       timeout: float = 900) -> list[str]:
+    """examples/launch_multinode.sh once per "node" on this machine (c10d rendezvous on
+    127.0.0.1), node n with `ranks[n]` ranks (ranks go node by node), the recipe plus
+    `overrides`; returns each node's console (stdout and stderr). Asserts every node exits 0."""
+    from tests.support import ROOT
+
+    env = worker_env(NNODES=str(len(ranks)), MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port()), PYTHON=sys.executable,
+                     RDZV_ID=f"test{os.getpid()}{recipe.parent.name}")
+    nodes = [subprocess.Popen(["bash", str(ROOT / "examples" / "launch_multinode.sh"),
+                               str(recipe), *overrides], cwd=ROOT,
+                              env=dict(env, NODE_RANK=str(n), GPUS_PER_NODE=str(k)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for n, k in enumerate(ranks)]
+    outs = []
+    try:
+        outs = [node.communicate(timeout=timeout)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    for node, out in zip(nodes, outs):
+        assert node.returncode == 0, out[-6000:]
+    return outs
