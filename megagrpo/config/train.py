@@ -174,7 +174,8 @@ class TrainConfig(Section):
                              "k > 1 ranks must sample identical tokens on every rank); set "
                              f"{by[2]} or rollout.tensor_parallel_size=1")
         check_rollout_layout(self.rollout.tensor_parallel_size, self.parallel, self.model,
-                             world_size)
+                             # separate: the engines live on the rollout ranks (checked above)
+                             None if self.rollout.placement == "separate" else world_size)
         check_separate(self.rollout, agent=self.agent, algo=self.algo, lora=self.lora)
 
 
