@@ -87,6 +87,7 @@ def test_tp2_engine_samples_with_the_trainers_weights(tp2_engine_run):
     for r in steps:  # fresh samples, vLLM's log-probs the trainer's to fp32 precision
         assert r["staleness_max"] == 0 and r["update_skipped"] == 0
         assert r["logp_gap_vllm_mean"] < 1e-5, [s["logp_gap_vllm_mean"] for s in steps]
+    print("logp_gap_vllm_mean per step:", [r["logp_gap_vllm_mean"] for r in steps])
 
 
 def test_tp2_engine_ranks_receive_their_slices_only(tp2_engine_run):
@@ -98,6 +99,8 @@ def test_tp2_engine_ranks_receive_their_slices_only(tp2_engine_run):
         assert m, logs[rank][-3000:]
         batches, syncs, got = map(int, m.groups())
         assert batches >= STEPS and syncs >= STEPS  # the last batch may be drawn unasked
+        print(f"rank {rank}: {syncs} syncs, {got} bytes received; per sync {got // syncs} "
+              f"(slices + vocab: {_slice_bytes(2)}, whole model: {whole})")
         assert got == syncs * _slice_bytes(2), (got, syncs, _slice_bytes(2), whole)
         assert got < 0.75 * syncs * whole
 

@@ -10,8 +10,18 @@ same shapes, so the ranks of a stage cut the same buckets. A rollout rank receiv
 stage s from each of its TP ranks and reassembles the HF tensors of the bucket's parameters
 from their shards in TP rank order (`megagrpo.hf.unfuse_shards`, the same conversion as the
 gathered stream's: QKV split per KV group, gate/up split, vocab padding stripped), stage after
-stage, into its engine's layout (one engine of TP 1: whole tensors). Senders announce
-themselves in the store as `shards/{stage}/{tp_rank}` -> global rank.
+stage, into its engine's layout (an engine of TP 1, or of another TP than training's: whole
+tensors, which vLLM slices). Senders announce themselves in the store as
+`shards/{stage}/{tp_rank}` -> global rank.
+
+Engines of TP k = training TP > 1 (`lined_up`; rollout rank j is vLLM TP rank j % k of engine
+j // k): a stage's sync is two streams. First each training TP rank r sends its own non-vocab
+shards only to the rollout ranks of vLLM TP rank r (`engine_dsts`), which write their slices
+from them (`megagrpo.hf.slice_pairs`, as the colocated shard-to-shard stream does); then every
+TP rank sends its vocab shards to every rollout rank, which reassembles those tensors whole
+(vLLM pads the vocab to a multiple of 64 and splits that: its slice is not a megatron shard).
+No rollout rank receives more than its 1/k of the projections, the norms and the vocab
+tensors.
 
 rollout.sync_delta: a sender keeps a digest of every shard it sent (`SentDigests`) and sends
 only the shards whose bytes changed since; the TP ranks of a stage agree on the changed
