@@ -168,7 +168,17 @@ class TrainConfig(Section):
             raise ValueError(f"cold_start.steps={self.cold_start.steps}: the supervised cold "
                              "start exists for data.task=arithmetic only; set cold_start.steps=0")
         by = self.pipelined_by()
-        if by and self.rollout.tensor_parallel_size > 1:
+        # separate placement draws on the rollout ranks' main threads, an engine's ranks in
+        # lockstep (megagrpo.rollout.placement._agree); in flight they would not be
+        ahead_apart = self.rollout.placement == "separate" and not self.rollout.inflight_updates
+        if (self.rollout.placement == "separate" and self.rollout.inflight_updates
+                and self.rollout.tensor_parallel_size > 1):
+            raise ValueError("rollout.inflight_updates=true with rollout.tensor_parallel_size="
+                             f"{self.rollout.tensor_parallel_size} and rollout.placement=separate:"
+                             " every rank of an engine would have to load a sync at the same "
+                             "decode step; set rollout.inflight_updates=false (syncs between "
+                             "draws) or rollout.tensor_parallel_size=1")
+        if by and self.rollout.tensor_parallel_size > 1 and not ahead_apart:
             # the side thread samples from each rank's own generator: an engine's ranks diverge
             raise ValueError(f"{by[0]} needs rollout.tensor_parallel_size=1 (engines of "
                              "k > 1 ranks must sample identical tokens on every rank); set "
