@@ -146,8 +146,9 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
                                       sends=streams_weights(cfg.parallel),
                                       bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
                                       dtype=model_cfg.dtype,
-                                      # the rollout ranks' engines (TP 1) serve the adapters?
-                                      max_lora_rank=tuning.engine_lora_rank(1, model_cfg)))
+                                      # the rollout ranks' engines serve the adapters?
+                                      max_lora_rank=tuning.engine_lora_rank(
+                                          cfg.rollout.tensor_parallel_size, model_cfg)))
     else:
         context = RewardContext(engine=engine, tokenizer=tok, stop_ids=tokens.stop_ids,
                                 engine_tp=layout.engine_tp,
@@ -178,12 +179,13 @@ def _load_init(gpt, init: str, model: ModelConfig, parallel: ParallelConfig, inf
 
 
 def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
-                  layout: RolloutLayout, engine: int | None = None) -> VLLMEngine:
+                  layout: RolloutLayout, rank: int | None = None) -> VLLMEngine:
     """vLLM in this process, on an HF config of `model` written for this rank (weights come
     from the policy by `sync_weights`, not from disk). The ranks of one engine share its seed,
-    rollout.seed + its index (`engine`, default the layout's): they must sample the same
-    tokens."""
-    d = _engine_dir(cfg, layout.rank)
+    rollout.seed + the engine's index: they must sample the same tokens (and rollout rank j's
+    engine samples as colocated engine j would). `rank`: the global rank whose folder it uses
+    (default `layout.rank`; a rollout rank's layout counts the rollout ranks only)."""
+    d = _engine_dir(cfg, layout.rank if rank is None else rank)
     d.mkdir(parents=True, exist_ok=True)
     hf = hf_config_dict(model)
     hf.update(eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id,
@@ -198,7 +200,7 @@ def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
                              "or drop rollout.stop")
         save(str(d))
     r = dataclasses.replace(cfg.rollout,
-                            seed=cfg.rollout.seed + (layout.engine if engine is None else engine),
+                            seed=cfg.rollout.seed + layout.engine,
                             dtype=model.dtype)
     lora_rank = build_tuning(cfg.lora).engine_lora_rank(cfg.rollout.tensor_parallel_size, model)
     return VLLMEngine(r, d, dtype=model.dtype, capture_routing=cfg.algo.routing_replay,
@@ -266,20 +268,22 @@ def serve_rollouts(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | No
     place = split_world(cfg, rank, world, model_cfg)
     attach_log_file(cfg.run.out_dir, rank)
     tok = task.tokenizer
-    layout = RolloutLayout(rank=rank, world_size=world, engine_tp=1, train_tp=1, train_pp=1)
-    # rollout rank j samples as colocated engine j would (its seed): same seeds, same samples
-    engine = _start_engine(cfg, model_cfg, tok, layout, engine=place.rollout_index)
+    k = cfg.rollout.tensor_parallel_size  # engines of k consecutive rollout ranks
+    layout = RolloutLayout(rank=place.rollout_index, world_size=place.rollout_ranks,
+                           engine_tp=k, train_tp=k, train_pp=1)
+    engine = _start_engine(cfg, model_cfg, tok, layout, rank=rank)
     loader = PromptLoader(task.train, cfg.data.batch_size, 0, 1, seed=cfg.data.seed,
                           shuffle=cfg.data.shuffle)
     stop_ids = (tok.eos_id, *task.stop_ids)
-    context = RewardContext(engine=engine, tokenizer=tok, stop_ids=stop_ids,
+    context = RewardContext(engine=engine, tokenizer=tok, stop_ids=stop_ids, engine_tp=k,
                             max_model_len=cfg.rollout.max_model_len)
     collector = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
                                  rewards=build_rewards(cfg.reward, cfg.agent.reward_join, context),
                                  layout=layout, stop_ids=stop_ids)
     done = serve(cfg, place, collector, watchdog, held_out=task.eval)
     log.info("rollout rank %d: %d batches sampled over %d weight syncs, %d held-out "
-             "evaluations", rank, done["batches"], done["syncs"], done["evaluations"])
+             "evaluations; weight bytes received %d", rank, done["batches"], done["syncs"],
+             done["evaluations"], done["weight_bytes_received"])
     engine.close()
     return done
 

@@ -87,7 +87,8 @@ CORE = ("lora", "agent", "async1", "moe", "separate")
 these is swept."""
 TRIPLES = (("agent", "async1", "lora"), ("moe", "lora", "async1"), ("moe", "lora", "sp"),
            ("separate", "agent", "lora"), ("separate", "moe", "lora"),
-           ("separate", "async1", "lora"), ("separate", "async1", "replay"))
+           ("separate", "async1", "lora"), ("separate", "async1", "replay"),
+           ("separate", "tp2", "vllm_tp2"), ("separate", "async1", "vllm_tp2"))
 EXCLUSIVE = ({"async1", "async2"}, {"async1", "partial"}, {"async2", "partial"}, {"tp2", "sp"})
 """Variants of one setting: never paired with each other."""
 COMMON = ("run.steps=2", "data.batch_size=4", "algo.group_size=4", "algo.num_minibatches=1",
@@ -119,7 +120,7 @@ def layout(combo: tuple[str, ...]) -> dict:
     tp, pp, cp = (max(getattr(f, a) for f in fs) for a in ("tp", "pp", "cp"))
     ep = max(f.ep for f in fs)
     dp = max(ep, 1 if tp * pp * cp > 1 else 2)
-    return {"nproc": tp * pp * cp * dp + sum(f.rollout_ranks for f in fs),
+    return {"nproc": tp * pp * cp * dp + rollout_ranks(combo),
             "moe": any(f.moe for f in fs),
             "dtype": "bfloat16" if "bf16" in combo else "float32"}
 
@@ -147,10 +148,19 @@ def reward_model(cache: Path) -> Path:
     return path
 
 
+def rollout_ranks(combo: tuple[str, ...]) -> int:
+    """Rollout ranks of a combination: one engine's worth (separate placement forms engines
+    of rollout.tensor_parallel_size rollout ranks)."""
+    fs = [FEATURES[n] for n in combo]
+    return sum(f.rollout_ranks for f in fs) * max(f.vllm_tp for f in fs)
+
+
 def train_args(combo: tuple[str, ...], model: Path, out: Path) -> list[str]:
     """`megagrpo` arguments of one combination's run."""
     over = [o.replace("@RM@", str(reward_model(model.parent))) for n in combo
             for o in FEATURES[n].overrides]
+    if rollout_ranks(combo) > sum(FEATURES[n].rollout_ranks for n in combo):
+        over.append(f"rollout.rollout_ranks={rollout_ranks(combo)}")
     return ["train", "--config", str(DEMO), "--nproc", str(layout(combo)["nproc"]),
             f"run.init={model}", f"run.out_dir={out}", "run.overwrite=true", *COMMON, *over]
 

@@ -73,8 +73,10 @@ class RolloutConfig(Section):
     'separate' (rollout.rollout_ranks ranks of their own after the training ranks, fed weights
     over a process group after every optimizer step; docs/async.md)."""
     rollout_ranks: int = 0
-    """Separate placement: ranks that run a vLLM engine each (TP 1), launched after the
-    parallel.tp x pp x dp training ranks in one torchrun world; 0 with colocated."""
+    """Separate placement: ranks that run the vLLM engines, launched after the
+    parallel.tp x pp x dp training ranks in one torchrun world, in engines of
+    rollout.tensor_parallel_size consecutive rollout ranks (a multiple of it); 0 with
+    colocated."""
     stale_policy: str = "drop"
     """What trains a sample more than rollout.max_staleness versions old: 'drop' (out of the
     loss, counted in stale_dropped; the step's sequence count still counts it, its token count
@@ -151,10 +153,12 @@ class RolloutConfig(Section):
             if self.rollout_ranks < 1:
                 raise ValueError(f"rollout.rollout_ranks={self.rollout_ranks}: "
                                  "rollout.placement=separate needs >= 1 rollout ranks")
-            if self.tensor_parallel_size != 1:
-                raise ValueError(f"rollout.tensor_parallel_size={self.tensor_parallel_size} "
-                                 "with rollout.placement=separate: each rollout rank runs one "
-                                 "engine of TP 1 for now; set rollout.tensor_parallel_size=1")
+            if self.rollout_ranks % self.tensor_parallel_size:
+                raise ValueError(
+                    f"rollout.rollout_ranks={self.rollout_ranks} do not divide into engines of "
+                    f"rollout.tensor_parallel_size={self.tensor_parallel_size} (each engine is "
+                    "that many consecutive rollout ranks); set rollout.rollout_ranks to a "
+                    "multiple of rollout.tensor_parallel_size")
         elif self.rollout_ranks:
             raise ValueError(f"rollout.rollout_ranks={self.rollout_ranks} needs "
                              "rollout.placement=separate (colocated engines live in the "

@@ -168,13 +168,32 @@ class TrainConfig(Section):
             raise ValueError(f"cold_start.steps={self.cold_start.steps}: the supervised cold "
                              "start exists for data.task=arithmetic only; set cold_start.steps=0")
         by = self.pipelined_by()
-        if by and self.rollout.tensor_parallel_size > 1:
+        # separate placement draws on the rollout ranks' main threads, an engine's ranks in
+        # lockstep (megagrpo.rollout.placement._agree); in flight they would not be
+        ahead_apart = self.rollout.placement == "separate" and not self.rollout.inflight_updates
+        if self.rollout.placement == "separate" and self.rollout.tensor_parallel_size > 1:
+            # each of these decides on a rollout rank's own view of the store, mid-draw or
+            # between draws, where an engine's ranks must act together
+            for on, name, why in (
+                    (self.rollout.inflight_updates, "rollout.inflight_updates=true",
+                     "every rank of an engine would have to load a sync at the same decode "
+                     "step; set rollout.inflight_updates=false (syncs between draws)"),
+                    (self.algo.dynamic_sampling, "algo.dynamic_sampling=true",
+                     "an engine's ranks would count the trainer's top-up requests apart; set "
+                     "algo.dynamic_sampling=false")):
+                if on:
+                    raise ValueError(
+                        f"{name} with rollout.tensor_parallel_size="
+                        f"{self.rollout.tensor_parallel_size} and rollout.placement=separate: "
+                        f"{why}, or rollout.tensor_parallel_size=1")
+        if by and self.rollout.tensor_parallel_size > 1 and not ahead_apart:
             # the side thread samples from each rank's own generator: an engine's ranks diverge
             raise ValueError(f"{by[0]} needs rollout.tensor_parallel_size=1 (engines of "
                              "k > 1 ranks must sample identical tokens on every rank); set "
                              f"{by[2]} or rollout.tensor_parallel_size=1")
         check_rollout_layout(self.rollout.tensor_parallel_size, self.parallel, self.model,
-                             world_size)
+                             # separate: the engines live on the rollout ranks (checked above)
+                             None if self.rollout.placement == "separate" else world_size)
 
 
     @property

@@ -123,14 +123,18 @@ class VLLMEngine:
         if world > 1 and not torch.distributed.is_initialized():
             raise RuntimeError("initialise torch.distributed before VLLMEngine: vLLM otherwise "
                                "creates its own world-size-1 process group")
+        rank = int(os.environ.get("RANK", "0"))
+        if torch.distributed.is_initialized():
+            # vLLM builds its groups from the default group, which under separate placement
+            # holds the rollout ranks only (`megagrpo.rollout.placement.split_world`)
+            world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
         if world % tp:  # vLLM groups the world as (external DP, TP): world/tp engines
-            raise ValueError(f"rollout.tensor_parallel_size={tp} must divide WORLD_SIZE={world}: "
-                             "engines are tp consecutive ranks")
+            raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the {world} ranks "
+                             "of the default process group: engines are tp consecutive ranks")
         if self.on_cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.cpu_kvcache_space_gib)
             _set_omp_binding(tp)
             if tp > 1:
-                rank = int(os.environ.get("RANK", "0"))
                 _remove_stale_shm(list(range(rank - rank % tp, rank - rank % tp + tp)), rank % tp)
         kwargs = dict(
             model=self.model_dir, load_format="dummy", dtype=self.dtype, seed=self.cfg.seed,

@@ -23,7 +23,8 @@ _EXPORTS = {  # module -> the names it lends this package
         "qkv_rows", "rank_numel", "split_numels", "stage_layers", "vllm_feed_shapes"),
     "megagrpo.hf.io": (
         "HFCheckpoint", "check_hf_checkpoint", "expert_parallel_rank", "fuse_qkv",
-        "load_hf_weights", "read_shard", "save_hf_dir", "split_qkv", "unfuse_shards"),
+        "load_hf_weights", "read_shard", "save_hf_dir", "slice_pairs", "split_qkv",
+        "unfuse_shards"),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_HOME)

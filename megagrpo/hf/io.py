@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
@@ -70,6 +71,36 @@ def unfuse_shards(shards: list[torch.Tensor], spec: ParamSpec, model: ModelConfi
         part = torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i].contiguous()
         out.append((name, part.view(-1, *rest)))
     return out
+
+
+def slice_pairs(shard: torch.Tensor, spec: ParamSpec, model: ModelConfig, tp_rank: int,
+                 stats=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's TP shard of `spec` -> its HF tensors, one at a time, each full-shape with only
+    this rank's slice written (the rest is left uninitialised: vLLM's weight loaders narrow each
+    tensor to exactly this TP rank's rows/columns, which for q/k/v, gate/up, o_proj and
+    down_proj are the megatron shard's). Each slice is copied once, straight from the shard.
+    `stats`: anything with a `convert_s` counter (the weight stream's `ReshardStats`). The
+    colocated shard-to-shard stream (`megagrpo.sync.source.iter_vllm_slices`) and a rollout
+    rank of a TP > 1 engine under separate placement (`megagrpo.engine.shard_feed`) both build
+    their slices here."""
+    shapes = hf_shapes(model)
+    # (HF name, this rank's part of it, split dim, rows/columns of the slice along that dim)
+    if spec.kind == "row":
+        parts = [(spec.hf[0], shard, 1, shard.shape[1])]
+    elif spec.kind == "gate_up":  # the shard is cat(gate_r, up_r)
+        half = shard.shape[0] // 2
+        parts = [(spec.hf[0], shard[:half], 0, half), (spec.hf[1], shard[half:], 0, half)]
+    else:  # qkv: [groups_r, q + k + v rows, ...] per KV group
+        parts = [(name, part, 0, part.shape[0] * part.shape[1])
+                 for name, part in zip(spec.hf, split_qkv(shard, model))]
+    for name, part, dim, n in parts:
+        t0 = time.perf_counter()
+        full = torch.empty(shapes[name], dtype=shard.dtype, device=shard.device)
+        full.narrow(dim, tp_rank * n, n).view(part.shape).copy_(part)
+        if stats is not None:
+            stats.convert_s += time.perf_counter() - t0
+        yield name, full
+        del full
 
 
 def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:

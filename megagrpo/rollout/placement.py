@@ -141,6 +141,14 @@ class Placement:
     """A LoRA run's adapters (a rollout rank writes each adapter-only sync as a peft folder)."""
     adapter_dir: Path | None = None
     """Rollout rank: where it writes those folders (its engine's folder)."""
+    engine_tp: int = 1
+    """rollout.tensor_parallel_size: rollout rank j is vLLM TP rank j % engine_tp of engine
+    j // engine_tp (`engine_layout`)."""
+    engine_group: object | None = None
+    """Rollout rank of an engine of engine_tp > 1 ranks: a gloo group of that engine's ranks
+    (engine rank 0 tells the others when to take a sync, `_agree`); None otherwise."""
+    received_bytes: int = 0
+    """Rollout rank: the weight bytes the shards transport brought it (every sync)."""
 
     def channel(self, batch_size: int, replica: tuple[int, int] | None = None
                 ) -> TensorChannel:
@@ -157,6 +165,21 @@ class Placement:
     def rollout_index(self) -> int:
         """j: this rollout rank's index among the rollout ranks."""
         return self.rank - self.train_world
+
+    @property
+    def engine_index(self) -> int:
+        """e: this rollout rank's engine (rollout ranks e*k .. e*k+k-1, k = engine_tp)."""
+        return self.rollout_index // self.engine_tp
+
+    @property
+    def engine_rank(self) -> int:
+        """This rollout rank's vLLM TP rank in its engine (0: the leader, which reports)."""
+        return self.rollout_index % self.engine_tp
+
+    @property
+    def engines(self) -> int:
+        """E: the rollout ranks' engines (R / k)."""
+        return self.rollout_ranks // self.engine_tp
 
     def announce(self, sync: int) -> None:
         """Training rank 0: sync `sync` is about to be broadcast."""
@@ -181,9 +204,17 @@ class Placement:
         how_sent = ("each training rank's own shards, reassembled on the rollout ranks"
                     if cfg.sync.resolved(cfg.rollout, p) == "shards"
                     else "full tensors from rank 0")
+        k = self.engine_tp
+        engines = ("one vLLM engine of TP 1 each" if k == 1 else
+                   f"{R // k} vLLM engine(s) of TP {k}, each over {k} consecutive rollout ranks")
+        if k > 1 and how_sent.startswith("each training rank's own shards"):
+            how_sent = ("each training TP rank's own shards to the engine ranks of its TP rank "
+                        "(the vocab tensors whole to all)" if p.tp == k else
+                        "each training rank's own shards, reassembled whole on every rollout "
+                        "rank (training TP != rollout TP; vLLM slices them)")
         return (f"placement: separate; training ranks 0-{T - 1} (megatron-core tp={p.tp} x "
-                f"pp={p.pp} x dp={dp}{ep}), rollout ranks {T}-{T + R - 1} (one vLLM engine of "
-                f"TP 1 each, {cfg.rollout.dtype}); weights as {how_sent}, over gloo in "
+                f"pp={p.pp} x dp={dp}{ep}), rollout ranks {T}-{T + R - 1} ({engines}, "
+                f"{cfg.rollout.dtype}); weights as {how_sent}, over gloo in "
                 f"buckets of <= {cfg.rollout.sync_bucket_mb} MiB after every step; samples as "
                 "packed tensors over gloo"
                 f"{how}"
@@ -217,10 +248,16 @@ def split_world(cfg: TrainConfig, rank: int, world: int, model: ModelConfig | No
     if cfg.sync.resolved(cfg.rollout, cfg.parallel) == "shards":
         weights = dist.ProcessGroupGloo(dist.PrefixStore("weights/", store), rank, T + R,
                                         timeout)
+    k = cfg.rollout.tensor_parallel_size
+    engine_group = None
+    if rollout and k > 1:  # a raw group per engine: only its own ranks build it
+        engine_group = dist.ProcessGroupGloo(dist.PrefixStore(f"engine/{(rank - T) // k}/",
+                                                              store), (rank - T) % k, k, timeout)
     return Placement(rank=rank, train_world=T, rollout_ranks=R, store=dist.PrefixStore(
         "stream/", store), cross=cross, timeout_s=cfg.parallel.collective_timeout_s,
         samples=samples, weights=weights, model=model or cfg.model, parallel=cfg.parallel,
-        lora=cfg.lora, adapter_dir=Path(cfg.run.out_dir) / "engine" / f"rank{rank}" / "adapters")
+        lora=cfg.lora, adapter_dir=Path(cfg.run.out_dir) / "engine" / f"rank{rank}" / "adapters",
+        engine_tp=k, engine_group=engine_group)
 
 
 # ---------------------------------------------------------------------- the wire
@@ -453,7 +490,8 @@ def _incoming(place: Placement, head: dict) -> Iterator[tuple[str, torch.Tensor]
     """The tensors of the sync whose header is `head`, as the transport it names sent them:
     `shards` (each training rank's own shards, reassembled here) or `collective`."""
     if head.get("via") == "shards":
-        return received_shards(place.weights, place.store, place.model, place.parallel)
+        return received_shards(place.weights, place.store, place.model, place.parallel,
+                               place.engine_tp, place.engine_rank, counts=place)
     return _received_tensors(place.cross)
 
 
@@ -480,7 +518,7 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
     (at least sync i - k for batch i), put each finished part in the store, and evaluate
     `held_out` (its share, greedy) whenever the trainer asks, until the trainer says stop.
     Returns what it did."""
-    k, B, R, j = cfg.staleness, cfg.data.batch_size, place.rollout_ranks, place.rollout_index
+    k, B, j = cfg.staleness, cfg.data.batch_size, place.rollout_index
     loader, tok = collector.loader, collector.tokenizer
     watchdog.set_phase("weight_sync", 0)  # phases name a stall, as on the training ranks
     sync, evals = _until_started(place, collector, held_out or [], watchdog)
@@ -488,7 +526,8 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
         loader.load_state_dict(sync.start)
     last = sync.batches - 1 if sync.batches is not None else None
     base = sync.index  # batch i: sync base + i - k or newer (base > 0 after a cold start)
-    mine = list(range(j, B, R))  # groups whole: every sample of a prompt on one engine
+    # groups whole: every sample of a prompt on one engine (all of whose ranks draw it)
+    mine = list(range(place.engine_index, B, place.engines))
     channel = place.channel(B)
     i, ckpts, starts = 0, 0, {}  # starts: batch -> (sampler state, loader) before its draw
     if sync.restore is not None:  # a resumed launch: the checkpoint's queued parts first
@@ -504,7 +543,8 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
             watchdog.set_phase("weight_sync", i)  # or a top-up of this step, asked first
             _await_topup_or_message(place, due, topups)
             continue
-        if behind or _message_due(place, *due):
+        # an engine's ranks take the same syncs at the same point (its leader decides)
+        if _agree(place, behind or _message_due(place, *due)):
             watchdog.set_phase("weight_sync", i)
             got = receive_weights(place, collector.engine)
             if got.eval is not None:  # with the weights of every sync sent before it
@@ -533,13 +573,26 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
         else:
             (comps, rewards, metrics), sync = _generate_inflight(place, collector, args, sync)
         stamp(comps, first.index)  # sync indices (per token in flight); the trainer maps them
+        leads = place.engine_rank == 0  # an engine's other ranks drew the same: they send none
         channel.put(Part(batch=i, rollout=j, loader=before, epoch=loader.epoch,
-                         draw_s=time.perf_counter() - t0, metrics=metrics, completions=comps,
-                         rewards=rewards.tolist()))
+                         draw_s=time.perf_counter() - t0, metrics=metrics if leads else {},
+                         completions=comps if leads else [],
+                         rewards=rewards.tolist() if leads else []))
         i += 1
     channel.close()
     return {"batches": i, "syncs": sync.index, "sample_bytes": channel.bytes_sent,
-            "evaluations": evals}
+            "evaluations": evals, "weight_bytes_received": place.received_bytes}
+
+
+def _agree(place: Placement, flag: bool) -> bool:
+    """`flag` as the leader of this rollout rank's engine sees it (engines of one rank: as
+    is). The ranks of an engine of TP > 1 run vLLM's collectives together: they must take a
+    sync (or draw) at the same point, and store checks made on each rank could differ."""
+    if place.engine_group is None:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    place.engine_group.broadcast(t, 0).wait()
+    return bool(t.item())
 
 
 def _topups_asked(place: Placement, known: int) -> int:
@@ -689,11 +742,12 @@ def _evaluate(place: Placement, collector: RolloutCollector, ask: dict, held_out
                            f"{len(held_out)} (digest {eval_digest(held_out)}): both sides must "
                            "read the same data.eval_path / arithmetic.num_eval")
     watchdog.set_phase("eval", e)
-    mine = list(range(place.rollout_index, len(held_out), place.rollout_ranks))
+    mine = list(range(place.engine_index, len(held_out), place.engines))
     streams = collector.engine.rng_state()  # left as found: a resumed launch evaluates where
     correct = collector.count_correct(held_out, mine) if mine else 0  # the run did not
     collector.engine.set_rng_state(streams)
-    place.store.set(f"eval/{e}/{place.rollout_index}", json.dumps([correct, len(mine)]))
+    counted = len(mine) if place.engine_rank == 0 else 0  # the leader reports its engine's
+    place.store.set(f"eval/{e}/{place.rollout_index}", json.dumps([correct, counted]))
     return e + 1
 
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.engine.types import WeightSyncStats
-from megagrpo.hf import ParamSpec, hf_shapes, param_specs, save_hf_dir, split_qkv, unfuse_shards
+from megagrpo.hf import ParamSpec, param_specs, save_hf_dir, slice_pairs, unfuse_shards
 from megagrpo.model.gpt import DTYPE, unwrap
 
 
@@ -185,32 +185,6 @@ def _owner_runs(specs: list[ParamSpec]) -> list[tuple[int | None, list[ParamSpec
         else:
             runs.append((s.ep_owner, [s]))
     return runs
-
-
-def slice_pairs(shard: torch.Tensor, spec: ParamSpec, model: ModelConfig, tp_rank: int,
-                 stats: ReshardStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's TP shard of `spec` -> its HF tensors, one at a time, each full-shape with only
-    this rank's slice written (the rest is left uninitialised: vLLM's weight loaders narrow each
-    tensor to exactly this TP rank's rows/columns, which for q/k/v, gate/up, o_proj and
-    down_proj are the megatron shard's). Each slice is copied once, straight from the shard."""
-    shapes = hf_shapes(model)
-    # (HF name, this rank's part of it, split dim, rows/columns of the slice along that dim)
-    if spec.kind == "row":
-        parts = [(spec.hf[0], shard, 1, shard.shape[1])]
-    elif spec.kind == "gate_up":  # the shard is cat(gate_r, up_r)
-        half = shard.shape[0] // 2
-        parts = [(spec.hf[0], shard[:half], 0, half), (spec.hf[1], shard[half:], 0, half)]
-    else:  # qkv: [groups_r, q + k + v rows, ...] per KV group
-        parts = [(name, part, 0, part.shape[0] * part.shape[1])
-                 for name, part in zip(spec.hf, split_qkv(shard, model))]
-    for name, part, dim, n in parts:
-        t0 = time.perf_counter()
-        full = torch.empty(shapes[name], dtype=shard.dtype, device=shard.device)
-        full.narrow(dim, tp_rank * n, n).view(part.shape).copy_(part)
-        if stats is not None:
-            stats.convert_s += time.perf_counter() - t0
-        yield name, full
-        del full
 
 
 def _stream(gpt: torch.nn.Module, model: ModelConfig, parallel: ParallelConfig,

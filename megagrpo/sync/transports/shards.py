@@ -21,8 +21,16 @@ from collections.abc import Iterable
 
 import torch
 
+from megagrpo.config.params import param_specs
 from megagrpo.engine import WeightSyncStats
-from megagrpo.engine.shard_feed import SentDigests, buckets, send_bucket, send_end
+from megagrpo.engine.shard_feed import (
+    SentDigests,
+    buckets,
+    engine_dsts,
+    lined_up,
+    send_bucket,
+    send_end,
+)
 from megagrpo.rollout.placement import RemoteEngine
 from megagrpo.sync.source import Feed
 from megagrpo.sync.transports import SyncContext, Transport, register
@@ -35,7 +43,7 @@ class Shards(Transport):
     adapters = True
 
     def __init__(self, remote: RemoteEngine, stage: int, digests: SentDigests | None = None,
-                 tp_group=None) -> None:
+                 tp_group=None, tp_rank: int = 0) -> None:
         self.remote = remote
         """The rollout ranks' stand-in: the placement (its `weights` group), the sync count."""
         self.stage = stage
@@ -44,6 +52,9 @@ class Shards(Transport):
         """rollout.sync_delta: what the engines last received (None: every sync sends all)."""
         self.tp_group = tp_group
         """The stage's TP group (its ranks agree on what changed); None at TP 1."""
+        self.tp_rank = tp_rank
+        """This rank's training TP rank (lined up with TP > 1 engines: the engine ranks it
+        feeds)."""
 
     @classmethod
     def build(cls, ctx: SyncContext) -> Shards:
@@ -63,7 +74,8 @@ class Shards(Transport):
             place.store.set(f"shards/{stage}/{ps.get_tensor_model_parallel_rank()}",
                             str(place.rank))
         tp_group = ps.get_tensor_model_parallel_group() if ctx.parallel.tp > 1 else None
-        return cls(remote, stage, SentDigests() if ctx.delta else None, tp_group)
+        return cls(remote, stage, SentDigests() if ctx.delta else None, tp_group,
+                   ps.get_tensor_model_parallel_rank())
 
     def deliver(self, feed: Feed, version: int) -> dict:
         stats = self.send(feed.pairs)
@@ -93,10 +105,27 @@ class Shards(Transport):
             pairs = self.digests.changed(pairs, self.tp_group)
         place = r.place
         dsts = [place.train_world + j for j in range(place.rollout_ranks)]
-        for bucket in buckets(pairs, r.bucket_bytes):
-            send_bucket(place.weights, bucket, self.stage, impl, dsts)
-        send_end(place.weights, dsts)
+        if lined_up(place.parallel, place.engine_tp):
+            # this rank's shards to the engine ranks of its TP rank only, then the vocab
+            # tensors (vLLM splits the padded vocab its own way) to every rollout rank
+            specs = {sp.local: sp for sp in param_specs(place.model, place.parallel, self.stage,
+                                                        impl)}
+            own = [(n, t) for n, t in pairs if specs[n].kind != "vocab"]
+            self._send_all(own, impl, engine_dsts(place.train_world, place.rollout_ranks,
+                                                   place.engine_tp, self.tp_rank))
+            pairs_to_all = [(n, t) for n, t in pairs if specs[n].kind == "vocab"]
+        else:
+            pairs_to_all = pairs
+        self._send_all(pairs_to_all, impl, dsts)
         s = time.perf_counter() - t0
         return WeightSyncStats(tensors=len(pairs), bytes=sum(t.numel() * t.element_size()
                                                              for _, t in pairs),
                                seconds=s, source_seconds=0.0, load_seconds=s)
+
+    def _send_all(self, pairs: list[tuple[str, torch.Tensor]], impl: str, dsts: list[int]
+                  ) -> None:
+        """`pairs` in buckets to every rank of `dsts`, then their `end`."""
+        r = self.remote
+        for bucket in buckets(pairs, r.bucket_bytes):
+            send_bucket(r.place.weights, bucket, self.stage, impl, dsts)
+        send_end(r.place.weights, dsts)
