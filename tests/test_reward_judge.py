@@ -163,3 +163,5 @@ def test_agreement_with_the_correctness_source_is_counted(tok):
     assert {k: scores.metrics[f"agreement/judge/{k}"] for k in cells} == cells
     assert not any(k.startswith("agreement/rules") for k in scores.metrics)
     assert scores.correct.tolist() == [bool(r) for r in rule]  # still the rules' verdict
+    # the judge at weight 0 only watches: its parse failure leaves the sample in the loss
+    assert scores.valid is None and scores.metrics["judge_parse_failures"] == 1

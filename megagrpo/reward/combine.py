@@ -100,7 +100,7 @@ class WeightedSources:
         for part, s in zip(self.parts, scores, strict=True):
             raw = s.rewards.to(torch.float32)
             total += part.weight * raw
-            if s.valid is not None:
+            if s.valid is not None and part.weight != 0:  # a weight-0 source only watches
                 valid &= s.valid.bool()
             ok = _scored(s)
             per_term[part.label] = raw
