@@ -45,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared benchmark helpers
 from _common import add_out_and_table, markdown_table, parser, print_table, records, run_train  # noqa: E402
+from _harness import emit  # noqa: E402
 from _workloads import CACHE, ROOT, base_config, get_workload, overrides  # noqa: E402
 
 MODES = {
@@ -163,11 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     workload, steps = ("demo", 2) if args.smoke else (args.workload, args.steps)
     for mode in names:
         for rm in (False, True):
-            line = json.dumps(measure(workload, mode, rm, steps, args.warmup))
-            print(line, flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(line + "\n")
+            emit(measure(workload, mode, rm, steps, args.warmup), args.out)
 
 
 if __name__ == "__main__":

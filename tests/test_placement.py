@@ -643,14 +643,21 @@ def test_separate_placement_config():
         load_config(None, ["rollout.placement=separate", "rollout.rollout_ranks=3"]).validate(3)
 
 
-def test_stop_message_carries_no_weights():
-    """The stop message carries no weights: the engine is not touched."""
-    store = dist.HashStore()
-    groups = {}
+def _gloo_pair(store) -> dict[int, dist.ProcessGroupGloo]:
+    """Two gloo ranks over `store` in this process (each made on a thread of its own: the
+    constructor waits for its peer)."""
+    groups: dict[int, dist.ProcessGroupGloo] = {}
     threads = [threading.Thread(target=lambda r=r: groups.update({r: dist.ProcessGroupGloo(
         store, r, 2, timedelta(seconds=30))})) for r in range(2)]
     [t.start() for t in threads]
     [t.join() for t in threads]
+    return groups
+
+
+def test_stop_message_carries_no_weights():
+    """The stop message carries no weights: the engine is not touched."""
+    store = dist.HashStore()
+    groups = _gloo_pair(store)
     place = Placement(rank=0, train_world=1, rollout_ranks=1, store=store, cross=groups[0],
                       timeout_s=30)
     remote = RemoteEngine(place=place, loader=PromptLoader(_data(), B), sends=True,
@@ -695,11 +702,7 @@ def test_adapter_only_syncs_over_the_cross_group(tmp_path):
     from megagrpo.sync.transports.collective import deliver_remote_adapter
 
     store = dist.HashStore()
-    groups = {}
-    threads = [threading.Thread(target=lambda r=r: groups.update({r: dist.ProcessGroupGloo(
-        store, r, 2, timedelta(seconds=30))})) for r in range(2)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
+    groups = _gloo_pair(store)
     place = Placement(rank=0, train_world=1, rollout_ranks=1, store=store, cross=groups[0],
                       timeout_s=30)
     remote = RemoteEngine(place=place, loader=PromptLoader(_data(), B), sends=True,
