@@ -1036,6 +1036,15 @@ def test_plan_separates_training_and_rollout_memory(capsys):
     assert "separate placement: 2 training rank(s) (ranks 0-1) + 1 rollout rank(s) (ranks 2-2)" \
         in out
     assert f"weights {total_params(m) * 4 / GIB:.2f} GiB (the whole model)" in out
+    # engines of TP 2 over 4 rollout ranks: each rank holds half of every sharded tensor, the
+    # norms (2 per layer and the final one) whole
+    run_plan(None, [*over[:2], "rollout.rollout_ranks=4", "rollout.tensor_parallel_size=2"],
+             gpus=6)
+    out = capsys.readouterr().out
+    norms = (2 * m.num_layers + 1) * m.hidden_size
+    half = ((total_params(m) - norms) // 2 + norms) * 4
+    assert "rollout rank: 1 of the 2 rank(s) of one of 2 vLLM engine(s) of TP 2" in out
+    assert f"weights {half / GIB:.2f} GiB (1/2 of the model's sharded tensors)" in out
 
 
 @pytest.mark.heavy
