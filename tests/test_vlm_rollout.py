@@ -199,14 +199,20 @@ def squares(tmp_path_factory):
     return work
 
 
-def test_grpo_on_images_through_the_cli(squares):
+@pytest.fixture(scope="module")
+def grpo_run(squares):
+    """3 GRPO steps at TP=2 through the CLI: (run folder, metrics.jsonl's records)."""
+    out = squares / "run"
+    return out, _train(squares, out, 3)
+
+
+def test_grpo_on_images_through_the_cli(grpo_run):
     """`megagrpo train` at 2 ranks (TP=2) runs 3 GRPO steps on count_squares: every record's
     image reaches vLLM and the trainer's rows (the collector checks vLLM's expanded prompt
     equals image_prompt's), and the trainer scores vLLM's fresh samples within 1e-5 (fp32):
     wrong or missing pixels on the trainer's side give a gap of ~1e-2. Finite loss, gradients
     flow, the reference reset runs every step, evaluation with images runs before and after."""
-    out = squares / "run"
-    metrics = _train(squares, out, 3)
+    out, metrics = grpo_run
     steps = [m for m in metrics if "logp_gap_vllm_mean" in m]
     print("gap, loss, grad norm:", [(m["logp_gap_vllm_mean"], m["loss"], m["grad_norm"])
                                     for m in steps])
@@ -216,3 +222,21 @@ def test_grpo_on_images_through_the_cli(squares):
     assert [m["step"] for m in metrics if "eval_accuracy" in m] == [0, 3]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["reference_syncs"] == 3 and summary["tp"] == 2
+
+
+@pytest.mark.heavy
+def test_grpo_on_images_resumes_bitwise(squares, grpo_run):
+    """2 steps, stopped (checkpoint at the end), then resumed to step 3 in the same folder:
+    step 3's loss, gap, grad norm, rewards and KL are bitwise the uninterrupted run's (the
+    policy, optimizer, reference and the samplers' streams restored; the images are read from
+    the records again)."""
+    _, whole = grpo_run
+    out = squares / "resumed"
+    _train(squares, out, 2)
+    again = _train(squares, out, 3)
+    keys = ("loss", "logp_gap_vllm_mean", "grad_norm", "reward_mean", "kl", "completion_len")
+    last = [m for m in whole if m.get("step") == 3 and "loss" in m][0]
+    resumed = [m for m in again if m.get("step") == 3 and "loss" in m][0]
+    assert {k: resumed[k] for k in keys} == {k: last[k] for k in keys}
+    summary = json.loads((out / "summary.json").read_text())  # step 3 alone ran this time
+    assert summary["reference_syncs_this_run"] == 1 and summary["reference_syncs"] == 3
