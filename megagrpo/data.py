@@ -323,6 +323,9 @@ def shard(examples: Sequence[Example], dp_rank: int, dp_size: int) -> list[Examp
 
 
 # ---------------------------------------------------------------- prompts with images (VLM)
+IMAGE_FIELD = "images"
+"""The record field naming a prompt's images (paths relative to the data file; the loader makes
+them absolute)."""
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 """Qwen's chat-template placeholder of one image: a record's prompt text carries one per image
 (in order); `image_prompt` expands its single image-pad token into the image's token count."""

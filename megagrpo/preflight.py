@@ -114,6 +114,12 @@ def preflight(cfg: TrainConfig, world_size: int | None = None, warn: bool = True
     task = load_task(cfg.data, cfg.arithmetic)
     task = check_tool_environment(cfg, task)
     check_model(cfg, model, task.tokenizer)
+    if model.is_vlm and not (Path(cfg.data.tokenizer).expanduser()
+                             / "preprocessor_config.json").is_file():
+        raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r} has no preprocessor_config.json: "
+                         f"a vision-language model ({model.architecture}) needs its image "
+                         "processor beside the tokenizer (the model folder's, or a run's "
+                         "tokenizer snapshot)")
     train, dropped_train, train_lens = fit_prompts(
         task.train, task.tokenizer, cfg, ("rollout.max_tokens", cfg.rollout.max_tokens), "training")
     evals, dropped_eval, eval_lens = fit_prompts(

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import NoReturn
@@ -41,7 +42,7 @@ from megagrpo.model.gpt import attention_impl_name, build_model, layer_spec_name
 from megagrpo.model.optim import build_optimizer, wrap_ddp
 from megagrpo.preflight import Preflight, preflight
 from megagrpo.reward import RewardContext, build_rewards
-from megagrpo.rollout.collect import RolloutCollector
+from megagrpo.rollout.collect import ImagePrompts, RolloutCollector
 from megagrpo.rollout.placement import (
     InFlightState,
     RemoteEngine,
@@ -87,6 +88,9 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
     checked = preflight(cfg, world, warn=shows) if fresh else checked
     # parallel.sequence_parallel decided for this model (None: auto), before anything reads it
     cfg.parallel.sequence_parallel = checked.parallel.sequence_parallel
+    if checked.model.is_vlm:  # unset means "where it runs": neither carries images yet
+        cfg.compute.pack_sequences = cfg.compute.pack_sequences or False
+        cfg.compute.balance_tokens = cfg.compute.balance_tokens or False
     if frozen:
         freeze(cfg)
     task, model_cfg = checked.task, checked.model
@@ -156,7 +160,9 @@ def setup(cfg: TrainConfig, checked: Preflight | None = None, *, frozen: bool = 
         rewards = build_rewards(cfg.reward, cfg.agent.reward_join, context)
         rollouts = RolloutCollector(cfg=cfg, engine=engine, loader=loader, tokenizer=tok,
                                     rewards=rewards, layout=layout, ranks=ranks, groups=groups,
-                                    stop_ids=tokens.stop_ids)
+                                    stop_ids=tokens.stop_ids,
+                                    vision=(ImagePrompts.build(model_cfg, cfg.data.tokenizer)
+                                            if model_cfg.is_vlm else None))
     weight_sync = build_weight_sync(cfg.sync, cfg.rollout, cfg.lora, model=model_cfg,
                                     parallel=cfg.parallel, engine=rollouts.engine,
                                     shard_to_shard=layout.shard_to_shard,
@@ -191,6 +197,9 @@ def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
     hf.update(eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id,
               pad_token_id=tokenizer.pad_id)
     (d / "config.json").write_text(json.dumps(hf, indent=1))
+    if model.is_vlm:  # vLLM's multimodal processor reads the tokenizer and image processor
+        tokenizer.tok.save_pretrained(str(d))
+        shutil.copy(Path(cfg.data.tokenizer).expanduser() / "preprocessor_config.json", d)
     if cfg.rollout.stop:  # vLLM matches stop strings in text it detokenizes itself
         save = getattr(getattr(tokenizer, "tok", None), "save_pretrained", None)
         if save is None:

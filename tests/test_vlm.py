@@ -210,12 +210,27 @@ def test_planner_counts_the_vision_tower(vl):
     assert frozen_params(dataclasses.replace(m, freeze_vision=False), 0) == 0
 
 
-def test_training_a_vlm_is_refused_before_compute(vl):
-    """Until images reach vLLM and the trainer, a recipe on a Qwen2.5-VL is refused by name."""
+@pytest.mark.parametrize("change, match", [
+    ({"rollout.placement": "separate", "rollout.rollout_ranks": 1},
+     r"rollout\.placement='separate' with model\.architecture='qwen2_5_vl'"),
+    ({"rollout.max_staleness": 1}, r"rollout\.max_staleness=1 .*checkpointed without"),
+    ({"rollout.inflight_updates": True}, r"rollout\.inflight_updates=true .*no images"),
+    ({"rollout.tensor_parallel_size": 2}, r"rollout\.tensor_parallel_size=2 .*engine TP 1"),
+    ({"compute.pack_sequences": True}, r"compute\.pack_sequences=true .*1-D"),
+    ({"compute.balance_tokens": True}, r"compute\.balance_tokens=true .*images"),
+    ({"cold_start.steps": 2}, r"cold_start\.steps=2 .*no images"),
+])
+def test_vlm_training_layouts_that_do_not_carry_images_are_refused(vl, change, match):
+    """A Qwen2.5-VL trains colocated and synchronous (tests/test_vlm_rollout.py runs it); what
+    does not carry the images yet is refused before compute, by field."""
     from megagrpo.config.train import TrainConfig
 
+    TrainConfig(model=model_config_from_hf(vl[0])).validate(2)  # colocated, sync: runs
     cfg = TrainConfig(model=model_config_from_hf(vl[0]))
-    with pytest.raises(ValueError, match=r"model\.architecture='qwen2_5_vl' .*not wired yet"):
+    for key, value in change.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    with pytest.raises(ValueError, match=match):
         cfg.validate(2)
 
 

@@ -103,3 +103,22 @@ def test_bad_image_inputs_are_refused(tmp_path):
         image_prompt([5, 252, 6, 252], img, proc, image_token_id=252, merge_size=2)
     with pytest.raises(ValueError, match=r"no preprocessor_config\.json"):
         load_image_processor(tmp_path)
+
+
+def test_file_task_resolves_image_paths_against_the_file(tmp_path):
+    """A record's `images` are paths relative to its data file, whatever the working folder;
+    a field that is not a list of paths is refused, named."""
+    from megagrpo.config.data import DataConfig
+    from megagrpo.tasks import build_task
+
+    tiny_vl_tokenizer(tmp_path / "tok")
+    train, _ = count_squares.write(tmp_path / "data", 8, seed=0, eval_fraction=0.0)
+    data = DataConfig(task="file", path=str(train), tokenizer=str(tmp_path / "tok"))
+    task = build_task(data)
+    for e in task.train:
+        (path,) = e.record["images"]
+        assert path == str(tmp_path / "data" / "img" / path.rsplit("/", 1)[1])
+        assert load_images([path])[0].size == (16, 16)
+    train.write_text(json.dumps({"prompt": "q", "answer": "1", "images": "img/00000.png"}) + "\n")
+    with pytest.raises(ValueError, match=r"record 1: 'images' must be a list of image paths"):
+        build_task(data)

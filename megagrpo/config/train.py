@@ -114,12 +114,7 @@ class TrainConfig(Section):
         world_size = training_world(self.rollout, world_size)
         self.model.validate()
         if self.model.is_vlm:
-            raise ValueError(
-                f"model.architecture={self.model.architecture!r} (run.init={self.run.init!r}): "
-                "megagrpo builds, loads, exports and verifies this vision-language model "
-                "(`megagrpo verify --hf DIR`), its trainer passes and the vLLM engine take "
-                "images, but the rollout collector is not wired yet: records' images do not "
-                "reach generate nor the batch (docs/vlm.md); train a text model")
+            self._validate_vlm()
         self.parallel.validate(self.model, world_size)
         self.optim.validate()
         self.optim.check_dtype(self.model.dtype)
@@ -235,6 +230,41 @@ class TrainConfig(Section):
             return (("run.async_rollout", "run.async_rollout=true", "run.async_rollout=false")
                     if self.run.async_rollout else None)
         return (f"rollout.max_staleness={k}",) * 2 + ("rollout.max_staleness=0",) if k else None
+
+    def _validate_vlm(self) -> None:
+        """A vision-language model trains colocated and synchronous, its records' images
+        carried by the rollout collector (docs/vlm.md); what does not carry them yet is
+        refused by field."""
+        refusals = (
+            (self.rollout.placement == "separate", "rollout.placement='separate'",
+             "the rollout ranks' stream sends token ids only", "rollout.placement=colocated"),
+            (self.staleness > 0, f"rollout.max_staleness={self.staleness} (or "
+             "run.async_rollout)", "a batch drawn ahead is checkpointed without its images",
+             "rollout.max_staleness=0 and run.async_rollout=false"),
+            (self.rollout.partial_rollouts, "rollout.partial_rollouts=true",
+             "paused trajectories are continued without their images",
+             "rollout.partial_rollouts=false"),
+            (self.rollout.inflight_updates, "rollout.inflight_updates=true",
+             "the in-flight loop sends no images", "rollout.inflight_updates=false"),
+            (self.rollout.tensor_parallel_size > 1,
+             f"rollout.tensor_parallel_size={self.rollout.tensor_parallel_size}",
+             "vLLM sampling with images is checked at engine TP 1 only",
+             "rollout.tensor_parallel_size=1"),
+            (self.agent.enabled, "agent (multi-turn rollouts)",
+             "the trajectory runner sends token ids only", "turn the agent off"),
+            (self.compute.pack_sequences is True, "compute.pack_sequences=true",
+             "the packed path's RoPE is 1-D", "compute.pack_sequences=false (or unset)"),
+            (self.compute.balance_tokens is True, "compute.balance_tokens=true",
+             "moving rows between replicas does not carry their images",
+             "compute.balance_tokens=false (or unset)"),
+            (self.cold_start.steps > 0, f"cold_start.steps={self.cold_start.steps}",
+             "the cold start's built-in task has no images", "cold_start.steps=0"),
+        )
+        for bad, what, why, fix in refusals:
+            if bad:
+                raise ValueError(
+                    f"{what} with model.architecture={self.model.architecture!r}: {why} "
+                    f"(docs/vlm.md); set {fix}")
 
     def _validate_staleness(self) -> None:
         if self.run.async_rollout and self.rollout.max_staleness == 0:

@@ -89,22 +89,26 @@ def vlm_class() -> type:
 
         def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *args,
                     pixel_values: torch.Tensor | None = None,
-                    image_grid_thw: torch.Tensor | None = None, **kwargs):
+                    image_grid_thw: torch.Tensor | None = None,
+                    image_mask: torch.Tensor | None = None, **kwargs):
             if position_ids is None or position_ids.dim() != 3 or position_ids.shape[0] != 3:
                 got = None if position_ids is None else list(position_ids.shape)
                 raise ValueError(f"position_ids {got}: Qwen2.5-VL needs [3, B, S] multimodal "
                                  "positions (megagrpo.model.vlm.rope_positions)")
             if decoder_input is None and self.pre_process:
-                decoder_input = self.embed(input_ids, pixel_values, image_grid_thw)
+                decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, image_mask)
             return super().forward(input_ids, position_ids, attention_mask, decoder_input,
                                    *args, **kwargs)
 
         def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
-                  image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+                  image_grid_thw: torch.Tensor | None,
+                  image_mask: torch.Tensor | None = None) -> torch.Tensor:
             """[S, B, H] decoder input: the word embeddings, image pads replaced by the
-            merged vision features (in row-major order of the pads, images in order)."""
+            merged vision features (in row-major order of the pads, images in order).
+            `image_mask` [B, S]: which pads are images (the prompt's; a pad sampled in a
+            completion is text); None: every pad."""
             emb = self.embedding(input_ids=input_ids, position_ids=None)  # [S, B, H]
-            mask = input_ids == self.image_token_id  # [B, S]
+            mask = input_ids == self.image_token_id if image_mask is None else image_mask
             n = int(mask.sum())
             if pixel_values is None:
                 if n:

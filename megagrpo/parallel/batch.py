@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from megagrpo.config.model import ModelConfig
-from megagrpo.parallel.mrope import rope_index
+from megagrpo.parallel.mrope import image_positions, rope_index
 
 
 @dataclass
@@ -92,6 +92,9 @@ class Batch:
     vision-language model's rows (None: a text model's 1-D positions 0..S-1)."""
     images: RowImages | None = None
     """Each row's images (vision-language rows; None: none)."""
+    image_mask: Tensor | None = None
+    """[N, S] bool: the prompt's image pads, whose embeddings are the image features (a pad
+    token sampled in a completion is text; vision-language rows only, else None)."""
 
     @property
     def num_seqs(self) -> int:
@@ -342,7 +345,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]], rollout_logps: 
         batch.rewards = torch.zeros(rows, dtype=torch.float32)
         batch.rewards[where] = seq_rewards.to(torch.float32)
     if vlm is not None:
-        _add_images(batch, where, images or [None] * n, vlm)
+        _add_images(batch, where, images or [None] * n, vlm, [len(p) for p in prompts])
     if routes is not None:  # padding: -2, "no route needed", like the last tokens
         batch.routes = torch.full((rows, S, *routes[0].shape[1:]), -2, dtype=torch.int16)
         for i, r in enumerate(routes):
@@ -350,14 +353,18 @@ def pack(prompts: list[list[int]], completions: list[list[int]], rollout_logps: 
     return batch
 
 
-def _add_images(batch: Batch, where: Tensor, images: list, vlm: ModelConfig) -> None:
-    """`Batch.positions` and `Batch.images` of the packed rows (`where[i]`: sequence i's row)."""
+def _add_images(batch: Batch, where: Tensor, images: list, vlm: ModelConfig,
+                prompt_lens: list[int]) -> None:
+    """`Batch.positions`, `Batch.images` and `Batch.image_mask` of the packed rows (`where[i]`:
+    sequence i's row; `prompt_lens[i]`: its prompt's tokens, the only ones that may be
+    images)."""
     rows, S = batch.ids.shape
     v = vlm.vision
     width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
     pixels = [torch.zeros(0, width) for _ in range(rows)]
     grids = [torch.zeros(0, 3, dtype=torch.long) for _ in range(rows)]
     pos = torch.arange(S).expand(rows, 3, S).clone()
+    image_mask = torch.zeros(rows, S, dtype=torch.bool)
     for i, r in enumerate(where.tolist()):
         grid = None
         if images[i] is not None:
@@ -368,12 +375,14 @@ def _add_images(batch: Batch, where: Tensor, images: list, vlm: ModelConfig) -> 
                                  f"{width} values, one per grid cell)")
             pixels[r], grids[r] = pix, grid.to(torch.long)
         n = int(batch.lengths[r])
-        p, _ = rope_index(batch.ids[r, :n], grid, vlm)
+        p, _ = rope_index(batch.ids[r, :n], grid, vlm, prompt_lens[i])
+        image_mask[r, :n] = image_positions(batch.ids[r, :n], vlm.image_token_id, prompt_lens[i])
         pos[r, :, :n] = p
         if n < S:  # padding: text after the row's last position
             pos[r, :, n:] = int(p.max()) + 1 + torch.arange(S - n)
     batch.positions = pos.transpose(1, 2).contiguous()
     batch.images = RowImages(pixels, grids)
+    batch.image_mask = image_mask
 
 
 def sft_batch(prompts: list[list[int]], completions: list[list[int]], *, pad_id: int,

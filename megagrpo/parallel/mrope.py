@@ -14,8 +14,18 @@ def image_tokens(grid_thw: torch.Tensor, vision: VisionConfig) -> torch.Tensor:
     return grid_thw.prod(-1) // vision.spatial_merge_size ** 2
 
 
-def rope_index(ids: torch.Tensor, grid_thw: torch.Tensor | None, model: ModelConfig
-               ) -> tuple[torch.Tensor, int]:
+def image_positions(ids: torch.Tensor, image_token_id: int, prompt_len: int | None = None
+                    ) -> torch.Tensor:
+    """[..., S] bool: the image-pad tokens of the prompt (the first `prompt_len` columns; None:
+    all), the positions whose embeddings are image features."""
+    is_image = ids == image_token_id
+    if prompt_len is not None:
+        is_image[..., prompt_len:] = False
+    return is_image
+
+
+def rope_index(ids: torch.Tensor, grid_thw: torch.Tensor | None, model: ModelConfig,
+               prompt_len: int | None = None) -> tuple[torch.Tensor, int]:
     """Multimodal RoPE positions of one sequence: ([3, S] long, delta).
 
     Text tokens advance all three positions together by one. An image at text position p with
@@ -24,9 +34,11 @@ def rope_index(ids: torch.Tensor, grid_thw: torch.Tensor | None, model: ModelCon
     `delta` = max position + 1 - S (what decoding adds to 1-D positions after the prompt).
     `ids` [S]; `grid_thw` [n, 3] of the images in the order their pads appear (None: none).
     A run of image pads may hold several images back to back: each takes its own token count.
+    `prompt_len`: only the first `prompt_len` tokens may be images (a pad the policy sampled
+    in its completion is text, as vLLM decodes it; None: the whole sequence is the prompt).
     """
     merge = model.vision.spatial_merge_size
-    is_image = ids == model.image_token_id
+    is_image = image_positions(ids, model.image_token_id, prompt_len)
     grids = [] if grid_thw is None else [tuple(int(x) for x in g) for g in grid_thw]
     want = sum(t * h * w // merge ** 2 for t, h, w in grids)
     if int(is_image.sum()) != want:

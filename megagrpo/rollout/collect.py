@@ -35,7 +35,7 @@ from megagrpo.agent.runner import TrajectoryRunner, environment_factory
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.train import TrainConfig
-from megagrpo.data import encode_prompt
+from megagrpo.data import IMAGE_FIELD, encode_prompt, image_prompt, load_images
 from megagrpo.engine import Completion, SamplingSettings
 from megagrpo.engine.partial import start_trajectories
 from megagrpo.reward import PendingScores, Rewards, chain, samples_of
@@ -73,6 +73,9 @@ class Drawn:
     """rollout.partial_rollouts: the prompts' data records, for the scoring when it ends."""
     texts: list[str] = field(default_factory=list)
     """rollout.partial_rollouts: the prompts' text, for the scoring when it ends."""
+    images: list | None = None
+    """A vision-language model: per prompt, its (pixel_values, image_grid_thw) or None (no
+    images); `prompts` then hold the expanded ids (`ImagePrompts`)."""
 
     def resolve(self) -> Drawn:
         """Waits for pending scores and records them (no-op once scored)."""
@@ -109,6 +112,45 @@ class Returned:
     """The loader's position before the batch (saved again should the run stop first)."""
 
 
+@dataclass
+class ImagePrompts:
+    """A vision-language model's prompts: each record's images (`IMAGE_FIELD`) loaded and run
+    through the model folder's image processor (`megagrpo.data.image_prompt`). vLLM gets the
+    placeholder form and the images; the trainer's rows are the expanded ids with the
+    processor's pixels, and each completion's expanded prompt from vLLM must equal them."""
+
+    processor: object
+    image_token_id: int
+    merge_size: int
+
+    @classmethod
+    def build(cls, model, folder: str) -> ImagePrompts:
+        """The image processor of `folder` (data.tokenizer: the run's tokenizer snapshot
+        keeps the source's preprocessor_config.json) for `model` (a VLM ModelConfig)."""
+        from megagrpo.data import load_image_processor
+
+        try:
+            processor = load_image_processor(folder)
+        except ValueError as e:
+            raise ValueError(f"data.tokenizer={folder!r}: {e}") from None
+        return cls(processor, model.image_token_id, model.vision.spatial_merge_size)
+
+    def prepare(self, prompts: list[list[int]], records: list[dict]
+                ) -> tuple[list, list[list[int]], list]:
+        """(per prompt its PIL images or None, for `generate(images=)`; the expanded ids; the
+        (pixel_values, image_grid_thw) or None, for the batch)."""
+        pil, expanded, rows = [], [], []
+        for ids, rec in zip(prompts, records, strict=True):
+            imgs = load_images(rec.get(IMAGE_FIELD) or [])
+            full, pixels, grid = image_prompt(ids, imgs, self.processor,
+                                              image_token_id=self.image_token_id,
+                                              merge_size=self.merge_size)
+            pil.append(imgs or None)
+            expanded.append(full)
+            rows.append(None if pixels is None else (pixels, grid))
+        return pil, expanded, rows
+
+
 @dataclass(kw_only=True)
 class RolloutCollector:
     """Samples, scores and gathers a step's rollouts; evaluates held-out accuracy. The colocated
@@ -142,6 +184,8 @@ class RolloutCollector:
     pause: threading.Event = field(default_factory=threading.Event)
     """rollout.partial_rollouts: set by `join` (the weight update is next): the draw on the
     side thread pauses its unfinished trajectories between two decode steps and returns."""
+    vision: ImagePrompts | None = None
+    """A vision-language model: how records' images reach vLLM and the batch (None: text)."""
 
     def __post_init__(self) -> None:
         if self.cfg.agent.enabled and self.runner is None:
@@ -153,16 +197,17 @@ class RolloutCollector:
     # ------------------------------------------------------------------ shared
     def _generate(self, prompts: list[list[int]], answers: list[str], mine: list[int],
                   sampling: SamplingSettings, records: list[dict] | None = None,
-                  texts: list[str] | None = None
+                  texts: list[str] | None = None, images: tuple | None = None
                   ) -> tuple[list[Completion], torch.Tensor, dict]:
         """`_sample`, its scores awaited: (completions, rewards [n], reward metrics)."""
-        comps, pending = self._sample(prompts, answers, mine, sampling, records, texts)
+        comps, pending = self._sample(prompts, answers, mine, sampling, records, texts,
+                                      images=images)
         rewards, metrics = record_scores(comps, pending)
         return comps, rewards, metrics
 
     def _sample(self, prompts: list[list[int]], answers: list[str], mine: list[int],
                 sampling: SamplingSettings, records: list[dict] | None = None,
-                texts: list[str] | None = None, chunks: int = 1
+                texts: list[str] | None = None, chunks: int = 1, images: tuple | None = None
                 ) -> tuple[list[Completion], PendingScores]:
         """Generates the `mine` prompts on this rank's engine (multi-turn trajectories through
         `runner` when the agent is on) and submits them to the reward component as whole
@@ -171,12 +216,13 @@ class RolloutCollector:
         other ranks report nothing. Each completion's `prompt_index` indexes `prompts`.
         `chunks` > 1 (reward.score_chunks): `mine` is sampled in that many consecutive slices,
         each submitted as soon as it is sampled, so a source answering with a future scores
-        the first groups while the later ones sample."""
+        the first groups while the later ones sample. `images`: a vision-language model's
+        (PIL images per prompt, expanded ids per prompt) (`ImagePrompts.prepare`)."""
         recs = records if records is not None else [{}] * len(prompts)
         comps: list[Completion] = []
         pendings: list[PendingScores] = []
         for part in _slices(mine, chunks):
-            got = self._generate_slice(prompts, part, sampling, recs)
+            got = self._generate_slice(prompts, part, sampling, recs, images)
             if not got:  # off the engine's leader: nothing to score
                 continue
             shown = texts if texts is not None else {  # decoded where no caller had the text
@@ -189,18 +235,33 @@ class RolloutCollector:
         return comps, chain(pendings) if pendings else self.rewards.submit([])
 
     def _generate_slice(self, prompts: list[list[int]], part: list[int],
-                        sampling: SamplingSettings, records: list[dict]) -> list[Completion]:
+                        sampling: SamplingSettings, records: list[dict],
+                        images: tuple | None = None) -> list[Completion]:
         """This engine's completions of the prompts `part` indexes (the leader's; [] on the
-        engine's other ranks), `prompt_index` indexing `prompts`."""
+        engine's other ranks), `prompt_index` indexing `prompts`. `images` (a VLM): (PIL
+        images per prompt, expanded ids per prompt); every completion's expanded prompt from
+        vLLM is checked equal to the trainer's."""
         if self.runner is not None:
             comps = self.runner.run([prompts[i] for i in part], [records[i] for i in part],
                                     sampling)
+        elif images is not None:
+            comps = self.engine.generate([prompts[i] for i in part], sampling,
+                                         images=[images[0][i] for i in part])
         else:
             comps = self.engine.generate([prompts[i] for i in part], sampling)
         if not self.layout.is_leader:
             return []
         for c in comps:
             c.prompt_index = part[c.prompt_index]
+        if images is not None:
+            for c in comps:
+                got = c.prompt_token_ids or prompts[c.prompt_index]
+                if got != images[1][c.prompt_index]:
+                    raise RuntimeError(
+                        f"prompt {c.prompt_index}: vLLM expanded its image placeholders to "
+                        f"{len(got)} tokens, megagrpo.data.image_prompt to "
+                        f"{len(images[1][c.prompt_index])}: the trainer would score other "
+                        "rows than vLLM sampled from (the image processors disagree)")
         return comps
 
     def _decode(self, ids: list[int]) -> str:
@@ -245,16 +306,21 @@ class RolloutCollector:
         answers = [e.answer for e in examples]
         # the environments' and the reward source's inputs
         records, texts = [e.record for e in examples], [e.prompt for e in examples]
+        images, rows, pixels = None, prompts, None
+        if self.vision is not None:  # not pooled: TrainConfig._validate_vlm (engine TP 1)
+            pil, rows, pixels = self.vision.prepare(prompts, records)
+            images = (pil, rows)
         pool = (self._pool(prompts, answers, records, texts) if self.layout.pooled
                 else (prompts, answers, records, texts))
         mine = self.layout.prompt_indices(len(pool[0]))  # this rank's engine's slice
         comps, pending = self._sample(pool[0], pool[1], mine, self.sampling(), pool[2], pool[3],
-                                      chunks=self.cfg.reward.score_chunks)
+                                      chunks=self.cfg.reward.score_chunks, images=images)
         stamp(comps, version)
         self.stats.draw_s += time.perf_counter() - t0  # one thread draws at a time
-        # scores are awaited when the batch is gathered (`Drawn.resolve`)
-        return Drawn(prompts, answers, epoch, version, comps, [], {}, loader_state=before,
-                     pending=pending)
+        # scores are awaited when the batch is gathered (`Drawn.resolve`); a VLM's rows are
+        # the expanded prompts with their images
+        return Drawn(rows, answers, epoch, version, comps, [], {}, loader_state=before,
+                     pending=pending, images=pixels)
 
     def advance(self, drawn: Drawn, version: int, pause: threading.Event | None = None) -> None:
         """rollout.partial_rollouts: generates the batch's unfinished trajectories on, with the
@@ -308,7 +374,7 @@ class RolloutCollector:
         return Rollout(prompts=drawn.prompts, answers=drawn.answers,
                        completions=[c for c, _ in merged],
                        rewards=torch.tensor([rw for _, rw in merged]), version=drawn.version,
-                       epoch=drawn.epoch, metrics=metrics)
+                       epoch=drawn.epoch, metrics=metrics, images=drawn.images)
 
     def _pool(self, prompts: list[list[int]], answers: list[str], records: list[dict],
               texts: list[str]) -> tuple[list, list, list, list]:
@@ -454,8 +520,16 @@ class RolloutCollector:
                              stop=tuple(self.cfg.rollout.stop) if self.runner else (),
                              stop_token_ids=self.stop_ids)
         prompts = [encode_prompt(self.tokenizer, e.prompt) for e in examples]
+        records = [e.record for e in examples]
+        images = None
+        if self.vision is not None:
+            pil, rows, _ = self.vision.prepare([prompts[i] for i in mine],
+                                               [records[i] for i in mine])
+            images = ([None] * len(prompts), [None] * len(prompts))
+            for i, p, r in zip(mine, pil, rows):
+                images[0][i], images[1][i] = p, r
         comps, _, _ = self._generate(prompts, [e.answer for e in examples], mine, s,
-                                     [e.record for e in examples], [e.prompt for e in examples])
+                                     records, [e.prompt for e in examples], images=images)
         return sum(bool(c.correct) for c in comps)
 
 
@@ -547,7 +621,8 @@ def select_groups(ro: Rollout, keep: torch.Tensor, G: int) -> Rollout:
     rewards = ro.rewards.view(-1, G)[keep].reshape(-1) if idx else ro.rewards[:0]
     return Rollout(prompts=[ro.prompts[i] for i in idx], answers=[ro.answers[i] for i in idx],
                    completions=comps, rewards=rewards, version=ro.version, epoch=ro.epoch,
-                   metrics=ro.metrics)
+                   metrics=ro.metrics,
+                   images=None if ro.images is None else [ro.images[i] for i in idx])
 
 
 def _concat(a: Rollout, b: Rollout) -> Rollout:
@@ -557,7 +632,8 @@ def _concat(a: Rollout, b: Rollout) -> Rollout:
     return Rollout(prompts=a.prompts + b.prompts, answers=a.answers + b.answers,
                    completions=a.completions + b.completions,
                    rewards=torch.cat([a.rewards, b.rewards]), version=a.version, epoch=a.epoch,
-                   metrics=a.metrics)
+                   metrics=a.metrics,
+                   images=None if a.images is None else a.images + b.images)
 
 
 def _truncate(ro: Rollout, want: int, G: int) -> Rollout:
@@ -566,4 +642,5 @@ def _truncate(ro: Rollout, want: int, G: int) -> Rollout:
     return Rollout(prompts=ro.prompts[:want], answers=ro.answers[:want],
                    completions=[c for c in ro.completions if c.prompt_index < want],
                    rewards=ro.rewards[: want * G], version=ro.version, epoch=ro.epoch,
-                   metrics=ro.metrics)
+                   metrics=ro.metrics,
+                   images=None if ro.images is None else ro.images[:want])

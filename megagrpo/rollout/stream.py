@@ -48,6 +48,9 @@ class Rollout:
     """Data epoch of the prompts."""
     metrics: dict = field(default_factory=dict)
     """Reward-term and sampling scalars (per replica)."""
+    images: list | None = None
+    """A vision-language model: [B] each prompt's (pixel_values, image_grid_thw) or None;
+    `prompts` are then the expanded ids (None: a text model)."""
 
 
 @dataclass

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from megagrpo.config.data import ArithmeticConfig, DataConfig
 from megagrpo.data import (
+    IMAGE_FIELD,
     Example,
     Tokenizer,
     build_examples,
@@ -49,6 +51,18 @@ def build_task(data: DataConfig, arith: ArithmeticConfig | None = None) -> Task:
 
 def _file_examples(data: DataConfig, path: str, tokenizer: Tokenizer) -> list[Example]:
     records = read_records(path, data.format, data.split)
-    return build_examples(records, prompt_field=data.prompt_field, answer_field=data.answer_field,
-                          template=data.template, tokenizer=tokenizer,
-                          system_prompt=data.system_prompt, source=str(path))
+    examples = build_examples(records, prompt_field=data.prompt_field,
+                              answer_field=data.answer_field, template=data.template,
+                              tokenizer=tokenizer, system_prompt=data.system_prompt,
+                              source=str(path))
+    base = Path(path).expanduser()
+    base = base if base.is_dir() else base.parent
+    for i, e in enumerate(examples):  # a record's images: paths relative to its file
+        images = e.record.get(IMAGE_FIELD)
+        if images is None:
+            continue
+        if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
+            raise ValueError(f"{path}, record {i + 1}: {IMAGE_FIELD!r} must be a list of image "
+                             f"paths (relative to the file), got {images!r}")
+        e.record[IMAGE_FIELD] = [str(base / p) for p in images]
+    return examples

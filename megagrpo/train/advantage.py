@@ -44,10 +44,12 @@ class Correction:
     metrics: dict
 
 
-def build_batch(ro: Rollout, cfg: TrainConfig, *, pad_id: int, multiple: int
-                ) -> tuple[Batch, ShapedRewards]:
+def build_batch(ro: Rollout, cfg: TrainConfig, *, pad_id: int, multiple: int,
+                vlm=None) -> tuple[Batch, ShapedRewards]:
     """Packs the rollout (rows padded to a multiple of `multiple`, the padding spread over the
-    algo.num_minibatches minibatches) with its shaped rewards; advantages are still 0."""
+    algo.num_minibatches minibatches) with its shaped rewards; advantages are still 0. `vlm`:
+    a vision-language model's ModelConfig (each row gets its prompt's images and the 3-D
+    positions)."""
     a = cfg.algo
     prompts = [ro.prompts[c.prompt_index] for c in ro.completions]
     lengths = torch.tensor([len(c.token_ids) for c in ro.completions])
@@ -68,7 +70,10 @@ def build_batch(ro: Rollout, cfg: TrainConfig, *, pad_id: int, multiple: int
                  completion_mask=keep, seq_rewards=rewards,
                  routes=([c.routes for c in ro.completions]
                          if ro.completions and ro.completions[0].routes is not None else None),
-                 loss_masks=[c.loss_mask for c in ro.completions])
+                 loss_masks=[c.loss_mask for c in ro.completions],
+                 images=(None if ro.images is None
+                         else [ro.images[c.prompt_index] for c in ro.completions]),
+                 vlm=vlm)
     correct = torch.tensor([bool(c.correct) for c in ro.completions])
     bad = int(algo.bad_rewards(rewards, a.max_abs_reward).sum())
     metrics = dict(algo.reward_metrics(ro.rewards.float(), a.group_size, correct), **ro.metrics)

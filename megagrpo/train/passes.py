@@ -120,7 +120,7 @@ def vlm_inputs(b: Batch, sp: int) -> tuple[torch.Tensor, dict]:
     if sp > 1:
         raise ValueError("parallel.sequence_parallel with a vision-language model: set "
                          "parallel.sequence_parallel=false")
-    return b.positions.permute(2, 0, 1), b.images.model_inputs()
+    return b.positions.permute(2, 0, 1), dict(b.images.model_inputs(), image_mask=b.image_mask)
 
 
 def _last_stage_output(out, sel: OutputPositions, fused: bool, loss_fn: Callable):
