@@ -93,7 +93,8 @@ def kill_run(proc: subprocess.Popen) -> tuple[set[int], list[int]]:
 
 
 @pytest.fixture(scope="module", params=[
-    "distopt+async", "distopt+async+bf16", pytest.param("sync", marks=pytest.mark.heavy),
+    "distopt+async", pytest.param("distopt+async+bf16", marks=pytest.mark.heavy),
+    pytest.param("sync", marks=pytest.mark.heavy),
     pytest.param("agent", marks=pytest.mark.heavy),
     pytest.param("agent+async", marks=pytest.mark.heavy),
     pytest.param("lora", marks=pytest.mark.heavy),
@@ -103,7 +104,8 @@ def e2e(request, tmp_path_factory):
     """The uninterrupted run and the interrupted one run side by side (DP=2; by default with
     the distributed optimizer and async rollouts, the configuration with the most state: the
     sharded Adam moments, the batch drawn ahead on the side thread and its generator; `-m
-    heavy` adds the plain synchronous run and multi-turn runs, sync and async: killed inside a
+    heavy` adds the same in bf16, the plain synchronous run and multi-turn runs, sync and
+    async: killed inside a
     multi-turn step; tests/test_agent_resume.py checks their pending batch by default). The
     interrupted run's launcher is SIGKILLed once step 4's checkpoint is complete (in step 5);
     its checkpoints are damaged and it is resumed (from step 2: its checkpoint holds the async
