@@ -105,8 +105,8 @@ def e2e(request, tmp_path_factory):
     the distributed optimizer and async rollouts, the configuration with the most state: the
     sharded Adam moments, the batch drawn ahead on the side thread and its generator; `-m
     heavy` adds the same in bf16, the plain synchronous run and multi-turn runs, sync and
-    async: killed inside a
-    multi-turn step; tests/test_agent_resume.py checks their pending batch by default). The
+    async: killed inside a multi-turn step; tests/test_agent_resume.py checks their pending
+    batch by default). The
     interrupted run's launcher is SIGKILLed once step 4's checkpoint is complete (in step 5);
     its checkpoints are damaged and it is resumed (from step 2: its checkpoint holds the async
     batch for step 3) while the uninterrupted run finishes: 4 steps, a checkpoint every step,
