@@ -25,10 +25,12 @@ Per run (a JSON line): the step time (mean over the steps after the first --warm
 the trainer's phase times), the reward model's own scoring seconds per step
 (`reward_model_time_s`), and the reward phases of docs/rewards.md (`reward_blocking_s`,
 `reward_overlap_s`, `reward_wait_s`). The table puts each mode's two runs side by side: the
-step time's excess with the reward model, and the share of the scoring the overlap hid
-(1 - excess / scoring seconds). On a 2-core CPU the threads share the cores, so an overlapped
-forward still competes with sampling for them: the hidden share is what this machine gives,
-not what a GPU (scoring on its own stream or device) would.
+step time's excess with the reward model, and the share of the scoring no step waited for
+(1 - reward_wait_s / the reward model's seconds, both measured in the same run). The excess
+compares two runs whose samples drift apart after the first update (the reward model's 0.1
+changes the advantages), so it carries their difference in completion lengths too; and on a
+2-core CPU an overlapped forward still competes with sampling for the cores: what the hidden
+share saves is what a GPU (scoring on its own stream or device) would, not this machine.
 
     .venv/bin/python benchmarks/reward_overlap.py [--workload varlen] [--steps 6] [--warmup 1]
         [--out benchmarks/results/reward_overlap_cpu.jsonl]
@@ -138,7 +140,7 @@ def table(path: str | Path) -> str:
         excess, scoring = r["step_s"] - base["step_s"], r["reward_model_time_s"]
         rows.append([workload, mode, f"{base['step_s']:.2f}", f"{r['step_s']:.2f}",
                      f"{excess:+.2f}", f"{scoring:.2f}", f"{r['reward_wait_s']:.2f}",
-                     f"{r['reward_overlap_s']:.2f}", f"{1 - excess / scoring:.0%}"])
+                     f"{r['reward_overlap_s']:.2f}", f"{max(0.0, 1 - r['reward_wait_s'] / scoring):.0%}"])
     head = ["workload", "mode", "step s, no RM", "step s, RM", "excess s", "RM scoring s",
             "reward wait s", "reward overlap s", "scoring hidden"]
     cpus = sorted({r["cpu"] for r in recs})
