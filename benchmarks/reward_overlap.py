@@ -138,9 +138,10 @@ def table(path: str | Path) -> str:
         if not rm or base is None:
             continue
         excess, scoring = r["step_s"] - base["step_s"], r["reward_model_time_s"]
+        hidden = max(0.0, 1 - r["reward_wait_s"] / scoring)
         rows.append([workload, mode, f"{base['step_s']:.2f}", f"{r['step_s']:.2f}",
                      f"{excess:+.2f}", f"{scoring:.2f}", f"{r['reward_wait_s']:.2f}",
-                     f"{r['reward_overlap_s']:.2f}", f"{max(0.0, 1 - r['reward_wait_s'] / scoring):.0%}"])
+                     f"{r['reward_overlap_s']:.2f}", f"{hidden:.0%}"])
     head = ["workload", "mode", "step s, no RM", "step s, RM", "excess s", "RM scoring s",
             "reward wait s", "reward overlap s", "scoring hidden"]
     cpus = sorted({r["cpu"] for r in recs})
