@@ -2,10 +2,15 @@
 same model rewarded by the rule, from the two runs of examples/smollm2-135m-judge-cpu.yaml kept
 in benchmarks/results/judge_smollm2_cpu/ (each run's summary.json and metrics.jsonl).
 
-    python -m megagrpo train --config examples/smollm2-135m-judge-cpu.yaml run.out_dir=R/judge
+    python -m megagrpo train --config examples/smollm2-135m-judge-cpu.yaml run.out_dir=R/judge \\
+        run.steps=4 data.eval_path=data/word_problems/eval50.jsonl
     python -m megagrpo train --config examples/smollm2-135m-judge-cpu.yaml run.out_dir=R/rule \\
+        run.steps=4 data.eval_path=data/word_problems/eval50.jsonl \\
         reward.sources.0.weight=1.0 reward.sources.1.weight=0.0
     .venv/bin/python benchmarks/judge_agreement.py [R]
+
+(eval50.jsonl: the first 50 lines of the task's eval.jsonl; the kept runs: an Intel Xeon of
+family 6 model 167, AVX512, 2 cores, beside other jobs.)
 
 Rows, one per run (`judge`, `rule`: which source's weight is 1): held-out greedy accuracy by the
 rule (before and after the run's steps), the mean rule reward and judge reward of the sampled
