@@ -364,7 +364,8 @@ class Trainer:
         """The rollout packed into a `Batch` (advantages 0) and its `ShapedRewards`."""
         multiple = self.passes.micro_size(len(ro.completions)) * self.cfg.algo.num_minibatches
         return build_batch(ro, self.cfg, pad_id=self.tokens.pad_id, multiple=multiple,
-                           vlm=self.model_cfg if self.model_cfg.is_vlm else None)
+                           vlm=self.model_cfg if self.model_cfg and self.model_cfg.is_vlm
+                           else None)
 
     def balance(self, batch: Batch) -> tuple[Batch, dict]:
         """The batch with its sequences moved between DP replicas by token count
