@@ -80,10 +80,11 @@ def test_projection_by_hand():
 
 def test_longtail_refused_configuration_is_recorded_not_launched(monkeypatch):
     bench = _bench()
-    monkeypatch.setitem(bench.CONFIGS, "separate-dynsamp",
-                        [*bench.SEPARATE, "algo.dynamic_sampling=true"])
-    refused = bench.measure("separate-dynsamp", steps=2)
-    assert "algo.dynamic_sampling=true" in refused["refused"] and "wall_s" not in refused
+    monkeypatch.setitem(bench.CONFIGS, "separate-tp2",
+                        [*bench.SEPARATE, "rollout.tensor_parallel_size=2"])
+    refused = bench.measure("separate-tp2", steps=2)
+    assert "rollout.rollout_ranks=1 do not divide into engines" in refused["refused"]
+    assert "wall_s" not in refused
 
 
 # heavy: a launch of its own (~30 s on 2 cores); by default its figures are checked on the
@@ -100,15 +101,16 @@ def test_longtail_benchmark_smallest(tmp_path, monkeypatch):
     # step 2 trains a batch sampled at most k = 1 version behind (the per-sample stamps)
     assert 0.0 <= r["lag_mean"] <= r["lag_max"] <= 1.0 and r["stale_dropped"] == 0
     assert r["phases"]["time_update"] > 0 and "time_weight_sync" in r["phases"]
-    monkeypatch.setitem(bench.CONFIGS, "separate-dynsamp",
-                        [*bench.SEPARATE, "algo.dynamic_sampling=true"])
-    refused = bench.measure("separate-dynsamp", steps=2)
-    assert "algo.dynamic_sampling=true" in refused["refused"] and "wall_s" not in refused
+    monkeypatch.setitem(bench.CONFIGS, "separate-tp2",
+                        [*bench.SEPARATE, "rollout.tensor_parallel_size=2"])
+    refused = bench.measure("separate-tp2", steps=2)
+    assert "rollout.rollout_ranks=1 do not divide into engines" in refused["refused"]
+    assert "wall_s" not in refused
     out = tmp_path / "r.jsonl"
     out.write_text(json.dumps(dict(r, config="colocated-sync")) + "\n" + json.dumps(r) + "\n"
                    + json.dumps(refused) + "\n")
     text = bench.table(out)
-    assert "| separate-k1-inflight | 0 |" in text and "| separate-eval | | refused" in text
+    assert "| separate-k1-inflight | 0 |" in text and "| separate-tp2 | | refused" in text
     assert "| 8 | 4 |" in text
 
 
