@@ -1047,19 +1047,26 @@ def test_plan_separates_training_and_rollout_memory(capsys):
     assert f"weights {half / GIB:.2f} GiB (1/2 of the model's sharded tensors)" in out
 
 
-@pytest.mark.heavy
-def test_separate_run_resumes_at_the_first_untrained_batch(tmp_path):
-    """2 steps and a checkpoint, then a resumed launch to step 4: the rollout ranks start at
-    the trainer's next batch (a mismatch stops the run) with the checkpoint's weights, so the
-    first step after the resume trains samples of its own version."""
-    args = [*ARGS, f"run.out_dir={tmp_path}/run", f"arithmetic.tokenizer_dir={tmp_path}/tok"]
-    for more in (["run.steps=2", "checkpoint.at_end=true"], ["run.steps=4", "run.resume=true"]):
-        p = run_cli("train", "--nproc", "3", *args, *more, timeout=900)
+def _stopped_and_resumed(tmp_path, more: list[str], first: list[str]) -> list[dict]:
+    """ARGS + `more` at separate placement (3 ranks): 2 steps (+ `first`), then a resumed
+    launch to step 4 in the same folder; the 4 step records (asserted 1-4)."""
+    args = [*ARGS, *more, f"run.out_dir={tmp_path}/run", f"arithmetic.tokenizer_dir={tmp_path}/tok"]
+    for extra in (["run.steps=2", *first], ["run.steps=4", "run.resume=true"]):
+        p = run_cli("train", "--nproc", "3", *args, *extra, timeout=900)
         assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
     steps = [json.loads(line) for line in Path(tmp_path, "run", "metrics.jsonl").read_text()
              .splitlines()]
     steps = [r for r in steps if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    return steps
+
+
+@pytest.mark.heavy
+def test_separate_run_resumes_at_the_first_untrained_batch(tmp_path):
+    """2 steps and a checkpoint, then a resumed launch to step 4: the rollout ranks start at
+    the trainer's next batch (a mismatch stops the run) with the checkpoint's weights, so the
+    first step after the resume trains samples of its own version."""
+    steps = _stopped_and_resumed(tmp_path, [], ["checkpoint.at_end=true"])
     assert steps[2]["staleness_max"] == 0 and steps[2]["logp_gap_vllm_mean"] < 1e-5
     assert all(r["staleness_max"] <= 1 and r["update_skipped"] == 0 for r in steps)
 
@@ -1071,15 +1078,8 @@ def test_separate_partial_rollouts_checkpoint_and_resume(tmp_path):
     the batch is whole); killed nowhere, the run stops after step 2 and a resumed launch
     continues from its checkpoint (the rollout rank's streams and queue put back) to step 4.
     Every step trains at most k = 1 version behind; the steps that sampled fresh match vLLM."""
-    args = [*ARGS, "rollout.partial_rollouts=true", "checkpoint.every=1",
-            f"run.out_dir={tmp_path}/run", f"arithmetic.tokenizer_dir={tmp_path}/tok"]
-    for more in (["run.steps=2"], ["run.steps=4", "run.resume=true"]):
-        p = run_cli("train", "--nproc", "3", *args, *more, timeout=900)
-        assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
-    steps = [json.loads(line) for line in Path(tmp_path, "run", "metrics.jsonl").read_text()
-             .splitlines()]
-    steps = [r for r in steps if "loss" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    steps = _stopped_and_resumed(tmp_path, ["rollout.partial_rollouts=true",
+                                            "checkpoint.every=1"], [])
     assert all(r["staleness_max"] <= 1 and r["update_skipped"] == 0 for r in steps)
     assert all(r["logp_gap_vllm_mean"] < 1e-5 for r in steps if r["staleness_max"] == 0)
     assert all("partial_recomputed_tokens" in r for r in steps)
