@@ -145,23 +145,17 @@ def test_performance_doc_layer_split_table_is_the_results():
                            _bench_module("layer_split").table(str(ROOT / path)))
 
 
-def test_layer_split_smallest(tmp_path):
-    """One toy decoder pass, quiet and beside a busy process, eager and with the layers
-    torch.compile'd: the script's own check that the products it times alone are the model's
-    weights passed (it exits otherwise), every part took time, the parts and the rest add up to
-    the pass, the floor fraction is sane, and the compiled layers' gradients are the eager
-    ones."""
-    import shutil
-
+def _layer_split_rows(tmp_path, *compile_flag: str) -> list[dict]:
+    """One toy decoder pass, quiet and beside a busy process (and compiled with --compile): the
+    script's own check that the products it times alone are the model's weights passed (it
+    exits otherwise), every part took time, the parts and the rest add up to the pass, the floor
+    fraction is sane."""
     out = tmp_path / "s.jsonl"
-    # inductor compiles C++: without a compiler the compiled half cannot run (said, not hidden;
-    # CI must have one: scripts/setup_venv.sh refuses to set up without it when CI is set)
-    compiler = shutil.which("g++") or shutil.which("c++")
-    assert compiler or not os.environ.get("CI"), "CI without a C++ compiler: install g++"
     rows = _run("layer_split.py", "--preset", "tiny", "--threads", "1", "--neighbour",
-                *(["--compile"] if compiler else []), "--iters", "1", "--out", str(out))
-    assert [r["neighbour_threads"] for r in rows] == [0, os.cpu_count()] * (2 if compiler else 1)
-    assert [bool(r["compiled"]) for r in rows] == [False, False] + [True, True] * bool(compiler)
+                *compile_flag, "--iters", "1", "--out", str(out))
+    n = 2 if compile_flag else 1
+    assert [r["neighbour_threads"] for r in rows] == [0, os.cpu_count()] * n
+    assert [bool(r["compiled"]) for r in rows] == [False, False] + [True, True] * (n - 1)
     for r in rows:
         assert r["step_s"] > 0 and r["gemm_s"] > 0 and r["attention_s"] > 0
         parts = r["gemm_s"] + r["attention_s"] + r["rest_s"]
@@ -170,9 +164,24 @@ def test_layer_split_smallest(tmp_path):
         assert r["gemm_s"] + r["attention_s"] <= 1.1 * r["step_s"], r
         assert 0 < r["floor_frac"] < 1.5 and r["threads"] == 1
     assert _bench_module("layer_split").table(str(out)).count("| tiny (32 tokens") == len(rows)
-    if not compiler:
-        pytest.skip("no C++ compiler for inductor: the eager half ran, --compile did not")
-    c = rows[-1]["compiled"]
+    return rows
+
+
+def test_layer_split_smallest(tmp_path):
+    """The eager pass, quiet and beside a busy process (the compiled layers' correctness is
+    tests/test_compile.py's; the script's --compile half is the heavy test below)."""
+    _layer_split_rows(tmp_path)
+
+
+@pytest.mark.heavy  # ~45 s of inductor compile (2-core Xeon); the eager half runs by default
+def test_layer_split_compiled_smallest(tmp_path):
+    """--compile: the compiled layers' pass beside the eager one, their gradients the eager
+    ones'. Inductor compiles C++: CI must have a compiler (scripts/setup_venv.sh refuses to set
+    up without one when CI is set)."""
+    import shutil
+
+    assert shutil.which("g++") or shutil.which("c++"), "inductor needs a C++ compiler: install g++"
+    c = _layer_split_rows(tmp_path, "--compile")[-1]["compiled"]
     assert c["grad_max_rel_diff"] < 1e-4 and c["graphs"] >= 1 and c["compile_s"] > 0
 
 
@@ -388,36 +397,40 @@ def test_row_lengths_pad_equal_to_eos():
     assert g.row_lengths(ids, mask, pad).tolist() == [5, 5, 0]
 
 
-@pytest.fixture(scope="module")
-def demo_compile_ab(tmp_path_factory) -> tuple[dict, Path]:
-    """One grpo_step.py launch for both demo tests below: demo at 1 rank, 8 prompts, one
-    compiled warm-up step, one eager warm-up step, then one measured compiled step and one
-    eager (--compile-ab). The record's fields come from the compiled step; the eager one's
-    means are under `eager`. Returns (the record, the --out file)."""
-    out = tmp_path_factory.mktemp("grpo_step") / "g.jsonl"
+def _demo_step(out: Path, *mode: str) -> dict:
+    """grpo_step.py's demo at 1 rank, 8 prompts, one warm-up step then one measured step, in
+    `mode` (eager layers, or --compile-ab: a compiled and an eager warm-up step, then one
+    measured compiled step and one eager, the eager means under `eager`)."""
     (row,) = _run("grpo_step.py", "--workload", "demo", "--nprocs", "1", "--warmup", "1",
-                  "--steps", "1", "--set", "data.batch_size=8", "--compile-ab", "--out",
-                  str(out), timeout=900)
-    return row, out
+                  "--steps", "1", "--set", "data.batch_size=8", *mode, "--out", str(out),
+                  timeout=900)
+    return row
 
 
-def test_grpo_step_benchmark_one_rank_one_step(demo_compile_ab):
+@pytest.fixture(scope="module")
+def demo_eager(tmp_path_factory) -> tuple[dict, Path]:
+    """One eager grpo_step.py demo launch (inductor's compile is test_compile.py's and the heavy
+    --compile-ab test's). Returns (the record, the --out file)."""
+    out = tmp_path_factory.mktemp("grpo_step") / "g.jsonl"
+    return _demo_step(out, "--set", "compute.compile_layers=false"), out
+
+
+def test_grpo_step_benchmark_one_rank_one_step(demo_eager):
     """demo at 1 rank: the new fields are present and sane, and they agree with each other:
     every completion token carries the loss; the update's real tokens are the completions plus
     prompts of 2-digit additions (BOS + 4..6 characters); scoring ran the old log-probs' pass
     only (the workload resets the reference every step, so it equals the policy and its pass is
     reused: compute.reuse_equal_reference), so its FLOPs are 1/3 of the update's (3 x one
-    forward). The --compile-ab launch's record (shared with the test below): its measured
-    step's fields are a plain run's."""
-    row, out = demo_compile_ab
+    forward)."""
+    row, out = demo_eager
     assert [json.loads(ln) for ln in out.read_text().splitlines()] == [row]
     assert row["gen_tokens_per_s"] > 0 and row["nproc"] == 1 and row["workload"] == "demo"
     assert 0 <= row["padded_token_share"] < 1 and row["gemm_gflops"] > 0
     from megagrpo.runtime.machine import cpu_name
 
     assert row["cpu"] == cpu_name()
-    # the warm-up step and --compile-ab's eager warm-up step, neither in the means
-    assert len(row["warmup_step_s"]) == 2 and min(row["warmup_step_s"]) > 0
+    # the warm-up step, not in the means
+    assert len(row["warmup_step_s"]) == 1 and min(row["warmup_step_s"]) > 0
     assert 0 < row["mfu_update"] < 1.5 and 0 < row["mfu_score"] < 1.5
     assert row["padded_token_share"] == round(
         1 - row["real_tokens_update"] / row["processed_tokens_update"], 4)
@@ -452,13 +465,15 @@ def test_grpo_step_benchmark_one_rank_one_step(demo_compile_ab):
     assert 0.3 * row["flops_update"] / 3 < row["flops_rollout"] < row["flops_update"] / 3
 
 
-def test_grpo_step_compile_ab_smallest(demo_compile_ab):
+@pytest.mark.heavy  # ~50 s of inductor compile (2-core Xeon); the eager demo step runs by default
+def test_grpo_step_compile_ab_smallest(tmp_path):
     """--compile-ab at 8 prompts: the compiled steps' record with the alternated eager steps'
     means beside it, the compile seconds the first step paid, and the work per step that
     compile_layers=auto prices (8 x G=8 sequences of a prompt (BOS + 4-6 characters) and 6
     tokens, 5 forward equivalents: old log-probs and reference forwards + forward/backward,
     `report.auto_work_step` from the line)."""
-    row, _ = demo_compile_ab
+    row = _demo_step(tmp_path / "g.jsonl", "--compile-ab")
+    assert len(row["warmup_step_s"]) == 2  # the compiled warm-up step and the eager one
     assert row["compile_ab"] and "compute.compile_layers=true" in row["overrides"]
     assert row["compile_s"] > 0 and row["time_update_s"] > 0
     assert all(row["eager"][f"time_{p}_s"] > 0 for p in ("rollout", "score", "update"))
@@ -467,7 +482,7 @@ def test_grpo_step_compile_ab_smallest(demo_compile_ab):
 
 def test_grpo_step_compile_seconds_none_where_layers_are_eager():
     """A run whose layers were not compiled (compute.compile_layers=false) records no compile
-    seconds (the demo launch above compiles, so this is its eager side)."""
+    seconds."""
     from types import SimpleNamespace
 
     tr = SimpleNamespace(policy=torch.nn.Sequential(torch.nn.Linear(2, 2)))

@@ -27,6 +27,8 @@ def _study():
     return mod
 
 
+# the --quick grid's real runs (~50 s on 2 cores) are heavy; the grid's design and the claim
+# protocol are checked by default
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     work = tmp_path_factory.mktemp("study")
@@ -89,6 +91,7 @@ def _table_rows(path: Path) -> list[list[str]]:
     return [[c.strip() for c in x.strip("|").split("|")] for x in lines]
 
 
+@pytest.mark.heavy
 def test_quick_grid_ran_every_run_from_the_shared_cold_start(quick):
     grid = _study().quick_grid()
     runs = _runs(quick)
@@ -102,6 +105,7 @@ def test_quick_grid_ran_every_run_from_the_shared_cold_start(quick):
             assert s["eval_accuracy_before"] == cold["eval_accuracy_before"]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("study", ["quick", "two_seeds"])
 def test_table_matches_the_runs_metrics(study, request):
     work = request.getfixturevalue(study)
@@ -132,6 +136,7 @@ def _steps(run: Path) -> list[dict]:
     return [r for r in _records(run) if "reward_mean" in r]
 
 
+@pytest.mark.heavy
 def test_reset_schedules_in_the_metrics(quick):
     grid = _study().quick_grid()
     for (_, _, variant), dirs in _runs(quick).items():
@@ -147,6 +152,7 @@ def test_reset_schedules_in_the_metrics(quick):
                 assert steps[s]["kl"] == 0.0, (d, s)
 
 
+@pytest.mark.heavy
 def test_treatments_share_rollouts_until_the_reference_differs(quick):
     """Same seed, same cold start: the treatments sample the same completions until their
     references differ (reset at K=2 -> the updates of step K+1 on), so the comparison is paired."""
@@ -160,6 +166,7 @@ def test_treatments_share_rollouts_until_the_reference_differs(quick):
         assert frozen[0]["reward_mean"] == no_ref[0]["reward_mean"]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("study", ["quick", "two_seeds"])
 def test_runs_json_figures_and_report(study, request):
     from matplotlib.image import imread

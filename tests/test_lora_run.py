@@ -36,7 +36,9 @@ def _records(out):
 BF16 = ("model.dtype=bfloat16", "rollout.dtype=bfloat16", "algo.rollout_is=truncate")
 
 
-@pytest.fixture(scope="module", params=["adapter", "merged", "merged+bf16"])
+# merged+bf16 is heavy (~25 s): the merged refit's float32 run checks the same steps by default
+@pytest.fixture(scope="module", params=["adapter", "merged",
+                                        pytest.param("merged+bf16", marks=pytest.mark.heavy)])
 def lora_run(request, tmp_path_factory):
     """(out_dir, rc, console, refit, dtype). merged+bf16: the merged refit with a bf16 base and
     vLLM engine (CPUs with native bf16: tests.support.bf16)."""
