@@ -84,7 +84,8 @@ def test_demo_console_is_short_and_has_no_traceback(tmp_path):
     assert p.returncode == 0, console[-4000:]
     lines = console.splitlines()
     assert "Traceback" not in console and "Warning" not in console, console
-    assert len(lines) <= 40, console
+    # 40 lines, not counting the note said only when other processes hold the cores at start
+    assert sum("other processes use" not in ln for ln in lines) <= 40, console
     assert any("layer spec: local" in ln and "Apex not installed" in ln for ln in lines)
     assert any(ln.startswith("run summary") for ln in lines)
     # the recipe's GRPO target is not checked without periodic evaluations, and says so

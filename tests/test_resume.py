@@ -32,6 +32,7 @@ import torch
 from megagrpo.checkpoint import load_tree, save_tree
 from megagrpo.runtime.metrics import rewind_history
 from megagrpo.runtime.run_dir import (
+    MANIFEST,
     Attempt,
     newest_intact,
     prepare_out_dir,
@@ -70,8 +71,11 @@ class Plant:
 
 def damage(cut: Path, marker: Path) -> tuple[Path, Path]:
     """Truncates a policy shard of the newest checkpoint and plants, in the one before, crafted
-    pickles where older megagrpo kept optimizer state. Returns (newest, older)."""
-    newest, older = sorted((cut / "checkpoints").glob("step_*"))[-2:][::-1]
+    pickles where older megagrpo kept optimizer state. Returns (newest, older): the two newest
+    complete checkpoints (the kill can land while the next one is being written: that one has no
+    manifest and is passed over on resume)."""
+    done = [p for p in sorted((cut / "checkpoints").glob("step_*")) if (p / MANIFEST).exists()]
+    newest, older = done[-2:][::-1]
     shard = next((newest / "policy").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-16])
     for rank in range(2):
