@@ -494,6 +494,8 @@ def main() -> int:
                     help=f"kill -9 of random processes in these modes ({', '.join(MODES)}) "
                     "instead of --faults")
     ap.add_argument("--kills", type=int, default=20, help="--modes: kills in all")
+    ap.add_argument("--only", default=None, metavar="M1,M2",
+                    help="--modes: run only the planned kills of these modes (then --merge)")
     args = ap.parse_args()
     if args.table:
         results = json.loads(Path(args.table).read_text())
@@ -548,22 +550,34 @@ def main_modes(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         ap.error(f"--modes {unknown or args.modes!r}: use some of {list(MODES)}, or all")
     if args.kills < 1:
         ap.error(f"--kills {args.kills}: give at least 1")
-    todo = plan_modes(modes, args.kills, args.seed)
+    todo = list(enumerate(plan_modes(modes, args.kills, args.seed)))
+    if args.only:  # a part of the plan (the rest run in other calls, merged with --merge)
+        todo = [t for t in todo if t[1][0] in args.only.split(",")]
     if args.plan:
-        for mode, victim, step, delay in todo:
-            print(f"{mode}: kill {victim} after step {step} + {delay:.2f} s")
+        for i, (mode, victim, step, delay) in todo:
+            print(f"{i}: {mode}: kill {victim} after step {step} + {delay:.2f} s")
         return 0
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     t0, load = time.monotonic(), os.getloadavg()
     runs = []
-    for i, (mode, victim, step, delay) in enumerate(todo):
-        runs.append(run_kill(work, i, mode, victim, step, delay, args.seed))
+    for i, (mode, victim, step, delay) in todo:
+        runs.append({"index": i, **run_kill(work, i, mode, victim, step, delay, args.seed)})
         print(json.dumps(runs[-1]), flush=True)
+    part = {"load_before": [round(x, 2) for x in load],
+            "load_after": [round(x, 2) for x in os.getloadavg()],
+            "seconds": round(time.monotonic() - t0, 1)}
     results = {"machine": machine(), "seed": args.seed, "steps": STEPS, "modes": modes,
-               "load_before": [round(x, 2) for x in load],
-               "load_after": [round(x, 2) for x in os.getloadavg()],
-               "seconds": round(time.monotonic() - t0, 1), "runs": runs}
+               "kills": args.kills, **part, "runs": runs}
+    if args.merge and args.out and Path(args.out).exists():
+        old = json.loads(Path(args.out).read_text())
+        if (old["seed"], old["kills"], old["modes"]) != (args.seed, args.kills, modes):
+            ap.error(f"--merge: {args.out} was planned with another --seed / --kills / --modes")
+        new = {r["index"]: r for r in runs}
+        kept = [r for r in old["runs"] if r["index"] not in new]
+        results = dict(old, runs=sorted(kept + runs, key=lambda r: r["index"]),
+                       seconds=round(old["seconds"] + part["seconds"], 1),
+                       load_after=part["load_after"])
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(modes_table(results))
