@@ -81,17 +81,19 @@ def undisturbed(work: Path, fault: str) -> Path:
 
 
 def ranks_of(proc: subprocess.Popen) -> dict[int, int]:
-    """{torchrun rank: pid} of a run's training ranks (read from /proc/<pid>/environ)."""
+    """{torchrun rank: pid} of a run's ranks: the torchrun agent's own children (read from
+    /proc; the processes a rank forks, e.g. megatron's checkpoint writers, share its command
+    line and RANK, and a kill meant for the rank must not hit one of them)."""
     out = {}
     for pid in stress.descendants(proc.pid):
         try:
             env = dict(kv.split("=", 1) for kv in
                        Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            parent = Path(f"/proc/{ppid}/cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
             continue
-        if "RANK" in env and b"megagrpo" in cmd and b"torch.distributed.run" not in cmd \
-                and b"sandbox_child" not in cmd:
+        if "RANK" in env and b"torch.distributed.run" in parent:
             out[int(env["RANK"])] = pid
     return out
 
@@ -516,7 +518,8 @@ def main() -> int:
     ap.add_argument("--recheck", default=None, metavar="RESULTS",
                     help="--modes results: check the kept runs in --work again, rewrite it")
     ap.add_argument("--only", default=None, metavar="M1,M2",
-                    help="--modes: run only the planned kills of these modes (then --merge)")
+                    help="--modes: run only the planned kills of these modes or plan indices "
+                    "(then --merge)")
     args = ap.parse_args()
     if args.table:
         results = json.loads(Path(args.table).read_text())
@@ -578,7 +581,8 @@ def main_modes(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         ap.error(f"--kills {args.kills}: give at least 1")
     todo = list(enumerate(plan_modes(modes, args.kills, args.seed)))
     if args.only:  # a part of the plan (the rest run in other calls, merged with --merge)
-        todo = [t for t in todo if t[1][0] in args.only.split(",")]
+        only = args.only.split(",")
+        todo = [t for t in todo if t[1][0] in only or str(t[0]) in only]
     if args.plan:
         for i, (mode, victim, step, delay) in todo:
             print(f"{i}: {mode}: kill {victim} after step {step} + {delay:.2f} s")
