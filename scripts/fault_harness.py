@@ -407,9 +407,10 @@ def modes_table(results: dict) -> str:
                "rollout": f"rollout rank {r.get('victim_rank', '?')}"}[r["victim"]]
         if "restarts" in r:
             who += f" (restarts {r['restarts']})"
-        outcome = ("equal" + "".join(f" but `{k}`" for k in r.get("not_compared", ()))) \
-            if r.get("equal") else \
-            "DIFFERS: " + "; ".join(r.get("differs") or [r.get("error", "?")])[:200]
+        skipped = ", ".join(f"`{k}`" for k in r.get("not_compared", ()))
+        outcome = (f"equal ({skipped} not compared)" if skipped else "equal") \
+            if r.get("equal") else "DIFFERS: " + " ".join(
+                "; ".join(r.get("differs") or [r.get("error", "?")]).split())[:200]
         left = r.get("left_after_fault", 0) + r["left_at_end"]
         rows.append(f"| {r['mode']} | {who} | after step {r['after_step']} + "
                     f"{r['delay_s']:.2f} s | {r['check']} | {outcome} | "
