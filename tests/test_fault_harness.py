@@ -126,3 +126,15 @@ def test_a_rollout_rank_killed_under_max_restarts_resumes_on_its_own(tmp_path):
     said = [ln for ln in log.splitlines() if "attempt 0 of the job ended" in ln]
     assert len(said) == 1 and "killed without a word" in said[0], log[-3000:]
     assert "rollout rank 1 (pid" in said[0].split("left through")[0], said
+
+
+@pytest.mark.heavy
+def test_kills_across_modes_end_as_the_uninterrupted_runs(tmp_path):
+    """The docs table's run: 20 kills over the four modes (~30 min on 2 cores)."""
+    out = tmp_path / "modes.json"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "fault_harness.py"), "--modes",
+                        "all", "--kills", "20", "--work", str(tmp_path / "work"), "--out",
+                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=5400)
+    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-6000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert len(runs) == 20 and all(r["equal"] and r["left_at_end"] == 0 for r in runs), runs
