@@ -325,7 +325,8 @@ def test_an_environment_raising_in_10pct_of_turns_and_hanging_in_1pct():
     from megagrpo.config.train import TrainConfig
     from megagrpo.rollout.stream import Rollout
     from megagrpo.train.advantage import advantages, build_batch
-    from tests._agent_env import Flaky as Flaky10, _fault_roll
+    from tests._agent_env import Flaky as Flaky10
+    from tests._agent_env import _fault_roll
 
     class Quick(Flaky10):
         HANG_S = 0.3  # past the deadline below, short enough for the suite
