@@ -59,7 +59,7 @@ from megagrpo.runtime.metrics import MetricsLogger, plot_curves, read_jsonl
 from megagrpo.runtime.procs import follow_parent
 from megagrpo.runtime.rng import RankRng
 from megagrpo.runtime.run_dir import check_out_dir, restarts_own_run, this_attempt
-from megagrpo.runtime.watchdog import Watchdog, start_watchdog
+from megagrpo.runtime.watchdog import Watchdog, describe_previous_attempt, start_watchdog
 from megagrpo.sync import build_weight_sync
 from megagrpo.train.cold_start import cold_start
 from megagrpo.train.eval_target import EvalTarget
@@ -304,6 +304,8 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
     tr = setup(cfg, checked, frozen=True, watchdog=watchdog)
     if said and tr.ranks.rank == 0:
         log.warning("%s", said)
+        if this_attempt().number:  # which rank of the attempt before was killed, and where
+            log.warning("%s", describe_previous_attempt(torchrun_env()[1]))
     ckpts = checkpoints(tr, watchdog)
     resolved = dataclasses.replace(cfg, model=tr.model_cfg)  # the architecture that runs
     logger = MetricsLogger(cfg.run.out_dir, enabled=tr.ranks.rank == 0,

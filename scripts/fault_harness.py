@@ -42,6 +42,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -80,16 +81,19 @@ def undisturbed(work: Path, fault: str) -> Path:
 
 
 def ranks_of(proc: subprocess.Popen) -> dict[int, int]:
-    """{torchrun rank: pid} of a run's training ranks (read from /proc/<pid>/environ)."""
+    """{torchrun rank: pid} of a run's ranks: the torchrun agent's own children (read from
+    /proc; the processes a rank forks, e.g. megatron's checkpoint writers, share its command
+    line and RANK, and a kill meant for the rank must not hit one of them)."""
     out = {}
     for pid in stress.descendants(proc.pid):
         try:
             env = dict(kv.split("=", 1) for kv in
                        Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            parent = Path(f"/proc/{ppid}/cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
             continue
-        if "RANK" in env and b"megagrpo" in cmd and b"torch.distributed.run" not in cmd:
+        if "RANK" in env and b"torch.distributed.run" in parent:
             out[int(env["RANK"])] = pid
     return out
 
@@ -147,6 +151,14 @@ def fault_sandbox(out: Path, step: int, delay: float, pick: random.Random) -> di
     proc = stress.launch(out, STEPS, log, *CONFIGS["sandbox"])
     stress.wait_for_step(proc, out, step)
     time.sleep(delay)
+    killed = kill_sandbox_children(proc, pick)
+    stress.finish(proc, log)
+    return {"children_killed": killed, **agent_figures(out)}
+
+
+def kill_sandbox_children(proc: subprocess.Popen, pick: random.Random) -> int:
+    """SIGKILLs up to 3 of the run's sandboxed tool children, 0.5-2 s apart, within 20 s;
+    returns how many."""
     killed, t_end = 0, time.monotonic() + 20
     while proc.poll() is None and time.monotonic() < t_end and killed < 3:
         children = [p for p in stress.leftovers("sandbox_child.py")
@@ -157,8 +169,7 @@ def fault_sandbox(out: Path, step: int, delay: float, pick: random.Random) -> di
             time.sleep(pick.uniform(0.5, 2.0))
         else:
             time.sleep(0.02)
-    stress.finish(proc, log)
-    return {"children_killed": killed, **agent_figures(out)}
+    return killed
 
 
 def fault_disk(out: Path, step: int, delay: float, pick: random.Random, *,
@@ -234,6 +245,184 @@ def _where(text: str) -> str:
     where = [ln for ln in text.splitlines() if "resumed from" in ln]
     return ("step " + where[-1].split(" at step ", 1)[1].split(";")[0].strip() if where
             else "fresh start (no intact checkpoint)")
+
+
+# --modes: kill -9 of random processes at random moments in the four configurations of issue
+# 47; each run goes under torchrun's elastic agent (--max-restarts 1), so a killed rank
+# restarts the job, which resumes on its own; a kill of every process is followed by the same
+# command again
+SEPARATE = ("rollout.placement=separate", "rollout.rollout_ranks=1", "rollout.max_staleness=1")
+
+
+@dataclass(frozen=True)
+class Mode:
+    extra: tuple[str, ...]
+    """The recipe's overrides (on top of scripts/resume_stress.py's tiny one)."""
+    bitwise: bool
+    """Checked bitwise (every tensor, random stream, queued batch, trainer state and metric);
+    else the prompt sequence: each step's `prompt_digest`, and the trainer state."""
+    victims: tuple[str, ...]
+    """What may be killed: 'all' (launcher, torchrun and ranks), 'training' / 'rollout' (one
+    rank of that side), 'env' (the environment's sandboxed tool children)."""
+    about: str
+
+
+MODES = {
+    "async2": Mode(("optim.distributed_optimizer=true", "rollout.max_staleness=2", *EVERY),
+                   True, ("all", "training"),
+                   "colocated, k = 2 (two batches drawn ahead), the distributed optimizer"),
+    "separate-inflight": Mode(
+        (*SEPARATE, "rollout.inflight_updates=true", *EVERY), False,
+        ("all", "training", "rollout"),
+        "separate placement (1 training + 1 rollout rank), k = 1, in-flight weight updates"),
+    "separate-agent": Mode(
+        (*SEPARATE, *SANDBOX, *EVERY), True, ("all", "training", "rollout", "env"),
+        "separate, multi-turn: each answer computed by a tool's sandboxed child "
+        "(`tests/_agent_env.py:Sandboxed`)"),
+    "separate-lora": Mode(
+        (*SEPARATE, "lora.rank=4", "lora.alpha=8", "lora.refit=adapter", *EVERY), True,
+        ("all", "training", "rollout"),
+        "separate, LoRA (adapter-only sync; a merge at each reference reset, every 3 steps)"),
+}
+RESTARTS = ("--max-restarts", "1")
+
+
+def plan_modes(modes: list[str], kills: int, seed: int) -> list[tuple[str, str, int, float]]:
+    """(mode, victim, after step, + seconds) for `kills` kills spread round-robin over `modes`;
+    each mode goes through its victims in turn; moments random, reproducible from `seed`."""
+    pick = random.Random(seed)
+    return [(mode, MODES[mode].victims[(i // len(modes)) % len(MODES[mode].victims)],
+             pick.randrange(1, STEPS - 1), round(pick.uniform(0.0, 1.5), 2))
+            for i, mode in ((i, modes[i % len(modes)]) for i in range(kills))]
+
+
+def mode_reference(work: Path, mode: str) -> Path:
+    """The mode's uninterrupted run (made once per --work)."""
+    out = work / f"ref_{mode}"
+    if not (out / "summary.json").exists():
+        log = work / f"ref_{mode}.log"
+        stress.finish(stress.launch(out, STEPS, log, "run.overwrite=true", *MODES[mode].extra),
+                      log)
+    return out
+
+
+def kill_in_mode(out: Path, mode: str, victim: str, step: int, delay: float,
+                 pick: random.Random) -> dict:
+    """Starts the mode's run under --max-restarts 1, kills `victim` after `step` + `delay` s,
+    and lets the run end (restarted by torchrun, or run again after a kill of everything)."""
+    m, log = MODES[mode], out.parent / f"{out.name}.log"
+    proc = stress.launch(out, STEPS, log, *m.extra, *RESTARTS)
+    stress.wait_for_step(proc, out, step)
+    time.sleep(delay)
+    if victim == "all":
+        stress.kill_tree(proc)
+        left = wait_gone(str(out))
+        rerun = out.parent / f"{out.name}.resumed.log"
+        stress.finish(stress.launch(out, STEPS, rerun, *m.extra, *RESTARTS,
+                                    "run.overwrite=true"), rerun)
+        return {"left_after_fault": len(left), "resumed": _where(rerun.read_text())}
+    if victim == "env":
+        killed = kill_sandbox_children(proc, pick)
+        stress.finish(proc, log)
+        return {"children_killed": killed, "restarts": len(stress.restarts(out))}
+    ranks = ranks_of(proc)
+    training = len(ranks) - (1 if "rollout.placement=separate" in m.extra else 0)
+    chosen = pick.choice(sorted(r for r in ranks if (r < training) == (victim == "training")))
+    os.kill(ranks[chosen], signal.SIGKILL)
+    stress.finish(proc, log)
+    marks = stress.restarts(out)
+    at = marks[0]["resumed_from_step"] if marks else None
+    return {"victim_rank": chosen, "restarts": len(marks),
+            "resumed": f"step {at} (torchrun restart)" if at is not None
+            else "fresh start (torchrun restart, no intact checkpoint)"}
+
+
+def same_prompts(reference: Path, resumed: Path) -> list[str]:
+    """What differs in the prompt sequence: each step's `prompt_digest` and data epoch, once
+    per step, and the final trainer state (data position, counters, reference schedule)."""
+    def seq(out: Path) -> list[tuple]:
+        return [(r["step"], r["epoch"], r["prompt_digest"]) for r in stress.history(out)
+                if "reward_mean" in r]
+
+    a, b = seq(reference), seq(resumed)
+    diffs = [] if a == b else [f"prompt sequence (step, epoch, prompt_digest): {a} != {b}"]
+    sa, sb = stress.trainer_state(reference), stress.trainer_state(resumed)
+    return diffs + [f"trainer_state.json {k}: {sa.get(k)} != {sb.get(k)}"
+                    for k in sorted(sa.keys() | sb.keys()) if sa.get(k) != sb.get(k)]
+
+
+def run_kill(work: Path, index: int, mode: str, victim: str, step: int, delay: float,
+             seed: int) -> dict:
+    out = work / f"{mode}_{index}"
+    if out.exists():
+        shutil.rmtree(out)
+    t0 = time.monotonic()
+    record = {"mode": mode, "victim": victim, "after_step": step, "delay_s": delay,
+              "check": "bitwise" if MODES[mode].bitwise else "prompt sequence"}
+    try:
+        ref = mode_reference(work, mode)
+        record.update(kill_in_mode(out, mode, victim, step, delay,
+                                   random.Random(f"{seed}:{index}")))
+        record.update(check_kill(ref, out, mode, victim))
+    except Exception as e:  # noqa: BLE001 - one kill's failure is its record, not the end
+        record.update(equal=False, error=f"{type(e).__name__}: {e}"[:2000])
+    finally:
+        record["left_at_end"] = len(wait_gone(str(out), timeout=30))
+    record["seconds"] = round(time.monotonic() - t0, 1)
+    return record
+
+
+def check_kill(ref: Path, out: Path, mode: str, victim: str) -> dict:
+    """The kill's check against the mode's uninterrupted run: bitwise (but what depends on
+    timing or is counted by design, named in `not_compared`) or the prompt sequence."""
+    if not MODES[mode].bitwise:
+        diffs, left_out = same_prompts(ref, out), []
+    else:  # separate placement: how many batches were ready when asked depends on timing
+        left_out = (["env_retries"] if victim == "env" else []) + (
+            list(stress.NEAR["separate"]) if "rollout.placement=separate" in MODES[mode].extra
+            else [])
+        diffs = stress.compare(ref, out, {k: float("inf") for k in left_out})
+    return {"equal": not diffs, "differs": [d[:300] for d in diffs[:3]],
+            **({"not_compared": left_out} if left_out else {})}
+
+
+def recheck(results: dict, work: Path) -> dict:
+    """The checks of a --modes results file made again from the runs kept in `work` (after a
+    change of what is compared; the runs are not repeated)."""
+    for r in results["runs"]:
+        if "error" not in r:
+            r.pop("not_compared", None)
+            r.update(check_kill(work / f"ref_{r['mode']}", work / f"{r['mode']}_{r['index']}",
+                                r["mode"], r["victim"]))
+    return results
+
+
+def modes_table(results: dict) -> str:
+    """The markdown table of a --modes results file (docs/resume.md holds it)."""
+    rows = ["| mode | killed | planted | checked | outcome | resumed | processes left |",
+            "|---|---|---|---|---|---|---|"]
+    for r in results["runs"]:
+        who = {"all": "every process", "env": f"{r.get('children_killed', 0)} tool children",
+               "training": f"training rank {r.get('victim_rank', '?')}",
+               "rollout": f"rollout rank {r.get('victim_rank', '?')}"}[r["victim"]]
+        if "restarts" in r:
+            who += f" (restarts {r['restarts']})"
+        skipped = ", ".join(f"`{k}`" for k in r.get("not_compared", ()))
+        outcome = (f"equal ({skipped} not compared)" if skipped else "equal") \
+            if r.get("equal") else "DIFFERS: " + " ".join(
+                "; ".join(r.get("differs") or [r.get("error", "?")]).split())[:200]
+        left = r.get("left_after_fault", 0) + r["left_at_end"]
+        rows.append(f"| {r['mode']} | {who} | after step {r['after_step']} + "
+                    f"{r['delay_s']:.2f} s | {r['check']} | {outcome} | "
+                    f"{r.get('resumed', '-')} | {left} |")
+    m, n = results["machine"], len(results["runs"])
+    ok = sum(bool(r.get("equal")) for r in results["runs"])
+    rows.append("")
+    rows.append(f"{ok} of {n} kills ended as the uninterrupted run. {m['cpu']} ({m['cores']} "
+                f"cores, {m['cpu_capability']}), torch {m['torch']}, load average "
+                f"{results['load_before']} before, {results['load_after']} after; --seed "
+                f"{results['seed']}, {STEPS} steps, {results['seconds']:.0f} s in all")
+    return "\n".join(rows)
 
 
 FAULTS = {"launcher": fault_launcher, "rank": fault_rank, "env": fault_env,
@@ -323,10 +512,27 @@ def main() -> int:
     ap.add_argument("--table", default=None, metavar="RESULTS",
                     help="print the markdown table of a results file and exit")
     ap.add_argument("--plan", action="store_true", help="print the planted faults and exit")
+    ap.add_argument("--modes", default=None, metavar="M1,M2|all",
+                    help=f"kill -9 of random processes in these modes ({', '.join(MODES)}) "
+                    "instead of --faults")
+    ap.add_argument("--kills", type=int, default=20, help="--modes: kills in all")
+    ap.add_argument("--recheck", default=None, metavar="RESULTS",
+                    help="--modes results: check the kept runs in --work again, rewrite it")
+    ap.add_argument("--only", default=None, metavar="M1,M2",
+                    help="--modes: run only the planned kills of these modes or plan indices "
+                    "(then --merge)")
     args = ap.parse_args()
     if args.table:
-        print(table(json.loads(Path(args.table).read_text())))
+        results = json.loads(Path(args.table).read_text())
+        print(modes_table(results) if "modes" in results else table(results))
         return 0
+    if args.recheck:
+        results = recheck(json.loads(Path(args.recheck).read_text()), Path(args.work))
+        Path(args.recheck).write_text(json.dumps(results, indent=1) + "\n")
+        print(modes_table(results))
+        return 0
+    if args.modes is not None:
+        return main_modes(ap, args)
     faults = [f for f in args.faults.split(",") if f]
     unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
@@ -365,6 +571,49 @@ def main() -> int:
     ok = all(r.get("equal") and not r.get("left_after_fault") and not r["left_at_end"]
              for r in runs)
     return 0 if ok else 1
+
+
+def main_modes(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    modes = list(MODES) if args.modes == "all" else [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or not modes:
+        ap.error(f"--modes {unknown or args.modes!r}: use some of {list(MODES)}, or all")
+    if args.kills < 1:
+        ap.error(f"--kills {args.kills}: give at least 1")
+    todo = list(enumerate(plan_modes(modes, args.kills, args.seed)))
+    if args.only:  # a part of the plan (the rest run in other calls, merged with --merge)
+        only = args.only.split(",")
+        todo = [t for t in todo if t[1][0] in only or str(t[0]) in only]
+    if args.plan:
+        for i, (mode, victim, step, delay) in todo:
+            print(f"{i}: {mode}: kill {victim} after step {step} + {delay:.2f} s")
+        return 0
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    t0, load = time.monotonic(), os.getloadavg()
+    runs = []
+    for i, (mode, victim, step, delay) in todo:
+        runs.append({"index": i, **run_kill(work, i, mode, victim, step, delay, args.seed)})
+        print(json.dumps(runs[-1]), flush=True)
+    part = {"load_before": [round(x, 2) for x in load],
+            "load_after": [round(x, 2) for x in os.getloadavg()],
+            "seconds": round(time.monotonic() - t0, 1)}
+    results = {"machine": machine(), "seed": args.seed, "steps": STEPS, "modes": modes,
+               "kills": args.kills, **part, "runs": runs}
+    if args.merge and args.out and Path(args.out).exists():
+        old = json.loads(Path(args.out).read_text())
+        if (old["seed"], old["kills"], old["modes"]) != (args.seed, args.kills, modes):
+            ap.error(f"--merge: {args.out} was planned with another --seed / --kills / --modes")
+        new = {r["index"]: r for r in runs}
+        kept = [r for r in old["runs"] if r["index"] not in new]
+        results = dict(old, runs=sorted(kept + runs, key=lambda r: r["index"]),
+                       seconds=round(old["seconds"] + part["seconds"], 1),
+                       load_after=part["load_after"])
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    print(modes_table(results))
+    return 0 if all(r.get("equal") and not r.get("left_after_fault") and not r["left_at_end"]
+                    for r in runs) else 1
 
 
 if __name__ == "__main__":

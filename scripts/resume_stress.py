@@ -267,8 +267,12 @@ def _flatten(tree, prefix: str) -> dict[str, torch.Tensor]:
     return out
 
 
-NEAR: dict[str, dict[str, float]] = {}
-"""Metrics a mode's resumed run matches within an absolute tolerance, not bitwise: none. (Until a
+NEAR: dict[str, dict[str, float]] = {"separate": {"rollout_queue_depth": float("inf")}}
+"""Metrics a mode's resumed run matches within an absolute tolerance, not bitwise: at separate
+placement `rollout_queue_depth` is left out (infinite tolerance): it counts the later batches
+the rollout ranks had finished when the trainer asked for its own, which depends on how fast
+each side ran (the uninterrupted run itself gives 0 or 1 at a step, e.g. its last), not on what
+was computed. Nothing else. (Until a
 reference reset came before the step's refit, LoRA's adapter refit left vLLM, on the first step
 after a resume that followed a merge, with the new base where the uninterrupted engine still
 held the old base and adapter: its log-probs differed by ~1e-8.)"""

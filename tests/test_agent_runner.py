@@ -303,3 +303,66 @@ def test_environment_class_errors():
     with pytest.raises(ValueError, match="agent.environment=tools"):
         environment_class("tools")
     assert environment_class("tests.test_agent_runner:Counter") is Counter
+
+
+class CharTok(Tok):
+    """Characters of an environment's text as ids (tests/_agent_env.py answers '0=7 ')."""
+
+    def encode(self, text):
+        return [VOCAB + ord(ch) % 16 for ch in text]
+
+
+def test_an_environment_raising_in_10pct_of_turns_and_hanging_in_1pct():
+    """Issue 47's flaky environment (tests/_agent_env.py:Flaky, the fault harness's: a turn
+    raises on every try with probability 10% and hangs past agent.env_timeout_s with 1%,
+    fixed by the prompt's record and the turn) over 300 prompts x G=2: every trajectory that
+    met a fault, and only those, is dropped (the reference replays the faults from the record
+    by hand); the batch built from them counts them in `dropped_frac`, gives them no loss token
+    and leaves them out of their groups' advantages, so no zero (or partial) reward of theirs
+    is trained; the rest are the full three turns."""
+    import time
+
+    from megagrpo.config.train import TrainConfig
+    from megagrpo.rollout.stream import Rollout
+    from megagrpo.train.advantage import advantages, build_batch
+    from tests._agent_env import Flaky as Flaky10
+    from tests._agent_env import _fault_roll
+
+    class Quick(Flaky10):
+        HANG_S = 0.3  # past the deadline below, short enough for the suite
+
+    G, n = 2, 300
+    records = [{"a": i, "b": 7 * i} for i in range(n)]
+    eng = FakeEngine(4)
+    runner = TrajectoryRunner(engine=eng, tokenizer=CharTok(), max_model_len=128,
+                              agent=AgentConfig(environment="x:y", max_turns=3, env_retries=2,
+                                                env_timeout_s=0.1),
+                              factory=lambda rec: Quick(rec, CharTok()))
+    t0 = time.perf_counter()
+    comps = runner.run([[1 + i % 7, 2] for i in range(n)], records,
+                       SamplingSettings(max_tokens=8, n=G))
+    took = time.perf_counter() - t0
+    rolls = [[_fault_roll(r, t) for t in range(3)] for r in records]
+    faulty = [any(x < 11 for x in rs) for rs in rolls]
+    hangs = sum(x < 1 for rs in rolls for x in rs)
+    assert hangs >= 1 and 0.05 < sum(x < 11 for rs in rolls for x in rs) / (3 * n) < 0.15
+    for c in comps:
+        assert (c.dropped == "env_error") == faulty[c.prompt_index], c
+        assert c.dropped or (c.turns == 3 and c.truncation == "")
+    assert took < 30, took  # hangs cut at the deadline, not waited out
+    rewards = torch.tensor([sum(c.turn_rewards) if not c.dropped else 0.0 for c in comps])
+    ro = Rollout(prompts=[[1 + i % 7, 2] for i in range(n)], answers=[""] * n,
+                 completions=comps, rewards=rewards)
+    cfg = TrainConfig()
+    cfg.algo.group_size = G
+    batch, shaped = build_batch(ro, cfg, pad_id=0, multiple=1)
+    dropped = torch.tensor([bool(c.dropped) for c in comps])
+    assert shaped.metrics["dropped_frac"] == pytest.approx(sum(faulty) / n, rel=1e-6)
+    assert not shaped.valid[dropped].any() and shaped.valid[~dropped].all()
+    real = batch.real(batch.mask)
+    assert not real[dropped].any() and real[~dropped].any(dim=1).all()
+    adv = advantages(shaped.rewards, cfg.algo, valid=shaped.valid)
+    assert (adv[dropped] == 0).all()  # and the kept ones: groups without the dropped
+    kept_groups = [g for g in range(n) if not faulty[g]]
+    assert torch.equal(adv.view(n, G)[kept_groups], advantages(
+        rewards.view(n, G)[kept_groups].reshape(-1), cfg.algo).view(-1, G))

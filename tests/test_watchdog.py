@@ -251,3 +251,21 @@ def test_frozen_rank_in_a_real_run_is_named(tmp_path, placement):
     assert "sent SIGKILL to stopped rank 1" in text, text[-4000:]
     assert len(below) >= 3 and not left, (below, left)  # torchrun + 2 ranks, all gone
 
+
+
+def test_a_restart_says_which_rank_of_the_attempt_before_was_killed():
+    """After a torchrun restart, rank 0 reads the attempt before's last heartbeats: a rank
+    that left through Python published `done` (an error, or its end); the others were killed
+    (the rollout rank SIGKILLed here), each named with its pid and last phase."""
+    from megagrpo.runtime.watchdog import Beat, how_attempt_ended
+
+    beats = [Beat(rank=0, seq=9, step=3, phase="weight_sync", phase_s=0.1, pid=11, host="h",
+                  start_ticks=1, done=True),
+             Beat(rank=1, seq=7, step=4, phase="rollout", phase_s=0.2, pid=12, host="h",
+                  start_ticks=1, role="rollout")]
+    line = how_attempt_ended(beats, 0)
+    killed, left = line.split("left through an error or its end: ")
+    assert line.startswith("attempt 0 of the job ended: killed without a word")
+    assert "rollout rank 1 (pid 12 on h, last in phase 'rollout' of batch 4)" in killed
+    assert left == "rank 0 (pid 11 on h, last in phase 'weight_sync' of step 3)"
+    assert "no heartbeat" in how_attempt_ended([], 2)

@@ -133,11 +133,54 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_rank_ranges(ranks)}"
 
 
-def job_key_prefix() -> str:
-    """Store keys unique to this job attempt (torchrun restarts reuse the agent's store)."""
+def job_key_prefix(attempt: int | None = None) -> str:
+    """Store keys unique to this job attempt (torchrun restarts reuse the agent's store);
+    `attempt`: another attempt's (None: this one's)."""
     run = os.environ.get("TORCHELASTIC_RUN_ID", os.environ.get("MASTER_PORT", "local"))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt is None:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     return f"{KEY_PREFIX}/{run}/{attempt}"
+
+
+def last_beats(store: dist.Store, attempt: int, world_size: int) -> list[Beat]:
+    """The last heartbeat each rank of job attempt `attempt` published (ranks that published
+    none are left out)."""
+    keys = [f"{job_key_prefix(attempt)}/{r}" for r in range(world_size)]
+    return [Beat.decode(store.get(k)) for k in keys if store.check([k])]
+
+
+def how_attempt_ended(beats: list[Beat], attempt: int) -> str:
+    """One console line on how a job attempt's ranks ended, read from their last heartbeats:
+    a rank that left through Python (an error, or the end of its work) said so (`done`); one
+    that did not was killed: SIGKILL, the OOM killer or a crash, or torchrun's SIGTERM once
+    another rank had failed (torchrun's own line above gives each one's exit code)."""
+    def who(b: Beat) -> str:
+        unit = "batch" if b.role == "rollout" else "step"
+        return (f"{'rollout rank' if b.role == 'rollout' else 'rank'} {b.rank} (pid {b.pid} on "
+                f"{b.host}, last in phase '{b.phase}' of {unit} {b.step})")
+
+    killed = [who(b) for b in beats if not b.done]
+    left = [who(b) for b in beats if b.done]
+    if not beats:
+        return f"attempt {attempt} of the job left no heartbeat to tell how it ended"
+    return (f"attempt {attempt} of the job ended: "
+            + "; ".join(filter(None, [
+                f"killed without a word (SIGKILL, the OOM killer, a crash, or torchrun "
+                f"stopping it after another rank failed): {', '.join(killed)}" if killed else "",
+                f"left through an error or its end: {', '.join(left)}" if left else ""])))
+
+
+def describe_previous_attempt(world_size: int, timeout_s: float = 10.0) -> str:
+    """`how_attempt_ended` for the attempt before this torchrun restart ('' outside torchrun,
+    on a first attempt, or when the store cannot be read: it only informs)."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0 or "MASTER_PORT" not in os.environ:
+        return ""
+    try:
+        store = connect_job_store(timeout_s)
+        return how_attempt_ended(last_beats(store, attempt - 1, world_size), attempt - 1)
+    except Exception as e:  # noqa: BLE001 - a report must not fail the restart
+        return f"attempt {attempt - 1}'s heartbeats could not be read ({type(e).__name__}: {e})"
 
 
 def connect_job_store(timeout_s: float) -> dist.Store:

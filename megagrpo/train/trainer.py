@@ -23,6 +23,7 @@ decoupled correction (`megagrpo.train.offpolicy`), one beyond k dropped or down-
 from __future__ import annotations
 
 import logging
+import zlib
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
@@ -266,7 +267,7 @@ class Trainer:
         with t("advantage"):
             batch, shaped = self.build_batch(ro)
             bad_rewards = any_rank(shaped.bad > 0, self.groups.world)
-            replica = dict(shaped.metrics)
+            replica = dict(shaped.metrics, prompt_digest=prompt_digest(ro.prompts))
             st = self.staleness
             lags = st.lags(ro, self.version)  # [n] per sample, from their versions
             stale = any_rank(bool((lags != 0).any()), self.groups.world)
@@ -645,6 +646,16 @@ def may_reuse_reference(compute: ComputeConfig, algo: AlgoConfig, *, all_rows: b
     reference routes by itself (their log-probs differ even with equal weights)."""
     return (compute.reuse_equal_reference and all_rows and old_scored
             and not algo.routing_replay)
+
+
+def prompt_digest(prompts: list[list[int]]) -> float:
+    """crc32 of a replica's prompt token ids in order (the step record holds its mean over the
+    DP replicas): equal at a step in two runs when they trained the same prompts there, which
+    a resumed run that is not bitwise (in-flight updates, another layout) is checked by."""
+    crc = 0
+    for ids in prompts:
+        crc = zlib.crc32(b",".join(str(i).encode() for i in ids) + b";", crc)
+    return float(crc)
 
 
 def _logp_gap(reports: list[dict], plan: list[MicroBatch]) -> tuple[float, float]:
