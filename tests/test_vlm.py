@@ -14,7 +14,7 @@ import torch
 from megagrpo.config.model import ParallelConfig
 from megagrpo.hf.config import hf_config_dict, model_config_from_hf, model_config_from_hf_dict
 from tests.support.launch import shared_output
-from tests.support.tiny import tiny_qwen25_vl
+from tests.support.tiny import tiny_qwen25_vl, tiny_vl_tokenizer
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -151,8 +151,15 @@ def test_text_models_refuse_vision_fields():
 
 def shared_job(work):
     """This module's part of the shared 2-rank launch (tests/conftest.py): the tiny random
-    Qwen2.5-VL under `work`."""
+    Qwen2.5-VL under `work` with its tokenizer and image processor, and the cold-start
+    check's pictures (count_squares' drawings, 16x16 pixels)."""
+    from megagrpo.tasks.count_squares import draw
+
     tiny_qwen25_vl(work / "hf")
+    tiny_vl_tokenizer(work / "hf")
+    for name, squares in (("a", [(0, "red"), (5, "blue")]), ("b", [(3, "red")]),
+                          ("c", [(1, "red"), (9, "red"), (14, "green")])):
+        draw(squares, size=16, grid=4).save(work / f"{name}.png")
     return [ROOT / "tests" / "_vlm_worker.py", "--work", str(work), "--hf", str(work / "hf")], None
 
 
@@ -190,6 +197,22 @@ def test_verify_and_gradients_at_tp1_and_tp2(shared_launch):
     frozen, trained = res["trainer"]["tp1_frozen"]["grads"], res["trainer"]["tp2_trained"]["grads"]
     assert frozen["vision_tensors"] == 0 and len(frozen["missing"]) > 0
     assert trained["missing"] == [] and trained["vision_max"] <= 1e-5, trained
+
+
+def test_cold_start_step_with_images_equals_float64_transformers(shared_launch):
+    """In the shared launch: the cold start's supervised step (`Trainer.sft_step`) on four
+    (prompt, answer, record) pairs, three records naming a picture and one without, at TP=2
+    with the tower trained: its NLL per completion token equals float64 transformers' on the
+    same expanded prompts and pixels within 1e-6, and every gradient (decoder and vision
+    tower) within 1e-5 of the tensor's largest."""
+    work, _ = shared_launch[__name__]
+    sft = json.loads((work / "results.json").read_text())["sft"]
+    print("cold start step:", json.dumps(sft))
+    assert sft["rows_with_images"] == 3
+    assert abs(sft["nll"] - sft["nll_ref"]) <= 1e-6 * max(1.0, sft["nll_ref"]), sft
+    g = sft["grads"]
+    assert g["missing"] == [] and g["unexpected"] == [], g
+    assert g["vision_tensors"] > 0 and g["text_max"] <= 1e-5 and g["vision_max"] <= 1e-5, g
 
 
 def test_planner_counts_the_vision_tower(vl):
