@@ -201,6 +201,9 @@ def trainer_check(hf_dir: str, tp: int, freeze_vision: bool) -> dict:
 SFT_PAIRS = (("3", ["a.png"]), ("12", ["b.png"]), ("7", []), ("40", ["c.png"]))
 """The cold-start check's (answer, images) per prompt: one without an image."""
 SFT_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>How many?"
+SFT_PICTURES = {"a.png": [(0, "red"), (5, "blue")], "b.png": [(3, "red")],
+                "c.png": [(1, "red"), (9, "red"), (14, "green")]}
+"""count_squares' drawings (16x16 pixels: 16 image tokens each) the check's records name."""
 
 
 def sft_reference(hf_dir, model, rows, comps) -> tuple[float, dict]:
@@ -238,18 +241,27 @@ def sft_check(hf_dir: str, work: str) -> dict:
     from megagrpo.train.cold_start import encode_completion
     from megagrpo.train.passes import Passes
 
+    from megagrpo.tasks.count_squares import draw
+    from tests.support.tiny import tiny_vl_tokenizer
+
     model = model_config_from_hf(hf_dir)
     model.freeze_vision = False
     cfg = TrainConfig(model=model, parallel=ParallelConfig(tp=2))
     cfg.compute.micro_batch_size, cfg.compute.kernel_impl = 2, "torch"
     info = init_distributed(cfg.parallel, model)
+    folder = Path(work, "sft")  # the tokenizer, image processor and pictures (rank 0 writes)
+    if dist.get_rank() == 0:
+        tiny_vl_tokenizer(folder)
+        for name, squares in SFT_PICTURES.items():
+            draw(squares, size=16, grid=4).save(folder / name)
+    dist.barrier()
     ranks, groups = training_layout(cfg.parallel, model, info)
     gpt = build_model(model, cfg.parallel)
     load_hf_weights(gpt, hf_dir, model, cfg.parallel, tp_rank=info.tp_rank, pp_rank=0)
     ddp = wrap_ddp(gpt, cfg.optim)
-    tok = load_tokenizer(hf_dir)
-    vision = ImagePrompts.build(model, hf_dir)
-    pairs = [(SFT_PROMPT, answer, {"images": [str(Path(work, p)) for p in imgs]})
+    tok = load_tokenizer(str(folder))
+    vision = ImagePrompts.build(model, str(folder))
+    pairs = [(SFT_PROMPT, answer, {"images": [str(folder / p) for p in imgs]})
              for answer, imgs in SFT_PAIRS]
     tr = SimpleNamespace(passes=Passes(cfg, ranks, groups), tokenizer=tok, cfg=cfg,
                          model_cfg=model, rollouts=SimpleNamespace(vision=vision),

@@ -14,7 +14,7 @@ import torch
 from megagrpo.config.model import ParallelConfig
 from megagrpo.hf.config import hf_config_dict, model_config_from_hf, model_config_from_hf_dict
 from tests.support.launch import shared_output
-from tests.support.tiny import tiny_qwen25_vl, tiny_vl_tokenizer
+from tests.support.tiny import tiny_qwen25_vl
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -151,15 +151,8 @@ def test_text_models_refuse_vision_fields():
 
 def shared_job(work):
     """This module's part of the shared 2-rank launch (tests/conftest.py): the tiny random
-    Qwen2.5-VL under `work` with its tokenizer and image processor, and the cold-start
-    check's pictures (count_squares' drawings, 16x16 pixels)."""
-    from megagrpo.tasks.count_squares import draw
-
+    Qwen2.5-VL under `work`."""
     tiny_qwen25_vl(work / "hf")
-    tiny_vl_tokenizer(work / "hf")
-    for name, squares in (("a", [(0, "red"), (5, "blue")]), ("b", [(3, "red")]),
-                          ("c", [(1, "red"), (9, "red"), (14, "green")])):
-        draw(squares, size=16, grid=4).save(work / f"{name}.png")
     return [ROOT / "tests" / "_vlm_worker.py", "--work", str(work), "--hf", str(work / "hf")], None
 
 
