@@ -123,13 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, help="run the demo at this run.seed and keep it")
     ap.add_argument("--results", default=str(RESULTS), help="where runs are kept")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="more recipe overrides for --seed (kept in the run record)")
     ap.add_argument("--table", nargs="?", const=str(RESULTS), metavar="DIR",
                     help="print the table of the runs kept in DIR")
     ap.add_argument("--write", nargs="+", metavar="FILE",
                     help="splice the table of --results into these files' markers")
     args = ap.parse_args(argv)
     if args.seed is not None:
-        print(json.dumps(run_seed(args.seed, Path(args.results))))
+        print(json.dumps(run_seed(args.seed, Path(args.results), extra=args.set)))
     if args.table:
         print(table(Path(args.table)))
     for f in args.write or []:

@@ -129,16 +129,16 @@ def write_demo(cfg) -> str:
     """The VLM demo's inputs, generated offline into the folders its recipe names (a
     `TrainConfig`: data.path's folder gets train.jsonl + eval.jsonl + img/, data.tokenizer the
     tokenizer and image processor at model.vision's patch sizes). The pictures are those of
-    `write(folder, count_squares.n, ...)` (the recipe's `count_squares` section would be a new
-    config section; the demo's settings are DEMO below). Deterministic: the same files every
-    time. Returns a console line."""
+    `write` with the settings of DEMO below at a side of 4 vision patches (model.vision's
+    patch_size x spatial_merge_size x 2). Deterministic: the same files every time. Returns a
+    console line."""
     data = Path(cfg.data.path).expanduser()
     if data.name != "train.jsonl" or Path(cfg.data.eval_path).expanduser() != (
             data.parent / "eval.jsonl"):
         raise ValueError(f"data.path={cfg.data.path!r}, data.eval_path={cfg.data.eval_path!r}: "
                          "the VLM demo writes DIR/train.jsonl and DIR/eval.jsonl; name them so")
     v = cfg.model.vision
-    side = DEMO["size"]
+    side = 2 * v.patch_size * v.spatial_merge_size  # 2x2 image tokens, a grid cell per patch
     vocab = write_tokenizer(cfg.data.tokenizer, patch_size=v.patch_size,
                             merge_size=v.spatial_merge_size, min_pixels=side * side,
                             max_pixels=side * side)
@@ -146,7 +146,7 @@ def write_demo(cfg) -> str:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: the demo's tokenizer has "
                          f"{vocab} tokens; set model.vocab_size >= {vocab}")
     train, evals = write(data.parent, DEMO["n"], seed=DEMO["seed"],
-                         eval_fraction=DEMO["eval_fraction"], size=side, grid=DEMO["grid"],
+                         eval_fraction=DEMO["eval_fraction"], size=side, grid=4,
                          max_count=DEMO["max_count"], distractors=DEMO["distractors"])
     n_train = len(train.read_text().splitlines())
     n_eval = len(evals.read_text().splitlines())
@@ -154,9 +154,10 @@ def write_demo(cfg) -> str:
             f"pixels in {data.parent}; tokenizer and image processor in {cfg.data.tokenizer}")
 
 
-DEMO = dict(n=1600, seed=0, eval_fraction=0.125, size=16, grid=4, max_count=4, distractors=2)
-"""The VLM demo's pictures (examples/vlm-demo.yaml): 16x16 pixels, a 4x4 grid, 1-4 red squares
-and up to 2 distractors."""
+DEMO = dict(n=1600, seed=0, eval_fraction=0.125, max_count=4, distractors=2)
+"""The VLM demo's pictures (examples/vlm-demo.yaml): a 4x4 grid of cells of one vision patch
+each (the picture's side is 4 patches: 2x2 image tokens after the merge), 1-4 red squares and
+up to 2 distractors."""
 
 
 def chance(eval_path: str | Path) -> float:
