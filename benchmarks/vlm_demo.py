@@ -51,8 +51,8 @@ def run_seed(seed: int, results: Path = RESULTS, timeout: int = 1800,
     from megagrpo.runtime.machine import cpu_name
     from megagrpo.tasks.count_squares import chance
 
-    out = Path("runs") / f"vlm-demo-seed{seed}"
-    args = [f"run.seed={seed}", f"run.out_dir={out}", "log.tensorboard=false", *(extra or [])]
+    args = [f"run.seed={seed}", f"run.out_dir=runs/vlm-demo-seed{seed}", "log.tensorboard=false",
+            *(extra or [])]  # later overrides win (the smoke test's folders)
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("TRITON_INTERPRET", None)
@@ -72,15 +72,15 @@ def run_seed(seed: int, results: Path = RESULTS, timeout: int = 1800,
     if p.returncode != 0:
         raise RuntimeError(f"the demo at run.seed={seed} failed:\n{(p.stdout + p.stderr)[-4000:]}")
     cfg = load_config(str(ROOT / RECIPE), args)
-    evals = ROOT / cfg.data.eval_path
+    evals, out = ROOT / cfg.data.eval_path, ROOT / cfg.run.out_dir
     record = {"seed": seed, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
               "cpu": cpu_name(), "wall_seconds_command": round(wall, 1),
               "load_mean": round(sum(loads) / len(loads), 2),
               "eval_prompts": len(evals.read_text().splitlines()),
               "chance": chance(evals), "overrides": extra or []}
     results.mkdir(parents=True, exist_ok=True)
-    shutil.copy(ROOT / out / "summary.json", results / f"seed{seed}-summary.json")
-    shutil.copy(ROOT / out / "metrics.jsonl", results / f"seed{seed}-metrics.jsonl")
+    shutil.copy(out / "summary.json", results / f"seed{seed}-summary.json")
+    shutil.copy(out / "metrics.jsonl", results / f"seed{seed}-metrics.jsonl")
     (results / f"seed{seed}-run.json").write_text(json.dumps(record, indent=1) + "\n")
     (results / f"seed{seed}-console.txt").write_text(p.stdout[-20000:])
     return record

@@ -86,3 +86,19 @@ def test_readme_and_vlm_doc_hold_the_kept_runs_table():
         text = page.read_text()
         assert vlm_demo.spliced(text, want, page.name) == text, (
             f"{page.name} is stale: python benchmarks/vlm_demo.py --write README.md docs/vlm.md")
+
+
+@pytest.mark.heavy
+def test_smallest_demo_run_is_kept_and_tabled(tmp_path):
+    """benchmarks/vlm_demo.py's run at its smallest (2 cold-start steps, 1 GRPO step, ~2 min
+    with the engines' start): `megagrpo demo` writes the pictures, trains on 2 ranks, and the
+    run is kept and tabled (the chance bound and held-out counts from the files it wrote)."""
+    d = tmp_path / "data"
+    extra = [f"data.path={d}/train.jsonl", f"data.eval_path={d}/eval.jsonl",
+             f"data.tokenizer={d}/tok", f"run.out_dir={tmp_path}/run", "cold_start.steps=2",
+             "cold_start.target_accuracy=0", "run.steps=1", "eval.every=0"]
+    rec = vlm_demo.run_seed(7, tmp_path / "kept", extra=extra)
+    s = json.loads((tmp_path / "kept" / "seed7-summary.json").read_text())
+    assert s["sft_steps"] == 2 and s["steps"] == 1 and "eval_accuracy_after" in s
+    assert rec["eval_prompts"] == 192 and 0.25 <= rec["chance"] < 0.35
+    assert len(vlm_demo.table(tmp_path / "kept").splitlines()) == 3
