@@ -238,10 +238,9 @@ def sft_check(hf_dir: str, work: str) -> dict:
     from megagrpo.model.optim import build_optimizer, wrap_ddp
     from megagrpo.rollout.collect import ImagePrompts
     from megagrpo.runtime.distributed import training_layout
+    from megagrpo.tasks.count_squares import draw
     from megagrpo.train.cold_start import encode_completion
     from megagrpo.train.passes import Passes
-
-    from megagrpo.tasks.count_squares import draw
     from tests.support.tiny import tiny_vl_tokenizer
 
     model = model_config_from_hf(hf_dir)
