@@ -200,7 +200,8 @@ def trainer_check(hf_dir: str, tp: int, freeze_vision: bool) -> dict:
 
 SFT_PAIRS = (("3", ["a.png"]), ("12", ["b.png"]), ("7", []), ("40", ["c.png"]))
 """The cold-start check's (answer, images) per prompt: one without an image."""
-SFT_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>How many?"
+SFT_TEXT = "How many?"
+SFT_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>" + SFT_TEXT
 SFT_PICTURES = {"a.png": [(0, "red"), (5, "blue")], "b.png": [(3, "red")],
                 "c.png": [(1, "red"), (9, "red"), (14, "green")]}
 """count_squares' drawings (16x16 pixels: 16 image tokens each) the check's records name."""
@@ -260,8 +261,8 @@ def sft_check(hf_dir: str, work: str) -> dict:
     ddp = wrap_ddp(gpt, cfg.optim)
     tok = load_tokenizer(str(folder))
     vision = ImagePrompts.build(model, str(folder))
-    pairs = [(SFT_PROMPT, answer, {"images": [str(folder / p) for p in imgs]})
-             for answer, imgs in SFT_PAIRS]
+    pairs = [(SFT_PROMPT if imgs else SFT_TEXT, answer,
+              {"images": [str(folder / p) for p in imgs]}) for answer, imgs in SFT_PAIRS]
     tr = SimpleNamespace(passes=Passes(cfg, ranks, groups), tokenizer=tok, cfg=cfg,
                          model_cfg=model, rollouts=SimpleNamespace(vision=vision),
                          tokens=trainer_mod.TokenIds(pad_id=tok.pad_id, eos_id=tok.eos_id,
