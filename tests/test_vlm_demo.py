@@ -1,7 +1,7 @@
 """The vision-language demo (examples/vlm-demo.yaml, benchmarks/vlm_demo.py): the inputs
 `megagrpo demo` writes for it, the bound on any answer that ignores the picture, and the
-README / docs/vlm.md table against the kept runs. The demo's run itself (~2 min at its
-smallest) is the heavy `test_smallest_demo_run_is_kept_and_tabled`."""
+README / docs/vlm.md table against the kept runs. The demo's run itself (22 s at its
+smallest, alone on 2 cores) is the heavy `test_smallest_demo_run_is_kept_and_tabled`."""
 from __future__ import annotations
 
 import json
@@ -90,7 +90,7 @@ def test_readme_and_vlm_doc_hold_the_kept_runs_table():
 
 @pytest.mark.heavy
 def test_smallest_demo_run_is_kept_and_tabled(tmp_path):
-    """benchmarks/vlm_demo.py's run at its smallest (2 cold-start steps, 1 GRPO step, ~2 min
+    """benchmarks/vlm_demo.py's run at its smallest (2 cold-start steps, 1 GRPO step, 22 s
     with the engines' start): `megagrpo demo` writes the pictures, trains on 2 ranks, and the
     run is kept and tabled (the chance bound and held-out counts from the files it wrote)."""
     d = tmp_path / "data"
