@@ -243,9 +243,16 @@ DEMO_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The embedded default: cold start + iterative GRPO on the built-in arithmetic task."""
+    """The embedded default: cold start + iterative GRPO on the built-in arithmetic task. A
+    vision-language recipe (examples/vlm-demo.yaml) gets its pictures, tokenizer and image
+    processor written first, by the launcher (the ranks it starts find them)."""
     args.config = args.config or DEMO_RECIPE
     args.nproc = 2 if args.nproc is None else args.nproc
+    cfg = load_config(args.config, args.overrides)
+    if cfg.model.is_vlm and "WORLD_SIZE" not in os.environ:
+        from megagrpo.tasks.count_squares import write_demo
+
+        logging.getLogger("megagrpo").info("%s", write_demo(cfg))
     return cmd_train(args)
 
 

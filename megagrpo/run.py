@@ -395,10 +395,12 @@ def _evaluate_before(tr: Trainer, logger: MetricsLogger, resumed: bool) -> dict:
     if not resumed:
         if evals:
             summary["eval_accuracy_init"] = tr.evaluate(evals)
-        if cfg.cold_start.steps and cfg.data.task == "arithmetic":
+        if cfg.cold_start.steps:
             summary.update(cold_start(tr, logger, cfg.cold_start, cfg.arithmetic,
                                       held_out=evals, seed=cfg.run.seed,
-                                      progress=cfg.log.progress and tr.ranks.rank == 0))
+                                      progress=cfg.log.progress and tr.ranks.rank == 0,
+                                      train=None if cfg.data.task == "arithmetic"
+                                      else tr.task.train))
     if evals:
         # greedy and the same weights unless a cold start ran: no second pass over the eval set
         fresh = resumed or "sft_steps" in summary

@@ -10,8 +10,12 @@ check of the Qwen2.5-VL model side:
    and TP=2 (vision trained) the scoring pass's completion log-probs against transformers'
    (float64, the same temperature) and the GRPO loss's finalized gradients (megatron's DDP
    main_grad, TP-gathered) against float64 transformers' gradient of the same loss.
-Rank 0 writes {"verify": [status per layout], "grads": {mode: {...}}, "trainer": {layout: {...}}}
-to WORK/results.json.
+4. the cold start's supervised step on prompts with images (`Trainer.sft_step` on
+   (prompt, answer, record) pairs whose records name PNG files, micro-batches of 2 rows, one
+   prompt without an image) at TP=2 with the tower trained: its NLL per token and its
+   gradients against float64 transformers' NLL of the same expanded prompts and pixels.
+Rank 0 writes {"verify": [status per layout], "grads": {mode: {...}}, "trainer": {layout: {...}},
+"sft": {...}} to WORK/results.json.
 """
 import argparse
 import json
@@ -194,6 +198,98 @@ def trainer_check(hf_dir: str, tp: int, freeze_vision: bool) -> dict:
             "grads": compare_grads(mine, want, model, cfg.parallel)}
 
 
+SFT_PAIRS = (("3", ["a.png"]), ("12", ["b.png"]), ("7", []), ("40", ["c.png"]))
+"""The cold-start check's (answer, images) per prompt: one without an image."""
+SFT_TEXT = "How many?"
+SFT_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>" + SFT_TEXT
+SFT_PICTURES = {"a.png": [(0, "red"), (5, "blue")], "b.png": [(3, "red")],
+                "c.png": [(1, "red"), (9, "red"), (14, "green")]}
+"""count_squares' drawings (16x16 pixels: 16 image tokens each) the check's records name."""
+
+
+def sft_reference(hf_dir, model, rows, comps) -> tuple[float, dict]:
+    """float64 transformers: the NLL per completion token (answer + EOS) over all rows, and
+    its gradients (the tower trained)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    ref = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float64)
+    total, tokens = 0.0, sum(len(c) for c in comps)
+    for (ids, image), c in zip(rows, comps):
+        full = torch.tensor(ids + c)[None]
+        kwargs = {}
+        if image is not None:
+            kwargs = dict(pixel_values=image[0].double(), image_grid_thw=image[1],
+                          mm_token_type_ids=(full == model.image_token_id).int())
+        logp = torch.log_softmax(ref(input_ids=full, **kwargs).logits[0], -1)
+        L = len(ids)
+        total = total - logp[L - 1:L - 1 + len(c)].gather(1, torch.tensor(c)[:, None]).sum()
+    loss = total / tokens
+    loss.backward()
+    return float(loss), hf_named_grads(ref)
+
+
+def sft_check(hf_dir: str, work: str) -> dict:
+    """`Trainer.sft_step` at TP=2 (vision trained) on SFT_PAIRS against `sft_reference`: the
+    step's gradients are read where the optimizer would apply them."""
+    from types import SimpleNamespace
+
+    import megagrpo.train.trainer as trainer_mod
+    from megagrpo.config.train import TrainConfig
+    from megagrpo.data import encode_prompt, load_tokenizer
+    from megagrpo.model.optim import build_optimizer, wrap_ddp
+    from megagrpo.rollout.collect import ImagePrompts
+    from megagrpo.runtime.distributed import training_layout
+    from megagrpo.tasks.count_squares import draw
+    from megagrpo.train.cold_start import encode_completion
+    from megagrpo.train.passes import Passes
+    from tests.support.tiny import tiny_vl_tokenizer
+
+    model = model_config_from_hf(hf_dir)
+    model.freeze_vision = False
+    cfg = TrainConfig(model=model, parallel=ParallelConfig(tp=2))
+    cfg.compute.micro_batch_size, cfg.compute.kernel_impl = 2, "torch"
+    info = init_distributed(cfg.parallel, model)
+    folder = Path(work, "sft")  # the tokenizer, image processor and pictures (rank 0 writes)
+    if dist.get_rank() == 0:
+        tiny_vl_tokenizer(folder)
+        for name, squares in SFT_PICTURES.items():
+            draw(squares, size=16, grid=4).save(folder / name)
+    dist.barrier()
+    ranks, groups = training_layout(cfg.parallel, model, info)
+    gpt = build_model(model, cfg.parallel)
+    load_hf_weights(gpt, hf_dir, model, cfg.parallel, tp_rank=info.tp_rank, pp_rank=0)
+    ddp = wrap_ddp(gpt, cfg.optim)
+    tok = load_tokenizer(str(folder))
+    vision = ImagePrompts.build(model, str(folder))
+    pairs = [(SFT_PROMPT if imgs else SFT_TEXT, answer,
+              {"images": [str(folder / p) for p in imgs]}) for answer, imgs in SFT_PAIRS]
+    tr = SimpleNamespace(passes=Passes(cfg, ranks, groups), tokenizer=tok, cfg=cfg,
+                         model_cfg=model, rollouts=SimpleNamespace(vision=vision),
+                         tokens=trainer_mod.TokenIds(pad_id=tok.pad_id, eos_id=tok.eos_id,
+                                         stop_ids=(tok.eos_id,)),
+                         policy=ddp, optimizer=build_optimizer(ddp, cfg.optim), ranks=ranks,
+                         groups=groups)
+    seen = {}
+
+    def capture(policy, optimizer):  # in place of the step: the gradients it would apply
+        seen.update({n: p.main_grad.clone() for n, p in gpt.named_parameters()
+                     if p.requires_grad})
+        return True, 0.0
+
+    step, trainer_mod.optimizer_step = trainer_mod.optimizer_step, capture
+    try:
+        nll = trainer_mod.Trainer.sft_step(tr, pairs, 1e-3)
+    finally:
+        trainer_mod.optimizer_step = step
+    _, expanded, images = vision.prepare([encode_prompt(tok, p) for p, _, _ in pairs],
+                                         [r for _, _, r in pairs])
+    comps = [encode_completion(tok, a, tok.eos_id)[0] for _, a, _ in pairs]
+    want_nll, want = sft_reference(hf_dir, model, list(zip(expanded, images)), comps)
+    return {"nll": nll, "nll_ref": want_nll, "rows_with_images": sum(i is not None
+                                                                     for i in images),
+            "grads": compare_grads(seen, want, model, cfg.parallel)}
+
+
 def grad_check(hf_dir: str, freeze_vision: bool) -> dict:
     model = model_config_from_hf(hf_dir)
     model.freeze_vision = freeze_vision
@@ -221,10 +317,14 @@ def run() -> None:
     trainer = {"tp1_frozen": trainer_check(args.hf, 1, True),
                "tp2_trained": trainer_check(args.hf, 2, False)}
     trainer_s = time.perf_counter() - t0  # what the trainer part adds to the launch
+    t0 = time.perf_counter()
+    sft = sft_check(args.hf, args.work)
+    sft["seconds"] = time.perf_counter() - t0
     if dist.get_rank() == 0:
         Path(args.work, "results.json").write_text(json.dumps({"verify": codes, "grads": grads,
                                                                "trainer": trainer,
-                                                               "trainer_s": trainer_s}))
+                                                               "trainer_s": trainer_s,
+                                                               "sft": sft}))
     dist.barrier()
 
 

@@ -314,3 +314,32 @@ def test_70b_recipe_validates_and_plans_without_weights(capsys):
     assert "is not on this machine" in out and "vLLM engines of 8 rank(s)" in out
     assert "of which vLLM weights (1/8 of the model)" in out
     assert run_plan(str(EXAMPLES / "qwen2.5-72b-math.yaml"), [], gpus=16, gpu_mem_gib=80) == 1
+
+
+def test_vl_7b_recipe_plans_with_the_vision_tower_counted(capsys):
+    """examples/qwen2.5-vl-7b-geometry.yaml validates at 8 ranks and plans on 8 x 80 GiB without
+    weights. Its parameters are Qwen2.5-VL-7B's published 8,292,166,656: Qwen2.5-7B's
+    7,615,616,512 plus the tower counted by hand (patch embedding 3*2*14*14*1280; 32 blocks of
+    two norms, QKV, projection and a gated MLP of 3420 with biases; the merger's norm and
+    5120 -> 5120 -> 3584 MLP). Each TP rank holds the whole (replicated) tower on top of a
+    text model's share, and the frozen tower adds weights only: no gradient, no Adam state."""
+    from megagrpo.plan.memory import vision_params
+
+    path = str(EXAMPLES / "qwen2.5-vl-7b-geometry.yaml")
+    cfg = load_config(path)
+    cfg.validate(world_size=8)
+    m = cfg.model
+    block = 2 * 1280 + (1280 * 3840 + 3840) + (1280 * 1280 + 1280) \
+        + 2 * (1280 * 3420 + 3420) + (3420 * 1280 + 1280)
+    tower = 3 * 2 * 14 * 14 * 1280 + 32 * block + 1280 + (5120 * 5120 + 5120) \
+        + (5120 * 3584 + 3584)
+    assert vision_params(m) == tower == 676_550_144
+    assert total_params(m) == 8_292_166_656 == 7_615_616_512 + tower
+    text = replace(m, architecture="qwen2", vision=None, mrope_section=[])
+    vl, lm = (rank_memory(cfg, x, 4, 1, world=8, gpu_mem_gib=80.0) for x in (m, text))
+    assert vl.params - lm.params == tower
+    assert vl.weights - lm.weights == 2 * tower  # bf16
+    assert (vl.grads, vl.optimizer) == (lm.grads, lm.optimizer)
+    assert run_plan(path, [], gpus=8, gpu_mem_gib=80) == 0
+    out = capsys.readouterr().out
+    assert "qwen2_5_vl, 8292.2M params" in out and "fits: yes" in out

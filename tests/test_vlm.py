@@ -192,6 +192,22 @@ def test_verify_and_gradients_at_tp1_and_tp2(shared_launch):
     assert trained["missing"] == [] and trained["vision_max"] <= 1e-5, trained
 
 
+def test_cold_start_step_with_images_equals_float64_transformers(shared_launch):
+    """In the shared launch: the cold start's supervised step (`Trainer.sft_step`) on four
+    (prompt, answer, record) pairs, three records naming a picture and one without, at TP=2
+    with the tower trained: its NLL per completion token equals float64 transformers' on the
+    same expanded prompts and pixels within 1e-6, and every gradient (decoder and vision
+    tower) within 1e-5 of the tensor's largest."""
+    work, _ = shared_launch[__name__]
+    sft = json.loads((work / "results.json").read_text())["sft"]
+    print("cold start step:", json.dumps(sft))
+    assert sft["rows_with_images"] == 3
+    assert abs(sft["nll"] - sft["nll_ref"]) <= 1e-6 * max(1.0, sft["nll_ref"]), sft
+    g = sft["grads"]
+    assert g["missing"] == [] and g["unexpected"] == [], g
+    assert g["vision_tensors"] > 0 and g["text_max"] <= 1e-5 and g["vision_max"] <= 1e-5, g
+
+
 def test_planner_counts_the_vision_tower(vl):
     """The planner's counts include the replicated tower (whole on every TP rank) and leave a
     frozen one out of the gradients and the optimizer state."""

@@ -194,7 +194,8 @@ class EvalConfig(Section):
 
 @dataclass(kw_only=True)
 class ColdStartConfig(Section):
-    """Supervised fine-tuning before GRPO (built-in task only), as DeepSeek-R1's cold start."""
+    """Supervised fine-tuning before GRPO, as DeepSeek-R1's cold start: on the built-in task, or
+    on a file task's training records (the answer field as the completion, with its images)."""
 
     steps: int = 0
     """Supervised cold-start steps before GRPO (0 = none)."""

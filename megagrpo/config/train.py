@@ -159,9 +159,11 @@ class TrainConfig(Section):
         if self.compute.pack_sequences and why:
             raise ValueError(f"compute.pack_sequences=true needs {why}; set "
                              "compute.pack_sequences=false (or leave it unset)")
-        if self.cold_start.steps and self.data.task != "arithmetic":
-            raise ValueError(f"cold_start.steps={self.cold_start.steps}: the supervised cold "
-                             "start exists for data.task=arithmetic only; set cold_start.steps=0")
+        if self.cold_start.steps and self.agent.enabled and self.data.task != "arithmetic":
+            raise ValueError(f"cold_start.steps={self.cold_start.steps} with the agent on "
+                             f"data.task={self.data.task!r}: a file task's cold start trains "
+                             "the answer field as the completion, not a multi-turn trajectory; "
+                             "set cold_start.steps=0")
         by = self.pipelined_by()
         # separate placement draws on the rollout ranks' main threads, an engine's ranks in
         # lockstep (megagrpo.rollout.placement._agree); in flight they would not be
@@ -257,8 +259,9 @@ class TrainConfig(Section):
             (self.compute.balance_tokens is True, "compute.balance_tokens=true",
              "moving rows between replicas does not carry their images",
              "compute.balance_tokens=false (or unset)"),
-            (self.cold_start.steps > 0, f"cold_start.steps={self.cold_start.steps}",
-             "the cold start's built-in task has no images", "cold_start.steps=0"),
+            (self.cold_start.steps > 0 and self.data.task == "arithmetic",
+             f"cold_start.steps={self.cold_start.steps} on data.task=arithmetic",
+             "the built-in task has no images", "data.task=file (records with images)"),
         )
         for bad, what, why, fix in refusals:
             if bad:

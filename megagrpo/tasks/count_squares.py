@@ -93,6 +93,81 @@ def write(out_dir: str | Path, n: int = 512, *, seed: int = 0, eval_fraction: fl
     return paths
 
 
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+"""Qwen's vision tokens, as its tokenizer spells them, after the characters of
+`write_tokenizer`'s vocabulary (in this order)."""
+
+
+def write_tokenizer(folder: str | Path, *, patch_size: int, merge_size: int,
+                    min_pixels: int, max_pixels: int) -> int:
+    """A character-level HF tokenizer (<pad> 0, <unk> 1, <|im_start|> 2, <|im_end|> 3 = EOS,
+    printable ASCII and newline, then `VISION_TOKENS`) and transformers' Qwen2-VL image
+    processor at the given patch sizes (2 frames) and pixel limits, saved to `folder`: what a
+    Qwen2.5-VL made from scratch needs as data.tokenizer (the demo's). Returns the vocab size."""
+    from tokenizers import Regex, models, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    words = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>",
+             *(chr(c) for c in range(32, 127)), "\n", *VISION_TOKENS]
+    raw = RawTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", unk_token="<unk>",
+                                  eos_token="<|im_end|>",
+                                  additional_special_tokens=["<|im_start|>", *VISION_TOKENS])
+    tok.save_pretrained(str(folder))
+    Qwen2VLImageProcessorPil(patch_size=patch_size, temporal_patch_size=2,
+                             merge_size=merge_size, min_pixels=min_pixels,
+                             max_pixels=max_pixels).save_pretrained(str(folder))
+    return len(words)
+
+
+def write_demo(cfg) -> str:
+    """The VLM demo's inputs, generated offline into the folders its recipe names (a
+    `TrainConfig`: data.path's folder gets train.jsonl + eval.jsonl + img/, data.tokenizer the
+    tokenizer and image processor at model.vision's patch sizes). The pictures are those of
+    `write` with the settings of DEMO below at a side of 4 vision patches (model.vision's
+    patch_size x spatial_merge_size x 2). Deterministic: the same files every time. Returns a
+    console line."""
+    data = Path(cfg.data.path).expanduser()
+    if data.name != "train.jsonl" or Path(cfg.data.eval_path).expanduser() != (
+            data.parent / "eval.jsonl"):
+        raise ValueError(f"data.path={cfg.data.path!r}, data.eval_path={cfg.data.eval_path!r}: "
+                         "the VLM demo writes DIR/train.jsonl and DIR/eval.jsonl; name them so")
+    v = cfg.model.vision
+    side = 2 * v.patch_size * v.spatial_merge_size  # 2x2 image tokens, a grid cell per patch
+    vocab = write_tokenizer(cfg.data.tokenizer, patch_size=v.patch_size,
+                            merge_size=v.spatial_merge_size, min_pixels=side * side,
+                            max_pixels=side * side)
+    if cfg.model.vocab_size < vocab:
+        raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: the demo's tokenizer has "
+                         f"{vocab} tokens; set model.vocab_size >= {vocab}")
+    train, evals = write(data.parent, DEMO["n"], seed=DEMO["seed"],
+                         eval_fraction=DEMO["eval_fraction"], size=side, grid=4,
+                         max_count=DEMO["max_count"], distractors=DEMO["distractors"])
+    n_train = len(train.read_text().splitlines())
+    n_eval = len(evals.read_text().splitlines())
+    return (f"count_squares: {n_train} training and {n_eval} held-out pictures of {side}x{side} "
+            f"pixels in {data.parent}; tokenizer and image processor in {cfg.data.tokenizer}")
+
+
+DEMO = dict(n=1600, seed=0, eval_fraction=0.125, max_count=4, distractors=2)
+"""The VLM demo's pictures (examples/vlm-demo.yaml): a 4x4 grid of cells of one vision patch
+each (the picture's side is 4 patches: 2x2 image tokens after the merge), 1-4 red squares and
+up to 2 distractors."""
+
+
+def chance(eval_path: str | Path) -> float:
+    """The best held-out accuracy any answer that ignores the picture can have: every record
+    asks the same question, so a text-only (or blank-image) policy gives every prompt the same
+    greedy answer; its accuracy is that answer's share, at most the largest one."""
+    answers = [json.loads(line)["answer"] for line in Path(eval_path).read_text().splitlines()]
+    return max(answers.count(a) for a in set(answers)) / len(answers)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m megagrpo.tasks.count_squares",
                                  description=__doc__.split("\n\n")[0])

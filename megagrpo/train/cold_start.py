@@ -1,9 +1,12 @@
-"""The supervised cold start before GRPO (DeepSeek-R1's, on the built-in arithmetic task):
-NLL of the completion tokens of (prompt, answer) pairs, then a fresh optimizer and a reference
-equal to the cold-started policy. It drives the trainer through `ColdStartable` (`Trainer`
-provides it) and takes its settings as arguments: cold_start.*, arithmetic.*, the run's seed."""
+"""The supervised cold start before GRPO (DeepSeek-R1's): NLL of the completion tokens of
+(prompt, answer) pairs (the built-in arithmetic task's, or a file task's training records with
+their answer field as the completion, images included for a vision-language model), then a
+fresh optimizer and a reference equal to the cold-started policy. It drives the trainer
+through `ColdStartable` (`Trainer` provides it) and takes its settings as arguments:
+cold_start.*, arithmetic.*, the run's seed."""
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from functools import partial
@@ -20,8 +23,18 @@ if TYPE_CHECKING:
 
 Completion = str | tuple[tuple[str, bool], ...]
 """A supervised completion: text, or a multi-turn trajectory as (text, trained) segments."""
-PairsFn = Callable[..., list[tuple[str, Completion]]]
-"""(n, seed=...) -> n (prompt, completion) pairs."""
+Pair = tuple[str, Completion] | tuple[str, Completion, dict]
+"""(prompt, completion) or, from a file task, (prompt, completion, record): the record carries
+the prompt's images (`megagrpo.data.IMAGE_FIELD`)."""
+PairsFn = Callable[..., list[Pair]]
+"""(n, seed=...) -> n pairs."""
+
+
+def example_pairs(examples: list[Example], n: int, seed: int) -> list[Pair]:
+    """n (prompt, answer, record) pairs drawn with replacement from a file task's training
+    examples (seeded): the completion is the record's answer field."""
+    rng = random.Random(seed)
+    return [(e.prompt, e.answer, e.record) for e in rng.choices(examples, k=n)]
 
 
 def encode_completion(tokenizer: object, completion: Completion, eos_id: int
@@ -44,7 +57,7 @@ class ColdStartable(Protocol):
 
     ranks: Ranks
 
-    def sft_step(self, pairs: list[tuple[str, Completion]], lr: float) -> float:
+    def sft_step(self, pairs: list[Pair], lr: float) -> float:
         """One supervised step on this rank's pairs; the global NLL per completion token."""
 
     def phase(self, name: str) -> None:
@@ -83,15 +96,17 @@ def supervised_steps(tr: ColdStartable, pairs_fn: PairsFn, steps: int, *, cfg: C
 
 def cold_start(tr: ColdStartable, logger: MetricsLogger, cfg: ColdStartConfig,
                arith: ArithmeticConfig, *, held_out: list[Example], seed: int,
-               progress: bool) -> dict:
-    """The run's cold start on the arithmetic task; its summary fields. With
+               progress: bool, train: list[Example] | None = None) -> dict:
+    """The run's cold start on the arithmetic task (`train` None) or on a file task's training
+    examples `train`; its summary fields. With
     cfg.target_accuracy > 0 it stops at the first held-out check (every cfg.check_every steps,
     on `held_out`) that reaches it. GRPO then starts from the cold-started weights with fresh
     Adam moments (the SFT gradients' second moments are far larger than policy-gradient ones
     and would damp the RL updates for hundreds of steps at beta2 = 0.999), and the reference
     is the cold-started model (DeepSeekMath). `progress`: console lines (rank 0)."""
     t = time.perf_counter()
-    pairs = partial(sft_examples, cfg=arith)
+    pairs = (partial(sft_examples, cfg=arith) if train is None
+             else partial(example_pairs, train))
     check = cfg.target_accuracy > 0 and bool(held_out)
     losses: list[float] = []
     accuracy = None

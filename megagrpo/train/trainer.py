@@ -53,7 +53,7 @@ from megagrpo.runtime.distributed import Groups, Ranks, any_rank
 from megagrpo.runtime.metrics import PhaseTimer
 from megagrpo.train.advantage import advantages, build_batch, kl_penalized_rewards, rollout_is
 from megagrpo.train.balance import balance_batch, balance_enabled, balance_note
-from megagrpo.train.cold_start import Completion, encode_completion
+from megagrpo.train.cold_start import Pair, encode_completion
 from megagrpo.train.losses import grpo_loss, sft_loss
 from megagrpo.train.offpolicy import StalenessPolicy
 from megagrpo.train.passes import Passes
@@ -549,16 +549,23 @@ class Trainer:
         return self.rollouts.evaluate(examples)
 
     # ------------------------------------------------------------------ cold start
-    def sft_step(self, pairs: list[tuple[str, Completion]], lr: float) -> float:
-        """One supervised step (the cold start's) on this rank's (prompt, completion) pairs:
-        NLL of the completion tokens (a trajectory's: the model's segments) and EOS, at
-        temperature 1. Returns the global NLL per trained token (the same on every rank)."""
+    def sft_step(self, pairs: list[Pair], lr: float) -> float:
+        """One supervised step (the cold start's) on this rank's (prompt, completion[, record])
+        pairs: NLL of the completion tokens (a trajectory's: the model's segments) and EOS, at
+        temperature 1; a vision-language model's prompts expanded with their records' images
+        as the rollout collector expands them. Returns the global NLL per trained token (the
+        same on every rank)."""
         P, tok = self.passes, self.tokenizer
-        prompts = [encode_prompt(tok, p) for p, _ in pairs]
-        comps, masks = zip(*(encode_completion(tok, x, self.tokens.eos_id) for _, x in pairs))
+        prompts = [encode_prompt(tok, p[0]) for p in pairs]
+        comps, masks = zip(*(encode_completion(tok, p[1], self.tokens.eos_id) for p in pairs))
+        images, vlm = None, None
+        if self.model_cfg is not None and self.model_cfg.is_vlm:  # one vision: colocated
+            _, prompts, images = self.rollouts.vision.prepare(
+                prompts, [p[2] if len(p) > 2 else {} for p in pairs])
+            vlm = self.model_cfg
         m = min(self.cfg.compute.micro_batch_size, len(pairs))
         batch = sft_batch(prompts, list(comps), pad_id=self.tokens.pad_id, multiple=m,
-                          loss_masks=list(masks))
+                          loss_masks=list(masks), images=images, vlm=vlm)
         plan = P.plan(batch, m)
         ctx = P.loss_context(scale=len(plan) * self.ranks.dp, counts=P.counts(batch, len(plan)),
                              inplace_backward=self.cfg.compute.inplace_backward)
