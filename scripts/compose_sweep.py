@@ -88,7 +88,9 @@ these is swept."""
 TRIPLES = (("agent", "async1", "lora"), ("moe", "lora", "async1"), ("moe", "lora", "sp"),
            ("separate", "agent", "lora"), ("separate", "moe", "lora"),
            ("separate", "async1", "lora"), ("separate", "async1", "replay"),
-           ("separate", "tp2", "vllm_tp2"), ("separate", "async1", "vllm_tp2"))
+           ("separate", "tp2", "vllm_tp2"), ("separate", "async1", "vllm_tp2"),
+           ("separate", "dynsamp", "vllm_tp2"), ("separate", "lora", "vllm_tp2"),
+           ("separate", "agent", "vllm_tp2"))
 EXCLUSIVE = ({"async1", "async2"}, {"async1", "partial"}, {"async2", "partial"}, {"tp2", "sp"})
 """Variants of one setting: never paired with each other."""
 COMMON = ("run.steps=2", "data.batch_size=4", "algo.group_size=4", "algo.num_minibatches=1",

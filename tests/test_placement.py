@@ -13,9 +13,10 @@ samples of the trainer's own version equal the trainer's to fp32 precision, and 
 per-sample staleness never exceeds k. Two more launches compose it: a tiny Qwen3-MoE with
 routing replay, merged LoRA, held-out evaluation and a cold start, and the dense model with
 adapter-only LoRA syncs and rollout.sync_delta (bytes counted on both sides). A pair of runs
-of the calculator tool task with dynamic sampling (colocated on 1 rank; 1 training + 1
-rollout rank) checks that multi-turn trajectories and top-ups at separate placement are the
-colocated run's for the same seeds.
+of the calculator tool task with LoRA served by vLLM and dynamic sampling (colocated on 1
+rank; 1 training rank + 2 rollout ranks forming one engine of TP 2, and with `-m heavy` 1 + 1)
+checks that multi-turn trajectories and top-ups at separate placement are the colocated run's
+for the same seeds.
 """
 from __future__ import annotations
 
@@ -413,34 +414,111 @@ class SpreadEngine(MarkerEngine):
         return out
 
 
+class Lockstep:
+    """What vLLM's TP collectives do to an engine's ranks, for fake engines: every draw or
+    sync of one rank meets the same operation of the others (a barrier), and an operation met
+    by a different one is recorded."""
+
+    def __init__(self, ranks: int) -> None:
+        self.barrier = threading.Barrier(ranks, timeout=10)
+        self.last: dict[int, tuple] = {}
+        self.mismatches: list = []
+
+    def meet(self, rank: int, op: tuple) -> None:
+        self.last[rank] = op
+        try:
+            self.barrier.wait()
+            if len(set(map(repr, self.last.values()))) > 1:
+                self.mismatches.append(dict(self.last))
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            self.mismatches.append(("alone", rank, op))
+            self.barrier.reset()
+
+
+class LockstepSpreadEngine(SpreadEngine):
+    """A SpreadEngine of one rank of an engine of TP > 1: each draw (its prompts) and each sync
+    (its marker) meets the other ranks' (`Lockstep`), as vLLM's collectives inside them
+    would."""
+
+    def __init__(self, lockstep: Lockstep, rank: int) -> None:
+        super().__init__()
+        self.lockstep, self.rank, self.ops = lockstep, rank, []
+
+    def generate(self, prompts, sampling):
+        self.ops.append(("draw", [p[-1] for p in prompts]))
+        self.lockstep.meet(self.rank, self.ops[-1])
+        return super().generate(prompts, sampling)
+
+    def update_weights(self, pairs):
+        out = super().update_weights(pairs)
+        self.ops.append(("sync", self.marker))
+        self.lockstep.meet(self.rank, self.ops[-1])
+        return out
+
+
+class LaggingStore:
+    """A store whose `check` of a top-up key answers False its first `lag` times: one rollout
+    rank seeing the trainer's top-up requests later than its engine's other ranks."""
+
+    def __init__(self, store, lag: int = 3) -> None:
+        self.store, self.lag, self.seen = store, lag, {}
+
+    def check(self, keys):
+        if keys[0].startswith("topup/"):
+            self.seen[keys[0]] = self.seen.get(keys[0], 0) + 1
+            if self.seen[keys[0]] <= self.lag:
+                return False
+        return self.store.check(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
 def _dynsamp_launch(k: int, steps: int, batches: int, start: dict | None = None,
-                    restore: dict | None = None, checkpoint: bool = False) -> dict:
+                    restore: dict | None = None, checkpoint: bool = False,
+                    engine_tp: int = 1) -> dict:
     """One launch of algo.dynamic_sampling at separate placement in this process: 1 training
-    rank, 1 rollout rank (a thread) with a SpreadEngine; `steps` steps of a launch of
-    `batches` from loader position `start` (with "version"); `checkpoint`: then the next sync
-    and the rollout rank's in-flight state (returned as "in_flight"); `restore`: such a state,
-    put back at the first sync. Returns each step's (version, top-up rounds, kept prompts,
-    the markers of the weights that sampled them), what the rollout rank did, the loader."""
+    rank, 1 rollout rank (a thread) with a SpreadEngine, or `engine_tp` rollout ranks forming
+    one engine (LockstepSpreadEngines; the last rank sees top-up requests late, LaggingStore);
+    `steps` steps of a launch of `batches` from loader position `start` (with "version");
+    `checkpoint`: then the next sync and the rollout rank's in-flight state (returned as
+    "in_flight"); `restore`: such a state, put back at the first sync. Returns each step's
+    (version, top-up rounds, kept prompts, the markers of the weights that sampled them), what
+    the rollout rank did, the loader, the engines."""
     cfg = _config(k)
-    cfg.algo.dynamic_sampling, cfg.rollout.rollout_ranks = True, 1
+    R = engine_tp
+    cfg.algo.dynamic_sampling, cfg.rollout.rollout_ranks = True, R
+    cfg.rollout.tensor_parallel_size = engine_tp
     store, timeout = dist.HashStore(), timedelta(seconds=60)
     groups: dict = {}
     threads = [threading.Thread(target=lambda r=r, pre=pre: groups.update({(pre, r): (
-        dist.ProcessGroupGloo(dist.PrefixStore(pre, store), r, 2, timeout))}))
-        for r in range(2) for pre in ("cross/", "samples/")]
+        dist.ProcessGroupGloo(dist.PrefixStore(pre, store), r, 1 + R, timeout))}))
+        for r in range(1 + R) for pre in ("cross/", "samples/")]
+    if engine_tp > 1:
+        threads += [threading.Thread(target=lambda r=r: groups.update({("engine/", r): (
+            dist.ProcessGroupGloo(dist.PrefixStore("engine/", store), r, R, timeout))}))
+            for r in range(R)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    places = [Placement(rank=r, train_world=1, rollout_ranks=1, store=dist.PrefixStore(
-        "stream/", store), cross=groups["cross/", r], timeout_s=60,
-        samples=groups["samples/", r]) for r in range(2)]
-    col = RolloutCollector(cfg=cfg, engine=SpreadEngine(), tokenizer=Tok(),
-                           rewards=Rewards(Reward()), loader=PromptLoader(_data(), B, seed=3),
-                           layout=RolloutLayout(rank=0, world_size=1, engine_tp=1, train_tp=1,
-                                                train_pp=1))
-    served = {}
-    rollout = threading.Thread(target=lambda: served.update(serve(cfg, places[1], col,
-                                                                  Watchdog())), daemon=True)
-    rollout.start()
+    stream = dist.PrefixStore("stream/", store)
+    places = [Placement(rank=r, train_world=1, rollout_ranks=R,
+                        store=LaggingStore(stream) if engine_tp > 1 and r == R else stream,
+                        cross=groups["cross/", r], timeout_s=60, samples=groups["samples/", r],
+                        engine_tp=engine_tp, engine_group=groups.get(("engine/", r - 1)))
+              for r in range(1 + R)]
+    lockstep = Lockstep(R)
+    engines = [LockstepSpreadEngine(lockstep, j) if engine_tp > 1 else SpreadEngine()
+               for j in range(R)]
+    served, rollouts = {}, []
+    for j in range(R):
+        col = RolloutCollector(cfg=cfg, engine=engines[j], tokenizer=Tok(),
+                               rewards=Rewards(Reward()), loader=PromptLoader(_data(), B, seed=3),
+                               layout=RolloutLayout(rank=0, world_size=1, engine_tp=1,
+                                                    train_tp=1, train_pp=1))
+        rollouts.append(threading.Thread(target=lambda j=j, col=col: served.update(
+            {j: serve(cfg, places[1 + j], col, Watchdog())}), daemon=True))
+        rollouts[-1].start()
     loader = PromptLoader(_data(), B, seed=3)
     if start is not None:
         loader.load_state_dict(start)
@@ -467,8 +545,9 @@ def _dynsamp_launch(k: int, steps: int, batches: int, start: dict | None = None,
                      sorted({c.logprobs[0] for c in ro.completions})))
         version += 1
     remote.close()
-    rollout.join(timeout=30)
-    return {"seen": seen, "served": served, "in_flight": state,
+    for t in rollouts:
+        t.join(timeout=30)
+    return {"seen": seen, "served": served[0], "in_flight": state, "engines": engines,
             "loader": dict(loader.state_dict(), version=version)}
 
 
@@ -504,6 +583,24 @@ def test_dynamic_sampling_tops_up_from_the_rollout_ranks(k):
     for version, _, _, markers in run["seen"]:
         assert all(0 <= version - m <= (0 if version == steps - 1 else k) for m in markers)
     assert run["served"]["batches"] >= steps + sum(r for r, _ in want)
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_dynamic_sampling_on_an_engine_of_two_ranks(k):
+    """algo.dynamic_sampling with the rollout ranks forming one engine of TP 2 whose second
+    rank sees each top-up request late (its store check says no three times): both ranks run
+    the same draws and syncs in the same order (the leader's top-up count and wait decision,
+    taken over the engine's group), and the trainer gets the hand count's batches. A rank that
+    counted the top-ups on its own would decide to wait while the leader draws, and the two
+    ranks' decisions, broadcast over the engine's group, would pair up out of step."""
+    steps = 4
+    run = _dynsamp_launch(k, steps, steps, engine_tp=2)
+    want = _kept_by_hand(steps, TrainConfig().algo.max_resample_rounds)
+    assert [(r, kept) for _, r, kept, _ in run["seen"]] == want
+    assert sum(r for r, _ in want) >= 2
+    lead, peer = (e.ops for e in run["engines"])
+    assert run["engines"][0].lockstep.mismatches == []
+    assert lead == peer and len(lead) >= 2 * steps, (lead, peer)
 
 
 def test_dynamic_sampling_resumes_from_the_in_flight_state():
@@ -806,49 +903,70 @@ AGENT_ARGS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def agent_runs(tmp_path_factory):
+AGENT_LAUNCHES = {
+    "colocated": ("1", []),
+    "separate": ("2", ["rollout.placement=separate", "rollout.rollout_ranks=1"]),
+    "separate_tp2": ("3", ["rollout.placement=separate", "rollout.rollout_ranks=2",
+                           "rollout.tensor_parallel_size=2"]),
+}
+"""The multi-turn pair's launches: nproc and placement (each with LoRA served by vLLM)."""
+
+
+def _agent_run(tmp_path_factory, name: str) -> tuple[list, list[dict], str]:
     """The calculator tool task (multi-turn: a turn ending in `</calc>` is answered by the
-    environment, its tokens masked out of the loss) on a tiny random model, 3 steps at k = 0
-    with dynamic sampling (a 0/1 reward: groups without spread are topped up), twice with the
-    same seeds: colocated on 1 rank, and at separate placement on 1 training rank + 1 rollout
-    rank, where the environments, the reward and the top-ups run on the rollout rank. The
-    reward source logs every sample it scores (`tests._fault_hooks.TrajectoryLog`).
-    Returns {placement: (the samples of each scoring call, per-step metrics, console)}."""
+    environment, its tokens masked out of the loss) on a tiny random model with LoRA (the
+    adapters served by vLLM, lora.refit=adapter), 3 steps at k = 0 with dynamic sampling (a
+    0/1 reward: groups without spread are topped up), launched as `AGENT_LAUNCHES[name]`
+    says: colocated on 1 rank, or 1 training rank + a rollout engine of TP 1 or 2, where the
+    environments, the reward and the top-ups run on the rollout ranks. The reward source logs
+    every sample it scores (`tests._fault_hooks.TrajectoryLog`; at separate placement the
+    engine's leader, the first rollout rank). Returns (the samples of each scoring call,
+    per-step metrics, console)."""
     from tests._fault_hooks import TRAJECTORY_LOG_ENV
 
-    out = {}
-    for name, nproc, more in (("colocated", "1", []),
-                              ("separate", "2", ["rollout.placement=separate",
-                                                 "rollout.rollout_ranks=1"])):
-        work = tmp_path_factory.mktemp(f"agent_{name}")
-        (work / "log").mkdir()
-        p = run_cli("train", "--nproc", nproc, *AGENT_ARGS, *more, f"run.out_dir={work}/run",
-                    f"arithmetic.tokenizer_dir={work}/tok", timeout=900,
-                    **{TRAJECTORY_LOG_ENV: str(work / "log")})
-        console = p.stdout + p.stderr
-        assert p.returncode == 0, console[-6000:]
-        logs = sorted((work / "log").glob("rank*.jsonl"))
-        assert [f.name for f in logs] == [f"rank{int(nproc) - 1}.jsonl"]  # the engine's rank
-        calls = [json.loads(line) for line in logs[0].read_text().splitlines()]
-        records = [json.loads(line) for line in Path(work, "run", "metrics.jsonl").read_text()
-                   .splitlines()]
-        out[name] = calls, [r for r in records if "loss" in r], console
-    return out
+    nproc, more = AGENT_LAUNCHES[name]
+    work = tmp_path_factory.mktemp(f"agent_{name}")
+    (work / "log").mkdir()
+    p = run_cli("train", "--nproc", nproc, *AGENT_ARGS, *more, "lora.rank=8",
+                "lora.refit=adapter", f"run.out_dir={work}/run",
+                f"arithmetic.tokenizer_dir={work}/tok", timeout=900,
+                **{TRAJECTORY_LOG_ENV: str(work / "log")})
+    console = p.stdout + p.stderr
+    assert p.returncode == 0, console[-6000:]
+    logs = sorted((work / "log").glob("rank*.jsonl"))
+    assert [f.name for f in logs] == [f"rank{0 if nproc == '1' else 1}.jsonl"]
+    calls = [json.loads(line) for line in logs[0].read_text().splitlines()]
+    records = [json.loads(line) for line in Path(work, "run", "metrics.jsonl").read_text()
+               .splitlines()]
+    return calls, [r for r in records if "loss" in r], console
 
 
-def test_separate_multi_turn_equals_colocated(agent_runs):
-    """Multi-turn rollouts and dynamic sampling at separate placement are the colocated run's
-    for the same seeds (k = 0: the rollout rank draws every top-up with the weights of the
-    step it tops up, in the order the colocated collector draws them): every trajectory's token
-    ids, loss mask, turn rewards and ends (the evaluations' greedy ones, every step's batch
-    and its top-ups, in order) are equal, and so is what the trainer made of them (the kept
-    groups' turns, tool calls, environment tokens, rewards, the top-up rounds and filtered
-    groups; the loss to fp32 rounding: the two trainers are the same single-rank math). The
-    weights that sampled each batch are the trainer's (vLLM gap < 1e-5 over the model's
-    tokens), so the samples of steps 2 and 3 check that the trained weights crossed the wire."""
-    col, sep = agent_runs["colocated"], agent_runs["separate"]
-    assert "rollout ranks 1-1 (one vLLM engine of TP 1 each" in sep[2]
+@pytest.fixture(scope="module")
+def agent_colocated(tmp_path_factory):
+    return _agent_run(tmp_path_factory, "colocated")
+
+
+@pytest.fixture(scope="module")
+def agent_separate(tmp_path_factory):
+    return _agent_run(tmp_path_factory, "separate")
+
+
+@pytest.fixture(scope="module")
+def agent_separate_tp2(tmp_path_factory):
+    return _agent_run(tmp_path_factory, "separate_tp2")
+
+
+def _equal_to_colocated(col: tuple, sep: tuple) -> None:
+    """Multi-turn rollouts, LoRA and dynamic sampling at separate placement are the colocated
+    run's for the same seeds (k = 0: the rollout ranks draw every top-up with the weights of
+    the step it tops up, in the order the colocated collector draws them): every trajectory's
+    token ids, loss mask, turn rewards and ends (the evaluations' greedy ones, every step's
+    batch and its top-ups, in order) are equal, and so is what the trainer made of them (the
+    kept groups' turns, tool calls, environment tokens, rewards, the top-up rounds and
+    filtered groups; the loss to fp32 rounding: the two trainers are the same single-rank
+    math). The weights that sampled each batch are the trainer's (vLLM gap < 1e-5 over the
+    model's tokens, the adapters served by vLLM), so the samples of steps 2 and 3 check that
+    the trained adapters crossed the wire."""
     calls = col[0]  # evaluation before GRPO, each step's batch and top-ups, evaluation at end
     rounds = [r["resample_rounds"] for r in col[1]]
     # 4 held-out, 4 prompts x G=4 per draw
@@ -864,10 +982,30 @@ def test_separate_multi_turn_equals_colocated(agent_runs):
     assert [r["step"] for r in sep[1]] == [r["step"] for r in col[1]] == [1, 2, 3]
     for a, b in zip(sep[1], col[1]):
         for key in ("turns", "tool_calls", "tool_errors", "env_token_share", "reward_mean",
-                    "completion_len", "resample_rounds", "filtered_groups"):
+                    "completion_len", "resample_rounds", "filtered_groups",
+                    "sync_adapter_bytes"):
             assert a[key] == b[key], (key, a[key], b[key])
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
         assert a["staleness_max"] == 0 and a["logp_gap_vllm_mean"] < 1e-5, a
+    assert "vLLM serves the adapters (LoRA request per rollout)" in sep[2]
+
+
+def test_separate_multi_turn_equals_colocated_at_a_tp2_engine(agent_colocated,
+                                                               agent_separate_tp2):
+    """`_equal_to_colocated`, the rollout ranks forming one vLLM engine of TP 2 (both ranks run
+    the environments; the leader counts the top-ups for both and sends the samples): its
+    sampled tokens are the TP 1 engine's for the same seeds."""
+    sep = agent_separate_tp2
+    assert "rollout ranks 1-2 (1 vLLM engine(s) of TP 2, each over 2 consecutive rollout " \
+           "ranks" in sep[2]
+    _equal_to_colocated(agent_colocated, sep)
+
+
+@pytest.mark.heavy  # ~35 s more: the TP 2 engine's pair above runs the same protocol
+def test_separate_multi_turn_equals_colocated(agent_colocated, agent_separate):
+    """`_equal_to_colocated`, with one rollout rank (an engine of TP 1)."""
+    assert "rollout ranks 1-1 (one vLLM engine of TP 1 each" in agent_separate[2]
+    _equal_to_colocated(agent_colocated, agent_separate)
 
 
 @pytest.fixture(scope="module")

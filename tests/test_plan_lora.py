@@ -47,13 +47,16 @@ def test_refit_bytes_by_hand_from_the_hf_shapes():
 
 
 def test_merged_fallback_refits_the_model_and_says_why():
-    cfg = load_config(None, TINY + ["rollout.tensor_parallel_size=2", "parallel.tp=2"])
+    cfg = load_config(None, TINY + ["lora.rank=1024"])  # above vLLM's largest max_lora_rank
     refit = refit_bytes(cfg, cfg.model)
-    assert "rollout.tensor_parallel_size=2" in refit.fallback
+    assert "lora.rank=1024 exceeds vLLM's largest max_lora_rank" in refit.fallback
     assert refit.between_merges == refit.after_merge == refit.model == 2 * _hf_numel()
-    text = format_lora_vs_full(cfg, cfg.model, rank_memory(cfg, cfg.model, 2, 1, 2, 1.0), 2, 1.0)
+    text = format_lora_vs_full(cfg, cfg.model, rank_memory(cfg, cfg.model, 1, 1, 1, 1.0), 1, 1.0)
     assert "refit path: the merged model every step" in text
-    assert "rollout.tensor_parallel_size=2" in text and "(not the path that runs)" in text
+    assert "lora.rank=1024 exceeds" in text and "(not the path that runs)" in text
+    # engines of TP 2 serve the adapters (tests/test_separate_tp.py measures it)
+    tp2 = load_config(None, TINY + ["rollout.tensor_parallel_size=2", "parallel.tp=2"])
+    assert refit_bytes(tp2, tp2.model).fallback == ""
 
 
 def test_lora_vs_full_rows():

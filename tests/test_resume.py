@@ -20,6 +20,7 @@ the manifest, the pickle-free state files and the metrics rewind.
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -623,3 +624,60 @@ def test_k2_stream_killed_resumes_bitwise_without_losing_a_prompt(tmp_path):
     assert queued == {"0", "1"}, sorted(queued)
     lags = [r["staleness_max"] for r in stress.history(cut) if "reward_mean" in r]
     assert lags == [0, 1] + [2] * (STEPS - 2), lags
+
+
+TOOLS_LORA_SEPARATE = ROOT / "examples" / "tools-lora-separate-cpu.yaml"
+
+
+@pytest.mark.heavy  # ~2-3 min: two launches of 4 ranks (2 training, an engine of TP 2)
+def test_tools_lora_separate_recipe_killed_and_rerun(tmp_path):
+    """As a new user (issue 46): examples/tools-lora-separate-cpu.yaml (multi-turn calculator
+    tools, LoRA served by a TP 2 engine on 2 rollout ranks, 2 training ranks at TP 2, dynamic
+    sampling, a checkpoint every step here) through `megagrpo train --nproc 4`; every process
+    SIGKILLed once step 2's checkpoint is complete, then the same command run again: it says
+    where it resumed, trains steps 3-4 and finishes, one history of steps 1-4 (no step lost or
+    trained twice), the rollout ranks' in-flight state in the checkpoint, no process left.
+    Smaller than the recipe (a 2-layer model, 4 prompts x G 4, no cold start) to fit the
+    suite."""
+    out = tmp_path / "run"
+    small = ["model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_layers=2",
+             "data.batch_size=4", "algo.group_size=4", "algo.num_minibatches=1",
+             "cold_start.steps=0", "eval.every=0", "arithmetic.num_eval=4",
+             "arithmetic.num_train=64", "compute.micro_batch_size=16", "run.steps=4",
+             "checkpoint.every=1", "log.tensorboard=false", f"run.out_dir={out}",
+             f"arithmetic.tokenizer_dir={tmp_path}/tok"]
+    cmd = [sys.executable, "-m", "megagrpo", "train", "--nproc", "4", "--config",
+           str(TOOLS_LORA_SEPARATE), *small]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    logs = [tmp_path / "first.log", tmp_path / "rerun.log"]
+    with logs[0].open("wb") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        stress.wait_for_step(proc, out, 2, checkpoint=True, timeout=600)
+        stress.kill_tree(proc)  # the launcher, torchrun and all 4 ranks at once
+        assert stress.leftovers(str(out)) == []
+        with logs[1].open("wb") as f:
+            rerun = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        stress.finish(rerun, logs[1])
+    finally:
+        for p in (proc, locals().get("rerun")):
+            if p is not None and p.poll() is None:
+                stress.kill_tree(p)
+    console = logs[1].read_text()
+    assert "placement: separate; training ranks 0-1 (megatron-core tp=2 x pp=1 x dp=1), " \
+           "rollout ranks 2-3 (1 vLLM engine(s) of TP 2" in console
+    assert "vLLM serves the adapters (LoRA request per rollout)" in console
+    done = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
+    assert re.search(r"resumed from \S+step_00000([2-4]) at step \1", console), console[-4000:]
+    steps = [r for r in stress.history(out) if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]  # one history: none lost, none twice
+    assert max(r["turns"] for r in steps) > 1  # multi-turn steps ran
+    assert all(r["logp_gap_vllm_mean"] < 1e-5 for r in steps), steps  # k = 0, adapters served
+    assert done and done[-1] == 4
+    state = load_tree(out / "checkpoints" / "step_000004" / "rollout_ranks" /
+                      "rank00000.safetensors")
+    assert len(state["rollout_ranks"]) == 2  # both engine ranks' in-flight state
+    assert stress.leftovers(str(out)) == []

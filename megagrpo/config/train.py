@@ -169,20 +169,17 @@ class TrainConfig(Section):
         # lockstep (megagrpo.rollout.placement._agree); in flight they would not be
         ahead_apart = self.rollout.placement == "separate" and not self.rollout.inflight_updates
         if self.rollout.placement == "separate" and self.rollout.tensor_parallel_size > 1:
-            # each of these decides on a rollout rank's own view of the store, mid-draw or
-            # between draws, where an engine's ranks must act together
-            for on, name, why in (
-                    (self.rollout.inflight_updates, "rollout.inflight_updates=true",
-                     "every rank of an engine would have to load a sync at the same decode "
-                     "step; set rollout.inflight_updates=false (syncs between draws)"),
-                    (self.algo.dynamic_sampling, "algo.dynamic_sampling=true",
-                     "an engine's ranks would count the trainer's top-up requests apart; set "
-                     "algo.dynamic_sampling=false")):
-                if on:
-                    raise ValueError(
-                        f"{name} with rollout.tensor_parallel_size="
-                        f"{self.rollout.tensor_parallel_size} and rollout.placement=separate: "
-                        f"{why}, or rollout.tensor_parallel_size=1")
+            # an in-flight load is decided on each rank's generating thread, mid-draw, from
+            # the syncs its own main thread has received so far: an engine's ranks, which
+            # must load a sync at the same decode step, could decide apart (the top-up count
+            # and the syncs between draws are the engine leader's, `_agree`)
+            if self.rollout.inflight_updates:
+                raise ValueError(
+                    "rollout.inflight_updates=true with rollout.tensor_parallel_size="
+                    f"{self.rollout.tensor_parallel_size} and rollout.placement=separate: "
+                    "every rank of an engine would have to load a sync at the same decode "
+                    "step; set rollout.inflight_updates=false (syncs between draws), or "
+                    "rollout.tensor_parallel_size=1")
         if by and self.rollout.tensor_parallel_size > 1 and not ahead_apart:
             # the side thread samples from each rank's own generator: an engine's ranks diverge
             raise ValueError(f"{by[0]} needs rollout.tensor_parallel_size=1 (engines of "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -289,10 +290,12 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, seed: int = 123
 
         prepare_model(gpt)
     if model.is_moe and parallel.tp > 1 and not parallel.sequence_parallel:
-        log.warning("MoE at parallel.tp=%d without sequence parallelism: every TP rank routes "
-                    "every token (%dx the expert compute) and the load-balancing loss reaches "
-                    "the router at 1/%d; set parallel.sequence_parallel=true", parallel.tp,
-                    parallel.tp, parallel.tp)
+        # the same on every rank: the console says it once (torchrun's rank 0), the logs all
+        say = log.warning if os.environ.get("RANK", "0") == "0" else log.info
+        say("MoE at parallel.tp=%d without sequence parallelism: every TP rank routes "
+            "every token (%dx the expert compute) and the load-balancing loss reaches "
+            "the router at 1/%d; set parallel.sequence_parallel=true", parallel.tp,
+            parallel.tp, parallel.tp)
         # built as megatron's MoELayer (its spec, so it gets its process groups), then given
         # the subclass that trains without sequence parallelism
         for m in gpt.modules():

@@ -534,14 +534,16 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
         i = restore_in_flight(collector, channel, sync.restore)
     topups = 0
     while not sync.stop:
-        topups = _topups_asked(place, topups)
+        # an engine's ranks count the same top-ups: its leader's count
+        topups = _leaders(place, _topups_asked(place, topups))
         step = i - topups  # the trainer's step the next draw goes to (top-ups: part of theirs)
         # at most k syncs behind; the launch's last batch on-policy (k = 0)
         behind = sync.index < base + step - (0 if step == last else k)
         due = (sync, evals, ckpts)  # the messages a broadcast may be on its way for
-        if behind and cfg.algo.dynamic_sampling and not _message_due(place, *due):
+        if behind and cfg.algo.dynamic_sampling and not _agree(place, _message_due(place, *due)):
             watchdog.set_phase("weight_sync", i)  # or a top-up of this step, asked first
-            _await_topup_or_message(place, due, topups)
+            if place.engine_rank == 0:  # its peers wait for the count it sends next round
+                _await_topup_or_message(place, due, topups)
             continue
         # an engine's ranks take the same syncs at the same point (its leader decides)
         if _agree(place, behind or _message_due(place, *due)):
@@ -588,11 +590,17 @@ def _agree(place: Placement, flag: bool) -> bool:
     """`flag` as the leader of this rollout rank's engine sees it (engines of one rank: as
     is). The ranks of an engine of TP > 1 run vLLM's collectives together: they must take a
     sync (or draw) at the same point, and store checks made on each rank could differ."""
+    return bool(_leaders(place, int(flag)))
+
+
+def _leaders(place: Placement, value: int) -> int:
+    """`value` as the leader of this rollout rank's engine has it (engines of one rank: as
+    is); collective over the engine's ranks."""
     if place.engine_group is None:
-        return flag
-    t = torch.tensor([int(flag)], dtype=torch.int64)
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
     place.engine_group.broadcast(t, 0).wait()
-    return bool(t.item())
+    return int(t.item())
 
 
 def _topups_asked(place: Placement, known: int) -> int:

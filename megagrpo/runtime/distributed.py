@@ -146,8 +146,11 @@ def init_distributed(
         device=device, cp_rank=ps.get_context_parallel_rank(), cp=parallel.cp,
     )
     if rank == 0:
-        log.info("distributed: backend=%s world=%d tp=%d pp=%d dp=%d%s%s device=%s%s", backend,
-                 world, info.tp, info.pp, info.dp,
+        # separate placement: this world is the training ranks' share of torchrun's
+        launched = int(os.environ.get("WORLD_SIZE", world))
+        log.info("distributed: backend=%s world=%d%s tp=%d pp=%d dp=%d%s%s device=%s%s", backend,
+                 world, f" (training ranks; {launched} launched)" if launched != world else "",
+                 info.tp, info.pp, info.dp,
                  f" ep={parallel.ep}" if parallel.ep > 1 else "",
                  f" cp={parallel.cp}" if parallel.cp > 1 else "", device.type,
                  " (megatron-core CPU shim active)" if not cuda else "")

@@ -89,9 +89,6 @@ def _cannot_serve(lora: LoRAConfig, rollout_tp: int, model: ModelConfig | None) 
                 "layers cannot serve in this build (no CPU fused-MoE LoRA kernels)")
     if not vllm_max_lora_rank(lora.rank):
         return f"lora.rank={lora.rank} exceeds vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})"
-    if rollout_tp > 1:
-        return (f"rollout.tensor_parallel_size={rollout_tp}: vLLM's LoRA on engines spanning "
-                "several ranks (external launcher) is not checked here")
     return ""
 
 
