@@ -148,7 +148,6 @@ def test_pack_round_trip_and_errors():
     assert _part_diff(unpack(pack(part)), part) == []
     empty = dataclasses.replace(part, completions=[], rewards=[])
     assert _part_diff(unpack(pack(empty)), empty) == []
-    bad = dataclasses.replace(part, completions=[dataclasses.replace(
-        part.completions[0], token_ids=[1, 2], logprobs=[-1.0])], rewards=[0.0])
     with pytest.raises(ValueError, match="2 token ids and 1 log-probs"):
-        pack(bad)
+        pack(dataclasses.replace(part, completions=[dataclasses.replace(
+            part.completions[0], token_ids=[1, 2], logprobs=[-1.0])], rewards=[0.0]))

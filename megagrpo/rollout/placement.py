@@ -87,6 +87,7 @@ import torch.distributed as dist
 from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.placement import training_world
+from megagrpo.engine.columns import SampleColumns
 from megagrpo.engine.shard_feed import received_tensors as received_shards
 from megagrpo.lora.export import save_peft_adapter
 from megagrpo.rollout.collect import dynamic_sampling
@@ -672,9 +673,7 @@ def _restamped(part: Part, taken: int, versions: dict[int, int]) -> Part:
     completion's (and token's) sync index replaced by the policy version it carried."""
     comps = part.completions
     if not part.policy_versions:
-        comps = [dataclasses.replace(c, version=versions[c.version], token_versions=None
-                                     if c.token_versions is None else
-                                     [versions[v] for v in c.token_versions]) for c in comps]
+        comps = comps.with_versions(versions)
     return dataclasses.replace(part, batch=part.batch - taken, completions=comps,
                                policy_versions=True)
 
@@ -921,14 +920,7 @@ class SeparateSource:
                                f"the trainer expected {before}")
         n, R = len(examples), self.place.rollout_ranks
         lo = self.ranks.dp_rank * n
-        for p in parts:  # sync indices -> policy versions (a restored part carries those)
-            if not p.policy_versions:
-                _map_versions(p.completions, self.versions)
-        merged = sorted(((c, r) for p in parts for c, r in zip(p.completions, p.rewards)
-                         if lo <= c.prompt_index < lo + n),
-                        key=lambda x: (x[0].prompt_index, x[0].sample_index))
-        for c, _ in merged:
-            c.prompt_index -= lo
+        comps, rewards = _merged(parts, lo, lo + n, self.versions)
         metrics = {}
         for p in parts:  # counts over the whole batch: per replica on average
             for key, v in p.metrics.items():
@@ -938,11 +930,10 @@ class SeparateSource:
         if self.ranks.rank == 0 and i >= 2:
             self.channel.forget(i - 2)
         self.taken += 1
-        comps = [c for c, _ in merged]
         return Rollout(prompts=[_encode(self.tokenizer, e.prompt) for e in examples],
                        answers=[e.answer for e in examples], completions=comps,
-                       rewards=torch.tensor([r for _, r in merged]),
-                       version=min((c.version for c in comps), default=version),
+                       rewards=torch.tensor(rewards),
+                       version=int(comps.column("version").min()) if len(comps) else version,
                        epoch=self.loader.epoch, metrics=metrics)
 
     def _map_syncs(self, version: int) -> None:
@@ -1030,12 +1021,21 @@ class InFlightState:
         self.source.engine.restore = saved
 
 
-def _map_versions(comps: list, versions: dict[int, int]) -> None:
-    """Each completion's (and, in flight, each token's) sync index -> the policy version."""
-    for c in comps:
-        c.version = versions[c.version]
-        if c.token_versions:  # in flight: the sync that sampled each token
-            c.token_versions = [versions[v] for v in c.token_versions]
+def _merged(parts: list[Part], lo: int, hi: int, versions: dict[int, int]
+            ) -> tuple[SampleColumns, list[float]]:
+    """The completions of prompts [lo, hi) of every part, ordered by (prompt, sample), their
+    prompts counted from lo and their sync indices (per token too, in flight) made policy
+    versions (a part restored from a checkpoint carries those already), as columns copied
+    once; and their rewards."""
+    cols = [p.completions if p.policy_versions else p.completions.with_versions(versions)
+            for p in parts]
+    picks = []
+    for s, c in enumerate(cols):
+        prompt, sample = c.column("prompt_index").tolist(), c.column("sample_index").tolist()
+        picks += [(prompt[r], sample[r], s, r) for r in range(len(c)) if lo <= prompt[r] < hi]
+    picks.sort()
+    merged = SampleColumns.gather(cols, [(s, r) for _, _, s, r in picks])
+    return merged.with_prompts_shifted(-lo), [parts[s].rewards[r] for _, _, s, r in picks]
 
 
 def _position(state: dict) -> tuple[int, int]:
