@@ -188,6 +188,13 @@ class SampleColumns(Sequence):
     def __iter__(self):
         return (self._completion(k) for k in range(len(self)))
 
+    def __add__(self, other) -> list[Completion]:
+        """A list of the completions of both (as `list + list` would give)."""
+        return list(self) + list(other)
+
+    def __radd__(self, other) -> list[Completion]:
+        return list(other) + list(self)
+
     def column(self, name: str) -> torch.Tensor:
         """[n] int64: an INT_COLUMNS column."""
         return self.ints[:, _COL[name]]

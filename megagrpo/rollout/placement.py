@@ -87,11 +87,10 @@ import torch.distributed as dist
 from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.placement import training_world
-from megagrpo.engine.columns import SampleColumns
 from megagrpo.engine.shard_feed import received_tensors as received_shards
 from megagrpo.lora.export import save_peft_adapter
 from megagrpo.rollout.collect import dynamic_sampling
-from megagrpo.rollout.sample_channel import Part, TensorChannel, pack, unpack
+from megagrpo.rollout.sample_channel import Part, TensorChannel, merged, pack, unpack
 from megagrpo.rollout.stream import StreamStats, stamp
 from megagrpo.runtime.distributed import process_group_backend
 
@@ -920,7 +919,7 @@ class SeparateSource:
                                f"the trainer expected {before}")
         n, R = len(examples), self.place.rollout_ranks
         lo = self.ranks.dp_rank * n
-        comps, rewards = _merged(parts, lo, lo + n, self.versions)
+        comps, rewards = merged(parts, lo, lo + n, self.versions)
         metrics = {}
         for p in parts:  # counts over the whole batch: per replica on average
             for key, v in p.metrics.items():
@@ -1019,23 +1018,6 @@ class InFlightState:
                         self.source.place.rollout_ranks, k)
             return
         self.source.engine.restore = saved
-
-
-def _merged(parts: list[Part], lo: int, hi: int, versions: dict[int, int]
-            ) -> tuple[SampleColumns, list[float]]:
-    """The completions of prompts [lo, hi) of every part, ordered by (prompt, sample), their
-    prompts counted from lo and their sync indices (per token too, in flight) made policy
-    versions (a part restored from a checkpoint carries those already), as columns copied
-    once; and their rewards."""
-    cols = [p.completions if p.policy_versions else p.completions.with_versions(versions)
-            for p in parts]
-    picks = []
-    for s, c in enumerate(cols):
-        prompt, sample = c.column("prompt_index").tolist(), c.column("sample_index").tolist()
-        picks += [(prompt[r], sample[r], s, r) for r in range(len(c)) if lo <= prompt[r] < hi]
-    picks.sort()
-    merged = SampleColumns.gather(cols, [(s, r) for _, _, s, r in picks])
-    return merged.with_prompts_shifted(-lo), [parts[s].rewards[r] for _, _, s, r in picks]
 
 
 def _position(state: dict) -> tuple[int, int]:

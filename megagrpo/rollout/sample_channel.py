@@ -132,6 +132,24 @@ def _padded(n: int) -> int:
     return n + (-n % ALIGN)
 
 
+def merged(parts: list[Part], lo: int, hi: int, versions: dict[int, int]
+            ) -> tuple[SampleColumns, list[float]]:
+    """The completions of prompts [lo, hi) of every part, ordered by (prompt, sample), their
+    prompts counted from lo and their sync indices (per token too, in flight) made policy
+    versions (a part restored from a checkpoint carries those already), as columns copied
+    once; and their rewards."""
+    cols = [p.completions if p.policy_versions else p.completions.with_versions(versions)
+            for p in parts]
+    picks = []
+    for s, c in enumerate(cols):
+        prompt, sample = c.column("prompt_index").tolist(), c.column("sample_index").tolist()
+        picks += [(prompt[r], sample[r], s, r) for r in range(len(c)) if lo <= prompt[r] < hi]
+    picks.sort()
+    out = SampleColumns.gather(cols, [(s, r) for _, _, s, r in picks])
+    return out.with_prompts_shifted(-lo), [parts[s].rewards[r] for _, _, s, r in picks]
+
+
+
 # ---------------------------------------------------------------------- the channels
 def replica_range(dp_rank: int, dp: int, batch_size: int) -> tuple[int, int]:
     """The prompts of the global batch DP replica `dp_rank` trains: [lo, hi)."""
@@ -269,11 +287,16 @@ class StoreChannel:
         self.store, self.R, self.timeout_s = store, rollout_ranks, timeout_s
         self.bytes_sent = self.bytes_received = 0
 
-    def put(self, part: Part) -> None:
+    @staticmethod
+    def encode(part: Part) -> str:
+        """`part` as this path's JSON (routes left out)."""
         scalars = {f.name: getattr(part, f.name) for f in dataclasses.fields(Part)
                    if f.name != "completions"}
-        data = json.dumps(dict(scalars, completions=[dataclasses.asdict(dataclasses.replace(
+        return json.dumps(dict(scalars, completions=[dataclasses.asdict(dataclasses.replace(
             c, routes=None)) for c in part.completions]))
+
+    def put(self, part: Part) -> None:
+        data = self.encode(part)
         self.store.set(ready_key(part.batch, part.rollout), data)
         self.bytes_sent += len(data.encode())
 
@@ -300,4 +323,4 @@ class StoreChannel:
             self.store.delete_key(ready_key(i, j))
 
 
-__all__ = ["Part", "StoreChannel", "TensorChannel", "pack", "replica_range", "unpack"]
+__all__ = ["Part", "StoreChannel", "TensorChannel", "merged", "pack", "replica_range", "unpack"]
