@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,6 +189,15 @@ def test_pack_round_trip_and_errors():
     with pytest.raises(ValueError, match="2 token ids and 1 log-probs"):
         pack(dataclasses.replace(part, completions=[dataclasses.replace(
             part.completions[0], token_ids=[1, 2], logprobs=[-1.0])], rewards=[0.0]))
+
+
+def test_part_packed_before_the_columns_unpacks():
+    """A part packed by the layout before the columns (as a checkpoint of a separate run keeps
+    its queued parts; tests/data holds produced(0, 1) packed by that code) unpacks to what was
+    produced."""
+    raw = (Path(__file__).parent / "data" / "sample_part_rows_format.bin").read_bytes()
+    got = unpack(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    assert _part_diff(got, produced(0, 1)) == []
 
 
 def test_build_batch_from_columns_equals_pack_from_lists():

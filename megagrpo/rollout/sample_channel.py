@@ -41,7 +41,7 @@ from datetime import timedelta
 import torch
 
 from megagrpo.engine import Completion
-from megagrpo.engine.columns import SampleColumns
+from megagrpo.engine.columns import FLOAT_COLUMNS, INT_COLUMNS, VOCAB_COLUMNS, SampleColumns
 
 ALIGN = 8
 TAG = 0
@@ -117,15 +117,27 @@ def unpack(buf: torch.Tensor) -> Part:
     off, f = 8 + _padded(n), {}
     for name, dtype, shape in header["fields"]:
         dt = getattr(torch, dtype)
+        shape = shape if isinstance(shape, list) else [shape]  # a count: the layout before
         size = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
         f[name] = buf[off:off + size].view(dt).view(shape)
         off += _padded(size)
+    if "vocab" not in header:  # packed before the columns (a checkpoint's queued parts)
+        _columns_from_rows(header, f)
     rewards = f.pop("rewards").tolist()
     cols = SampleColumns(**f, vocab={k: tuple(v) for k, v in header["vocab"].items()})
     return Part(batch=header["batch"], rollout=header["rollout"], loader=header["loader"],
                 epoch=header["epoch"], draw_s=header["draw_s"], metrics=header["metrics"],
                 completions=cols, rewards=rewards,
                 policy_versions=header.get("policy_versions", False))
+
+
+def _columns_from_rows(header: dict, f: dict) -> None:
+    """A part packed before the columnar change, in place: its ints and floats were flat
+    (the floats with the reward as a third column) and its vocabularies separate keys."""
+    f["ints"] = f["ints"].view(-1, len(INT_COLUMNS))
+    floats = f["floats"].view(-1, len(FLOAT_COLUMNS) + 1)
+    f["floats"], f["rewards"] = floats[:, :-1].contiguous(), floats[:, -1].contiguous()
+    header["vocab"] = {k: header[k] for k in VOCAB_COLUMNS}
 
 
 def _padded(n: int) -> int:
