@@ -87,7 +87,7 @@ def digest(cols: SampleColumns, rewards: list[float]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for name, t in cols.tensors().items():
         h.update(name.encode() + str(t.dtype).encode() + str(list(t.shape)).encode())
-        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
     h.update(json.dumps([cols.vocab, rewards]).encode())
     return h.hexdigest()
 
@@ -213,7 +213,9 @@ def _json_cell(j: dict | None) -> str:
         return (f"~{j['bytes'] / 1e6:.0f} MB, not built (over the store's 8 MiB)"
                 if j["refused"].startswith("not attempted")
                 else f"{j['bytes'] / 1e6:.1f} MB, refused by the store")
-    return f"{j['bytes'] / 1e6:.1f} MB, {j['seconds']:.3f} s, {_rate(j)}"
+    memory = _memory(j)
+    return (f"{j['bytes'] / 1e6:.1f} MB, {j['seconds']:.3f} s, {_rate(j)}"
+            + ("" if memory == "-" else f"; peak RSS MB {memory}"))
 
 
 def _rate(r: dict) -> str:
@@ -227,7 +229,7 @@ def table(path: str) -> str:
     JSON path."""
     rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
     out = ["| batch: prompts x samples x tokens | ends hold | CPU (load) | JSON via store | "
-           "tensors via gloo | peak RSS MB, rollout / training rank (+ over start-up) | "
+           "tensors via gloo | tensors: peak RSS MB, rollout / training rank (+ over start-up) | "
            "bytes, time vs JSON |", "|---|---|---|---|---|---|---|"]
     runs: dict[tuple, dict] = {}
     for r in rows:
