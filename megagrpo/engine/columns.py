@@ -156,16 +156,21 @@ class SampleColumns(Sequence):
 
     def with_versions(self, versions: dict[int, int]) -> SampleColumns:
         """Every completion's version (and per-token version) v replaced by versions[v]."""
-        used = torch.cat([self.column("version"), self.token_versions])
-        missing = sorted(set(used.unique().tolist()) - set(versions))
-        if missing:
-            raise KeyError(f"versions {missing} have no mapping (known: {sorted(versions)})")
-        lut = torch.zeros(max(versions, default=-1) + 2, dtype=torch.int64)
-        for k, v in versions.items():
-            lut[k] = v  # a key of -1 lands in the last slot, as -1 indexes it
+        lut = self._version_lut(versions)
         ints = self.ints.clone()
-        ints[:, _COL["version"]] = lut[ints[:, _COL["version"]]]
-        return _replace(self, ints=ints, token_versions=lut[self.token_versions])
+        ints[:, _COL["version"]] = _looked_up(ints[:, _COL["version"]], lut)
+        return _replace(self, ints=ints, token_versions=_looked_up(self.token_versions, lut))
+
+    def shift_and_map_(self, delta: int, versions: dict[int, int] | None) -> None:
+        """In place, on columns no one else holds (a fresh `gather`): every prompt_index moved
+        by `delta`, and with `versions` every version mapped as `with_versions` maps it."""
+        self.ints[:, _COL["prompt_index"]] += delta
+        if versions is not None:
+            lut = self._version_lut(versions)
+            self.ints[:, _COL["version"]] = _looked_up(self.ints[:, _COL["version"]], lut)
+            tv = self.token_versions
+            for a in range(0, tv.numel(), 1 << 20):  # chunks: no second copy of them all
+                tv[a:a + (1 << 20)] = _looked_up(tv[a:a + (1 << 20)], lut)
 
     def with_prompts_shifted(self, delta: int) -> SampleColumns:
         """Every prompt_index moved by `delta`."""
@@ -174,6 +179,13 @@ class SampleColumns(Sequence):
         return _replace(self, ints=ints)
 
     # ------------------------------------------------------------------ reading
+    def _version_lut(self, versions: dict[int, int]) -> torch.Tensor:
+        """versions as a lookup tensor; a version with no mapping looks up `_UNMAPPED`."""
+        lut = torch.full((max(versions, default=-1) + 2,), _UNMAPPED, dtype=torch.int64)
+        for k, v in versions.items():
+            lut[k] = v  # a key of -1 lands in the last slot, as -1 indexes it
+        return lut
+
     def __len__(self) -> int:
         return self.ints.shape[0]
 
@@ -320,6 +332,20 @@ def int_column(comps: Sequence[Completion], name: str) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- helpers
+_UNMAPPED = -(2 ** 62)
+
+
+def _looked_up(t: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """lut[t], refusing a value with no mapping (outside the table, or `_UNMAPPED` there)."""
+    if t.numel() and not (-1 <= int(t.min()) and int(t.max()) < lut.numel() - 1):
+        bad = t[(t < -1) | (t >= lut.numel() - 1)].unique().tolist()
+        raise KeyError(f"versions {bad} have no mapping")
+    out = lut[t]
+    if bool((out == _UNMAPPED).any()):
+        raise KeyError(f"versions {t[out == _UNMAPPED].unique().tolist()} have no mapping")
+    return out
+
+
 def _check(comps: Sequence[Completion]) -> None:
     """Refuses completions whose per-token fields disagree with their token ids (the columns
     would misalign every later row)."""

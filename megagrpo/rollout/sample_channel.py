@@ -150,15 +150,17 @@ def merged(parts: list[Part], lo: int, hi: int, versions: dict[int, int]
     prompts counted from lo and their sync indices (per token too, in flight) made policy
     versions (a part restored from a checkpoint carries those already), as columns copied
     once; and their rewards."""
-    cols = [p.completions if p.policy_versions else p.completions.with_versions(versions)
-            for p in parts]
+    fresh = [not p.policy_versions for p in parts]
+    cols = [p.completions.with_versions(versions) if f and not all(fresh) else p.completions
+            for p, f in zip(parts, fresh)]
     picks = []
     for s, c in enumerate(cols):
         prompt, sample = c.column("prompt_index").tolist(), c.column("sample_index").tolist()
         picks += [(prompt[r], sample[r], s, r) for r in range(len(c)) if lo <= prompt[r] < hi]
     picks.sort()
     out = SampleColumns.gather(cols, [(s, r) for _, _, s, r in picks])
-    return out.with_prompts_shifted(-lo), [parts[s].rewards[r] for _, _, s, r in picks]
+    out.shift_and_map_(-lo, versions if all(fresh) else None)  # on this copy: no other
+    return out, [parts[s].rewards[r] for _, _, s, r in picks]
 
 
 
@@ -244,6 +246,7 @@ class TensorChannel:
                 for t, r in enumerate(ranges):
                     self._send(packed[r], t)
                 self._unsent.pop(part.batch, None)
+                del packed, part  # not held while the next part is drawn
         except BaseException as e:  # re-raised by the next put / close on the main thread
             self._failed.append(e)
 
