@@ -238,7 +238,7 @@ def table(path: str) -> str:
         runs.setdefault(key, {})[r["path"]] = r
     for (p, g, t, mt, fmt, cpu), run in runs.items():
         j, x = run.get("json_store"), run.get("tensor_gloo")
-        first = j or x
+        first = x or j  # the tensor run's load (a JSON row may be an earlier run's estimate)
         tensor_cell = "-" if x is None else (
             f"{x['bytes'] / 1e6:.1f} MB, {x['seconds']:.3f} s, {_rate(x)}")
         if j is None or x is None:
