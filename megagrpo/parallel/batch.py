@@ -13,6 +13,7 @@ so they are kept per row and concatenated in row order for each micro-batch's fo
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -293,14 +294,16 @@ def spread_rows(n: int, rows: int, blocks: int) -> Tensor:
                         dtype=torch.long)
 
 
-def pack(prompts: list[list[int]], completions: list[list[int]], rollout_logps: list[list[float]],
+def pack(prompts: list[list[int]], completions: Sequence[Sequence[int]],
+         rollout_logps: Sequence[Sequence[float]],
          seq_advantages: Tensor, *, pad_id: int, multiple: int = 1, blocks: int = 1,
          completion_mask: Tensor | None = None, seq_rewards: Tensor | None = None,
          routes: list[Tensor] | None = None,
-         loss_masks: list[list[bool] | None] | None = None,
+         loss_masks: Sequence[Sequence[bool] | None] | None = None,
          images: list[tuple[Tensor, Tensor] | None] | None = None,
          vlm: ModelConfig | None = None) -> Batch:
     """Builds a `Batch` from n = len(completions) sequences (prompts[i] belongs to sequence i).
+    A sequence's completion, log-probs and loss mask are lists or 1-D tensors.
 
     `multiple`: the rows are padded with dummy rows (mask False) to a multiple of it, so every
     micro-batch has the same shape (pipeline parallelism needs that). `blocks` (dividing
@@ -323,14 +326,14 @@ def pack(prompts: list[list[int]], completions: list[list[int]], rollout_logps: 
     rlogp = torch.zeros(rows, S, dtype=torch.float32)
     for i, (p, c, lp) in enumerate(zip(prompts, completions, rollout_logps)):
         L, r = len(p), int(where[i])  # r: the row of sequence i
-        ids[r, :L] = torch.tensor(p, dtype=torch.long)
-        if c:
-            ids[r, L:L + len(c)] = torch.tensor(c, dtype=torch.long)
+        ids[r, :L] = torch.as_tensor(p, dtype=torch.long)
+        if len(c):  # as_tensor: a list, or a row of `SampleColumns` (a view, no list made)
+            ids[r, L:L + len(c)] = torch.as_tensor(c, dtype=torch.long)
             keep = completion_mask is None or bool(completion_mask[i])
             mask[r, L - 1:L - 1 + len(c)] = keep
             if keep and loss_masks is not None and loss_masks[i] is not None:
-                mask[r, L - 1:L - 1 + len(c)] = torch.tensor(loss_masks[i], dtype=torch.bool)
-            rlogp[r, L - 1:L - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
+                mask[r, L - 1:L - 1 + len(c)] = torch.as_tensor(loss_masks[i], dtype=torch.bool)
+            rlogp[r, L - 1:L - 1 + len(lp)] = torch.as_tensor(lp, dtype=torch.float32)
     target = torch.roll(ids, -1, dims=1)
     target[:, -1] = pad_id
     valid = torch.zeros(rows, dtype=torch.bool)

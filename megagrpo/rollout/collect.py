@@ -627,10 +627,9 @@ def select_groups(ro: Rollout, keep: torch.Tensor, G: int) -> Rollout:
 
 def _concat(a: Rollout, b: Rollout) -> Rollout:
     off = len(a.prompts)
-    for c in b.completions:
-        c.prompt_index += off
+    moved = [dataclasses.replace(c, prompt_index=c.prompt_index + off) for c in b.completions]
     return Rollout(prompts=a.prompts + b.prompts, answers=a.answers + b.answers,
-                   completions=a.completions + b.completions,
+                   completions=list(a.completions) + moved,
                    rewards=torch.cat([a.rewards, b.rewards]), version=a.version, epoch=a.epoch,
                    metrics=a.metrics,
                    images=None if a.images is None else a.images + b.images)

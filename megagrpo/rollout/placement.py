@@ -90,7 +90,7 @@ from megagrpo.config.placement import training_world
 from megagrpo.engine.shard_feed import received_tensors as received_shards
 from megagrpo.lora.export import save_peft_adapter
 from megagrpo.rollout.collect import dynamic_sampling
-from megagrpo.rollout.sample_channel import Part, TensorChannel, pack, unpack
+from megagrpo.rollout.sample_channel import Part, TensorChannel, merged, pack, unpack
 from megagrpo.rollout.stream import StreamStats, stamp
 from megagrpo.runtime.distributed import process_group_backend
 
@@ -680,9 +680,7 @@ def _restamped(part: Part, taken: int, versions: dict[int, int]) -> Part:
     completion's (and token's) sync index replaced by the policy version it carried."""
     comps = part.completions
     if not part.policy_versions:
-        comps = [dataclasses.replace(c, version=versions[c.version], token_versions=None
-                                     if c.token_versions is None else
-                                     [versions[v] for v in c.token_versions]) for c in comps]
+        comps = comps.with_versions(versions)
     return dataclasses.replace(part, batch=part.batch - taken, completions=comps,
                                policy_versions=True)
 
@@ -929,14 +927,7 @@ class SeparateSource:
                                f"the trainer expected {before}")
         n, R = len(examples), self.place.rollout_ranks
         lo = self.ranks.dp_rank * n
-        for p in parts:  # sync indices -> policy versions (a restored part carries those)
-            if not p.policy_versions:
-                _map_versions(p.completions, self.versions)
-        merged = sorted(((c, r) for p in parts for c, r in zip(p.completions, p.rewards)
-                         if lo <= c.prompt_index < lo + n),
-                        key=lambda x: (x[0].prompt_index, x[0].sample_index))
-        for c, _ in merged:
-            c.prompt_index -= lo
+        comps, rewards = merged(parts, lo, lo + n, self.versions)
         metrics = {}
         for p in parts:  # counts over the whole batch: per replica on average
             for key, v in p.metrics.items():
@@ -946,11 +937,10 @@ class SeparateSource:
         if self.ranks.rank == 0 and i >= 2:
             self.channel.forget(i - 2)
         self.taken += 1
-        comps = [c for c, _ in merged]
         return Rollout(prompts=[_encode(self.tokenizer, e.prompt) for e in examples],
                        answers=[e.answer for e in examples], completions=comps,
-                       rewards=torch.tensor([r for _, r in merged]),
-                       version=min((c.version for c in comps), default=version),
+                       rewards=torch.tensor(rewards),
+                       version=int(comps.column("version").min()) if len(comps) else version,
                        epoch=self.loader.epoch, metrics=metrics)
 
     def _map_syncs(self, version: int) -> None:
@@ -1036,14 +1026,6 @@ class InFlightState:
                         self.source.place.rollout_ranks, k)
             return
         self.source.engine.restore = saved
-
-
-def _map_versions(comps: list, versions: dict[int, int]) -> None:
-    """Each completion's (and, in flight, each token's) sync index -> the policy version."""
-    for c in comps:
-        c.version = versions[c.version]
-        if c.token_versions:  # in flight: the sync that sampled each token
-            c.token_versions = [versions[v] for v in c.token_versions]
 
 
 def _position(state: dict) -> tuple[int, int]:

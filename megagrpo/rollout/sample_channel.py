@@ -8,10 +8,14 @@ A part (`Part`) is what rollout rank j drew of batch i: its completions (token i
 log-probs, multi-turn loss masks, per-token versions, turn rewards, MoE routes, text, and
 why a sample is dropped from the loss: a failed environment or reward), the
 summed rewards, and a few scalars (the loader position it drew at, the draw's seconds, reward
-metrics). `pack` lays it out as one uint8 buffer: a JSON header (those scalars, the string
-fields' vocabularies, and each tensor field's name, dtype and length), then each field's bytes,
-8-byte aligned; `unpack` is its inverse and returns exactly what was packed (log-probs travel
-as float32 when every value is a float32, as vLLM's are, else float64; rewards as float64).
+metrics). A part holds its completions as columns (`megagrpo.engine.columns.SampleColumns`:
+flat tensors per token field, a row of scalars per completion), made when the part is built,
+so no queued part holds per-token Python objects. `pack` lays it out as one uint8 buffer: a
+JSON header (those scalars, the string fields' vocabularies, and each tensor field's name,
+dtype and shape), then each column's bytes, 8-byte aligned, copied once into one allocation;
+`unpack` is its inverse and returns exactly what was packed, its columns views of the
+received buffer (log-probs travel as float32 when every value is a float32, as vLLM's are,
+else float64; rewards as float64).
 
 The tensor channel: one gloo group of the whole world (`Placement.samples`). Every training
 rank publishes its DP replica in the store once; rollout rank j sends each training rank only
@@ -25,9 +29,7 @@ serialises its calls, so a blocking `wait` there would hold up the main thread's
 """
 from __future__ import annotations
 
-import array
 import dataclasses
-import itertools
 import json
 import math
 import queue
@@ -39,21 +41,12 @@ from datetime import timedelta
 import torch
 
 from megagrpo.engine import Completion
+from megagrpo.engine.columns import FLOAT_COLUMNS, INT_COLUMNS, VOCAB_COLUMNS, SampleColumns
 
 ALIGN = 8
 TAG = 0
 """One tag: messages between a pair of ranks arrive in the order they were sent; a part's
 header names its batch and the receiver checks it."""
-
-# per completion, in this order: the int64 scalars of `ints`
-INT_COLUMNS = ("prompt_index", "sample_index", "version", "turns", "tool_calls", "tool_errors",
-               "tokens", "token_versions", "loss_mask", "turn_rewards", "finish_reason",
-               "truncation", "correct", "routes", "text", "env_retries", "dropped")
-"""`tokens`: len(token_ids); `token_versions` / `loss_mask`: 1 when present; `turn_rewards`:
-their count, -1 for None; `finish_reason` / `truncation` / `dropped`: index into the header's
-vocabulary; `correct`: -1 None, 0, 1; `routes`: the routes tensor's rank (0: None);
-`text`: its UTF-8 byte count."""
-FLOAT_COLUMNS = ("tool_seconds", "env_reward", "reward")
 
 
 @dataclass
@@ -68,146 +61,107 @@ class Part:
     draw_s: float
     metrics: dict
     """The reward terms' and sampling scalars of the whole part."""
-    completions: list[Completion] = field(default_factory=list)
+    completions: SampleColumns = field(
+        default_factory=lambda: SampleColumns.from_completions([]))
+    """The completions as columns (a list of `Completion`s given here is made columns at
+    once, so a queued part holds no per-token Python objects)."""
     rewards: list[float] = field(default_factory=list)
     """Per completion: the summed reward."""
     policy_versions: bool = False
     """The completions' versions are policy versions already (a part restored from a
     checkpoint, `megagrpo.rollout.placement`), not sync indices of this launch."""
 
+    def __post_init__(self) -> None:
+        self.completions = SampleColumns.of(self.completions)
+        if len(self.rewards) != len(self.completions):
+            raise ValueError(f"batch {self.batch} of rollout rank {self.rollout}: "
+                             f"{len(self.completions)} completions, {len(self.rewards)} rewards")
+
     def slice(self, lo: int, hi: int) -> Part:
         """The completions of prompts lo <= prompt_index < hi (and their rewards)."""
-        keep = [k for k, c in enumerate(self.completions) if lo <= c.prompt_index < hi]
-        return dataclasses.replace(self, completions=[self.completions[k] for k in keep],
+        p = self.completions.column("prompt_index")
+        keep = torch.nonzero((p >= lo) & (p < hi)).reshape(-1).tolist()
+        return dataclasses.replace(self, completions=self.completions.take(keep),
                                    rewards=[self.rewards[k] for k in keep])
 
 
 # ---------------------------------------------------------------------- packing
-def _vocab(values: list[str]) -> list[str]:
-    return sorted(set(values))
-
-
-def _flat(code: str, lists, dtype: torch.dtype) -> torch.Tensor:
-    """The lists concatenated as one tensor, through an `array` of type `code` (filled in C:
-    building a Python list of every token first took most of a 10k-sample pack)."""
-    flat = array.array(code, itertools.chain.from_iterable(lists))
-    return torch.frombuffer(flat, dtype=dtype) if flat else torch.empty(0, dtype=dtype)
-
-
-def _exact_float32(values: torch.Tensor) -> bool:
-    return bool(torch.equal(values.to(torch.float32).to(torch.float64), values))
-
-
 def pack(part: Part) -> torch.Tensor:
     """`part` as one uint8 buffer: [8-byte header length][JSON header][fields] (module
-    docstring)."""
-    cs = part.completions
-    finish, trunc = _vocab([c.finish_reason for c in cs]), _vocab([c.truncation for c in cs])
-    dropped = _vocab([c.dropped for c in cs])
-    texts = [c.text.encode() for c in cs]
-    ints = torch.tensor([[
-        c.prompt_index, c.sample_index, c.version, c.turns, c.tool_calls, c.tool_errors,
-        len(c.token_ids), c.token_versions is not None, c.loss_mask is not None,
-        -1 if c.turn_rewards is None else len(c.turn_rewards), finish.index(c.finish_reason),
-        trunc.index(c.truncation), -1 if c.correct is None else int(c.correct),
-        0 if c.routes is None else c.routes.dim(), len(t), c.env_retries,
-        dropped.index(c.dropped)] for c, t in zip(cs, texts)],
-        dtype=torch.int64).reshape(len(cs), len(INT_COLUMNS))
-    floats = torch.tensor([[c.tool_seconds, c.env_reward, r] for c, r in
-                           zip(cs, part.rewards, strict=True)],
-                          dtype=torch.float64).reshape(len(cs), len(FLOAT_COLUMNS))
-    ids = _flat("q", (c.token_ids for c in cs), torch.int64)
-    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < 2 ** 31:
-        raise ValueError(f"a token id outside int32 ({int(ids.min())}..{int(ids.max())}) in "
-                         f"batch {part.batch}: the sample channel sends ids as int32")
-    logprobs = _flat("d", (c.logprobs for c in cs), torch.float64)
-    for c in cs:
-        if len(c.logprobs) != len(c.token_ids):
-            raise ValueError(f"a completion of batch {part.batch} has {len(c.token_ids)} token "
-                             f"ids and {len(c.logprobs)} log-probs")
-    routes = [c.routes for c in cs if c.routes is not None]
-    fields = {
-        "ints": ints, "floats": floats, "token_ids": ids.to(torch.int32),
-        "logprobs": logprobs.to(torch.float32) if _exact_float32(logprobs) else logprobs,
-        "token_versions": torch.tensor([v for c in cs if c.token_versions is not None
-                                        for v in c.token_versions], dtype=torch.int64),
-        "loss_mask": torch.tensor([m for c in cs if c.loss_mask is not None
-                                   for m in c.loss_mask], dtype=torch.bool),
-        "turn_rewards": torch.tensor([r for c in cs if c.turn_rewards is not None
-                                      for r in c.turn_rewards], dtype=torch.float64),
-        "route_shapes": torch.tensor([s for r in routes for s in r.shape], dtype=torch.int64),
-        "routes": (torch.cat([r.reshape(-1) for r in routes]) if routes
-                   else torch.empty(0, dtype=torch.int16)),
-        "text": torch.frombuffer(bytearray(b"".join(texts)) or bytearray(1), dtype=torch.uint8
-                                 )[:sum(map(len, texts))],
-    }
+    docstring), written into one allocation."""
+    cols = part.completions
+    fields = dict(cols.tensors(), rewards=torch.tensor(part.rewards, dtype=torch.float64))
     header = {"batch": part.batch, "rollout": part.rollout, "loader": part.loader,
               "epoch": part.epoch, "draw_s": part.draw_s, "metrics": part.metrics,
-              "finish_reason": finish, "truncation": trunc, "dropped": dropped,
-              "policy_versions": part.policy_versions,
-              "fields": [[k, str(t.dtype).removeprefix("torch."), t.numel()]
+              "vocab": cols.vocab, "policy_versions": part.policy_versions,
+              "fields": [[k, str(t.dtype).removeprefix("torch."), list(t.shape)]
                          for k, t in fields.items()]}
-    blobs = [json.dumps(header).encode()]
-    blobs += [t.contiguous().view(torch.uint8).numpy().tobytes() for t in fields.values()]
-    out = bytearray(len(blobs[0]).to_bytes(8, "little"))
-    for b in blobs:
-        out += b + bytes(-len(b) % ALIGN)
-    return torch.frombuffer(out, dtype=torch.uint8)
+    head = json.dumps(header).encode()
+    sizes = [t.numel() * t.element_size() for t in fields.values()]
+    total = 8 + _padded(len(head)) + sum(map(_padded, sizes))
+    out = torch.zeros(total, dtype=torch.uint8)
+    out[:8] = torch.frombuffer(bytearray(len(head).to_bytes(8, "little")), dtype=torch.uint8)
+    out[8:8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    off = 8 + _padded(len(head))
+    for t, size in zip(fields.values(), sizes):
+        out[off:off + size] = t.contiguous().reshape(-1).view(torch.uint8)
+        off += _padded(size)
+    return out
 
 
 def unpack(buf: torch.Tensor) -> Part:
-    """The `Part` `pack` laid out in `buf` (uint8)."""
+    """The `Part` `pack` laid out in `buf` (uint8): its columns are views of `buf` (no copy;
+    they keep it alive)."""
     n = int.from_bytes(buf[:8].numpy().tobytes(), "little")
     header = json.loads(buf[8:8 + n].numpy().tobytes().decode())
-    off, f = 8 + n + (-n % ALIGN), {}
-    for name, dtype, numel in header["fields"]:
+    off, f = 8 + _padded(n), {}
+    for name, dtype, shape in header["fields"]:
         dt = getattr(torch, dtype)
-        size = numel * torch.empty(0, dtype=dt).element_size()
-        f[name] = buf[off:off + size].clone().view(dt)
-        off += size + (-size % ALIGN)
-    ints, floats = f["ints"].view(-1, len(INT_COLUMNS)).tolist(), f["floats"].view(
-        -1, len(FLOAT_COLUMNS)).tolist()
-    ids, lps = _Cursor(f["token_ids"].tolist()), _Cursor(f["logprobs"].double().tolist())
-    tv, lm = _Cursor(f["token_versions"].tolist()), _Cursor(f["loss_mask"].tolist())
-    tr, shapes = _Cursor(f["turn_rewards"].tolist()), _Cursor(f["route_shapes"].tolist())
-    routes, text = _Cursor(f["routes"]), _Cursor(f["text"].numpy().tobytes())
-    comps = []
-    for row, (tool_s, env_r, _) in zip(ints, floats):
-        r = dict(zip(INT_COLUMNS, row))
-        k = r["tokens"]
-        c = Completion(prompt_index=r["prompt_index"], sample_index=r["sample_index"],
-                       token_ids=ids.take(k), logprobs=lps.take(k),
-                       finish_reason=header["finish_reason"][r["finish_reason"]],
-                       text=text.take(r["text"]).decode(),
-                       correct=None if r["correct"] < 0 else bool(r["correct"]),
-                       version=r["version"], turns=r["turns"], tool_calls=r["tool_calls"],
-                       tool_errors=r["tool_errors"], tool_seconds=tool_s, env_reward=env_r,
-                       truncation=header["truncation"][r["truncation"]],
-                       env_retries=r["env_retries"],
-                       dropped=header["dropped"][r["dropped"]],
-                       token_versions=tv.take(k) if r["token_versions"] else None,
-                       loss_mask=lm.take(k) if r["loss_mask"] else None,
-                       turn_rewards=tr.take(r["turn_rewards"]) if r["turn_rewards"] >= 0
-                       else None)
-        if r["routes"]:
-            shape = shapes.take(r["routes"])
-            c.routes = routes.take(math.prod(shape)).reshape(shape)
-        comps.append(c)
+        shape = shape if isinstance(shape, list) else [shape]  # a count: the layout before
+        size = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+        f[name] = buf[off:off + size].view(dt).view(shape)
+        off += _padded(size)
+    if "vocab" not in header:  # packed before the columns (a checkpoint's queued parts)
+        _columns_from_rows(header, f)
+    rewards = f.pop("rewards").tolist()
+    cols = SampleColumns(**f, vocab={k: tuple(v) for k, v in header["vocab"].items()})
     return Part(batch=header["batch"], rollout=header["rollout"], loader=header["loader"],
                 epoch=header["epoch"], draw_s=header["draw_s"], metrics=header["metrics"],
-                completions=comps, rewards=[x[2] for x in floats],
+                completions=cols, rewards=rewards,
                 policy_versions=header.get("policy_versions", False))
 
 
-class _Cursor:
-    """Consecutive slices of one flat sequence."""
+def _columns_from_rows(header: dict, f: dict) -> None:
+    """A part packed before the columnar change, in place: its ints and floats were flat
+    (the floats with the reward as a third column) and its vocabularies separate keys."""
+    f["ints"] = f["ints"].view(-1, len(INT_COLUMNS))
+    floats = f["floats"].view(-1, len(FLOAT_COLUMNS) + 1)
+    f["floats"], f["rewards"] = floats[:, :-1].contiguous(), floats[:, -1].contiguous()
+    header["vocab"] = {k: header[k] for k in VOCAB_COLUMNS}
 
-    def __init__(self, seq) -> None:
-        self.seq, self.at = seq, 0
 
-    def take(self, n: int):
-        self.at += n
-        return self.seq[self.at - n:self.at]
+def _padded(n: int) -> int:
+    return n + (-n % ALIGN)
+
+
+def merged(parts: list[Part], lo: int, hi: int, versions: dict[int, int]
+            ) -> tuple[SampleColumns, list[float]]:
+    """The completions of prompts [lo, hi) of every part, ordered by (prompt, sample), their
+    prompts counted from lo and their sync indices (per token too, in flight) made policy
+    versions (a part restored from a checkpoint carries those already), as columns copied
+    once; and their rewards."""
+    fresh = [not p.policy_versions for p in parts]
+    cols = [p.completions.with_versions(versions) if f and not all(fresh) else p.completions
+            for p, f in zip(parts, fresh)]
+    picks = []
+    for s, c in enumerate(cols):
+        prompt, sample = c.column("prompt_index").tolist(), c.column("sample_index").tolist()
+        picks += [(prompt[r], sample[r], s, r) for r in range(len(c)) if lo <= prompt[r] < hi]
+    picks.sort()
+    out = SampleColumns.gather(cols, [(s, r) for _, _, s, r in picks])
+    out.shift_and_map_(-lo, versions if all(fresh) else None)  # on this copy: no other
+    return out, [parts[s].rewards[r] for _, _, s, r in picks]
+
 
 
 # ---------------------------------------------------------------------- the channels
@@ -292,6 +246,7 @@ class TensorChannel:
                 for t, r in enumerate(ranges):
                     self._send(packed[r], t)
                 self._unsent.pop(part.batch, None)
+                del packed, part  # not held while the next part is drawn
         except BaseException as e:  # re-raised by the next put / close on the main thread
             self._failed.append(e)
 
@@ -347,10 +302,16 @@ class StoreChannel:
         self.store, self.R, self.timeout_s = store, rollout_ranks, timeout_s
         self.bytes_sent = self.bytes_received = 0
 
+    @staticmethod
+    def encode(part: Part) -> str:
+        """`part` as this path's JSON (routes left out)."""
+        scalars = {f.name: getattr(part, f.name) for f in dataclasses.fields(Part)
+                   if f.name != "completions"}
+        return json.dumps(dict(scalars, completions=[dataclasses.asdict(dataclasses.replace(
+            c, routes=None)) for c in part.completions]))
+
     def put(self, part: Part) -> None:
-        data = json.dumps(dict(dataclasses.asdict(dataclasses.replace(part, completions=[])),
-                               completions=[dataclasses.asdict(dataclasses.replace(
-                                   c, routes=None)) for c in part.completions]))
+        data = self.encode(part)
         self.store.set(ready_key(part.batch, part.rollout), data)
         self.bytes_sent += len(data.encode())
 
@@ -377,4 +338,4 @@ class StoreChannel:
             self.store.delete_key(ready_key(i, j))
 
 
-__all__ = ["Part", "StoreChannel", "TensorChannel", "pack", "replica_range", "unpack"]
+__all__ = ["Part", "StoreChannel", "TensorChannel", "merged", "pack", "replica_range", "unpack"]

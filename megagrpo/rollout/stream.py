@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from megagrpo.engine.columns import SampleColumns, int_column
+
 if TYPE_CHECKING:
     from megagrpo.engine import Completion
 
@@ -37,8 +39,8 @@ class Rollout:
     """[B] prompt token ids."""
     answers: list[str]
     """[B] reference answers."""
-    completions: list[Completion] = field(default_factory=list)
-    """[B*G] `Completion`s, prompt-major."""
+    completions: list[Completion] | SampleColumns = field(default_factory=list)
+    """[B*G] `Completion`s, prompt-major (separate placement: as columns, read-only)."""
     rewards: torch.Tensor | None = None
     """[B*G] summed rewards."""
     version: int = 0
@@ -95,8 +97,8 @@ class RolloutSource(Protocol):
 
 def sample_versions(ro: Rollout) -> torch.Tensor:
     """[n] int64 the policy version of each completion (the batch's where none was stamped)."""
-    return torch.tensor([c.version if c.version >= 0 else ro.version for c in ro.completions],
-                        dtype=torch.int64)
+    v = int_column(ro.completions, "version")
+    return torch.where(v >= 0, v, ro.version)
 
 
 def sample_lags(ro: Rollout, trainer_version: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ from megagrpo import algo
 from megagrpo.agent.runner import agent_metrics
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.config.train import TrainConfig
+from megagrpo.engine.columns import SampleColumns
 from megagrpo.kernels import kl_penalty
 from megagrpo.parallel.batch import Batch, pack
 from megagrpo.rollout.stream import Rollout
@@ -51,30 +52,29 @@ def build_batch(ro: Rollout, cfg: TrainConfig, *, pad_id: int, multiple: int,
     a vision-language model's ModelConfig (each row gets its prompt's images and the 3-D
     positions)."""
     a = cfg.algo
-    prompts = [ro.prompts[c.prompt_index] for c in ro.completions]
-    lengths = torch.tensor([len(c.token_ids) for c in ro.completions])
-    model_lengths = torch.tensor([len(c.token_ids) if c.loss_mask is None else sum(c.loss_mask)
-                                  for c in ro.completions])
-    truncated = torch.tensor([c.finish_reason == "length" for c in ro.completions])
+    cols = SampleColumns.of(ro.completions)  # columns: each row's tokens read as a view
+    prompts = [ro.prompts[i] for i in cols.column("prompt_index").tolist()]
+    lengths = cols.column("tokens")
+    model_lengths = cols.model_lengths()
+    truncated = cols.is_value("finish_reason", "length")
     rewards = ro.rewards.float()
     if a.overlong_buffer:
         rewards = rewards + _overlong(lengths, prompts, cfg)
-    dropped = torch.tensor([bool(c.dropped) for c in ro.completions], dtype=torch.bool)
+    dropped = ~cols.is_value("dropped", "")
     valid = ~dropped if bool(dropped.any()) else None
     keep = ~truncated if a.mask_truncated else None
     if valid is not None:
         keep = valid if keep is None else keep & valid
-    batch = pack(prompts, [c.token_ids for c in ro.completions],
-                 [c.logprobs for c in ro.completions], torch.zeros(len(rewards)),
-                 pad_id=pad_id, multiple=multiple, blocks=a.num_minibatches,
-                 completion_mask=keep, seq_rewards=rewards,
-                 routes=([c.routes for c in ro.completions]
-                         if ro.completions and ro.completions[0].routes is not None else None),
-                 loss_masks=[c.loss_mask for c in ro.completions],
+    routes = cols.route_rows()
+    batch = pack(prompts, cols.rows("token_ids"), cols.rows("logprobs"),
+                 torch.zeros(len(rewards)), pad_id=pad_id, multiple=multiple,
+                 blocks=a.num_minibatches, completion_mask=keep, seq_rewards=rewards,
+                 routes=routes if routes and routes[0] is not None else None,
+                 loss_masks=cols.rows("loss_mask"),
                  images=(None if ro.images is None
-                         else [ro.images[c.prompt_index] for c in ro.completions]),
+                         else [ro.images[i] for i in cols.column("prompt_index").tolist()]),
                  vlm=vlm)
-    correct = torch.tensor([bool(c.correct) for c in ro.completions])
+    correct = cols.column("correct") == 1
     bad = int(algo.bad_rewards(rewards, a.max_abs_reward).sum())
     metrics = dict(algo.reward_metrics(ro.rewards.float(), a.group_size, correct), **ro.metrics)
     metrics.update(completion_len=float(model_lengths.float().mean()),
