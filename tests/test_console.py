@@ -23,6 +23,10 @@ def _record(name: str, level: int, msg: str) -> logging.LogRecord:
     (0, "vllm.renderers.base", logging.WARNING, "Chat template warmup failed", False),
     (0, "py.warnings", logging.WARNING, "x.py:3: UserWarning: Apex is not installed.", False),
     (0, "vllm.engine", logging.WARNING, "KV cache is too small", True),
+    (0, "vllm.lora.model_manager", logging.WARNING, "Regarding Qwen2_5_VLForConditionalGeneration, "
+     "no matching PunicaWrapper is found; visual.blocks.0.attn.qkv will be ignored.", False),
+    (0, "vllm.lora.model_manager", logging.WARNING, "Regarding M, no matching PunicaWrapper is "
+     "found; model.layers.0.mlp.fc1 will be ignored.", True),  # an adapter'd layer: said
     (0, "vllm.engine", logging.INFO, "Reloading weights took 0.1 s", False),
     (0, "megagrpo", logging.INFO, "distributed: backend=gloo", True),
     (1, "megagrpo", logging.INFO, "distributed: backend=gloo", False),

@@ -60,6 +60,9 @@ QUIET = (
     ("py.warnings", "FutureWarning"),
     ("math_verify", "Timeout is disabled"),  # megagrpo enforces reward.timeout_s itself
     ("vllm", "Reset SSM cache type"),  # hybrid (mamba) models only
+    # LoRA on a VLM: megagrpo's adapters are on the language model only; vLLM's LoRA manager
+    # says, for each vision-tower module, that it has no wrapper for it (it carries no adapter)
+    ("vllm.lora", "no matching PunicaWrapper is found; visual."),
     ("megagrpo", "reference re-initialised"),  # the progress bar marks it ("ref reset")
 )
 
