@@ -123,7 +123,12 @@ def fault_rank(out: Path, step: int, delay: float, pick: random.Random) -> dict:
     stress.wait_for_step(proc, out, step)
     time.sleep(delay)
     ranks = ranks_of(proc)
-    victim = pick.choice(sorted(ranks))
+    return kill_rank(proc, log, out, ranks, pick.choice(sorted(ranks)))
+
+
+def kill_rank(proc, log: Path, out: Path, ranks: dict[int, int], victim: int) -> dict:
+    """SIGKILLs rank `victim` (`ranks`: rank -> pid) of a run under `--max-restarts 1`, lets
+    torchrun restart the job and the run finish; what the restart resumed from."""
     os.kill(ranks[victim], signal.SIGKILL)
     stress.finish(proc, log)
     marks = stress.restarts(out)
@@ -328,13 +333,7 @@ def kill_in_mode(out: Path, mode: str, victim: str, step: int, delay: float,
     ranks = ranks_of(proc)
     training = len(ranks) - (1 if "rollout.placement=separate" in m.extra else 0)
     chosen = pick.choice(sorted(r for r in ranks if (r < training) == (victim == "training")))
-    os.kill(ranks[chosen], signal.SIGKILL)
-    stress.finish(proc, log)
-    marks = stress.restarts(out)
-    at = marks[0]["resumed_from_step"] if marks else None
-    return {"victim_rank": chosen, "restarts": len(marks),
-            "resumed": f"step {at} (torchrun restart)" if at is not None
-            else "fresh start (torchrun restart, no intact checkpoint)"}
+    return kill_rank(proc, log, out, ranks, chosen)
 
 
 def same_prompts(reference: Path, resumed: Path) -> list[str]:

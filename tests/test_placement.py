@@ -52,7 +52,7 @@ from megagrpo.rollout.placement import (
 from megagrpo.rollout.sample_channel import unpack
 from megagrpo.runtime.distributed import Groups, Ranks
 from megagrpo.sync.transports.collective import Collective
-from tests.support.cli import run_cli
+from tests.support.cli import run_cli, train_logged
 from tests.support.launch import run_loopback_nodes
 from tests.test_stream import Reward, Tok
 
@@ -1095,15 +1095,7 @@ def separate_moe_run(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("separate_moe")
     tiny_qwen3_moe(work / "qwen3_moe")
-    p = run_cli("train", *MOE_ARGS, f"run.init={work}/qwen3_moe", f"run.out_dir={work}/run",
-                timeout=900)
-    console = p.stdout + p.stderr
-    assert p.returncode == 0, console[-6000:]
-    records = [json.loads(line) for line in Path(work, "run", "metrics.jsonl").read_text()
-               .splitlines()]
-    # the console and every rank's full log (step and rollout-rank lines go to the files)
-    logs = "".join(f.read_text() for f in sorted(Path(work, "run", "logs").glob("rank*.log")))
-    return console + logs, [r for r in records if "loss" in r], work
+    return (*train_logged(work / "run", *MOE_ARGS, f"run.init={work}/qwen3_moe"), work)
 
 
 def test_separate_routing_replay(separate_moe_run):

@@ -30,7 +30,7 @@ import pytest
 from megagrpo.config.model import ModelConfig
 from megagrpo.config.train import load_config
 from megagrpo.hf import hf_shapes
-from tests.support.cli import run_cli
+from tests.support.cli import run_cli, train_logged
 from tests.test_placement import ARGS as SEPARATE_ARGS
 
 STEPS = 3
@@ -144,14 +144,7 @@ LAYOUT = ["parallel.tp=2", "parallel.pp=2", "rollout.rollout_ranks=2",
 def _run(work: Path, *args: str) -> tuple[str, list[dict]]:
     """`megagrpo train` on 6 ranks (4 training + 2 rollout); (console + every rank's log, the
     step records)."""
-    p = run_cli("train", "--nproc", "6", *args, *LAYOUT, f"run.out_dir={work}/run",
-                timeout=900)
-    console = p.stdout + p.stderr
-    assert p.returncode == 0, console[-6000:]
-    records = [json.loads(line) for line in Path(work, "run", "metrics.jsonl").read_text()
-               .splitlines()]
-    logs = "".join(f.read_text() for f in sorted(Path(work, "run", "logs").glob("rank*.log")))
-    return console + logs, [r for r in records if "loss" in r]
+    return train_logged(Path(work, "run"), "--nproc", "6", *args, *LAYOUT)
 
 
 @pytest.mark.heavy  # ~1 min: 6 ranks; the default launch above proves the shard feed
