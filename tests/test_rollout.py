@@ -258,10 +258,9 @@ def _side_thread_draw(engine, prompts, sampling, trainer_work=None):
     t = threading.Thread(target=lambda: out.append(engine.generate(prompts, sampling)))
     t.start()
     results = []
-    while t.is_alive():
-        if trainer_work is not None:
-            results.append(trainer_work())
-    t.join()
+    while trainer_work is not None and t.is_alive():
+        results.append(trainer_work())
+    t.join()  # (no busy wait without trainer work: it held the GIL from the sampling thread)
     return [(c.token_ids, c.logprobs) for c in out[0]], results
 
 
