@@ -544,17 +544,9 @@ def main() -> int:
             print(f"{f}: after step {step} + {delay:.2f} s")
         return 0
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    t0, load = time.monotonic(), os.getloadavg()
-    runs = []
-    for f, step, delay in todo:
-        r = run_fault(work, f, step, delay, args.seed)
-        runs.append(r)
-        print(json.dumps(r), flush=True)
-    results = {"machine": machine(), "seed": args.seed, "steps": STEPS,
-               "load_before": [round(x, 2) for x in load],
-               "load_after": [round(x, 2) for x in os.getloadavg()],
-               "seconds": round(time.monotonic() - t0, 1), "runs": runs}
+    runs, part = run_each(work, [partial(run_fault, work, f, step, delay, args.seed)
+                                 for f, step, delay in todo])
+    results = {"machine": machine(), "seed": args.seed, "steps": STEPS, **part, "runs": runs}
     if args.merge and args.out and Path(args.out).exists():
         old = json.loads(Path(args.out).read_text())
         if old["seed"] != args.seed:
@@ -570,6 +562,25 @@ def main() -> int:
     ok = all(r.get("equal") and not r.get("left_after_fault") and not r["left_at_end"]
              for r in runs)
     return 0 if ok else 1
+
+
+def _indexed_kill(work: Path, i: int, mode: str, victim: str, step: int, delay: float,
+                  seed: int) -> dict:
+    return {"index": i, **run_kill(work, i, mode, victim, step, delay, seed)}
+
+
+def run_each(work: Path, jobs: list) -> tuple[list[dict], dict]:
+    """Runs each job (a call returning its result line) in `work`, printing each line as it
+    ends; (the lines, the load before and after and the seconds they took)."""
+    work.mkdir(parents=True, exist_ok=True)
+    t0, load = time.monotonic(), os.getloadavg()
+    runs = []
+    for job in jobs:
+        runs.append(job())
+        print(json.dumps(runs[-1]), flush=True)
+    return runs, {"load_before": [round(x, 2) for x in load],
+                  "load_after": [round(x, 2) for x in os.getloadavg()],
+                  "seconds": round(time.monotonic() - t0, 1)}
 
 
 def main_modes(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -588,15 +599,8 @@ def main_modes(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             print(f"{i}: {mode}: kill {victim} after step {step} + {delay:.2f} s")
         return 0
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    t0, load = time.monotonic(), os.getloadavg()
-    runs = []
-    for i, (mode, victim, step, delay) in todo:
-        runs.append({"index": i, **run_kill(work, i, mode, victim, step, delay, args.seed)})
-        print(json.dumps(runs[-1]), flush=True)
-    part = {"load_before": [round(x, 2) for x in load],
-            "load_after": [round(x, 2) for x in os.getloadavg()],
-            "seconds": round(time.monotonic() - t0, 1)}
+    runs, part = run_each(work, [partial(_indexed_kill, work, i, *kill, args.seed)
+                                 for i, kill in todo])
     results = {"machine": machine(), "seed": args.seed, "steps": STEPS, "modes": modes,
                "kills": args.kills, **part, "runs": runs}
     if args.merge and args.out and Path(args.out).exists():

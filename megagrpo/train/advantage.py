@@ -53,7 +53,8 @@ def build_batch(ro: Rollout, cfg: TrainConfig, *, pad_id: int, multiple: int,
     positions)."""
     a = cfg.algo
     cols = SampleColumns.of(ro.completions)  # columns: each row's tokens read as a view
-    prompts = [ro.prompts[i] for i in cols.column("prompt_index").tolist()]
+    index = cols.column("prompt_index").tolist()  # each row's prompt
+    prompts = [ro.prompts[i] for i in index]
     lengths = cols.column("tokens")
     model_lengths = cols.model_lengths()
     truncated = cols.is_value("finish_reason", "length")
@@ -72,7 +73,7 @@ def build_batch(ro: Rollout, cfg: TrainConfig, *, pad_id: int, multiple: int,
                  routes=routes if routes and routes[0] is not None else None,
                  loss_masks=cols.rows("loss_mask"),
                  images=(None if ro.images is None
-                         else [ro.images[i] for i in cols.column("prompt_index").tolist()]),
+                         else [ro.images[i] for i in index]),
                  vlm=vlm)
     correct = cols.column("correct") == 1
     bad = int(algo.bad_rewards(rewards, a.max_abs_reward).sum())
