@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from megagrpo.config.section import freeze
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import PromptLoader
 from megagrpo.engine import VLLMEngine
+from megagrpo.engine.process import EngineProcess
 from megagrpo.hf import hf_config_dict, load_hf_weights
 from megagrpo.model.compile import (
     FirstStepLine,
@@ -212,8 +214,16 @@ def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
                             seed=cfg.rollout.seed + layout.engine,
                             dtype=model.dtype)
     lora_rank = build_tuning(cfg.lora).engine_lora_rank(cfg.rollout.tensor_parallel_size, model)
-    return VLLMEngine(r, d, dtype=model.dtype, capture_routing=cfg.algo.routing_replay,
-                      max_lora_rank=lora_rank)
+    build = functools.partial(VLLMEngine, r, d, dtype=model.dtype,
+                              capture_routing=cfg.algo.routing_replay, max_lora_rank=lora_rank)
+    if cfg.rollout.engine_failure == "continue":  # a failed engine leaves its rank standing
+        engine = EngineProcess(build, cfg.parallel.collective_timeout_s,
+                               label=f"-rank{layout.rank if rank is None else rank}")
+        (d / "engine.pid").write_text(str(engine.pid))
+        log.info("rollout rank %d: vLLM engine in child process %d (rollout.engine_failure="
+                 "continue)", layout.rank if rank is None else rank, engine.pid)
+        return engine
+    return build()
 
 
 def _engine_dir(cfg: TrainConfig, rank: int) -> Path:
@@ -355,7 +365,10 @@ def _train(cfg: TrainConfig, watchdog: Watchdog, checked: Preflight | None) -> d
                 m["eval_target_step"] = tr.step_idx
         logger.log(m)
         if cfg.checkpoint.every and tr.step_idx % cfg.checkpoint.every == 0:
-            ckpts.save(tr.step_idx)
+            where = ckpts.save(tr.step_idx)
+            if tr.step_idx < cfg.run.steps and isinstance(tr.rollouts, SeparateSource) \
+                    and tr.rollouts.ends_attempt(attempt):
+                end_attempt(tr, logger, where)
     if cfg.checkpoint.at_end and (not cfg.checkpoint.every
                                   or tr.step_idx % cfg.checkpoint.every):
         ckpts.save(tr.step_idx)
@@ -409,6 +422,22 @@ def _evaluate_before(tr: Trainer, logger: MetricsLogger, resumed: bool) -> dict:
         if not resumed:  # a resumed run's history already holds this step's evaluation
             logger.log({"step": tr.step_idx, "eval_accuracy": summary["eval_accuracy_before"]})
     return summary
+
+
+def end_attempt(tr: Trainer, logger: MetricsLogger, where: Path) -> NoReturn:
+    """rollout.engine_failure=continue, a rollout rank out: the checkpoint `where` is written,
+    so this torchrun attempt ends (every training rank exits non-zero) and torchrun's
+    --max-restarts starts the job again with every rollout rank, resuming from it."""
+    if tr.ranks.rank == 0:
+        log.warning("rollout.engine_failure=continue: checkpoint %s written with %d of %d "
+                    "rollout ranks; ending this attempt so that torchrun restarts the job "
+                    "with all of them (it resumes from this checkpoint)", where,
+                    tr.cfg.rollout.rollout_ranks - len(tr.rollouts.channel.outs),
+                    tr.cfg.rollout.rollout_ranks)
+    logger.close()
+    dist.barrier(group=tr.groups.world)
+    raise SystemExit(f"megagrpo: attempt ended at step {tr.step_idx} for a restart with every "
+                     f"rollout rank (rollout.engine_failure=continue); checkpoint: {where}")
 
 
 def stop_on_bad_steps(tr: Trainer, ckpts: CheckpointManager, err: BadStepsError) -> NoReturn:

@@ -209,8 +209,8 @@ class EvalMarkerEngine(MarkerEngine):
 def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEngine,
             train_s: float = 0.0, batches: int | None = None,
             held_out: list[Example] | None = None, cold_syncs: int = 0, settle: bool = False,
-            checkpoint: bool = False, restore: dict | None = None, partial_cap: int = -1
-            ) -> dict:
+            checkpoint: bool = False, restore: dict | None = None, partial_cap: int = -1,
+            failover: bool = False) -> dict:
     """One launch of a separate-placement world in this process: 2 rollout ranks (threads) and
     2 training replicas (both read here, replica 0 sends; a step "trains" `train_s` seconds
     before its sync; with `held_out`, both replicas evaluate it after every sync; `cold_syncs`:
@@ -221,8 +221,11 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
     checkpoint of the rollout ranks' in-flight state (`InFlightState`, through save_tree's
     format), returned as "in_flight"; `restore`: such a state, put back at the first sync.
     `partial_cap` >= 0: rollout.partial_rollouts with that rollout.partial_max_updates.
+    `failover`: rollout.engine_failure=continue (`engine` is called with the rollout index).
     Returns what each side saw."""
     cfg = _config(k)
+    if failover:
+        cfg.rollout.engine_failure = "continue"
     if partial_cap >= 0:
         cfg.rollout.partial_rollouts, cfg.rollout.partial_max_updates = True, partial_cap
     timeout = timedelta(seconds=60)
@@ -242,9 +245,10 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
     stream = dist.PrefixStore("stream/", store)
     places = [Placement(rank=r, train_world=2, rollout_ranks=2, store=stream,
                         cross=groups[0] if r == 0 else groups.get(r - 1) if r >= 2 else None,
-                        timeout_s=60, samples=samples[r])
+                        timeout_s=60, samples=samples[r], failover=failover)
               for r in range(4)]
-    engines, served = [engine(), engine()], {}
+    engines = [engine(j) for j in range(2)] if failover else [engine(), engine()]
+    served = {}
     rollout_threads = []
     for j in range(2):
         col = RolloutCollector(cfg=cfg, engine=engines[j], tokenizer=Tok(),
@@ -288,7 +292,14 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
         remote.release()  # after a cold start, with the weights it ended at
         if held_out is not None:
             accuracies.append([src.evaluate(held_out) for src in sources])
-        rollouts = [src.next(version) for src in sources]
+        if failover:  # one sender serves both replicas: they receive at once, as processes do
+            rollouts = [None, None]
+            takers = [threading.Thread(target=lambda d=d: rollouts.__setitem__(
+                d, sources[d].next(version))) for d in range(2)]
+            [t.start() for t in takers]
+            [t.join(timeout=60) for t in takers]
+        else:
+            rollouts = [src.next(version) for src in sources]
         steps_seen.append((version, rollouts))
         version += 1
     remote.close()
@@ -711,6 +722,64 @@ def test_in_flight_state_of_another_world_is_not_restored(caplog):
     assert source.engine.restore == [{"next": 0}] * 2
     part.load_state_dict({})  # a training rank other than 0 holds nothing
     assert source.engine.restore == [{"next": 0}] * 2
+
+
+class DyingMarkerEngine(MarkerEngine):
+    """A MarkerEngine whose process dies in its `dies_at`-th draw (counted from 1): that draw and
+    every later one raise `EngineLost`, and it drains the weights it is sent (as
+    `megagrpo.engine.process.EngineProcess` does); None: never."""
+
+    def __init__(self, dies_at: int | None) -> None:
+        super().__init__()
+        self.dies_at, self.draws, self.lost = dies_at, 0, None
+
+    def generate(self, prompts, sampling):
+        from megagrpo.engine.process import EngineLost
+
+        self.draws += 1
+        if self.lost is None and self.dies_at is not None and self.draws >= self.dies_at:
+            self.lost = EngineLost(4242, "was killed by signal 9 (SIGKILL)")
+        if self.lost is not None:
+            raise self.lost
+        return super().generate(prompts, sampling)
+
+    def update_weights(self, pairs):
+        if self.lost is not None:
+            for _ in pairs:
+                pass
+            return WeightSyncStats(tensors=0, bytes=0, seconds=0.0, source_seconds=0.0,
+                                   load_seconds=0.0)
+        return super().update_weights(pairs)
+
+
+@pytest.mark.parametrize("k,dies_at", [(0, 3), (1, 2)])
+def test_a_failed_engine_is_made_up_by_the_other_rollout_rank(k, dies_at, caplog):
+    """rollout.engine_failure=continue: rollout rank 1's engine dies in its `dies_at`-th draw.
+    The rank reports itself out and keeps taking the syncs; every batch the trainer takes from
+    then on still holds every prompt of the loader's batch, in order, each group whole and
+    sampled by the weights its marker names, rank 1's share drawn by rank 0 (a make-up part);
+    the metrics count the rank out and the make-ups, and rank 0's console names the rank."""
+    with caplog.at_level("WARNING", logger="megagrpo"):
+        run = _launch(_data(), k, steps=6, start=None, store=dist.HashStore(), batches=6,
+                      engine=lambda j: DyingMarkerEngine(dies_at if j == 1 else None),
+                      failover=True)
+    reference = PromptLoader(_data(), B, seed=3)
+    outs = []
+    for version, (ro0, ro1) in run["steps"]:
+        want = [int(e.prompt) for e in next(reference)]
+        assert [p[-1] for ro in (ro0, ro1) for p in ro.prompts] == want
+        for ro in (ro0, ro1):
+            assert len(ro.completions) == G * len(ro.prompts)
+            for c in ro.completions:
+                assert c.token_ids[0] == ro.prompts[c.prompt_index][-1]
+                assert c.logprobs[0] == c.version and 0 <= version - c.version <= k
+        outs.append((ro0.metrics["rollout_ranks_out"], ro0.metrics["rollout_makeups"]))
+    failed = dies_at - 1  # the batch rank 1 did not draw
+    assert outs[:failed] == [(0.0, 0.0)] * failed
+    assert outs[failed:] == [(1.0, 1.0)] * (6 - failed)
+    assert run["served"][1]["batches"] == failed
+    assert run["served"][0]["batches"] >= 6
+    assert "rollout rank 3 is out: its engine (pid 4242) was killed by signal 9" in caplog.text
 
 
 def test_separate_placement_config():

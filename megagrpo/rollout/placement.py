@@ -87,6 +87,7 @@ import torch.distributed as dist
 from megagrpo.config.lora import LoRAConfig
 from megagrpo.config.model import ModelConfig, ParallelConfig
 from megagrpo.config.placement import training_world
+from megagrpo.engine.process import EngineLost
 from megagrpo.engine.shard_feed import received_tensors as received_shards
 from megagrpo.lora.export import save_peft_adapter
 from megagrpo.rollout.collect import dynamic_sampling
@@ -149,13 +150,17 @@ class Placement:
     (engine rank 0 tells the others when to take a sync, `_agree`); None otherwise."""
     received_bytes: int = 0
     """Rollout rank: the weight bytes the shards transport brought it (every sync)."""
+    failover: bool = False
+    """rollout.engine_failure=continue: a rollout rank whose engine failed reports itself out
+    and the others make up its share of each batch (`serve`, `TensorChannel.take`)."""
 
     def channel(self, batch_size: int, replica: tuple[int, int] | None = None
                 ) -> TensorChannel:
         """This rank's end of the sample channel; `replica` = (dp_rank, dp) on training ranks."""
         return TensorChannel(group=self.samples, store=self.store, rank=self.rank,
                              train_world=self.train_world, rollout_ranks=self.rollout_ranks,
-                             batch_size=batch_size, timeout_s=self.timeout_s, replica=replica)
+                             batch_size=batch_size, timeout_s=self.timeout_s, replica=replica,
+                             failover=self.failover)
 
     @property
     def is_rollout(self) -> bool:
@@ -257,7 +262,8 @@ def split_world(cfg: TrainConfig, rank: int, world: int, model: ModelConfig | No
         "stream/", store), cross=cross, timeout_s=cfg.parallel.collective_timeout_s,
         samples=samples, weights=weights, model=model or cfg.model, parallel=cfg.parallel,
         lora=cfg.lora, adapter_dir=Path(cfg.run.out_dir) / "engine" / f"rank{rank}" / "adapters",
-        engine_tp=k, engine_group=engine_group)
+        engine_tp=k, engine_group=engine_group,
+        failover=cfg.rollout.engine_failure == "continue")
 
 
 # ---------------------------------------------------------------------- the wire
@@ -518,8 +524,8 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
     (at least sync i - k for batch i), put each finished part in the store, and evaluate
     `held_out` (its share, greedy) whenever the trainer asks, until the trainer says stop.
     Returns what it did."""
-    k, B, j = cfg.staleness, cfg.data.batch_size, place.rollout_index
-    loader, tok = collector.loader, collector.tokenizer
+    k, B = cfg.staleness, cfg.data.batch_size
+    loader = collector.loader
     watchdog.set_phase("weight_sync", 0)  # phases name a stall, as on the training ranks
     sync, evals = _until_started(place, collector, held_out or [], watchdog)
     if sync.start is not None:
@@ -533,57 +539,156 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
     if sync.restore is not None:  # a resumed launch: the checkpoint's queued parts first
         i = restore_in_flight(collector, channel, sync.restore)
     topups = 0
+    makeups = MakeUps(place) if place.failover else None
     while not sync.stop:
+        if makeups is not None:  # rollout.engine_failure=continue
+            makeups.check_engine(collector.engine, i)
+            if makeups.serve(collector, channel, starts, i, sync):
+                continue
         # an engine's ranks count the same top-ups: its leader's count
         topups = _leaders(place, _topups_asked(place, topups))
         step = i - topups  # the trainer's step the next draw goes to (top-ups: part of theirs)
         # at most k syncs behind; the launch's last batch on-policy (k = 0)
         behind = sync.index < base + step - (0 if step == last else k)
+        behind = behind or (makeups is not None and makeups.out)  # an out rank draws nothing
         due = (sync, evals, ckpts)  # the messages a broadcast may be on its way for
         if behind and cfg.algo.dynamic_sampling and not _agree(place, _message_due(place, *due)):
             watchdog.set_phase("weight_sync", i)  # or a top-up of this step, asked first
             if place.engine_rank == 0:  # its peers wait for the count it sends next round
                 _await_topup_or_message(place, due, topups)
             continue
+        if behind and makeups is not None and not _message_due(place, *due):
+            watchdog.set_phase("weight_sync", i)  # polled: a make-up may be asked meanwhile
+            time.sleep(0.005)
+            continue
         # an engine's ranks take the same syncs at the same point (its leader decides)
         if _agree(place, behind or _message_due(place, *due)):
             watchdog.set_phase("weight_sync", i)
             got = receive_weights(place, collector.engine)
             if got.eval is not None:  # with the weights of every sync sent before it
-                evals = _evaluate(place, collector, got.eval, held_out or [], watchdog)
+                evals = _evaluate(place, collector, got.eval, held_out or [], watchdog,
+                                  out=makeups is not None and makeups.out)
             elif got.checkpoint is not None:
                 ckpts = save_in_flight(place, collector, channel, got.checkpoint, starts, i,
-                                       topups)
+                                       topups, out=makeups is not None and makeups.out)
             else:
                 sync = got
             continue
         watchdog.set_phase("rollout", i)
-        t0 = time.perf_counter()
-        before = loader.state_dict()
-        starts[i] = (collector.engine.rng_state(), before)
+        try:
+            sync = _draw(place, collector, channel, sync, starts, i, mine)
+        except EngineLost as e:
+            if makeups is None:
+                raise
+            makeups.report(e, i)  # out from batch i: the trainer has its share made up
+            continue
         for old in [b for b in starts if b < i - k - 4]:  # the trainer took them long ago
             del starts[old]
-        examples = next(loader)
-        prompts = [_encode(tok, e.prompt) for e in examples]
-        args = (prompts, [e.answer for e in examples], mine, collector.sampling(),
-                [e.record for e in examples], [e.prompt for e in examples])
-        first = sync
-        if cfg.rollout.partial_rollouts:  # paused at each announced sync, continued after it
-            (comps, rewards, metrics), sync = _generate_partial(place, collector, args, sync)
-        elif getattr(collector.engine, "inflight", None) is None:
-            comps, rewards, metrics = collector._generate(*args)
-        else:
-            (comps, rewards, metrics), sync = _generate_inflight(place, collector, args, sync)
-        stamp(comps, first.index)  # sync indices (per token in flight); the trainer maps them
-        leads = place.engine_rank == 0  # an engine's other ranks drew the same: they send none
-        channel.put(Part(batch=i, rollout=j, loader=before, epoch=loader.epoch,
-                         draw_s=time.perf_counter() - t0, metrics=metrics if leads else {},
-                         completions=comps if leads else [],
-                         rewards=rewards.tolist() if leads else []))
         i += 1
     channel.close()
     return {"batches": i, "syncs": sync.index, "sample_bytes": channel.bytes_sent,
             "evaluations": evals, "weight_bytes_received": place.received_bytes}
+
+
+def _draw(place: Placement, collector: RolloutCollector, channel: TensorChannel, sync: Sync,
+          starts: dict[int, tuple], i: int, mine: list[int]) -> Sync:
+    """Rollout rank: draws prompts `mine` of batch i (the loader's next), with the engine's
+    weights (and, in flight or with partial rollouts, every sync announced meanwhile), and
+    puts the part in the channel; `starts[i]`: the sampler's streams and the loader position
+    before it. Returns the newest sync."""
+    cfg, loader, t0 = collector.cfg, collector.loader, time.perf_counter()
+    before = loader.state_dict()
+    starts[i] = (collector.engine.rng_state(), before)
+    examples = next(loader)
+    prompts = [_encode(collector.tokenizer, e.prompt) for e in examples]
+    args = (prompts, [e.answer for e in examples], mine, collector.sampling(),
+            [e.record for e in examples], [e.prompt for e in examples])
+    first = sync
+    if cfg.rollout.partial_rollouts:  # paused at each announced sync, continued after it
+        (comps, rewards, metrics), sync = _generate_partial(place, collector, args, sync)
+    elif getattr(collector.engine, "inflight", None) is None:
+        comps, rewards, metrics = collector._generate(*args)
+    else:
+        (comps, rewards, metrics), sync = _generate_inflight(place, collector, args, sync)
+    stamp(comps, first.index)  # sync indices (per token in flight); the trainer maps them
+    leads = place.engine_rank == 0  # an engine's other ranks drew the same: they send none
+    channel.put(Part(batch=i, rollout=place.rollout_index, loader=before, epoch=loader.epoch,
+                     draw_s=time.perf_counter() - t0, metrics=metrics if leads else {},
+                     completions=comps if leads else [],
+                     rewards=rewards.tolist() if leads else []))
+    return sync
+
+
+@dataclass
+class MakeUps:
+    """A rollout rank's side of rollout.engine_failure=continue: it reports itself out when its
+    engine fails (`report`; the store's `out/{j}`: the first batch it did not draw), and it
+    draws the shares of failed ranks that training rank 0 asks it to make up (`makeup/{m}`),
+    each from the prompts of that batch, once it has drawn its own part of it."""
+
+    place: Placement
+    out: bool = False
+    seen: int = 0
+    """Make-up requests read from the store so far (every rank reads them all)."""
+    asked: list = field(default_factory=list)
+    """Requests addressed to this rank, not drawn yet: (batch, slot)."""
+
+    def check_engine(self, engine, i: int) -> None:
+        """Reports the rank out once its engine was lost outside a draw (e.g. in a sync, whose
+        tensors it then drained)."""
+        lost = getattr(engine, "lost", None)
+        if lost is not None and not self.out:
+            self.report(lost, i)
+
+    def report(self, lost: EngineLost, i: int) -> None:
+        self.out = True
+        self.place.store.set(f"out/{self.place.rollout_index}", json.dumps(
+            {"batch": i, "pid": lost.pid, "how": lost.how}))
+        log.warning("rollout rank %d: %s at batch %d; it draws no more and keeps taking the "
+                    "trainer's syncs (rollout.engine_failure=continue)", self.place.rank, lost,
+                    i)
+
+    def serve(self, collector: RolloutCollector, channel: TensorChannel,
+              starts: dict[int, tuple], i: int, sync: Sync) -> bool:
+        """Draws one make-up asked of this rank whose batch it has drawn (< i); whether it did.
+        The make-up uses the engine's newest weights (at least as new as the batch needs) and
+        is put after this rank's own part of that batch (the order the trainer receives)."""
+        store, j = self.place.store, self.place.rollout_index
+        while store.check([f"makeup/{self.seen}"]):
+            ask = json.loads(store.get(f"makeup/{self.seen}"))
+            self.seen += 1
+            if ask["by"] == j:
+                self.asked.append((ask["batch"], ask["slot"]))
+        ready = [a for a in self.asked if a[0] < i]
+        if self.out or not ready:
+            return False
+        b, slot = ready[0]
+        self.asked.remove(ready[0])
+        if b not in starts:
+            raise RuntimeError(f"rollout rank {self.place.rank}: asked to make up rollout rank "
+                               f"{self.place.train_world + slot}'s share of batch {b}, which it "
+                               "drew too long ago")
+        loader, t0 = collector.loader, time.perf_counter()
+        here, before = loader.state_dict(), starts[b][1]
+        loader.load_state_dict(before)
+        examples = next(loader)
+        loader.load_state_dict(here)
+        mine = list(range(slot, collector.cfg.data.batch_size, self.place.engines))
+        args = ([_encode(collector.tokenizer, e.prompt) for e in examples],
+                [e.answer for e in examples], mine, collector.sampling(),
+                [e.record for e in examples], [e.prompt for e in examples])
+        try:
+            comps, rewards, metrics = collector._generate(*args)
+        except EngineLost as e:
+            self.report(e, i)
+            return True
+        stamp(comps, sync.index)
+        channel.put(Part(batch=b, rollout=slot, loader=before, epoch=before["epoch"],
+                         draw_s=time.perf_counter() - t0, metrics=metrics, completions=comps,
+                         rewards=rewards.tolist(), by=j))
+        log.info("rollout rank %d: made up rollout rank %d's share of batch %d (%d prompts)",
+                 self.place.rank, self.place.train_world + slot, b, len(mine))
+        return True
 
 
 def _agree(place: Placement, flag: bool) -> bool:
@@ -652,7 +757,8 @@ def _until_started(place: Placement, collector: RolloutCollector, held_out: list
 
 # ---------------------------------------------------------------------- in-flight state
 def save_in_flight(place: Placement, collector: RolloutCollector, channel: TensorChannel,
-                   ask: dict, starts: dict[int, tuple], i: int, topups: int = 0) -> int:
+                   ask: dict, starts: dict[int, tuple], i: int, topups: int = 0,
+                   out: bool = False) -> int:
     """Rollout rank, between two draws, when the trainer checkpoints (`ask`: its index, the
     batches the trainer took, the launch's batch count and sync index -> policy version):
     sends training rank 0 its in-flight state (`send_state`): the finished parts of batches
@@ -662,7 +768,12 @@ def save_in_flight(place: Placement, collector: RolloutCollector, channel: Tenso
     end are drawn again on resume, as the uninterrupted run draws them). Every batch drawn
     with weights older than the checkpoint's is finished by now (a sync waits for the draw
     it interrupts), so a resumed launch draws the rest with the same weights and streams as
-    the uninterrupted one. Returns the next checkpoint's index."""
+    the uninterrupted one. A rank whose engine failed (`out`) sends only that it is out (the
+    checkpoint then keeps no in-flight state). Returns the next checkpoint's index."""
+    if out:
+        send_state(place.samples, 0, {"next": 0, "loader": None, "rng": {}, "parts": [],
+                                      "out": True})
+        return ask["index"] + 1
     taken, batches = ask["taken"], ask["batches"]
     # dynamic sampling: the `topups` asked so far are draws of the launch's steps too
     end = i if batches is None else min(i, batches + topups)
@@ -703,7 +814,7 @@ def send_state(pg, dst: int, state: dict) -> None:
     packed parts}) to rank `dst` of `pg` (the samples group, `TAG_STATE`): a JSON header and
     one flat buffer."""
     blobs = [*state["rng"].values(), *state["parts"]]
-    head = {"next": state["next"], "loader": state["loader"],
+    head = {"next": state["next"], "loader": state["loader"], "out": state.get("out", False),
             "rng": [[k, str(t.dtype).removeprefix("torch."), list(t.shape)]
                     for k, t in state["rng"].items()],
             "parts": [t.numel() for t in state["parts"]]}
@@ -733,15 +844,19 @@ def receive_state(pg, src: int) -> dict:
     for size in head["parts"]:
         parts.append(flat[off:off + size].clone())
         off += size
-    return {"next": head["next"], "loader": head["loader"], "rng": rng, "parts": parts}
+    return {"next": head["next"], "loader": head["loader"], "rng": rng, "parts": parts,
+            "out": head.get("out", False)}
 
 
 def _evaluate(place: Placement, collector: RolloutCollector, ask: dict, held_out: list,
-              watchdog) -> int:
+              watchdog, out: bool = False) -> int:
     """Rollout rank: its share of held-out evaluation `ask` (examples j, j + R, ...), greedy
-    with the weights its engine holds; (correct, counted) into the store. Returns the next
-    evaluation's index."""
+    with the weights its engine holds; (correct, counted) into the store (a rank whose engine
+    failed, `out`: (0, 0), its share not evaluated). Returns the next evaluation's index."""
     e = ask["index"]
+    if out:
+        place.store.set(f"eval/{e}/{place.rollout_index}", json.dumps([0, 0]))
+        return e + 1
     if ask["n"] != len(held_out) or ask["digest"] != eval_digest(held_out):
         raise RuntimeError(f"separate placement: the trainer evaluates {ask['n']} held-out "
                            f"examples (digest {ask['digest']}), this rollout rank holds "
@@ -886,6 +1001,8 @@ class SeparateSource:
     """This rank's end of the sample channel (built from `place` when not given)."""
     topups: int = 0
     """Dynamic-sampling top-ups asked for in this launch (the next one's index in the store)."""
+    said_out: set = field(default_factory=set)
+    said_no_restart: bool = False
 
     def __post_init__(self) -> None:
         if self.channel is None:
@@ -932,6 +1049,10 @@ class SeparateSource:
         for p in parts:  # counts over the whole batch: per replica on average
             for key, v in p.metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + v / self.ranks.dp
+        if self.place.failover:
+            self._say_outs(i)
+            metrics["rollout_ranks_out"] = float(len(self.channel.outs))
+            metrics["rollout_makeups"] = float(sum(p.by is not None for p in parts))
         self.stats = StreamStats(queue_depth=self._waiting(i + 1),
                                  draw_s=max(p.draw_s for p in parts) if R else 0.0)
         if self.ranks.rank == 0 and i >= 2:
@@ -943,6 +1064,44 @@ class SeparateSource:
                        version=int(comps.column("version").min()) if len(comps) else version,
                        epoch=self.loader.epoch, metrics=metrics)
 
+    def _say_outs(self, i: int) -> None:
+        """Training rank 0: a console line for each rollout rank newly seen out."""
+        for j, gone in sorted(self.channel.outs.items()):
+            if j in self.said_out or self.ranks.rank != 0:
+                continue
+            self.said_out.add(j)
+            live = self.place.rollout_ranks - len(self.channel.outs)
+            log.warning("rollout rank %d is out: its engine (pid %d) %s at batch %d; its "
+                        "prompts go to the %d other rollout rank(s) until the next checkpoint "
+                        "(rollout.engine_failure=continue)", self.place.train_world + j,
+                        gone["pid"], gone["how"], gone["batch"], live)
+
+    @property
+    def degraded(self) -> bool:
+        """Training rank 0: a rollout rank is out (its view; `ends_attempt` agrees it)."""
+        return bool(self.channel.outs)
+
+    def ends_attempt(self, attempt) -> bool:
+        """Every training rank, after a checkpoint: whether this torchrun attempt ends here
+        (rollout.engine_failure=continue, a rollout rank out and a restart left, so that the job
+        goes on with every rollout rank). Rank 0's view decides, broadcast over the training
+        ranks."""
+        if not self.place.failover:
+            return False
+        flag = torch.tensor([int(self.ranks.rank == 0 and self.degraded)], dtype=torch.int64)
+        dist.broadcast(flag, 0, group=self.groups.world)
+        if not flag.item():
+            return False
+        if attempt.number < attempt.max_restarts:
+            return True
+        if self.ranks.rank == 0 and not self.said_no_restart:
+            log.warning("rollout.engine_failure=continue: no torchrun restart left (--max-"
+                        "restarts=%d): the run goes on with %d of %d rollout ranks to its end",
+                        attempt.max_restarts, self.place.rollout_ranks - len(self.channel.outs),
+                        self.place.rollout_ranks)
+        self.said_no_restart = True
+        return False
+
     def _map_syncs(self, version: int) -> None:
         """The syncs sent since the last step carried `version` (what the last one carried)."""
         for s in range(len(self.versions), self.engine.syncs):
@@ -952,9 +1111,12 @@ class SeparateSource:
         """Training rank 0, at a checkpoint (`version`: what the last sync carried): every
         rollout rank's in-flight state (`save_in_flight`), in rollout-rank order."""
         self._map_syncs(version)
+        if self.degraded:  # a rollout rank is out: none is asked (`InFlightState`)
+            return []
         self.engine.request_checkpoint(self.taken, self.versions)
-        return [receive_state(self.place.samples, self.place.train_world + j)
-                for j in range(self.place.rollout_ranks)]
+        states = [receive_state(self.place.samples, self.place.train_world + j)
+                  for j in range(self.place.rollout_ranks)]
+        return [] if any(s["out"] for s in states) else states
 
     def _waiting(self, first: int) -> int:
         """Finished batches from `first` on (every rollout rank's part in)."""
@@ -987,7 +1149,11 @@ class SeparateSource:
         keys = [f"eval/{e}/{j}" for j in range(self.place.rollout_ranks)]
         self.place.store.wait(keys, timedelta(seconds=self.place.timeout_s))
         got = [json.loads(self.place.store.get(k)) for k in keys]
-        return sum(c for c, _ in got) / max(sum(n for _, n in got), 1)
+        counted = sum(n for _, n in got)
+        if counted < len(examples) and self.ranks.rank == 0:
+            log.warning("held-out evaluation %d: %d of %d examples evaluated (the shares of "
+                        "rollout ranks that are out are not)", e, counted, len(examples))
+        return sum(c for c, _ in got) / max(counted, 1)
 
 
 class Versioned(Protocol):
@@ -1011,13 +1177,20 @@ class InFlightState:
     def state_dict(self) -> dict:
         if self.source.place.cross is None:
             return {}
-        return {"rollout_ranks": self.source.in_flight(self.trainer.engine_version),
-                "max_staleness": self.source.cfg.staleness}
+        states = self.source.in_flight(self.trainer.engine_version)
+        return {"rollout_ranks": states, "max_staleness": self.source.cfg.staleness,
+                "degraded": not states}
 
     def load_state_dict(self, state: dict) -> None:
         if self.source.place.cross is None or not state:
             return
         saved, k = state["rollout_ranks"], self.source.cfg.staleness
+        if state.get("degraded"):
+            log.warning("resume: the checkpoint was written while a rollout rank was out "
+                        "(rollout.engine_failure=continue): it holds no in-flight state, so the "
+                        "batches the rollout ranks drew ahead are drawn again from the same "
+                        "prompts (not bitwise)")
+            return
         if len(saved) != self.source.place.rollout_ranks or state["max_staleness"] != k:
             log.warning("resume: the rollout ranks' in-flight state is not restored (saved with "
                         "%d rollout ranks at rollout.max_staleness=%d, now %d at %d): the "

@@ -30,9 +30,9 @@ serialises its calls, so a blocking `wait` there would hold up the main thread's
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import math
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -70,6 +70,9 @@ class Part:
     policy_versions: bool = False
     """The completions' versions are policy versions already (a part restored from a
     checkpoint, `megagrpo.rollout.placement`), not sync indices of this launch."""
+    by: int | None = None
+    """A make-up part (rollout.engine_failure=continue): the rollout rank that drew rollout
+    rank `rollout`'s share of the batch after that rank's engine failed; None: its own."""
 
     def __post_init__(self) -> None:
         self.completions = SampleColumns.of(self.completions)
@@ -93,7 +96,7 @@ def pack(part: Part) -> torch.Tensor:
     fields = dict(cols.tensors(), rewards=torch.tensor(part.rewards, dtype=torch.float64))
     header = {"batch": part.batch, "rollout": part.rollout, "loader": part.loader,
               "epoch": part.epoch, "draw_s": part.draw_s, "metrics": part.metrics,
-              "vocab": cols.vocab, "policy_versions": part.policy_versions,
+              "vocab": cols.vocab, "policy_versions": part.policy_versions, "by": part.by,
               "fields": [[k, str(t.dtype).removeprefix("torch."), list(t.shape)]
                          for k, t in fields.items()]}
     head = json.dumps(header).encode()
@@ -128,7 +131,7 @@ def unpack(buf: torch.Tensor) -> Part:
     return Part(batch=header["batch"], rollout=header["rollout"], loader=header["loader"],
                 epoch=header["epoch"], draw_s=header["draw_s"], metrics=header["metrics"],
                 completions=cols, rewards=rewards,
-                policy_versions=header.get("policy_versions", False))
+                policy_versions=header.get("policy_versions", False), by=header.get("by"))
 
 
 def _columns_from_rows(header: dict, f: dict) -> None:
@@ -171,8 +174,10 @@ def replica_range(dp_rank: int, dp: int, batch_size: int) -> tuple[int, int]:
     return dp_rank * n, (dp_rank + 1) * n
 
 
-def ready_key(i: int, j: int) -> str:
-    return f"batch/{i}/{j}"
+def ready_key(i: int, j: int, by: int | None = None) -> str:
+    """The store key that marks rollout rank j's part of batch i finished (`by`: a make-up
+    part another rollout rank drew for j)."""
+    return f"batch/{i}/{j}" if by is None else f"batch/{i}/{j}/by/{by}"
 
 
 class TensorChannel:
@@ -180,12 +185,24 @@ class TensorChannel:
     rollout ranks `put` and `close`, training ranks `take`."""
 
     def __init__(self, *, group, store, rank: int, train_world: int, rollout_ranks: int,
-                 batch_size: int, timeout_s: float, replica: tuple[int, int] | None = None
-                 ) -> None:
+                 batch_size: int, timeout_s: float, replica: tuple[int, int] | None = None,
+                 failover: bool = False) -> None:
         self.group, self.store, self.rank = group, store, rank
         self.T, self.R, self.B, self.timeout_s = train_world, rollout_ranks, batch_size, timeout_s
         self.bytes_sent = self.bytes_received = 0
-        self._queue: queue.Queue = queue.Queue()
+        self._heap: list = []
+        """Rollout side: parts put and not sent, as (batch, make-up, slot, seq, part): sent
+        lowest first, once the trainer asks for their batch."""
+        self._lock = threading.Lock()
+        self._seq = 0
+        self.failover = failover
+        """rollout.engine_failure=continue: a training rank takes a failed rollout rank's share
+        from the rollout rank the trainer asked to make it up (`take`)."""
+        self.outs: dict[int, dict] = {}
+        """Training side: the rollout ranks seen out ({"batch": the first batch they did not
+        draw, "pid", "how"}), by rollout index."""
+        self.makeups = 0
+        """Training side: the shares of failed rollout ranks made up by others so far."""
         self._stop = threading.Event()
         self._failed: list[BaseException] = []
         self._thread: threading.Thread | None = None
@@ -203,15 +220,18 @@ class TensorChannel:
             self._thread = threading.Thread(target=self._send_loop, daemon=True,
                                             name="megagrpo-sample-channel")
             self._thread.start()
-        self._unsent[part.batch] = part
-        self._queue.put(part)
-        self.store.set(ready_key(part.batch, part.rollout), "1")
+        if part.by is None:
+            self._unsent[part.batch] = part
+        with self._lock:
+            heapq.heappush(self._heap, (part.batch, part.by is not None, part.rollout,
+                                        self._seq, part))
+            self._seq += 1
+        self.store.set(ready_key(part.batch, part.rollout, part.by), "1")
 
     def close(self) -> None:
         """Rollout rank, after the trainer's stop: the parts it never asked for are dropped."""
         self._stop.set()
         if self._thread is not None:
-            self._queue.put(None)
             self._thread.join()
         self._raise_failed()
 
@@ -238,25 +258,29 @@ class TensorChannel:
                                        f"{self.timeout_s:.0f} s (parallel.collective_timeout_s)")
                 time.sleep(0.005)
             ranges = [replica_range(*json.loads(self.store.get(k)), self.B) for k in keys]
-            while True:
-                part = self._queue.get()
-                if part is None or not self._asked(part.batch):
-                    return
+            while (part := self._next_asked()) is not None:
                 packed = {r: pack(part.slice(*r)) for r in set(ranges)}
                 for t, r in enumerate(ranges):
                     self._send(packed[r], t)
-                self._unsent.pop(part.batch, None)
+                if part.by is None:
+                    self._unsent.pop(part.batch, None)
                 del packed, part  # not held while the next part is drawn
         except BaseException as e:  # re-raised by the next put / close on the main thread
             self._failed.append(e)
 
-    def _asked(self, i: int) -> bool:
-        """Waits until the trainer asks for batch i (True) or says stop (False)."""
-        while not self.store.check([f"take/{i}"]):
+    def _next_asked(self) -> Part | None:
+        """Waits until the trainer asks for the batch of the lowest part queued (a make-up part
+        of an earlier batch, put later, goes before the parts drawn ahead) and takes it off the
+        queue; None once the trainer says stop."""
+        while True:
+            with self._lock:
+                head = self._heap[0] if self._heap else None
+            if head is not None and self.store.check([f"take/{head[0]}"]):
+                with self._lock:
+                    return heapq.heappop(self._heap)[-1]
             if self._stop.is_set():
-                return False
+                return None
             time.sleep(0.005)
-        return True
 
     def _send(self, buf: torch.Tensor, dst: int) -> None:
         self.group.send([torch.tensor([buf.numel()], dtype=torch.int64)], dst, TAG).wait()
@@ -272,6 +296,8 @@ class TensorChannel:
         """Training rank: this replica's slice of every rollout rank's part of batch i."""
         if self.rank == 0:
             self.store.set(f"take/{i}", "1")
+        if self.failover:
+            return self._take_failover(i)
         parts = []
         for j in range(self.R):
             n = torch.empty(1, dtype=torch.int64)
@@ -285,6 +311,77 @@ class TensorChannel:
                                    f"got batch {part.batch} of rollout rank {part.rollout}")
             parts.append(part)
         return parts
+
+    def _take_failover(self, i: int) -> list[Part]:
+        """`take` where a rollout rank may be out (rollout.engine_failure=continue): each
+        share from the rank that finished it (its own, or the one asked to make it up), own
+        shares first, then make-ups, each in rollout order (the order every sender keeps)."""
+        src = [self._provider(i, j) for j in range(self.R)]
+        order = [j for j in range(self.R) if src[j] == j] + [j for j in range(self.R)
+                                                             if src[j] != j]
+        parts: dict[int, Part] = {}
+        for j in order:
+            n = torch.empty(1, dtype=torch.int64)
+            self.group.recv([n], self.T + src[j], TAG).wait()
+            buf = torch.empty(int(n.item()), dtype=torch.uint8)
+            self.group.recv([buf], self.T + src[j], TAG).wait()
+            self.bytes_received += buf.numel() + 8
+            part = unpack(buf)
+            if (part.batch, part.rollout) != (i, j):
+                raise RuntimeError(f"sample channel: expected batch {i} of rollout rank {j} "
+                                   f"from rollout rank {src[j]}, got batch {part.batch} of "
+                                   f"rollout rank {part.rollout}")
+            parts[j] = part
+        return [parts[j] for j in range(self.R)]
+
+    def out(self, j: int) -> dict | None:
+        """Whether rollout rank j has reported itself out (its engine failed), and where."""
+        if j not in self.outs and self.store.check([f"out/{j}"]):
+            self.outs[j] = json.loads(self.store.get(f"out/{j}"))
+        return self.outs.get(j)
+
+    def _provider(self, i: int, j: int) -> int:
+        """The rollout rank whose part holds rollout rank j's share of batch i, once finished:
+        j itself, or where j is out from batch i or before, the rank training rank 0 asked
+        to make it up (`_make_up`)."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self.store.check([ready_key(i, j)]):
+            gone = self.out(j)
+            if gone is not None and gone["batch"] <= i:
+                return self._make_up(i, j, deadline)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout rank {self.T + j} did not finish batch {i} in "
+                                   f"{self.timeout_s:.0f} s (parallel.collective_timeout_s)")
+            time.sleep(0.005)
+        return j
+
+    def _make_up(self, i: int, j: int, deadline: float) -> int:
+        """Rollout rank j's share of batch i by another rollout rank: training rank 0 picks
+        the next rank in rollout order that is not out and asks it in the store
+        (`makeup/{m}`); every training rank waits for that part."""
+        key = f"makeup/of/{i}/{j}"
+        if self.rank == 0:
+            live = [r for r in range(self.R) if self.out(r) is None]
+            if not live:
+                raise RuntimeError("rollout.engine_failure=continue: every rollout rank's engine "
+                                   f"has failed ({self.outs}); nothing left to draw batch {i}")
+            by = min(live, key=lambda r: (r - j) % self.R)
+            m = self.store.add("makeups", 1) - 1
+            self.store.set(f"makeup/{m}", json.dumps({"batch": i, "slot": j, "by": by}))
+            self.store.set(key, str(by))
+        else:
+            self.store.wait([key], timedelta(seconds=self.timeout_s))
+            by = int(self.store.get(key))
+        self.makeups += 1
+        while not self.store.check([ready_key(i, j, by)]):
+            if self.out(by) is not None:
+                raise RuntimeError(f"rollout rank {self.T + by}, asked to draw rollout rank "
+                                   f"{self.T + j}'s share of batch {i}, failed too: stopping")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout rank {self.T + by} did not draw rollout rank "
+                                   f"{self.T + j}'s share of batch {i} in {self.timeout_s:.0f} s")
+            time.sleep(0.005)
+        return by
 
     def forget(self, i: int) -> None:
         """Training rank 0: batch i's store keys are no longer needed."""
