@@ -218,7 +218,7 @@ def _start_engine(cfg: TrainConfig, model: ModelConfig, tokenizer,
                               capture_routing=cfg.algo.routing_replay, max_lora_rank=lora_rank)
     if cfg.rollout.engine_failure == "continue":  # a failed engine leaves its rank standing
         engine = EngineProcess(build, cfg.parallel.collective_timeout_s,
-                               label=f"-rank{layout.rank if rank is None else rank}")
+                               rank=layout.rank if rank is None else rank)
         (d / "engine.pid").write_text(str(engine.pid))
         log.info("rollout rank %d: vLLM engine in child process %d (rollout.engine_failure="
                  "continue)", layout.rank if rank is None else rank, engine.pid)
@@ -434,6 +434,7 @@ def end_attempt(tr: Trainer, logger: MetricsLogger, where: Path) -> NoReturn:
                     "with all of them (it resumes from this checkpoint)", where,
                     tr.cfg.rollout.rollout_ranks - len(tr.rollouts.channel.outs),
                     tr.cfg.rollout.rollout_ranks)
+    tr.watchdog.set_phase("ended for a restart with every rollout rank", tr.step_idx)
     logger.close()
     dist.barrier(group=tr.groups.world)
     raise SystemExit(f"megagrpo: attempt ended at step {tr.step_idx} for a restart with every "

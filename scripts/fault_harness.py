@@ -268,8 +268,10 @@ class Mode:
     else the prompt sequence: each step's `prompt_digest`, and the trainer state."""
     victims: tuple[str, ...]
     """What may be killed: 'all' (launcher, torchrun and ranks), 'training' / 'rollout' (one
-    rank of that side), 'env' (the environment's sandboxed tool children)."""
+    rank of that side), 'env' (the environment's sandboxed tool children), 'engine' (the
+    vLLM engine's child process of a rollout rank, rollout.engine_failure=continue)."""
     about: str
+    nproc: int = 2
 
 
 MODES = {
@@ -288,6 +290,12 @@ MODES = {
         (*SEPARATE, "lora.rank=4", "lora.alpha=8", "lora.refit=adapter", *EVERY), True,
         ("all", "training", "rollout"),
         "separate, LoRA (adapter-only sync; a merge at each reference reset, every 3 steps)"),
+    "separate-failover": Mode(
+        ("rollout.placement=separate", "rollout.rollout_ranks=2", "rollout.max_staleness=1",
+         "rollout.engine_failure=continue", "checkpoint.every=4"), False, ("engine",),
+        "separate, 1 training + 2 rollout ranks, rollout.engine_failure=continue: one engine "
+        "killed, the other rollout rank draws its share until the checkpoint, then a restart",
+        nproc=3),
 }
 RESTARTS = ("--max-restarts", "1")
 
@@ -306,8 +314,8 @@ def mode_reference(work: Path, mode: str) -> Path:
     out = work / f"ref_{mode}"
     if not (out / "summary.json").exists():
         log = work / f"ref_{mode}.log"
-        stress.finish(stress.launch(out, STEPS, log, "run.overwrite=true", *MODES[mode].extra),
-                      log)
+        stress.finish(stress.launch(out, STEPS, log, "run.overwrite=true", *MODES[mode].extra,
+                                    nproc=MODES[mode].nproc), log)
     return out
 
 
@@ -316,15 +324,17 @@ def kill_in_mode(out: Path, mode: str, victim: str, step: int, delay: float,
     """Starts the mode's run under --max-restarts 1, kills `victim` after `step` + `delay` s,
     and lets the run end (restarted by torchrun, or run again after a kill of everything)."""
     m, log = MODES[mode], out.parent / f"{out.name}.log"
-    proc = stress.launch(out, STEPS, log, *m.extra, *RESTARTS)
+    proc = stress.launch(out, STEPS, log, *m.extra, *RESTARTS, nproc=m.nproc)
     stress.wait_for_step(proc, out, step)
     time.sleep(delay)
+    if victim == "engine":
+        return kill_engine(proc, log, out, pick)
     if victim == "all":
         stress.kill_tree(proc)
         left = wait_gone(str(out))
         rerun = out.parent / f"{out.name}.resumed.log"
         stress.finish(stress.launch(out, STEPS, rerun, *m.extra, *RESTARTS,
-                                    "run.overwrite=true"), rerun)
+                                    "run.overwrite=true", nproc=m.nproc), rerun)
         return {"left_after_fault": len(left), "resumed": _where(rerun.read_text())}
     if victim == "env":
         killed = kill_sandbox_children(proc, pick)
@@ -334,6 +344,21 @@ def kill_in_mode(out: Path, mode: str, victim: str, step: int, delay: float,
     training = len(ranks) - (1 if "rollout.placement=separate" in m.extra else 0)
     chosen = pick.choice(sorted(r for r in ranks if (r < training) == (victim == "training")))
     return kill_rank(proc, log, out, ranks, chosen)
+
+
+def kill_engine(proc: subprocess.Popen, log: Path, out: Path, pick: random.Random) -> dict:
+    """SIGKILLs the vLLM engine (child process) of a random rollout rank and lets the run end:
+    it goes on with the other rollout ranks until its next checkpoint, then torchrun restarts
+    it with all of them."""
+    pids = {int(f.parent.name.removeprefix("rank")): int(f.read_text())
+            for f in (out / "engine").glob("rank*/engine.pid")}
+    rank = pick.choice(sorted(pids))
+    os.kill(pids[rank], signal.SIGKILL)
+    stress.finish(proc, log, timeout=900)
+    degraded = [r["step"] for r in stress.history(out) if r.get("rollout_ranks_out")]
+    return {"victim_rank": rank, "engine_pid": pids[rank], "degraded_steps": degraded,
+            "makeups": sum(r.get("rollout_makeups", 0) for r in stress.history(out)),
+            "restarts": len(stress.restarts(out))}
 
 
 def same_prompts(reference: Path, resumed: Path) -> list[str]:
@@ -403,7 +428,10 @@ def modes_table(results: dict) -> str:
     for r in results["runs"]:
         who = {"all": "every process", "env": f"{r.get('children_killed', 0)} tool children",
                "training": f"training rank {r.get('victim_rank', '?')}",
-               "rollout": f"rollout rank {r.get('victim_rank', '?')}"}[r["victim"]]
+               "rollout": f"rollout rank {r.get('victim_rank', '?')}",
+               "engine": f"the engine of rollout rank {r.get('victim_rank', '?')} "
+                         f"(degraded steps {r.get('degraded_steps')}, "
+                         f"{r.get('makeups', 0):.0f} shares made up)"}[r["victim"]]
         if "restarts" in r:
             who += f" (restarts {r['restarts']})"
         skipped = ", ".join(f"`{k}`" for k in r.get("not_compared", ()))

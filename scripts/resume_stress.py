@@ -100,13 +100,13 @@ MODES["separate"] = ("rollout.placement=separate", "rollout.rollout_ranks=1",
 
 
 def launch(out_dir: Path, steps: int, log: Path, *extra: str,
-           env: dict[str, str] | None = None) -> subprocess.Popen:
+           env: dict[str, str] | None = None, nproc: int = 2) -> subprocess.Popen:
     """`python -m megagrpo train --nproc 2 ...` in its own process group, output to `log`;
     `env`: variables added to this process's environment (a planted fault's)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("TRITON_INTERPRET", None)  # the torch kernel path: the interpreter only slows vLLM
-    cmd = [sys.executable, "-m", "megagrpo", "train", "--nproc", "2",
+    cmd = [sys.executable, "-m", "megagrpo", "train", "--nproc", str(nproc),
            *tiny_overrides(out_dir, steps), *extra]
     with log.open("ab") as f:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,

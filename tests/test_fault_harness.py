@@ -138,3 +138,22 @@ def test_kills_across_modes_end_as_the_uninterrupted_runs(tmp_path):
     assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-6000:]
     runs = json.loads(out.read_text())["runs"]
     assert len(runs) == 20 and all(r["equal"] and r["left_at_end"] == 0 for r in runs), runs
+
+
+@pytest.mark.heavy
+def test_a_killed_engine_is_made_up_until_the_checkpoint_then_restarted(tmp_path):
+    """Issue 47, rollout.engine_failure=continue (1 training + 2 rollout ranks, k = 1,
+    checkpoint every 4 steps, `--max-restarts 1`): the vLLM engine process of a rollout rank
+    SIGKILLed after step 1. The run does not stop: the other rollout rank draws the dead one's
+    share of each batch (make-ups counted in the metrics) until the checkpoint of step 4; the
+    attempt then ends, torchrun restarts the job with both engines and it resumes from that
+    checkpoint. Every step trains the uninterrupted run's prompts; no process is left."""
+    r = harness.run_kill(tmp_path, 0, "separate-failover", "engine", 1, 0.0, 1)
+    assert r["equal"] and r["restarts"] == 1 and r["left_at_end"] == 0, r
+    assert r["makeups"] >= 1 and r["degraded_steps"] and max(r["degraded_steps"]) <= 4, r
+    log = (tmp_path / "separate-failover_0.log").read_text()
+    assert f"rollout rank {r['victim_rank']} is out: its engine (pid {r['engine_pid']}) was " \
+           "killed by signal 9 (SIGKILL)" in log, log[-3000:]
+    assert "step_000004 written with 1 of 2 rollout ranks; ending this attempt" in log, log[-3000:]
+    assert "resuming from its newest intact checkpoint" in log and "step_000004" in log
+    assert "phase 'ended for a restart with every rollout rank' of step 4" in log, log[-3000:]

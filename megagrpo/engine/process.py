@@ -45,13 +45,15 @@ class EngineLost(RuntimeError):
         self.pid, self.how = pid, how
 
 
-def _child(conn, build: Callable, parent: int) -> None:
+def _child(conn, build: Callable, parent: int, rank: int) -> None:
     """The child: the engine `build()` makes, serving calls from `conn` until told to close."""
+    from megagrpo.runtime.console import configure
     from megagrpo.runtime.procs import die_with_parent
 
     die_with_parent(signal.SIGKILL, parent=parent)  # a rollout rank killed takes it along
     for name in _TORCHRUN_ENV:  # a world of one: vLLM starts as in a single-process run
         os.environ.pop(name, None)
+    configure(rank)  # the rank's console filter (vLLM's start-up notes kept off)
     engine = build()
     conn.send(("ok", {"image_token_id": engine.image_token_id,
                       "max_lora_rank": engine.max_lora_rank, "on_cpu": engine.on_cpu}))
@@ -82,11 +84,11 @@ class EngineProcess:
     inflight = None  # refused with rollout.engine_failure=continue (by field)
     routes = None
 
-    def __init__(self, build: Callable, timeout_s: float, label: str = "") -> None:
+    def __init__(self, build: Callable, timeout_s: float, rank: int) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_child, args=(child, build, os.getpid()), daemon=True,
-                                name=f"megagrpo-engine{label}")
+        self.proc = ctx.Process(target=_child, args=(child, build, os.getpid(), rank),
+                                daemon=True, name=f"megagrpo-engine-rank{rank}")
         self.proc.start()
         child.close()
         self.pid = self.proc.pid
@@ -97,6 +99,13 @@ class EngineProcess:
         self.image_token_id = attrs["image_token_id"]
         self.max_lora_rank = attrs["max_lora_rank"]
         self.on_cpu = attrs["on_cpu"]
+
+    def alive(self) -> bool:
+        """Whether the engine can still be used (a dead child is found here too, between
+        calls: `lost` is then set)."""
+        if self.lost is None and not self.proc.is_alive():
+            self.lost = EngineLost(self.pid, self._how())
+        return self.lost is None
 
     # ---------------------------------------------------------------- the pipe
     def _call(self, name: str, *args, **kwargs):

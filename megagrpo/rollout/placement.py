@@ -566,11 +566,27 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
             watchdog.set_phase("weight_sync", i)
             got = receive_weights(place, collector.engine)
             if got.eval is not None:  # with the weights of every sync sent before it
-                evals = _evaluate(place, collector, got.eval, held_out or [], watchdog,
-                                  out=makeups is not None and makeups.out)
+                try:
+                    evals = _evaluate(place, collector, got.eval, held_out or [], watchdog,
+                                      out=makeups is not None and makeups.out)
+                except EngineLost as e:  # its share is not evaluated
+                    if makeups is None:
+                        raise
+                    makeups.report(e, i)
+                    evals = _evaluate(place, collector, got.eval, held_out or [], watchdog,
+                                      out=True)
             elif got.checkpoint is not None:
-                ckpts = save_in_flight(place, collector, channel, got.checkpoint, starts, i,
-                                       topups, out=makeups is not None and makeups.out)
+                if makeups is not None:  # its state is the streams of a live engine only
+                    makeups.check_engine(collector.engine, i)
+                try:
+                    ckpts = save_in_flight(place, collector, channel, got.checkpoint, starts,
+                                           i, topups, out=makeups is not None and makeups.out)
+                except EngineLost as e:  # died since: nothing was sent yet
+                    if makeups is None:
+                        raise
+                    makeups.report(e, i)
+                    ckpts = save_in_flight(place, collector, channel, got.checkpoint, starts,
+                                           i, topups, out=True)
             else:
                 sync = got
             continue
@@ -636,9 +652,9 @@ class MakeUps:
     def check_engine(self, engine, i: int) -> None:
         """Reports the rank out once its engine was lost outside a draw (e.g. in a sync, whose
         tensors it then drained)."""
-        lost = getattr(engine, "lost", None)
-        if lost is not None and not self.out:
-            self.report(lost, i)
+        alive = getattr(engine, "alive", None)
+        if alive is not None and not alive() and not self.out:
+            self.report(engine.lost, i)
 
     def report(self, lost: EngineLost, i: int) -> None:
         self.out = True
@@ -1079,7 +1095,7 @@ class SeparateSource:
     @property
     def degraded(self) -> bool:
         """Training rank 0: a rollout rank is out (its view; `ends_attempt` agrees it)."""
-        return bool(self.channel.outs)
+        return any(self.channel.out(j) is not None for j in range(self.place.rollout_ranks))
 
     def ends_attempt(self, attempt) -> bool:
         """Every training rank, after a checkpoint: whether this torchrun attempt ends here

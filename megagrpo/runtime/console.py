@@ -246,6 +246,8 @@ class Progress:
             parts.append(f"acc={self.last_acc:.3f}")
         if record.get("dropped_frac"):  # samples out of training (an environment failed)
             parts.append(f"dropped={record['dropped_frac']:.3g}")
+        if record.get("rollout_ranks_out"):  # rollout.engine_failure=continue: engines lost
+            parts.append(f"rollout_out={record['rollout_ranks_out']:.0f}")
         if record.get("reference_sync"):
             parts.append("ref reset")
         return " ".join(parts + self.stream_figures(record))
