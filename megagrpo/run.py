@@ -45,15 +45,9 @@ from megagrpo.model.optim import build_optimizer, wrap_ddp
 from megagrpo.preflight import Preflight, preflight
 from megagrpo.reward import RewardContext, build_rewards
 from megagrpo.rollout.collect import ImagePrompts, RolloutCollector
-from megagrpo.rollout.placement import (
-    InFlightState,
-    RemoteEngine,
-    SeparateSource,
-    serve,
-    split_world,
-    streams_weights,
-    training_world,
-)
+from megagrpo.rollout.placement import RemoteEngine, split_world, streams_weights, training_world
+from megagrpo.rollout.separate_source import InFlightState, SeparateSource
+from megagrpo.rollout.serve import serve
 from megagrpo.runtime import rng
 from megagrpo.runtime.console import PREFLIGHT_SHOWN_ENV, attach_log_file, summary_table, what_runs
 from megagrpo.runtime.distributed import init_distributed, torchrun_env, training_layout

@@ -41,15 +41,10 @@ from megagrpo.data import Example, PromptLoader
 from megagrpo.engine import Completion, WeightSyncStats
 from megagrpo.reward import Rewards
 from megagrpo.rollout.collect import RolloutCollector
-from megagrpo.rollout.placement import (
-    InFlightState,
-    Placement,
-    RemoteEngine,
-    SeparateSource,
-    receive_weights,
-    serve,
-)
+from megagrpo.rollout.placement import Placement, RemoteEngine, receive_weights
 from megagrpo.rollout.sample_channel import unpack
+from megagrpo.rollout.separate_source import InFlightState, SeparateSource
+from megagrpo.rollout.serve import serve
 from megagrpo.runtime.distributed import Groups, Ranks
 from megagrpo.sync.transports.collective import Collective
 from tests.support.cli import run_cli, train_logged
@@ -792,7 +787,8 @@ def test_separate_placement_config():
                    ["lora.rank=8", "lora.refit=merged"], ["lora.rank=8", "lora.refit=adapter"],
                    ["algo.routing_replay=true"],
                    ["agent.environment=tests._agent_env:Digits", "agent.max_turns=3"],
-                   ["algo.dynamic_sampling=true"]):
+                   ["algo.dynamic_sampling=true"],
+                   ["rollout.rollout_ranks=2", "rollout.engine_failure=continue"]):
         load_config(None, ["rollout.placement=separate", "rollout.rollout_ranks=1",
                            "data.batch_size=4", *lifted]).validate(3)
     bad = [
@@ -801,6 +797,19 @@ def test_separate_placement_config():
         (["rollout.placement=separate", "rollout.rollout_ranks=1",
           "rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size=2"),
         (["rollout.placement=sideways"], "rollout.placement='sideways'"),
+        (["rollout.engine_failure=continue"], "rollout.engine_failure=continue hands"),
+        (["rollout.placement=separate", "rollout.rollout_ranks=1",
+          "rollout.engine_failure=continue"], "rollout_ranks >= 2"),
+        (["rollout.placement=separate", "rollout.rollout_ranks=2", "rollout.max_staleness=1",
+          "rollout.engine_failure=continue", "rollout.inflight_updates=true"],
+         "engine_failure=continue does not run with rollout.inflight_updates"),
+        (["rollout.placement=separate", "rollout.rollout_ranks=2", "rollout.max_staleness=1",
+          "rollout.engine_failure=continue", "rollout.partial_rollouts=true"],
+         "engine_failure=continue does not run with rollout.partial_rollouts"),
+        (["rollout.placement=separate", "rollout.rollout_ranks=2",
+          "rollout.engine_failure=continue", "rollout.tensor_parallel_size=2"],
+         "engine_failure=continue does not run with rollout.tensor_parallel_size=2"),
+        (["rollout.engine_failure=retry"], "rollout.engine_failure='retry' must be one of"),
     ]
     for overrides, named in bad:
         with pytest.raises(ValueError, match=named.replace("(", r"\(")):

@@ -166,7 +166,7 @@ class TrainConfig(Section):
                              "set cold_start.steps=0")
         by = self.pipelined_by()
         # separate placement draws on the rollout ranks' main threads, an engine's ranks in
-        # lockstep (megagrpo.rollout.placement._agree); in flight they would not be
+        # lockstep (megagrpo.rollout.serve._agree); in flight they would not be
         ahead_apart = self.rollout.placement == "separate" and not self.rollout.inflight_updates
         if self.rollout.placement == "separate" and self.rollout.tensor_parallel_size > 1:
             # an in-flight load is decided on each rank's generating thread, mid-draw, from

@@ -9,7 +9,7 @@ bucket, never held whole. When the child dies, or a call runs past its deadline 
 is then killed), the call raises `EngineLost` and the engine stays lost: later weight
 updates are drained (the rank still takes every sync, so the trainer's collectives go on)
 and every draw raises `EngineLost` at once. What the rollout rank then does is
-`megagrpo.rollout.placement.serve`'s business (it reports itself out; the trainer hands its
+`megagrpo.rollout.serve.serve`'s business (it reports itself out; the trainer hands its
 prompts to the remaining rollout ranks until the next checkpoint).
 """
 from __future__ import annotations
