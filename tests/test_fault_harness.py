@@ -57,15 +57,16 @@ MODES_END = "<!-- end of fault harness modes table -->"
 def test_modes_plan_spreads_kills_over_every_mode_and_victim():
     """20 kills: 5 per mode, each mode's victims all met (a rollout rank in every separate
     mode, the tool children in the agent's), moments reproducible from the seed."""
-    a = harness.plan_modes(list(harness.MODES), 20, 1)
-    assert a == harness.plan_modes(list(harness.MODES), 20, 1)
-    assert a != harness.plan_modes(list(harness.MODES), 20, 2)
-    for mode, m in harness.MODES.items():
+    a = harness.plan_modes(list(harness.ALL), 20, 1)
+    assert a == harness.plan_modes(list(harness.ALL), 20, 1)
+    assert a != harness.plan_modes(list(harness.ALL), 20, 2)
+    for mode in harness.ALL:
         mine = [victim for md, victim, _, _ in a if md == mode]
-        assert len(mine) == 5 and set(mine) == set(m.victims), (mode, mine)
+        assert len(mine) == 5 and set(mine) == set(harness.MODES[mode].victims), (mode, mine)
     assert all(1 <= step < harness.STEPS - 1 and 0 <= d <= 1.5 for _, _, step, d in a)
-    assert {v for m in harness.MODES.values() for v in m.victims} == \
+    assert {v for m in harness.ALL for v in harness.MODES[m].victims} == \
         {"all", "training", "rollout", "env"}
+    assert harness.MODES["separate-failover"].victims == ("engine",)  # by name, not in `all`
 
 
 def _fake_run(path: Path, digests: list[float], loader_index: int) -> Path:

@@ -113,7 +113,7 @@ class SeparateSource:
             for key, v in p.metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + v / self.ranks.dp
         if self.place.failover:
-            self._say_outs(i)
+            self._say_outs()
             metrics["rollout_ranks_out"] = float(len(self.channel.outs))
             metrics["rollout_makeups"] = float(sum(p.by is not None for p in parts))
         self.stats = StreamStats(queue_depth=self._waiting(i + 1),
@@ -127,7 +127,7 @@ class SeparateSource:
                        version=int(comps.column("version").min()) if len(comps) else version,
                        epoch=self.loader.epoch, metrics=metrics)
 
-    def _say_outs(self, i: int) -> None:
+    def _say_outs(self) -> None:
         """Training rank 0: a console line for each rollout rank newly seen out."""
         for j, gone in sorted(self.channel.outs.items()):
             if j in self.said_out or self.ranks.rank != 0:
@@ -155,6 +155,7 @@ class SeparateSource:
         dist.broadcast(flag, 0, group=self.groups.world)
         if not flag.item():
             return False
+        self._say_outs()
         if attempt.number < attempt.max_restarts:
             return True
         if self.ranks.rank == 0 and not self.said_no_restart:

@@ -8,9 +8,9 @@ is k = rollout.max_staleness (`TrainConfig.staleness`; run.async_rollout: true i
 - k >= 1, colocated-async: the engines on the training ranks draw on a side thread while a step
   trains, keeping up to k batches queued, so the batch a step takes was sampled k versions
   back at most (`megagrpo.rollout.collect.RolloutCollector` is both);
-- separate placement (rollout.placement=separate, `megagrpo.rollout.separate_source.SeparateSource`):
-  rollout ranks of their own feed finished groups through the store; the same protocol, so the
-  trainer does not change (docs/async.md).
+- separate placement (rollout.placement=separate,
+  `megagrpo.rollout.separate_source.SeparateSource`): rollout ranks of their own feed finished
+  groups through the store; the same protocol, so the trainer does not change (docs/async.md).
 
 Colocated pipelining bounds the lag by construction; the trainer still checks every sample
 against k (`over_stale`) and drops or down-weights those beyond it (rollout.stale_policy), as a
