@@ -63,6 +63,8 @@ FEATURES: dict[str, Feature] = {
     "moe": Feature((), moe=True),
     "separate": Feature(("rollout.placement=separate", "rollout.rollout_ranks=1"),
                         rollout_ranks=1),
+    "failover": Feature(("rollout.placement=separate", "rollout.rollout_ranks=2",
+                         "rollout.engine_failure=continue"), rollout_ranks=2),
     "tp2": Feature(("parallel.tp=2", "parallel.sequence_parallel=false"), tp=2),
     "sp": Feature(("parallel.tp=2", "parallel.sequence_parallel=true"), tp=2),
     "pp2": Feature(("parallel.pp=2",), pp=2),
@@ -90,8 +92,10 @@ TRIPLES = (("agent", "async1", "lora"), ("moe", "lora", "async1"), ("moe", "lora
            ("separate", "async1", "lora"), ("separate", "async1", "replay"),
            ("separate", "tp2", "vllm_tp2"), ("separate", "async1", "vllm_tp2"),
            ("separate", "dynsamp", "vllm_tp2"), ("separate", "lora", "vllm_tp2"),
-           ("separate", "agent", "vllm_tp2"))
-EXCLUSIVE = ({"async1", "async2"}, {"async1", "partial"}, {"async2", "partial"}, {"tp2", "sp"})
+           ("separate", "agent", "vllm_tp2"), ("failover", "agent", "lora"),
+           ("failover", "moe", "lora"))
+EXCLUSIVE = ({"async1", "async2"}, {"async1", "partial"}, {"async2", "partial"}, {"tp2", "sp"},
+             {"separate", "failover"})
 """Variants of one setting: never paired with each other."""
 COMMON = ("run.steps=2", "data.batch_size=4", "algo.group_size=4", "algo.num_minibatches=1",
           "reference.sync_every_steps=1", "cold_start.steps=0", "eval.every=0",
