@@ -292,10 +292,11 @@ MODES = {
         "separate, LoRA (adapter-only sync; a merge at each reference reset, every 3 steps)"),
     "separate-failover": Mode(
         ("rollout.placement=separate", "rollout.rollout_ranks=2", "rollout.max_staleness=1",
-         "rollout.engine_failure=continue", "checkpoint.every=4"), False, ("engine",),
-        "separate, 1 training + 2 rollout ranks, rollout.engine_failure=continue: one engine "
-        "killed, the other rollout rank draws its share until the checkpoint, then a restart",
-        nproc=3),
+         "rollout.engine_failure=continue", *SANDBOX, "lora.rank=4", "lora.alpha=8",
+         "lora.refit=adapter", "checkpoint.every=4"), False, ("engine",),
+        "separate, 1 training + 2 rollout ranks, k = 1, multi-turn with the sandboxed tool, "
+        "LoRA adapters, rollout.engine_failure=continue: one engine killed, the other rollout "
+        "rank draws its share until the checkpoint, then a restart", nproc=3),
 }
 ALL = ("async2", "separate-inflight", "separate-agent", "separate-lora")
 """`--modes all`: the issue's four modes (the 20-kill table); separate-failover runs by name."""

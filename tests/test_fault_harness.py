@@ -144,7 +144,8 @@ def test_kills_across_modes_end_as_the_uninterrupted_runs(tmp_path):
 @pytest.mark.heavy
 def test_a_killed_engine_is_made_up_until_the_checkpoint_then_restarted(tmp_path):
     """Issue 47, rollout.engine_failure=continue (1 training + 2 rollout ranks, k = 1,
-    checkpoint every 4 steps, `--max-restarts 1`): the vLLM engine process of a rollout rank
+    multi-turn with a kernel-sandboxed tool, LoRA adapters served by vLLM, checkpoint every 4
+    steps, `--max-restarts 1`): the vLLM engine process of a rollout rank
     SIGKILLed after step 1. The run does not stop: the other rollout rank draws the dead one's
     share of each batch (make-ups counted in the metrics) until the checkpoint of step 4; the
     attempt then ends, torchrun restarts the job with both engines and it resumes from that
