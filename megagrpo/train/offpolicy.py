@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megagrpo.config.algo import AlgoConfig
+from megagrpo.engine.types import model_versions
 from megagrpo.rollout.stream import over_stale, sample_lags, stale_weights
 
 if TYPE_CHECKING:
@@ -113,8 +114,8 @@ def token_lag_metrics(ro: Rollout, trainer_version: int, k: int | None = None) -
     inflight_mixed_samples (completions sampled by more than one version); with `k` (the
     staleness bound) the distribution: token_lag_share_{l}, the share of the tokens at lag l,
     for l = 0..k."""
-    lags = [trainer_version - v for c in ro.completions for v in (c.token_versions or ())]
-    mixed = sum(len(set(c.token_versions or ())) > 1 for c in ro.completions)
+    lags = [trainer_version - v for c in ro.completions for v in model_versions(c)]
+    mixed = sum(len(set(model_versions(c))) > 1 for c in ro.completions)
     out = {"token_lag_mean": sum(lags) / len(lags) if lags else 0.0,
            "inflight_mixed_samples": float(mixed)}
     for lag in range(k + 1 if k is not None else 0):
