@@ -220,8 +220,25 @@ def start_line(cfg) -> str | None:
     on-policy): what its staleness means and which correction runs (`async_note`)."""
     if not cfg.staleness:
         return None
-    return async_note(cfg.algo, cfg.staleness, cfg.rollout.stale_policy)
+    return async_note(cfg.algo, cfg.staleness, cfg.rollout.stale_policy) + partial_note(cfg)
 
 
-__all__ = ["StalenessPolicy", "async_note", "correction_mode", "is_stale", "sample_weights",
-           "start_line", "token_lag_metrics"]
+def partial_note(cfg) -> str:
+    """What rollout.partial_rollouts does to the draw (the start-up line's tail; '' off)."""
+    r = cfg.rollout
+    if not r.partial_rollouts:
+        return ""
+    cap = r.partial_max_updates or cfg.staleness
+    what = ("; partial rollouts: at each weight update the running draw pauses between two "
+            "decode steps and continues with the new weights (every token stamped with the "
+            "version that sampled it)")
+    if cfg.agent.enabled:
+        what += ("; multi-turn: a turn is paused mid-turn the same way, a trajectory between "
+                 "turns takes its next turn with the new weights, its environment kept in "
+                 "memory (never asked again; a resume restarts paused trajectories from "
+                 "their prompt)")
+    return what + f"; a trajectory spans at most {cap} update{'s' if cap > 1 else ''}"
+
+
+__all__ = ["StalenessPolicy", "async_note", "correction_mode", "is_stale", "partial_note",
+           "sample_weights", "start_line", "token_lag_metrics"]
