@@ -38,8 +38,8 @@ from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import IMAGE_FIELD, encode_prompt, image_prompt, load_images
 from megagrpo.engine import Completion, SamplingSettings
-from megagrpo.engine.types import model_versions
 from megagrpo.engine.partial import start_trajectories
+from megagrpo.engine.types import model_versions
 from megagrpo.reward import PendingScores, Rewards, chain, samples_of
 from megagrpo.rollout.stream import Rollout, StreamStats, stamp
 from megagrpo.runtime.distributed import Groups, Ranks, any_rank
