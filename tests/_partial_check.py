@@ -160,6 +160,7 @@ def agent_partial_check(tr, steps: int = 4) -> dict:
     ids and the environment's rule), the loss."""
     from megagrpo.agent.runner import TrajectoryRunner, environment_factory
 
+    t0 = time.perf_counter()
     cfg, c = tr.cfg, tr.rollouts
     saved = (cfg.agent.environment, cfg.agent.max_turns, c.stop_ids, cfg.rollout.max_tokens,
              cfg.rollout.max_staleness, cfg.run.async_rollout, cfg.rollout.partial_rollouts,
@@ -224,7 +225,7 @@ def agent_partial_check(tr, steps: int = 4) -> dict:
         rows.append([version, ro.metrics["partial_turns_mid"],
                      ro.metrics["partial_turns_between"], spans, exact,
                      gaps.get("per_version"), gaps.get("as_final")])
-    return {"batches": rows, "losses": losses}
+    return {"batches": rows, "losses": losses, "seconds": time.perf_counter() - t0}
 
 
 def _record_b(tok, prompt: list[int]) -> int:
