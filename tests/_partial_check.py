@@ -199,6 +199,7 @@ def agent_partial_check(tr, steps: int = 4) -> dict:
             snapshots[tr.version] = _params(tr.policy)
             losses.append(tr.step()["loss"])
         c.join()
+        resume = _resume_paused(c, tr.engine_version)
     finally:
         tr.engine.partial_on_step = None
         del c.next
@@ -225,7 +226,29 @@ def agent_partial_check(tr, steps: int = 4) -> dict:
         rows.append([version, ro.metrics["partial_turns_mid"],
                      ro.metrics["partial_turns_between"], spans, exact,
                      gaps.get("per_version"), gaps.get("as_final")])
-    return {"batches": rows, "losses": losses, "seconds": time.perf_counter() - t0}
+    return {"batches": rows, "losses": losses, "resume": resume,
+            "seconds": time.perf_counter() - t0}
+
+
+def _resume_paused(c, version: int) -> list:
+    """The collector's checkpoint state with the last draw paused (live environments in it)
+    saved through torch.save and loaded again: [paused trajectories, of them with sampled
+    tokens, restarted on load (partial_restarted), trajectories whole after the restored
+    batch is advanced, expected]."""
+    import io
+
+    paused = [len(d.unfinished) for d in c.queue]
+    lost = sum(bool(t.ids or (t.turn is not None and t.turn.token_ids))
+               for d in c.queue for t in d.unfinished)
+    buf = io.BytesIO()
+    torch.save(c.state_dict(), buf)
+    buf.seek(0)
+    c.load_state_dict(torch.load(buf, weights_only=False))
+    restarted = sum(d.metrics.get("partial_restarted", 0.0) for d in c.queue)
+    for d in c.queue:
+        c.advance(d, version)
+    whole = sum(len(d.completions) for d in c.queue if not d.unfinished)
+    return [sum(paused), lost, restarted, whole, sum(len(d.completions) for d in c.queue)]
 
 
 def _record_b(tok, prompt: list[int]) -> int:
