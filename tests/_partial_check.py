@@ -13,6 +13,7 @@ the token is stamped with (the same packed batch, scored with those weights load
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 
@@ -118,3 +119,138 @@ def partial_check(tr, steps: int = 4, capped: int = 4) -> dict:
             collector.advance(drawn, tr.engine_version)
     r.max_tokens, r.partial_rollouts, r.partial_max_updates = saved
     return {"batches": rows, "queue_whole": all(not d.unfinished for d in collector.queue)}
+
+
+STOP_IDS = (3, *range(4, 19, 2))
+"""The multi-turn checks' turn ends on the arithmetic tokenizer (about half the ids)."""
+
+
+def digits_layout(tok, c, prompt_b: int, max_tokens: int) -> list[bool] | None:
+    """The model / environment split of a Digits trajectory (tests/_agent_env.py) rebuilt from
+    its ids alone: a turn is ids up to the first stop id (at most `max_tokens`), answered after
+    turns 1 and 2 by exactly encode('<turn>=<b mod 10> '). Per id True = the model's; None when
+    the ids do not parse so (an answer missing or wrong)."""
+    ids, at, out = c.token_ids, 0, []
+    for turn in range(3):
+        end = at
+        while end < len(ids) and end - at < max_tokens and ids[end] not in STOP_IDS:
+            end += 1
+        stopped = end < len(ids) and end - at < max_tokens  # ids[end] ends the turn
+        end += stopped
+        out += [True] * (end - at)
+        at = end
+        if not stopped or turn == 2 or at == len(ids):
+            break
+        answer = tok.encode(f"{turn}={prompt_b % 10} ")
+        if ids[at:at + len(answer)] != answer:
+            return None
+        out += [False] * len(answer)
+        at += len(answer)
+    return out if at == len(ids) else None
+
+
+def agent_partial_check(tr, steps: int = 4) -> dict:
+    """Multi-turn partial rollouts at k = 1 (tests._agent_env:Digits, 3 turns, stop ids end
+    about half the turns' ids): a draw on the side thread is held at its third decode step
+    until the trainer's join sets the pause, so the update lands in the middle of the draw
+    (some trajectories mid-turn, some between turns). Per trained batch: trajectories paused
+    mid-turn / between turns (the batch metrics), trajectories whose tokens span an update,
+    every model token's vLLM-vs-trainer gap per stamped version, the gap if every token were
+    the trainer's version, whether the loss mask is exactly the model's ids (rebuilt from the
+    ids and the environment's rule), the loss."""
+    from megagrpo.agent.runner import TrajectoryRunner, environment_factory
+
+    t0 = time.perf_counter()
+    cfg, c = tr.cfg, tr.rollouts
+    saved = (cfg.agent.environment, cfg.agent.max_turns, c.stop_ids, cfg.rollout.max_tokens,
+             cfg.rollout.max_staleness, cfg.run.async_rollout, cfg.rollout.partial_rollouts,
+             cfg.rollout.partial_max_updates)
+    cfg.agent.environment, cfg.agent.max_turns = "tests._agent_env:Digits", 3
+    cfg.rollout.max_staleness, cfg.run.async_rollout = 1, False
+    cfg.rollout.partial_rollouts, cfg.rollout.partial_max_updates = True, 0
+    cfg.rollout.max_tokens = 6
+    c.runner = TrajectoryRunner(engine=tr.engine, tokenizer=tr.tokenizer, agent=cfg.agent,
+                                factory=environment_factory(cfg.agent, tr.tokenizer),
+                                max_model_len=cfg.rollout.max_model_len)
+    c.stop_ids = STOP_IDS
+    c.join()
+    c.queue = []  # the single-turn batches drawn ahead before: not this check's
+    tr.sync_weights()
+    snapshots: dict[int, dict] = {}
+    trained: list = []
+    plain_next = c.next
+
+    def recording_next(version: int):
+        ro = plain_next(version)
+        trained.append((tr.version, ro))
+        return ro
+
+    def hold(step: int) -> None:  # the side thread's draw waits for the pause at step 3
+        if step == 3 and threading.current_thread() is not threading.main_thread():
+            deadline = time.monotonic() + 120
+            while not c.pause.is_set() and time.monotonic() < deadline:
+                time.sleep(0.002)
+
+    c.next = recording_next
+    tr.engine.partial_on_step = hold
+    losses = []
+    try:
+        for _ in range(steps):
+            snapshots[tr.version] = _params(tr.policy)
+            losses.append(tr.step()["loss"])
+        c.join()
+        resume = _resume_paused(c, tr.engine_version)
+    finally:
+        tr.engine.partial_on_step = None
+        del c.next
+        (cfg.agent.environment, cfg.agent.max_turns, c.stop_ids, cfg.rollout.max_tokens,
+         cfg.rollout.max_staleness, cfg.run.async_rollout, cfg.rollout.partial_rollouts,
+         cfg.rollout.partial_max_updates) = saved
+        c.runner, c.queue = None, []
+    rows = []
+    for version, ro in trained:
+        if "partial_turns_mid" not in ro.metrics:
+            continue  # drawn on the main thread at the first step: no pause in it
+        batch = tr.build_batch(ro)[0]
+        mask = batch.real(batch.mask)
+        exact = True
+        for i, comp in enumerate(ro.completions):
+            L, n = len(ro.prompts[comp.prompt_index]), len(comp.token_ids)
+            want = digits_layout(tr.tokenizer, comp,
+                                 _record_b(tr.tokenizer, ro.prompts[comp.prompt_index]), 6)
+            exact &= want is not None and mask[i, L - 1:L - 1 + n].tolist() == want \
+                and comp.loss_mask == want
+        spans = sum(len({v for v in comp.token_versions if v >= 0}) > 1
+                    for comp in ro.completions)
+        gaps = _gaps(tr, ro, snapshots)
+        rows.append([version, ro.metrics["partial_turns_mid"],
+                     ro.metrics["partial_turns_between"], spans, exact,
+                     gaps.get("per_version"), gaps.get("as_final")])
+    return {"batches": rows, "losses": losses, "resume": resume,
+            "seconds": time.perf_counter() - t0}
+
+
+def _resume_paused(c, version: int) -> list:
+    """The collector's checkpoint state with the last draw paused (live environments in it)
+    saved through torch.save and loaded again: [paused trajectories, of them with sampled
+    tokens, restarted on load (partial_restarted), trajectories whole after the restored
+    batch is advanced, expected]."""
+    import io
+
+    paused = [len(d.unfinished) for d in c.queue]
+    lost = sum(bool(t.ids or (t.turn is not None and t.turn.token_ids))
+               for d in c.queue for t in d.unfinished)
+    buf = io.BytesIO()
+    torch.save(c.state_dict(), buf)
+    buf.seek(0)
+    c.load_state_dict(torch.load(buf, weights_only=False))
+    restarted = sum(d.metrics.get("partial_restarted", 0.0) for d in c.queue)
+    for d in c.queue:
+        c.advance(d, version)
+    whole = sum(len(d.completions) for d in c.queue if not d.unfinished)
+    return [sum(paused), lost, restarted, whole, sum(len(d.completions) for d in c.queue)]
+
+
+def _record_b(tok, prompt: list[int]) -> int:
+    """The arithmetic prompt's second operand ('12+7=' -> 7: the Digits answer's source)."""
+    return int(re.search(r"\d+[-+*](\d+)=", tok.decode(prompt)).group(1))

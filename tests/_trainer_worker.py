@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests._inflight_check import inflight_check
-from tests._partial_check import partial_check
+from tests._partial_check import agent_partial_check, partial_check
 from tests.support.launch import write_results
 
 
@@ -216,6 +216,7 @@ def main():
     res["empty_minibatches"] = empty_minibatch_check(tr)
     res["eval_accuracy"] = eval_accuracy_check(tr)
     res["multi_turn"] = multi_turn_check(tr)
+    res["agent_partial"] = agent_partial_check(tr)  # issue 47 item 1: multi-turn, k = 1
     bad = bad_steps_check(tr)
     err = bad.pop("error", None)
     res["bad_steps"] = bad

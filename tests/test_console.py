@@ -133,3 +133,16 @@ def test_async_runs_name_their_staleness_correction():
     off = async_note(load_config(None, ["run.async_rollout=true"]))
     assert "decoupled objective" in off and "algo.rollout_is_cap=2" in off
     assert "set algo.rollout_is=truncate to choose it explicitly" in off
+    assert "partial rollouts" not in off
+    # partial rollouts say what a weight update does to the running draw; multi-turn says
+    # where a trajectory pauses (issue 47 item 1)
+    single = async_note(load_config(None, ["rollout.max_staleness=2",
+                                           "rollout.partial_rollouts=true"]))
+    assert "pauses between two decode steps" in single and "multi-turn" not in single
+    assert single.endswith("a trajectory spans at most 2 updates")
+    multi = async_note(load_config(None, ["rollout.max_staleness=1",
+                                          "rollout.partial_rollouts=true",
+                                          "agent.environment=tests._agent_env:Digits"]))
+    assert "a trajectory between turns takes its next turn with the new weights" in multi
+    assert "restarts paused trajectories from their prompt" in multi
+    assert multi.endswith("a trajectory spans at most 1 update")

@@ -13,10 +13,13 @@ one started under the current weights is paused, also when the pause is set befo
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import vllm  # noqa: F401  (a CPU requirement: a broken install fails here, never skips)
 
+from megagrpo.agent import Environment, Observation, Turn
+from megagrpo.config.agent import AgentConfig
 from megagrpo.config.rollout import RolloutConfig
 from megagrpo.engine import SamplingSettings, VLLMEngine
 from megagrpo.engine.partial import start_trajectories
@@ -38,6 +41,61 @@ class PauseBefore:
     def is_set(self) -> bool:
         self.checks += 1
         return self.checks >= self.step
+
+
+class Answers(Environment):
+    """Answers turns 1 and 2 with the ids (90 + turn, 100 + k, 110), done after turn 3; counts
+    its steps (a tool call is never run again)."""
+
+    steps: list = []
+
+    def step(self, turn: Turn) -> Observation:
+        Answers.steps.append((id(self), self.record["k"], turn.index))
+        if turn.index >= 2:
+            return Observation(done=True, reward=1.0)
+        return Observation(token_ids=(90 + turn.index, 100 + self.record["k"], 110))
+
+
+class Ids:
+    """The runner decodes turns for its environments: ids as text."""
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+TURN_STOP = tuple(range(2, 128, 5))  # about 1 id in 5 ends a turn
+
+
+def multi_turn(engine, b) -> dict:
+    """Multi-turn trajectories (Answers, 4 prompts x 2) under weights A (version 0); the pause
+    is set after the 4th decode step of the draw (some turns are then in the middle of their
+    ids, some trajectories between two turns); weights B (version 1); the draw continued."""
+    from megagrpo.agent.runner import TrajectoryRunner
+
+    Answers.steps = []
+    runner = TrajectoryRunner(engine=engine, tokenizer=Ids(), max_model_len=256,
+                              agent=AgentConfig(environment="x:y", max_turns=3),
+                              factory=lambda rec: Answers(rec))
+    s = SamplingSettings(temperature=1.0, max_tokens=8, stop_token_ids=TURN_STOP)
+    records = [{"k": i} for i in range(len(PROMPTS))]
+    pause, count = threading.Event(), [0]
+
+    def on_step(step: int) -> None:
+        count[0] += 1
+        if count[0] == 4:
+            pause.set()
+
+    engine.partial_on_step = on_step
+    try:
+        trajs = runner.start(PROMPTS, list(range(len(PROMPTS))), N)
+        first = runner.advance(trajs, records, s, version=0, pause=pause, max_updates=1)
+        held = [(t.prompt_index, t.sample_index, t.turn is not None, len(t.ids),
+                 len(t.turn.token_ids) if t.turn else 0) for t in first.paused]
+        engine.update_weights(list(b.state_dict().items()))
+        second = runner.advance(first.paused, records, s, version=1)
+    finally:
+        engine.partial_on_step = None
+    return dict(first=first, second=second, held=held, steps=list(Answers.steps))
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +133,12 @@ def run(tmp_path_factory):
         fresh_late = start_trajectories([2], 1)
         early = engine.generate_partial(PROMPTS, late.paused + fresh_late, s, version=1,
                                         pause=PauseBefore(1), max_updates=1)
+        engine.update_weights(list(a.state_dict().items()))
+        turns = multi_turn(engine, b)
         yield dict(a=a, b=b, trajs=trajs, first=first, second=second, paused_then=paused_then,
                    late=late, late_len=late_len, early=early, fresh_late=fresh_late,
-                   warm=warm, warm_versions=warm_versions, capped=capped, old=old, fresh=fresh)
+                   warm=warm, warm_versions=warm_versions, capped=capped, old=old, fresh=fresh,
+                   turns=turns)
     finally:
         engine.close()
 
@@ -154,3 +215,48 @@ def test_cap_when_the_pause_came_first(run):
     assert t.finish_reason in ("stop", "length") and t.token_versions[:n] == [0] * n
     assert set(t.token_versions[n:]) == {1}
     assert early.paused == [fresh] and fresh.token_ids == [] and fresh.finish_reason == ""
+
+
+def test_multi_turn_paused_mid_turn_and_between_turns(run):
+    """The multi-turn draw paused after its 4th decode step: trajectories in the middle of a
+    turn (its ids so far kept) and between turns (their environment's answer appended, the
+    next turn not started); continued under B. Every model token's log-prob is transformers'
+    under the weights of its stamped version after exactly its prefix (the environment's ids
+    included); the environment's ids are exactly its answers, stamped NO_VERSION, log-prob 0,
+    out of the loss mask; each environment was asked once per turn (none asked again)."""
+    from megagrpo.agent.runner import spans
+    from megagrpo.engine.types import NO_VERSION
+
+    mt, models = run["turns"], {0: run["a"], 1: run["b"]}
+    kinds = {mid_turn for _, _, mid_turn, _, _ in mt["held"]}
+    assert kinds == {True, False}, mt["held"]  # both kinds of pause happened
+    comps = mt["first"].finished + mt["second"].finished
+    assert sorted((c.prompt_index, c.sample_index) for c in comps) == \
+        [(i, j) for i in range(len(PROMPTS)) for j in range(N)]
+    assert not mt["second"].paused
+    # each trajectory's environment answered each of its turns once, in order: none asked
+    # again after the pause, none rebuilt
+    by_env: dict = {}
+    for env, _, turn in mt["steps"]:
+        by_env.setdefault(env, []).append(turn)
+    assert 0 < len(by_env) <= len(comps)
+    assert all(t == list(range(len(t))) for t in by_env.values()), by_env
+    gaps, mid, between = [], 0, 0
+    for c in comps:
+        prompt, k = PROMPTS[c.prompt_index], c.prompt_index
+        assert len(c.token_versions) == len(c.logprobs) == len(c.loss_mask) == len(c.token_ids)
+        # the environment's tokens: its answers after turns 1 and 2, nothing else
+        env = [(i, t) for i, (t, m) in enumerate(zip(c.token_ids, c.loss_mask)) if not m]
+        want = [x for turn in range(c.turns - 1) for x in (90 + turn, 100 + k, 110)]
+        assert [t for _, t in env] == want
+        assert all(c.token_versions[i] == NO_VERSION and c.logprobs[i] == 0.0 for i, _ in env)
+        model = [v for v, m in zip(c.token_versions, c.loss_mask) if m]
+        assert model == sorted(model) and set(model) <= {0, 1}
+        ref = {v: hf_token_logprobs(m, prompt, c.token_ids) for v, m in models.items()}
+        for i, (lp, v, m) in enumerate(zip(c.logprobs, c.token_versions, c.loss_mask)):
+            if m:
+                gaps.append(abs(lp - ref[v][i]))
+        m, b = spans(c)
+        mid, between = mid + (m > 0), between + (b > 0)
+    assert max(gaps) < TOL, max(gaps)
+    assert mid >= 1 and between >= 1, (mid, between)

@@ -198,6 +198,39 @@ def test_multi_turn_trains_on_vllm_ids_with_env_tokens_masked(results):
     assert mt["gap"] < 1e-4 and math.isfinite(mt["loss"]), mt
 
 
+def test_multi_turn_partial_rollouts_pause_mid_turn_and_between_turns(results):
+    """Issue 47 item 1, multi-turn (tests/_partial_check.py:agent_partial_check): at k = 1 with
+    a weight update landing in the middle of each side-thread draw, trajectories are paused
+    mid-turn and between turns and continued with the new weights; in every trained batch
+    every model token's vLLM log-prob equals the sharded trainer's under the weights of its
+    stamped version (~1e-7; stamping them all with the newest version would not hold), the
+    loss mask is exactly the model's ids (rebuilt from the ids and the environment's rule),
+    and the steps train (finite losses). The collector's checkpoint state with the last draw
+    paused (live environments in it) saves and loads; its paused trajectories restart from
+    their prompt, counted, and the batch then ends whole."""
+    checked = 0
+    for r in results:
+        got = r["agent_partial"]
+        rows = got["batches"]
+        assert len(rows) >= 3 and all(row[4] for row in rows), rows  # the mask, exactly
+        assert all(math.isfinite(x) for x in got["losses"]), got
+        # paused mid-turn, paused between turns, and spanning an update: all counted
+        assert sum(row[1] for row in rows) > 0 and sum(row[2] for row in rows) > 0, rows
+        assert sum(row[3] for row in rows) > 0, rows
+        # the checkpoint of a collector holding paused trajectories (live environments):
+        # saved, loaded, each restarted from its prompt and counted, the batch then whole
+        paused, lost, restarted, whole, total = got["resume"]
+        assert paused > 0 and lost > 0 and restarted == lost and whole == total > 0, got
+        for _, _, _, spanning, _, per_version, as_final in rows:
+            if per_version is None:  # not the last stage's TP rank 0
+                continue
+            checked += 1
+            assert max(per_version.values()) < 1e-5, rows
+            if spanning:
+                assert as_final > 5e-4, rows
+    assert checked >= 3
+
+
 def test_inflight_updates_enter_the_running_draw(results):
     """Issue 30 item 3 at k = 2 (tests/_inflight_check.py): the trainer's post (gathered on the
     main thread: TP gathers, PP broadcasts) entered every draw between decode steps; the batch

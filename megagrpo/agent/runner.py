@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 from megagrpo.agent.env import Environment, Observation, Turn
 from megagrpo.agent.registry import import_environment, load_environment
 from megagrpo.config.agent import OPENENV, AgentConfig
-from megagrpo.engine.types import Completion, SamplingSettings
+from megagrpo.engine.types import NO_VERSION, Completion, SamplingSettings
 
 log = logging.getLogger("megagrpo")
 
@@ -99,10 +99,47 @@ class _Trajectory:
     """Environment calls asked again after a failure."""
     dropped: str = ""
     done: bool = False
+    versions: list[int] | None = None
+    """rollout.partial_rollouts: per id, the policy version that sampled it (NO_VERSION on
+    the environment's); None: not recorded (one version sampled the whole trajectory)."""
+    turn: Completion | None = None
+    """rollout.partial_rollouts: the turn paused between two decode steps (its ids, log-probs
+    and versions so far), continued by the next `advance`; None between turns."""
+    started: bool = False
+    """Its environment was created (or the trajectory ended before it needed one)."""
 
     def limit(self, max_tokens: int) -> int:
         """This turn's token limit."""
         return min(max_tokens, self.budget - len(self.ids))
+
+    def oldest(self, version: int) -> int:
+        """The version of its oldest model token (`version` when it has none yet)."""
+        if self.versions:
+            return self.versions[0]  # a trajectory starts with the model's first turn
+        if self.turn is not None and self.turn.token_versions:
+            return self.turn.token_versions[0]
+        return version
+
+    def restart_state(self) -> Completion:
+        """What a checkpoint keeps of it: its prompt and place only (an environment's state is
+        not saved), so a resumed run samples it again from the prompt; finish_reason 'restart'
+        marks one that had sampled tokens (counted and said on the console at the resume)."""
+        lost = bool(self.ids) or bool(self.turn is not None and self.turn.token_ids)
+        return Completion(prompt_index=self.prompt_index, sample_index=self.sample_index,
+                          token_ids=[], logprobs=[], finish_reason="restart" if lost else "",
+                          token_versions=[])
+
+
+@dataclass
+class PausedTurns:
+    """What one `TrajectoryRunner.advance` leaves (rollout.partial_rollouts)."""
+
+    finished: list[Completion]
+    paused: list[_Trajectory]
+    tokens: int
+    """Tokens the model sampled in this call."""
+    recomputed: int
+    """Tokens of paused turns whose keys and values were computed again."""
 
 
 @dataclass
@@ -178,11 +215,80 @@ class TrajectoryRunner:
         else:
             outs = self.engine.generate([t.prompt + t.ids for t in active], s)
         for t, out in zip(active, outs, strict=True):
-            self._take(t, out, sampling.max_tokens)
-            if not t.done:
-                self._observe(t)
-            if t.done and t.env is not None:
-                self._close(t)
+            self._end_turn(t, out, sampling.max_tokens)
+
+    def _end_turn(self, t: _Trajectory, out: Completion, max_tokens: int) -> None:
+        """The turn `out` taken, the environment's answer to it (or its close at the end)."""
+        self._take(t, out, max_tokens)
+        if not t.done:
+            self._observe(t)
+        if t.done and t.env is not None:
+            self._close(t)
+
+    # ------------------------------------------------------------ partial rollouts
+    def start(self, prompts: list[list[int]], prompt_indices: list[int], n: int
+              ) -> list[_Trajectory]:
+        """rollout.partial_rollouts: `n` trajectories per prompt index (indexing `prompts`),
+        prompt-major, not started (`advance` creates their environments)."""
+        return [self.restarted(prompts, p, j) for p in prompt_indices for j in range(n)]
+
+    def restarted(self, prompts: list[list[int]], p: int, j: int) -> _Trajectory:
+        """Sample `j` of prompt `p` from its prompt, as `start` makes it."""
+        return _Trajectory(p, j, list(prompts[p]), self._budget(prompts[p]), versions=[])
+
+    def advance(self, trajs: list[_Trajectory], records: list[dict],
+                sampling: SamplingSettings, *, version: int, pause=None,
+                max_updates: int = 0) -> PausedTurns:
+        """rollout.partial_rollouts: runs `trajs` (from `start`, or paused by an earlier call)
+        with the weights of policy `version` (the engine's `generate_partial`) until each
+        ends or `pause` is set. At the pause a trajectory whose oldest model token is fewer
+        than `max_updates` versions behind `version` stops: in the middle of a turn between
+        two decode steps (the turn's ids, log-probs and versions kept in `turn`), or between
+        turns (its next turn waits); its environment stays with it, nothing is asked of it
+        again. The others (at the cap) run to their end with these weights first. Each turn
+        samples n = 1 per trajectory at its own limit."""
+        for t in trajs:
+            if not t.started:
+                self._begin(t, records[t.prompt_index])
+        active = [t for t in trajs if not t.done]
+        held: list[_Trajectory] = []
+        tokens = recomputed = 0
+        while active:
+            if pause is not None and pause.is_set():
+                wait = [t for t in active if t.turn is None
+                        and version - t.oldest(version) < max_updates]
+                held += wait
+                active = [t for t in active if all(t is not w for w in wait)]
+                if not active:
+                    break
+            turns = [t.turn or _new_turn(t) for t in active]
+            owner = {id(c): t for c, t in zip(turns, active)}
+            for j, c in enumerate(turns):
+                c.prompt_index = j  # indexes this call's prompts
+            res = self.engine.generate_partial(
+                [t.prompt + t.ids for t in active], turns, replace(sampling, n=1),
+                version=version, pause=pause, max_updates=max_updates,
+                limits=[t.limit(sampling.max_tokens) for t in active],
+                oldest=lambda c, v: owner[id(c)].oldest(v))
+            tokens, recomputed = tokens + res.tokens, recomputed + res.recomputed
+            for c in res.paused:
+                owner[id(c)].turn = c
+            held += [owner[id(c)] for c in res.paused]
+            for c in res.finished:
+                t = owner[id(c)]
+                t.turn = None
+                self._end_turn(t, c, sampling.max_tokens)
+            active = [t for t in active if not t.done and t.turn is None]
+        gone = {id(t) for t in held}
+        return PausedTurns([self._completion(t) for t in trajs if id(t) not in gone],
+                           held, tokens, recomputed)
+
+    def _begin(self, t: _Trajectory, record: dict) -> None:
+        t.started = True
+        if t.budget < 1:  # preflight keeps prompts shorter than rollout.max_model_len
+            t.done, t.finish, t.truncation = True, "length", "token_budget"
+        else:
+            t.env = self._make_env(t, record)
 
     def _take(self, t: _Trajectory, out: Completion, max_tokens: int) -> None:
         """Appends the turn's sampled ids (cut to this trajectory's own limit)."""
@@ -196,6 +302,8 @@ class TrajectoryRunner:
         t.ids += ids
         t.logprobs += lps
         t.mask += [True] * len(ids)
+        if t.versions is not None:
+            t.versions += list(out.token_versions or ())[:len(ids)]
         t.turns += 1
         t.text, t.finish = text, finish
         t.turn_ids = tuple(ids)
@@ -234,6 +342,8 @@ class TrajectoryRunner:
         t.ids += ids
         t.logprobs += [0.0] * len(ids)
         t.mask += [False] * len(ids)
+        if t.versions is not None:
+            t.versions += [NO_VERSION] * len(ids)
 
     def _env_error(self, t: _Trajectory, e: BaseException, doing: str) -> None:
         t.done, t.finish, t.truncation = True, "stop", "env_error"
@@ -265,7 +375,14 @@ class TrajectoryRunner:
                           text=t.text, loss_mask=t.mask, turns=t.turns, tool_calls=t.calls,
                           tool_errors=t.errors, tool_seconds=t.seconds,
                           turn_rewards=list(t.rewards), truncation=t.truncation,
-                          env_retries=t.retries, dropped=t.dropped)
+                          env_retries=t.retries, dropped=t.dropped,
+                          token_versions=t.versions)
+
+
+def _new_turn(t: _Trajectory) -> Completion:
+    """The next turn of `t`, no token sampled yet (continued by `run_partial`)."""
+    return Completion(prompt_index=0, sample_index=t.sample_index, token_ids=[], logprobs=[],
+                      finish_reason="", token_versions=[])
 
 
 class EnvTimeout(TimeoutError):
@@ -306,6 +423,26 @@ def check_observation(obs) -> None:
                                              for i in obs.token_ids):
         raise ValueError(f"step's token_ids {list(obs.token_ids)[:4]}... are not all "
                          "non-negative integers")
+
+
+def spans(c: Completion) -> tuple[int, int]:
+    """Where a multi-turn trajectory (with `token_versions` and `loss_mask`) met weight
+    updates: (its turns sampled by more than one policy version: paused between two decode
+    steps and continued; its turn boundaries where the next turn's first token is of a newer
+    version than the last turn's last one: paused between turns). (0, 0) without them."""
+    if c.token_versions is None or c.loss_mask is None:
+        return 0, 0
+    runs: list[list[int]] = []
+    prev = False
+    for v, model in zip(c.token_versions, c.loss_mask, strict=True):
+        if model and not prev:
+            runs.append([])
+        if model:
+            runs[-1].append(v)
+        prev = model
+    mid = sum(r[0] != r[-1] for r in runs)
+    between = sum(a[-1] != b[0] for a, b in zip(runs, runs[1:]))
+    return mid, between
 
 
 def agent_metrics(comps: list[Completion]) -> dict[str, float]:

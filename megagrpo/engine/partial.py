@@ -53,18 +53,26 @@ def first_version(traj: Completion, version: int) -> int:
     return traj.token_versions[0] if traj.token_versions else version
 
 
+Oldest = Callable[[Completion, int], int]
+"""(trajectory, the engine's version) -> the version of its oldest token: what the cap reads
+(`first_version`; a multi-turn turn reads its whole trajectory's, megagrpo.agent.runner)."""
+
+
 def run_partial(engine, prompts: list[list[int]], trajs: list[Completion],
                 sampling: SamplingSettings, *, version: int,
                 pause: threading.Event | None = None, max_updates: int = 0,
-                lora_request=None, on_step: Callable[[int], None] | None = None
+                lora_request=None, on_step: Callable[[int], None] | None = None,
+                limits: list[int] | None = None, oldest: Oldest = first_version
                 ) -> PartialResult:
     """Generates (or continues) `trajs` (`prompt_index` indexes `prompts`) on `engine` (a
     VLLMEngine holding policy `version`) until each ends, or until `pause` is set: then the
-    trajectories whose oldest token is fewer than `max_updates` versions behind `version` are
-    taken out (paused, their state so far kept), the others generated to their end. The new
-    tokens are appended to each trajectory in place, stamped `version`; an ended one gets its
-    finish_reason. vLLM's synchronous scheduler only (one step at a time). `on_step` is called
-    after each decode step with the step count (tests hold a draw there until the pause)."""
+    trajectories whose oldest token (`oldest`) is fewer than `max_updates` versions behind
+    `version` are taken out (paused, their state so far kept), the others generated to their
+    end. The new tokens are appended to each trajectory in place, stamped `version`; an ended
+    one gets its finish_reason. `limits`: per trajectory its own max_tokens (default
+    sampling.max_tokens for all). vLLM's synchronous scheduler only (one step at a time).
+    `on_step` is called after each decode step with the step count (tests hold a draw there
+    until the pause)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -73,21 +81,22 @@ def run_partial(engine, prompts: list[list[int]], trajs: list[Completion],
     if not trajs:
         return PartialResult([], [], 0, 0)
     if pause is not None and pause.is_set():  # paused already: only the capped ones run
-        held = [t for t in trajs if version - first_version(t, version) < max_updates]
+        held = [t for t in trajs if version - oldest(t, version) < max_updates]
         kept = {id(t) for t in held}
-        rest = run_partial(engine, prompts, [t for t in trajs if id(t) not in kept],
-                           sampling, version=version, lora_request=lora_request)
+        run = [(t, m) for t, m in zip(trajs, limits or [sampling.max_tokens] * len(trajs))
+               if id(t) not in kept]
+        rest = run_partial(engine, prompts, [t for t, _ in run], sampling, version=version,
+                           lora_request=lora_request, limits=[m for _, m in run])
         return PartialResult(rest.finished, held, rest.tokens, rest.recomputed)
     detok = core.tokenizer is not None
     prefix = sum(len(t.token_ids) for t in trajs)
     by_id: dict[str, Completion] = {}
     to_internal: dict[str, str] = {}
-    for t in trajs:
-        left = sampling.max_tokens - len(t.token_ids)
+    for t, most in zip(trajs, limits or [sampling.max_tokens] * len(trajs), strict=True):
+        left = most - len(t.token_ids)
         if left < 1:
             raise ValueError(f"run_partial: trajectory ({t.prompt_index}, {t.sample_index}) "
-                             f"already holds {len(t.token_ids)} tokens of max_tokens="
-                             f"{sampling.max_tokens}")
+                             f"already holds {len(t.token_ids)} tokens of max_tokens={most}")
         # DELTA outputs every step (LLM.generate asks for the final one only): the state of a
         # request at any step is what its outputs added up to
         params = SamplingParams(
@@ -109,7 +118,7 @@ def run_partial(engine, prompts: list[list[int]], trajs: list[Completion],
         if pause is not None and not stopped and pause.is_set():
             stopped = True
             paused = {i for i in ids if i not in ended
-                      and version - first_version(by_id[i], version) < max_updates}
+                      and version - oldest(by_id[i], version) < max_updates}
             if paused:
                 core.abort_request([to_internal[i] for i in ids if i in paused], internal=True)
             continue
@@ -140,4 +149,4 @@ def run_partial(engine, prompts: list[list[int]], trajs: list[Completion],
                          [by_id[i] for i in ids if i not in ended], tokens, prefix)
 
 
-__all__ = ["PartialResult", "first_version", "run_partial", "start_trajectories"]
+__all__ = ["Oldest", "PartialResult", "first_version", "run_partial", "start_trajectories"]

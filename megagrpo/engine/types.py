@@ -10,6 +10,16 @@ import torch
 
 from megagrpo.config.rollout import RolloutConfig
 
+NO_VERSION = -1
+"""`Completion.token_versions` of an environment's token in a multi-turn trajectory with
+partial rollouts: no policy sampled it (its loss-mask entry is False)."""
+
+
+def model_versions(c: Completion) -> list[int]:
+    """The policy versions of the tokens a policy sampled (`token_versions` without the
+    environment's `NO_VERSION`); [] when the completion has none."""
+    return [v for v in (c.token_versions or ()) if v != NO_VERSION]
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingSettings:
@@ -56,9 +66,10 @@ class Completion:
     rollout stage; -1: not recorded (the batch's `Rollout.version` stands in). With in-flight
     updates (`token_versions` set) the oldest of the token versions."""
     token_versions: list[int] | None = None
-    """rollout.inflight_updates: per token of `token_ids`, the policy version of the weights
-    that sampled it (non-decreasing: weights change between decode steps); None: one version
-    sampled the whole completion (`version`)."""
+    """rollout.inflight_updates or rollout.partial_rollouts: per token of `token_ids`, the
+    policy version of the weights that sampled it (non-decreasing over the model's tokens:
+    weights change between decode steps); an environment's token of a multi-turn trajectory
+    holds NO_VERSION. None: one version sampled the whole completion (`version`)."""
     prompt_token_ids: list[int] | None = None
     """A prompt with images: the prompt as vLLM ran it, each image's placeholder pad expanded
     to the image's tokens (what the trainer's rows must hold); None: the prompt as given."""

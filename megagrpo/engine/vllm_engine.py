@@ -43,7 +43,7 @@ import torch
 from megagrpo.config.rollout import RolloutConfig, check_head_dim
 from megagrpo.engine.feed import _pairs, _WeightFeed, expected_hf_params
 from megagrpo.engine.inflight import InflightUpdates, attach_token_versions
-from megagrpo.engine.partial import PartialResult, run_partial
+from megagrpo.engine.partial import Oldest, PartialResult, first_version, run_partial
 from megagrpo.engine.types import Completion, SamplingSettings, WeightSyncStats
 from megagrpo.engine.vllm_compat import (
     _packed_modules_mapping,
@@ -276,11 +276,12 @@ class VLLMEngine:
     def generate_partial(self, prompt_token_ids: list[list[int]], trajs: list[Completion],
                          sampling: SamplingSettings, *, version: int,
                          pause: threading.Event | None = None,
-                         max_updates: int = 0) -> PartialResult:
+                         max_updates: int = 0, limits: list[int] | None = None,
+                         oldest: Oldest = first_version) -> PartialResult:
         """rollout.partial_rollouts: generates or continues the trajectories `trajs` (n = 1
         each; `prompt_index` indexes `prompt_token_ids`) with the weights of policy `version`
-        until they end or `pause` is set (`megagrpo.engine.partial.run_partial`). Safe on the
-        async thread as `generate` is."""
+        until they end or `pause` is set (`megagrpo.engine.partial.run_partial`, which says
+        what `limits` and `oldest` are). Safe on the async thread as `generate` is."""
         if self.asleep:
             raise RuntimeError("VLLMEngine.generate_partial called while asleep; call wake() "
                                "first")
@@ -289,7 +290,8 @@ class VLLMEngine:
         with self.rng.sampling():
             return run_partial(self, prompt_token_ids, trajs, sampling, version=version,
                                pause=pause, max_updates=max_updates,
-                               lora_request=self.lora_request, on_step=self.partial_on_step)
+                               lora_request=self.lora_request, on_step=self.partial_on_step,
+                               limits=limits, oldest=oldest)
 
     def _attach_routes(self, outputs, done: list[Completion], prompts: list[list[int]],
                        n: int) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -31,13 +32,14 @@ import torch
 import torch.distributed as dist
 
 from megagrpo import algo
-from megagrpo.agent.runner import TrajectoryRunner, environment_factory
+from megagrpo.agent.runner import TrajectoryRunner, environment_factory, spans
 from megagrpo.config.algo import AlgoConfig
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.train import TrainConfig
 from megagrpo.data import IMAGE_FIELD, encode_prompt, image_prompt, load_images
 from megagrpo.engine import Completion, SamplingSettings
 from megagrpo.engine.partial import start_trajectories
+from megagrpo.engine.types import model_versions
 from megagrpo.reward import PendingScores, Rewards, chain, samples_of
 from megagrpo.rollout.stream import Rollout, StreamStats, stamp
 from megagrpo.runtime.distributed import Groups, Ranks, any_rank
@@ -45,6 +47,8 @@ from megagrpo.runtime.distributed import Groups, Ranks, any_rank
 if TYPE_CHECKING:
     from megagrpo.data import Example, PromptLoader
     from megagrpo.engine import RolloutEngine
+
+log = logging.getLogger("megagrpo")
 
 
 @dataclass
@@ -65,10 +69,11 @@ class Drawn:
     the batch itself draws it again."""
     pending: PendingScores | None = None
     """Scores not awaited yet (`resolve` fills `rewards`, `metrics` and each `correct`)."""
-    unfinished: list[Completion] = field(default_factory=list)
+    unfinished: list = field(default_factory=list)
     """rollout.partial_rollouts: this rank's trajectories paused at a weight update (tokens,
     log-probs and per-token versions so far), continued by a later draw; the batch is scored
-    once none is left."""
+    once none is left. `Completion`s, or with the agent on the runner's trajectories (their
+    environments in memory; `megagrpo.agent.runner.TrajectoryRunner.advance`)."""
     records: list[dict] = field(default_factory=list)
     """rollout.partial_rollouts: the prompts' data records, for the scoring when it ends."""
     texts: list[str] = field(default_factory=list)
@@ -91,7 +96,12 @@ class Drawn:
 
     def state_dict(self) -> dict:
         self.resolve()
-        state = dataclasses.asdict(dataclasses.replace(self, pending=None))
+        # a paused multi-turn trajectory is saved as its prompt and place: its environment's
+        # state is not checkpointed (`megagrpo.agent.runner._Trajectory.restart_state`)
+        unfinished = [u if isinstance(u, Completion) else u.restart_state()
+                      for u in self.unfinished]
+        state = dataclasses.asdict(dataclasses.replace(self, pending=None,
+                                                       unfinished=unfinished))
         del state["pending"]
         return state  # completions included, as dicts
 
@@ -292,11 +302,12 @@ class RolloutCollector:
         t0 = time.perf_counter()
         examples, epoch, before = self._next_examples()
         if self.cfg.rollout.partial_rollouts:
-            mine = self.layout.prompt_indices(len(examples))
-            drawn = Drawn([encode_prompt(self.tokenizer, e.prompt) for e in examples],
-                          [e.answer for e in examples], epoch, version, [], [], {},
+            mine, G = self.layout.prompt_indices(len(examples)), self.cfg.algo.group_size
+            prompts = [encode_prompt(self.tokenizer, e.prompt) for e in examples]
+            drawn = Drawn(prompts, [e.answer for e in examples], epoch, version, [], [], {},
                           loader_state=before,
-                          unfinished=start_trajectories(mine, self.cfg.algo.group_size),
+                          unfinished=(self.runner.start(prompts, mine, G) if self.runner
+                                      else start_trajectories(mine, G)),
                           records=[e.record for e in examples],
                           texts=[e.prompt for e in examples])
             self.stats.draw_s += time.perf_counter() - t0
@@ -330,8 +341,13 @@ class RolloutCollector:
         t0 = time.perf_counter()
         r = self.cfg.rollout
         cap = r.partial_max_updates or self.cfg.staleness
-        res = self.engine.generate_partial(drawn.prompts, drawn.unfinished, self.sampling(),
-                                           version=version, pause=pause, max_updates=cap)
+        if self.runner is not None:  # multi-turn: paused mid-turn or between turns
+            res = self.runner.advance(drawn.unfinished, drawn.records, self.sampling(),
+                                      version=version, pause=pause, max_updates=cap)
+        else:
+            res = self.engine.generate_partial(drawn.prompts, drawn.unfinished,
+                                               self.sampling(), version=version, pause=pause,
+                                               max_updates=cap)
         drawn.completions += res.finished
         drawn.unfinished = res.paused
         drawn.metrics["partial_recomputed_tokens"] = (
@@ -341,7 +357,11 @@ class RolloutCollector:
             drawn.completions = comps
             stamp(comps, drawn.version)
             drawn.metrics["partial_continued"] = float(sum(
-                len(set(c.token_versions or ())) > 1 for c in comps))
+                len(set(model_versions(c))) > 1 for c in comps))
+            if self.runner is not None:
+                per = [spans(c) for c in comps]
+                drawn.metrics["partial_turns_mid"] = float(sum(m > 0 for m, _ in per))
+                drawn.metrics["partial_turns_between"] = float(sum(b > 0 for _, b in per))
             samples = samples_of(comps, [c.prompt_index for c in comps], prompts=drawn.prompts,
                                  texts=drawn.texts, answers=drawn.answers,
                                  records=drawn.records, decode=self._decode)
@@ -479,6 +499,24 @@ class RolloutCollector:
         if saved is None:
             saved = [state["pending"]] if state.get("pending") is not None else []
         self.queue = [Drawn.from_state(d) for d in saved[:self.cfg.staleness]]
+        if self.runner is not None and self.cfg.rollout.partial_rollouts:
+            self._restart_paused()
+
+    def _restart_paused(self) -> None:
+        """Multi-turn partial rollouts after a resume: each saved paused trajectory starts
+        again from its prompt (its environment's state was not saved); those that had sampled
+        tokens are counted (`partial_restarted`) and said on the console."""
+        lost = 0
+        for d in self.queue:
+            n = sum(c.finish_reason == "restart" for c in d.unfinished)
+            d.unfinished = [self.runner.restarted(d.prompts, c.prompt_index, c.sample_index)
+                            for c in d.unfinished]
+            d.metrics["partial_restarted"] = d.metrics.get("partial_restarted", 0.0) + n
+            lost += n
+        if lost:
+            log.warning("resumed with %d multi-turn trajectories paused at a weight update: "
+                        "they start again from their prompt (an environment's state is not "
+                        "checkpointed; counted as partial_restarted)", lost)
 
     def ahead_loader_states(self) -> list[dict]:
         """The loader position before each batch drawn ahead and not trained yet, oldest first

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from megagrpo.engine.columns import SampleColumns, int_column
+from megagrpo.engine.types import model_versions
 
 if TYPE_CHECKING:
     from megagrpo.engine import Completion
@@ -120,9 +121,11 @@ def stale_weights(lags: torch.Tensor, k: int) -> torch.Tensor:
 
 def stamp(completions: list[Completion], version: int) -> None:
     """Records the sampling policy's version on freshly drawn completions: `version`, or with
-    in-flight updates the oldest version among its tokens (`Completion.token_versions`)."""
+    in-flight updates or partial rollouts the oldest version among its model's tokens
+    (`Completion.token_versions`; an environment's tokens carry none)."""
     for c in completions:
-        c.version = min(c.token_versions) if c.token_versions else version
+        own = model_versions(c)
+        c.version = min(own) if own else version
 
 
 __all__ = ["Rollout", "RolloutSource", "StreamStats", "over_stale", "sample_lags",

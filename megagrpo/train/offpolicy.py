@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megagrpo.config.algo import AlgoConfig
+from megagrpo.engine.types import model_versions
 from megagrpo.rollout.stream import over_stale, sample_lags, stale_weights
 
 if TYPE_CHECKING:
@@ -113,8 +114,8 @@ def token_lag_metrics(ro: Rollout, trainer_version: int, k: int | None = None) -
     inflight_mixed_samples (completions sampled by more than one version); with `k` (the
     staleness bound) the distribution: token_lag_share_{l}, the share of the tokens at lag l,
     for l = 0..k."""
-    lags = [trainer_version - v for c in ro.completions for v in (c.token_versions or ())]
-    mixed = sum(len(set(c.token_versions or ())) > 1 for c in ro.completions)
+    lags = [trainer_version - v for c in ro.completions for v in model_versions(c)]
+    mixed = sum(len(set(model_versions(c))) > 1 for c in ro.completions)
     out = {"token_lag_mean": sum(lags) / len(lags) if lags else 0.0,
            "inflight_mixed_samples": float(mixed)}
     for lag in range(k + 1 if k is not None else 0):
@@ -219,8 +220,25 @@ def start_line(cfg) -> str | None:
     on-policy): what its staleness means and which correction runs (`async_note`)."""
     if not cfg.staleness:
         return None
-    return async_note(cfg.algo, cfg.staleness, cfg.rollout.stale_policy)
+    return async_note(cfg.algo, cfg.staleness, cfg.rollout.stale_policy) + partial_note(cfg)
 
 
-__all__ = ["StalenessPolicy", "async_note", "correction_mode", "is_stale", "sample_weights",
-           "start_line", "token_lag_metrics"]
+def partial_note(cfg) -> str:
+    """What rollout.partial_rollouts does to the draw (the start-up line's tail; '' off)."""
+    r = cfg.rollout
+    if not r.partial_rollouts:
+        return ""
+    cap = r.partial_max_updates or cfg.staleness
+    what = ("; partial rollouts: at each weight update the running draw pauses between two "
+            "decode steps and continues with the new weights (every token stamped with the "
+            "version that sampled it)")
+    if cfg.agent.enabled:
+        what += ("; multi-turn: a turn is paused mid-turn the same way, a trajectory between "
+                 "turns takes its next turn with the new weights, its environment kept in "
+                 "memory (never asked again; a resume restarts paused trajectories from "
+                 "their prompt)")
+    return what + f"; a trajectory spans at most {cap} update{'s' if cap > 1 else ''}"
+
+
+__all__ = ["StalenessPolicy", "async_note", "correction_mode", "is_stale", "partial_note",
+           "sample_weights", "start_line", "token_lag_metrics"]
