@@ -73,6 +73,7 @@ from megagrpo.runtime.run_dir import (
     step_of,
     write_manifest,
 )
+from megagrpo.runtime.writers import WriterDied, watch_writers
 
 log = logging.getLogger("megagrpo")
 # megatron-core is imported where it is used: the launcher's preflight and `plan` read model
@@ -230,7 +231,9 @@ def save_sharded(part: Sharded, folder: str | os.PathLike) -> None:
     on_every_rank(partial(_fresh_dir, tmp) if _rank() == 0 else _nothing, tmp)
     watched_checkpoint_queue()  # megatron's own queue server would outlive a killed rank
     with disk_errors(tmp):  # DCP gathers the ranks' failures: every rank raises together
-        dist_checkpointing.save(part.state_dict(), str(tmp))
+        # megatron's own sync save, but with the wait for its writer processes made finite
+        request = dist_checkpointing.save(part.state_dict(), str(tmp), async_sharded_save=True)
+        watch_writers(request, tmp).execute_sync()
     _barrier()
     on_every_rank(partial(_publish, part, tmp, final) if _rank() == 0 else _nothing, tmp)
 
@@ -579,17 +582,31 @@ class CheckpointManager:
                 if _is_shared(part)}
         fresh = [f for name, f in refs.items() if self.states[name].written != f.name]
         on_every_rank(partial(self._clear_for_save, final, fresh) if rank0 else _nothing, final)
-        for name, part in self._sharded():
-            if name not in refs:
-                save_sharded(part, final / name)
-            elif refs[name] in fresh:
-                save_sharded(part, refs[name])  # atomic: named by no checkpoint until done
-                part.written = refs[name].name
+        try:
+            for name, part in self._sharded():
+                if name not in refs:
+                    save_sharded(part, final / name)
+                elif refs[name] in fresh:
+                    save_sharded(part, refs[name])  # atomic: named by no checkpoint until done
+                    part.written = refs[name].name
+        except WriterDied as e:
+            raise WriterDied(self._incomplete(step, final, e)) from None
         on_every_rank(partial(self._save_per_rank, final), final)
         on_every_rank(partial(self._finish, step, final,
                               {n: f"../{f.name}" for n, f in refs.items()})
                       if rank0 else _nothing, final)
         return final
+
+    def _incomplete(self, step: int, final: Path, err: WriterDied) -> str:
+        """What a save a dead writer stopped says: which step, that it is incomplete, what is
+        intact and how to go on."""
+        done = [p for p in step_dirs(self.root) if (p / MANIFEST).exists() and p != final]
+        kept = (f"the previous complete checkpoint, {done[-1]}, is intact" if done else
+                "no earlier checkpoint is complete, so a rerun starts over")
+        return (f"checkpoint of step {step} is incomplete: {err}. {final} has no {MANIFEST}, "
+                f"so no resume takes it for a checkpoint; {kept}. Run the same command again "
+                "(or run under torchrun --max-restarts N / `megagrpo train --max-restarts N`) "
+                "to resume from the newest intact checkpoint")
 
     def _shared_folder(self, name: str, part: Shared) -> Path:
         return self.root / f"{name}_{part.version():06d}"

@@ -5,6 +5,10 @@ source `PromptLog`, both in the ranks' own processes (reward.isolation: thread).
 - MEGAGRPO_TEST_DIE=<rank>:<path>: rank <rank> SIGKILLs itself at its first reward call after
   <path> exists (e.g. a checkpoint's manifest.json), on the first attempt of its torchrun job
   only (TORCHELASTIC_RESTART_COUNT 0), so a restarted job runs on.
+- MEGAGRPO_TEST_KILL_WRITER=<rank>:<seconds>:<path>[,...]: the first process rank <rank> forks
+  while <path> exists (megatron's checkpoint writer while e.g.
+  <out>/checkpoints/step_000002/policy.tmp exists: the policy's save of step 2) writes its pid
+  to <path>.killed, sleeps <seconds> and SIGKILLs itself; first attempt only. Read at import.
 - MEGAGRPO_TEST_PROMPT_LOG=<dir>: `PromptLog` appends the prompts of every batch it scores to
   <dir>/attempt<A>.rank<R>.jsonl (one JSON list per call).
 - MEGAGRPO_TEST_TRAJECTORY_LOG=<dir>: `TrajectoryLog` appends every sample it scores (prompt
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +28,7 @@ import torch
 from megagrpo.reward.source import Scores
 
 DIE_ENV = "MEGAGRPO_TEST_DIE"
+KILL_WRITER_ENV = "MEGAGRPO_TEST_KILL_WRITER"
 PROMPT_LOG_ENV = "MEGAGRPO_TEST_PROMPT_LOG"
 TRAJECTORY_LOG_ENV = "MEGAGRPO_TEST_TRAJECTORY_LOG"
 
@@ -39,6 +45,32 @@ def maybe_die() -> None:
     rank, path = spec.split(":", 1)
     if os.environ.get("RANK") == rank and os.path.exists(path):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_writer() -> None:
+    """In every child this process forks: die where MEGAGRPO_TEST_KILL_WRITER says (see the
+    module doc). Registered after megagrpo's own at-fork hook (megagrpo.runtime.writers, which
+    sends the writer's pid to the rank), as in a rank: megagrpo.run imports it first."""
+    if attempt() != 0:
+        return
+    for spec in os.environ.get(KILL_WRITER_ENV, "").split(","):
+        rank, seconds, path = spec.split(":", 2)
+        if os.environ.get("RANK", "0") != rank or not os.path.exists(path):
+            continue
+        try:
+            fd = os.open(path + ".killed", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return  # a writer of this save was killed already
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        time.sleep(float(seconds))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+if os.environ.get(KILL_WRITER_ENV):
+    import megagrpo.runtime.writers  # noqa: F401 - its hook first, as in a rank
+
+    os.register_at_fork(after_in_child=kill_writer)
 
 
 class PromptLog:
