@@ -12,10 +12,9 @@ from pathlib import Path
 
 import torch
 
-from tests.support.launch import worker_args, write_results
-
 import tests._fault_hooks  # noqa: F401,I001 - its at-fork hook (megagrpo's own first)
 from tests._resume_worker import build, params, train_step
+from tests.support.launch import worker_args, write_results
 
 
 def failed_save(mgr, step: int) -> dict:

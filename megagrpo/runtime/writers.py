@@ -38,7 +38,10 @@ import torch.distributed as dist
 POLL_S = 0.2
 """How often the rank looks at its writers while the write waits."""
 GRACE_S = 2.0
-"""A writer that died after it reported (its files written): the write ends within this."""
+"""A writer that died after it reported (its files written): the write ends within this. One
+killed in that last instant while a slower writer still writes past GRACE_S stops the save
+all the same: a save that would have completed is then reported as incomplete (safe: the
+checkpoint before is intact)."""
 SETTLE_S = 10.0
 """Every writer ended but how some ended is unknown: the write ends within this, or is stuck."""
 
@@ -154,7 +157,7 @@ def _wait(thread: threading.Thread, read_fd: int) -> dict[int, str]:
             continue
         since = since if since is not None else time.monotonic()
         if time.monotonic() - since >= (GRACE_S if bad else SETTLE_S):
-            return bad or ends
+            return bad or {p: e for p, e in ends.items() if e == _UNKNOWN} or ends
 
 
 def _new_pids(read_fd: int) -> list[int]:
