@@ -55,7 +55,7 @@ def kill_writer() -> None:
         return
     for spec in os.environ.get(KILL_WRITER_ENV, "").split(","):
         rank, seconds, path = spec.split(":", 2)
-        if os.environ.get("RANK", "0") != rank or not os.path.exists(path):
+        if os.environ.get("RANK") != rank or not os.path.exists(path):
             continue
         try:
             fd = os.open(path + ".killed", os.O_CREAT | os.O_EXCL | os.O_WRONLY)

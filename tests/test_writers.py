@@ -13,9 +13,12 @@ import multiprocessing
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from megagrpo.runtime import writers
 from tests._fault_hooks import KILL_WRITER_ENV
@@ -137,3 +140,32 @@ def test_writer_killed_after_it_reported_stops_nothing(tmp_path):
     on for 1 s: the write ends on its own within GRACE_S of the kill, and the save goes on."""
     said, seconds = _watch(["after reporting", "slow"], tmp_path, limit_s=30)
     assert said is None and 1.0 < seconds < writers.GRACE_S, (said, seconds)
+
+
+@pytest.mark.heavy  # ~1 min: a whole run and its restart; the worker above checks by default
+def test_run_whose_writer_dies_restarts_and_resumes(tmp_path):
+    """`train --max-restarts 1`, a checkpoint every step: rank 0's writer of step 2's policy
+    is SIGKILLed 1 s after its fork. The attempt ends within seconds with the error on the
+    console, torchrun restarts the job, which resumes from step 1 (step 2's folder has no
+    manifest) and finishes; no process is left."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import resume_stress as stress
+
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    tmp = run / "checkpoints" / "step_000002" / "policy.tmp"
+    proc = stress.launch(run, 3, log, "checkpoint.every=1", "--max-restarts", "1",
+                         env={KILL_WRITER_ENV: f"0:{KILL_AFTER_S}:{tmp}"})
+    stress.finish(proc, log, timeout=600)
+    text = log.read_text()
+    killed = int(Path(f"{tmp}.killed").read_text())
+    assert f"died while writing {tmp}: pid {killed} was killed by signal SIGKILL (9)" in text, \
+        text[-6000:]
+    assert "checkpoint of step 2 is incomplete" in text, text[-6000:]
+    said = [line for line in text.splitlines() if "torchrun restart 1 of at most 1 (job " in line]
+    assert said and said[0].endswith(f"resuming from its newest intact checkpoint "
+                                     f"{run / 'checkpoints' / 'step_000001'}"), said
+    marks = stress.restarts(run)
+    assert [(m["restart"], m["resumed_from_step"]) for m in marks] == [(1, 1)], marks
+    steps = [r["step"] for r in stress.history(run) if "reward_mean" in r]
+    assert steps == [1, 2, 3], steps
+    assert stress.leftovers(str(run)) == []
