@@ -60,7 +60,7 @@ def kill_writer() -> None:
         try:
             fd = os.open(path + ".killed", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
-            return  # a writer of this save was killed already
+            continue  # a writer of that save was killed already
         os.write(fd, str(os.getpid()).encode())
         os.close(fd)
         time.sleep(float(seconds))
