@@ -5,10 +5,11 @@ source `PromptLog`, both in the ranks' own processes (reward.isolation: thread).
 - MEGAGRPO_TEST_DIE=<rank>:<path>: rank <rank> SIGKILLs itself at its first reward call after
   <path> exists (e.g. a checkpoint's manifest.json), on the first attempt of its torchrun job
   only (TORCHELASTIC_RESTART_COUNT 0), so a restarted job runs on.
-- MEGAGRPO_TEST_KILL_WRITER=<rank>:<seconds>:<path>[,...]: the first process rank <rank> forks
-  while <path> exists (megatron's checkpoint writer while e.g.
+- MEGAGRPO_TEST_KILL_WRITER=<rank>:<seconds>:<path>:<pidfile>[,...]: the first process rank
+  <rank> forks while <path> exists (megatron's checkpoint writer while e.g.
   <out>/checkpoints/step_000002/policy.tmp exists: the policy's save of step 2) writes its pid
-  to <path>.killed, sleeps <seconds> and SIGKILLs itself; first attempt only. Read at import.
+  to <pidfile> (created, so that only the first does; outside the run's checkpoints, which a
+  restart clears), sleeps <seconds> and SIGKILLs itself; first attempt only. Read at import.
 - MEGAGRPO_TEST_PROMPT_LOG=<dir>: `PromptLog` appends the prompts of every batch it scores to
   <dir>/attempt<A>.rank<R>.jsonl (one JSON list per call).
 - MEGAGRPO_TEST_TRAJECTORY_LOG=<dir>: `TrajectoryLog` appends every sample it scores (prompt
@@ -54,11 +55,12 @@ def kill_writer() -> None:
     if attempt() != 0:
         return
     for spec in os.environ.get(KILL_WRITER_ENV, "").split(","):
-        rank, seconds, path = spec.split(":", 2)
+        rank, seconds, rest = spec.split(":", 2)
+        path, pidfile = rest.rsplit(":", 1)
         if os.environ.get("RANK") != rank or not os.path.exists(path):
             continue
         try:
-            fd = os.open(path + ".killed", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            fd = os.open(pidfile, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             continue  # a writer of that save was killed already
         os.write(fd, str(os.getpid()).encode())

@@ -41,7 +41,7 @@ def main() -> None:
     res = {"moved": any(not torch.equal(a, b) for a, b in zip(saved, params(policy)))}
     for step in (2, 3):
         res[f"step{step}"] = failed_save(mgr, step)
-        killed = mgr.path(step) / "policy.tmp.killed"
+        killed = work / f"killed{step}"
         res[f"step{step}"]["killed"] = int(killed.read_text()) if killed.exists() else None
     latest = mgr.latest()
     res["latest"] = str(latest)

@@ -35,9 +35,9 @@ def test_dead_writer_stops_every_rank_within_seconds(tmp_path):
     the signal, the step, that the checkpoint is incomplete and how to resume; the newest
     intact checkpoint is still step 1 and loads the weights saved then."""
     ckpts = tmp_path / "run" / "checkpoints"
-    spec = ",".join(f"0:{s}:{ckpts / f'step_00000{n}' / 'policy.tmp'}"
+    spec = ",".join(f"0:{s}:{ckpts / f'step_00000{n}' / 'policy.tmp'}:{tmp_path}/killed{n}"
                     for n, s in ((2, KILL_AFTER_S), (3, 0)))
-    run_ranks(WORKER, 2, "--work", str(tmp_path), timeout=180,
+    run_ranks(WORKER, 2, "--work", str(tmp_path), timeout=120,
               env=worker_env(**{KILL_WRITER_ENV: spec}))
     ranks = json.loads((tmp_path / "results.json").read_text())
     for step in (2, 3):
@@ -153,11 +153,12 @@ def test_run_whose_writer_dies_restarts_and_resumes(tmp_path):
 
     run, log = tmp_path / "run", tmp_path / "run.log"
     tmp = run / "checkpoints" / "step_000002" / "policy.tmp"
+    pidfile = tmp_path / "killed"
     proc = stress.launch(run, 3, log, "checkpoint.every=1", "--max-restarts", "1",
-                         env={KILL_WRITER_ENV: f"0:{KILL_AFTER_S}:{tmp}"})
+                         env={KILL_WRITER_ENV: f"0:{KILL_AFTER_S}:{tmp}:{pidfile}"})
     stress.finish(proc, log, timeout=600)
     text = log.read_text()
-    killed = int(Path(f"{tmp}.killed").read_text())
+    killed = int(pidfile.read_text())
     assert f"died while writing {tmp}: pid {killed} was killed by signal SIGKILL (9)" in text, \
         text[-6000:]
     assert "checkpoint of step 2 is incomplete" in text, text[-6000:]
