@@ -21,6 +21,10 @@ Faults (each at a random step + delay drawn from --seed):
 - sandbox: a multi-turn run whose environment (tests/_agent_env.py:Sandboxed) computes each
   answer in a tool's kernel-sandboxed child; children are SIGKILLed at random moments during
   the run; the environment raises, the runner asks again, the run trains what it would have.
+- writer: under `train --max-restarts 1`, rank 0's checkpoint writer process (the one megatron
+  forks to write the policy of the planted step's checkpoint) is SIGKILLed the planted seconds
+  after its fork (tests/_fault_hooks.py); the rank must stop the save within seconds naming the
+  writer, and the restart resume from the checkpoint before.
 - disk, disk-first: out_dir on a tmpfs mounted for the run (root only: refused otherwise,
   never faked); the harness fills it, leaving half a checkpoint free, at the planted moment
   (disk) or before the start (disk-first); the checkpoint being written runs out of space
@@ -59,7 +63,8 @@ SANDBOX = ("agent.environment=tests._agent_env:Sandboxed", "agent.max_turns=3",
 EVERY = ("checkpoint.every=1",)  # most kills then land after a complete checkpoint
 CONFIGS = {"launcher": (*MODE, *EVERY), "rank": (*MODE, *EVERY), "disk": (*MODE, *EVERY),
            "disk-first": (*MODE, *EVERY),
-           "env": (*FLAKY, *MODE[1:], *EVERY), "sandbox": (*SANDBOX, *EVERY)}
+           "env": (*FLAKY, *MODE[1:], *EVERY), "sandbox": (*SANDBOX, *EVERY),
+           "writer": (*MODE, *EVERY)}
 """The recipe's extra overrides per fault; faults of one configuration share its reference."""
 COUNTED = {"sandbox": ("env_retries",)}
 """Metrics a fault changes by design, left out of the comparison (and said so): a killed
@@ -131,11 +136,32 @@ def kill_rank(proc, log: Path, out: Path, ranks: dict[int, int], victim: int) ->
     torchrun restart the job and the run finish; what the restart resumed from."""
     os.kill(ranks[victim], signal.SIGKILL)
     stress.finish(proc, log)
+    return {"victim_rank": victim, **restarted(out)}
+
+
+def restarted(out: Path) -> dict:
+    """How many times torchrun restarted a run and where the restart resumed."""
     marks = stress.restarts(out)
     at = marks[0]["resumed_from_step"] if marks else None
-    return {"victim_rank": victim, "restarts": len(marks),
+    return {"restarts": len(marks),
             "resumed": f"step {at} (torchrun restart)" if at is not None
             else "fresh start (torchrun restart, no intact checkpoint)"}
+
+
+def fault_writer(out: Path, step: int, delay: float, pick: random.Random) -> dict:
+    """Rank 0's writer of step `step`'s policy checkpoint SIGKILLed `delay` s after its fork,
+    under --max-restarts 1: whether the console named it (pid, signal), and the restart."""
+    from megagrpo.runtime.run_dir import checkpoint_root
+    from tests._fault_hooks import KILL_WRITER_ENV
+
+    log, pidfile = out.parent / f"{out.name}.log", out / "killed_writer.pid"
+    tmp = checkpoint_root(out) / f"step_{step:06d}" / "policy.tmp"
+    proc = stress.launch(out, STEPS, log, *CONFIGS["writer"], "--max-restarts", "1",
+                         env={KILL_WRITER_ENV: f"0:{delay}:{tmp}:{pidfile}"})
+    stress.finish(proc, log)
+    said = pidfile.exists() and f"pid {pidfile.read_text()} was killed by signal SIGKILL" in \
+        log.read_text()
+    return {"said_writer_died": said, **restarted(out)}
 
 
 def fault_env(out: Path, step: int, delay: float, pick: random.Random) -> dict:
@@ -457,7 +483,7 @@ def modes_table(results: dict) -> str:
 
 FAULTS = {"launcher": fault_launcher, "rank": fault_rank, "env": fault_env,
           "sandbox": fault_sandbox, "disk": fault_disk,
-          "disk-first": partial(fault_disk, first=True)}
+          "disk-first": partial(fault_disk, first=True), "writer": fault_writer}
 
 
 def plan(faults: list[str], seed: int) -> list[tuple[str, int, float]]:
@@ -510,7 +536,7 @@ def table(results: dict) -> str:
     for r in results["runs"]:
         extra = {k: v for k, v in r.items() if k in (
             "victim_rank", "restarts", "env_retries_per_trajectory", "dropped_frac",
-            "children_killed", "said_no_space", "stopped_at")}
+            "children_killed", "said_no_space", "stopped_at", "said_writer_died")}
         planted = ("filled before the start" if r["fault"] == "disk-first" else
                    f"after step {r['after_step']} + {r['delay_s']:.2f} s") + (
             "; " + ", ".join(f"{k} {v}" for k, v in extra.items()) if extra else "")
@@ -569,7 +595,8 @@ def main() -> int:
         ap.error(f"--faults {unknown}: use some of {sorted(FAULTS)}")
     if any(f.startswith("disk") for f in faults) and os.geteuid() != 0:
         ap.error("--faults disk, disk-first mount a tmpfs: run as root, or leave them out")
-    todo = plan(faults, args.seed)
+    # each fault at its moment in the plan of them all, whichever are run (a --merge rerun)
+    todo = [t for t in plan(list(FAULTS), args.seed) if t[0] in faults]
     if args.plan:
         for f, step, delay in todo:
             print(f"{f}: after step {step} + {delay:.2f} s")
