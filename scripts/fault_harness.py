@@ -158,10 +158,26 @@ def fault_writer(out: Path, step: int, delay: float, pick: random.Random) -> dic
     tmp = checkpoint_root(out) / f"step_{step:06d}" / "policy.tmp"
     proc = stress.launch(out, STEPS, log, *CONFIGS["writer"], "--max-restarts", "1",
                          env={KILL_WRITER_ENV: f"0:{delay}:{tmp}:{pidfile}"})
+    stopped = rank_stopped_after(proc, pidfile, delay)
     stress.finish(proc, log)
     said = pidfile.exists() and f"pid {pidfile.read_text()} was killed by signal SIGKILL" in \
         log.read_text()
-    return {"said_writer_died": said, **restarted(out)}
+    return {"said_writer_died": said, "rank_stopped_after_kill_s": stopped, **restarted(out)}
+
+
+def rank_stopped_after(proc: subprocess.Popen, pidfile: Path, delay: float) -> float | None:
+    """Seconds from the writer's kill (its fork, when it wrote `pidfile`, + `delay`) until
+    rank 0 of that attempt had exited (polled every 0.05 s), or None if it never did."""
+    while not pidfile.exists() and proc.poll() is None:
+        time.sleep(0.01)
+    rank0 = ranks_of(proc).get(0)
+    if rank0 is None:
+        return None
+    from tests.support.launch import alive
+
+    while alive(rank0) and proc.poll() is None:
+        time.sleep(0.05)
+    return round(time.time() - pidfile.stat().st_mtime - delay, 2)
 
 
 def fault_env(out: Path, step: int, delay: float, pick: random.Random) -> dict:
@@ -536,7 +552,8 @@ def table(results: dict) -> str:
     for r in results["runs"]:
         extra = {k: v for k, v in r.items() if k in (
             "victim_rank", "restarts", "env_retries_per_trajectory", "dropped_frac",
-            "children_killed", "said_no_space", "stopped_at", "said_writer_died")}
+            "children_killed", "said_no_space", "stopped_at", "said_writer_died",
+            "rank_stopped_after_kill_s")}
         planted = ("filled before the start" if r["fault"] == "disk-first" else
                    f"after step {r['after_step']} + {r['delay_s']:.2f} s") + (
             "; " + ", ".join(f"{k} {v}" for k, v in extra.items()) if extra else "")
@@ -551,9 +568,10 @@ def table(results: dict) -> str:
     rows.append(f"{m['cpu']} ({m['cores']} cores, {m['cpu_capability']}), torch {m['torch']}, "
                 f"load average {results['load_before']} before, {results['load_after']} after;"
                 f" --seed {results['seed']}, {STEPS} steps, {results['seconds']:.0f} s in all"
-                + "".join(f"; rerun of {', '.join(r['faults'])}: {r['seconds']:.0f} s, load "
-                          f"{r['load_before']} -> {r['load_after']}"
-                          for r in results.get("reruns", [])))
+                + "".join(f"; rerun of {', '.join(r['faults'])}"
+                          + (f" on {r['cpu']}" if r.get("cpu", m["cpu"]) != m["cpu"] else "")
+                          + f": {r['seconds']:.0f} s, load {r['load_before']} -> "
+                          f"{r['load_after']}" for r in results.get("reruns", [])))
     return "\n".join(rows)
 
 
@@ -612,7 +630,8 @@ def main() -> int:
         rerun = {r["fault"]: r for r in runs}
         old["runs"] = [rerun.pop(r["fault"], r) for r in old["runs"]] + list(rerun.values())
         old.setdefault("reruns", []).append({k: results[k] for k in (
-            "load_before", "load_after", "seconds")} | {"faults": sorted(f for f, *_ in todo)})
+            "load_before", "load_after", "seconds")} | {"faults": sorted(f for f, *_ in todo),
+                                                        "cpu": results["machine"]["cpu"]})
         results = old
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
