@@ -110,18 +110,9 @@ def _watched(write, folder: Path) -> None:
     read_fd, write_fd = os.pipe()
     os.set_blocking(read_fd, False)
     outcome: list[BaseException | None] = []
-
-    def run() -> None:
-        global _watch
-        _watch = _Watch(threading.get_ident(), write_fd)  # before the first fork
-        try:
-            write()
-            outcome.append(None)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
-            outcome.append(e)
-
     gc_was_on = gc.isenabled()  # megatron's write turns it off until it returns
-    thread = threading.Thread(target=run, name="megagrpo-checkpoint-write", daemon=True)
+    thread = threading.Thread(target=_run, args=(write, write_fd, outcome),
+                              name="megagrpo-checkpoint-write", daemon=True)
     thread.start()
     try:
         died = _wait(thread, read_fd)
@@ -135,6 +126,18 @@ def _watched(write, folder: Path) -> None:
         raise WriterDied(_describe(died, folder))
     if outcome[0] is not None:
         raise outcome[0]
+
+
+def _run(write, fd: int, outcome: list) -> None:
+    """The side thread: marks itself as the one whose forks are writers, then writes; what it
+    raised, or None, goes to `outcome`."""
+    global _watch
+    _watch = _Watch(threading.get_ident(), fd)  # before the first fork
+    try:
+        write()
+        outcome.append(None)
+    except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
+        outcome.append(e)
 
 
 def _wait(thread: threading.Thread, read_fd: int) -> dict[int, str]:
