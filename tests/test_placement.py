@@ -747,16 +747,18 @@ class DyingMarkerEngine(MarkerEngine):
         return super().update_weights(pairs)
 
 
-@pytest.mark.parametrize("k,dies_at", [(0, 3), (1, 2)])
-def test_a_failed_engine_is_made_up_by_the_other_rollout_rank(k, dies_at, caplog):
-    """rollout.engine_failure=continue: rollout rank 1's engine dies in its `dies_at`-th draw.
-    The rank reports itself out and keeps taking the syncs; every batch the trainer takes from
-    then on still holds every prompt of the loader's batch, in order, each group whole and
-    sampled by the weights its marker names, rank 1's share drawn by rank 0 (a make-up part);
-    the metrics count the rank out and the make-ups, and rank 0's console names the rank."""
+@pytest.mark.parametrize("k,dies_at,who", [(0, 3, 1), (1, 2, 1), (1, 2, 0)])
+def test_a_failed_engine_is_made_up_by_the_other_rollout_rank(k, dies_at, who, caplog):
+    """rollout.engine_failure=continue: rollout rank `who`'s engine dies in its `dies_at`-th
+    draw. The rank reports itself out and keeps taking the syncs; every batch the trainer takes
+    from then on still holds every prompt of the loader's batch, in order, each group whole and
+    sampled by the weights its marker names, the dead rank's share drawn by the other one (a
+    make-up part, received after that rank's own part: with `who` = 0 the make-up is of a lower
+    rollout index than its sender); the metrics count the rank out and the make-ups, and rank
+    0's console names the rank."""
     with caplog.at_level("WARNING", logger="megagrpo"):
         run = _launch(_data(), k, steps=6, start=None, store=dist.HashStore(), batches=6,
-                      engine=lambda j: DyingMarkerEngine(dies_at if j == 1 else None),
+                      engine=lambda j: DyingMarkerEngine(dies_at if j == who else None),
                       failover=True)
     reference = PromptLoader(_data(), B, seed=3)
     outs = []
@@ -772,9 +774,10 @@ def test_a_failed_engine_is_made_up_by_the_other_rollout_rank(k, dies_at, caplog
     failed = dies_at - 1  # the batch rank 1 did not draw
     assert outs[:failed] == [(0.0, 0.0)] * failed
     assert outs[failed:] == [(1.0, 1.0)] * (6 - failed)
-    assert run["served"][1]["batches"] == failed
-    assert run["served"][0]["batches"] >= 6
-    assert "rollout rank 3 is out: its engine (pid 4242) was killed by signal 9" in caplog.text
+    assert run["served"][who]["batches"] == failed
+    assert run["served"][1 - who]["batches"] >= 6
+    assert f"rollout rank {2 + who} is out: its engine (pid 4242) was killed by signal 9" \
+        in caplog.text
 
 
 def test_separate_placement_config():
