@@ -201,8 +201,6 @@ class TensorChannel:
         self.outs: dict[int, dict] = {}
         """Training side: the rollout ranks seen out ({"batch": the first batch they did not
         draw, "pid", "how"}), by rollout index."""
-        self.makeups = 0
-        """Training side: the shares of failed rollout ranks made up by others so far."""
         self._stop = threading.Event()
         self._failed: list[BaseException] = []
         self._thread: threading.Thread | None = None
@@ -372,7 +370,6 @@ class TensorChannel:
         else:
             self.store.wait([key], timedelta(seconds=self.timeout_s))
             by = int(self.store.get(key))
-        self.makeups += 1
         while not self.store.check([ready_key(i, j, by)]):
             if self.out(by) is not None:
                 raise RuntimeError(f"rollout rank {self.T + by}, asked to draw rollout rank "

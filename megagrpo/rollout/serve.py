@@ -84,27 +84,12 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
             watchdog.set_phase("weight_sync", i)
             got = receive_weights(place, collector.engine)
             if got.eval is not None:  # with the weights of every sync sent before it
-                try:
-                    evals = _evaluate(place, collector, got.eval, held_out or [], watchdog,
-                                      out=makeups is not None and makeups.out)
-                except EngineLost as e:  # its share is not evaluated
-                    if makeups is None:
-                        raise
-                    makeups.report(e, i)
-                    evals = _evaluate(place, collector, got.eval, held_out or [], watchdog,
-                                      out=True)
+                evals = _as_out_if_lost(makeups, collector.engine, i, functools.partial(
+                    _evaluate, place, collector, got.eval, held_out or [], watchdog))
             elif got.checkpoint is not None:
-                if makeups is not None:  # its state is the streams of a live engine only
-                    makeups.check_engine(collector.engine, i)
-                try:
-                    ckpts = save_in_flight(place, collector, channel, got.checkpoint, starts,
-                                           i, topups, out=makeups is not None and makeups.out)
-                except EngineLost as e:  # died since: nothing was sent yet
-                    if makeups is None:
-                        raise
-                    makeups.report(e, i)
-                    ckpts = save_in_flight(place, collector, channel, got.checkpoint, starts,
-                                           i, topups, out=True)
+                ckpts = _as_out_if_lost(makeups, collector.engine, i, functools.partial(
+                    save_in_flight, place, collector, channel, got.checkpoint, starts, i,
+                    topups))
             else:
                 sync = got
             continue
@@ -124,6 +109,28 @@ def serve(cfg: TrainConfig, place: Placement, collector: RolloutCollector, watch
             "evaluations": evals, "weight_bytes_received": place.received_bytes}
 
 
+def _as_out_if_lost(makeups: MakeUps | None, engine, i: int, answer):
+    """`answer(out=...)` for a message a rank answers whether or not its engine lives (an
+    evaluation, a checkpoint's in-flight state): as an out rank once its engine was lost, also
+    when the engine dies during the answer (nothing is sent before the engine's part is done).
+    Without rollout.engine_failure=continue (`makeups` None) a lost engine raises."""
+    if makeups is None:
+        return answer(out=False)
+    makeups.check_engine(engine, i)
+    try:
+        return answer(out=makeups.out)
+    except EngineLost as e:
+        makeups.report(e, i)
+        return answer(out=True)
+
+
+def _draw_args(collector: RolloutCollector, examples: list, mine: list[int]) -> tuple:
+    """`RolloutCollector._generate`'s arguments for prompts `mine` of a batch's `examples`."""
+    return ([_encode(collector.tokenizer, e.prompt) for e in examples],
+            [e.answer for e in examples], mine, collector.sampling(),
+            [e.record for e in examples], [e.prompt for e in examples])
+
+
 def _draw(place: Placement, collector: RolloutCollector, channel: TensorChannel, sync: Sync,
           starts: dict[int, tuple], i: int, mine: list[int]) -> Sync:
     """Rollout rank: draws prompts `mine` of batch i (the loader's next), with the engine's
@@ -133,10 +140,7 @@ def _draw(place: Placement, collector: RolloutCollector, channel: TensorChannel,
     cfg, loader, t0 = collector.cfg, collector.loader, time.perf_counter()
     before = loader.state_dict()
     starts[i] = (collector.engine.rng_state(), before)
-    examples = next(loader)
-    prompts = [_encode(collector.tokenizer, e.prompt) for e in examples]
-    args = (prompts, [e.answer for e in examples], mine, collector.sampling(),
-            [e.record for e in examples], [e.prompt for e in examples])
+    args = _draw_args(collector, next(loader), mine)
     first = sync
     if cfg.rollout.partial_rollouts:  # paused at each announced sync, continued after it
         (comps, rewards, metrics), sync = _generate_partial(place, collector, args, sync)
@@ -208,11 +212,8 @@ class MakeUps:
         examples = next(loader)
         loader.load_state_dict(here)
         mine = list(range(slot, collector.cfg.data.batch_size, self.place.engines))
-        args = ([_encode(collector.tokenizer, e.prompt) for e in examples],
-                [e.answer for e in examples], mine, collector.sampling(),
-                [e.record for e in examples], [e.prompt for e in examples])
         try:
-            comps, rewards, metrics = collector._generate(*args)
+            comps, rewards, metrics = collector._generate(*_draw_args(collector, examples, mine))
         except EngineLost as e:
             self.report(e, i)
             return True
