@@ -22,7 +22,7 @@ def _weights(seed: int) -> list[list[tuple[str, torch.Tensor]]]:
 
 @pytest.fixture
 def engine():
-    e = EngineProcess(SumEngine, timeout_s=60, rank=7)
+    e = EngineProcess(SumEngine, timeout_s=60, rank=7, start_timeout_s=120)
     yield e
     e.close()
 
@@ -65,7 +65,9 @@ def test_a_killed_engine_fails_the_call_in_progress(engine):
 
 
 def test_an_engine_that_stops_answering_is_killed_at_the_deadline():
-    e = EngineProcess(SumEngine, timeout_s=1.5, rank=3)
+    # the start (a spawned interpreter importing torch) may take seconds on a loaded machine:
+    # its own deadline; the call's is the one tested
+    e = EngineProcess(SumEngine, timeout_s=1.5, rank=3, start_timeout_s=120)
     try:
         with pytest.raises(EngineLost, match="did not answer hang in 2 s"):
             e._call("hang")

@@ -1055,11 +1055,16 @@ def _equal_to_colocated(col: tuple, sep: tuple) -> None:
     assert sum(rounds) >= 1, rounds  # some step was topped up
     multi = [s for c in calls for s in c if s[2] is not None and not all(s[2])]
     assert len(multi) >= 4, calls  # trajectories with environment tokens
-    # the rollout rank may draw one batch past the last (with the last sync, while the
-    # trainer evaluates and before its stop; never trained)
-    extra = len(sep[0]) == len(calls) + 1
-    ahead = [k for k in range(len(calls) - 1, len(sep[0])) if extra and len(sep[0][k]) == 16]
-    assert [c for k, c in enumerate(sep[0]) if k not in ahead[:1]] == calls
+    # evaluations and draws, each in order: the rollout rank draws batch 1 as soon as the
+    # first sync is in (k = 0: its weights are step 1's), before or after it is asked for the
+    # evaluation before GRPO with the same weights (greedy, the sampler's streams left as found:
+    # either order gives the same tokens); and it may draw one batch past the last (with the
+    # last sync, while the trainer evaluates and before its stop; never trained)
+    evals, draws = ([c for c in calls if len(c) == n] for n in (4, 16))
+    sep_evals, sep_draws = ([c for c in sep[0] if len(c) == n] for n in (4, 16))
+    assert len(sep_evals) + len(sep_draws) == len(sep[0])
+    assert sep_evals == evals
+    assert sep_draws[:len(draws)] == draws and len(sep_draws) - len(draws) in (0, 1)
     assert [r["step"] for r in sep[1]] == [r["step"] for r in col[1]] == [1, 2, 3]
     for a, b in zip(sep[1], col[1]):
         for key in ("turns", "tool_calls", "tool_errors", "env_token_share", "reward_mean",

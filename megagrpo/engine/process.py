@@ -79,12 +79,14 @@ def _chunks(conn) -> Iterable[list[tuple[str, torch.Tensor]]]:
 class EngineProcess:
     """`VLLMEngine`'s calls, run by one in a child process (module docstring). `build`: a
     picklable callable that starts the engine in the child; `timeout_s`: the longest a call may
-    take before the child is deemed frozen and killed."""
+    take before the child is deemed frozen and killed (`start_timeout_s`, the engine's start,
+    the same unless given)."""
 
     inflight = None  # refused with rollout.engine_failure=continue (by field)
     routes = None
 
-    def __init__(self, build: Callable, timeout_s: float, rank: int) -> None:
+    def __init__(self, build: Callable, timeout_s: float, rank: int,
+                 start_timeout_s: float | None = None) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_child, args=(child, build, os.getpid(), rank),
@@ -95,7 +97,7 @@ class EngineProcess:
         self.timeout_s = timeout_s
         self.lost: EngineLost | None = None
         """Set once the child died or froze (every later draw raises it)."""
-        attrs = self._result("start", timeout_s)
+        attrs = self._result("start", timeout_s if start_timeout_s is None else start_timeout_s)
         self.image_token_id = attrs["image_token_id"]
         self.max_lora_rank = attrs["max_lora_rank"]
         self.on_cpu = attrs["on_cpu"]
