@@ -93,7 +93,7 @@ TRIPLES = (("agent", "async1", "lora"), ("moe", "lora", "async1"), ("moe", "lora
            ("separate", "tp2", "vllm_tp2"), ("separate", "async1", "vllm_tp2"),
            ("separate", "dynsamp", "vllm_tp2"), ("separate", "lora", "vllm_tp2"),
            ("separate", "agent", "vllm_tp2"), ("failover", "agent", "lora"),
-           ("failover", "moe", "lora"))
+           ("failover", "moe", "lora"), ("separate", "agent", "partial"))
 EXCLUSIVE = ({"async1", "async2"}, {"async1", "partial"}, {"async2", "partial"}, {"tp2", "sp"},
              {"separate", "failover"})
 """Variants of one setting: never paired with each other."""

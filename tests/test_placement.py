@@ -20,6 +20,7 @@ for the same seeds.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import tempfile
@@ -37,8 +38,9 @@ from megagrpo.checkpoint import load_tree, save_tree
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.config.placement import training_world
 from megagrpo.config.train import TrainConfig, load_config
-from megagrpo.data import Example, PromptLoader
-from megagrpo.engine import Completion, WeightSyncStats
+from megagrpo.data import Example, PromptLoader, encode_prompt
+from megagrpo.engine import Completion, SamplingSettings, WeightSyncStats
+from megagrpo.engine.types import NO_VERSION
 from megagrpo.reward import Rewards
 from megagrpo.rollout.collect import RolloutCollector
 from megagrpo.rollout.placement import Placement, RemoteEngine, receive_weights
@@ -189,6 +191,45 @@ class PartialMarkerEngine(MarkerEngine):
         return PartialResult(finished=live, paused=paused, tokens=0, recomputed=recomputed)
 
 
+class AgentPartialEngine(MarkerEngine):
+    """Multi-turn partial rollouts on a rollout rank: tests/test_agent_partial.py's engine
+    (each id from the exact prefix, a turn ends on an id divisible by 4; the pause contract of
+    `run_partial`), each token's log-prob -0.01 (id + 1) - the marker of the weights it holds.
+    Once per sync, its call's third decode step waits (up to 0.5 s) for the pause, so the
+    trainer's next sync lands while some trajectories are mid-turn and others have ended
+    their turn (held between turns)."""
+
+    def __init__(self) -> None:
+        from tests.test_agent_partial import Engine
+
+        super().__init__()
+        rule = self  # the rule's log-prob names the weights held, not the version passed
+
+        class Rule(Engine):
+            def _one(self, prefix, done, j, version):
+                tok, _ = super()._one(prefix, done, j, 0)
+                return tok, -0.01 * (tok + 1) - rule.marker
+
+        self.rule, self.waited = Rule({tuple(p) for p in _agent_prompts()}), set()
+
+    def generate_partial(self, prompts, trajs, sampling, *, version, pause=None,
+                         max_updates=0, limits=None, oldest=None):
+        rule, start = self.rule, self.rule.steps
+
+        class Waiting:  # the pause as the engine reads it: held at the third step, once a sync
+            def is_set(_) -> bool:
+                if rule.steps - start == 2 and version not in self.waited:
+                    self.waited.add(version)
+                    deadline = time.monotonic() + 0.5
+                    while not pause.is_set() and time.monotonic() < deadline:
+                        time.sleep(0.002)
+                return pause.is_set()
+
+        return rule.generate_partial(prompts, trajs, sampling, version=version,
+                                     pause=None if pause is None else Waiting(),
+                                     max_updates=max_updates, limits=limits, oldest=oldest)
+
+
 class EvalMarkerEngine(MarkerEngine):
     """A MarkerEngine whose greedy completions (held-out evaluation) answer prompt + marker:
     which weights evaluated is in the text."""
@@ -205,7 +246,7 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
             train_s: float = 0.0, batches: int | None = None,
             held_out: list[Example] | None = None, cold_syncs: int = 0, settle: bool = False,
             checkpoint: bool = False, restore: dict | None = None, partial_cap: int = -1,
-            failover: bool = False) -> dict:
+            failover: bool = False, agent: bool = False) -> dict:
     """One launch of a separate-placement world in this process: 2 rollout ranks (threads) and
     2 training replicas (both read here, replica 0 sends; a step "trains" `train_s` seconds
     before its sync; with `held_out`, both replicas evaluate it after every sync; `cold_syncs`:
@@ -217,12 +258,16 @@ def _launch(data, k: int, steps: int, start: dict | None, store, engine=MarkerEn
     format), returned as "in_flight"; `restore`: such a state, put back at the first sync.
     `partial_cap` >= 0: rollout.partial_rollouts with that rollout.partial_max_updates.
     `failover`: rollout.engine_failure=continue (`engine` is called with the rollout index).
-    Returns what each side saw."""
+    `agent`: multi-turn rollouts on the rollout ranks (`AGENT_ENV`, 3 turns, rollout.max_tokens
+    a turn as tests/test_agent_partial.py's runner has them). Returns what each side saw."""
     cfg = _config(k)
     if failover:
         cfg.rollout.engine_failure = "continue"
     if partial_cap >= 0:
         cfg.rollout.partial_rollouts, cfg.rollout.partial_max_updates = True, partial_cap
+    if agent:
+        cfg.agent.environment, cfg.agent.max_turns = AGENT_ENV, 3
+        cfg.rollout.max_tokens = AGENT_S.max_tokens
     timeout = timedelta(seconds=60)
     groups: dict[int, object] = {}
 
@@ -317,6 +362,19 @@ def _settle(source: SeparateSource, s: int, k: int, batches: int) -> None:
 
 def _data() -> list[Example]:
     return [Example(prompt=str(100 + i), answer=str(100 + i)) for i in range(12)]
+
+
+AGENT_ENV = "tests.test_agent_partial:Answers"
+AGENT_S = SamplingSettings(max_tokens=6, n=G)
+
+
+def _agent_data() -> list[Example]:
+    """`_data` with the records tests/test_agent_partial.py's environment reads."""
+    return [dataclasses.replace(e, record={"k": i % 3}) for i, e in enumerate(_data())]
+
+
+def _agent_prompts() -> list[list[int]]:
+    return [encode_prompt(Tok(), e.prompt) for e in _agent_data()]
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])
@@ -656,6 +714,51 @@ def test_partial_rollouts_on_the_rollout_ranks(k, cap):
             assert ro.metrics["partial_continued"] >= 0
     assert max(spans) == (cap or k), spans  # paused and continued, within the cap
     assert sum(run["served"][j]["batches"] for j in range(2)) >= 2 * 6
+
+
+@pytest.mark.parametrize("cap", [0, 1])
+def test_multi_turn_partial_rollouts_on_the_rollout_ranks(cap):
+    """Multi-turn partial rollouts at separate placement (k = 2): the rollout ranks run the
+    environments; at each announced sync a draw pauses trajectories mid-turn and between
+    turns, loads the sync and continues them. The trainer gets every trajectory whole and
+    equal to the one run without a pause (ids, loss mask, turns, turn rewards: the runner's
+    `run`, tests/test_agent_partial.py), each model token stamped with the policy version of
+    the weights that sampled it (its log-prob names them), each environment token with none
+    (NO_VERSION, log-prob 0: the trainer's version map keeps it), no sample more than k
+    behind, none spanning more updates than the cap (rollout.partial_max_updates, else k);
+    the batches' metrics count trajectories paused mid-turn and between turns."""
+    from tests.test_agent_partial import _runner
+
+    k, prompts = 2, _agent_prompts()
+    records = {tuple(p): e.record for p, e in zip(prompts, _agent_data())}
+    run = _launch(_agent_data(), k, steps=6, start=None, store=dist.HashStore(), train_s=0.05,
+                  engine=AgentPartialEngine, batches=6, partial_cap=cap, agent=True)
+    mid = between = continued = 0
+    spans = []
+    for version, ros in run["steps"]:
+        for ro in ros:
+            assert len(ro.completions) == len(ro.prompts) * G
+            for c in ro.completions:
+                p = ro.prompts[c.prompt_index]
+                ref = _runner(AgentPartialEngine().rule).run([p], [records[tuple(p)]],
+                                                             AGENT_S)[c.sample_index]
+                assert (c.token_ids, c.loss_mask, c.turns, c.turn_rewards) == \
+                    (ref.token_ids, ref.loss_mask, ref.turns, ref.turn_rewards)
+                own = []
+                for tok, lp, v, m in zip(c.token_ids, c.logprobs, c.token_versions,
+                                         c.loss_mask):
+                    if m:
+                        assert lp == pytest.approx(-0.01 * (tok + 1) - v, abs=1e-6), (tok, v)
+                        own.append(v)
+                    else:
+                        assert (v, lp) == (NO_VERSION, 0.0)
+                assert c.version == min(own) and 0 <= version - c.version <= k
+                spans.append(max(own) - min(own))
+            mid += ro.metrics["partial_turns_mid"]
+            between += ro.metrics["partial_turns_between"]
+            continued += ro.metrics["partial_continued"]
+    assert mid > 0 and between > 0 and continued > 0, (mid, between, continued)
+    assert max(spans) <= (cap or k) and max(spans) > 0, spans
 
 
 def _seen(run: dict) -> list:

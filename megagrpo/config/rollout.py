@@ -97,9 +97,10 @@ class RolloutConfig(Section):
     of awaited: its unfinished trajectories leave the engine with their tokens, log-probs and
     per-token versions, the weights are updated, and the draw continues them with the new
     weights, their KV cache recomputed from the exact token prefix (Completion.token_versions:
-    the version that sampled each token). Multi-turn (agent.environment, colocated only): a
-    trajectory mid-turn is paused the same way, one between turns takes its next turn with the
-    new weights, its environment kept in memory. A batch is finished before the step that
+    the version that sampled each token). Multi-turn (agent.environment; at separate placement
+    the environments run on the rollout ranks): a trajectory mid-turn is paused the same way,
+    one between turns takes its next turn with the new weights, its environment kept in
+    memory. A batch is finished before the step that
     trains it. Off: every draw ends before the update."""
     partial_max_updates: int = 0
     """With rollout.partial_rollouts: the most weight updates one trajectory may span; one that

@@ -301,10 +301,6 @@ class TrainConfig(Section):
             (r.inflight_updates, "rollout.inflight_updates=true",
              "rollout.inflight_updates=false (the in-flight slot keeps the KV cache within a "
              "draw; partial rollouts recompute it across the pause)"),
-            (self.agent.enabled and r.placement == "separate",
-             "agent.environment (multi-turn rollouts) at rollout.placement=separate",
-             "rollout.placement=colocated (multi-turn trajectories are paused and continued "
-             "by the colocated draw only; a rollout rank's draw pauses single-turn samples)"),
             (r.tensor_parallel_size > 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}",
              "rollout.tensor_parallel_size=1 (every rank of an engine would have to pause at "
              "the same decode step)"),

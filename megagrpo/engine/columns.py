@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megagrpo.engine.types import Completion
+from megagrpo.engine.types import NO_VERSION, Completion
 
 INT_COLUMNS = ("prompt_index", "sample_index", "version", "turns", "tool_calls", "tool_errors",
                "tokens", "token_versions", "loss_mask", "turn_rewards", "finish_reason",
@@ -182,6 +182,7 @@ class SampleColumns(Sequence):
     def _version_lut(self, versions: dict[int, int]) -> torch.Tensor:
         """versions as a lookup tensor; a version with no mapping looks up `_UNMAPPED`."""
         lut = torch.full((max(versions, default=-1) + 2,), _UNMAPPED, dtype=torch.int64)
+        lut[NO_VERSION] = NO_VERSION  # an environment's token (multi-turn partial rollouts)
         for k, v in versions.items():
             lut[k] = v  # a key of -1 lands in the last slot, as -1 indexes it
         return lut

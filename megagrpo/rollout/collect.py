@@ -306,8 +306,7 @@ class RolloutCollector:
             prompts = [encode_prompt(self.tokenizer, e.prompt) for e in examples]
             drawn = Drawn(prompts, [e.answer for e in examples], epoch, version, [], [], {},
                           loader_state=before,
-                          unfinished=(self.runner.start(prompts, mine, G) if self.runner
-                                      else start_trajectories(mine, G)),
+                          unfinished=self.start_partial(prompts, mine, G),
                           records=[e.record for e in examples],
                           texts=[e.prompt for e in examples])
             self.stats.draw_s += time.perf_counter() - t0
@@ -335,38 +334,59 @@ class RolloutCollector:
 
     def advance(self, drawn: Drawn, version: int, pause: threading.Event | None = None) -> None:
         """rollout.partial_rollouts: generates the batch's unfinished trajectories on, with the
-        weights of policy `version`, until they end or `pause` is set (then those below the
-        cap, rollout.partial_max_updates, are paused again; `megagrpo.engine.partial`). A batch
-        left with none unfinished is stamped and handed to the reward component."""
+        weights of policy `version`, until they end or `pause` is set (`continue_partial`). A
+        batch left with none unfinished is stamped and handed to the reward component."""
         t0 = time.perf_counter()
-        r = self.cfg.rollout
-        cap = r.partial_max_updates or self.cfg.staleness
-        if self.runner is not None:  # multi-turn: paused mid-turn or between turns
-            res = self.runner.advance(drawn.unfinished, drawn.records, self.sampling(),
-                                      version=version, pause=pause, max_updates=cap)
-        else:
-            res = self.engine.generate_partial(drawn.prompts, drawn.unfinished,
-                                               self.sampling(), version=version, pause=pause,
-                                               max_updates=cap)
+        res = self.continue_partial(drawn.prompts, drawn.records, drawn.unfinished, version,
+                                    pause)
         drawn.completions += res.finished
         drawn.unfinished = res.paused
         drawn.metrics["partial_recomputed_tokens"] = (
             drawn.metrics.get("partial_recomputed_tokens", 0.0) + float(res.recomputed))
         if not drawn.unfinished:
-            comps = sorted(drawn.completions, key=lambda c: (c.prompt_index, c.sample_index))
-            drawn.completions = comps
-            stamp(comps, drawn.version)
-            drawn.metrics["partial_continued"] = float(sum(
-                len(set(model_versions(c))) > 1 for c in comps))
-            if self.runner is not None:
-                per = [spans(c) for c in comps]
-                drawn.metrics["partial_turns_mid"] = float(sum(m > 0 for m, _ in per))
-                drawn.metrics["partial_turns_between"] = float(sum(b > 0 for _, b in per))
-            samples = samples_of(comps, [c.prompt_index for c in comps], prompts=drawn.prompts,
-                                 texts=drawn.texts, answers=drawn.answers,
-                                 records=drawn.records, decode=self._decode)
-            drawn.pending = self.rewards.submit(samples)
+            stamp(drawn.completions, drawn.version)
+            drawn.completions, drawn.pending = self.finish_partial(
+                drawn.completions, drawn.prompts, drawn.answers, drawn.records, drawn.texts,
+                drawn.metrics)
         self.stats.draw_s += time.perf_counter() - t0
+
+    # ------------------------------------------------- partial rollouts, both placements
+    def start_partial(self, prompts: list[list[int]], mine: list[int], n: int) -> list:
+        """rollout.partial_rollouts: `n` trajectories of each prompt `mine` indexes, nothing
+        sampled yet (the runner's, environments made at their first turn, with the agent on)."""
+        return self.runner.start(prompts, mine, n) if self.runner else start_trajectories(mine, n)
+
+    def continue_partial(self, prompts: list[list[int]], records: list[dict], trajs: list,
+                         version: int, pause: threading.Event | None):
+        """rollout.partial_rollouts: generates `trajs` on with the weights of policy (or sync)
+        `version` until they end or `pause` is set; then those below the cap
+        (rollout.partial_max_updates, else k) are handed back paused (multi-turn: mid-turn or
+        between turns), the others generated to their end first (`megagrpo.engine.partial`).
+        Returns the engine's `PartialResult` (the runner's `PausedTurns`)."""
+        cap = self.cfg.rollout.partial_max_updates or self.cfg.staleness
+        if self.runner is not None:
+            return self.runner.advance(trajs, records, self.sampling(), version=version,
+                                       pause=pause, max_updates=cap)
+        return self.engine.generate_partial(prompts, trajs, self.sampling(), version=version,
+                                            pause=pause, max_updates=cap)
+
+    def finish_partial(self, comps: list[Completion], prompts: list[list[int]],
+                       answers: list[str], records: list[dict], texts: list[str],
+                       metrics: dict) -> tuple[list[Completion], PendingScores]:
+        """rollout.partial_rollouts, a batch with every trajectory ended: its completions in
+        prompt order, counted into `metrics` (trajectories whose model tokens span an update;
+        multi-turn: those paused mid-turn and between turns) and handed to the reward
+        component as whole samples. Returns (the completions, their pending scores)."""
+        comps = sorted(comps, key=lambda c: (c.prompt_index, c.sample_index))
+        metrics["partial_continued"] = float(sum(len(set(model_versions(c))) > 1
+                                                 for c in comps))
+        if self.runner is not None:
+            per = [spans(c) for c in comps]
+            metrics["partial_turns_mid"] = float(sum(m > 0 for m, _ in per))
+            metrics["partial_turns_between"] = float(sum(b > 0 for _, b in per))
+        samples = samples_of(comps, [c.prompt_index for c in comps], prompts=prompts,
+                             texts=texts, answers=answers, records=records, decode=self._decode)
+        return comps, self.rewards.submit(samples)
 
     def gather(self, drawn: Drawn) -> Rollout:
         """All-gathers the slices over the replica (pooled layout: the world, then keeps this

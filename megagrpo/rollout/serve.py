@@ -347,37 +347,30 @@ def _generate_inflight(place: Placement, collector: RolloutCollector, args: tupl
 def _generate_partial(place: Placement, collector: RolloutCollector, args: tuple, sync: Sync
                       ) -> tuple[tuple, Sync]:
     """One batch with partial rollouts (rollout.partial_rollouts): its trajectories generated
-    on a thread (one request each, `megagrpo.engine.partial.run_partial`) while this one
-    watches for the trainer's next sync; once it is announced the draw pauses between two
-    decode steps (trajectories at the cap, rollout.partial_max_updates, are generated to their
-    end first), this thread loads the sync, and the paused trajectories continue with the new
-    weights, their prefixes recomputed; every token is stamped with the sync that sampled it.
-    The batch is scored once whole. Returns the draw and the newest sync (a stop message: the
-    rest is generated with the weights held, and the run ends after this batch)."""
-    from megagrpo.engine.partial import start_trajectories
-    from megagrpo.reward import samples_of
+    on a thread (`RolloutCollector.continue_partial`; multi-turn ones through the agent's
+    runner, their environments on this rank) while this one watches for the trainer's next
+    sync; once it is announced the draw pauses between two decode steps or two turns
+    (trajectories at the cap, rollout.partial_max_updates, are generated to their end first),
+    this thread loads the sync, and the paused trajectories continue with the new weights,
+    their prefixes recomputed; every model token is stamped with the sync that sampled it. The
+    batch is scored once whole. Returns the draw and the newest sync (a stop message: the rest
+    is generated with the weights held, and the run ends after this batch)."""
     from megagrpo.rollout.collect import record_scores
 
     prompts, answers, mine, sampling, records, texts = args
-    cap = collector.cfg.rollout.partial_max_updates or collector.cfg.staleness
-    trajs, done, recomputed = start_trajectories(mine, sampling.n), [], 0
+    trajs, done, recomputed = collector.start_partial(prompts, mine, sampling.n), [], 0
     while trajs:
         pause = None if sync.stop else threading.Event()
         res = _watching(place, sync, pause, functools.partial(
-            collector.engine.generate_partial, prompts, trajs, sampling, version=sync.index,
-            pause=pause, max_updates=cap))
+            collector.continue_partial, prompts, records, trajs, sync.index, pause))
         done, trajs = done + res.finished, res.paused
         recomputed += res.recomputed
         if trajs:  # paused: the announced sync is the next message (nothing else is sent
             sync = receive_weights(place, collector.engine)  # before it while a batch waits)
-    comps = sorted(done, key=lambda c: (c.prompt_index, c.sample_index))
-    samples = samples_of(comps, [c.prompt_index for c in comps], prompts=prompts, texts=texts,
-                         answers=answers, records=records, decode=collector._decode)
-    rewards, metrics = record_scores(comps, collector.rewards.submit(samples))
-    metrics["partial_recomputed_tokens"] = float(recomputed)
-    metrics["partial_continued"] = float(sum(len(set(c.token_versions or ())) > 1
-                                             for c in comps))
-    return (comps, rewards, metrics), sync
+    metrics = {"partial_recomputed_tokens": float(recomputed)}
+    comps, pending = collector.finish_partial(done, prompts, answers, records, texts, metrics)
+    rewards, scored = record_scores(comps, pending)
+    return (comps, rewards, dict(scored, **metrics)), sync
 
 
 def _watching(place: Placement, sync: Sync, pause: threading.Event | None, draw):
