@@ -5,13 +5,8 @@ PY := .venv/bin/python
 venv:
 	@bash scripts/setup_venv.sh
 
-# the suite's processes (pytest-xdist): each takes whole test modules, or the modules of one
-# shared launch (tests/conftest.py); TEST_WORKERS=1 runs it in this process
-TEST_WORKERS ?= 2
-XDIST = $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
-
 test: venv
-	$(PY) -m pytest -q $(XDIST) tests
+	$(PY) -m pytest -q tests
 
 test-all: venv
 	$(PY) -m pytest -q -m "" tests

@@ -77,39 +77,6 @@ class SharedLaunches:
         self.done.update(done)
 
 
-# `make test` runs the suite on two processes (pytest-xdist, `--dist loadgroup`; the Makefile's
-# TEST_WORKERS). The unit of work a process takes is a test module (its module fixtures launch
-# once), or the modules of one shared launch above, or the kernel modules that share the
-# session's TP spawn (tests/kernels/conftest.py). Units whose module fixtures launch for long
-# are queued first (the order a profile gave: `make test` with --durations=0), so that the
-# last unit taken is a short one and both processes end together.
-TP_SPAWN = ("tests.kernels.test_grpo_loss", "tests.kernels.test_logprob",
-            "tests.kernels.test_loss_spec")
-SLOW_FIRST = ("shared-launch-4", "tests.test_resume", "tests.test_benchmarks",
-              "tests.test_placement", "tests.test_rollout_layout", "tests.test_watchdog",
-              "tests.test_trainer", "shared-launch-2", "tests.test_gguf", "tests.test_lora_run",
-              "tests.test_multinode", "tests.test_separate_tp", "tests.test_vlm_rollout",
-              "tests.test_model_families", "tests.test_compose", "tests.test_compile",
-              "tests.test_console", "tests.test_word_problems", "tests.test_bf16")
-
-
-def work_unit(item: pytest.Item) -> str:
-    module = getattr(item, "module", None)
-    name = module.__name__ if module is not None else item.nodeid.split("::")[0]
-    for nproc, group in SHARED_LAUNCHES.items():
-        if name in group:
-            return f"shared-launch-{nproc}"
-    return "tp-spawn" if name in TP_SPAWN else name
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    first = {unit: k for k, unit in enumerate(SLOW_FIRST)}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(work_unit(item)))
-    items.sort(key=lambda item: first.get(work_unit(item), len(first)))  # stable: files whole
-
-
 @pytest.fixture(scope="session")
 def shared_launch(request, tmp_path_factory) -> SharedLaunches:
     """The launches of SHARED_LAUNCHES, each started by the first module that needs it."""
