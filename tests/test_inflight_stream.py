@@ -177,11 +177,6 @@ def test_posted_weights_load_midway_or_after_the_join():
      r"reward\.score_chunks=2: not supported"),
     (["rollout.partial_rollouts=true", "rollout.max_staleness=1", "rollout.stop=['\\n']"],
      r"rollout\.stop \(stop strings\): not supported"),
-    (["rollout.partial_rollouts=true", "rollout.max_staleness=1",
-      "agent.environment=tests._agent_env:Digits", "rollout.placement=separate",
-      "rollout.rollout_ranks=1"],
-     r"with agent\.environment \(multi-turn rollouts\) at rollout\.placement=separate: not "
-     r"supported yet; set rollout\.placement=colocated"),
 ])
 def test_partial_rollouts_refused_before_compute(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -195,7 +190,10 @@ def test_partial_rollouts_accepted_within_the_bound():
                  ["rollout.max_staleness=1", "rollout.placement=separate",
                   "rollout.rollout_ranks=1"],
                  # multi-turn, colocated: paused mid-turn or between turns
-                 ["rollout.max_staleness=1", "agent.environment=tests._agent_env:Digits"]):
+                 ["rollout.max_staleness=1", "agent.environment=tests._agent_env:Digits"],
+                 # multi-turn on the rollout ranks (tests/test_placement.py)
+                 ["rollout.max_staleness=1", "agent.environment=tests._agent_env:Digits",
+                  "rollout.placement=separate", "rollout.rollout_ranks=1"]):
         load_config(None, ["rollout.partial_rollouts=true", *over]).validate()
 
 
