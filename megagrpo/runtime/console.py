@@ -60,6 +60,9 @@ QUIET = (
     ("py.warnings", "FutureWarning"),
     ("math_verify", "Timeout is disabled"),  # megagrpo enforces reward.timeout_s itself
     ("vllm", "Reset SSM cache type"),  # hybrid (mamba) models only
+    # partial rollouts hand token prompts to the engine core's add_request (run_partial): vLLM
+    # 0.32 notes, once per engine, that its renderer will take them instead
+    ("vllm", "Passing raw prompts to InputProcessor is deprecated"),
     # LoRA on a VLM: megagrpo's adapters are on the language model only; vLLM's LoRA manager
     # says, for each vision-tower module, that it has no wrapper for it (it carries no adapter)
     ("vllm.lora", "no matching PunicaWrapper is found; visual."),
