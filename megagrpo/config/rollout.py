@@ -100,8 +100,8 @@ class RolloutConfig(Section):
     the version that sampled each token). Multi-turn (agent.environment; at separate placement
     the environments run on the rollout ranks): a trajectory mid-turn is paused the same way,
     one between turns takes its next turn with the new weights, its environment kept in
-    memory. A batch is finished before the step that
-    trains it. Off: every draw ends before the update."""
+    memory. A batch is finished before the step that trains it. Off: every draw ends before
+    the update."""
     partial_max_updates: int = 0
     """With rollout.partial_rollouts: the most weight updates one trajectory may span; one that
     has spanned that many is not paused again but finished, before the next update, by the
