@@ -146,3 +146,9 @@ def test_async_runs_name_their_staleness_correction():
     assert "a trajectory between turns takes its next turn with the new weights" in multi
     assert "restarts paused trajectories from their prompt" in multi
     assert multi.endswith("a trajectory spans at most 1 update")
+    # on the rollout ranks no paused trajectory is ever checkpointed: no restart to announce
+    apart = async_note(load_config(None, ["rollout.max_staleness=1",
+                                          "rollout.partial_rollouts=true",
+                                          "agent.environment=tests._agent_env:Digits",
+                                          "rollout.placement=separate", "rollout.rollout_ranks=1"]))
+    assert "holds none paused" in apart and "restarts paused" not in apart

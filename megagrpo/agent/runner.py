@@ -258,7 +258,8 @@ class TrajectoryRunner:
                 wait = [t for t in active if t.turn is None
                         and version - t.oldest(version) < max_updates]
                 held += wait
-                active = [t for t in active if all(t is not w for w in wait)]
+                waiting = {id(t) for t in wait}
+                active = [t for t in active if id(t) not in waiting]
                 if not active:
                     break
             turns = [t.turn or _new_turn(t) for t in active]

@@ -233,10 +233,12 @@ def partial_note(cfg) -> str:
             "decode steps and continues with the new weights (every token stamped with the "
             "version that sampled it)")
     if cfg.agent.enabled:
+        resume = ("a resume restarts paused trajectories from their prompt"
+                  if r.placement == "colocated" else
+                  "a checkpoint is taken between draws: it holds none paused")
         what += ("; multi-turn: a turn is paused mid-turn the same way, a trajectory between "
                  "turns takes its next turn with the new weights, its environment kept in "
-                 "memory (never asked again; a resume restarts paused trajectories from "
-                 "their prompt)")
+                 f"memory (never asked again; {resume})")
     return what + f"; a trajectory spans at most {cap} update{'s' if cap > 1 else ''}"
 
 
