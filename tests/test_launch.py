@@ -13,8 +13,11 @@ WORKER = """
 import os, sys, time
 rank = int(os.environ["RANK"])
 open(os.path.join(sys.argv[2], f"pid{rank}"), "w").write(str(os.getpid()))
-print("rank", rank, "of", os.environ["WORLD_SIZE"], "local", os.environ["LOCAL_RANK"],
-      os.environ["LOCAL_WORLD_SIZE"], os.environ["MASTER_ADDR"], sys.argv[1], flush=True)
+# one write of one line (the ranks share the pipe; print's pieces are separate writes when
+# stdout is unbuffered, PYTHONUNBUFFERED, and interleave with the other ranks')
+os.write(1, " ".join(["rank", str(rank), "of", os.environ["WORLD_SIZE"], "local",
+                      os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"],
+                      os.environ["MASTER_ADDR"], sys.argv[1]]).encode() + b"\\n")
 if sys.argv[1] == "fail" and rank == 1:
     while len([f for f in os.listdir(sys.argv[2]) if f.startswith("pid")]) < 3:
         time.sleep(0.05)  # the others are up
