@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from tests.support.launch import run_ranks, worker_env
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_writer_worker.py"
 KILL_AFTER_S = 1.0  # the killed writer of step 2 lives this long after its fork
+LATE_S = 2.5  # a 'late' stand-in writer is forked this long after the one before ended
 
 
 def test_dead_writer_stops_every_rank_within_seconds(tmp_path):
@@ -85,7 +87,9 @@ def _megatron_like(ends: list[str]) -> None:
     """megatron's write_preloaded_data_multiproc in small: one forked writer per entry of
     `ends`, started in turn, then a wait with no time limit for every one to say it is done.
     A writer dead at its fork is collected by multiprocessing before the watch can read how it
-    ended (megatron's next start does that when the writer died by then)."""
+    ended (megatron's next start does that when the writer died by then). A 'late' writer is
+    forked LATE_S after the one before has ended and been collected (a loaded machine's slow
+    fork)."""
     ctx = multiprocessing.get_context("fork")
     results, count = ctx.Queue(), ctx.JoinableQueue()
     procs = []
@@ -93,6 +97,9 @@ def _megatron_like(ends: list[str]) -> None:
         count.put(i)
         procs.append(ctx.Process(target=_writer, args=(i, results, count, end)))
     for p, end in zip(procs, ends):
+        if end == "late":
+            procs[0].join()
+            time.sleep(LATE_S)
         p.start()
         if end == "at fork":  # collected at once: as the next start does where it died by then
             p.join()
@@ -111,7 +118,7 @@ def _watch(ends: list[str], tmp_path: Path, limit_s: float) -> tuple[str | None,
     def run() -> None:
         t0 = time.monotonic()
         try:
-            writers._watched(lambda: _megatron_like(ends), tmp_path)
+            writers._watched(lambda: _megatron_like(ends), tmp_path, expected=len(ends))
             out.append((None, time.monotonic() - t0))
         except writers.WriterDied as e:
             out.append((str(e), time.monotonic() - t0))
@@ -133,6 +140,28 @@ def test_writer_that_died_unseen_is_judged_by_the_wait(tmp_path, monkeypatch):
         r"died while writing .*: pid \d+ ended without reporting \(its exit status was "
         r"collected by multiprocessing\); the write still waited 1 s", said), said
     assert seconds < 6, seconds
+
+
+def test_writer_forked_after_the_last_one_ended_stops_nothing(tmp_path, monkeypatch):
+    """Writer 0 is done and collected, and writer 1 is forked only LATE_S > SETTLE_S later (a
+    loaded machine; CI once saw a save stopped so): the watch knows 2 writers are to come, so
+    it waits for the second and the save goes on."""
+    monkeypatch.setattr(writers, "SETTLE_S", 1.0)
+    said, seconds = _watch(["ok", "late"], tmp_path, limit_s=30)
+    assert said is None and LATE_S < seconds < LATE_S + 5, (said, seconds)
+
+
+def test_the_writer_count_is_read_from_megatrons_write():
+    """The count the watch waits for comes from megatron's own write's `write_buckets`, bound
+    as megatron's FileSystemWriterAsync.get_save_function_and_args binds it (a partial, the
+    rest passed at the call): a renamed argument would silently drop it (None)."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync)
+
+    write = partial(FileSystemWriterAsync.write_preloaded_data_multiproc, [], False)
+    buckets = [("a", "k", ([], [])), ("b", "k", ([], [])), ("c", "k", ([], []))]
+    assert writers._writer_count(write, (0, buckets, None), {}) == 3
+    assert writers._writer_count(lambda *a: None, (0, buckets, None), {}) is None
 
 
 def test_writer_killed_after_it_reported_stops_nothing(tmp_path):

@@ -8,8 +8,8 @@ the OOM killer) never says so, and the rank used to wait for good: only the watc
 
 `watch_writers(request, folder)` gives back the save's request with that wait made finite: the
 write runs in a side thread while the rank polls its writers every `POLL_S`. A writer ended by a
-signal or a non-zero exit code, or every writer ended while the write still waits, stops the
-save within seconds, on every rank at once (one all-reduce per save): this rank raises
+signal or a non-zero exit code, or every writer ended (one of them unseen, below) while the
+write still waits, stops the save within seconds, on every rank at once (one all-reduce per save): this rank raises
 `WriterDied` naming the writer's pid, how it ended and the folder; the others say which rank's
 writer died. The checkpoint the folder belongs to then has no manifest, so it is never taken
 for a complete one (`run_dir.newest_intact`).
@@ -23,6 +23,7 @@ by whether the write finishes within `SETTLE_S` of the last writer's end.
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import signal
 import struct
@@ -43,7 +44,8 @@ killed in that last instant while a slower writer still writes past GRACE_S stop
 all the same: a save that would have completed is then reported as incomplete (safe: the
 checkpoint before is intact)."""
 SETTLE_S = 10.0
-"""Every writer ended but how some ended is unknown: the write ends within this, or is stuck."""
+"""Every writer ended but how some ended is unknown: the write ends within this, or is stuck
+(what is left after the last writer's end is reading the writers' small reports)."""
 
 _PID = struct.Struct("=i")
 _RUNNING, _UNKNOWN = "running", "unknown"
@@ -90,7 +92,7 @@ def _agreed_write(write, folder: Path, *args, **kwargs) -> None:
     died: WriterDied | None = None
     if write is not None:
         try:
-            _watched(partial(write, *args, **kwargs), folder)
+            _watched(partial(write, *args, **kwargs), folder, _writer_count(write, args, kwargs))
         except WriterDied as e:
             died = e
     worst = torch.tensor([dist.get_rank() + 1 if died else 0])
@@ -103,9 +105,21 @@ def _agreed_write(write, folder: Path, *args, **kwargs) -> None:
                          "it); this rank's files were written")
 
 
-def _watched(write, folder: Path) -> None:
+def _writer_count(write, args: tuple, kwargs: dict) -> int | None:
+    """How many writer processes megatron's write forks: one per write bucket (None where its
+    signature has no `write_buckets`)."""
+    try:
+        buckets = inspect.signature(write).bind_partial(*args, **kwargs).arguments.get(
+            "write_buckets")
+    except (TypeError, ValueError):
+        return None
+    return None if buckets is None else len(buckets)
+
+
+def _watched(write, folder: Path, expected: int | None = None) -> None:
     """Runs `write` in a side thread and returns when it does (raising what it raised), or
-    raises WriterDied once its writers say it will not."""
+    raises WriterDied once its writers say it will not. `expected`: how many writers it forks
+    (None: unknown, then those seen so far are taken for all)."""
     global _watch
     read_fd, write_fd = os.pipe()
     os.set_blocking(read_fd, False)
@@ -115,7 +129,7 @@ def _watched(write, folder: Path) -> None:
                               name="megagrpo-checkpoint-write", daemon=True)
     thread.start()
     try:
-        died = _wait(thread, read_fd)
+        died = _wait(thread, read_fd, expected)
     finally:
         _watch = None
         os.close(read_fd)
@@ -140,10 +154,12 @@ def _run(write, fd: int, outcome: list) -> None:
         outcome.append(e)
 
 
-def _wait(thread: threading.Thread, read_fd: int) -> dict[int, str]:
+def _wait(thread: threading.Thread, read_fd: int, expected: int | None = None
+          ) -> dict[int, str]:
     """Polls until the write ends ({}) or its writers say it never will: {pid: end} of
-    those that ended badly (after GRACE_S), or of every one once none runs and the write still
-    waits after SETTLE_S (one that died unseen, or before it could say its pid)."""
+    those that ended badly (after GRACE_S), or of every one once all `expected` writers were
+    seen, none runs and the write still waits after SETTLE_S (one that died unseen). A writer
+    killed before it could say its pid leaves the count short: that stall is the watchdog's."""
     ends: dict[int, str] = {}
     since: float | None = None
     while True:
@@ -155,8 +171,10 @@ def _wait(thread: threading.Thread, read_fd: int) -> dict[int, str]:
             if end == _RUNNING:
                 ends[pid] = _end_of(pid)
         bad = {p: e for p, e in ends.items() if e not in (_RUNNING, _UNKNOWN, "exit code 0")}
-        if not bad and (not ends or _RUNNING in ends.values()):
-            since = None  # writers at work: a stall is the watchdog's to find
+        starting = expected is not None and len(ends) < expected  # more writers to be forked
+        unseen = _UNKNOWN in ends.values()  # every known end a clean exit: nobody died
+        if not bad and (starting or not unseen or _RUNNING in ends.values()):
+            since = None  # writers at work, starting or done: a stall is the watchdog's
             continue
         since = since if since is not None else time.monotonic()
         if time.monotonic() - since >= (GRACE_S if bad else SETTLE_S):
