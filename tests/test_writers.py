@@ -155,8 +155,7 @@ def test_the_writer_count_is_read_from_megatrons_write():
     """The count the watch waits for comes from megatron's own write's `write_buckets`, bound
     as megatron's FileSystemWriterAsync.get_save_function_and_args binds it (a partial, the
     rest passed at the call): a renamed argument would silently drop it (None)."""
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
-        FileSystemWriterAsync)
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     write = partial(FileSystemWriterAsync.write_preloaded_data_multiproc, [], False)
     buckets = [("a", "k", ([], [])), ("b", "k", ([], [])), ("c", "k", ([], []))]

@@ -9,10 +9,10 @@ the OOM killer) never says so, and the rank used to wait for good: only the watc
 `watch_writers(request, folder)` gives back the save's request with that wait made finite: the
 write runs in a side thread while the rank polls its writers every `POLL_S`. A writer ended by a
 signal or a non-zero exit code, or every writer ended (one of them unseen, below) while the
-write still waits, stops the save within seconds, on every rank at once (one all-reduce per save): this rank raises
-`WriterDied` naming the writer's pid, how it ended and the folder; the others say which rank's
-writer died. The checkpoint the folder belongs to then has no manifest, so it is never taken
-for a complete one (`run_dir.newest_intact`).
+write still waits, stops the save within seconds, on every rank at once (one all-reduce per
+save): this rank raises `WriterDied` naming the writer's pid, how it ended and the folder; the
+others say which rank's writer died. The checkpoint the folder belongs to then has no manifest,
+so it is never taken for a complete one (`run_dir.newest_intact`).
 
 The writers are found exactly: each child the writing thread forks sends its pid down a pipe
 (an at-fork hook), and how a writer ended is read with waitid(WNOWAIT), which leaves the child
