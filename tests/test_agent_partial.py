@@ -12,8 +12,11 @@ from __future__ import annotations
 import json
 import logging
 
+import torch
+
 from megagrpo.agent import Environment, Observation, Turn
 from megagrpo.agent.runner import TrajectoryRunner, spans
+from megagrpo.checkpoint import load_tree, save_tree
 from megagrpo.config.agent import AgentConfig
 from megagrpo.config.layout import RolloutLayout
 from megagrpo.data import Example, PromptLoader, encode_prompt
@@ -120,10 +123,10 @@ class Pause:
         return self.engine.steps >= self.at
 
 
-def _runner(engine) -> TrajectoryRunner:
+def _runner(engine, env: type = None) -> TrajectoryRunner:
     return TrajectoryRunner(engine=engine, tokenizer=Tok(), max_model_len=64,
                             agent=AgentConfig(environment="x:y", max_turns=3),
-                            factory=lambda rec: Answers(rec))
+                            factory=lambda rec: (env or Answers)(rec))
 
 
 RECORDS = [{"k": i} for i in range(len(PROMPTS))]
@@ -202,24 +205,27 @@ def test_the_cap_finishes_a_trajectory_on_the_weights_it_has():
         assert c.token_ids == ref[(c.prompt_index, c.sample_index)].token_ids
 
 
+DATA = [Example(prompt=str(i), answer="x", record={"k": i % 3}) for i in range(6)]
+
+
+def _collector(env: type = None) -> tuple[RolloutCollector, Engine]:
+    cfg = _config(1, partial_rollouts=True, max_tokens=MAX_TOKENS)
+    cfg.agent.environment, cfg.agent.max_turns = "x:y", 3
+    eng = Engine([])
+    c = RolloutCollector(cfg=cfg, engine=eng, tokenizer=Tok(), rewards=Rewards(Reward()),
+                         loader=PromptLoader(DATA, 3, seed=1), runner=_runner(eng, env),
+                         layout=RolloutLayout(rank=0, world_size=1, engine_tp=1,
+                                              train_tp=1, train_pp=1))
+    eng.firsts = {tuple(encode_prompt(Tok(), e.prompt)) for e in DATA}
+    return c, eng
+
+
 def test_a_resume_restarts_paused_trajectories_from_their_prompt(caplog):
     """A batch paused mid-draw saved in the collector's state (through JSON) and loaded by a
     fresh collector: its paused trajectories start again from their prompt (said once on the
     console, counted as partial_restarted); continued, every trajectory of the batch is whole
     and equal to the run without a pause."""
-    data = [Example(prompt=str(i), answer="x", record={"k": i % 3}) for i in range(6)]
-
-    def collector():
-        cfg = _config(1, partial_rollouts=True, max_tokens=MAX_TOKENS)
-        cfg.agent.environment, cfg.agent.max_turns = "x:y", 3
-        eng = Engine([])
-        c = RolloutCollector(cfg=cfg, engine=eng, tokenizer=Tok(), rewards=Rewards(Reward()),
-                             loader=PromptLoader(data, 3, seed=1), runner=_runner(eng),
-                             layout=RolloutLayout(rank=0, world_size=1, engine_tp=1,
-                                                  train_tp=1, train_pp=1))
-        eng.firsts = {tuple(encode_prompt(Tok(), e.prompt)) for e in data}
-        return c, eng
-
+    collector = _collector
     c, eng = collector()
     drawn = c.draw(0, Pause(eng, 2))
     lost = sum(bool(t.ids or (t.turn and t.turn.token_ids)) for t in drawn.unfinished)
@@ -243,3 +249,137 @@ def test_a_resume_restarts_paused_trajectories_from_their_prompt(caplog):
         ref = _runner(Engine([back.prompts[c.prompt_index]])).run(
             [back.prompts[c.prompt_index]], [back.records[c.prompt_index]], S)
         assert c.token_ids == ref[c.sample_index].token_ids
+
+
+class Remembers(Answers):
+    """Answers whose observation depends on what it remembers, not on the turn it is shown:
+    the sum of every id of the turns it answered (a tensor) and how many, so an environment
+    built afresh at a resume without its state answers otherwise. Its state is saved for
+    records k != 0; k = 0's state_dict gives None (cannot save: restarted)."""
+
+    def __init__(self, record, tokenizer=None, **kwargs):
+        super().__init__(record, tokenizer)
+        self.total, self.answered = torch.zeros(1, dtype=torch.int64), 0
+
+    def step(self, turn: Turn) -> Observation:
+        Answers.log.append((self.record["k"], tuple(turn.token_ids)))
+        self.total += sum(turn.token_ids)
+        self.answered += 1
+        if turn.index >= 2:
+            return Observation(done=True, reward=1.0)
+        return Observation(token_ids=(40 + int(self.total) % 7, 45 + self.answered),
+                           reward=0.5)
+
+    def state_dict(self):
+        if self.record["k"] == 0:
+            return None
+        return {"total": self.total.clone(), "answered": self.answered}
+
+    def load_state_dict(self, state):
+        self.total, self.answered = state["total"].clone(), state["answered"]
+
+
+def _saved_and_loaded(c: RolloutCollector, tmp_path, env: type = Remembers):
+    """`c`'s state written and read as a checkpoint holds it (save_tree: safetensors, no
+    pickle) and loaded by a fresh collector."""
+    save_tree(tmp_path / "rollout.safetensors", c.state_dict())
+    c2, _ = _collector(env)
+    c2.load_state_dict(load_tree(tmp_path / "rollout.safetensors"))
+    return c2
+
+
+def test_a_resume_continues_trajectories_whose_environment_saves_its_state(tmp_path, caplog):
+    """Paused mid-draw at version 0, saved in a checkpoint and loaded by a fresh collector:
+    the trajectories whose environment saves its state (records k != 0) go on where they were
+    (their ids and version-0 stamps kept, the turn in progress continued, the environment
+    never asked a turn twice); k = 0's start again from the prompt, counted and said. Every
+    trajectory ends equal to the unpaused run's, turn rewards included."""
+    Answers.log = []
+    c, eng = _collector(Remembers)
+    drawn = c.draw(0, Pause(eng, 5))
+    before = {(t.prompt_index, t.sample_index): (list(t.ids), t.turn is not None)
+              for t in drawn.unfinished}
+    keeps = {key for key in before if drawn.records[key[0]]["k"] != 0}
+    assert {before[key][1] for key in keeps} == {True, False}, before  # mid-turn, between
+    lost = sum(bool(ids or mid) for key, (ids, mid) in before.items() if key not in keeps)
+    c.queue = [drawn]
+    with caplog.at_level(logging.INFO, logger="megagrpo"):
+        c2 = _saved_and_loaded(c, tmp_path)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(f"resumed with {len(keeps)} multi-turn trajectories paused at a weight update: "
+               "they go on where they were" in m for m in said), said
+    assert any(f"resumed with {lost} multi-turn" in m and "start again" in m for m in said) \
+        == bool(lost), said
+    back = c2.queue[0]
+    assert back.metrics["partial_restarted"] == lost
+    for t in back.unfinished:
+        key = (t.prompt_index, t.sample_index)
+        assert t.ids == (before[key][0] if key in keeps else []), key
+        assert t.started == (key in keeps) and (t.env is not None) == (key in keeps)
+    steps = list(Answers.log)  # the environments' steps before the pause
+    Answers.log = []
+    c2.advance(back, 1)
+    steps += Answers.log
+    assert not back.unfinished
+    got = _by_key(back.completions)
+    assert sorted(got) == [(p, j) for p in range(3) for j in range(G)]
+    for (p, j), comp in got.items():  # the unpaused runner's trajectory, token for token
+        ref = _runner(Engine([back.prompts[p]]), Remembers).run(
+            [back.prompts[p]], [back.records[p]], S)[j]
+        assert (comp.token_ids, comp.loss_mask, comp.turn_rewards) == \
+            (ref.token_ids, ref.loss_mask, ref.turn_rewards), (p, j)
+        model = [v for v, m in zip(comp.token_versions, comp.loss_mask) if m]
+        if (p, j) in keeps:  # what it sampled before the pause keeps version 0
+            n0 = sum(comp.loss_mask[:len(before[(p, j)][0])]) + (before[(p, j)][1] or 0)
+            assert model[:n0] == [0] * n0 and 0 in model, (p, j, model)
+        else:
+            assert set(model) == {1}, (p, j, model)
+    # the environments of kept trajectories answered each turn once over the two runs
+    Answers.log = []
+    for p in range(len(back.prompts)):
+        _runner(Engine([back.prompts[p]]), Remembers).run([back.prompts[p]],
+                                                          [back.records[p]], S)
+    kept = {back.records[p]["k"] for p, _ in keeps}
+    assert sorted(x for x in steps if x[0] in kept) == \
+        sorted(x for x in Answers.log if x[0] in kept)
+
+
+def test_an_environment_that_cannot_give_or_take_its_state_restarts_or_fails_contained(
+        tmp_path, caplog):
+    """state_dict giving what a checkpoint cannot hold (a set): reported once, the
+    trajectories saved as their prompt and restarted (counted). load_state_dict raising at the
+    resume: each such trajectory ends as an environment error (dropped, agent.on_env_error),
+    the others of the batch run on."""
+
+    class Unsaveable(Remembers):
+        def state_dict(self):
+            return {"seen": {1, 2}}
+
+    class Unloadable(Remembers):
+        def load_state_dict(self, state):
+            raise RuntimeError("planted: cannot restore")
+
+    for env in (Unsaveable, Unloadable):
+        caplog.clear()
+        c, eng = _collector(env)
+        drawn = c.draw(0, Pause(eng, 2))
+        c.queue = [drawn]
+        with caplog.at_level(logging.WARNING, logger="megagrpo"):
+            c2 = _saved_and_loaded(c, tmp_path, env)
+            back = c2.queue[0]
+            c2.advance(back, 1)
+        said = [r.getMessage() for r in caplog.records]
+        got = back.completions
+        assert sorted((x.prompt_index, x.sample_index) for x in got) == \
+            [(p, j) for p in range(3) for j in range(G)]
+        if env is Unsaveable:
+            assert sum("state_dict failed" in m and "TypeError" in m and "is a set" in m
+                       for m in said) == 1, said
+            assert back.metrics["partial_restarted"] > 0
+            assert not any(x.dropped for x in got)
+        else:
+            failed = [x for x in got if x.truncation == "env_error"]
+            assert failed and all(x.dropped == "env_error" for x in failed)
+            assert {back.records[x.prompt_index]["k"] for x in failed} <= {1, 2}
+            assert any("restoring" in m and "planted: cannot restore" in m for m in said), said
+            assert any(not x.dropped for x in got)

@@ -68,3 +68,20 @@ class Environment:
 
     def close(self) -> None:
         """Called once when the trajectory ends (release what the environment holds)."""
+
+    def state_dict(self) -> dict | None:
+        """What a checkpoint keeps of this environment while its trajectory is paused at a
+        weight update (rollout.partial_rollouts): a dict of tensors, dicts, lists, tuples,
+        numbers, strings and None (saved pickle-free). With it, a resumed run continues the
+        trajectory where it was, as the uninterrupted run does (`load_state_dict` puts it
+        back into an environment built afresh from the same record). None, the default: this
+        environment cannot save its state, and a resume samples its paused trajectories again
+        from their prompt (said on the console, counted as partial_restarted)."""
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        """Puts back what `state_dict` gave, into an environment just built from the same
+        record, tokenizer and agent.kwargs; the next call is `step` of the trajectory's next
+        turn."""
+        raise NotImplementedError(f"{type(self).__name__}.load_state_dict (its state_dict "
+                                  "gives a state, so a resume must be able to put it back)")

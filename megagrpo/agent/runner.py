@@ -41,7 +41,9 @@ import math
 import numbers
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
 
 from megagrpo.agent.env import Environment, Observation, Turn
 from megagrpo.agent.registry import import_environment, load_environment
@@ -121,13 +123,27 @@ class _Trajectory:
         return version
 
     def restart_state(self) -> Completion:
-        """What a checkpoint keeps of it: its prompt and place only (an environment's state is
-        not saved), so a resumed run samples it again from the prompt; finish_reason 'restart'
-        marks one that had sampled tokens (counted and said on the console at the resume)."""
+        """What a checkpoint keeps of it where its environment's state is not saved: its
+        prompt and place only, so a resumed run samples it again from the prompt;
+        finish_reason 'restart' marks one that had sampled tokens (counted and said on the
+        console at the resume)."""
         lost = bool(self.ids) or bool(self.turn is not None and self.turn.token_ids)
         return Completion(prompt_index=self.prompt_index, sample_index=self.sample_index,
                           token_ids=[], logprobs=[], finish_reason="restart" if lost else "",
                           token_versions=[])
+
+    def whole_state(self, environment: dict) -> dict:
+        """What a checkpoint keeps of it where its environment saved `environment`: all of
+        it, its turn in progress included (`TrajectoryRunner.resumed` continues it)."""
+        keep = {k: getattr(self, k) for k in _KEPT}
+        keep["turn_ids"] = list(self.turn_ids)
+        keep["turn"] = None if self.turn is None else asdict(self.turn)
+        return {"trajectory": keep, "environment": environment}
+
+
+_KEPT = ("prompt_index", "sample_index", "ids", "logprobs", "mask", "turns", "text", "finish",
+         "rewards", "calls", "errors", "seconds", "retries", "versions")
+"""The `_Trajectory` fields a whole saved trajectory holds as they are."""
 
 
 @dataclass
@@ -155,6 +171,8 @@ class TrajectoryRunner:
     max_model_len: int
     reported: bool = False
     """An environment error was reported (the first one only is)."""
+    reported_state: bool = False
+    """A state_dict failure was reported (the first one only is)."""
 
     def run(self, prompts: list[list[int]], records: list[dict],
             sampling: SamplingSettings) -> list[Completion]:
@@ -235,6 +253,57 @@ class TrajectoryRunner:
     def restarted(self, prompts: list[list[int]], p: int, j: int) -> _Trajectory:
         """Sample `j` of prompt `p` from its prompt, as `start` makes it."""
         return _Trajectory(p, j, list(prompts[p]), self._budget(prompts[p]), versions=[])
+
+    def saved(self, t: _Trajectory) -> dict:
+        """What a checkpoint keeps of paused trajectory `t`: with an environment that saves
+        its state (`Environment.state_dict`), the whole trajectory and that state
+        (`_Trajectory.whole_state`, continued by `resumed`); otherwise its prompt and place (a
+        `Completion`'s fields: `_Trajectory.restart_state`). An environment whose state_dict
+        raises, runs past agent.env_timeout_s or gives what a checkpoint cannot hold is
+        reported (once) and its trajectory saved the second way."""
+        state = None
+        if t.env is not None:
+            try:
+                state = _with_deadline(t.env.state_dict, self.agent.env_timeout_s)
+                bad = None if state is None else _unsaveable(state, "state_dict()")
+                if bad:
+                    raise TypeError(bad)
+            except Exception as e:  # noqa: BLE001 - the trajectory restarts, the save goes on
+                state = None
+                if not self.reported_state:
+                    self.reported_state = True
+                    log.warning("agent.environment=%s: state_dict failed while a checkpoint "
+                                "saved a paused trajectory (%s: %s); such trajectories are "
+                                "saved as their prompt and start again from it after a resume "
+                                "(counted as partial_restarted)", self.agent.environment,
+                                type(e).__name__, e)
+        if state is None:
+            return asdict(t.restart_state())
+        return t.whole_state(state)
+
+    def resumed(self, prompts: list[list[int]], records: list[dict], saved: dict
+                ) -> _Trajectory:
+        """A trajectory `saved` whole (`saved`), to be continued where it was paused: its
+        environment built afresh from the record and given back its state. Either failing
+        ends the trajectory as an environment error (agent.on_env_error), like a failure at
+        the start of a trajectory."""
+        keep = saved["trajectory"]
+        p = keep["prompt_index"]
+        t = _Trajectory(p, keep["sample_index"], list(prompts[p]), self._budget(prompts[p]),
+                        started=True)
+        for k in _KEPT:
+            setattr(t, k, list(keep[k]) if isinstance(keep[k], (list, tuple)) else keep[k])
+        t.turn_ids = tuple(keep["turn_ids"])
+        t.turn = None if keep["turn"] is None else Completion(**keep["turn"])
+        env = self._make_env(t, records[p])
+        if env is None:
+            return t
+        t.env = env
+        if self._call(t, "restoring", lambda: env.load_state_dict(saved["environment"]) or True
+                      ) is None:
+            t.turn = None
+            self._close(t)
+        return t
 
     def advance(self, trajs: list[_Trajectory], records: list[dict],
                 sampling: SamplingSettings, *, version: int, pause=None,
@@ -411,6 +480,22 @@ def _with_deadline(fn: Callable, seconds: float):
     if "error" in box:
         raise box["error"]
     return box["out"]
+
+
+def _unsaveable(obj, where: str) -> str | None:
+    """None where a checkpoint holds `obj` (`megagrpo.checkpoint.save_tree`: tensors, dicts,
+    lists, tuples, numbers, strings, None), else what is not."""
+    if obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor)):
+        return None
+    if isinstance(obj, dict):
+        return next((b for k, v in obj.items()
+                     for b in (_unsaveable(k, f"{where} key"), _unsaveable(v, f"{where}[{k!r}]"))
+                     if b), None)
+    if isinstance(obj, (list, tuple)):
+        return next((b for i, v in enumerate(obj) if (b := _unsaveable(v, f"{where}[{i}]"))),
+                    None)
+    return (f"{where} is a {type(obj).__name__}; a checkpoint holds tensors, dicts, lists, "
+            "tuples, numbers, strings and None")
 
 
 def check_observation(obs) -> None:

@@ -94,21 +94,26 @@ class Drawn:
             self.rewards, self.metrics = rewards.tolist(), dict(self.metrics, **metrics)
         return self
 
-    def state_dict(self) -> dict:
+    def state_dict(self, keep: Callable | None = None) -> dict:
+        """Its state; `keep`: what a checkpoint keeps of a paused multi-turn trajectory
+        (`megagrpo.agent.runner.TrajectoryRunner.saved`: whole where its environment saves
+        its state, else its prompt and place)."""
         self.resolve()
-        # a paused multi-turn trajectory is saved as its prompt and place: its environment's
-        # state is not checkpointed (`megagrpo.agent.runner._Trajectory.restart_state`)
-        unfinished = [u if isinstance(u, Completion) else u.restart_state()
+        unfinished = [dataclasses.asdict(u) if isinstance(u, Completion)
+                      else keep(u) if keep is not None else dataclasses.asdict(u.restart_state())
                       for u in self.unfinished]
-        state = dataclasses.asdict(dataclasses.replace(self, pending=None,
-                                                       unfinished=unfinished))
+        state = dataclasses.asdict(dataclasses.replace(self, pending=None, unfinished=[]))
         del state["pending"]
+        state["unfinished"] = unfinished
         return state  # completions included, as dicts
 
     @classmethod
     def from_state(cls, state: dict) -> Drawn:
+        """Its state loaded; a multi-turn trajectory saved whole stays a dict (continued by
+        the collector's runner: `RolloutCollector._resume_paused`)."""
         return cls(**dict(state, completions=[Completion(**c) for c in state["completions"]],
-                          unfinished=[Completion(**c) for c in state.get("unfinished", ())]))
+                          unfinished=[u if "trajectory" in u else Completion(**u)
+                                      for u in state.get("unfinished", ())]))
 
 
 @dataclass
@@ -509,7 +514,8 @@ class RolloutCollector:
         loader is already past; call after `join`. Per rank: it holds this rank's samples."""
         if self.thread is not None:
             raise RuntimeError("RolloutCollector.state_dict while the async draw runs: join first")
-        return {"queue": [d.state_dict() for d in self.queue]}
+        keep = self.runner.saved if self.runner is not None else None
+        return {"queue": [d.state_dict(keep) for d in self.queue]}
 
     def load_state_dict(self, state: dict) -> None:
         """The saved batches drawn ahead, the oldest k = cfg.staleness of them (the trainer's
@@ -520,23 +526,32 @@ class RolloutCollector:
             saved = [state["pending"]] if state.get("pending") is not None else []
         self.queue = [Drawn.from_state(d) for d in saved[:self.cfg.staleness]]
         if self.runner is not None and self.cfg.rollout.partial_rollouts:
-            self._restart_paused()
+            self._resume_paused()
 
-    def _restart_paused(self) -> None:
-        """Multi-turn partial rollouts after a resume: each saved paused trajectory starts
-        again from its prompt (its environment's state was not saved); those that had sampled
-        tokens are counted (`partial_restarted`) and said on the console."""
-        lost = 0
+    def _resume_paused(self) -> None:
+        """Multi-turn partial rollouts after a resume: each saved paused trajectory goes on
+        where it was paused where its environment saved its state (`Environment.state_dict`),
+        else starts again from its prompt; those of the second kind that had sampled tokens
+        are counted (`partial_restarted`) and said on the console, as are the first."""
+        lost = whole = 0
         for d in self.queue:
-            n = sum(c.finish_reason == "restart" for c in d.unfinished)
-            d.unfinished = [self.runner.restarted(d.prompts, c.prompt_index, c.sample_index)
-                            for c in d.unfinished]
+            n = sum(isinstance(u, Completion) and u.finish_reason == "restart"
+                    for u in d.unfinished)
+            whole += sum(isinstance(u, dict) for u in d.unfinished)
+            d.unfinished = [self.runner.resumed(d.prompts, d.records, u) if isinstance(u, dict)
+                            else self.runner.restarted(d.prompts, u.prompt_index,
+                                                       u.sample_index)
+                            for u in d.unfinished]
             d.metrics["partial_restarted"] = d.metrics.get("partial_restarted", 0.0) + n
             lost += n
+        if whole:
+            log.info("resumed with %d multi-turn trajectories paused at a weight update: they go "
+                     "on where they were (their environments' state restored)", whole)
         if lost:
             log.warning("resumed with %d multi-turn trajectories paused at a weight update: "
-                        "they start again from their prompt (an environment's state is not "
-                        "checkpointed; counted as partial_restarted)", lost)
+                        "they start again from their prompt (agent.environment=%s saves no "
+                        "state: its Environment.state_dict gives None; counted as "
+                        "partial_restarted)", lost, self.cfg.agent.environment)
 
     def ahead_loader_states(self) -> list[dict]:
         """The loader position before each batch drawn ahead and not trained yet, oldest first
