@@ -18,6 +18,29 @@ class Digits(Environment):
                            tool_calls=1)
 
 
+class DigitsSaved(Digits):
+    """Digits that counts the turns it answered and refuses a turn out of order (an
+    environment built again without its count, or asked a turn twice, raises: an environment
+    error); the count is its state (`Environment.state_dict`) once it has answered a turn;
+    before that it gives none (a resume restarts those trajectories from their prompt)."""
+
+    def __init__(self, record: dict, tokenizer: object = None, **kwargs: object) -> None:
+        super().__init__(record, tokenizer)
+        self.answered = 0
+
+    def step(self, turn: Turn) -> Observation:
+        if turn.index != self.answered:
+            raise RuntimeError(f"asked turn {turn.index} after answering {self.answered}")
+        self.answered += 1
+        return super().step(turn)
+
+    def state_dict(self) -> dict | None:
+        return {"answered": self.answered} if self.answered else None
+
+    def load_state_dict(self, state: dict) -> None:
+        self.answered = state["answered"]
+
+
 class Ids(Environment):
     """Answers turns 1 and 2 with token ids (no tokenizer needed), done after turn 3."""
 

@@ -150,7 +150,7 @@ def digits_layout(tok, c, prompt_b: int, max_tokens: int) -> list[bool] | None:
 
 
 def agent_partial_check(tr, steps: int = 4) -> dict:
-    """Multi-turn partial rollouts at k = 1 (tests._agent_env:Digits, 3 turns, stop ids end
+    """Multi-turn partial rollouts at k = 1 (tests._agent_env:DigitsSaved, 3 turns, stop ids end
     about half the turns' ids): a draw on the side thread is held at its third decode step
     until the trainer's join sets the pause, so the update lands in the middle of the draw
     (some trajectories mid-turn, some between turns). Per trained batch: trajectories paused
@@ -165,7 +165,7 @@ def agent_partial_check(tr, steps: int = 4) -> dict:
     saved = (cfg.agent.environment, cfg.agent.max_turns, c.stop_ids, cfg.rollout.max_tokens,
              cfg.rollout.max_staleness, cfg.run.async_rollout, cfg.rollout.partial_rollouts,
              cfg.rollout.partial_max_updates)
-    cfg.agent.environment, cfg.agent.max_turns = "tests._agent_env:Digits", 3
+    cfg.agent.environment, cfg.agent.max_turns = "tests._agent_env:DigitsSaved", 3
     cfg.rollout.max_staleness, cfg.run.async_rollout = 1, False
     cfg.rollout.partial_rollouts, cfg.rollout.partial_max_updates = True, 0
     cfg.rollout.max_tokens = 6
@@ -199,7 +199,7 @@ def agent_partial_check(tr, steps: int = 4) -> dict:
             snapshots[tr.version] = _params(tr.policy)
             losses.append(tr.step()["loss"])
         c.join()
-        resume = _resume_paused(c, tr.engine_version)
+        resume = _resume_paused(c, tr.engine_version, tr.tokenizer)
     finally:
         tr.engine.partial_on_step = None
         del c.next
@@ -230,25 +230,40 @@ def agent_partial_check(tr, steps: int = 4) -> dict:
             "seconds": time.perf_counter() - t0}
 
 
-def _resume_paused(c, version: int) -> list:
+def _resume_paused(c, version: int, tok) -> list:
     """The collector's checkpoint state with the last draw paused (live environments in it)
     saved through torch.save and loaded again: [paused trajectories, of them with sampled
-    tokens, restarted on load (partial_restarted), trajectories whole after the restored
-    batch is advanced, expected]."""
+    tokens and an environment that saves no state, restarted on load (partial_restarted),
+    trajectories whole after the restored batch is advanced, expected, continued where they
+    were (their environment's state saved), of those the ones whose ids survived the load,
+    trajectories ended by an environment error, whole ones whose mask is exactly Digits']."""
     import io
 
+    from megagrpo.rollout.collect import Drawn
+
     paused = [len(d.unfinished) for d in c.queue]
+    kept = {(id(d), t.prompt_index, t.sample_index): list(t.ids) for d in c.queue
+            for t in d.unfinished if c.runner.saved(t).get("trajectory")}
     lost = sum(bool(t.ids or (t.turn is not None and t.turn.token_ids))
-               for d in c.queue for t in d.unfinished)
+               for d in c.queue for t in d.unfinished
+               if (id(d), t.prompt_index, t.sample_index) not in kept)
+    ids_before = sorted(kept.values())
     buf = io.BytesIO()
     torch.save(c.state_dict(), buf)
     buf.seek(0)
     c.load_state_dict(torch.load(buf, weights_only=False))
+    assert all(isinstance(d, Drawn) for d in c.queue)
     restarted = sum(d.metrics.get("partial_restarted", 0.0) for d in c.queue)
+    ids_after = sorted(list(t.ids) for d in c.queue for t in d.unfinished if t.started)
     for d in c.queue:
         c.advance(d, version)
     whole = sum(len(d.completions) for d in c.queue if not d.unfinished)
-    return [sum(paused), lost, restarted, whole, sum(len(d.completions) for d in c.queue)]
+    comps = [(d, x) for d in c.queue for x in d.completions]
+    errors = sum(x.truncation == "env_error" for _, x in comps)
+    exact = sum(digits_layout(tok, x, _record_b(tok, d.prompts[x.prompt_index]), 6)
+                == x.loss_mask for d, x in comps)
+    return [sum(paused), lost, restarted, whole, sum(len(d.completions) for d in c.queue),
+            len(kept), ids_after == ids_before, errors, exact]
 
 
 def _record_b(tok, prompt: list[int]) -> int:

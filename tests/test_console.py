@@ -144,7 +144,8 @@ def test_async_runs_name_their_staleness_correction():
                                           "rollout.partial_rollouts=true",
                                           "agent.environment=tests._agent_env:Digits"]))
     assert "a trajectory between turns takes its next turn with the new weights" in multi
-    assert "restarts paused trajectories from their prompt" in multi
+    assert "a resume continues paused trajectories whose environment saves its state " \
+        "(Environment.state_dict), the others restart from their prompt" in multi
     assert multi.endswith("a trajectory spans at most 1 update")
     # on the rollout ranks no paused trajectory is ever checkpointed: no restart to announce
     apart = async_note(load_config(None, ["rollout.max_staleness=1",

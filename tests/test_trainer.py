@@ -206,8 +206,9 @@ def test_multi_turn_partial_rollouts_pause_mid_turn_and_between_turns(results):
     stamped version (~1e-7; stamping them all with the newest version would not hold), the
     loss mask is exactly the model's ids (rebuilt from the ids and the environment's rule),
     and the steps train (finite losses). The collector's checkpoint state with the last draw
-    paused (live environments in it) saves and loads; its paused trajectories restart from
-    their prompt, counted, and the batch then ends whole."""
+    paused (live environments in it) saves and loads; paused trajectories whose environment
+    saves its state go on where they were, the others restart from their prompt, counted, and
+    the batch then ends whole."""
     checked = 0
     for r in results:
         got = r["agent_partial"]
@@ -218,9 +219,12 @@ def test_multi_turn_partial_rollouts_pause_mid_turn_and_between_turns(results):
         assert sum(row[1] for row in rows) > 0 and sum(row[2] for row in rows) > 0, rows
         assert sum(row[3] for row in rows) > 0, rows
         # the checkpoint of a collector holding paused trajectories (live environments):
-        # saved, loaded, each restarted from its prompt and counted, the batch then whole
-        paused, lost, restarted, whole, total = got["resume"]
+        # saved and loaded; those whose environment saved its state go on where they were
+        # (ids kept, no turn asked twice: DigitsSaved would raise), the others restart from
+        # the prompt, counted; the batch then whole, every mask exactly Digits'
+        paused, lost, restarted, whole, total, kept, same, errors, exact = got["resume"]
         assert paused > 0 and lost > 0 and restarted == lost and whole == total > 0, got
+        assert kept > 0 and same and errors == 0 and exact == total, got
         for _, _, _, spanning, _, per_version, as_final in rows:
             if per_version is None:  # not the last stage's TP rank 0
                 continue

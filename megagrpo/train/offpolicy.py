@@ -233,7 +233,8 @@ def partial_note(cfg) -> str:
             "decode steps and continues with the new weights (every token stamped with the "
             "version that sampled it)")
     if cfg.agent.enabled:
-        resume = ("a resume restarts paused trajectories from their prompt"
+        resume = ("a resume continues paused trajectories whose environment saves its state "
+                  "(Environment.state_dict), the others restart from their prompt"
                   if r.placement == "colocated" else
                   "a checkpoint is taken between draws: it holds none paused")
         what += ("; multi-turn: a turn is paused mid-turn the same way, a trajectory between "
