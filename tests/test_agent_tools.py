@@ -486,6 +486,21 @@ def test_tool_environment_ends_and_counts_errors(tokenizer):
     assert "more than 2 tool calls" in obs.text  # the third call was not run
 
 
+def test_tool_environment_saves_an_empty_state_that_continues_it(tokenizer):
+    """Its state is empty (each call runs in a sandbox of its own): an environment built afresh
+    from the record and given that state after turn 0 answers turn 1 exactly as the one that
+    ran turn 0 (a paused trajectory continued after a resume)."""
+    tools = load_tools(["calculator"], FAST)
+    ran = ToolEnvironment({"question": "q"}, tokenizer, tools=tools)
+    ran.step(Turn(index=0, text=_call("2**10"), token_ids=(), finish_reason="stop"))
+    state = ran.state_dict()
+    assert state == {}
+    fresh = ToolEnvironment({"question": "q"}, tokenizer, tools=tools)
+    fresh.load_state_dict(state)
+    turn1 = Turn(index=1, text=_call("3**7"), token_ids=(), finish_reason="stop")
+    assert fresh.step(turn1).text == ran.step(turn1).text
+
+
 def test_template_without_tool_support_is_refused(tokenizer):
     tools = load_tools(["calculator"], FAST)
     assert check_tool_template(tokenizer, tools).schemas == [tools[0].schema()]

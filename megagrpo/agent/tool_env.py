@@ -208,6 +208,14 @@ class ToolEnvironment(Environment):
                            tool_errors=sum(r.error for r in results) if clean else len(results),
                            tool_seconds=sum(r.seconds for r in results))
 
+    def state_dict(self) -> dict:
+        """Empty: it keeps nothing between turns (each call runs in a sandbox of its own), so
+        a resume continues its paused trajectories where they were (rollout.partial_rollouts)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to put back (`state_dict`)."""
+
     def run_call(self, call: ToolCall, index: int) -> ToolResult:
         """The result of one parsed call (an error result for a bad call; never raises)."""
         name = call.name or "invalid"
