@@ -306,8 +306,8 @@ def test_a_resume_continues_trajectories_whose_environment_saves_its_state(tmp_p
     with caplog.at_level(logging.INFO, logger="megagrpo"):
         c2 = _saved_and_loaded(c, tmp_path)
     said = [r.getMessage() for r in caplog.records]
-    assert any(f"resumed with {len(keeps)} multi-turn trajectories paused at a weight update: "
-               "they go on where they were" in m for m in said), said
+    assert any(f"resumed with {len(keeps)} multi-turn trajectories paused at a weight update, "
+               "continued where paused" in m for m in said), said
     assert any(f"resumed with {lost} multi-turn" in m and "start again" in m for m in said) \
         == bool(lost), said
     back = c2.queue[0]

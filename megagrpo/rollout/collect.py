@@ -545,13 +545,14 @@ class RolloutCollector:
             d.metrics["partial_restarted"] = d.metrics.get("partial_restarted", 0.0) + n
             lost += n
         if whole:
-            log.info("resumed with %d multi-turn trajectories paused at a weight update: they go "
-                     "on where they were (their environments' state restored)", whole)
+            log.info("resumed with %d multi-turn trajector%s paused at a weight update, "
+                     "continued where paused (the environment's state restored)", whole,
+                     "y" if whole == 1 else "ies")
         if lost:
-            log.warning("resumed with %d multi-turn trajectories paused at a weight update: "
-                        "they start again from their prompt (agent.environment=%s saves no "
-                        "state: its Environment.state_dict gives None; counted as "
-                        "partial_restarted)", lost, self.cfg.agent.environment)
+            log.warning("resumed with %d multi-turn trajector%s paused at a weight update, to "
+                        "start again from the prompt (agent.environment=%s saves no state: its "
+                        "Environment.state_dict gives None; counted as partial_restarted)",
+                        lost, "y" if lost == 1 else "ies", self.cfg.agent.environment)
 
     def ahead_loader_states(self) -> list[dict]:
         """The loader position before each batch drawn ahead and not trained yet, oldest first
