@@ -135,7 +135,7 @@ class _Trajectory:
     def whole_state(self, environment: dict) -> dict:
         """What a checkpoint keeps of it where its environment saved `environment`: all of
         it, its turn in progress included (`TrajectoryRunner.resumed` continues it)."""
-        keep = {k: getattr(self, k) for k in _KEPT}
+        keep = {k: list(v) if isinstance(v := getattr(self, k), list) else v for k in _KEPT}
         keep["turn_ids"] = list(self.turn_ids)
         keep["turn"] = None if self.turn is None else asdict(self.turn)
         return {"trajectory": keep, "environment": environment}
