@@ -97,10 +97,9 @@ class Drawn:
     def state_dict(self, keep: Callable | None = None) -> dict:
         """Its state; `keep`: what a checkpoint keeps of a paused multi-turn trajectory
         (`megagrpo.agent.runner.TrajectoryRunner.saved`: whole where its environment saves
-        its state, else its prompt and place)."""
+        its state, else its prompt and place; only a collector with a runner holds those)."""
         self.resolve()
-        unfinished = [dataclasses.asdict(u) if isinstance(u, Completion)
-                      else keep(u) if keep is not None else dataclasses.asdict(u.restart_state())
+        unfinished = [dataclasses.asdict(u) if isinstance(u, Completion) else keep(u)
                       for u in self.unfinished]
         state = dataclasses.asdict(dataclasses.replace(self, pending=None, unfinished=[]))
         del state["pending"]
